@@ -1,0 +1,136 @@
+"""Engine configuration: one dataclass, built from config.pbtxt parameters or CLI flags.
+
+Every deployment knob lives here once. `EngineConfig.from_parameters` takes the string map that
+tritonserver hands to `initialize()` (or that `scripts/make_model_repository.py --set` writes) and
+raises `ConfigError` naming the parameter on a bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
+
+POLICIES = ("prefill_first", "mixed")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the parameter."""
+
+
+@dataclass
+class EngineConfig:
+    checkpoint: str = str(DEFAULT_CHECKPOINT)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16
+    # Scheduling.
+    policy: str = "prefill_first"
+    decode_interleave_every: int | None = None
+    prefill_chunk_tokens: int | None = None  # None: derived from the window pool
+    itl_target_ms: float | None = None
+    max_running_requests: int = 16
+    max_num_batched_tokens: int = 8192
+    # Memory.
+    num_tokens: int = 65536  # positions the compressed pools hold across all requests
+    swa_full_tokens_ratio: float = 0.25  # window pool size as a fraction of num_tokens
+    page_size: int = 64
+    # Observability.
+    step_log: str | None = None  # path of a JSON-lines file, one record per step
+    # Limits on requests.
+    max_tokens_limit: int = 32768
+    use_reference_kernels: bool = False  # force the torch references on CUDA
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "auto, float32, bfloat16 or float16",
+        )
+        _check(self.policy in POLICIES, "policy", self.policy, " or ".join(POLICIES))
+        if self.decode_interleave_every is not None:
+            _check(self.decode_interleave_every >= 1, "decode_interleave_every", self.decode_interleave_every, ">= 1")
+        if self.prefill_chunk_tokens is not None:
+            _check(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+        if self.itl_target_ms is not None:
+            _check(self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms, "> 0")
+        _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests, ">= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        _check(self.num_tokens >= 1, "num_tokens", self.num_tokens, ">= 1")
+        _check(
+            0.0 < self.swa_full_tokens_ratio <= 1.0, "swa_full_tokens_ratio", self.swa_full_tokens_ratio, "in (0, 1]"
+        )
+        _check(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            "page_size",
+            self.page_size,
+            "a power of two",
+        )
+        _check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, ">= 1")
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
+        """Build from string key/values (config.pbtxt parameters); empty strings mean 'unset'."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, raw in params.items():
+            if key not in fields:
+                raise ConfigError(f"unknown parameter {key!r}; known: {', '.join(sorted(fields))}")
+            value = raw.strip() if isinstance(raw, str) else raw
+            if value in ("", None):
+                continue
+            kwargs[key] = _parse(key, fields[key].type, value)
+        if "checkpoint" in kwargs:
+            kwargs["checkpoint"] = os.path.expanduser(kwargs["checkpoint"])
+        try:
+            return cls(**kwargs)
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self):
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            name = "bfloat16" if self.resolved_device() == "cuda" else "float32"
+        return getattr(torch, name)
+
+
+def _check(ok: bool, name: str, value, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"parameter {name!r}: invalid value {value!r} (expected {expected})")
+
+
+def _parse(name: str, type_name: str, value: str):
+    """Parse one string parameter by its dataclass annotation."""
+    base = type_name.replace(" | None", "")
+    try:
+        if base == "int":
+            return int(value)
+        if base == "float":
+            return float(value)
+        if base == "bool":
+            lowered = str(value).lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return lowered in ("true", "1", "yes")
+        return str(value)
+    except ValueError:
+        raise ConfigError(f"parameter {name!r}: cannot parse {value!r} as {base}") from None

@@ -1,0 +1,96 @@
+"""The metadata of one forward over a ragged batch: which tokens, where their memory is.
+
+A batch is a list of rows, one per request: tokens [start, start + n) of that request (n = 1 for a
+decode, a chunk for a prefill). Tokens are laid out row after row. Pages for every row must have
+been allocated (`KVCacheManager.extend`) before the batch is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.compressor import CompressionPlan, build_plan
+from backend.kv_manager import KVCacheManager
+
+
+@dataclass
+class BatchRow:
+    request_id: str
+    token_ids: list[int]  # the row's tokens to compute
+    start_pos: int
+    want_logits: bool  # the chunk reaches the end of the sequence: sample a token
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    token_seq: torch.Tensor  # [T] long, the row of each token
+    logits_token_index: torch.Tensor  # [R] long, tokens whose logits the forward returns
+    window_write_index: torch.Tensor  # [T] long, page * page_size + slot in the window pool
+    window_block_table: torch.Tensor  # [B, W] int32
+    window_first_page: torch.Tensor  # [B] long
+    comp_block_tables: dict[str, torch.Tensor]  # pool name -> [B, C] int32
+    plans: dict[str, CompressionPlan]  # "csa", "indexer" and "hca"
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _padded(rows: list[list[int]], device) -> torch.Tensor:
+    width = max(1, max((len(r) for r in rows), default=1))
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table.to(device)
+
+
+def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> ForwardBatch:
+    ids, positions, token_seq, logits_index, write_index = [], [], [], [], []
+    window_rows, first_pages = [], []
+    starts, lens, offsets, slots = [], [], [], []
+    page_size = kv.page_size
+    for b, row in enumerate(rows):
+        n = len(row.token_ids)
+        offset = len(ids)
+        ids.extend(row.token_ids)
+        pos = list(range(row.start_pos, row.start_pos + n))
+        positions.extend(pos)
+        token_seq.extend([b] * n)
+        if row.want_logits:
+            logits_index.append(offset + n - 1)
+        first, pages = kv.window_pool.block_row(row.request_id)
+        window_rows.append(pages)
+        first_pages.append(first)
+        write_index.extend(pages[p // page_size - first] * page_size + p % page_size for p in pos)
+        starts.append(row.start_pos)
+        lens.append(n)
+        offsets.append(offset)
+        slots.append(kv.state_pool.slot_of(row.request_id))
+
+    model = kv.model
+    plans = {}
+    if getattr(kv, "csa_pool", None) is not None:
+        plans["csa"] = build_plan(model.csa_rate, True, starts, lens, offsets, slots, device)
+        plans["indexer"] = plans["csa"]
+    if getattr(kv, "hca_pool", None) is not None:
+        plans["hca"] = build_plan(model.hca_rate, False, starts, lens, offsets, slots, device)
+
+    def long(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        input_ids=long(ids),
+        positions=long(positions),
+        token_seq=long(token_seq),
+        logits_token_index=long(logits_index),
+        window_write_index=long(write_index),
+        window_block_table=_padded(window_rows, device),
+        window_first_page=long(first_pages),
+        comp_block_tables={pool.name: _padded([pool.block_row(r.request_id) for r in rows], device)
+                           for pool in kv.compressed_pools},
+        plans=plans,
+    )

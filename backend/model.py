@@ -1,0 +1,148 @@
+"""DeepSeek-V4 forward over a ragged batch and paged memory.
+
+Legend: T = tokens in the batch, N = hc_mult streams, D = hidden, H = heads, Dh = head_dim,
+Hi / Di = indexer heads / head dim, R = rows that want logits.
+
+One forward: embed -> for each layer [mHC collapse -> attention -> mHC mix -> mHC collapse -> MoE
+-> mHC mix] -> hyper-head -> norm -> lm_head (only at the rows' last tokens). Attention writes each
+token's K=V into the window pool, closes compressor windows into the compressed pools, then calls
+the sparse paged attention kernel (kernels.dispatch) over window + compressed entries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backend.compressor import compress
+from backend.forward_batch import ForwardBatch
+from backend.kv_manager import KVCacheManager
+from backend.layers import (Rotary, apply_rope, hyper_connection, hyper_head, hyper_mix, rms_norm, route_hash,
+                            route_topk, shared_expert, unweighted_rms_norm)
+from backend.model_config import CSA, HCA, SLIDING, ModelConfig
+from kernels import dispatch
+
+
+class DeepseekV4Model:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype):
+        self.config = config
+        self.w = weights
+        self.device = device
+        self.dtype = dtype
+        self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
+        # Each compressed layer's index among the layers of its kind, i.e. its slice of the pools.
+        self.pool_layer = {}
+        for kind in (CSA, HCA):
+            for ordinal, i in enumerate(config.layers_of_type(kind)):
+                self.pool_layer[i] = ordinal
+
+    # --- the whole model --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCacheManager) -> torch.Tensor:
+        """Logits [R, vocab] (fp32) at `batch.logits_token_index`."""
+        c, w = self.config, self.w
+        hidden = w["model.embed_tokens.weight"][batch.input_ids]  # [T, D]
+        streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, D]
+        rope = {label: r.cos_sin(batch.positions, self.dtype) for label, r in self.rotary.items()}
+        for i in range(c.num_hidden_layers):
+            streams = self._layer(i, streams, batch, kv, rope)
+        last = streams[batch.logits_token_index]
+        last = hyper_head(last, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"], c)
+        last = rms_norm(last, w["model.norm.weight"], c.rms_norm_eps)
+        return F.linear(last, w["lm_head.weight"]).float()
+
+    def _layer(self, i: int, streams, batch, kv, rope):
+        c, p = self.config, f"model.layers.{i}."
+        post, comb, collapsed = hyper_connection(streams, self.w[p + "attn_hc.fn"], self.w[p + "attn_hc.base"],
+                                                 self.w[p + "attn_hc.scale"], c)
+        x = rms_norm(collapsed, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        streams = hyper_mix(streams, self._attention(i, x, batch, kv, rope), post, comb)
+        post, comb, collapsed = hyper_connection(streams, self.w[p + "ffn_hc.fn"], self.w[p + "ffn_hc.base"],
+                                                 self.w[p + "ffn_hc.scale"], c)
+        x = rms_norm(collapsed, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        return hyper_mix(streams, self._moe(i, x, batch.input_ids), post, comb)
+
+    # --- attention --------------------------------------------------------------------------------
+    def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn."
+        layer_type = c.layer_types[i]
+        cos, sin = rope["main" if layer_type == SLIDING else "compress"]
+        num_tokens = x.shape[0]
+
+        q_residual = rms_norm(F.linear(x, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], c.rms_norm_eps)
+        q = F.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, c.num_attention_heads, c.head_dim)
+        q = apply_rope(unweighted_rms_norm(q, c.rms_norm_eps), cos, sin)  # [T, H, Dh]
+        kv_new = rms_norm(F.linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], c.rms_norm_eps)
+        kv_new = apply_rope(kv_new, cos, sin)  # [T, Dh]
+        window_kv = kv.window_pool.kv[i]
+        window_kv.view(-1, c.head_dim)[batch.window_write_index] = kv_new
+
+        comp_kv, comp_table, rate, topk = None, None, 0, None
+        if layer_type == CSA:
+            comp_kv, comp_table, rate = kv.csa_pool.tensors["kv"][self.pool_layer[i]], batch.comp_block_tables["csa"], c.csa_rate
+            self._compress_into(i, "compressor.", "csa", x, batch, kv, comp_kv, comp_table)
+            topk = self._indexer_topk(i, x, q_residual, batch, kv)
+        elif layer_type == HCA:
+            comp_kv, comp_table, rate = kv.hca_pool.tensors["kv"][self.pool_layer[i]], batch.comp_block_tables["hca"], c.hca_rate
+            self._compress_into(i, "compressor.", "hca", x, batch, kv, comp_kv, comp_table)
+
+        out = dispatch.sparse_paged_attention(
+            q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
+            window_kv, batch.window_block_table, batch.window_first_page, c.sliding_window,
+            comp_kv, comp_table, rate, topk,
+        )
+        out = apply_rope(out, cos, -sin)  # undo the rotation V picked up as K
+        return self._output_projection(i, out)
+
+    def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        c, p = self.config, f"model.layers.{i}.self_attn."
+        groups = out.reshape(out.shape[0], c.o_groups, -1)  # [T, G, H*Dh/G]
+        w_a = self.w[p + "o_a_proj.weight"].view(c.o_groups, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
+        grouped = torch.einsum("tgi,gri->tgr", groups, w_a).flatten(1)
+        return F.linear(grouped, self.w[p + "o_b_proj.weight"])
+
+    def _compress_into(self, i, prefix, stream, x, batch, kv, pool_tensor, block_table) -> None:
+        """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
+        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.{prefix}"
+        plan = batch.plans[stream]
+        layer = self.pool_layer[i]
+        entries = compress(
+            F.linear(x, w[p + "kv_proj.weight"]), F.linear(x, w[p + "gate_proj.weight"]),
+            kv.state_pool.kv[stream][layer], kv.state_pool.gate[stream][layer], plan,
+            w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
+            lambda positions: self.rotary["compress"].cos_sin(positions, self.dtype),
+        )
+        if plan.num_entries:
+            page_size = pool_tensor.shape[1]
+            pages = block_table[plan.entry_row, plan.entry_index // page_size].long()
+            pool_tensor.view(-1, pool_tensor.shape[-1])[pages * page_size + plan.entry_index % page_size] = entries
+
+    def _indexer_topk(self, i, x, q_residual, batch, kv) -> torch.Tensor:
+        """Lightning indexer: top-k compressed entries per query, -1 where fewer are causal. [T, k]"""
+        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.compressor.indexer."
+        layer = self.pool_layer[i]
+        index_k = kv.csa_pool.tensors["index_k"][layer]
+        self._compress_into(i, "compressor.indexer.", "indexer", x, batch, kv, index_k, batch.comp_block_tables["csa"])
+        q = F.linear(q_residual, w[p + "q_b_proj.weight"]).view(x.shape[0], c.index_n_heads, c.index_head_dim)
+        cos, sin = self.rotary["compress"].cos_sin(batch.positions, self.dtype)
+        q = apply_rope(q, cos, sin)
+        weights = F.linear(x, w[p + "scorer.weights_proj.weight"]).float() * c.index_n_heads ** -0.5
+        scores = dispatch.indexer_scores(q, weights, c.index_head_dim ** -0.5, batch.token_seq, batch.positions,
+                                         index_k, batch.comp_block_tables["csa"], c.csa_rate)
+        top_k = min(c.index_topk, scores.shape[1])
+        indices = scores.topk(top_k, dim=-1).indices
+        causal = (batch.positions + 1) // c.csa_rate
+        return torch.where(indices >= causal[:, None], torch.full_like(indices, -1), indices).to(torch.int32)
+
+    # --- mixture of experts -------------------------------------------------------------------------
+    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"model.layers.{i}.mlp."
+        if c.mlp_layer_types[i] == "hash_moe":
+            ids, weights = route_hash(x, w[p + "gate.weight"], w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
+        else:
+            ids, weights = route_topk(x, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
+                                      c.num_experts_per_tok, c.routed_scaling_factor)
+        routed = dispatch.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                                    c.swiglu_limit)
+        return routed + shared_expert(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
+                                      w[p + "shared_experts.down_proj.weight"], c.swiglu_limit)

@@ -1,0 +1,191 @@
+"""DeepSeek-V4 model configuration read from a checkpoint's config.json.
+
+Field names and defaults follow `transformers.DeepseekV4Config` (5.23.0), including its handling
+of legacy keys (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, flat YaRN parameters),
+so a config.json that the reference accepts means the same thing here. transformers is not
+imported at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+_RATE_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+class UnsupportedCheckpoint(ValueError):
+    """The checkpoint asks for something this engine does not implement."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    layer_types: list[str] | None = None
+    compress_rates: dict | None = None
+    compress_rope_theta: float = 160000.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1.0e-6
+    mlp_layer_types: list[str] | None = None
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1.0e-6
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    tie_word_embeddings: bool = False
+    rope_parameters: dict | None = None
+    partial_rotary_factor: float | None = None
+    qk_rope_head_dim: int = field(init=False, default=0)
+
+    @property
+    def csa_rate(self) -> int:
+        return self.compress_rates[CSA]
+
+    @property
+    def hca_rate(self) -> int:
+        return self.compress_rates[HCA]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
+
+    def layers_of_type(self, layer_type: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == layer_type]
+
+
+def _normalise(raw: dict) -> dict:
+    """Apply the reference's legacy-key folding and defaults (DeepseekV4Config.__post_init__)."""
+    raw = dict(raw)
+    legacy_ratios = raw.pop("compress_ratios", None)
+    legacy_csa = raw.pop("compress_rate_csa", None)
+    legacy_hca = raw.pop("compress_rate_hca", None)
+    legacy_hash = raw.pop("num_hash_layers", None)
+    legacy_rope_dim = raw.pop("qk_rope_head_dim", None)
+    if "rope_scaling" in raw and raw.get("rope_parameters") is None:
+        raw["rope_parameters"] = raw.pop("rope_scaling")
+    known = {f.name for f in fields(ModelConfig) if f.init}
+    cfg = {k: v for k, v in raw.items() if k in known}
+    defaults = ModelConfig.__dataclass_fields__
+    n = cfg.get("num_hidden_layers", defaults["num_hidden_layers"].default)
+
+    rates = dict(cfg.get("compress_rates") or {CSA: 4, HCA: 128})
+    if legacy_csa is not None:
+        rates[CSA] = legacy_csa
+    if legacy_hca is not None:
+        rates[HCA] = legacy_hca
+    cfg["compress_rates"] = rates
+
+    layer_types = cfg.get("layer_types")
+    if layer_types is None and legacy_ratios is not None:
+        layer_types = [_RATE_TO_LAYER_TYPE[r] for r in legacy_ratios]
+    if layer_types is None:
+        interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        layer_types = [HCA] * min(n, 2) + interleave
+    cfg["layer_types"] = list(layer_types[:n])
+
+    mlp_types = cfg.get("mlp_layer_types")
+    if mlp_types is None:
+        n_hash = legacy_hash if legacy_hash is not None else 3
+        mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    cfg["mlp_layer_types"] = list(mlp_types[:n])
+
+    head_dim = cfg.get("head_dim", defaults["head_dim"].default)
+    if cfg.get("partial_rotary_factor") is None:
+        cfg["partial_rotary_factor"] = legacy_rope_dim / head_dim if legacy_rope_dim is not None else 64 / 512
+    cfg["rope_parameters"] = _rope_parameters(cfg)
+    return cfg
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """{'main': {...}, 'compress': {...}} as the reference builds it; YaRN applies to 'compress' only."""
+    rp = cfg.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return {"main": rp["main"], "compress": rp["compress"]}
+    factor = cfg["partial_rotary_factor"]
+    main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0), "partial_rotary_factor": factor}
+    yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+    if "type" in yarn and "rope_type" not in yarn:
+        yarn["rope_type"] = yarn.pop("type")
+    compress = {**yarn, "rope_theta": cfg.get("compress_rope_theta", 160000.0), "partial_rotary_factor": factor}
+    compress.setdefault("rope_type", "default")
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return {"main": main, "compress": compress}
+
+
+def _validate(config: ModelConfig, source: str) -> None:
+    def bad(msg: str) -> UnsupportedCheckpoint:
+        return UnsupportedCheckpoint(f"{source}: {msg}")
+
+    if len(config.layer_types) != config.num_hidden_layers:
+        raise bad(f"len(layer_types)={len(config.layer_types)} != num_hidden_layers={config.num_hidden_layers}")
+    if unknown := [t for t in config.layer_types if t not in LAYER_TYPES]:
+        raise bad(f"unsupported layer_types {unknown}; expected {LAYER_TYPES}")
+    if unknown := [t for t in config.mlp_layer_types if t not in MLP_LAYER_TYPES]:
+        raise bad(f"unsupported mlp_layer_types {unknown}; expected {MLP_LAYER_TYPES}")
+    if config.num_key_value_heads != 1:
+        raise bad(f"num_key_value_heads={config.num_key_value_heads}: DeepSeek-V4 uses one shared K=V head")
+    if config.scoring_func != "sqrtsoftplus":
+        raise bad(f"scoring_func={config.scoring_func!r} is not supported (only 'sqrtsoftplus')")
+    if config.hidden_act != "silu":
+        raise bad(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+    if config.n_shared_experts != 1:
+        raise bad(f"n_shared_experts={config.n_shared_experts} is not supported (only 1)")
+    if not config.norm_topk_prob:
+        raise bad("norm_topk_prob=false is not supported")
+    if config.tie_word_embeddings:
+        raise bad("tie_word_embeddings=true is not supported")
+    for label, params in config.rope_parameters.items():
+        if params.get("rope_type", "default") not in ("default", "yarn"):
+            raise bad(f"rope_parameters[{label!r}].rope_type={params['rope_type']!r} is not supported")
+    if config.qk_rope_head_dim % 2 or config.qk_rope_head_dim > min(config.head_dim, config.index_head_dim):
+        raise bad(f"rope dim {config.qk_rope_head_dim} must be even and fit head_dim and index_head_dim")
+    if (config.num_attention_heads * config.head_dim) % config.o_groups:
+        raise bad("num_attention_heads * head_dim must be divisible by o_groups")
+
+
+def load_model_config(checkpoint: str | Path) -> ModelConfig:
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint}")
+    raw = json.loads(path.read_text())
+    if raw.get("model_type") != "deepseek_v4":
+        raise UnsupportedCheckpoint(f"{path}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise UnsupportedCheckpoint(
+            f"{path}: quantized checkpoints ({method}, e.g. FP8) are not supported yet; use a bf16/fp32 checkpoint"
+        )
+    config = ModelConfig(**_normalise(raw))
+    config.qk_rope_head_dim = int(config.head_dim * config.partial_rotary_factor)
+    _validate(config, str(path))
+    return config

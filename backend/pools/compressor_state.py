@@ -1,0 +1,56 @@
+"""Per-request compressor state: ring buffers of the last few tokens' projections.
+
+A compressed entry w is a gated sum over the projections of the tokens of window w (HCA) or of
+windows w-1 and w (CSA and its indexer, "overlapping windows"). Tokens of a window that has not
+closed yet, and the previous window's tokens that CSA still needs, are kept here in a ring of
+`ring` positions (m for HCA, 2m for CSA): position p lives at ring slot p % ring. One slot per
+running request; each ring is `[layer, slot, ring, width]` for the projected kv and gate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.page_allocator import PageAllocator
+
+
+class CompressorStatePool:
+    name = "compressor_state"
+
+    def __init__(self, num_slots: int, rings: dict[str, tuple[int, int, int]], dtype: torch.dtype,
+                 device: str | torch.device):
+        """rings: stream name -> (num_layers, ring length, width)."""
+        self.allocator = PageAllocator(self.name, num_slots)
+        self.ring_len = {name: ring for name, (_, ring, _) in rings.items()}
+        self.kv = {name: torch.zeros(n, num_slots, ring, w, dtype=dtype, device=device)
+                   for name, (n, ring, w) in rings.items() if n}
+        self.gate = {name: torch.zeros(n, num_slots, ring, w, dtype=dtype, device=device)
+                     for name, (n, ring, w) in rings.items() if n}
+        self._slots: dict[str, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def bytes_per_slot(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for d in (self.kv, self.gate) for t in d.values())
+
+    def acquire(self, request_id: str) -> int:
+        if request_id not in self._slots:
+            self._slots[request_id] = self.allocator.allocate(1)[0]
+        return self._slots[request_id]
+
+    def slot_of(self, request_id: str) -> int:
+        return self._slots[request_id]
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._slots
+
+    def free(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self.allocator.free([slot])
+
+    def check(self) -> None:
+        self.allocator.check()
+        assert len(self._slots) == self.allocator.num_used

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Write a deterministic DeepSeek-V4 checkpoint in the Hugging Face layout.
+
+    python scripts/make_checkpoint.py --out checkpoints/dsv4-tiny            # the built-in model
+    python scripts/make_checkpoint.py --out /data/dsv4-flash-2l --flash-shaped  # real widths, 2 layers, bf16
+
+The tiny model keeps DeepSeek-V4's structural constants (window 128, compress rates 4 and 128,
+hc_mult 4, 20 Sinkhorn iterations, hash-routed layers first, sqrtsoftplus routing with a correction
+bias, a shared expert, YaRN on the compress rope, and all three attention layer types) with widths
+small enough for a CPU to serve it interactively. Weights are random but deterministic: each
+tensor's generator is seeded from its name, so the same command always writes the same bytes.
+Router and indexer weights are initialised large enough that their scores do not tie, and the hash
+routing table `tid2eid` holds real (distinct, per-token) expert ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=64,
+    q_lora_rank=48,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    o_groups=2,
+    o_lora_rank=32,
+    index_n_heads=16,
+    index_head_dim=32,
+    index_topk=8,
+    partial_rotary_factor=0.25,
+    max_position_embeddings=65536,
+    layer_types=[
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+        "sliding_attention",
+        "compressed_sparse_attention",
+    ],
+    mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
+
+# DeepSeek-V4-Flash's widths (the reference config's defaults) with two layers, one of each
+# compressed kind, for kernel and engine benchmarks on a GPU.
+FLASH_SHAPED_CONFIG = dict(
+    num_hidden_layers=2,
+    layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+    mlp_layer_types=["hash_moe", "moe"],
+    max_position_embeddings=65536 * 16,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 65536,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
+
+# Text the tiny tokenizer's byte-level BPE merges are learned from (any fixed text would do).
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A request that is already decoding should keep
+making progress while a long prompt is prefilled in chunks. The scheduler decides every step:
+which requests decode, how many prompt tokens are prefilled, and when a decode must be interleaved.
+def forward(self, hidden_states, positions):
+    return self.attention(hidden_states, positions) + hidden_states
+Sliding-window attention keeps the last one hundred and twenty-eight tokens of every layer;
+compressed sparse attention keeps one entry per four tokens and an indexer picks the top entries;
+heavily compressed attention keeps one entry per one hundred and twenty-eight tokens.
+Hello, world! Bonjour le monde. Hallo Welt. こんにちは世界. 你好，世界. Привет, мир.
+for i in range(10): print(i * i)  # squares
+The numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and the letters a b c d e f g h i j k l m n o p.
+"""
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    assert tokenizer.token_to_id(BOS) == 0 and tokenizer.token_to_id(EOS) == 1
+    return tokenizer
+
+
+def _generator(name: str, seed: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def init_tensor(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
+    """A deterministic value for one named parameter, scaled so activations stay O(1)."""
+    g = _generator(name, seed)
+
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=g) * std
+
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":
+        vocab, k = shape
+        return torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:k] for _ in range(vocab)])
+    if leaf == "e_score_correction_bias":
+        return normal(0.1)
+    if leaf == "sinks":
+        return normal(1.0)
+    if leaf == "position_bias":
+        return normal(0.5)
+    if leaf in ("fn", "hc_fn"):
+        return normal(0.1)
+    if leaf in ("base", "hc_base"):
+        return normal(0.5)
+    if leaf in ("scale", "hc_scale"):
+        return 1.0 + normal(0.1)
+    if "norm" in name.rsplit(".", 2)[-2] or name == "model.norm.weight":
+        return 1.0 + normal(0.1)
+    if name == "model.embed_tokens.weight":
+        return normal(1.0)
+    if ".indexer." in name:
+        return normal(0.3)  # large indexer weights: no near-tied top-k scores
+    if name.endswith("mlp.gate.weight"):
+        return normal(2.0 / math.sqrt(shape[-1]))  # spread router scores apart
+    return normal(1.0 / math.sqrt(shape[-1]))  # linear and expert weights: fan-in scaling
+
+
+def make_config(flash_shaped: bool):
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(**(FLASH_SHAPED_CONFIG if flash_shaped else TINY_CONFIG))
+
+
+def parameter_shapes(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of every saved tensor, read off the reference on the meta device."""
+    from transformers import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(config)
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+
+
+def write_checkpoint(out: Path, flash_shaped: bool, seed: int, shard_bytes: int) -> None:
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_config(flash_shaped)
+    dtype = torch.bfloat16 if flash_shaped else torch.float32
+    shapes = parameter_shapes(config)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, (shape, ref_dtype) in tqdm(shapes.items(), desc="tensors", disable=not flash_shaped):
+        tensor = init_tensor(name, shape, config, seed)
+        tensor = tensor.to(torch.int64 if not ref_dtype.is_floating_point else dtype).contiguous()
+        if size and size + tensor.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    _save_shards(out, shards)
+    config.dtype = "bfloat16" if flash_shaped else "float32"
+    config.save_pretrained(out)
+    _write_tokenizer(out, config)
+
+
+def _save_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / filename, metadata={"format": "pt"})
+        weight_map.update({name: filename for name in shard})
+    total = sum(t.nbytes for shard in shards for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _write_tokenizer(out: Path, config) -> None:
+    tokenizer = build_tokenizer(min(config.vocab_size, 512))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
+             "model_max_length": config.max_position_embeddings},
+            indent=2,
+        )
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2)
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path, help="directory to write")
+    parser.add_argument("--flash-shaped", action="store_true", help="real DeepSeek-V4-Flash widths, 2 layers, bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors shard")
+    args = parser.parse_args()
+    write_checkpoint(args.out, args.flash_shaped, args.seed, int(args.shard_gb * 2**30))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
