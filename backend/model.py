@@ -32,6 +32,8 @@ class DeepseekV4Model:
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
         # Each compressed layer's index among the layers of its kind, i.e. its slice of the pools.
         self.pool_layer = {}
+        # Optional debug hook: called with (layer, batch, scores, indices) at every CSA indexer.
+        self.indexer_observer = None
         for kind in (CSA, HCA):
             for ordinal, i in enumerate(config.layers_of_type(kind)):
                 self.pool_layer[i] = ordinal
@@ -132,7 +134,10 @@ class DeepseekV4Model:
         top_k = min(c.index_topk, scores.shape[1])
         indices = scores.topk(top_k, dim=-1).indices
         causal = (batch.positions + 1) // c.csa_rate
-        return torch.where(indices >= causal[:, None], torch.full_like(indices, -1), indices).to(torch.int32)
+        indices = torch.where(indices >= causal[:, None], torch.full_like(indices, -1), indices).to(torch.int32)
+        if self.indexer_observer is not None:
+            self.indexer_observer(i, batch, scores, indices)
+        return indices
 
     # --- mixture of experts -------------------------------------------------------------------------
     def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

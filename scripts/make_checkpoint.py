@@ -147,10 +147,10 @@ def init_tensor(name: str, shape: tuple[int, ...], config, seed: int) -> torch.T
     return normal(1.0 / math.sqrt(shape[-1]))  # linear and expert weights: fan-in scaling
 
 
-def make_config(flash_shaped: bool):
+def make_config(flash_shaped: bool = False, **overrides):
     from transformers import DeepseekV4Config
 
-    return DeepseekV4Config(**(FLASH_SHAPED_CONFIG if flash_shaped else TINY_CONFIG))
+    return DeepseekV4Config(**{**(FLASH_SHAPED_CONFIG if flash_shaped else TINY_CONFIG), **overrides})
 
 
 def parameter_shapes(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -162,11 +162,14 @@ def parameter_shapes(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
 
 
-def write_checkpoint(out: Path, flash_shaped: bool, seed: int, shard_bytes: int) -> None:
+def write_checkpoint(out: Path, flash_shaped: bool = False, seed: int = 0, shard_bytes: int = 4 * 2**30,
+                     **config_overrides) -> None:
+    """Write config.json, safetensors (sharded above shard_bytes) and the tokenizer files to `out`."""
     from tqdm import tqdm
 
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(flash_shaped)
+    config = make_config(flash_shaped, **config_overrides)
     dtype = torch.bfloat16 if flash_shaped else torch.float32
     shapes = parameter_shapes(config)
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Offline generation through the engine: every prompt submitted at once, so they batch.
+
+    python scripts/generate.py --checkpoint checkpoints/dsv4-tiny --prompts-file prompts.json --max-tokens 32
+
+Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
+Input files are JSON lists of strings (--prompts-file) or of lists of token ids (--input-ids-file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.request import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    inputs = parser.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--prompts-file", type=Path, help="JSON list of prompt strings")
+    inputs.add_argument("--input-ids-file", type=Path, help="JSON list of lists of token ids")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None)
+    parser.add_argument("--max-running-requests", type=int, default=16)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--ignore-eos", action="store_true")
+    return parser.parse_args(argv)
+
+
+def load_prompts(args, tokenizer) -> list[list[int]]:
+    if args.prompts_file is not None:
+        prompts = json.loads(args.prompts_file.read_text())
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise SystemExit(f"{args.prompts_file}: expected a JSON list of strings")
+        return [tokenizer.encode(p).ids for p in prompts]
+    ids = json.loads(args.input_ids_file.read_text())
+    if not isinstance(ids, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids):
+        raise SystemExit(f"{args.input_ids_file}: expected a JSON list of lists of token ids")
+    return ids
+
+
+def main(argv=None) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args(argv)
+    config = EngineConfig(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+                          prefill_chunk_tokens=args.prefill_chunk_tokens,
+                          max_running_requests=args.max_running_requests)
+    engine = LLMEngine(config)
+    prompts = load_prompts(args, engine.tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    results = engine.generate(prompts, params)
+    json.dump([{k: r[k] for k in ("output_ids", "text", "finish_reason")} for r in results], sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

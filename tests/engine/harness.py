@@ -1,0 +1,153 @@
+"""Drive the engine's model step by step and compare it with the transformers reference.
+
+The reference is `transformers.DeepseekV4ForCausalLM` run on the whole sequence at once. Besides
+logits, both sides record the CSA indexer's top-k selection at every position of every CSA layer:
+the selection is discontinuous, so where the two pick different entries the comparison must show
+the choice was a near-tie rather than loosen its tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.forward_batch import BatchRow, build_forward_batch
+from backend.kv_manager import KVCacheManager
+from backend.model import DeepseekV4Model
+from backend.model_config import load_model_config
+from backend.request import Sequence
+from backend.weights import load_weights
+
+LOGITS_TOL = 1e-4
+NEAR_TIE_REL = 1e-4  # a selection difference counts as a near-tie below this relative margin
+
+
+class Reference:
+    """The transformers model with hooks that record each CSA indexer's scores and selection."""
+
+    def __init__(self, checkpoint):
+        from transformers import DeepseekV4ForCausalLM
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+
+        self.model = DeepseekV4ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+        self.config = self.model.config
+        self._records: dict[int, dict] = {}
+        for i, layer in enumerate(self.model.model.layers):
+            for module in layer.modules():
+                if isinstance(module, DeepseekV4Indexer):
+                    module.register_forward_hook(self._indexer_hook(i))
+                    module.scorer.register_forward_hook(self._scorer_hook(i))
+
+    def _indexer_hook(self, layer):
+        def hook(module, args, output):
+            self._records.setdefault(layer, {})["topk"] = output[0].clone()
+        return hook
+
+    def _scorer_hook(self, layer):
+        def hook(module, args, output):
+            self._records.setdefault(layer, {})["scores"] = output[0].clone()
+        return hook
+
+    @torch.no_grad()
+    def run(self, ids: list[int]) -> tuple[torch.Tensor, dict[int, dict]]:
+        """Logits [S, V] of a full forward, and per CSA layer the scores [S, E] and top-k [S, k]."""
+        self._records = {}
+        logits = self.model(torch.tensor([ids])).logits[0].float()
+        return logits, self._records
+
+    @torch.no_grad()
+    def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=self.config.eos_token_id, pad_token_id=self.config.eos_token_id)
+        return out[0, len(ids):].tolist()
+
+
+@dataclass
+class Tracked:
+    seq: Sequence
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> logits
+    selections: dict[tuple[int, int], set[int]] = field(default_factory=dict)  # (layer, position) -> entries
+
+
+class EngineHarness:
+    """The engine's model and pools without the scheduler: the test chooses every batch."""
+
+    def __init__(self, checkpoint, page_size: int = 16, num_tokens: int = 16384, max_running_requests: int = 8,
+                 swa_full_tokens_ratio: float = 0.5):
+        self.config = load_model_config(checkpoint)
+        weights = load_weights(checkpoint, self.config, torch.float32, "cpu")
+        self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32)
+        self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
+                                 page_size=page_size, max_running_requests=max_running_requests,
+                                 dtype=torch.float32, device="cpu")
+        self.model.indexer_observer = self._observe
+        self._rows: list[Tracked] = []
+
+    def _observe(self, layer, batch, scores, indices):
+        for t in range(batch.num_tokens):
+            tracked = self._rows[int(batch.token_seq[t])]
+            chosen = {int(e) for e in indices[t] if e >= 0}
+            tracked.selections[(layer, int(batch.positions[t]))] = chosen
+
+    def step(self, work: list[tuple[Tracked, int]]) -> None:
+        """One forward over (request, number of next tokens) rows; logits at every token are kept."""
+        rows = []
+        for tracked, n in work:
+            seq = tracked.seq
+            self.kv.extend(seq, n)
+            start = seq.num_computed_tokens
+            rows.append(BatchRow(seq.request_id, seq.prompt_ids[start:start + n], start, True))
+        batch = build_forward_batch(rows, self.kv, "cpu")
+        batch.logits_token_index = torch.arange(batch.num_tokens)
+        self._rows = [tracked for tracked, _ in work]
+        logits = self.model.forward(batch, self.kv)
+        for t in range(batch.num_tokens):
+            self._rows[int(batch.token_seq[t])].logits[int(batch.positions[t])] = logits[t]
+        for tracked, n in work:
+            tracked.seq.num_computed_tokens += n
+            self.kv.release_slid_out(tracked.seq)
+
+    def free(self, tracked: Tracked) -> None:
+        self.kv.free(tracked.seq)
+
+
+@dataclass
+class Comparison:
+    positions_compared: int
+    max_abs_diff: float
+    near_ties: list[tuple[int, int, float]]  # (layer, position, relative margin)
+    first_divergence: int | None
+
+
+def selection_margin(scores: torch.Tensor, position: int, compress_rate: int, top_k: int) -> float | None:
+    """Relative gap between the k-th and (k+1)-th causal score at `position` (None: nothing was cut)."""
+    causal = (position + 1) // compress_rate
+    row = scores[position, :causal].double()
+    k = min(top_k, causal)
+    if causal <= k:
+        return None
+    ordered = torch.sort(row, descending=True).values
+    scale = max(ordered.abs().max().item(), 1e-30)
+    return (ordered[k - 1] - ordered[k]).item() / scale
+
+
+def compare(tracked: Tracked, ref_logits: torch.Tensor, ref_records: dict[int, dict], compress_rate: int,
+            top_k: int) -> Comparison:
+    """Selections must agree except at near-ties; logits must agree up to the first near-tie."""
+    near_ties, divergence = [], None
+    for (layer, pos), chosen in sorted(tracked.selections.items(), key=lambda kv: kv[0][1]):
+        ref_chosen = {int(e) for e in ref_records[layer]["topk"][pos] if e >= 0}
+        if chosen == ref_chosen:
+            continue
+        margin = selection_margin(ref_records[layer]["scores"], pos, compress_rate, top_k)
+        assert margin is not None and margin < NEAR_TIE_REL, (
+            f"layer {layer} position {pos}: engine picked {sorted(chosen)}, reference {sorted(ref_chosen)}, "
+            f"and the scores are not a near-tie (relative margin {margin})")
+        near_ties.append((layer, pos, margin))
+        divergence = pos if divergence is None else min(divergence, pos)
+    compared = [p for p in tracked.logits if divergence is None or p < divergence]
+    diffs = [(tracked.logits[p] - ref_logits[p]).abs().max().item() for p in compared]
+    worst = max(diffs, default=0.0)
+    assert worst <= LOGITS_TOL, f"logits differ by {worst:.3g} (> {LOGITS_TOL}) before any near-tie"
+    return Comparison(len(compared), worst, near_ties, divergence)

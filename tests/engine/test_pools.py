@@ -1,0 +1,107 @@
+"""Paged pools: pages conserved, window pages released as requests advance, OutOfPages at capacity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.kv_manager import KVCacheManager
+from backend.model_config import ModelConfig, _normalise
+from backend.page_allocator import OutOfPages, PageAllocator
+from backend.pools.window_pool import WindowPool
+from backend.request import Sequence
+
+
+def _model_config(**overrides) -> ModelConfig:
+    raw = dict(hidden_size=8, head_dim=16, index_head_dim=16, num_hidden_layers=3, partial_rotary_factor=0.5,
+               layer_types=["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"],
+               mlp_layer_types=["hash_moe", "moe", "moe"], **overrides)
+    config = ModelConfig(**_normalise(raw))
+    config.qk_rope_head_dim = 8
+    return config
+
+
+def _manager(num_tokens=4096, ratio=0.25, page_size=16, max_running=4) -> KVCacheManager:
+    return KVCacheManager(_model_config(), num_tokens=num_tokens, swa_full_tokens_ratio=ratio, page_size=page_size,
+                          max_running_requests=max_running, dtype=torch.float32, device="cpu")
+
+
+def test_allocator_rejects_double_free_and_is_all_or_nothing():
+    alloc = PageAllocator("p", 4)
+    pages = alloc.allocate(3)
+    with pytest.raises(OutOfPages) as info:
+        alloc.allocate(2)
+    assert (info.value.needed, info.value.free) == (2, 1)
+    assert alloc.num_free == 1  # nothing was taken by the failed call
+    alloc.free(pages[:1])
+    with pytest.raises(ValueError):
+        alloc.free(pages[:1])
+    alloc.check()
+
+
+def test_window_pages_slide_out_as_a_request_advances():
+    pool = WindowPool(num_layers=1, num_pages=64, page_size=16, head_dim=4, window=128, dtype=torch.float32,
+                      device="cpu")
+    pool.extend("a", 0, 300)
+    assert pool.pages_of("a") == 19  # positions 0..299
+    pool.release_slid_out("a", 300)  # next token 300 sees positions 173..300
+    first, pages = pool.block_row("a")
+    assert first == 173 // 16 and len(pages) == 19 - first
+    for pos in range(300, 700):  # decode: the request never holds more than window/page + 1 pages
+        pool.extend("a", pos, 1)
+        pool.release_slid_out("a", pos + 1)
+        assert pool.pages_of("a") <= 128 // 16 + 1
+    pool.free("a")
+    pool.check()
+    assert pool.allocator.num_free == 64
+
+
+def test_out_of_pages_is_raised_at_the_predicted_capacity():
+    kv = _manager(num_tokens=4096, ratio=0.25, page_size=16)
+    capacity = kv.capacity()
+    assert capacity["window"] == 1024 and capacity["csa"] == 4096 and capacity["hca"] == 4096
+    # One request can prefill window-pool capacity in a single chunk, not one token more.
+    seq = Sequence("big", list(range(5000)))
+    assert kv.can_extend(seq, 1024) and not kv.can_extend(seq, 1025)
+    with pytest.raises(OutOfPages) as info:
+        kv.extend(seq, 1025)
+    assert info.value.pool == "window"
+    kv.check()
+    assert kv.pages_used()["window"] == 0  # the failed extend allocated nothing
+    # Compressed pools: a request of 4096 positions fits, 4096 + 4 needs one CSA entry more.
+    assert kv.can_ever_fit(4096 + 3) and not kv.can_ever_fit(4096 + 4)
+
+
+def test_bytes_per_token_and_capacity_are_reported():
+    kv = _manager()
+    per_token = kv.bytes_per_token()
+    # window: 3 layers x 16 dims x 4 bytes; csa: (16 + 16 index dims) x 4 bytes / 4; hca: 16 x 4 / 128
+    assert per_token == {"window": 3 * 16 * 4, "csa": 32 * 4 / 4, "hca": 16 * 4 / 128}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["extend", "advance", "free"]), st.integers(1, 300)),
+                max_size=60))
+def test_pages_are_conserved_under_any_sequence_of_operations(ops):
+    kv = _manager(num_tokens=2048, ratio=0.5, page_size=16, max_running=4)
+    seqs = [Sequence(f"s{i}", [0] * 4000) for i in range(6)]
+    for index, op, n in ops:
+        seq = seqs[index]
+        if op == "free":
+            kv.free(seq)
+            seq.num_computed_tokens = 0
+        elif kv.can_extend(seq, n):
+            kv.extend(seq, n)
+            if op == "advance":
+                seq.num_computed_tokens += n
+                kv.release_slid_out(seq)
+        else:
+            with pytest.raises(OutOfPages):
+                kv.extend(seq, n)
+        kv.check()
+    for seq in seqs:
+        kv.free(seq)
+    kv.check()
+    assert all(v == 0 for v in kv.pages_used().values())
