@@ -1,0 +1,91 @@
+"""What the scheduler remembers about each step: one record per forward, counters, a JSON-lines log.
+
+Every step is recorded, decode steps included, and nothing is throttled: the seed bug report's
+engine logged prefill every step but decode only every 20th, so interleaved decode steps were
+invisible and interleaving looked broken while it worked. Here one forward is one record is one
+log line.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+
+
+class StepKind(str, enum.Enum):
+    """What a forward carries, read off its chunks (not off the policy)."""
+
+    PREFILL = "prefill"  # prefill chunks only
+    DECODE = "decode"  # decode tokens only
+    MIXED = "mixed"  # both
+
+    @classmethod
+    def of(cls, num_prefill_tokens: int, num_decode_tokens: int) -> "StepKind":
+        if num_prefill_tokens and num_decode_tokens:
+            return cls.MIXED
+        return cls.PREFILL if num_prefill_tokens else cls.DECODE
+
+
+@dataclass
+class StepRecord:
+    """One forward, as scheduled; `duration_s` is filled in when the engine reports the step done."""
+
+    step_index: int
+    kind: StepKind
+    time: float  # the `now` given to schedule()
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int  # running set during this forward
+    num_waiting: int  # waiting queue after this step was scheduled
+    num_preempted: int  # sequences preempted while scheduling this step
+    num_aborted: int  # sequences the scheduler ended while scheduling this step
+    decode_stalled: bool  # a running decode was runnable but got no token in this step
+    pool_usage: dict[str, float] = field(default_factory=dict)  # pool name -> fraction used
+    predicted_s: float | None = None  # the step-cost model's prediction, when it has data
+    duration_s: float | None = None
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["kind"] = self.kind.value
+        return json.dumps(data, sort_keys=True)
+
+
+@dataclass
+class StepCounters:
+    """Running totals over all steps; `prefill_streak` also drives the decode-interleave period."""
+
+    steps_by_kind: dict[str, int] = field(default_factory=lambda: {kind.value: 0 for kind in StepKind})
+    prefill_streak: int = 0  # consecutive PREFILL steps ending at the latest step
+    longest_prefill_streak: int = 0
+    decode_stalls: int = 0  # steps with decode_stalled set
+    # Counted where they happen (a preemption or a failure can also occur in a step that ends up
+    # carrying no forward, which has no record).
+    num_preemptions: int = 0
+    num_cancelled: int = 0
+    num_failed: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return sum(self.steps_by_kind.values())
+
+    def observe(self, record: StepRecord) -> None:
+        self.steps_by_kind[record.kind.value] += 1
+        # A mixed step carries decodes, so it ends a prefill streak just like a decode step.
+        self.prefill_streak = self.prefill_streak + 1 if record.kind is StepKind.PREFILL else 0
+        self.longest_prefill_streak = max(self.longest_prefill_streak, self.prefill_streak)
+        self.decode_stalls += record.decode_stalled
+
+
+class StepLog:
+    """Appends one JSON line per step to a file, flushed per line (a crash loses no step)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed by close())
+
+    def write(self, record: StepRecord) -> None:
+        self._file.write(record.to_json() + "\n")
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,927 @@
+"""Scheduler tests: plain Python, a fake page-counting memory manager and a simulated engine loop.
+
+The simulated engine (`FakeEngine`) does what the real one does between schedule() and
+on_step_done(): advance num_computed_tokens, append a sampled token where a chunk reaches the end,
+finish on max_tokens. Sampled tokens are 1000, 1001, ... per request, so a lost or repeated output
+shows up as a wrong output list.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import statistics
+import threading
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from backend.config import ConfigError, EngineConfig
+from backend.page_allocator import OutOfPages
+from backend.request import FinishReason, SamplingParams, Sequence, SequenceStatus
+from backend.scheduler import Scheduler, SchedulerConfig, StepCostModel, StepFeatures, StepKind
+
+FIRST_TOKEN = 1000
+
+
+# --------------------------------------------------------------------------------------------
+# Fakes
+# --------------------------------------------------------------------------------------------
+
+
+class FakeMemory:
+    """Counts pages of `page_size` positions per request, plus compressor-state slots.
+
+    `extend` checks that allocations are contiguous (they start at seq.num_computed_tokens
+    exactly where the last one ended), which catches a scheduler that allocates twice for the same
+    positions or forgets to free on preemption. `lie_about_fit` makes can_ever_fit always True.
+    """
+
+    def __init__(self, num_pages: int = 1 << 20, page_size: int = 16, num_slots: int = 1 << 10,
+                 derived_chunk: int = 256, lie_about_fit: bool = False):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_slots
+        self.derived_chunk = derived_chunk
+        self.lie_about_fit = lie_about_fit
+        self.pages: dict[str, int] = {}  # request id -> pages held (holders own a slot)
+        self.positions: dict[str, int] = {}  # request id -> positions allocated
+        self.num_free = num_pages
+        self.derive_calls: list[int] = []
+
+    def _pages_for(self, positions: int) -> int:
+        return math.ceil(positions / self.page_size)
+
+    def _need(self, seq, num_new_tokens: int) -> int:
+        return self._pages_for(seq.num_computed_tokens + num_new_tokens) - self.pages.get(seq.request_id, 0)
+
+    def has_free_slot(self) -> bool:
+        return len(self.pages) < self.num_slots
+
+    def can_extend(self, seq, num_new_tokens: int) -> bool:
+        if seq.request_id not in self.pages and not self.has_free_slot():
+            return False
+        return self._need(seq, num_new_tokens) <= self.num_free
+
+    def extend(self, seq, num_new_tokens: int) -> None:
+        assert num_new_tokens >= 1
+        assert self.positions.get(seq.request_id, 0) == seq.num_computed_tokens, "non-contiguous allocation"
+        if not self.can_extend(seq, num_new_tokens):
+            raise OutOfPages("fake", self._need(seq, num_new_tokens), self.num_free)
+        need = max(0, self._need(seq, num_new_tokens))
+        self.pages[seq.request_id] = self.pages.get(seq.request_id, 0) + need
+        self.positions[seq.request_id] = seq.num_computed_tokens + num_new_tokens
+        self.num_free -= need
+
+    def free(self, seq) -> None:
+        self.num_free += self.pages.pop(seq.request_id, 0)
+        self.positions.pop(seq.request_id, None)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.lie_about_fit or self._pages_for(num_tokens) <= self.num_pages
+
+    def derived_prefill_chunk_tokens(self, max_running_requests: int) -> int:
+        self.derive_calls.append(max_running_requests)
+        return self.derived_chunk
+
+    def usage(self) -> dict[str, float]:
+        return {"pages": 1 - self.num_free / self.num_pages}
+
+    @property
+    def num_used(self) -> int:
+        return sum(self.pages.values())
+
+
+class LinearCost:
+    """A fake machine: step time = (fixed + per_prefill * P + per_decode * D) * slowdown."""
+
+    def __init__(self, fixed: float = 0.005, per_prefill: float = 20e-6, per_decode: float = 1e-4):
+        self.fixed, self.per_prefill, self.per_decode = fixed, per_prefill, per_decode
+        self.slowdown = 1.0
+
+    def __call__(self, plan) -> float:
+        base = self.fixed + self.per_prefill * plan.num_prefill_tokens + self.per_decode * plan.num_decode_tokens
+        return base * self.slowdown
+
+    def best_prefill(self, target_s: float, num_decodes: int) -> int:
+        """The most prefill tokens a step with `num_decodes` decodes can carry under target_s."""
+        budget = target_s / self.slowdown - self.fixed - self.per_decode * num_decodes
+        return int(budget / self.per_prefill)
+
+
+class FakeEngine:
+    """The engine's side of the loop: run a plan, advance tokens, sample, finish, report."""
+
+    def __init__(self, scheduler: Scheduler, cost=None):
+        self.scheduler = scheduler
+        self.cost = cost or (lambda plan: 0.01)
+        self.finals: dict[str, list[FinishReason]] = {}
+        self.plans = []  # plans with a forward, in order
+        self.durations: list[float] = []
+
+    def step(self, now: float = 0.0):
+        plan = self.scheduler.schedule(now=now)
+        if plan is None:
+            return None
+        for seq in plan.aborted:
+            self._final(seq)
+        if not plan.chunks:
+            return plan
+        finished = []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            assert chunk.samples == (seq.num_computed_tokens == seq.num_tokens)
+            if chunk.samples:
+                seq.output_ids.append(FIRST_TOKEN + len(seq.output_ids))
+                if len(seq.output_ids) >= seq.sampling.max_tokens:
+                    seq.finish_reason = FinishReason.LENGTH
+                    finished.append(seq)
+        duration = self.cost(plan)
+        self.scheduler.on_step_done(plan, duration_s=duration, finished=finished)
+        for seq in finished:
+            self._final(seq)
+        self.plans.append(plan)
+        self.durations.append(duration)
+        return plan
+
+    def _final(self, seq) -> None:
+        assert seq.status is SequenceStatus.FINISHED
+        self.finals.setdefault(seq.request_id, []).append(seq.finish_reason)
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if self.step() is None:
+                assert not self.scheduler.has_work()
+                return
+        raise AssertionError(f"still busy after {max_steps} steps")
+
+
+def make_seq(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0) -> Sequence:
+    return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), priority=priority)
+
+
+def make_scheduler(memory: FakeMemory | None = None, **config) -> Scheduler:
+    config.setdefault("prefill_chunk_tokens", 64)
+    return Scheduler(SchedulerConfig(**config), memory or FakeMemory())
+
+
+def batch_of(plan) -> list[tuple[str, int]]:
+    return [(c.seq.request_id, c.num_tokens) for c in plan.chunks]
+
+
+def expected_outputs(seq) -> list[int]:
+    return list(range(FIRST_TOKEN, FIRST_TOKEN + seq.sampling.max_tokens))
+
+
+# --------------------------------------------------------------------------------------------
+# The seed bug report: a victim decoding, a 58-chunk attacker
+# --------------------------------------------------------------------------------------------
+
+CHUNK = 3456
+ATTACKER_CHUNKS = 58
+
+
+def run_bug_report_scenario(**config):
+    """Victim decodes 19 steps, then a prompt of exactly 58 chunks arrives; returns the steps after it."""
+    memory = FakeMemory(page_size=64)
+    scheduler = Scheduler(SchedulerConfig(prefill_chunk_tokens=CHUNK, max_running_requests=50,
+                                          max_num_batched_tokens=8192, **config), memory)
+    engine = FakeEngine(scheduler)
+    victim = make_seq("victim", 12, max_tokens=700)
+    scheduler.add(victim)
+    for _ in range(20):  # 1 prefill step + 19 decode steps
+        engine.step()
+    assert victim.is_decode and len(victim.output_ids) == 20
+    attacker = make_seq("attacker", ATTACKER_CHUNKS * CHUNK, max_tokens=3)
+    scheduler.add(attacker)
+    start = len(engine.plans)
+    while scheduler.has_work():
+        plan = engine.step()
+        assert plan is not None and plan.chunks, "an idle step while work exists"
+    assert engine.finals == {"victim": [FinishReason.LENGTH], "attacker": [FinishReason.LENGTH]}
+    return engine.plans[start:], scheduler
+
+
+def burst(plans):
+    """The steps up to and including the attacker's last prefill chunk."""
+    last = max(i for i, plan in enumerate(plans)
+               if any(c.seq.request_id == "attacker" and not c.is_decode for c in plan.chunks))
+    return plans[: last + 1]
+
+
+def test_bug_report_prefill_first_runs_all_58_chunks_without_a_decode():
+    plans, scheduler = run_bug_report_scenario(policy="prefill_first")
+    steps = burst(plans)
+    assert [p.kind for p in steps] == [StepKind.PREFILL] * ATTACKER_CHUNKS
+    assert all(batch_of(p) == [("attacker", CHUNK)] for p in steps)
+    assert plans[ATTACKER_CHUNKS].kind is StepKind.DECODE  # the victim resumes after the burst
+    assert scheduler.counters.longest_prefill_streak == ATTACKER_CHUNKS
+    assert scheduler.counters.decode_stalls == ATTACKER_CHUNKS
+
+
+def test_bug_report_interleave_8_takes_a_decode_after_every_8_prefill_steps():
+    plans, scheduler = run_bug_report_scenario(policy="prefill_first", decode_interleave_every=8)
+    steps = burst(plans)
+    expected = ([StepKind.PREFILL] * 8 + [StepKind.DECODE]) * 7 + [StepKind.PREFILL] * 2  # 58 = 7 * 8 + 2
+    assert [p.kind for p in steps] == expected
+    decodes = [p for p in steps if p.kind is StepKind.DECODE]
+    assert len(decodes) == 7
+    assert all(batch_of(p) == [("victim", 1)] for p in decodes)
+    assert sum(p.num_prefill_tokens for p in steps) == ATTACKER_CHUNKS * CHUNK  # total work unchanged
+    assert scheduler.counters.longest_prefill_streak == 8
+
+
+def test_bug_report_mixed_carries_a_victim_decode_in_every_step():
+    plans, scheduler = run_bug_report_scenario(policy="mixed")
+    steps = burst(plans)
+    assert len(steps) == ATTACKER_CHUNKS
+    assert all(p.kind is StepKind.MIXED for p in steps)
+    assert all(("victim", 1) in batch_of(p) and p.num_prefill_tokens == CHUNK for p in steps)
+    has_victim = [any(c.seq.request_id == "victim" for c in p.chunks) for p in plans]
+    last_victim_step = max(i for i, has in enumerate(has_victim) if has)
+    assert all(has_victim[: last_victim_step + 1])  # until the victim finishes, no step skips it
+    assert scheduler.counters.decode_stalls == 0
+    assert scheduler.counters.longest_prefill_streak == 1  # only the victim's own prompt step
+
+
+def test_interleave_never_idles_when_no_decode_is_runnable():
+    """With nothing decoding, the interleave period must not insert empty or decode steps."""
+    scheduler = make_scheduler(decode_interleave_every=2, prefill_chunk_tokens=10)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("a", 95, max_tokens=1))
+    engine.run_until_idle()
+    assert [p.kind for p in engine.plans] == [StepKind.PREFILL] * 10
+    assert scheduler.counters.longest_prefill_streak == 10
+
+
+def test_interleave_streak_restarts_after_a_decode_step():
+    scheduler = make_scheduler(decode_interleave_every=3, prefill_chunk_tokens=10)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("victim", 5, max_tokens=100))
+    engine.step()  # the victim's prompt
+    engine.step()  # its first decode: the prefill streak is back to 0
+    scheduler.add(make_seq("long", 100, max_tokens=1))
+    kinds = [engine.step().kind for _ in range(12)]
+    assert kinds == ([StepKind.PREFILL] * 3 + [StepKind.DECODE]) * 3
+
+
+# --------------------------------------------------------------------------------------------
+# prefill_first without N == the historical rule, step for step
+# --------------------------------------------------------------------------------------------
+
+
+def historical_schedule(workload, chunk, max_running):
+    """The pre-fix rule `prefill(budget) or decode()`, FCFS, as its own simulation.
+
+    workload: [(arrival_step, prompt_len, max_tokens)]; returns [(step, [(index, tokens)])].
+    """
+    arrivals = deque(sorted(range(len(workload)), key=lambda i: workload[i][0]))
+    state = {i: {"done": 0, "len": workload[i][1], "out": 0} for i in range(len(workload))}
+    waiting, running, steps, t = deque(), [], [], 0
+    while arrivals or waiting or running:
+        while arrivals and workload[arrivals[0]][0] <= t:
+            waiting.append(arrivals.popleft())
+        left, batch = chunk, []
+        for i in [i for i in running if state[i]["len"] - state[i]["done"] > 1 or not state[i]["out"]]:
+            n = min(state[i]["len"] - state[i]["done"], left)
+            if n:
+                batch.append((i, n))
+                left -= n
+        while left and waiting and len(running) < max_running:
+            i = waiting.popleft()
+            running.append(i)
+            batch.append((i, min(state[i]["len"], left)))
+            left -= batch[-1][1]
+        batch = batch or [(i, 1) for i in running]
+        for i, n in batch:
+            s = state[i]
+            s["done"] += n
+            if s["done"] == s["len"]:
+                s["out"] += 1
+                s["len"] += 1
+                if s["out"] == workload[i][2]:
+                    running.remove(i)
+        steps.append((t, batch))
+        t += 1
+    return steps
+
+
+def scheduler_steps(workload, chunk, max_running, **config):
+    """The same workload through the Scheduler and FakeEngine: [(step, [(index, tokens)])]."""
+    scheduler = make_scheduler(prefill_chunk_tokens=chunk, max_running_requests=max_running,
+                               max_num_batched_tokens=max(chunk, max_running), **config)
+    engine = FakeEngine(scheduler)
+    arrivals = deque(sorted(range(len(workload)), key=lambda i: workload[i][0]))
+    steps, t = [], 0
+    while arrivals or scheduler.has_work():
+        while arrivals and workload[arrivals[0]][0] <= t:
+            i = arrivals.popleft()
+            scheduler.add(make_seq(str(i), workload[i][1], max_tokens=workload[i][2]))
+        plan = engine.step()
+        steps.append((t, [(int(rid), n) for rid, n in batch_of(plan)] if plan else []))
+        t += 1
+    return steps
+
+
+workloads = st.lists(st.tuples(st.integers(0, 30), st.integers(1, 80), st.integers(1, 6)), min_size=1, max_size=8)
+
+
+@settings(max_examples=80, deadline=None)
+@given(workload=workloads, chunk=st.integers(1, 40), max_running=st.integers(1, 4))
+def test_prefill_first_without_interleave_reproduces_the_historical_rule(workload, chunk, max_running):
+    assert scheduler_steps(workload, chunk, max_running) == historical_schedule(workload, chunk, max_running)
+
+
+def test_historical_oracle_differs_from_interleave_and_mixed():
+    """The oracle comparison can fail: the other policies do not match it on a contended workload."""
+    workload = [(0, 5, 30), (3, 200, 2)]
+    oracle = historical_schedule(workload, 8, 4)
+    assert scheduler_steps(workload, 8, 4) == oracle
+    assert scheduler_steps(workload, 8, 4, decode_interleave_every=2) != oracle
+    assert scheduler_steps(workload, 8, 4, policy="mixed") != oracle
+
+
+# --------------------------------------------------------------------------------------------
+# Properties under random arrivals, aborts and memory pressure
+# --------------------------------------------------------------------------------------------
+
+POLICY_CONFIGS = [
+    {"policy": "prefill_first"},
+    {"policy": "prefill_first", "decode_interleave_every": 1},
+    {"policy": "prefill_first", "decode_interleave_every": 3},
+    {"policy": "mixed"},
+    {"policy": "mixed", "itl_target_ms": 3.0, "min_prefill_chunk_tokens": 4},
+    {"policy": "prefill_first", "decode_interleave_every": 2, "itl_target_ms": 3.0, "min_prefill_chunk_tokens": 4},
+]
+
+requests_strategy = st.lists(
+    st.tuples(st.integers(0, 10), st.integers(1, 60), st.integers(1, 12), st.integers(0, 2)), min_size=2, max_size=12)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    requests=requests_strategy,
+    aborts=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 11)), max_size=5),
+    policy=st.sampled_from(POLICY_CONFIGS),
+    num_pages=st.integers(6, 24),
+    num_slots=st.integers(1, 8),
+    max_running=st.integers(1, 8),
+    extra_batched=st.integers(0, 40),
+    chunk=st.integers(1, 48),
+)
+def test_no_request_is_lost_or_duplicated_and_pages_are_conserved(
+        requests, aborts, policy, num_pages, num_slots, max_running, extra_batched, chunk):
+    memory = FakeMemory(num_pages=num_pages, page_size=4, num_slots=num_slots)
+    max_batched = max_running + extra_batched
+    scheduler = Scheduler(SchedulerConfig(prefill_chunk_tokens=min(chunk, max_batched), max_running_requests=max_running,
+                                          max_num_batched_tokens=max_batched, **policy), memory)
+    engine = FakeEngine(scheduler, cost=LinearCost(fixed=0.001, per_prefill=50e-6))
+    seqs = [make_seq(f"r{i}", p, max_tokens=m, priority=prio) for i, (_, p, m, prio) in enumerate(requests)]
+    accepted, rejected = {}, set()
+    for t in range(5000):
+        for i, (arrival, *_rest) in enumerate(requests):
+            if arrival == t:
+                try:
+                    scheduler.add(seqs[i])
+                    accepted[seqs[i].request_id] = seqs[i]
+                except ValueError:
+                    rejected.add(seqs[i].request_id)
+        for step, i in aborts:
+            if step == t and i < len(seqs):
+                scheduler.abort(seqs[i].request_id)
+        running_before = {rid for rid, s in accepted.items() if s.status is SequenceStatus.RUNNING}
+        plan = engine.step(now=float(t))
+        if plan is not None and plan.chunks:
+            assert plan.num_tokens <= max_batched
+            assert scheduler.num_running <= max_running
+            assert memory.num_used + memory.num_free == num_pages
+            running_ids = {c.seq.request_id for c in plan.chunks} | {
+                s.request_id for s in accepted.values() if s.status is SequenceStatus.RUNNING}
+            assert set(memory.pages) <= running_ids, "a waiting or finished request holds pages"
+            scheduled = {c.seq.request_id for c in plan.chunks}
+            if plan.preempted and scheduled & running_before:
+                assert scheduled <= running_before, "admitted into memory freed by a preemption in the same step"
+        if t > max(r[0] for r in requests) and not scheduler.has_work():
+            break
+    else:
+        raise AssertionError("the scheduler did not drain the workload")
+
+    for rid in rejected:  # rejected exactly when the longest possible request cannot fit
+        seq = seqs[int(rid[1:])]
+        assert not memory.can_ever_fit(len(seq.prompt_ids) + seq.sampling.max_tokens - 1)
+    assert set(engine.finals) == set(accepted)
+    for rid, seq in accepted.items():
+        assert engine.finals[rid] in ([FinishReason.LENGTH], [FinishReason.CANCELLED]), (rid, engine.finals[rid])
+        if engine.finals[rid] == [FinishReason.LENGTH]:
+            assert seq.output_ids == expected_outputs(seq)
+    assert memory.num_used == 0 and memory.num_free == num_pages and not memory.pages
+    assert scheduler.num_running == 0 and scheduler.num_waiting == 0
+    event(f"preempted: {scheduler.counters.num_preemptions > 0}")
+    event(f"cancelled: {scheduler.counters.num_cancelled > 0}")
+
+
+def test_memory_pressure_workload_actually_preempts():
+    """The property test's regime does exercise preemption (a fixed instance of it)."""
+    memory = FakeMemory(num_pages=10, page_size=4, num_slots=4)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=16, max_running_requests=4)
+    engine = FakeEngine(scheduler)
+    seqs = [make_seq(f"r{i}", 9, max_tokens=8) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    engine.run_until_idle()
+    assert scheduler.counters.num_preemptions > 0
+    assert all(engine.finals[s.request_id] == [FinishReason.LENGTH] for s in seqs)
+    assert all(s.output_ids == expected_outputs(s) for s in seqs)
+    assert memory.num_used == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Admission
+# --------------------------------------------------------------------------------------------
+
+
+def test_admission_is_fcfs_within_priority_lower_value_first():
+    scheduler = make_scheduler(max_running_requests=1)
+    engine = FakeEngine(scheduler)
+    for rid, priority in [("low", 1), ("first", 0), ("second", 0)]:
+        scheduler.add(make_seq(rid, 4, max_tokens=1, priority=priority))
+    order = [batch_of(engine.step())[0][0] for _ in range(3)]
+    assert order == ["first", "second", "low"]
+
+
+def test_admission_stops_at_max_running_requests():
+    scheduler = make_scheduler(max_running_requests=2, prefill_chunk_tokens=100)
+    for i in range(3):
+        scheduler.add(make_seq(f"r{i}", 4, max_tokens=5))
+    plan = scheduler.schedule()
+    assert batch_of(plan) == [("r0", 4), ("r1", 4)]
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 1
+
+
+def test_mixed_prefill_budget_leaves_room_for_the_decodes():
+    """budget = min(prefill_chunk_tokens, max_num_batched_tokens - decodes)."""
+    scheduler = make_scheduler(policy="mixed", prefill_chunk_tokens=8, max_running_requests=4, max_num_batched_tokens=10)
+    engine = FakeEngine(scheduler)
+    for i in range(3):
+        scheduler.add(make_seq(f"d{i}", 2, max_tokens=50))
+    engine.step()
+    scheduler.add(make_seq("long", 100, max_tokens=1))
+    plan = engine.step()
+    assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (3, 7)
+    assert batch_of(plan)[-1] == ("long", 7)
+
+
+def test_admission_needs_a_free_slot():
+    memory = FakeMemory(num_slots=1)
+    scheduler = make_scheduler(memory, max_running_requests=4, prefill_chunk_tokens=100)
+    scheduler.add(make_seq("a", 4))
+    scheduler.add(make_seq("b", 4))
+    assert batch_of(scheduler.schedule()) == [("a", 4)]
+
+
+def test_a_blocked_head_of_queue_is_not_skipped():
+    """A large waiting request is not starved by smaller ones behind it."""
+    memory = FakeMemory(num_pages=5, page_size=4)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=64)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("small", 8, max_tokens=8))  # holds 2 pages, then grows to 4
+    engine.step()
+    scheduler.add(make_seq("big", 16, max_tokens=1))  # needs 4 pages at once, 3 are free
+    scheduler.add(make_seq("tiny", 1, max_tokens=1))  # would fit, but is behind "big"
+    plan = engine.step()
+    assert batch_of(plan) == [("small", 1)]
+    assert scheduler.num_waiting == 2
+
+
+def test_add_rejects_a_request_that_can_never_fit():
+    scheduler = make_scheduler(FakeMemory(num_pages=4, page_size=4))  # 16 positions
+    scheduler.add(make_seq("fits", 10, max_tokens=7))  # 10 + 7 - 1 = 16 positions
+    with pytest.raises(ValueError, match=r"'too-long'.*max_tokens"):
+        scheduler.add(make_seq("too-long", 10, max_tokens=8))
+    assert scheduler.num_waiting == 1
+
+
+def test_add_rejects_duplicates_empty_prompts_and_used_sequences():
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add(make_seq("a", 3))
+    with pytest.raises(ValueError, match="empty"):
+        scheduler.add(make_seq("b", 0))
+    used = make_seq("c", 3)
+    used.num_computed_tokens = 2
+    with pytest.raises(ValueError, match="fresh"):
+        scheduler.add(used)
+
+
+# --------------------------------------------------------------------------------------------
+# Preemption and failure
+# --------------------------------------------------------------------------------------------
+
+
+def test_decode_short_of_pages_preempts_the_most_recent_request():
+    memory = FakeMemory(num_pages=6, page_size=4)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=64)
+    engine = FakeEngine(scheduler)
+    old, new = make_seq("old", 7, max_tokens=10), make_seq("new", 7, max_tokens=10)
+    scheduler.add(old)
+    scheduler.add(new)
+    # Both prefill 7 positions (2 pages each), then decode positions 7..11 (3 pages each, all 6);
+    # position 12 needs a 4th page: "new", the most recently admitted, makes room for "old".
+    plans = [engine.step() for _ in range(7)]
+    assert all(not p.preempted for p in plans[:6])
+    preempting = plans[6]
+    assert preempting.preempted == [new] and batch_of(preempting) == [("old", 1)]
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0
+    assert new.num_preemptions == 1 and new.output_ids == [1000, 1001, 1002, 1003, 1004, 1005]
+    assert "new" not in memory.pages
+    assert scheduler.counters.num_preemptions == 1
+    engine.run_until_idle()
+    # Re-admitted after "old" finished: prompt and outputs recomputed as one prefill, outputs intact.
+    readmit = next(p for p in engine.plans if p.step_index > preempting.step_index and "new" in dict(batch_of(p)))
+    assert batch_of(readmit) == [("new", 13)]
+    assert readmit.kind is StepKind.PREFILL
+    assert engine.finals == {"old": [FinishReason.LENGTH], "new": [FinishReason.LENGTH]}
+    assert new.output_ids == expected_outputs(new)
+
+
+def test_a_step_that_preempts_admits_nothing():
+    """Memory freed by a preemption is not handed to a newcomer in the same step (mixed: decodes first)."""
+    memory = FakeMemory(num_pages=6, page_size=4)
+    scheduler = make_scheduler(memory, policy="mixed", prefill_chunk_tokens=64, max_running_requests=2)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("old", 7, max_tokens=10))
+    scheduler.add(make_seq("new", 7, max_tokens=10))
+    engine.step()
+    scheduler.add(make_seq("urgent", 3, max_tokens=1, priority=-1))  # waits: max_running_requests
+    while not (plan := engine.step()).preempted:
+        assert "urgent" not in dict(batch_of(plan))
+    assert batch_of(plan) == [("old", 1)]
+    assert ("urgent", 3) in batch_of(engine.step())
+
+
+def test_preempted_request_goes_to_the_front_of_the_queue():
+    memory = FakeMemory(num_pages=6, page_size=4)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=64, max_running_requests=2)
+    engine = FakeEngine(scheduler)
+    for rid in ("old", "new", "later"):
+        scheduler.add(make_seq(rid, 7, max_tokens=10))
+    while not engine.step().preempted:
+        pass
+    assert [s.request_id for s in scheduler._waiting] == ["new", "later"]
+    preempted_at = len(engine.plans)
+    engine.run_until_idle()
+    # "later" (2 pages) would fit before "new" (13 positions, 4 pages), but "new" is ahead.
+    admitted = [c.seq.request_id for p in engine.plans[preempted_at:] for c in p.chunks if c.start == 0]
+    assert admitted[:2] == ["new", "later"]
+
+
+def test_a_request_that_cannot_extend_even_alone_fails_instead_of_livelocking():
+    memory = FakeMemory(num_pages=2, page_size=4, lie_about_fit=True)  # 8 positions
+    scheduler = make_scheduler(memory)
+    engine = FakeEngine(scheduler)
+    seq = make_seq("greedy", 6, max_tokens=10)
+    scheduler.add(seq)
+    engine.run_until_idle(max_steps=50)
+    assert engine.finals == {"greedy": [FinishReason.ERROR]}
+    assert seq.output_ids == [1000, 1001, 1002]  # positions 0..7 were computed, position 8 is not
+    assert seq.num_preemptions == 0  # failed directly, not first preempted in vain
+    assert memory.num_used == 0 and scheduler.counters.num_failed == 1
+
+
+def test_a_prefill_that_cannot_progress_even_alone_fails_instead_of_livelocking():
+    memory = FakeMemory(num_pages=4, page_size=4, lie_about_fit=True)  # 16 positions
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=8)
+    engine = FakeEngine(scheduler)
+    seq = make_seq("long", 30)
+    scheduler.add(seq)
+    assert [batch_of(engine.step()) for _ in range(2)] == [[("long", 8)], [("long", 8)]]
+    plan = engine.step()
+    assert plan.chunks == [] and plan.aborted == [seq] and seq.finish_reason is FinishReason.ERROR
+    assert memory.num_used == 0 and not scheduler.has_work()
+
+
+def test_a_request_that_does_not_fit_an_empty_engine_fails():
+    memory = FakeMemory(num_pages=2, page_size=4, lie_about_fit=True)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=64)
+    seq = make_seq("huge", 20)
+    scheduler.add(seq)
+    plan = scheduler.schedule()
+    assert plan.chunks == [] and plan.aborted == [seq] and seq.finish_reason is FinishReason.ERROR
+    assert scheduler.schedule() is None
+
+
+def test_running_prefill_short_of_pages_gets_a_smaller_chunk():
+    memory = FakeMemory(num_pages=8, page_size=4)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=12)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("other", 12, max_tokens=3))
+    assert batch_of(engine.step()) == [("other", 12)]  # 3 pages
+    scheduler.add(make_seq("a", 30, max_tokens=1))
+    assert batch_of(engine.step()) == [("a", 12)]  # 3 pages, 2 left
+    assert batch_of(engine.step()) == [("a", 8)]  # 12 more would need 3 pages: 8 fit in 2
+
+
+# --------------------------------------------------------------------------------------------
+# Cancellation
+# --------------------------------------------------------------------------------------------
+
+
+def test_abort_of_a_waiting_request_is_reported_in_a_plan_without_a_forward():
+    memory = FakeMemory()
+    scheduler = make_scheduler(memory)
+    seq = make_seq("a", 5)
+    scheduler.add(seq)
+    assert scheduler.abort("a") is True
+    assert seq.status is SequenceStatus.WAITING  # takes effect at the next schedule()
+    plan = scheduler.schedule()
+    assert plan.chunks == [] and plan.kind is None and plan.step_index is None
+    assert plan.aborted == [seq]
+    assert seq.status is SequenceStatus.FINISHED and seq.finish_reason is FinishReason.CANCELLED
+    scheduler.on_step_done(plan, duration_s=0.0)  # allowed, no-op
+    assert scheduler.schedule() is None and not scheduler.has_work()
+    assert scheduler.abort("a") is False
+
+
+def test_abort_of_a_running_request_frees_it_and_keeps_the_others_going():
+    memory = FakeMemory()
+    scheduler = make_scheduler(memory)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("keep", 5, max_tokens=10))
+    scheduler.add(make_seq("drop", 5, max_tokens=10))
+    engine.step()
+    engine.step()
+    assert "drop" in memory.pages
+    scheduler.abort("drop")
+    plan = engine.step()
+    assert [s.request_id for s in plan.aborted] == ["drop"] and batch_of(plan) == [("keep", 1)]
+    assert "drop" not in memory.pages and scheduler.num_running == 1
+    engine.run_until_idle()
+    assert engine.finals == {"keep": [FinishReason.LENGTH], "drop": [FinishReason.CANCELLED]}
+    assert scheduler.counters.num_cancelled == 1
+
+
+def test_abort_of_unknown_or_finished_requests_returns_false():
+    scheduler = make_scheduler()
+    engine = FakeEngine(scheduler)
+    assert scheduler.abort("nobody") is False
+    scheduler.add(make_seq("a", 3, max_tokens=1))
+    engine.run_until_idle()
+    assert scheduler.abort("a") is False
+
+
+def test_add_and_abort_from_other_threads():
+    """Submitters on four threads, the engine loop here; every request ends exactly once."""
+    scheduler = make_scheduler(max_running_requests=8)
+    engine = FakeEngine(scheduler)
+    total = 4 * 25
+
+    def submit(thread: int) -> None:
+        for i in range(25):
+            rid = f"t{thread}-{i}"
+            scheduler.add(make_seq(rid, 1 + i % 7, max_tokens=1 + i % 3))
+            if i % 3 == 0:
+                scheduler.abort(rid)
+
+    threads = [threading.Thread(target=submit, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for _ in range(100_000):
+        if len(engine.finals) == total:
+            break
+        if engine.step() is None:
+            scheduler.wait_for_work(timeout=5.0)
+    for thread in threads:
+        thread.join()
+    assert len(engine.finals) == total
+    assert all(len(reasons) == 1 for reasons in engine.finals.values())
+    assert not scheduler.has_work()
+
+
+def test_wait_for_work_returns_when_a_request_is_added():
+    scheduler = make_scheduler()
+    assert scheduler.wait_for_work(timeout=0) is False
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(scheduler.wait_for_work(timeout=30)))
+    waiter.start()
+    scheduler.add(make_seq("a", 3))
+    waiter.join()
+    assert result == [True]
+
+
+# --------------------------------------------------------------------------------------------
+# The ITL target
+# --------------------------------------------------------------------------------------------
+
+
+def run_itl(cost: LinearCost, num_steps: int, slow_down_at: int | None = None, **config):
+    """A victim decoding and a long prompt prefilling under an ITL target; returns (engine, scheduler)."""
+    config.setdefault("policy", "mixed")
+    scheduler = Scheduler(SchedulerConfig(prefill_chunk_tokens=4096, max_num_batched_tokens=8192, **config),
+                          FakeMemory(page_size=64))
+    engine = FakeEngine(scheduler, cost=cost)
+    scheduler.add(make_seq("victim", 4, max_tokens=10_000))
+    engine.step()
+    scheduler.add(make_seq("long", 2_000_000, max_tokens=1))
+    for step in range(num_steps):
+        if step == slow_down_at:
+            cost.slowdown = 2.0
+        engine.step()
+    return engine, scheduler
+
+
+def test_itl_target_keeps_mixed_steps_under_the_target_after_warm_up():
+    cost, target = LinearCost(), 0.030
+    engine, _ = run_itl(cost, 60, itl_target_ms=target * 1e3)
+    best = cost.best_prefill(target, num_decodes=1)  # 1245 tokens
+    for plan, duration in list(zip(engine.plans, engine.durations))[15:]:
+        assert plan.kind is StepKind.MIXED
+        assert duration <= target * 1.02
+        assert plan.predicted_s <= target * 1.0001
+        assert 0.95 * best <= plan.num_prefill_tokens <= best + 1
+
+
+def test_itl_target_starts_at_the_minimum_chunk_and_ramps_up():
+    engine, _ = run_itl(LinearCost(), 12, itl_target_ms=30.0, min_prefill_chunk_tokens=16)
+    prefill = [p.num_prefill_tokens for p in engine.plans[1:]]
+    assert prefill[:4] == [16, 32, 64, 128]  # no prediction yet, then at most 2x the largest seen
+    assert all(p >= 16 for p in prefill)
+
+
+def test_itl_target_adapts_when_the_machine_slows_down():
+    cost, target = LinearCost(), 0.030
+    engine, _ = run_itl(cost, 80, slow_down_at=40, itl_target_ms=target * 1e3)
+    best_slow = cost.best_prefill(target, num_decodes=1)  # about half of the fast machine's
+    after = list(zip(engine.plans, engine.durations))[1 + 40:]
+    assert after[0][1] > target * 1.5  # the first slow step misses: the test does slow the machine
+    assert all(duration <= target * 1.02 for _, duration in after[2:])  # under the target from the 3rd slow step
+    assert all(plan.num_prefill_tokens >= 0.9 * best_slow for plan, _ in after[3:])  # and near the best from the 4th
+
+
+def test_itl_target_that_cannot_be_met_still_makes_prefill_progress():
+    cost = LinearCost(fixed=0.050)  # the fixed cost alone exceeds the target
+    engine, _ = run_itl(cost, 30, itl_target_ms=30.0, min_prefill_chunk_tokens=16)
+    assert all(p.num_prefill_tokens == 16 for p in engine.plans[5:])
+
+
+def test_itl_target_with_prefill_first_caps_the_prefill_chunk():
+    cost, target = LinearCost(), 0.030
+    engine, _ = run_itl(cost, 60, policy="prefill_first", decode_interleave_every=4, itl_target_ms=target * 1e3)
+    best = cost.best_prefill(target, num_decodes=0)
+    prefill_steps = [(p, d) for p, d in zip(engine.plans[20:], engine.durations[20:]) if p.kind is StepKind.PREFILL]
+    assert len(prefill_steps) >= 30
+    assert all(d <= target * 1.02 and p.num_prefill_tokens >= 0.95 * best for p, d in prefill_steps)
+
+
+def test_itl_target_is_robust_to_timing_noise():
+    """+-10% noise on every step: chunks stay near the best size, steps near the target."""
+    rng = random.Random(0)
+    cost = LinearCost()
+    engine, _ = run_itl(lambda plan: cost(plan) * rng.uniform(0.9, 1.1), 400, itl_target_ms=30.0)
+    best = cost.best_prefill(0.030, num_decodes=1)
+    prefill = [p.num_prefill_tokens for p in engine.plans[20:]]
+    durations = sorted(engine.durations[20:])
+    assert min(prefill) >= 0.85 * best and statistics.mean(prefill) >= 0.95 * best
+    assert durations[int(0.99 * len(durations))] <= 0.030 * 1.15  # the noise alone reaches 1.10
+
+
+def test_step_cost_model_keeps_work_coefficients_non_negative_and_fits_the_mean():
+    """Data whose best unconstrained fit has a negative attention cost (collinear features).
+
+    Predictions must still grow with work (the budget search relies on it), and the fit must stay
+    a least-squares fit: with the intercept free, mean prediction == mean observation.
+    """
+    rng = random.Random(1)
+    model = StepCostModel(decay=1.0)
+    observed = []
+    for _ in range(40):
+        num_prefill = rng.randint(500, 1500)
+        features = StepFeatures(num_prefill, 1, num_prefill * rng.uniform(1e5, 1.2e5))
+        duration = 0.005 + 2e-5 * num_prefill - 1e-11 * features.attention_pairs + rng.uniform(-1e-3, 1e-3)
+        model.observe(features, duration)
+        observed.append((features, duration))
+    base = StepFeatures(1000, 1, 1e8)
+    assert model.predict(StepFeatures(1000, 1, 2e8)) >= model.predict(base)
+    assert model.predict(StepFeatures(2000, 1, 1e8)) > model.predict(base)
+    mean_predicted = statistics.mean(model.predict(f) for f, _ in observed)
+    assert mean_predicted == pytest.approx(statistics.mean(d for _, d in observed), rel=1e-3)
+
+
+def test_step_cost_model_recovers_a_linear_cost_including_context():
+    rng = random.Random(0)
+    truth = [0.004, 0.02, 0.01, 0.003]  # seconds per unit of StepFeatures.vector()
+    model = StepCostModel(decay=1.0)
+    samples = [StepFeatures(rng.randint(0, 4000), rng.randint(0, 64), rng.uniform(0, 5e8)) for _ in range(50)]
+    for features in samples:
+        model.observe(features, sum(w * x for w, x in zip(truth, features.vector())))
+    probe = StepFeatures(2500, 10, 3e8)
+    expected = sum(w * x for w, x in zip(truth, probe.vector()))
+    assert model.predict(probe) == pytest.approx(expected, rel=1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Observability and the engine contract
+# --------------------------------------------------------------------------------------------
+
+
+def test_step_log_has_one_line_per_step_including_interleaved_decodes(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    scheduler = make_scheduler(decode_interleave_every=2, prefill_chunk_tokens=10, step_log=str(path))
+    engine = FakeEngine(scheduler, cost=lambda plan: 0.5)
+    scheduler.add(make_seq("victim", 5, max_tokens=20))
+    engine.step()
+    engine.step()
+    scheduler.add(make_seq("long", 60, max_tokens=1))  # 6 chunks
+    engine.run_until_idle()
+    scheduler.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step_index"] for line in lines] == list(range(len(engine.plans)))
+    assert [line["kind"] for line in lines] == [p.kind.value for p in engine.plans]
+    assert [line["kind"] for line in lines[2:11]] == ["prefill", "prefill", "decode"] * 3
+    assert all(line["duration_s"] == 0.5 and "pages" in line["pool_usage"] for line in lines)
+    assert sum(line["decode_stalled"] for line in lines) == scheduler.counters.decode_stalls == 6
+
+
+def test_records_and_counters():
+    scheduler = make_scheduler(prefill_chunk_tokens=10, step_history=3)
+    engine = FakeEngine(scheduler)
+    scheduler.add(make_seq("victim", 5, max_tokens=10))
+    engine.step()
+    engine.step()
+    scheduler.add(make_seq("long", 35, max_tokens=1))  # 4 chunks
+    engine.run_until_idle()
+    counters = scheduler.counters
+    assert counters.steps_by_kind == {"prefill": 5, "decode": 9, "mixed": 0}
+    assert counters.longest_prefill_streak == 4 and counters.decode_stalls == 4
+    assert [r.step_index for r in scheduler.records] == [11, 12, 13]
+    assert all(r.duration_s == 0.01 for r in scheduler.records)
+    first = next(p for p in engine.plans if p.step_index == 2)
+    assert (first.num_prefill_tokens, first.num_decode_tokens) == (10, 0)
+
+
+def test_schedule_refuses_to_run_ahead_of_on_step_done():
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", 5))
+    plan = scheduler.schedule()
+    with pytest.raises(RuntimeError, match="on_step_done"):
+        scheduler.schedule()
+    with pytest.raises(RuntimeError, match="engine advances"):
+        scheduler.on_step_done(plan, duration_s=0.01)  # num_computed_tokens not advanced
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"policy": "decode_first"}, "policy"),
+    ({"decode_interleave_every": 0}, "decode_interleave_every"),
+    ({"policy": "mixed", "decode_interleave_every": 8}, "decode_interleave_every"),
+    ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens"),
+    ({"prefill_chunk_tokens": 9000, "max_num_batched_tokens": 8192}, "prefill_chunk_tokens"),
+    ({"itl_target_ms": 0}, "itl_target_ms"),
+    ({"max_running_requests": 0}, "max_running_requests"),
+    ({"max_running_requests": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
+    ({"min_prefill_chunk_tokens": 0}, "min_prefill_chunk_tokens"),
+    ({"cost_model_decay": 0.0}, "cost_model_decay"),
+])
+def test_config_errors_name_the_parameter(kwargs, name):
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        SchedulerConfig(**kwargs)
+
+
+def test_config_from_engine_config():
+    engine_config = EngineConfig(policy="mixed", prefill_chunk_tokens=512, itl_target_ms=40.0,
+                                 max_running_requests=8, max_num_batched_tokens=1024, step_log="/tmp/x.jsonl")
+    config = SchedulerConfig.from_engine_config(engine_config)
+    assert (config.policy, config.prefill_chunk_tokens, config.itl_target_ms) == ("mixed", 512, 40.0)
+    assert (config.max_running_requests, config.max_num_batched_tokens, config.step_log) == (8, 1024, "/tmp/x.jsonl")
+    with pytest.raises(ConfigError, match="'decode_interleave_every'"):
+        SchedulerConfig.from_engine_config(EngineConfig(policy="mixed", decode_interleave_every=4))
+
+
+def test_prefill_chunk_tokens_is_derived_from_memory_and_logged(caplog):
+    memory = FakeMemory(derived_chunk=3456)
+    with caplog.at_level(logging.INFO, logger="backend.scheduler"):
+        scheduler = Scheduler(SchedulerConfig(max_running_requests=50), memory)
+    assert scheduler.prefill_chunk_tokens == 3456 and memory.derive_calls == [50]
+    assert "prefill_chunk_tokens = 3456" in caplog.text
+
+
+def test_explicit_prefill_chunk_tokens_does_not_ask_memory():
+    memory = FakeMemory(derived_chunk=3456)
+    assert Scheduler(SchedulerConfig(prefill_chunk_tokens=100), memory).prefill_chunk_tokens == 100
+    assert memory.derive_calls == []
+
+
+def test_derived_chunk_is_capped_by_batched_tokens_and_must_be_positive():
+    assert Scheduler(SchedulerConfig(max_num_batched_tokens=1000), FakeMemory(derived_chunk=3456)
+                     ).prefill_chunk_tokens == 1000
+    with pytest.raises(ConfigError, match="'prefill_chunk_tokens'"):
+        Scheduler(SchedulerConfig(), FakeMemory(derived_chunk=0))
