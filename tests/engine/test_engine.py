@@ -1,0 +1,113 @@
+"""The engine as a whole: preemption under memory pressure, cancellation, bad requests, the step log."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine, RequestOutput
+from backend.request import FinishReason, SamplingParams, Sequence
+
+
+def _prompts(count: int, length: int) -> list[list[int]]:
+    return torch.randint(2, 512, (count, length), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+def _engine(checkpoint, **overrides) -> LLMEngine:
+    settings = dict(checkpoint=str(checkpoint), device="cpu", page_size=16, max_running_requests=4,
+                    prefill_chunk_tokens=64)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def _all_pages_free(engine: LLMEngine) -> bool:
+    engine.kv.check()
+    return all(used == 0 for used in engine.kv.pages_used().values())
+
+
+def test_preempted_requests_recompute_and_produce_the_same_tokens(tiny_checkpoint):
+    prompts = _prompts(4, 100)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    roomy = _engine(tiny_checkpoint, num_tokens=8192)
+    expected = roomy.generate(prompts, params)
+    assert roomy.stats()["num_preemptions"] == 0
+    # 512 positions: the CSA pool holds 8 pages of 16 entries and the HCA pool one page, so four
+    # requests of 140 positions cannot all run at once.
+    tight = _engine(tiny_checkpoint, num_tokens=512, swa_full_tokens_ratio=1.0)
+    got = tight.generate(prompts, params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    assert all(r["finish_reason"] == "length" for r in got)
+    assert _all_pages_free(tight)
+
+
+def test_abort_takes_effect_at_the_next_step_and_frees_every_page(tiny_checkpoint):
+    engine = _engine(tiny_checkpoint)
+    outputs: list[RequestOutput] = []
+    done = threading.Event()
+    started = threading.Event()
+
+    def on_output(out: RequestOutput):
+        outputs.append(out)
+        if len(outputs) == 3:
+            started.set()
+        if out.finished:
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Sequence("long", _prompts(1, 200)[0], SamplingParams(max_tokens=5000, ignore_eos=True)),
+                      on_output)
+        assert started.wait(60)
+        assert engine.abort("long")
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    final = outputs[-1]
+    assert final.finished and final.finish_reason is FinishReason.CANCELLED
+    assert sum(1 for o in outputs if o.finished) == 1
+    assert len(outputs) < 100  # stopped long before max_tokens
+    assert _all_pages_free(engine)
+    assert not engine.abort("long")  # already gone
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], SamplingParams(), "empty"),
+    ([5, 600], SamplingParams(), "out of the vocabulary"),
+    ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
+    ([5, 6], SamplingParams(temperature=-1.0), "temperature"),
+    ([5] * 70000, SamplingParams(), "positions"),
+])
+def test_bad_requests_are_refused_clearly_and_the_engine_keeps_working(tiny_checkpoint, prompt, params, message):
+    engine = _shared_engine(tiny_checkpoint)
+    with pytest.raises(ValueError, match=message):
+        engine.submit(Sequence(f"bad-{message}", prompt, params), lambda out: None)
+    result = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(result[0]["output_ids"]) == 3
+    assert _all_pages_free(engine)
+
+
+_SHARED: dict = {}
+
+
+def _shared_engine(checkpoint) -> LLMEngine:
+    if "engine" not in _SHARED:
+        _SHARED["engine"] = _engine(checkpoint)
+    return _SHARED["engine"]
+
+
+def test_every_step_is_logged_as_one_json_line(tiny_checkpoint, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    engine = _engine(tiny_checkpoint, step_log=str(log), policy="prefill_first", decode_interleave_every=2)
+    engine.generate(_prompts(2, 150) + _prompts(1, 20), SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.scheduler.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == engine.scheduler.counters.num_steps == len(engine.scheduler.records)
+    assert [line["step_index"] for line in lines] == list(range(len(lines)))
+    kinds = {line["kind"] for line in lines}
+    assert {"prefill", "decode"} <= kinds
+    assert all(line["duration_s"] > 0 for line in lines)
