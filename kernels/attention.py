@@ -1,0 +1,440 @@
+"""DeepSeek-V4 sparse attention over paged memory: sliding window + compressed entries + sinks.
+
+Math, for query token t of batch row b = token_seq[t] at absolute position p = token_pos[t], head h:
+  window keys   K_w = { kv at positions j in [max(0, p - window + 1), p] }   (read through the page table)
+  compressed    K_c = HCA: { entry e : 0 <= e < (p + 1) // compress_rate }   (topk_indices is None)
+                      CSA: { entry topk_indices[t, i] : topk_indices[t, i] >= 0 }
+  logits        s_j = scale * q[t, h] . k_j      for k_j in K_w ∪ K_c, plus one sink logit sinks[h]
+  out[t, h]   = sum_j softmax(s ∪ {sink})_j * k_j       (shared K = V; the sink carries mass, no value)
+All softmax arithmetic in fp32.
+
+Layouts (one layer's slice of each pool):
+  q                  [T, H, D]
+  window_kv          [num_window_pages, page_size, D]
+  window_block_table [B, W] int32: column c holds the physical page of logical page window_first_page[b] + c
+  window_first_page  [B] int64
+  comp_kv            [num_comp_pages, page_size, D]; entry e of row b lives at
+                     page comp_block_table[b, e // page_size], slot e % page_size
+  comp_block_table   [B, C] int32
+  topk_indices       [T, K] int32 or None
+
+Kernel (`sparse_paged_attention_triton`): one program per (query token, block of BLOCK_H heads, KV split);
+grid (T, cdiv(H, BLOCK_H), num_splits). The heads of a token share every key (MQA, K = V), so the query
+block q[t, heads] is the M side of both tl.dot calls: S = q K^T [BLOCK_H, BLOCK_N], acc += P K. A token's
+keys form a list of BLOCK_N-blocks, window blocks first (positions window_lo .. p through the page table),
+then compressed blocks (HCA: entries 0 .. (p+1)//rate - 1; CSA: topk_indices[t], -1 masked); split s takes
+a contiguous run of cdiv(num_blocks, num_splits) blocks. Online softmax in base 2 and fp32: with one split the
+running max starts at the sink logit (l = 1) and the program writes the normalised output; with several splits
+each writes acc / l and log2(sum exp2) to fp32 scratch, and `_split_kv_combine_kernel` (grid (T, H)) merges
+them with the sink. Mixed batches need nothing special: every token reads its own row, position and keys.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+# Split-KV (flash-decoding) is chosen when fewer than this many programs per SM would run without it.
+_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = 32
+_DEFAULT_NUM_SMS = 132  # H100 / H200; used when q is not on a CUDA device (interpreter, compile check)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
+                         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One block of keys: logits in base 2, running max m_i, running sum l_i, acc += p @ k (K = V)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+    s = tl.where(key_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: avoid -inf - -inf
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(COMPUTE_DTYPE), k, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _sparse_paged_attention_kernel(
+    # pointers
+    q_ptr, sinks_ptr, token_seq_ptr, token_pos_ptr,
+    window_kv_ptr, window_table_ptr, window_first_page_ptr,
+    comp_kv_ptr, comp_table_ptr, topk_ptr,
+    out_ptr, lse_ptr,
+    # sizes
+    num_heads, window, compress_rate, num_topk, window_page_size, comp_page_size, num_splits, scale_log2,
+    # strides (the last dimension of every tensor is contiguous)
+    stride_qt, stride_qh,
+    stride_wkv_page, stride_wkv_slot, stride_wtab_b,
+    stride_ckv_page, stride_ckv_slot, stride_ctab_b,
+    stride_topk_t,
+    stride_ot, stride_oh, stride_os,
+    stride_lse_t, stride_lse_h,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    COMP_MODE: tl.constexpr,  # 0: window only, 1: HCA (all causal entries), 2: CSA (topk_indices)
+    IS_SPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (token t, head block, split): online softmax over its share of the token's key blocks."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_mask = heads < num_heads
+    dims = tl.arange(0, HEAD_DIM)
+    seq = tl.load(token_seq_ptr + t).to(tl.int64)
+    pos = tl.load(token_pos_ptr + t).to(tl.int64)
+
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_H, HEAD_DIM]
+    if IS_SPLIT:  # the combine kernel adds the sink
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+    else:  # start from the sink: it carries probability mass exp(sink) and no value
+        m_i = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+
+    # Key blocks of this token: window blocks first, then compressed blocks; a split takes a contiguous run.
+    window_lo = tl.maximum(pos - window + 1, 0)
+    num_window_blocks = tl.cdiv(pos - window_lo + 1, BLOCK_N)
+    if COMP_MODE == 1:
+        num_comp = (pos + 1) // compress_rate
+    elif COMP_MODE == 2:
+        num_comp = num_topk + 0 * pos
+    else:
+        num_comp = 0 * pos
+    num_blocks = num_window_blocks + tl.cdiv(num_comp, BLOCK_N)
+    blocks_per_split = tl.cdiv(num_blocks, num_splits)
+    block_lo = split * blocks_per_split
+    block_hi = tl.minimum(block_lo + blocks_per_split, num_blocks)
+
+    first_page = tl.load(window_first_page_ptr + seq).to(tl.int64)
+    for blk in range(block_lo, tl.minimum(block_hi, num_window_blocks)):
+        key_pos = window_lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_mask = key_pos <= pos
+        col = key_pos // window_page_size - first_page
+        page = tl.load(window_table_ptr + seq * stride_wtab_b + col, mask=key_mask, other=0).to(tl.int64)
+        slot = key_pos % window_page_size
+        k = tl.load(window_kv_ptr + page[:, None] * stride_wkv_page + slot[:, None] * stride_wkv_slot
+                    + dims[None, :], mask=key_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+        m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
+                                             COMPUTE_DTYPE, DOT_PRECISION)
+    if COMP_MODE != 0:
+        comp_lo = tl.maximum(block_lo, num_window_blocks) - num_window_blocks
+        for blk in range(comp_lo, block_hi - num_window_blocks):
+            idx = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            if COMP_MODE == 2:
+                entry = tl.load(topk_ptr + t * stride_topk_t + idx, mask=idx < num_comp, other=-1).to(tl.int64)
+                key_mask = entry >= 0
+                entry = tl.maximum(entry, 0)
+            else:
+                entry = idx.to(tl.int64)
+                key_mask = idx < num_comp
+            page = tl.load(comp_table_ptr + seq * stride_ctab_b + entry // comp_page_size,
+                           mask=key_mask, other=0).to(tl.int64)
+            slot = entry % comp_page_size
+            k = tl.load(comp_kv_ptr + page[:, None] * stride_ckv_page + slot[:, None] * stride_ckv_slot
+                        + dims[None, :], mask=key_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+            m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
+                                                 COMPUTE_DTYPE, DOT_PRECISION)
+
+    out_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+    if IS_SPLIT:  # normalised partial output and its log2-sum-exp2; an empty split has lse = -inf
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        tl.store(out_ptrs, acc / l_safe[:, None], mask=head_mask[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        tl.store(lse_ptr + t * stride_lse_t + heads * stride_lse_h + split, lse, mask=head_mask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+
+
+@triton.jit
+def _split_kv_combine_kernel(
+    partial_ptr, lse_ptr, sinks_ptr, out_ptr,
+    num_splits,
+    stride_pt, stride_ph, stride_ps,
+    stride_lse_t, stride_lse_h,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (token t, head h): merge the splits' partial outputs with the sink, in base 2."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    lse_row = lse_ptr + t * stride_lse_t + h * stride_lse_h
+    lse = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+    sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+    m = tl.maximum(tl.max(lse, 0), sink)
+    denom = tl.sum(tl.exp2(lse - m), 0) + tl.exp2(sink - m)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(0, num_splits):
+        weight = tl.exp2(tl.load(lse_row + s) - m)
+        acc += weight * tl.load(partial_ptr + t * stride_pt + h * stride_ph + s * stride_ps + dims)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, (acc / denom).to(out_ptr.dtype.element_ty))
+
+
+def _is_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _compute_dtype(dtype: torch.dtype):
+    """tl dtype fed to tl.dot: the storage dtype on a GPU; fp32 for bf16 under the interpreter."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting()):
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+@lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attention_config(head_dim: int, num_heads: int) -> dict:
+    """Tile sizes and launch options for a head_dim / head count (shared with scripts/).
+
+    At head_dim 512 a [64, 512] fp32 accumulator spills on sm_90 (checked with scripts/check_kernels_compile.py),
+    so heads go in blocks of at most 32 there (mma.sync, not wgmma) and each key block is read once per head block.
+    """
+    if head_dim >= 512:
+        return dict(BLOCK_H=min(32, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=32, num_warps=8,
+                    num_stages=2)
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    if head_dim >= 256:
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(num_programs: int, max_key_blocks: int, num_sms: int) -> int:
+    """Split-KV factor: 1 when the (token, head block) programs already fill the GPU; otherwise enough
+    splits to reach _PROGRAMS_PER_SM programs per SM, at least two key blocks per split, at most _MAX_SPLITS."""
+    target = _PROGRAMS_PER_SM * num_sms
+    if num_programs >= target or max_key_blocks < 4:
+        return 1
+    return max(1, min(triton.cdiv(target, max(num_programs, 1)), max_key_blocks // 2, _MAX_SPLITS))
+
+
+def _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n) -> int:
+    """Upper bound on a token's key blocks from shapes only (no host synchronisation): the whole window, plus
+    the top-k width (CSA) or every entry the compressed block table can address (HCA)."""
+    if comp_kv is None:
+        max_comp = 0
+    elif topk_indices is not None:
+        max_comp = topk_indices.shape[1]
+    else:
+        max_comp = comp_block_table.shape[1] * comp_kv.shape[1]
+    return triton.cdiv(window, block_n) + triton.cdiv(max_comp, block_n)
+
+
+def plan_sparse_paged_attention(
+    q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page, window,
+    comp_kv=None, comp_block_table=None, compress_rate=0, topk_indices=None, *, num_splits=None, block_n=None,
+):
+    """Check the inputs, allocate the output and return (out, launches) without launching anything.
+
+    Each launch is (kernel, grid, args, kwargs); `scripts/check_kernels_compile.py` compiles exactly these.
+    block_n overrides the key-block size of `attention_config` (tests use it to get several blocks per token).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
+                            window, comp_kv, comp_block_table, compress_rate, topk_indices)
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out, []
+    cfg = attention_config(head_dim, num_heads)
+    block_h, block_n = cfg["BLOCK_H"], block_n or cfg["BLOCK_N"]
+    num_head_blocks = triton.cdiv(num_heads, block_h)
+    comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
+    num_topk = topk_indices.shape[1] if topk_indices is not None else 0
+    if num_splits is None:
+        max_key_blocks = _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n)
+        num_splits = choose_num_splits(num_tokens * num_head_blocks, max_key_blocks, _num_sms(q.device))
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    is_split = num_splits > 1
+
+    compute_dtype = _compute_dtype(q.dtype)
+    comp_kv_arg = comp_kv if comp_kv is not None else window_kv
+    comp_table_arg = comp_block_table if comp_block_table is not None else window_block_table
+    topk_arg = topk_indices if topk_indices is not None else token_seq
+    if is_split:
+        partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        dst, dst_strides, lse_strides = partial, partial.stride()[:3], lse.stride()[:2]
+    else:
+        lse, dst, dst_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+    args = (
+        q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
+        comp_kv_arg, comp_table_arg, topk_arg, dst, lse,
+        num_heads, window, max(compress_rate, 1), num_topk, window_kv.shape[1], comp_kv_arg.shape[1], num_splits,
+        float(scale) * _LOG2E,
+        q.stride(0), q.stride(1),
+        window_kv.stride(0), window_kv.stride(1), window_block_table.stride(0),
+        comp_kv_arg.stride(0), comp_kv_arg.stride(1), comp_table_arg.stride(0),
+        topk_arg.stride(0) if topk_indices is not None else 0,
+        *dst_strides, *lse_strides,
+    )
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=is_split,
+                  COMPUTE_DTYPE=compute_dtype, DOT_PRECISION="ieee" if compute_dtype == tl.float32 else "tf32",
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launches = [(_sparse_paged_attention_kernel, (num_tokens, num_head_blocks, num_splits), args, kwargs)]
+    if is_split:
+        combine_args = (partial, lse, sinks, out, num_splits, *partial.stride()[:3], *lse.stride()[:2],
+                        out.stride(0), out.stride(1))
+        combine_kwargs = dict(HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+                              num_warps=4, num_stages=1)
+        launches.append((_split_kv_combine_kernel, (num_tokens, num_heads), combine_args, combine_kwargs))
+    return out, launches
+
+
+def _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
+                            window, comp_kv, comp_block_table, compress_rate, topk_indices):
+    num_tokens, num_heads, head_dim = q.shape
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype} not supported"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    assert q.stride(2) == 1, "q's last dimension must be contiguous"
+    assert sinks.shape == (num_heads,) and sinks.is_floating_point() and sinks.stride(0) == 1
+    for name, ids in (("token_seq", token_seq), ("token_pos", token_pos)):
+        assert ids.shape == (num_tokens,), f"{name} must be [T], got {tuple(ids.shape)}"
+        assert ids.dtype in (torch.int32, torch.int64) and ids.stride(0) == 1, f"{name}: int32/int64 contiguous"
+    assert window >= 1, f"window must be >= 1, got {window}"
+    _check_pool("window", window_kv, window_block_table, q)
+    assert window_first_page.dim() == 1 and window_first_page.shape[0] == window_block_table.shape[0]
+    assert window_first_page.dtype in (torch.int32, torch.int64) and window_first_page.stride(0) == 1
+    if comp_kv is None:
+        assert topk_indices is None, "topk_indices needs comp_kv"
+        return
+    _check_pool("comp", comp_kv, comp_block_table, q)
+    if topk_indices is None:
+        assert compress_rate >= 1, f"HCA needs compress_rate >= 1, got {compress_rate}"
+    else:
+        assert topk_indices.dim() == 2 and topk_indices.shape[0] == num_tokens, "topk_indices must be [T, K]"
+        assert topk_indices.dtype in (torch.int32, torch.int64) and topk_indices.stride(1) == 1
+
+
+def _check_pool(name, pool, block_table, q):
+    assert pool.dim() == 3 and pool.shape[2] == q.shape[2], f"{name}_kv must be [pages, page_size, D]"
+    assert pool.dtype == q.dtype, f"{name}_kv dtype {pool.dtype} != q dtype {q.dtype}"
+    assert pool.stride(2) == 1, f"{name}_kv's last dimension must be contiguous"
+    assert block_table is not None and block_table.dim() == 2, f"{name}_block_table must be [B, pages]"
+    assert block_table.dtype in (torch.int32, torch.int64) and block_table.stride(1) == 1
+
+
+def _launch(launches) -> None:
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+
+def sparse_paged_attention_triton(
+    q: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    token_seq: torch.Tensor,
+    token_pos: torch.Tensor,
+    window_kv: torch.Tensor,
+    window_block_table: torch.Tensor,
+    window_first_page: torch.Tensor,
+    window: int,
+    comp_kv: torch.Tensor | None = None,
+    comp_block_table: torch.Tensor | None = None,
+    compress_rate: int = 0,
+    topk_indices: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Triton version of `sparse_paged_attention_reference` (same arguments, [T, H, D] in q's dtype).
+
+    num_splits: split-KV factor; None picks it with `choose_num_splits` (no host synchronisation), 1 never splits.
+    block_n: key-block size override, for tests; None uses `attention_config`.
+    """
+    out, launches = plan_sparse_paged_attention(
+        q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page, window,
+        comp_kv, comp_block_table, compress_rate, topk_indices, num_splits=num_splits, block_n=block_n)
+    _launch(launches)
+    return out
+
+
+
+# Queries per tile in the reference, to bound the gathered [tile, keys, D] tensors.
+_REFERENCE_TILE = 256
+
+
+def _gather_rows(pool: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:
+    """pool[block_table[rows, cols], slots] for broadcastable index tensors."""
+    pages = block_table[rows, cols].long()
+    return pool[pages, slots]
+
+
+def _window_keys(window_kv, window_block_table, window_first_page, seq, pos, window):
+    """Window keys [t, window, D] and their validity [t, window] for a tile of queries."""
+    page_size = window_kv.shape[1]
+    offsets = torch.arange(-(window - 1), 1, device=pos.device)  # oldest first
+    key_pos = pos[:, None] + offsets[None, :]  # [t, window]
+    valid = key_pos >= 0
+    key_pos = key_pos.clamp(min=0)
+    cols = key_pos // page_size - window_first_page[seq][:, None]
+    cols = torch.where(valid, cols, torch.zeros_like(cols))
+    keys = _gather_rows(window_kv, window_block_table, seq[:, None], cols, key_pos % page_size)
+    return keys, valid
+
+
+def _compressed_keys(comp_kv, comp_block_table, seq, pos, compress_rate, topk_indices):
+    """Compressed keys [t, n, D] and validity [t, n]: all causal entries (HCA) or the top-k (CSA)."""
+    page_size = comp_kv.shape[1]
+    if topk_indices is None:
+        num_causal = (pos + 1) // compress_rate  # [t]
+        max_entries = int(num_causal.max().item()) if pos.numel() else 0
+        entries = torch.arange(max_entries, device=pos.device)[None, :].expand(pos.shape[0], -1)
+        valid = entries < num_causal[:, None]
+    else:
+        entries = topk_indices.long()
+        valid = entries >= 0
+    entries = torch.where(valid, entries, torch.zeros_like(entries))
+    keys = _gather_rows(comp_kv, comp_block_table, seq[:, None], entries // page_size, entries % page_size)
+    return keys, valid
+
+
+def sparse_paged_attention_reference(
+    q: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    token_seq: torch.Tensor,
+    token_pos: torch.Tensor,
+    window_kv: torch.Tensor,
+    window_block_table: torch.Tensor,
+    window_first_page: torch.Tensor,
+    window: int,
+    comp_kv: torch.Tensor | None = None,
+    comp_block_table: torch.Tensor | None = None,
+    compress_rate: int = 0,
+    topk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch definition of the kernel (see the module docstring). Returns [T, H, D] in q's dtype."""
+    num_tokens, num_heads, _ = q.shape
+    out = torch.empty_like(q)
+    seq_all, pos_all = token_seq.long(), token_pos.long()
+    for start in range(0, num_tokens, _REFERENCE_TILE):
+        tile = slice(start, start + _REFERENCE_TILE)
+        seq, pos, qt = seq_all[tile], pos_all[tile], q[tile].float()
+        keys, valid = _window_keys(window_kv, window_block_table, window_first_page, seq, pos, window)
+        if comp_kv is not None:
+            topk = topk_indices[tile] if topk_indices is not None else None
+            ckeys, cvalid = _compressed_keys(comp_kv, comp_block_table, seq, pos, compress_rate, topk)
+            keys, valid = torch.cat([keys, ckeys], dim=1), torch.cat([valid, cvalid], dim=1)
+        keys = torch.where(valid[..., None], keys, torch.zeros_like(keys)).float()  # [t, n, D]
+        logits = torch.einsum("thd,tnd->thn", qt, keys) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sink = sinks.float()[None, :, None].expand(qt.shape[0], num_heads, 1)
+        probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        out[tile] = torch.einsum("thn,tnd->thd", probs, keys).to(q.dtype)
+    return out

@@ -1,0 +1,325 @@
+"""Routed mixture of experts with DeepSeek-V4's clamped SwiGLU.
+
+Math, for token t with chosen experts topk_ids[t, :] and weights topk_weights[t, :]:
+  g, u   = split(w_gate_up[e] @ x[t], 2)                 (gate first, then up)
+  h      = silu(min(g, limit)) * clamp(u, -limit, limit)
+  out[t] = sum_k topk_weights[t, k] * (w_down[e_k] @ h_k)  (accumulated in fp32)
+
+Layouts:
+  x            [T, D]
+  topk_ids     [T, K] int64 (expert ids in [0, E))
+  topk_weights [T, K] fp32
+  w_gate_up    [E, 2 * I, D]
+  w_down       [E, D, I]
+
+Routing (`route_topk`, `route_hash`) is plain torch. Kernel (`fused_moe_triton`): `moe_align` sorts the T * k
+(token, slot) pairs by expert into row blocks of BLOCK_M (each expert's rows padded to a multiple of BLOCK_M; an
+expert with no pair owns no block), then two grouped GEMMs, each with grid (max_blocks, column tiles) and the
+block's expert read from block_expert:
+  gate/up  h[row, :]   = clamped SwiGLU of x[token] @ [W_gate; W_up][e]^T, fp32 accumulation, stored in x's dtype
+  down     out[token] += topk_weight * (h[row] @ W_down[e]^T), fp32, added with fp32 atomics into a zeroed [T, D]
+           buffer (or stored per pair and summed by torch with per_pair_output=True), then cast to x's dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
+    """Reference top-k routing. logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32).
+
+    scores = sqrt(softplus(logits)) in fp32; experts = top-k of scores + bias (the correction bias only picks);
+    weights = the chosen scores renormalised to sum 1 (+1e-20), times routed_scaling_factor.
+    """
+    scores = F.softplus(logits.float()).sqrt()
+    topk_ids = torch.topk(scores + bias.float(), k, dim=-1, sorted=False).indices
+    return topk_ids, _normalised_weights(scores, topk_ids, routed_scaling_factor)
+
+
+def route_hash(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor, routed_scaling_factor: float):
+    """Reference hash routing: experts = tid2eid[input_ids] (a frozen table), weights as in `route_topk`.
+
+    logits [T, E], tid2eid [vocab, k], input_ids [T] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32).
+    """
+    scores = F.softplus(logits.float()).sqrt()
+    topk_ids = tid2eid[input_ids.reshape(-1)].long()
+    return topk_ids, _normalised_weights(scores, topk_ids, routed_scaling_factor)
+
+
+def _normalised_weights(scores, topk_ids, routed_scaling_factor):
+    weights = scores.gather(1, topk_ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * routed_scaling_factor
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    # pointers
+    x_ptr, w_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
+    # sizes
+    num_pairs, top_k, hidden, inter, swiglu_limit,
+    # strides (the last dimension of every tensor is contiguous)
+    stride_xt, stride_we, stride_wn, stride_hm,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T)."""
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:  # past the last used block
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k0
+        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(COMPUTE_DTYPE)
+        w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(COMPUTE_DTYPE)
+        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    gate = tl.minimum(acc_gate, swiglu_limit)
+    up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    # pointers
+    h_ptr, w_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
+    # sizes
+    num_pairs, top_k, hidden, inter,
+    # strides (the last dimension of every tensor is contiguous)
+    stride_hm, stride_we, stride_wn, stride_om,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr,
+):
+    """Program (row block b, hidden columns n): out[token, n] += weight * (h[rows] @ W_down[e, n]^T), in fp32.
+
+    PER_PAIR_OUTPUT stores row `pair` of a [T * k, D] buffer instead of adding into row `token` atomically.
+    """
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:  # past the last used block
+        return
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + rows)
+    row_mask = pairs < num_pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k0
+        a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    mask = row_mask[:, None] & col_mask[None, :]
+    if PER_PAIR_OUTPUT:
+        tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :], acc, mask=mask)
+    else:
+        tokens = (pairs // top_k).to(tl.int64)
+        tl.atomic_add(out_ptr + tokens[:, None] * stride_om + cols[None, :], acc, mask=mask, sem="relaxed")
+
+
+def _is_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _compute_dtype(dtype: torch.dtype):
+    """tl dtype fed to tl.dot: the storage dtype on a GPU; fp32 for bf16 under the interpreter."""
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting()):
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> dict:
+    """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        block_m = 16
+        gate_up = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        down = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+    elif per_expert <= 48:
+        block_m = 32
+        gate_up = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+        down = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    else:
+        block_m = 64
+        gate_up = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        down = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+    # small models: no tile wider than its matrix (rounded up to a power of two >= 16, tl.dot's minimum)
+    fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731
+    gate_up.update(BLOCK_K=min(gate_up["BLOCK_K"], fit(hidden)), BLOCK_N=min(gate_up["BLOCK_N"], fit(inter)))
+    down.update(BLOCK_K=min(down["BLOCK_K"], fit(inter)), BLOCK_N=min(down["BLOCK_N"], fit(hidden)))
+    return dict(BLOCK_M=block_m, gate_up=gate_up, down=down)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Group the (token, slot) pairs by expert into row blocks of block_m, without a host synchronisation.
+
+    Returns sorted_pairs [max_blocks * block_m] int32 (pair index t * k + slot, num_pairs in padding rows) and
+    block_expert [max_blocks] int64 (-1 for blocks past the last used one). max_blocks is an upper bound from
+    shapes only: sum_e cdiv(count_e, block_m) <= (num_pairs + min(E, num_pairs) * (block_m - 1)) // block_m.
+    """
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    max_blocks = (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    dest = (block_end - blocks)[expert_of] * block_m + rank
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=flat.device), right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
+    return sorted_pairs, block_expert
+
+
+def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *, per_pair_output=False,
+                   config=None):
+    """Check the inputs, align the pairs, allocate buffers; return (finish, launches) without launching.
+
+    After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
+    """
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    inter = two_inter // 2
+    _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return (lambda: torch.zeros_like(x)), []
+    cfg = config or moe_config(num_pairs, num_experts, hidden, inter)
+    block_m = cfg["BLOCK_M"]
+    sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
+    max_blocks = block_expert.shape[0]
+    compute_dtype = _compute_dtype(x.dtype)
+    precision = "ieee" if compute_dtype == tl.float32 else "tf32"
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    h = torch.empty((max_blocks * block_m, inter), dtype=x.dtype, device=x.device)
+    out_rows = num_pairs if per_pair_output else num_tokens
+    out = torch.zeros((out_rows, hidden), dtype=torch.float32, device=x.device)
+
+    g = cfg["gate_up"]
+    gate_up_args = (x, w_gate_up, h, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter, float(swiglu_limit),
+                    x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0))
+    gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=compute_dtype,
+                          DOT_PRECISION=precision, num_warps=g["num_warps"], num_stages=g["num_stages"])
+    d = cfg["down"]
+    down_args = (h, w_down, weights, out, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
+                 h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0))
+    down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=compute_dtype,
+                       DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output,
+                       num_warps=d["num_warps"], num_stages=d["num_stages"])
+    launches = [
+        (_moe_gate_up_kernel, (max_blocks, triton.cdiv(inter, g["BLOCK_N"])), gate_up_args, gate_up_kwargs),
+        (_moe_down_kernel, (max_blocks, triton.cdiv(hidden, d["BLOCK_N"])), down_args, down_kwargs),
+    ]
+
+    def finish():
+        summed = out.view(num_tokens, top_k, hidden).sum(dim=1) if per_pair_output else out
+        return summed.to(x.dtype)
+
+    return finish, launches
+
+
+def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} not supported"
+    assert x.stride(1) == 1, "x's last dimension must be contiguous"
+    assert w_gate_up.shape == (num_experts, two_inter, hidden) and two_inter % 2 == 0, "w_gate_up must be [E, 2I, D]"
+    assert w_down.shape == (num_experts, hidden, two_inter // 2), "w_down must be [E, D, I]"
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        assert w.dtype == x.dtype and w.stride(2) == 1, f"{name}: x's dtype, last dimension contiguous"
+    assert topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens, "topk_ids must be [T, k]"
+    assert topk_ids.dtype == torch.int64, f"topk_ids must be int64, got {topk_ids.dtype}"
+    assert topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(), "topk_weights must be [T, k]"
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float,
+    *,
+    per_pair_output: bool = False,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Triton version of `fused_moe_reference` (same arguments, [T, D] in x's dtype).
+
+    per_pair_output: write each (token, slot) row and sum with torch instead of fp32 atomics into [T, D]:
+    deterministic, at the cost of a [T * k, D] fp32 buffer. config: tile override (see `moe_config`).
+    """
+    finish, launches = plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit,
+                                      per_pair_output=per_pair_output, config=config)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return finish()
+
+
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def fused_moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    token_of = order // topk_ids.shape[1]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start : start + count]
+        tokens = token_of[start : start + count]
+        start += count
+        hidden = clamped_swiglu(F.linear(x[tokens], w_gate_up[expert]), swiglu_limit)
+        contribution = F.linear(hidden, w_down[expert]).float() * topk_weights.reshape(-1)[pairs, None].float()
+        out.index_add_(0, tokens, contribution)
+    return out.to(x.dtype)

@@ -1,0 +1,410 @@
+#!/usr/bin/env python
+"""Check the Triton kernels against their references, then time them at DeepSeek-V4-Flash's shapes.
+
+For a machine with an NVIDIA GPU (installs nothing). Cases:
+  attention   decode batches 1, 8, 32, 64, 128, 256 at ~8K context and one 4096-token prefill chunk, for sliding
+              (window only), CSA (window + top-512) and HCA (window + all 1/128 entries) layers
+  indexer     the same decode batches and prefill chunk (CSA, 64 heads x 128)
+  moe         256 experts top-6, hidden 4096, intermediate 2048, at 1..256 decode tokens and 4096 prefill tokens
+Each case is timed with CUDA events (median of --repeat runs, L2 flushed before each) and reported as achieved
+bandwidth (bytes the kernel must move) and TFLOP/s, against the device's measured copy bandwidth (a large
+device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the reference's time and the speed-up.
+
+  python scripts/bench_kernels.py [--kernels attention,indexer,moe] [--json FILE] [--csv FILE]
+  python scripts/bench_kernels.py --dry-run   # CPU: small shapes, kernels under TRITON_INTERPRET, references
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+@dataclass
+class Shapes:
+    """Model and benchmark sizes; FULL is DeepSeek-V4-Flash, DRY a CPU-sized stand-in for --dry-run."""
+    head_dim: int
+    num_heads: int
+    index_head_dim: int
+    index_heads: int
+    index_topk: int
+    hidden: int
+    moe_inter: int
+    num_experts: int
+    top_k: int
+    window: int
+    csa_rate: int
+    hca_rate: int
+    page_size: int
+    context: int
+    decode_batches: list = field(default_factory=list)
+    prefill_tokens: int = 0
+    moe_decode_tokens: list = field(default_factory=list)
+
+
+FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512, hidden=4096,
+              moe_inter=2048, num_experts=256, top_k=6, window=128, csa_rate=4, hca_rate=128, page_size=64,
+              context=8192, decode_batches=[1, 8, 32, 64, 128, 256], prefill_tokens=4096,
+              moe_decode_tokens=[1, 8, 32, 64, 128, 256])
+DRY = Shapes(head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8, hidden=64, moe_inter=32,
+             num_experts=8, top_k=2, window=16, csa_rate=4, hca_rate=16, page_size=8, context=72,
+             decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5])
+
+
+@dataclass
+class Result:
+    kernel: str
+    case: str
+    ms: float | None
+    reference_ms: float | None
+    gbytes: float
+    gflop: float
+    max_error: float  # normalised: max |kernel - reference| / (atol + rtol |reference|), <= 1 passes
+
+    def derived(self, copy_gbps: float | None, matmul_tflops: float | None) -> dict:
+        row = asdict(self)
+        if self.ms:
+            row["gbps"] = self.gbytes / (self.ms * 1e-3)
+            row["tflops"] = self.gflop / (self.ms * 1e-3) / 1e3
+            row["pct_copy_bw"] = 100 * row["gbps"] / copy_gbps if copy_gbps else None
+            row["pct_matmul"] = 100 * row["tflops"] / matmul_tflops if matmul_tflops else None
+            row["speedup"] = self.reference_ms / self.ms if self.reference_ms else None
+        return row
+
+
+# --- timing ---------------------------------------------------------------------------------------------------
+class Timer:
+    """Median time of fn() in ms: CUDA events with an L2 flush before each run, or perf_counter on CPU."""
+
+    def __init__(self, torch, device, repeat: int):
+        self.torch, self.device, self.repeat = torch, device, repeat
+        self.flush = torch.empty(256 * 2**20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+
+    def __call__(self, fn) -> float:
+        torch = self.torch
+        fn()  # warm-up (and compilation)
+        times = []
+        for _ in range(self.repeat):
+            if self.flush is not None:
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+
+def measure_device(torch, device, timer: Timer) -> tuple[float | None, float | None]:
+    """(copy GB/s counting read + write, bf16 matmul TFLOP/s) measured on this device; (None, None) on CPU."""
+    if device.type != "cuda":
+        return None, None
+    src = torch.empty(2 * 2**30, dtype=torch.int8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    matmul_ms = timer(lambda: torch.matmul(a, b))
+    return 2 * 2 * 2**30 / (copy_ms * 1e-3) / 1e9, 2 * n**3 / (matmul_ms * 1e-3) / 1e12
+
+
+# --- inputs -----------------------------------------------------------------------------------------------------
+def _paged(torch, gen, device, spans, page_size, width, dtype):
+    """Pool [pages, page_size, width] holding, per sequence, entries [first_page * page_size, end) on shuffled pages,
+    and its block table [B, C] int32 (column c = logical page first_page + c). spans: (first_page, end) per row."""
+    counts = [max(1, -(-end // page_size) - first) for first, end in spans]
+    pool = torch.randn(sum(counts), page_size, width, generator=gen, device=device).to(dtype)
+    order = torch.randperm(sum(counts), generator=gen, device=device).to(torch.int32)
+    table = torch.zeros(len(spans), max(counts), dtype=torch.int32, device=device)
+    start = 0
+    for row, count in enumerate(counts):
+        table[row, :count] = order[start : start + count]
+        start += count
+    return pool, table
+
+
+def attention_inputs(torch, s: Shapes, device, positions: list[list[int]], mode: str, seed=0):
+    """Arguments of sparse_paged_attention for sequences whose query positions are `positions[b]`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16
+    token_seq = torch.tensor([b for b, ps in enumerate(positions) for _ in ps], dtype=torch.int32, device=device)
+    token_pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.int64, device=device)
+    first_page = [max(0, min(ps) - s.window + 1) // s.page_size for ps in positions]
+    window_kv, window_table = _paged(torch, gen, device, [(f, max(ps) + 1) for f, ps in zip(first_page, positions)],
+                                     s.page_size, s.head_dim, dtype)
+    kwargs = dict(token_seq=token_seq, token_pos=token_pos, window_kv=window_kv, window_block_table=window_table,
+                  window_first_page=torch.tensor(first_page, dtype=torch.int64, device=device), window=s.window)
+    if mode != "window":
+        rate = s.csa_rate if mode == "csa" else s.hca_rate
+        entries = [(max(ps) + 1) // rate for ps in positions]
+        comp_kv, comp_table = _paged(torch, gen, device, [(0, n) for n in entries], s.page_size, s.head_dim, dtype)
+        kwargs.update(comp_kv=comp_kv, comp_block_table=comp_table, compress_rate=rate)
+        if mode == "csa":
+            causal = (token_pos + 1) // rate
+            scores = torch.rand(token_pos.numel(), max(max(entries), s.index_topk), generator=gen, device=device)
+            scores[torch.arange(scores.shape[1], device=device)[None, :] >= causal[:, None]] = -1.0
+            topk = scores.topk(s.index_topk, dim=-1)
+            kwargs["topk_indices"] = torch.where(topk.values >= 0, topk.indices, -1).to(torch.int32)
+    q = torch.randn(token_pos.numel(), s.num_heads, s.head_dim, generator=gen, device=device).to(dtype)
+    sinks = torch.randn(s.num_heads, generator=gen, device=device)
+    return (q, sinks, s.head_dim**-0.5), kwargs
+
+
+def indexer_inputs(torch, s: Shapes, device, positions: list[list[int]], seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.bfloat16
+    token_seq = torch.tensor([b for b, ps in enumerate(positions) for _ in ps], dtype=torch.int32, device=device)
+    token_pos = torch.tensor([p for ps in positions for p in ps], dtype=torch.int64, device=device)
+    index_k, table = _paged(torch, gen, device, [(0, (max(ps) + 1) // s.csa_rate) for ps in positions],
+                            s.page_size, s.index_head_dim, dtype)
+    q = torch.randn(token_pos.numel(), s.index_heads, s.index_head_dim, generator=gen, device=device).to(dtype)
+    weights = torch.randn(token_pos.numel(), s.index_heads, generator=gen, device=device) * s.index_heads**-0.5
+    return (q, weights, s.index_head_dim**-0.5, token_seq, token_pos, index_k, table, s.csa_rate)
+
+
+def moe_weights(torch, s: Shapes, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w_gate_up = torch.empty(s.num_experts, 2 * s.moe_inter, s.hidden, dtype=torch.bfloat16, device=device)
+    w_down = torch.empty(s.num_experts, s.hidden, s.moe_inter, dtype=torch.bfloat16, device=device)
+    for e in range(s.num_experts):  # one expert at a time: no fp32 copy of all the weights
+        w_gate_up[e] = torch.randn(2 * s.moe_inter, s.hidden, generator=gen, device=device) * s.hidden**-0.5
+        w_down[e] = torch.randn(s.hidden, s.moe_inter, generator=gen, device=device) * s.moe_inter**-0.5
+    return w_gate_up, w_down
+
+
+def moe_inputs(torch, s: Shapes, device, num_tokens: int, weights, seed=0):
+    from kernels.moe import route_topk
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(num_tokens, s.hidden, generator=gen, device=device).to(torch.bfloat16)
+    logits = torch.randn(num_tokens, s.num_experts, generator=gen, device=device)
+    topk_ids, topk_weights = route_topk(logits, torch.zeros(s.num_experts, device=device), s.top_k, 2.5)
+    return (x, topk_ids, topk_weights, *weights, 10.0)
+
+
+def decode_positions(s: Shapes, batch: int) -> list[list[int]]:
+    """One query per sequence at ~context, ragged (each a little shorter)."""
+    return [[s.context - 1 - (b * 37) % max(1, s.context // 16)] for b in range(batch)]
+
+
+def prefill_positions(s: Shapes) -> list[list[int]]:
+    """One chunk of prefill_tokens ending at the context (so it has history before it)."""
+    return [list(range(s.context - s.prefill_tokens, s.context))]
+
+
+# --- traffic and work models ------------------------------------------------------------------------------------
+def attention_work(s: Shapes, positions, mode: str) -> tuple[float, float]:
+    """(GB, GFLOP): every key each token attends to read once (bf16), q and out; 4 * H * D flops per key."""
+    keys = 0
+    for ps in positions:
+        for p in ps:
+            keys += min(s.window, p + 1)
+            if mode == "csa":
+                keys += min(s.index_topk, (p + 1) // s.csa_rate)
+            elif mode == "hca":
+                keys += (p + 1) // s.hca_rate
+    tokens = sum(len(ps) for ps in positions)
+    unique_keys = keys if tokens == len(positions) else _prefill_unique_keys(s, positions, mode)
+    gbytes = (unique_keys * s.head_dim + 2 * tokens * s.num_heads * s.head_dim) * 2 / 1e9
+    return gbytes, 4 * s.num_heads * s.head_dim * keys / 1e9
+
+
+def _prefill_unique_keys(s: Shapes, positions, mode):
+    """A chunk's tokens share window and compressed keys: count distinct ones."""
+    lo, hi = min(min(ps) for ps in positions), max(max(ps) for ps in positions)
+    keys = hi - max(0, lo - s.window + 1) + 1
+    if mode == "csa":
+        keys += (hi + 1) // s.csa_rate
+    elif mode == "hca":
+        keys += (hi + 1) // s.hca_rate
+    return keys
+
+
+def indexer_work(s: Shapes, positions) -> tuple[float, float]:
+    entries = [(p + 1) // s.csa_rate for ps in positions for p in ps]
+    distinct = sum(max((p + 1) // s.csa_rate for p in ps) for ps in positions)
+    tokens = len(entries)
+    gbytes = (distinct * s.index_head_dim * 2 + tokens * s.index_heads * (s.index_head_dim * 2 + 4)
+              + sum(entries) * 4) / 1e9
+    return gbytes, 2 * s.index_heads * s.index_head_dim * sum(entries) / 1e9
+
+
+def moe_work(s: Shapes, topk_ids) -> tuple[float, float]:
+    """(GB, GFLOP): weights of every expert used, x in, out; 6 * I * D flops per (token, slot)."""
+    used = int(topk_ids.unique().numel())
+    pairs = topk_ids.numel()
+    gbytes = (used * 3 * s.moe_inter * s.hidden * 2 + 2 * topk_ids.shape[0] * s.hidden * 2) / 1e9
+    return gbytes, 6 * pairs * s.moe_inter * s.hidden / 1e9
+
+
+# --- running ----------------------------------------------------------------------------------------------------
+# (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
+TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2)}
+
+
+def _max_error(torch, actual, expected, atol, rtol) -> float:
+    """max |actual - expected| / (atol + rtol |expected|) over finite entries: <= 1 passes; inf where the
+    -inf / finite pattern differs."""
+    finite = expected.isfinite()
+    if not torch.equal(finite, actual.isfinite()):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    a, e = actual.float()[finite], expected.float()[finite]
+    return ((a - e).abs() / (atol + rtol * e.abs())).max().item()
+
+
+def run_case(torch, timer, kernel, case, triton_fn, reference_fn, args, kwargs, work, options,
+             float_reference=True):
+    """Check triton_fn against reference_fn (on fp32 copies of bf16 inputs if float_reference), then time both."""
+    actual = triton_fn(*args, **kwargs)
+    if float_reference:
+        expected = reference_fn(*_to_float(torch, args), **_to_float(torch, kwargs))
+    else:
+        expected = reference_fn(*args, **kwargs)
+    error = _max_error(torch, actual, expected, *TOLERANCES[kernel])
+    del actual, expected
+    status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
+    ms = timer(lambda: triton_fn(*args, **kwargs))
+    ref_ms = None if options.skip_reference else timer(lambda: reference_fn(*args, **kwargs))
+    result = Result(kernel, case, ms, ref_ms, *work, error)
+    print(f"  {kernel:<10} {case:<24} {ms:9.3f} ms  ref {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
+    return result
+
+
+def _to_float(torch, values):
+    convert = lambda v: v.float() if torch.is_tensor(v) and v.dtype == torch.bfloat16 else v  # noqa: E731
+    if isinstance(values, dict):
+        return {k: convert(v) for k, v in values.items()}
+    return [convert(v) for v in values]
+
+
+def bench_attention(torch, s, device, timer, options):
+    from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
+
+    results = []
+    for mode in ("window", "csa", "hca"):
+        cases = [(f"{mode} decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
+        cases.append((f"{mode} prefill T={s.prefill_tokens}", prefill_positions(s)))
+        for name, positions in cases:
+            args, kwargs = attention_inputs(torch, s, device, positions, mode)
+            results.append(run_case(torch, timer, "attention", name, sparse_paged_attention_triton,
+                                    sparse_paged_attention_reference, args, kwargs,
+                                    attention_work(s, positions, mode), options))
+            del args, kwargs
+    return results
+
+
+def bench_indexer(torch, s, device, timer, options):
+    from kernels.indexer import indexer_scores_reference, indexer_scores_triton
+
+    results = []
+    cases = [(f"decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
+    cases.append((f"prefill T={s.prefill_tokens}", prefill_positions(s)))
+    for name, positions in cases:
+        args = indexer_inputs(torch, s, device, positions)
+        results.append(run_case(torch, timer, "indexer", name, indexer_scores_triton, indexer_scores_reference,
+                                args, {}, indexer_work(s, positions), options))
+    return results
+
+
+def bench_moe(torch, s, device, timer, options):
+    from kernels.moe import fused_moe_reference, fused_moe_triton
+
+    weights = moe_weights(torch, s, device)
+    results = []
+    for num_tokens in [*s.moe_decode_tokens, s.prefill_tokens]:
+        args = moe_inputs(torch, s, device, num_tokens, weights)
+        name = f"{'prefill' if num_tokens == s.prefill_tokens else 'decode'} T={num_tokens}"
+        # the reference on the bf16 inputs: an fp32 copy of all the weights would take 26 GB
+        results.append(run_case(torch, timer, "moe", name, fused_moe_triton, fused_moe_reference, args, {},
+                                moe_work(s, args[1]), options, float_reference=False))
+    return results
+
+
+BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe}
+
+
+def _print_table(rows):
+    print(f"\n{'kernel':<10} {'case':<24} {'ms':>9} {'ref ms':>9} {'x ref':>6} {'GB/s':>8} {'%copy':>6} "
+          f"{'TFLOP/s':>8} {'%mm':>5}")
+    fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+    for r in rows:
+        print(f"{r['kernel']:<10} {r['case']:<24} {fmt(r['ms'], '9.3f')} {fmt(r['reference_ms'], '9.3f')} "
+              f"{fmt(r.get('speedup'), '6.1f')} {fmt(r.get('gbps'), '8.0f')} {fmt(r.get('pct_copy_bw'), '6.1f')} "
+              f"{fmt(r.get('tflops'), '8.1f')} {fmt(r.get('pct_matmul'), '5.1f')}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", default="attention,indexer,moe", help="comma-separated subset")
+    parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
+    parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
+    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    parser.add_argument("--csv", type=Path, help="write the results as CSV")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU only: small shapes, kernels under the Triton interpreter, one timed run")
+    options = parser.parse_args()
+    kernels = [k.strip() for k in options.kernels.split(",") if k.strip()]
+    unknown = set(kernels) - set(BENCHES)
+    if unknown:
+        parser.error(f"unknown kernels {sorted(unknown)}; choose from {sorted(BENCHES)}")
+    if options.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
+        options.repeat = 1
+
+    import torch
+
+    if not options.dry_run and not torch.cuda.is_available():
+        print("bench_kernels.py needs an NVIDIA GPU with a CUDA build of torch (torch.cuda.is_available() is False; "
+              f"torch {torch.__version__}). Use --dry-run to check the script on CPU.", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if options.dry_run else "cuda")
+    shapes = DRY if options.dry_run else FULL
+    timer = Timer(torch, device, options.repeat)
+    copy_gbps, matmul_tflops = measure_device(torch, device, timer)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+    if copy_gbps:
+        print(f"device: {name}; measured copy {copy_gbps:.0f} GB/s, bf16 matmul {matmul_tflops:.0f} TFLOP/s")
+    else:
+        print(f"device: {name}; no bandwidth or matmul baseline")
+
+    results = []
+    for kernel in kernels:
+        results += BENCHES[kernel](torch, shapes, device, timer, options)
+    rows = [r.derived(copy_gbps, matmul_tflops) for r in results]
+    _print_table(rows)
+    meta = dict(device=name, copy_gbps=copy_gbps, matmul_tflops=matmul_tflops, dry_run=options.dry_run,
+                shapes=asdict(shapes))
+    if options.json:
+        options.json.write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
+    if options.csv:
+        with options.csv.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["kernel", "case", "ms", "reference_ms", "speedup", "gbytes", "gflop",
+                                                   "gbps", "pct_copy_bw", "tflops", "pct_matmul", "max_error"])
+            writer.writeheader()
+            writer.writerows(rows)
+    mismatches = [r for r in results if not r.max_error <= 1]
+    for r in mismatches:
+        print(f"MISMATCH {r.kernel} {r.case}: normalised error {r.max_error:.3g}", file=sys.stderr)
+    return 1 if mismatches else 0
+
+if __name__ == "__main__":
+    sys.exit(main())

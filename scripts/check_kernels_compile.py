@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+"""Compile every Triton kernel, in every configuration the engine launches, for Hopper (sm_90), without a GPU.
+
+The launches come from the kernels' own plan functions (`plan_sparse_paged_attention`, `plan_indexer_scores`,
+`plan_fused_moe`) called on meta tensors of each model's shapes, so the tiles, constexprs and argument
+specialisation are exactly what the wrappers would launch. Each is compiled with triton.compile for
+GPUTarget("cuda", 90, 32); registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, shared
+memory from the compiled metadata, wgmma from the PTX.
+
+Exit status 1 when any kernel spills registers (stack or local memory in use) or needs more than 227 KB of
+shared memory; a table of every compiled kernel is printed either way.
+
+  python scripts/check_kernels_compile.py            # all models, all cases
+  python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # kernels must be JIT functions, not interpreted
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from kernels.attention import plan_sparse_paged_attention  # noqa: E402
+from kernels.indexer import plan_indexer_scores  # noqa: E402
+from kernels.moe import plan_fused_moe  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+# Shapes the engine runs. "tiny" is scripts/make_checkpoint.py's TINY_CONFIG (the test model).
+MODELS = [
+    dict(name="v4-flash", head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512,
+         hidden=4096, moe_inter=2048, num_experts=256, top_k=6, window=128, csa_rate=4, hca_rate=128,
+         page_size=64, max_context=65536, decode_batches=[1, 8, 32, 64, 128, 256], prefill_tokens=4096,
+         moe_tokens=[1, 256, 1024, 4096]),
+    dict(name="tiny", head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8,
+         hidden=64, moe_inter=32, num_experts=8, top_k=2, window=128, csa_rate=4, hca_rate=128,
+         page_size=64, max_context=65536, decode_batches=[1, 8, 64], prefill_tokens=512,
+         moe_tokens=[1, 128, 512]),
+]
+QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
+         ("v4-flash", "indexer T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
+         ("tiny", "attention hca prefill T=512")}
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    config: str
+    registers: int
+    shared: int
+    spill_bytes: int  # stack + local memory
+    wgmma: bool
+    seconds: float
+
+    @property
+    def problem(self) -> str:
+        if self.spill_bytes:
+            return f"spills {self.spill_bytes} B"
+        if self.shared > SHARED_LIMIT:
+            return f"shared {self.shared} B > {SHARED_LIMIT} B"
+        return ""
+
+
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def attention_launches(m: dict, mode: str, num_tokens: int):
+    num_seqs = num_tokens if num_tokens <= 256 else 1
+    comp_rate = m["csa_rate"] if mode == "csa" else m["hca_rate"]
+    comp_pages = m["max_context"] // comp_rate // m["page_size"]
+    kwargs = dict(
+        sinks=_meta(m["num_heads"], dtype=torch.float32), scale=m["head_dim"] ** -0.5,
+        token_seq=_meta(num_tokens, dtype=torch.int32), token_pos=_meta(num_tokens, dtype=torch.int64),
+        window_kv=_meta(4096, m["page_size"], m["head_dim"]),
+        window_block_table=_meta(num_seqs, 8 + num_tokens // m["page_size"], dtype=torch.int32),
+        window_first_page=_meta(num_seqs, dtype=torch.int64), window=m["window"])
+    if mode != "window":
+        kwargs.update(comp_kv=_meta(4096, m["page_size"], m["head_dim"]),
+                      comp_block_table=_meta(num_seqs, comp_pages, dtype=torch.int32), compress_rate=comp_rate)
+    if mode == "csa":
+        kwargs["topk_indices"] = _meta(num_tokens, m["index_topk"], dtype=torch.int32)
+    return plan_sparse_paged_attention(_meta(num_tokens, m["num_heads"], m["head_dim"]), **kwargs)[1]
+
+
+def indexer_launches(m: dict, num_tokens: int):
+    num_seqs = num_tokens if num_tokens <= 256 else 1
+    pages = m["max_context"] // m["csa_rate"] // m["page_size"]
+    return plan_indexer_scores(
+        _meta(num_tokens, m["index_heads"], m["index_head_dim"]), _meta(num_tokens, m["index_heads"],
+                                                                       dtype=torch.float32),
+        m["index_head_dim"] ** -0.5, _meta(num_tokens, dtype=torch.int32), _meta(num_tokens, dtype=torch.int64),
+        _meta(4096, m["page_size"], m["index_head_dim"]), _meta(num_seqs, pages, dtype=torch.int32), m["csa_rate"],
+        max_entries=8192 // m["csa_rate"])[1]
+
+
+def moe_launches(m: dict, num_tokens: int):
+    return plan_fused_moe(
+        _meta(num_tokens, m["hidden"]), _meta(num_tokens, m["top_k"], dtype=torch.int64),
+        _meta(num_tokens, m["top_k"], dtype=torch.float32), _meta(m["num_experts"], 2 * m["moe_inter"], m["hidden"]),
+        _meta(m["num_experts"], m["hidden"], m["moe_inter"]), 10.0)[1]
+
+
+def cases() -> list[tuple[str, str, list]]:
+    """(model, case, launches) for every case; launches are (kernel, grid, args, kwargs)."""
+    out = []
+    for m in MODELS:
+        for mode in ("window", "hca", "csa"):
+            for t in m["decode_batches"]:
+                out.append((m["name"], f"attention {mode} decode T={t}", attention_launches(m, mode, t)))
+            t = m["prefill_tokens"]
+            out.append((m["name"], f"attention {mode} prefill T={t}", attention_launches(m, mode, t)))
+        for t in (1, m["prefill_tokens"]):
+            out.append((m["name"], f"indexer T={t}", indexer_launches(m, t)))
+        for t in m["moe_tokens"]:
+            out.append((m["name"], f"moe T={t}", moe_launches(m, t)))
+    return out
+
+
+def _specialise(kernel, args, kwargs):
+    """What JITFunction.run would compile for these arguments: (signature, constexprs, attrs, options)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def _key(kernel, args, kwargs) -> str:
+    signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
+    return repr((kernel.fn.__name__, sorted(signature.items()), sorted(constexprs.items(), key=str),
+                 sorted(attrs.items(), key=str), options.num_warps, options.num_stages))
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], check=True, capture_output=True,
+                              text=True).stdout
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    return {k: int(v) for k, v in (field.split(":") for field in line.split() if ":" in field and "[" not in field)}
+
+
+def compile_case(index: int) -> list[tuple[str, Compiled]]:
+    """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels)."""
+    model, case, launches = cases()[index]
+    results = []
+    for kernel, _grid, args, kwargs in launches:
+        start = time.time()
+        signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
+                                  options=options.__dict__)
+        usage = _resource_usage(compiled.asm["cubin"])
+        tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("IS_SPLIT",
+                                                                                               "COMP_MODE"))
+        config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
+        results.append((_key(kernel, args, kwargs), Compiled(
+            kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
+            spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
+            seconds=time.time() - start)))
+    return results
+
+
+def _unique_cases(selected: list[int], all_cases) -> list[int]:
+    """Drop cases whose launches all compile to kernels an earlier case already covers."""
+    seen, keep = set(), []
+    for i in selected:
+        keys = {_key(k, a, kw) for k, _g, a, kw in all_cases[i][2]}
+        if not keys <= seen:
+            keep.append(i)
+            seen |= keys
+    return keep
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="compile only the CI subset")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
+    options = parser.parse_args()
+
+    all_cases = cases()
+    selected = [i for i, (model, case, _) in enumerate(all_cases) if not options.quick or (model, case) in QUICK]
+    selected = _unique_cases(selected, all_cases)
+    start = time.time()
+    if options.jobs > 1:
+        with ProcessPoolExecutor(options.jobs) as pool:
+            per_case = list(pool.map(compile_case, selected))
+    else:
+        per_case = [compile_case(i) for i in selected]
+    rows, seen = [], set()
+    for key, row in (r for results in per_case for r in results):
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+
+    header = f"{'kernel':<32} {'regs':>4} {'shared':>8} {'spill':>5} {'wgmma':>5} {'s':>5}  config"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r.kernel:<32} {r.registers:>4} {r.shared:>8} {r.spill_bytes:>5} {str(r.wgmma):>5} "
+              f"{r.seconds:>5.1f}  {r.config}")
+    problems = [r for r in rows if r.problem]
+    print(f"\n{len(rows)} kernels compiled for sm_90 in {time.time() - start:.0f} s; "
+          f"{len(problems)} with problems")
+    for r in problems:
+        print(f"FAIL {r.kernel}: {r.problem} ({r.config})")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""fused_moe_triton against fused_moe_reference on CPU under the interpreter, plus the alignment and routing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.moe import fused_moe_reference, fused_moe_triton, moe_align, route_hash, route_topk
+
+# The reference rounds x @ W_gate_up to x's dtype before the SwiGLU; the kernel keeps it in fp32. bf16 compares
+# against the reference in fp32 and includes the interpreter's truncating fp32->bf16 store of h and out.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+LIMIT = 3.0  # small enough that the clamps bite at these scales
+
+
+def make_inputs(num_tokens, num_experts, top_k, hidden, inter, dtype, *, skip_experts=(), seed=0):
+    """Random routing over the experts not in skip_experts (which then get zero tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in skip_experts])
+    picks = torch.stack([torch.randperm(allowed.numel(), generator=gen)[:top_k] for _ in range(num_tokens)])
+    topk_ids = allowed[picks].reshape(num_tokens, top_k).long()
+    topk_weights = torch.rand(num_tokens, top_k, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w_gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 2 * hidden**-0.5).to(dtype)
+    w_down = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(dtype)
+    return x, topk_ids, topk_weights, w_gate_up, w_down
+
+
+def _check(inputs, dtype, **kernel_kwargs):
+    x, ids, weights, w_gate_up, w_down = inputs
+    expected = fused_moe_reference(x.float(), ids, weights, w_gate_up.float(), w_down.float(), LIMIT)
+    actual = fused_moe_triton(x, ids, weights, w_gate_up, w_down, LIMIT, **kernel_kwargs)
+    assert actual.dtype == dtype and actual.shape == x.shape
+    torch.testing.assert_close(actual.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+SMALL_TILES = dict(BLOCK_M=16, gate_up=dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
+                   down=dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_matches_reference(dtype):
+    """Ragged sizes (hidden 40, intermediate 24: partial tiles), experts 2 and 5 with zero tokens,
+    experts with more pairs than one row block."""
+    inputs = make_inputs(23, 8, 3, hidden=40, inter=24, dtype=dtype, skip_experts=(2, 5), seed=1)
+    _check(inputs, dtype, config=SMALL_TILES)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(num_tokens=st.integers(1, 12), num_experts=st.integers(1, 6), top_k=st.integers(1, 3),
+       hidden=st.sampled_from([16, 24, 40]), inter=st.sampled_from([8, 16, 20]), seed=st.integers(0, 100))
+def test_random_shapes(num_tokens, num_experts, top_k, hidden, inter, seed):
+    top_k = min(top_k, num_experts)
+    inputs = make_inputs(num_tokens, num_experts, top_k, hidden, inter, torch.float32, seed=seed)
+    _check(inputs, torch.float32, config=SMALL_TILES)
+
+
+def test_per_pair_output_and_default_tiles():
+    inputs = make_inputs(5, 6, 2, hidden=64, inter=32, dtype=torch.float32, skip_experts=(0,), seed=2)
+    _check(inputs, torch.float32, per_pair_output=True)
+    _check(inputs, torch.float32)
+
+
+def test_every_pair_on_one_expert():
+    inputs = make_inputs(20, 4, 1, hidden=32, inter=16, dtype=torch.float32, skip_experts=(0, 1, 3), seed=3)
+    _check(inputs, torch.float32, config=SMALL_TILES)
+
+
+def test_no_tokens():
+    x, ids, weights, w_gate_up, w_down = make_inputs(2, 4, 2, hidden=32, inter=16, dtype=torch.float32)
+    out = fused_moe_triton(x[:0], ids[:0], weights[:0], w_gate_up, w_down, LIMIT)
+    assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_align_groups_pairs_by_expert(block_m):
+    gen = torch.Generator().manual_seed(4)
+    num_experts, topk_ids = 9, torch.randint(0, 7, (13, 3), generator=gen)  # experts 7 and 8 unused
+    sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
+    flat, num_pairs = topk_ids.reshape(-1), topk_ids.numel()
+    rows = sorted_pairs.view(-1, block_m)
+    assert sorted(p for p in sorted_pairs.tolist() if p < num_pairs) == list(range(num_pairs))
+    for block, expert in enumerate(block_expert.tolist()):
+        pairs = rows[block][rows[block] < num_pairs]
+        if expert < 0:
+            assert pairs.numel() == 0
+        else:
+            assert pairs.numel() > 0 and (flat[pairs.long()] == expert).all()
+    used = block_expert[block_expert >= 0]
+    assert (used[1:] >= used[:-1]).all() and not ((used == 7) | (used == 8)).any()
+
+
+def test_align_bound_is_tight():
+    """Every expert with block_m + 1 pairs needs exactly the 2 * E blocks the shape-only bound allows."""
+    num_experts, block_m = 5, 4
+    order = torch.randperm(25, generator=torch.Generator().manual_seed(7))
+    topk_ids = torch.arange(num_experts).repeat_interleave(block_m + 1)[order].view(25, 1)
+    sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
+    assert block_expert.tolist() == [e for e in range(num_experts) for _ in range(2)]
+    assert (sorted_pairs < 25).sum() == 25
+
+
+def test_route_topk_matches_the_model_definition():
+    gen = torch.Generator().manual_seed(5)
+    logits, bias = torch.randn(6, 16, generator=gen), torch.randn(16, generator=gen) * 0.1
+    ids, weights = route_topk(logits, bias, 4, 1.5)
+    scores = F.softplus(logits).sqrt()
+    expected_ids = torch.topk(scores + bias, 4, dim=-1).indices
+    assert torch.equal(ids.sort(dim=-1).values, expected_ids.sort(dim=-1).values)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, scores.gather(1, ids) / scores.gather(1, ids).sum(-1, keepdim=True) * 1.5)
+
+
+def test_route_hash_takes_experts_from_the_table():
+    gen = torch.Generator().manual_seed(6)
+    tid2eid = torch.stack([torch.randperm(16, generator=gen)[:3] for _ in range(50)])
+    input_ids = torch.randint(0, 50, (7,), generator=gen)
+    logits = torch.randn(7, 16, generator=gen)
+    ids, weights = route_hash(logits, tid2eid, input_ids, 2.0)
+    assert torch.equal(ids, tid2eid[input_ids])
+    torch.testing.assert_close(weights.sum(-1), torch.full((7,), 2.0))
