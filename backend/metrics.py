@@ -1,0 +1,111 @@
+"""Serving metrics, exported through Triton's custom-metrics API (`pb_utils.MetricFamily`).
+
+The adapter passes the `triton_python_backend_utils` module in, so this file imports nothing from
+tritonserver and can be tested with a fake. Families (all labelled with `model`):
+
+    dsv4_time_to_first_token_seconds   histogram  arrival -> first generated token leaves
+    dsv4_inter_token_latency_seconds   histogram  gap between consecutive outputs with tokens
+    dsv4_requests_finished_total       counter    by finish_reason (stop|length|cancelled|error)
+    dsv4_engine_steps_total            counter    by kind (engine.stats()["steps_by_kind"])
+    dsv4_decode_stalls_total           counter    engine.stats()["decode_stalls"]
+    dsv4_preemptions_total             counter    engine.stats()["num_preemptions"]
+    dsv4_longest_prefill_streak        gauge      consecutive prefill steps, the longest seen
+    dsv4_num_requests_running          gauge
+    dsv4_num_requests_waiting          gauge
+    dsv4_pool_usage_ratio              gauge      by pool, fraction of its pages in use
+    dsv4_pool_pages_used               gauge      by pool
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+@dataclass
+class RequestTimer:
+    """Per-request clock: the first output with tokens is a TTFT, each later one an ITL."""
+
+    start: float = field(default_factory=time.monotonic)
+    last: float | None = None
+
+    def tick(self, now: float | None = None) -> tuple[str, float]:
+        now = time.monotonic() if now is None else now
+        kind, since = ("ttft", self.start) if self.last is None else ("itl", self.last)
+        self.last = now
+        return kind, now - since
+
+
+class ServingMetrics:
+    """Owns the metric families; `update(stats)` mirrors `engine.stats()` into them."""
+
+    def __init__(self, pb_utils, model_name: str) -> None:
+        family = pb_utils.MetricFamily
+        self._labels = {"model": model_name}
+        self._families = {
+            name: family(name=name, description=description, kind=getattr(family, kind))
+            for name, description, kind in (
+                ("dsv4_time_to_first_token_seconds", "Time from arrival to the first generated token", "HISTOGRAM"),
+                ("dsv4_inter_token_latency_seconds", "Time between consecutive token outputs", "HISTOGRAM"),
+                ("dsv4_requests_finished_total", "Finished requests by finish reason", "COUNTER"),
+                ("dsv4_engine_steps_total", "Engine steps by kind", "COUNTER"),
+                ("dsv4_decode_stalls_total", "Steps that left a runnable decode unscheduled", "COUNTER"),
+                ("dsv4_preemptions_total", "Requests preempted (recomputed) for lack of memory", "COUNTER"),
+                ("dsv4_longest_prefill_streak", "Longest run of consecutive prefill steps", "GAUGE"),
+                ("dsv4_num_requests_running", "Requests running in the engine", "GAUGE"),
+                ("dsv4_num_requests_waiting", "Requests waiting in the engine", "GAUGE"),
+                ("dsv4_pool_usage_ratio", "Fraction of a memory pool's pages in use", "GAUGE"),
+                ("dsv4_pool_pages_used", "Pages in use in a memory pool", "GAUGE"),
+            )
+        }
+        self._metrics: dict[tuple, object] = {}
+        self._counted: dict[tuple, float] = {}  # last cumulative value seen, per counter series
+        self.ttft = self._metric("dsv4_time_to_first_token_seconds", buckets=TTFT_BUCKETS)
+        self.itl = self._metric("dsv4_inter_token_latency_seconds", buckets=ITL_BUCKETS)
+
+    def _metric(self, family: str, buckets: list[float] | None = None, **labels: str):
+        key = (family, tuple(sorted(labels.items())))
+        if key not in self._metrics:
+            all_labels = {**self._labels, **labels}
+            extra = {"buckets": buckets} if buckets else {}
+            self._metrics[key] = self._families[family].Metric(labels=all_labels, **extra)
+        return self._metrics[key]
+
+    def on_tokens(self, timer: RequestTimer) -> None:
+        kind, seconds = timer.tick()
+        (self.ttft if kind == "ttft" else self.itl).observe(seconds)
+
+    def on_finished(self, finish_reason: str) -> None:
+        self._metric("dsv4_requests_finished_total", finish_reason=str(finish_reason)).increment(1)
+
+    def update(self, stats: dict) -> None:
+        """Mirror one `engine.stats()` snapshot; counters advance by the change since the last one."""
+        for kind, count in stats.get("steps_by_kind", {}).items():
+            self._advance("dsv4_engine_steps_total", count, kind=str(kind))
+        counters = (("dsv4_decode_stalls_total", "decode_stalls"), ("dsv4_preemptions_total", "num_preemptions"))
+        for family, key in counters:
+            if key in stats:
+                self._advance(family, stats[key])
+        gauges = (
+            ("dsv4_longest_prefill_streak", "longest_prefill_streak"),
+            ("dsv4_num_requests_running", "num_running"),
+            ("dsv4_num_requests_waiting", "num_waiting"),
+        )
+        for family, key in gauges:
+            if key in stats:
+                self._metric(family).set(float(stats[key]))
+        for pool, fraction in stats.get("pool_usage", {}).items():
+            self._metric("dsv4_pool_usage_ratio", pool=str(pool)).set(float(fraction))
+        for pool, pages in stats.get("pages_used", {}).items():
+            self._metric("dsv4_pool_pages_used", pool=str(pool)).set(float(pages))
+
+    def _advance(self, family: str, cumulative: float, **labels: str) -> None:
+        key = (family, tuple(sorted(labels.items())))
+        delta = float(cumulative) - self._counted.get(key, 0.0)
+        metric = self._metric(family, **labels)  # created at 0 so the series shows up at once
+        if delta > 0:
+            metric.increment(delta)
+        self._counted[key] = float(cumulative)

@@ -1,0 +1,367 @@
+"""Request parsing and response building for the Triton adapter (model_repository/dsv4/1/model.py).
+
+Nothing here imports tritonserver: a request is a dict of numpy arrays (input name -> array, as
+`pb_utils.get_input_tensor_by_name(...).as_numpy()` gives them) plus the request's JSON parameters,
+and a response is a dict of numpy arrays. Every malformed request raises `ValueError` with a
+message meant for the client.
+
+The interface follows Triton's vLLM backend so genai-perf and perf_analyzer work unchanged:
+- exactly one of `text_input` (STRING [1]) and `input_ids` (INT32 [-1]);
+- `sampling_parameters` (STRING [1]): a JSON object; when absent, the request's own parameters
+  (`request.parameters()`, e.g. the `parameters` object of an HTTP generate call) are used instead;
+- `max_tokens` (INT32 [1]) may also come as an input (TRT-LLM style);
+- `stream` (BOOL [1]) and `exclude_input_in_output` (BOOL [1]); when not streaming the prompt text
+  is prepended to `text_output` unless `exclude_input_in_output` is true; streaming never repeats it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from backend.request import FinishReason, SamplingParams
+
+INPUT_NAMES = (
+    "text_input",
+    "input_ids",
+    "max_tokens",
+    "stream",
+    "sampling_parameters",
+    "exclude_input_in_output",
+    "priority",
+)
+OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+
+# sampling_parameters keys -> the type each accepts. Numbers may also come as numeric strings
+# (genai-perf sends "max_tokens": "128").
+_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens")
+_FLOAT_KEYS = ("temperature", "top_p", "min_p")
+SAMPLING_KEYS = frozenset(_INT_KEYS + _FLOAT_KEYS + ("stop", "stop_token_ids", "ignore_eos"))
+# Request-level parameters that are not sampling parameters: `stream` (as in the vLLM backend's
+# HTTP example) and Triton's own `triton_*` keys (e.g. triton_enable_empty_final_response).
+_REQUEST_ONLY_KEYS = frozenset({"stream"})
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the served engine accepts; built once from the engine and its config."""
+
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens_limit: int
+
+
+class ParsedRequest(NamedTuple):
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+    priority: int
+    prompt_text: str  # the text prompt, or the decoded ids (prepended when not excluded)
+
+
+def parse_request(
+    inputs: Mapping[str, np.ndarray],
+    tokenizer,
+    limits: RequestLimits,
+    request_parameters: str | Mapping[str, Any] | None = None,
+) -> ParsedRequest:
+    """Validate one request's tensors; raise ValueError with a client-facing message."""
+    unknown = sorted(set(inputs) - set(INPUT_NAMES))
+    if unknown:
+        raise ValueError(f"unknown input(s) {unknown}; expected some of {list(INPUT_NAMES)}")
+    prompt_ids, prompt_text = _parse_prompt(inputs, tokenizer, limits)
+
+    request_params = _load_request_parameters(request_parameters)
+    stream = _optional_bool(inputs, "stream")
+    if "stream" in request_params:
+        param_stream = request_params["stream"]
+        if not isinstance(param_stream, bool):
+            raise ValueError(f"parameter 'stream' must be a boolean, got {param_stream!r}")
+        if stream is not None and stream != param_stream:
+            raise ValueError("the 'stream' input and the 'stream' parameter disagree")
+        stream = param_stream
+    stream = bool(stream)
+
+    exclude = _optional_bool(inputs, "exclude_input_in_output")
+    if stream and exclude is False:
+        raise ValueError("exclude_input_in_output=false is not supported when streaming")
+    exclude = stream if exclude is None else exclude
+
+    sampling = _parse_sampling(inputs, request_params, limits)
+    priority = _optional_int(inputs, "priority")
+    return ParsedRequest(
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        stream=stream,
+        exclude_input_in_output=exclude,
+        priority=0 if priority is None else priority,
+        prompt_text=prompt_text,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The prompt.
+
+
+def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, limits: RequestLimits) -> tuple[list[int], str]:
+    has_text, has_ids = "text_input" in inputs, "input_ids" in inputs
+    if has_text == has_ids:
+        raise ValueError("give exactly one of 'text_input' and 'input_ids'" + (" (got both)" if has_text else ""))
+    if has_text:
+        text = _single_string(inputs["text_input"], "text_input")
+        if not text:
+            raise ValueError("text_input is empty")
+        ids = list(tokenizer.encode(text).ids)
+        if not ids:
+            raise ValueError("text_input tokenizes to no tokens")
+    else:
+        ids = _token_ids(inputs["input_ids"], limits.vocab_size)
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+    if len(ids) > limits.max_prompt_tokens:
+        raise ValueError(f"prompt has {len(ids)} tokens; at most {limits.max_prompt_tokens} are allowed")
+    return ids, text
+
+
+def _single_string(array: np.ndarray, name: str) -> str:
+    array = np.asarray(array)
+    if array.dtype.kind not in ("O", "S", "U"):
+        raise ValueError(f"{name} must be a STRING (BYTES) tensor, got dtype {array.dtype}")
+    if array.size != 1:
+        raise ValueError(f"{name} must hold exactly one string, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, (bytes, np.bytes_)):
+        raise ValueError(f"{name} must hold bytes, got {type(value).__name__}")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _token_ids(array: np.ndarray, vocab_size: int) -> list[int]:
+    array = np.asarray(array)
+    if array.dtype.kind not in ("i", "u"):
+        raise ValueError(f"input_ids must be an INT32 tensor, got dtype {array.dtype}")
+    if array.ndim != 1:
+        raise ValueError(f"input_ids must be one-dimensional, got shape {list(array.shape)}")
+    if array.size == 0:
+        raise ValueError("input_ids is empty")
+    bad = array[(array < 0) | (array >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5].tolist()}")
+    return [int(t) for t in array]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scalars.
+
+
+def _scalar(inputs: Mapping[str, np.ndarray], name: str, kinds: str, type_name: str):
+    if name not in inputs:
+        return None
+    array = np.asarray(inputs[name])
+    if array.dtype.kind not in kinds:
+        raise ValueError(f"{name} must be a {type_name} tensor, got dtype {array.dtype}")
+    if array.size != 1:
+        raise ValueError(f"{name} must hold exactly one value, got shape {list(array.shape)}")
+    return array.reshape(-1)[0].item()
+
+
+def _optional_bool(inputs: Mapping[str, np.ndarray], name: str) -> bool | None:
+    return _scalar(inputs, name, "b", "BOOL")
+
+
+def _optional_int(inputs: Mapping[str, np.ndarray], name: str) -> int | None:
+    return _scalar(inputs, name, "iu", "INT32")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters.
+
+
+def _load_request_parameters(raw: str | Mapping[str, Any] | None) -> dict[str, Any]:
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, Mapping):
+        params = dict(raw)
+    else:
+        try:
+            params = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"request parameters are not valid JSON: {exc}") from None
+        if not isinstance(params, dict):
+            raise ValueError("request parameters must be a JSON object")
+    return {k: v for k, v in params.items() if not k.startswith("triton_")}
+
+
+def _parse_sampling(
+    inputs: Mapping[str, np.ndarray], request_params: dict[str, Any], limits: RequestLimits
+) -> SamplingParams:
+    if "sampling_parameters" in inputs:
+        raw = _single_string(inputs["sampling_parameters"], "sampling_parameters")
+        try:
+            params = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(params, dict):
+            raise ValueError("sampling_parameters must be a JSON object")
+        where = "sampling_parameters"
+    else:
+        params = {k: v for k, v in request_params.items() if k not in _REQUEST_ONLY_KEYS}
+        where = "request parameters"
+    unknown = sorted(set(params) - SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
+
+    kwargs: dict[str, Any] = {}
+    for key in _INT_KEYS:
+        if key in params:
+            kwargs[key] = _as_int(params[key], key)
+    for key in _FLOAT_KEYS:
+        if key in params:
+            kwargs[key] = _as_float(params[key], key)
+    if "stop" in params:
+        kwargs["stop"] = _as_stop(params["stop"])
+    if "stop_token_ids" in params:
+        kwargs["stop_token_ids"] = _as_token_list(params["stop_token_ids"], limits.vocab_size)
+    if "ignore_eos" in params:
+        if not isinstance(params["ignore_eos"], bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {params['ignore_eos']!r}")
+        kwargs["ignore_eos"] = params["ignore_eos"]
+
+    input_max_tokens = _optional_int(inputs, "max_tokens")
+    if input_max_tokens is not None:
+        if "max_tokens" in kwargs and kwargs["max_tokens"] != input_max_tokens:
+            raise ValueError(
+                f"the max_tokens input ({input_max_tokens}) and max_tokens in {where} ({kwargs['max_tokens']}) disagree"
+            )
+        kwargs["max_tokens"] = input_max_tokens
+    _apply_min_tokens(kwargs)
+
+    sampling = SamplingParams(**kwargs)
+    sampling.validate(max_tokens_limit=limits.max_tokens_limit)
+    return sampling
+
+
+def _apply_min_tokens(kwargs: dict[str, Any]) -> None:
+    """genai-perf's deterministic output length sends min_tokens == max_tokens: that is ignore_eos."""
+    min_tokens = kwargs.pop("min_tokens", None)
+    if min_tokens is None or min_tokens == 0:
+        return
+    max_tokens = kwargs.get("max_tokens", SamplingParams().max_tokens)
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens}")
+    if min_tokens < max_tokens or kwargs.get("stop") or kwargs.get("stop_token_ids"):
+        raise ValueError(
+            "min_tokens is only supported as min_tokens >= max_tokens without stop/stop_token_ids "
+            "(it then means ignore_eos=true)"
+        )
+    kwargs["ignore_eos"] = True
+
+
+def _as_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"{key} must be an integer, got {value!r}")
+
+
+def _as_float(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return number
+
+
+def _as_stop(value: Any) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {value!r}")
+    return stops
+
+
+def _as_token_list(value: Any, vocab_size: int) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses.
+
+
+def response_arrays(
+    text: str, token_ids: list[int], finish_reason: FinishReason | None, num_input_tokens: int
+) -> dict[str, np.ndarray]:
+    """The output tensors of one response (names as in config.pbtxt)."""
+    reason = "" if finish_reason is None else FinishReason(finish_reason).value
+    return {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(-1),
+        "finish_reason": np.array([reason.encode("utf-8")], dtype=np.object_),
+        "num_input_tokens": np.array([num_input_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([len(token_ids)], dtype=np.int32),
+    }
+
+
+@dataclass
+class ResponseBuilder:
+    """Turns a request's stream of engine `RequestOutput`s into the responses to send.
+
+    Streaming: one response per non-empty text delta; token ids whose text is still incomplete
+    (a split UTF-8 character) wait for the next delta, so the ids of all responses concatenate to
+    the generated ids. Not streaming: one response with the whole text (prompt first unless
+    `exclude_input_in_output`). The response that carries `finished` also carries `finish_reason`.
+    """
+
+    request: ParsedRequest
+    _pending_ids: list[int] = field(default_factory=list)
+    _pending_text: list[str] = field(default_factory=list)
+
+    def on_output(self, output) -> dict[str, np.ndarray] | None:
+        """Arrays of the response to send for `output`, or None when nothing is to be sent yet."""
+        self._pending_ids.extend(output.new_token_ids)
+        self._pending_text.append(output.new_text)
+        if not output.finished and (not self.request.stream or not output.new_text):
+            return None
+        text = "".join(self._pending_text)
+        if not self.request.stream and not self.request.exclude_input_in_output:
+            text = self.request.prompt_text + text
+        arrays = response_arrays(
+            text, self._pending_ids, output.finish_reason if output.finished else None, output.num_input_tokens
+        )
+        self._pending_ids, self._pending_text = [], []
+        return arrays
+
+
+def to_numpy_inputs(names: list[str], get_tensor: Callable[[str], Any]) -> dict[str, np.ndarray]:
+    """Collect the present inputs: `get_tensor(name)` returns an object with `.as_numpy()`, or None."""
+    arrays = {}
+    for name in names:
+        tensor = get_tensor(name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Serve the model repository with tritonserver on 127.0.0.1 (Ctrl-C stops it).
+#   bash scripts/serve.sh [--model-repository DIR] [--http-port P] [--grpc-port P] [--metrics-port P]
+#                         [-- EXTRA_TRITONSERVER_FLAGS...]
+# Defaults: model_repository/ of this checkout, ports 8000 (HTTP) / 8001 (gRPC) / 8002 (metrics).
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODEL_REPOSITORY="$REPO_ROOT/model_repository"
+HTTP_PORT=8000
+GRPC_PORT=8001
+METRICS_PORT=8002
+EXTRA=()
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model-repository) MODEL_REPOSITORY="$2"; shift 2 ;;
+    --http-port) HTTP_PORT="$2"; shift 2 ;;
+    --grpc-port) GRPC_PORT="$2"; shift 2 ;;
+    --metrics-port) METRICS_PORT="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "serve.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+MODEL_REPOSITORY="$(cd "$MODEL_REPOSITORY" && pwd)"
+
+bash "$REPO_ROOT/scripts/setup.sh"
+# shellcheck source=scripts/env.sh
+source "$REPO_ROOT/scripts/env.sh"
+
+echo "[serve] tritonserver: model repository $MODEL_REPOSITORY;" \
+  "HTTP 127.0.0.1:$HTTP_PORT, gRPC 127.0.0.1:$GRPC_PORT, metrics 127.0.0.1:$METRICS_PORT"
+exec "$TRITON_BIN" \
+  --model-repository="$MODEL_REPOSITORY" \
+  --backend-directory="$TRITON_BACKEND_DIR" \
+  --http-address=127.0.0.1 --http-port="$HTTP_PORT" \
+  --grpc-address=127.0.0.1 --grpc-port="$GRPC_PORT" \
+  --metrics-address=127.0.0.1 --metrics-port="$METRICS_PORT" \
+  --allow-gpu-metrics=false \
+  --pinned-memory-pool-byte-size=0 \
+  --exit-timeout-secs=10 \
+  "${EXTRA[@]}"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# THE test command: set up (idempotent), then run the whole suite with the venv.
+#   bash scripts/test.sh [PYTEST_ARGS...]     (default: tests/ -q)
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO_ROOT"
+bash scripts/setup.sh
+# shellcheck source=scripts/env.sh
+source scripts/env.sh
+
+args=("$@")
+[ ${#args[@]} -gt 0 ] || args=(tests/ -q)
+set +e
+python -m pytest "${args[@]}"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "[test] pytest collected no tests: treated as a failure" >&2
+  exit 1
+fi
+exit "$rc"

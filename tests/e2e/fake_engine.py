@@ -1,0 +1,122 @@
+"""A stand-in for backend.engine.LLMEngine with the same interface, for testing the Triton adapter
+(model_repository/dsv4/1/model.py) fast and deterministically.
+
+tests/e2e/conftest.py lays out a repo root whose backend/ holds the real config, request,
+triton_io and metrics modules plus this file as backend/engine.py.
+
+Tokens are bytes (vocab 256). Generation is deterministic: the i-th output token is
+`ord('a') + (sum(prompt) + i) % 26`, one token per request per step, STEP_S per step. A prompt
+containing "NOFIT" is refused by submit(); "é" in the prompt makes every token a UTF-8 "é" split
+over two steps. Each running request holds one page in pool "window".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from backend.request import FinishReason, Sequence
+
+STEP_S = 0.01
+
+
+class ByteTokenizer:
+    @dataclass
+    class Encoding:
+        ids: list[int]
+
+    def encode(self, text: str) -> "ByteTokenizer.Encoding":
+        return self.Encoding(list(text.encode("utf-8")))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_input_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+def expected_ids(prompt_ids: list[int], max_tokens: int) -> list[int]:
+    if 0xC3 in prompt_ids:  # "é"
+        return [0xC3, 0xA9] * (max_tokens // 2) + [0xC3] * (max_tokens % 2)
+    return [ord("a") + (sum(prompt_ids) + i) % 26 for i in range(max_tokens)]
+
+
+class LLMEngine:
+    def __init__(self, config):
+        self.config = config
+        self.tokenizer = ByteTokenizer()
+        self.vocab_size = 256
+        self.max_prompt_tokens = 64
+        self._lock = threading.Lock()
+        self._running: dict[str, tuple[Sequence, object]] = {}
+        self._aborted: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
+        self._steps = 0
+
+    def start(self):
+        self._thread.start()
+
+    def shutdown(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def submit(self, seq: Sequence, on_output) -> None:
+        if b"NOFIT" in bytes(seq.prompt_ids):
+            raise ValueError("request can never fit: prompt asks for NOFIT")
+        with self._lock:
+            self._running[seq.request_id] = (seq, on_output)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborted.add(request_id)
+
+    def stats(self) -> dict:
+        with self._lock:
+            used = len(self._running)
+            return {
+                "steps_by_kind": {"decode": self._steps},
+                "longest_prefill_streak": 0,
+                "decode_stalls": 0,
+                "num_running": used,
+                "num_waiting": 0,
+                "pool_usage": {"window": used / 64},
+                "pages_used": {"window": used},
+            }
+
+    def _loop(self):
+        while not self._stop.is_set():
+            time.sleep(STEP_S)
+            with self._lock:
+                items = list(self._running.items())
+                aborted, self._aborted = self._aborted, set()
+            if items:
+                self._steps += 1
+            for request_id, (seq, on_output) in items:
+                output = self._advance(seq, request_id in aborted)
+                if output.finished:
+                    with self._lock:
+                        self._running.pop(request_id, None)
+                on_output(output)
+
+    def _advance(self, seq: Sequence, aborted: bool) -> RequestOutput:
+        n_in = len(seq.prompt_ids)
+        if aborted:
+            return RequestOutput(seq.request_id, [], "", True, FinishReason.CANCELLED, n_in, len(seq.output_ids))
+        token = expected_ids(seq.prompt_ids, len(seq.output_ids) + 1)[-1]
+        seq.output_ids.append(token)
+        before = bytes(seq.output_ids[:-1]).decode("utf-8", errors="ignore")
+        after = bytes(seq.output_ids).decode("utf-8", errors="ignore")
+        finished = len(seq.output_ids) >= seq.sampling.max_tokens
+        reason = FinishReason.LENGTH if finished else None
+        return RequestOutput(seq.request_id, [token], after[len(before):], finished, reason, n_in, len(seq.output_ids))

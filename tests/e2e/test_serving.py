@@ -1,0 +1,210 @@
+"""The real engine served by a real tritonserver, checked against scripts/generate.py (offline).
+
+At temperature 0 the served tokens must equal the offline engine's, whatever the transport
+(gRPC streaming, HTTP generate, HTTP generate_stream) and however many requests share a batch.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from .conftest import CHECKPOINT
+from .triton_helpers import (
+    REPO_ROOT,
+    GrpcStreams,
+    as_list,
+    grpc_inputs,
+    http_generate,
+    http_generate_stream,
+    server_env,
+)
+
+MAX_TOKENS = 8
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox",
+    "a",
+    "DeepSeek V4 serving test",
+    "Once upon a time, in a land far away,",
+    "1 2 3 4 5",
+    "def main():",
+    "Triton Inference Server",
+    "The capital of France is",
+    "zzz",
+    "Paged attention keeps memory in pages.",
+    "Q: what is 2+2? A:",
+    "lorem ipsum dolor sit amet",
+    "\u00e9t\u00e9 caf\u00e9",
+    "x" * 40,
+    "Many requests share one batch",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """scripts/generate.py's output for every prompt, at temperature 0."""
+    prompts_file = tmp_path_factory.mktemp("prompts") / "prompts.json"
+    prompts_file.write_text(json.dumps(PROMPTS))
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT),
+           "--prompts-file", str(prompts_file), "--max-tokens", str(MAX_TOKENS), "--device", "cpu"]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, env=server_env())
+    results = json.loads(done.stdout)
+    assert len(results) == len(PROMPTS)
+    return dict(zip(PROMPTS, results))
+
+
+def stream_all(server, prompts, max_tokens=MAX_TOKENS):
+    streams = GrpcStreams(server.grpc_url)
+    try:
+        ids = [f"p{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            streams.send(rid, grpc_inputs(prompt, max_tokens))
+        results = streams.wait(ids, timeout=180)
+    finally:
+        streams.close()
+    return [results[rid] for rid in ids]
+
+
+def test_grpc_streaming_matches_offline_generation(server, reference):
+    prompt = PROMPTS[0]
+    (res,) = stream_all(server, [prompt])
+    expected = reference[prompt]
+    assert res.error is None
+    assert res.ids == expected["output_ids"]
+    assert res.text == expected["text"]
+    assert res.finish_reason == expected["finish_reason"]
+    assert res.num_finals == 1
+
+
+def test_sixteen_concurrent_streams_all_complete_correctly(server, reference):
+    results = stream_all(server, PROMPTS)
+    for prompt, res in zip(PROMPTS, results):
+        expected = reference[prompt]
+        assert res.error is None, (prompt, res.error)
+        assert (res.ids, res.text, res.finish_reason) == (
+            expected["output_ids"], expected["text"], expected["finish_reason"]), prompt
+        assert res.num_finals == 1
+
+
+def test_http_generate_matches_offline_generation(server, reference):
+    prompt = PROMPTS[1]
+    body = {"text_input": prompt, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({"temperature": 0})}
+    status, out = http_generate(server, body)
+    assert status == 200, out
+    assert as_list(out["output_ids"]) == reference[prompt]["output_ids"]
+    assert out["text_output"] == reference[prompt]["text"]
+    assert out["finish_reason"] == reference[prompt]["finish_reason"]
+
+
+def test_http_generate_stream_matches_offline_generation(server, reference):
+    prompt = PROMPTS[2]
+    events = http_generate_stream(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "stream": True})
+    assert [t for e in events for t in as_list(e["output_ids"])] == reference[prompt]["output_ids"]
+    assert "".join(e["text_output"] for e in events) == reference[prompt]["text"]
+    assert events[-1]["finish_reason"] == reference[prompt]["finish_reason"]
+
+
+def _wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_cancelling_a_stream_frees_its_pages(server):
+    def pages_used():
+        return sum(server.metric_values("dsv4_pool_pages_used").values())
+
+    def cancelled():
+        return server.metric_values("dsv4_requests_finished_total").get('{finish_reason="cancelled",model="dsv4"}', 0)
+
+    assert _wait_for(lambda: pages_used() == 0), "pages in use before the test"
+    before = cancelled()
+    streams = GrpcStreams(server.grpc_url)
+    streams.send("long", grpc_inputs("tell me a very long story", max_tokens=4000,
+                                     sampling={"temperature": 0, "ignore_eos": True}))
+    deadline = time.monotonic() + 60
+    while streams.results["long"].num_responses < 3 and time.monotonic() < deadline:
+        streams._take(timeout=60)
+    assert streams.results["long"].num_finals == 0, "finished before it could be cancelled"
+    assert _wait_for(lambda: pages_used() > 0)
+    streams.close(cancel=True)
+    assert _wait_for(lambda: pages_used() == 0), server.metrics_text()
+    assert _wait_for(lambda: cancelled() == before + 1)
+    assert _wait_for(lambda: sum(server.metric_values("dsv4_num_requests_running").values()) == 0)
+
+
+def _vocab_size() -> int:
+    return json.loads((CHECKPOINT / "config.json").read_text())["vocab_size"]
+
+
+def _bad_requests() -> dict:
+    vocab = _vocab_size()
+    text = lambda b: np.array([b], dtype=np.object_)  # noqa: E731
+    return {
+        "empty prompt": ("", {}),
+        "non-utf8": ("x", {"text_input": text(b"\xc3\x28")}),
+        "out-of-vocab ids": ([1, vocab], {}),
+        "prompt too long": ([5] * 100_000, {}),
+        "zero max_tokens": ("hi", {"max_tokens": np.array([0], np.int32)}),
+        "absurd max_tokens": ("hi", {"max_tokens": np.array([2**31 - 1], np.int32)}),
+        "malformed json": ("hi", {"sampling_parameters": text(b'{"temperature": ')}),
+        "unknown key": ("hi", {"sampling_parameters": text(b'{"beam_width": 4}')}),
+        "out-of-range top_p": ("hi", {"sampling_parameters": text(b'{"top_p": 1.5}')}),
+        "wrong dtype": ("hi", {"max_tokens": np.array([1.0], np.float32)}),
+    }
+
+
+def test_bad_inputs_get_errors_while_a_good_stream_completes(server, reference):
+    prompt = PROMPTS[3]
+    good = GrpcStreams(server.grpc_url)
+    good.send("good", grpc_inputs(prompt, MAX_TOKENS))
+    errors = {}
+
+    def send_bad(name, prompt_and_extra):
+        bad_prompt, extra = prompt_and_extra
+        streams = GrpcStreams(server.grpc_url)
+        try:
+            streams.send(name, grpc_inputs(bad_prompt, 4, extra=extra))
+            errors[name] = streams.wait([name], timeout=60)[name].error
+        except Exception as exc:  # e.g. Triton refusing a wrong dtype before the model sees it
+            errors[name] = f"client-side: {exc}"
+        finally:
+            streams.close()
+
+    threads = [threading.Thread(target=send_bad, args=item) for item in _bad_requests().items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    res = good.wait(["good"], timeout=120)["good"]
+    good.close()
+    assert res.error is None and res.ids == reference[prompt]["output_ids"]
+    missing = [name for name in _bad_requests() if not errors.get(name)]
+    assert not missing, f"no error response for {missing}: {errors}"
+    assert "max_tokens" in errors["zero max_tokens"] and "vocabulary" in errors["out-of-vocab ids"]
+    assert server.is_ready()
+    (after,) = stream_all(server, [prompt])
+    assert after.ids == reference[prompt]["output_ids"]
+
+
+def test_metrics_endpoint(server):
+    stream_all(server, [PROMPTS[4]])
+    text = server.metrics_text()
+    for family in ("dsv4_time_to_first_token_seconds", "dsv4_inter_token_latency_seconds",
+                   "dsv4_requests_finished_total", "dsv4_engine_steps_total", "dsv4_longest_prefill_streak",
+                   "dsv4_num_requests_running", "dsv4_num_requests_waiting", "dsv4_pool_usage_ratio",
+                   "dsv4_pool_pages_used"):
+        assert f"# TYPE {family}" in text, family
+    assert server.metric_values("dsv4_time_to_first_token_seconds_count")['{model="dsv4"}'] >= 1
+    steps = server.metric_values("dsv4_engine_steps_total")
+    assert steps['{kind="prefill",model="dsv4"}'] >= 1 and steps['{kind="decode",model="dsv4"}'] >= 1
+    assert "nv_inference_request_success" in text  # Triton's own metrics on the same port

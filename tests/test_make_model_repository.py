@@ -1,0 +1,59 @@
+"""scripts/make_model_repository.py: parameters rewritten, validated, repo_root written."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from backend.config import ConfigError, EngineConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "make_model_repository", REPO_ROOT / "scripts" / "make_model_repository.py")
+mmr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mmr)
+
+
+def test_config_pbtxt_has_one_parameter_per_engine_field():
+    import dataclasses
+
+    params = mmr.read_parameters((REPO_ROOT / "model_repository" / "dsv4" / "config.pbtxt").read_text())
+    assert set(params) == {f.name for f in dataclasses.fields(EngineConfig)} | {"repo_root"}
+    assert all(value == "" for value in params.values()), "defaults live in backend/config.py"
+
+
+def test_writes_parameters_checkpoint_and_repo_root(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    config = mmr.make_repository(tmp_path / "repo", {"policy": "mixed", "step_log": 'a "quoted" \\ path'}, str(ckpt))
+    params = mmr.read_parameters(config.read_text())
+    assert params["policy"] == "mixed"
+    assert params["step_log"] == 'a "quoted" \\ path'
+    assert params["checkpoint"] == str(ckpt.resolve())
+    assert params["repo_root"] == str(REPO_ROOT)
+    assert (config.parent / "1" / "model.py").is_file()
+    assert 'name: "dsv4"' in config.read_text()
+
+
+def test_model_name_and_overwrite(tmp_path):
+    mmr.make_repository(tmp_path, {"page_size": "16"}, None, model_name="other")
+    config = mmr.make_repository(tmp_path, {}, None, model_name="other")
+    assert 'name: "other"' in config.read_text()
+    assert mmr.read_parameters(config.read_text())["page_size"] == ""
+
+
+@pytest.mark.parametrize("items, message", [(["polcy=mixed"], "unknown parameter 'polcy'"), (["policy"], "key=value")])
+def test_bad_set_arguments(items, message):
+    with pytest.raises(ConfigError, match=message):
+        mmr.parse_sets(items, ["policy"])
+
+
+def test_bad_values_fail_naming_the_parameter(tmp_path):
+    with pytest.raises(ConfigError, match="page_size"):
+        mmr.make_repository(tmp_path, {"page_size": "3"}, None)
+    assert not (tmp_path / "dsv4").exists()
+
+
+def test_cli_exit_codes(tmp_path, capsys):
+    assert mmr.main(["--out", str(tmp_path), "--set", "max_running_requests=4"]) == 0
+    assert mmr.main(["--out", str(tmp_path), "--set", "max_running_requests=zero"]) == 2
+    assert "max_running_requests" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+"""backend/metrics.py against a fake of pb_utils' metric API."""
+
+import pytest
+
+from backend.metrics import ITL_BUCKETS, TTFT_BUCKETS, RequestTimer, ServingMetrics
+
+
+class FakeMetric:
+    def __init__(self, labels, buckets=None):
+        self.labels, self.buckets = labels, buckets
+        self.value, self.observed = 0.0, []
+
+    def increment(self, delta):
+        assert delta > 0, "Triton counters only go up"
+        self.value += delta
+
+    def set(self, value):
+        self.value = value
+
+    def observe(self, value):
+        self.observed.append(value)
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        FakeFamily.created[name] = self
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+        if self.kind == self.HISTOGRAM:
+            assert buckets, "histograms need buckets"
+        metric = FakeMetric(labels, buckets)
+        self.metrics.append(metric)
+        return metric
+
+
+class FakePbUtils:
+    MetricFamily = FakeFamily
+
+
+@pytest.fixture
+def metrics():
+    FakeFamily.created = {}
+    return ServingMetrics(FakePbUtils, "dsv4")
+
+
+def series(family, **labels):
+    found = [m for m in FakeFamily.created[family].metrics if all(m.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_timer_gives_ttft_then_itl():
+    timer = RequestTimer(start=10.0)
+    assert timer.tick(10.5) == ("ttft", 0.5)
+    assert timer.tick(10.75) == ("itl", 0.25)
+
+
+def test_histograms_have_sorted_buckets(metrics):
+    assert TTFT_BUCKETS == sorted(TTFT_BUCKETS) and ITL_BUCKETS == sorted(ITL_BUCKETS)
+    timer = RequestTimer()
+    metrics.on_tokens(timer)
+    metrics.on_tokens(timer)
+    assert len(series("dsv4_time_to_first_token_seconds").observed) == 1
+    assert len(series("dsv4_inter_token_latency_seconds").observed) == 1
+
+
+def test_counters_advance_by_the_change_in_cumulative_stats(metrics):
+    metrics.update({"steps_by_kind": {"prefill": 3, "decode": 0}, "decode_stalls": 1, "num_preemptions": 0})
+    metrics.update({"steps_by_kind": {"prefill": 5, "decode": 2}, "decode_stalls": 1, "num_preemptions": 2})
+    assert series("dsv4_engine_steps_total", kind="prefill").value == 5
+    assert series("dsv4_engine_steps_total", kind="decode").value == 2
+    assert series("dsv4_decode_stalls_total").value == 1
+    assert series("dsv4_preemptions_total").value == 2
+
+
+def test_gauges_mirror_the_latest_stats(metrics):
+    stats = {
+        "longest_prefill_streak": 4, "num_running": 2, "num_waiting": 1,
+        "pool_usage": {"window": 0.5, "csa": 0.25}, "pages_used": {"window": 8, "csa": 2},
+    }
+    metrics.update(stats)
+    metrics.update({**stats, "num_running": 0, "pool_usage": {"window": 0.0, "csa": 0.0}})
+    assert series("dsv4_longest_prefill_streak").value == 4
+    assert series("dsv4_num_requests_running").value == 0
+    assert series("dsv4_pool_usage_ratio", pool="window").value == 0.0
+    assert series("dsv4_pool_pages_used", pool="csa").value == 2
+    assert series("dsv4_num_requests_waiting").labels == {"model": "dsv4"}
+
+
+def test_finished_requests_by_reason(metrics):
+    for reason in ("stop", "length", "stop"):
+        metrics.on_finished(reason)
+    assert series("dsv4_requests_finished_total", finish_reason="stop").value == 2
+    assert series("dsv4_requests_finished_total", finish_reason="length").value == 1

@@ -1,0 +1,315 @@
+"""backend/triton_io.py: request parsing/validation and response building, without a server."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from backend.request import FinishReason, SamplingParams
+from backend.triton_io import (
+    ParsedRequest,
+    RequestLimits,
+    ResponseBuilder,
+    parse_request,
+    response_arrays,
+)
+
+WORDS = ["[UNK]", "hello", "world", "the", "quick", "brown", "fox", "é"]
+LIMITS = RequestLimits(vocab_size=len(WORDS), max_prompt_tokens=6, max_tokens_limit=100)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
+def text(value: str | bytes) -> np.ndarray:
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+
+
+def parse(tokenizer, params=None, **inputs) -> ParsedRequest:
+    return parse_request(inputs, tokenizer, LIMITS, params)
+
+
+def sampling(params: dict) -> np.ndarray:
+    return text(json.dumps(params))
+
+
+# --- prompts ----------------------------------------------------------------------------------
+
+
+def test_text_prompt_with_defaults(tokenizer):
+    req = parse(tokenizer, text_input=text("hello world"))
+    assert req.prompt_ids == [1, 2]
+    assert req.prompt_text == "hello world"
+    assert req.sampling == SamplingParams()
+    assert (req.stream, req.exclude_input_in_output, req.priority) == (False, False, 0)
+
+
+def test_input_ids_prompt_int32_and_int64(tokenizer):
+    for dtype in (np.int32, np.int64):
+        req = parse(tokenizer, input_ids=np.array([3, 4, 5], dtype=dtype))
+        assert req.prompt_ids == [3, 4, 5]
+        assert all(type(t) is int for t in req.prompt_ids)
+        assert req.prompt_text == "the quick brown"
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ({}, "exactly one of"),
+        ({"text_input": text("hello"), "input_ids": np.array([1], np.int32)}, "got both"),
+        ({"text_input": text("")}, "text_input is empty"),
+        ({"text_input": text("\xff".encode("latin-1"))}, "not valid UTF-8"),
+        ({"text_input": np.array([1], np.int32)}, "STRING"),
+        ({"text_input": np.array([b"a", b"b"], np.object_)}, "exactly one string"),
+        ({"input_ids": np.array([], np.int32)}, "input_ids is empty"),
+        ({"input_ids": np.array([1.0, 2.0], np.float32)}, "INT32"),
+        ({"input_ids": np.array([[1, 2]], np.int32)}, "one-dimensional"),
+        ({"input_ids": np.array([1, 8], np.int32)}, "outside the vocabulary"),
+        ({"input_ids": np.array([-1], np.int32)}, "outside the vocabulary"),
+        ({"input_ids": np.ones(7, np.int32)}, "at most 6"),
+        ({"text_input": text("the " * 7)}, "at most 6"),
+        ({"text_input": text("hello"), "bogus": np.array([1])}, "unknown input"),
+    ],
+)
+def test_bad_prompts_are_rejected(tokenizer, inputs, message):
+    with pytest.raises(ValueError, match=message):
+        parse_request(inputs, tokenizer, LIMITS)
+
+
+def test_utf8_prompt_is_decoded(tokenizer):
+    assert parse(tokenizer, text_input=text("é fox")).prompt_ids == [7, 6]
+
+
+def test_whitespace_only_prompt_has_no_tokens(tokenizer):
+    with pytest.raises(ValueError, match="no tokens"):
+        parse(tokenizer, text_input=text("   "))
+
+
+# --- scalars ----------------------------------------------------------------------------------
+
+
+def test_stream_priority_and_exclude(tokenizer):
+    req = parse(
+        tokenizer,
+        text_input=text("hello"),
+        stream=np.array([True]),
+        priority=np.array([-3], np.int32),
+    )
+    assert (req.stream, req.exclude_input_in_output, req.priority) == (True, True, -3)
+    req = parse(tokenizer, text_input=text("hello"), exclude_input_in_output=np.array([True]))
+    assert (req.stream, req.exclude_input_in_output) == (False, True)
+
+
+def test_streaming_with_prompt_in_output_is_rejected(tokenizer):
+    with pytest.raises(ValueError, match="not supported when streaming"):
+        parse(tokenizer, text_input=text("hello"), stream=np.array([True]), exclude_input_in_output=np.array([False]))
+
+
+@pytest.mark.parametrize(
+    "name, array, message",
+    [
+        ("stream", np.array([1], np.int32), "BOOL"),
+        ("stream", np.array([True, False]), "exactly one value"),
+        ("max_tokens", np.array([1.5], np.float32), "INT32"),
+        ("priority", np.array([True]), "INT32"),
+    ],
+)
+def test_bad_scalar_inputs(tokenizer, name, array, message):
+    with pytest.raises(ValueError, match=message):
+        parse(tokenizer, text_input=text("hello"), **{name: array})
+
+
+# --- sampling parameters ----------------------------------------------------------------------
+
+
+def test_sampling_parameters_json(tokenizer):
+    params = {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 4,
+        "min_p": 0.1,
+        "seed": 11,
+        "stop": "fox",
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+    }
+    req = parse(tokenizer, text_input=text("hello"), sampling_parameters=sampling(params))
+    assert req.sampling == SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=11, stop=["fox"], stop_token_ids=[2],
+        ignore_eos=True,
+    )
+
+
+def test_genai_perf_style_string_numbers_and_min_tokens(tokenizer):
+    """genai-perf sends {"max_tokens": "12", "min_tokens": "12"} for a deterministic output length."""
+    params = sampling({"max_tokens": "12", "min_tokens": "12"})
+    req = parse(tokenizer, text_input=text("hello"), sampling_parameters=params)
+    assert (req.sampling.max_tokens, req.sampling.ignore_eos) == (12, True)
+
+
+def test_max_tokens_input(tokenizer):
+    req = parse(tokenizer, text_input=text("hello"), max_tokens=np.array([9], np.int32))
+    assert req.sampling.max_tokens == 9
+    req = parse(
+        tokenizer, text_input=text("hello"), max_tokens=np.array([9], np.int32),
+        sampling_parameters=sampling({"max_tokens": 9}),
+    )
+    assert req.sampling.max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"max_token": 3}', "unknown key"),
+        ('{"max_tokens": 0}', "max_tokens must be a positive"),
+        ('{"max_tokens": -5}', "max_tokens must be a positive"),
+        ('{"max_tokens": 101}', "at most 100"),
+        ('{"max_tokens": 1e12}', "at most 100"),
+        ('{"max_tokens": 2.5}', "integer"),
+        ('{"max_tokens": true}', "integer"),
+        ('{"max_tokens": "many"}', "integer"),
+        ('{"temperature": -1}', "temperature"),
+        ('{"temperature": NaN}', "finite"),
+        ('{"temperature": "hot"}', "finite"),
+        ('{"top_p": 0}', "top_p"),
+        ('{"top_k": -1}', "top_k"),
+        ('{"min_p": 2}', "min_p"),
+        ('{"seed": -1}', "seed"),
+        ('{"stop": [""]}', "stop"),
+        ('{"stop": 3}', "stop"),
+        ('{"stop_token_ids": [99]}', "outside the vocabulary"),
+        ('{"stop_token_ids": "1"}', "list of integers"),
+        ('{"ignore_eos": "yes"}', "boolean"),
+        ('{"min_tokens": 3, "max_tokens": 8}', "min_tokens"),
+    ],
+)
+def test_bad_sampling_parameters(tokenizer, raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse(tokenizer, text_input=text("hello"), sampling_parameters=text(raw))
+
+
+def test_max_tokens_input_and_json_must_agree(tokenizer):
+    with pytest.raises(ValueError, match="disagree"):
+        parse(
+            tokenizer,
+            text_input=text("hello"),
+            max_tokens=np.array([3], np.int32),
+            sampling_parameters=sampling({"max_tokens": 4}),
+        )
+
+
+def test_max_tokens_input_out_of_range(tokenizer):
+    for value in (0, -1, 1000):
+        with pytest.raises(ValueError, match="max_tokens"):
+            parse(tokenizer, text_input=text("hello"), max_tokens=np.array([value], np.int32))
+
+
+def test_request_parameters_used_without_sampling_parameters(tokenizer):
+    """HTTP generate's "parameters" object (vLLM style, with stream and Triton's own keys)."""
+    params = json.dumps(
+        {"max_tokens": 5, "temperature": 0, "stream": False, "triton_enable_empty_final_response": True})
+    req = parse(tokenizer, params, text_input=text("hello"))
+    assert (req.sampling.max_tokens, req.stream) == (5, False)
+    req = parse(tokenizer, {"stream": True}, text_input=text("hello"))
+    assert req.stream is True
+
+
+def test_sampling_parameters_input_wins_over_request_parameters(tokenizer):
+    req = parse(tokenizer, {"max_tokens": 5}, text_input=text("hello"), sampling_parameters=sampling({"max_tokens": 3}))
+    assert req.sampling.max_tokens == 3
+
+
+def test_bad_request_parameters(tokenizer):
+    with pytest.raises(ValueError, match="unknown key"):
+        parse(tokenizer, {"temprature": 0}, text_input=text("hello"))
+    with pytest.raises(ValueError, match="disagree"):
+        parse(tokenizer, {"stream": False}, text_input=text("hello"), stream=np.array([True]))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse(tokenizer, "{", text_input=text("hello"))
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                                        "stop_token_ids", "ignore_eos", "min_tokens", "other"]), JSON_VALUES))
+def test_any_json_is_accepted_valid_or_rejected_with_value_error(params):
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    try:
+        req = parse(tok, text_input=text("hello"), sampling_parameters=text(json.dumps(params)))
+    except ValueError:
+        return
+    req.sampling.validate(max_tokens_limit=LIMITS.max_tokens_limit)
+    assert 1 <= req.sampling.max_tokens <= LIMITS.max_tokens_limit
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def output(ids, new_text, finished=False, reason=None):
+    return SimpleNamespace(
+        request_id="r", new_token_ids=ids, new_text=new_text, finished=finished, finish_reason=reason,
+        num_input_tokens=2, num_output_tokens=0, error=None,
+    )
+
+
+def decoded(arrays):
+    return arrays["text_output"][0].decode(), arrays["output_ids"].tolist(), arrays["finish_reason"][0].decode()
+
+
+def test_response_arrays_types():
+    arrays = response_arrays("héllo", [1, 2], FinishReason.LENGTH, 3)
+    assert arrays["text_output"].dtype == np.object_ and arrays["text_output"].tolist() == ["héllo".encode()]
+    assert arrays["output_ids"].dtype == np.int32 and arrays["output_ids"].tolist() == [1, 2]
+    assert arrays["finish_reason"].tolist() == [b"length"]
+    assert arrays["num_input_tokens"].dtype == np.int32 and arrays["num_input_tokens"].tolist() == [3]
+    assert arrays["num_output_tokens"].tolist() == [2]
+    assert response_arrays("", [], None, 3)["finish_reason"].tolist() == [b""]
+    assert response_arrays("", [], None, 3)["output_ids"].shape == (0,)
+
+
+def test_streaming_holds_ids_until_their_text_is_complete(tokenizer):
+    req = parse(tokenizer, text_input=text("hello"), stream=np.array([True]))
+    builder = ResponseBuilder(req)
+    assert decoded(builder.on_output(output([5], "a"))) == ("a", [5], "")
+    assert builder.on_output(output([6], "")) is None  # half a UTF-8 character
+    assert decoded(builder.on_output(output([7], "é"))) == ("é", [6, 7], "")
+    assert decoded(builder.on_output(output([8], "b", True, FinishReason.STOP))) == ("b", [8], "stop")
+
+
+def test_streaming_final_without_new_tokens_still_carries_the_reason(tokenizer):
+    builder = ResponseBuilder(parse(tokenizer, text_input=text("hello"), stream=np.array([True])))
+    builder.on_output(output([5], "a"))
+    assert decoded(builder.on_output(output([], "", True, FinishReason.LENGTH))) == ("", [], "length")
+
+
+def test_non_streaming_sends_one_response_with_the_prompt(tokenizer):
+    builder = ResponseBuilder(parse(tokenizer, text_input=text("hello")))
+    assert builder.on_output(output([5], " a")) is None
+    assert builder.on_output(output([6], " b")) is None
+    final = builder.on_output(output([7], " c", True, FinishReason.LENGTH))
+    assert decoded(final) == ("hello a b c", [5, 6, 7], "length")
+
+
+def test_non_streaming_excluding_the_prompt(tokenizer):
+    req = parse(tokenizer, text_input=text("hello"), exclude_input_in_output=np.array([True]))
+    builder = ResponseBuilder(req)
+    builder.on_output(output([5], "a"))
+    assert decoded(builder.on_output(output([6], "b", True, FinishReason.STOP))) == ("ab", [5, 6], "stop")
