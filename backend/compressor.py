@@ -46,45 +46,53 @@ class CompressionPlan:
 
 def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[int], row_token_offsets: list[int],
                row_slots: list[int], device) -> CompressionPlan:
-    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot)."""
+    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot).
+
+    Vectorised over rows (a constant number of tensor ops whatever the batch size).
+    """
     ring = 2 * rate if overlap else rate
     span = ring
-    num_rows = len(row_starts)
-    entry_src, entry_valid, entry_pos, entry_row, entry_index = [], [], [], [], []
-    keep_src, keep_slot, keep_pos = [], [], []
-    ring_order = []
-    for b, (start, length, offset, slot) in enumerate(zip(row_starts, row_lens, row_token_offsets, row_slots)):
-        ring_order.append([(start - ring + i) % ring for i in range(ring)])
-        first_w = max(0, -(-(start + 1) // rate) - 1)  # first window whose last token is >= start
-        last_w = (start + length) // rate - 1  # last window closed by this chunk
-        if last_w >= first_w:
-            w = torch.arange(first_w, last_w + 1)
-            lo = (w - 1) * rate if overlap else w * rate
-            positions = lo[:, None] + torch.arange(span)[None, :]  # [n, span]
-            entry_valid.append(positions >= 0)
-            entry_src.append(_source_index(positions.clamp(min=0), b, start, offset, ring, num_rows))
-            entry_pos.append(w * rate)
-            entry_row.append(torch.full_like(w, b))
-            entry_index.append(w)
-        keep = torch.arange(max(start, start + length - ring), start + length)
-        keep_src.append(_source_index(keep, b, start, offset, ring, num_rows))
-        keep_slot.append(torch.full_like(keep, slot))
-        keep_pos.append(keep % ring)
+    start, length = torch.tensor(row_starts), torch.tensor(row_lens)
+    offset, slot = torch.tensor(row_token_offsets), torch.tensor(row_slots)
+    rows = torch.arange(len(row_starts))
 
-    def cat(parts, shape=(0,), dtype=torch.long):
-        return torch.cat(parts).to(device) if parts else torch.zeros(shape, dtype=dtype, device=device)
+    # Entries: window w closes in this chunk when its last token (w + 1) * rate - 1 is in [start, start + len).
+    first_w = (-(-(start + 1) // rate) - 1).clamp(min=0)
+    counts = ((start + length) // rate - first_w).clamp(min=0)
+    entry_row, rank = _expand(rows, counts)
+    entry_index = first_w[entry_row] + rank
+    lo = (entry_index - 1) * rate if overlap else entry_index * rate
+    positions = lo[:, None] + torch.arange(span)[None, :]  # [N, span]
+    entry_src = _source_index(positions.clamp(min=0), entry_row[:, None], start[entry_row, None],
+                              offset[entry_row, None], ring, len(row_starts))
+
+    # The ring keeps the row's last `ring` positions; only those inside this chunk are new.
+    kept = torch.minimum(length, torch.tensor(ring))
+    keep_row, keep_rank = _expand(rows, kept)
+    keep = (start + length - kept)[keep_row] + keep_rank
+    keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(row_starts))
+
+    def on_device(t):
+        return t.to(device)
 
     return CompressionPlan(
         rate=rate, overlap=overlap, ring=ring,
-        ring_slots=torch.tensor(row_slots, dtype=torch.long, device=device),
-        ring_order=torch.tensor(ring_order, dtype=torch.long, device=device).view(num_rows, ring),
-        entry_src=cat(entry_src, (0, span)), entry_valid=cat(entry_valid, (0, span), torch.bool),
-        entry_pos=cat(entry_pos), entry_row=cat(entry_row), entry_index=cat(entry_index),
-        keep_src=cat(keep_src), keep_slot=cat(keep_slot), keep_pos=cat(keep_pos),
+        ring_slots=on_device(slot),
+        ring_order=on_device((start[:, None] - ring + torch.arange(ring)[None, :]) % ring),
+        entry_src=on_device(entry_src), entry_valid=on_device(positions >= 0),
+        entry_pos=on_device(entry_index * rate), entry_row=on_device(entry_row), entry_index=on_device(entry_index),
+        keep_src=on_device(keep_src), keep_slot=on_device(slot[keep_row]), keep_pos=on_device(keep % ring),
     )
 
 
-def _source_index(positions: torch.Tensor, row: int, start: int, offset: int, ring: int, num_rows: int):
+def _expand(rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each item, rank of the item within its row) for `counts[r]` items per row."""
+    row = torch.repeat_interleave(rows, counts)
+    first = torch.cumsum(counts, 0) - counts
+    return row, torch.arange(row.shape[0]) - first[row]
+
+
+def _source_index(positions, row, start, offset, ring: int, num_rows: int):
     """Positions before `start` come from the row's ring (block `row`), the rest from the batch."""
     from_ring = row * ring + (positions - (start - ring))
     from_batch = num_rows * ring + offset + (positions - start)

@@ -83,6 +83,7 @@ class LLMEngine:
         self._live: dict[str, _Live] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._stats = self._snapshot_stats()
         logger.info("engine ready: device=%s dtype=%s capacity=%s bytes/token=%s prefill_chunk_tokens=%d",
                     self.device, self.dtype, self.kv.capacity(), self.kv.bytes_per_token(),
                     self.scheduler.prefill_chunk_tokens)
@@ -117,6 +118,14 @@ class LLMEngine:
         self.scheduler.close()
 
     def stats(self) -> dict:
+        """A snapshot of the counters and pool usage, safe to read from any thread.
+
+        The engine thread refreshes it after every step (and at start); readers get the latest
+        complete snapshot and never see structures the engine thread is changing.
+        """
+        return self._stats
+
+    def _snapshot_stats(self) -> dict:
         counters = self.scheduler.counters
         return {
             "steps_by_kind": dict(counters.steps_by_kind),
@@ -166,10 +175,17 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan is None:
             return False
+        try:
+            self._execute(plan)
+        finally:
+            self._stats = self._snapshot_stats()
+        return True
+
+    def _execute(self, plan: StepPlan) -> None:
         for seq in plan.aborted:
             self._finish_now(seq, seq.finish_reason or FinishReason.CANCELLED)
         if not plan.chunks:
-            return True
+            return
         started = time.perf_counter()
         try:
             finished = self._run(plan)
@@ -179,11 +195,10 @@ class LLMEngine:
             self.scheduler.on_step_done(plan, time.perf_counter() - started, finished)
             for seq in finished:
                 self._finish_now(seq, FinishReason.ERROR, error=f"internal error: {exc}")
-            return True
+            return
         self.scheduler.on_step_done(plan, time.perf_counter() - started, [seq for seq, _ in finished])
         for seq, final_text in finished:
             self._emit_final(seq, final_text)
-        return True
 
     def _run(self, plan: StepPlan) -> list[tuple[Sequence, str]]:
         """Forward + sample + postprocess; returns (finished sequence, its last text) pairs."""

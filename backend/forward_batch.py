@@ -41,11 +41,9 @@ class ForwardBatch:
 
 
 def _padded(rows: list[list[int]], device) -> torch.Tensor:
+    """Rows of page ids padded with page 0 (never read: the kernels mask by position)."""
     width = max(1, max((len(r) for r in rows), default=1))
-    table = torch.zeros(len(rows), width, dtype=torch.int32)
-    for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    return table.to(device)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
 
 
 def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> ForwardBatch:

@@ -1,4 +1,4 @@
-"""Token-wise building blocks of DeepSeek-V4: norms, rotary embeddings, mHC, routing, the shared expert.
+"""Token-wise building blocks of DeepSeek-V4: norms, rotary embeddings, mHC, the shared expert.
 
 Legend: T = tokens in the batch, N = hc_mult streams, D = hidden size, H = heads, E = experts.
 Each function computes what the matching `transformers` DeepSeek-V4 module computes, in the same
@@ -119,24 +119,7 @@ def hyper_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
-# --- routing and the shared expert ------------------------------------------------------------
-def route_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
-    """sqrtsoftplus scores, top-k of score + correction bias, weights renormalised and scaled."""
-    scores = F.softplus(F.linear(x, weight)).sqrt()
-    indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, indices)
-    return indices, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
-
-
-def route_hash(x: torch.Tensor, weight: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
-               scaling: float):
-    """Experts from the frozen token-id table; weights from the learned gate's scores."""
-    scores = F.softplus(F.linear(x, weight)).sqrt()
-    indices = tid2eid[input_ids].long()
-    weights = scores.gather(1, indices)
-    return indices, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling
-
-
+# --- the shared expert ------------------------------------------------------------------------
 def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float):
     g = F.linear(x, gate).clamp(max=limit)
     u = F.linear(x, up).clamp(min=-limit, max=limit)

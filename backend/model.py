@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from backend.compressor import compress
 from backend.forward_batch import ForwardBatch
 from backend.kv_manager import KVCacheManager
-from backend.layers import (Rotary, apply_rope, hyper_connection, hyper_head, hyper_mix, rms_norm, route_hash,
-                            route_topk, shared_expert, unweighted_rms_norm)
+from backend.layers import (Rotary, apply_rope, hyper_connection, hyper_head, hyper_mix, rms_norm, shared_expert,
+                            unweighted_rms_norm)
 from backend.model_config import CSA, HCA, SLIDING, ModelConfig
 from kernels import dispatch
+from kernels.moe import route_hash, route_topk
 
 
 class DeepseekV4Model:
@@ -142,11 +143,12 @@ class DeepseekV4Model:
     # --- mixture of experts -------------------------------------------------------------------------
     def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         c, w, p = self.config, self.w, f"model.layers.{i}.mlp."
+        router_logits = F.linear(x, w[p + "gate.weight"])
         if c.mlp_layer_types[i] == "hash_moe":
-            ids, weights = route_hash(x, w[p + "gate.weight"], w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
+            ids, weights = route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
         else:
-            ids, weights = route_topk(x, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"],
-                                      c.num_experts_per_tok, c.routed_scaling_factor)
+            ids, weights = route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
+                                      c.routed_scaling_factor)
         routed = dispatch.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                     c.swiglu_limit)
         return routed + shared_expert(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],

@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from make_checkpoint import write_checkpoint  # noqa: E402
+from make_checkpoint import write_checkpoint  # noqa: E402,F401 (re-exported for tests)
 
 # Different widths, head counts, layer mix and routing from the tiny model, plain (non-YaRN) rope,
 # and a small index_topk so that CSA selection is exercised early.
