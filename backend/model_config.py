@@ -185,7 +185,12 @@ def load_model_config(checkpoint: str | Path) -> ModelConfig:
         raise UnsupportedCheckpoint(
             f"{path}: quantized checkpoints ({method}, e.g. FP8) are not supported yet; use a bf16/fp32 checkpoint"
         )
+    return parse_model_config(raw, str(path))
+
+
+def parse_model_config(raw: dict, source: str = "config") -> ModelConfig:
+    """A validated ModelConfig from config.json's contents; `source` names it in errors."""
     config = ModelConfig(**_normalise(raw))
     config.qk_rope_head_dim = int(config.head_dim * config.partial_rotary_factor)
-    _validate(config, str(path))
+    _validate(config, source)
     return config

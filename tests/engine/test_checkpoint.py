@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.model_config import UnsupportedCheckpoint, load_model_config
+from backend.model_config import UnsupportedCheckpoint, load_model_config, parse_model_config
 from backend.weights import CheckpointError, load_weights
 
 from .conftest import write_checkpoint
@@ -83,3 +83,20 @@ def test_legacy_config_keys_mean_what_the_reference_reads(tiny_checkpoint, tmp_p
     assert ours.mlp_layer_types == theirs.mlp_layer_types
     assert ours.qk_rope_head_dim == theirs.qk_rope_head_dim == 16
     assert ours.rope_parameters == theirs.rope_parameters
+
+
+def test_flash_shaped_variant_has_deepseek_v4_flash_widths():
+    """--flash-shaped: the real widths (checked on the meta device, nothing is allocated)."""
+    from make_checkpoint import make_config, parameter_shapes
+
+    from backend.weights import expected_shapes
+
+    config = make_config(flash_shaped=True)
+    shapes = parameter_shapes(config)
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"][0] == (256, 2 * 2048, 4096)
+    assert shapes["model.layers.0.self_attn.q_b_proj.weight"][0] == (64 * 512, 1024)
+    assert set(config.layer_types) == {"compressed_sparse_attention", "heavily_compressed_attention"}
+    # The engine expects exactly the tensors the reference saves, with the same shapes.
+    ours = expected_shapes(parse_model_config(json.loads(config.to_json_string())))
+    assert ours == {name: shape for name, (shape, _) in shapes.items()}
+
