@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 from tokenizers import Tokenizer
 
 from backend.config import EngineConfig
@@ -30,24 +29,12 @@ from backend.forward_batch import BatchRow, build_forward_batch
 from backend.kv_manager import KVCacheManager
 from backend.model import DeepseekV4Model
 from backend.model_config import load_model_config
-from backend.request import FinishReason, SamplingParams, Sequence
+from backend.request import FinishReason, RequestOutput, SamplingParams, Sequence
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
 from backend.weights import load_weights
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_input_tokens: int
-    num_output_tokens: int
-    error: str | None = None
 
 
 @dataclass

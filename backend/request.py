@@ -71,6 +71,20 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
 
 
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step: new tokens and text, or the end."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # incremental text; never splits a UTF-8 character
+    finished: bool
+    finish_reason: FinishReason | None
+    num_input_tokens: int
+    num_output_tokens: int
+    error: str | None = None  # set when finish_reason is ERROR
+
+
 _request_counter = itertools.count()
 
 

@@ -31,12 +31,13 @@ them with the sink. Mixed batches need nothing special: every token reads its ow
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import compute_dtype
 
 # Split-KV (flash-decoding) is chosen when fewer than this many programs per SM would run without it.
 _PROGRAMS_PER_SM = 2
@@ -181,17 +182,6 @@ def _split_kv_combine_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, (acc / denom).to(out_ptr.dtype.element_ty))
 
 
-def _is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _compute_dtype(dtype: torch.dtype):
-    """tl dtype fed to tl.dot: the storage dtype on a GPU; fp32 for bf16 under the interpreter."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting()):
-        return tl.float32
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
-
-
 @lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -261,7 +251,7 @@ def plan_sparse_paged_attention(
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     is_split = num_splits > 1
 
-    compute_dtype = _compute_dtype(q.dtype)
+    dot_dtype = compute_dtype(q.dtype)
     comp_kv_arg = comp_kv if comp_kv is not None else window_kv
     comp_table_arg = comp_block_table if comp_block_table is not None else window_block_table
     topk_arg = topk_indices if topk_indices is not None else token_seq
@@ -283,7 +273,7 @@ def plan_sparse_paged_attention(
         *dst_strides, *lse_strides,
     )
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=is_split,
-                  COMPUTE_DTYPE=compute_dtype, DOT_PRECISION="ieee" if compute_dtype == tl.float32 else "tf32",
+                  COMPUTE_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     launches = [(_sparse_paged_attention_kernel, (num_tokens, num_head_blocks, num_splits), args, kwargs)]
     if is_split:

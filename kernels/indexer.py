@@ -21,11 +21,12 @@ score += sum_h w[t, h] * softmax_scale * ReLU(dots). Blocks past the token's cau
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels.common import compute_dtype
 
 
 @triton.jit
@@ -66,17 +67,6 @@ def _indexer_scores_kernel(
     tl.store(scores_ptr + t * stride_st + entries, scores, mask=entries < max_entries)
 
 
-def _is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _compute_dtype(dtype: torch.dtype):
-    """tl dtype fed to tl.dot: the storage dtype on a GPU; fp32 for bf16 under the interpreter."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting()):
-        return tl.float32
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
-
-
 def indexer_config(head_dim: int, num_heads: int) -> dict:
     """Tile sizes and launch options (shared with scripts/)."""
     block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
@@ -99,13 +89,13 @@ def plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k
         return scores, []
     cfg = indexer_config(head_dim, num_heads)
     block_e = block_e or cfg["BLOCK_E"]
-    compute_dtype = _compute_dtype(q.dtype)
+    dot_dtype = compute_dtype(q.dtype)
     args = (q, weights, token_seq, token_pos, index_k, block_table, scores,
             num_heads, compress_rate, index_k.shape[1], max_entries, float(softmax_scale),
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), index_k.stride(1), block_table.stride(0),
             scores.stride(0))
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=cfg["BLOCK_H"], BLOCK_E=block_e, COMPUTE_DTYPE=compute_dtype,
-                  DOT_PRECISION="ieee" if compute_dtype == tl.float32 else "tf32",
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=cfg["BLOCK_H"], BLOCK_E=block_e, COMPUTE_DTYPE=dot_dtype,
+                  DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return scores, [(_indexer_scores_kernel, (num_tokens, triton.cdiv(max_entries, block_e)), args, kwargs)]
 
@@ -113,7 +103,7 @@ def plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k
 def _check_indexer_inputs(q, weights, token_seq, token_pos, index_k, block_table, compress_rate):
     num_tokens, num_heads, head_dim = q.shape
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype} not supported"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"index head_dim must be a power of two >= 16"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "index head_dim must be a power of two >= 16"
     assert q.stride(2) == 1, "q's last dimension must be contiguous"
     assert weights.shape == (num_tokens, num_heads) and weights.is_floating_point() and weights.stride(1) == 1
     for name, ids in (("token_seq", token_seq), ("token_pos", token_pos)):
@@ -163,22 +153,55 @@ def indexer_scores_reference(
     block_table: torch.Tensor,
     compress_rate: int,
 ) -> torch.Tensor:
+    """Plain-torch definition of the kernel (see the module docstring). Returns [T, max_entries] fp32.
+
+    The tokens of one prefill chunk share their keys, so a request with several tokens gathers its
+    keys once and scores its tokens in tiles; single tokens (decodes) are scored together, each with
+    its own gathered keys. Both compute the same formula.
+    """
     num_tokens = q.shape[0]
-    page_size = index_k.shape[1]
     num_causal = (token_pos.long() + 1) // compress_rate
     max_entries = int(num_causal.max().item()) if num_tokens else 0
     scores = torch.full((num_tokens, max_entries), float("-inf"), dtype=torch.float32, device=q.device)
     if max_entries == 0:
         return scores
-    entries = torch.arange(max_entries, device=q.device)
-    for start in range(0, num_tokens, _REFERENCE_TILE):
-        tile = slice(start, start + _REFERENCE_TILE)
-        seq = token_seq[tile].long()
-        pages = block_table[seq[:, None], (entries // page_size)[None, :]].long()  # [t, n]
-        keys = index_k[pages, (entries % page_size)[None, :]].float()  # [t, n, d]
-        valid = entries[None, :] < num_causal[tile, None]
+    seq = token_seq.long()
+    rows, counts = torch.unique(seq, return_counts=True)
+    lone = torch.isin(seq, rows[counts == 1]).nonzero().flatten()
+    _score_tokens_with_own_keys(scores, lone, q, weights, softmax_scale, seq, num_causal, index_k, block_table)
+    for row in rows[counts > 1].tolist():
+        tokens = (seq == row).nonzero().flatten()
+        _score_tokens_of_one_row(scores, tokens, row, q, weights, softmax_scale, num_causal, index_k, block_table)
+    return scores
+
+
+def _entry_keys(index_k, block_table, rows, entries):
+    """index_k at entries of rows (broadcastable index tensors), in fp32."""
+    page_size = index_k.shape[1]
+    return index_k[block_table[rows, entries // page_size].long(), entries % page_size].float()
+
+
+def _score_tokens_with_own_keys(scores, tokens, q, weights, softmax_scale, seq, num_causal, index_k, block_table):
+    entries = torch.arange(scores.shape[1], device=q.device)
+    for start in range(0, tokens.numel(), _REFERENCE_TILE):
+        tile = tokens[start:start + _REFERENCE_TILE]
+        valid = entries[None, :] < num_causal[tile, None]  # [t, n]
+        keys = _entry_keys(index_k, block_table, seq[tile, None], entries[None, :])  # [t, n, d]
         keys = torch.where(valid[..., None], keys, torch.zeros_like(keys))
         dots = torch.relu(torch.einsum("thd,tnd->thn", q[tile].float(), keys)) * softmax_scale
         tile_scores = (dots * weights[tile].float()[..., None]).sum(dim=1)
         scores[tile] = tile_scores.masked_fill(~valid, float("-inf"))
-    return scores
+
+
+def _score_tokens_of_one_row(scores, tokens, row, q, weights, softmax_scale, num_causal, index_k, block_table):
+    num_entries = int(num_causal[tokens].max().item())
+    if num_entries == 0:
+        return
+    entries = torch.arange(num_entries, device=q.device)
+    keys = _entry_keys(index_k, block_table, row, entries)  # [n, d]: every entry is causal for the row's last token
+    tile_size = max(1, 2**22 // (q.shape[1] * num_entries))  # bounds the [t, H, n] products to ~16 MB
+    for start in range(0, tokens.numel(), tile_size):
+        tile = tokens[start:start + tile_size]
+        dots = torch.matmul(q[tile].float(), keys.T).relu_().mul_(softmax_scale)  # [t, H, n]
+        tile_scores = torch.bmm(weights[tile].float()[:, None, :], dots)[:, 0]  # sum over heads
+        scores[tile, :num_entries] = tile_scores.masked_fill(entries[None, :] >= num_causal[tile, None], float("-inf"))

@@ -23,12 +23,13 @@ block's expert read from block_expert:
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.common import compute_dtype
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -149,17 +150,6 @@ def _moe_down_kernel(
         tl.atomic_add(out_ptr + tokens[:, None] * stride_om + cols[None, :], acc, mask=mask, sem="relaxed")
 
 
-def _is_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _compute_dtype(dtype: torch.dtype):
-    """tl dtype fed to tl.dot: the storage dtype on a GPU; fp32 for bf16 under the interpreter."""
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and _is_interpreting()):
-        return tl.float32
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
-
-
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> dict:
     """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs."""
     per_expert = num_pairs / num_experts
@@ -225,8 +215,8 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     block_m = cfg["BLOCK_M"]
     sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
     max_blocks = block_expert.shape[0]
-    compute_dtype = _compute_dtype(x.dtype)
-    precision = "ieee" if compute_dtype == tl.float32 else "tf32"
+    dot_dtype = compute_dtype(x.dtype)
+    precision = "ieee" if dot_dtype == tl.float32 else "tf32"
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     h = torch.empty((max_blocks * block_m, inter), dtype=x.dtype, device=x.device)
     out_rows = num_pairs if per_pair_output else num_tokens
@@ -235,12 +225,12 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     g = cfg["gate_up"]
     gate_up_args = (x, w_gate_up, h, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter, float(swiglu_limit),
                     x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0))
-    gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=compute_dtype,
+    gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
                           DOT_PRECISION=precision, num_warps=g["num_warps"], num_stages=g["num_stages"])
     d = cfg["down"]
     down_args = (h, w_down, weights, out, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
                  h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0))
-    down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=compute_dtype,
+    down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
                        DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output,
                        num_warps=d["num_warps"], num_stages=d["num_stages"])
     launches = [

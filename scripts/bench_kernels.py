@@ -117,7 +117,6 @@ def measure_device(torch, device, timer: Timer) -> tuple[float | None, float | N
     src = torch.empty(2 * 2**30, dtype=torch.int8, device=device)
     dst = torch.empty_like(src)
     copy_ms = timer(lambda: dst.copy_(src))
-    del src, dst
     n = 8192
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)

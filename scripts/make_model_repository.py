@@ -65,7 +65,6 @@ def parse_sets(items: list[str], known: list[str]) -> dict[str, str]:
 def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, model_name: str = "dsv4") -> Path:
     """Write OUT/<model_name>/ and return its config.pbtxt path."""
     pbtxt = (SOURCE / "config.pbtxt").read_text()
-    known = list(read_parameters(pbtxt))
     values = dict(sets)
     if checkpoint is not None:
         values["checkpoint"] = str(Path(checkpoint).expanduser().resolve())

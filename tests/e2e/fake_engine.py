@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from backend.request import FinishReason, Sequence
+from backend.request import FinishReason, RequestOutput, Sequence
 
 STEP_S = 0.01
 
@@ -31,18 +31,6 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    num_input_tokens: int
-    num_output_tokens: int
-    error: str | None = None
 
 
 def expected_ids(prompt_ids: list[int], max_tokens: int) -> list[int]:
