@@ -5,9 +5,11 @@
 
 For each concurrency C, C prompts of --prompt-tokens tokens each generate --max-tokens tokens
 (greedy, eos ignored) through the engine (all submitted at once, so they batch) and through the
-reference's batched `generate()` on the same machine. Throughput counts generated tokens over the
-whole wall time of the run (prefill included, the same for both). Prints a table and writes a list
-of objects {concurrency, engine_tokens_per_s, reference_tokens_per_s, ratio}.
+reference's batched `generate()` (equal-length prompts, so it batches without padding) on the same
+machine. Decode throughput is C * (max_tokens - 1) tokens over the time a max_tokens run takes
+beyond a 1-token run (which is prefill and first token only); end-to-end throughput counts all
+C * max_tokens tokens over the whole run. Prints a table and writes a list of objects
+{concurrency, engine_tokens_per_s, reference_tokens_per_s, ratio, ...} (tokens_per_s = decode).
 """
 
 from __future__ import annotations
@@ -32,16 +34,15 @@ def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(2, vocab, (count, length), generator=g).tolist()
 
 
-def run_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> float:
     start = time.perf_counter()
-    results = engine.generate(batch, params)
+    results = engine.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     elapsed = time.perf_counter() - start
     assert all(len(r["output_ids"]) == max_tokens for r in results)
-    return len(batch) * max_tokens / elapsed
+    return elapsed
 
 
-def run_reference(model, batch: list[list[int]], max_tokens: int) -> float:
+def time_reference(model, batch: list[list[int]], max_tokens: int) -> float:
     ids = torch.tensor(batch)
     start = time.perf_counter()
     with torch.no_grad():
@@ -49,7 +50,15 @@ def run_reference(model, batch: list[list[int]], max_tokens: int) -> float:
                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=1)
     elapsed = time.perf_counter() - start
     assert out.shape[1] - ids.shape[1] == max_tokens
-    return len(batch) * max_tokens / elapsed
+    return elapsed
+
+
+def throughput(timer, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s, end-to-end tokens/s) of one backend."""
+    first_token_s = timer(batch, 1)
+    total_s = timer(batch, max_tokens)
+    decode = len(batch) * (max_tokens - 1) / max(total_s - first_token_s, 1e-9)
+    return decode, len(batch) * max_tokens / total_s
 
 
 def main() -> None:
@@ -68,20 +77,26 @@ def main() -> None:
                                     max_running_requests=max(args.concurrency),
                                     max_num_batched_tokens=max(8192, max(args.concurrency))))
     reference = DeepseekV4ForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval().to(args.device)
-    run_engine(engine, prompts(1, 8, engine.vocab_size), 4)  # warm-up
+    time_engine(engine, prompts(1, 8, engine.vocab_size), 4)  # warm-up
     rows = []
     for c in args.concurrency:
         batch = prompts(c, args.prompt_tokens, engine.vocab_size)
-        engine_tps = run_engine(engine, batch, args.max_tokens)
-        reference_tps = run_reference(reference, batch, args.max_tokens)
-        rows.append({"concurrency": c, "engine_tokens_per_s": round(engine_tps, 1),
-                     "reference_tokens_per_s": round(reference_tps, 1), "ratio": round(engine_tps / reference_tps, 2)})
-        print(f"concurrency {c:>3}: engine {engine_tps:8.1f} tok/s  reference {reference_tps:8.1f} tok/s  "
-              f"ratio {engine_tps / reference_tps:5.2f}x", flush=True)
+        engine_decode, engine_e2e = throughput(lambda b, n: time_engine(engine, b, n), batch, args.max_tokens)
+        ref_decode, ref_e2e = throughput(lambda b, n: time_reference(reference, b, n), batch, args.max_tokens)
+        rows.append({"concurrency": c, "engine_tokens_per_s": round(engine_decode, 1),
+                     "reference_tokens_per_s": round(ref_decode, 1), "ratio": round(engine_decode / ref_decode, 2),
+                     "engine_end_to_end_tokens_per_s": round(engine_e2e, 1),
+                     "reference_end_to_end_tokens_per_s": round(ref_e2e, 1),
+                     "end_to_end_ratio": round(engine_e2e / ref_e2e, 2)})
+        print(f"concurrency {c:>3}: decode engine {engine_decode:8.1f} tok/s, reference {ref_decode:8.1f} tok/s "
+              f"({engine_decode / ref_decode:.2f}x)", flush=True)
     print()
-    print(f"{'concurrency':>11} {'engine tok/s':>13} {'reference tok/s':>16} {'ratio':>7}")
+    print(f"{'concurrency':>11} | {'decode tok/s: engine':>20} {'reference':>10} {'ratio':>6} | "
+          f"{'end-to-end: engine':>18} {'reference':>10} {'ratio':>6}")
     for r in rows:
-        print(f"{r['concurrency']:>11} {r['engine_tokens_per_s']:>13} {r['reference_tokens_per_s']:>16} {r['ratio']:>6}x")
+        print(f"{r['concurrency']:>11} | {r['engine_tokens_per_s']:>20} {r['reference_tokens_per_s']:>10} "
+              f"{r['ratio']:>5}x | {r['engine_end_to_end_tokens_per_s']:>18} "
+              f"{r['reference_end_to_end_tokens_per_s']:>10} {r['end_to_end_ratio']:>5}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))
