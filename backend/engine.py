@@ -33,6 +33,7 @@ from backend.request import FinishReason, RequestOutput, SamplingParams, Sequenc
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
 from backend.weights import load_weights
+from kernels import dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        if config.use_reference_kernels:  # one switch for the whole process (or DSV4_REFERENCE_KERNELS=1)
+            dispatch.set_force_reference(True)
         checkpoint = Path(config.checkpoint)
         self.model_config = load_model_config(checkpoint)
         weights = load_weights(checkpoint, self.model_config, self.dtype, self.device)

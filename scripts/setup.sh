@@ -101,15 +101,17 @@ fi
 # shellcheck source=scripts/env.sh
 source "$REPO_ROOT/scripts/env.sh"
 
-# 4. The built-in checkpoint.
-if [ -f "$CHECKPOINT/config.json" ]; then
-  say "checkpoint: $CHECKPOINT present"
-elif [ -f "$REPO_ROOT/scripts/make_checkpoint.py" ]; then
+# 4. The built-in checkpoint, rebuilt when scripts/make_checkpoint.py changes (it is deterministic).
+CKPT_STAMP="$CHECKPOINT/.dsv4-make_checkpoint.sha256"
+ckpt_hash="$(sha256sum scripts/make_checkpoint.py | cut -d' ' -f1)"
+if [ -f "$CHECKPOINT/config.json" ] && [ -f "$CKPT_STAMP" ] && [ "$(cat "$CKPT_STAMP")" = "$ckpt_hash" ]; then
+  say "checkpoint: $CHECKPOINT up to date"
+else
   say "building the built-in checkpoint: python scripts/make_checkpoint.py --out checkpoints/dsv4-tiny"
+  rm -rf "$CHECKPOINT"
   "$PY" scripts/make_checkpoint.py --out checkpoints/dsv4-tiny
   [ -f "$CHECKPOINT/config.json" ] || die "scripts/make_checkpoint.py did not write $CHECKPOINT/config.json"
-else
-  say "WARNING: scripts/make_checkpoint.py missing; built-in checkpoint not built"
+  echo "$ckpt_hash" >"$CKPT_STAMP"
 fi
 
 # 5. Smoke checks, cheap enough to run every time.
