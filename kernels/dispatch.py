@@ -1,7 +1,10 @@
-"""One switch between the Triton kernels (CUDA tensors) and the torch references (everything else).
+"""One switch between the Triton kernels and the torch references.
 
-`set_force_reference(True)` (or DSV4_REFERENCE_KERNELS=1) runs the references on CUDA too, for
-comparison. The engine calls only the functions below.
+By default CUDA tensors go to the Triton kernels and everything else to the references.
+`set_mode("reference")` (or DSV4_REFERENCE_KERNELS=1) runs the references on CUDA too, for
+comparison; `set_mode("triton")` runs the kernels whatever the device — on CPU tensors that takes
+TRITON_INTERPRET=1, which is how the tests check the engine's calls into the kernels without a GPU.
+The engine calls only the functions below.
 """
 
 from __future__ import annotations
@@ -14,16 +17,27 @@ from kernels.attention import sparse_paged_attention_reference
 from kernels.indexer import indexer_scores_reference
 from kernels.moe import fused_moe_reference
 
-_force_reference = os.environ.get("DSV4_REFERENCE_KERNELS", "0") == "1"
+MODES = ("auto", "reference", "triton")
+_mode = "reference" if os.environ.get("DSV4_REFERENCE_KERNELS", "0") == "1" else "auto"
+
+
+def set_mode(mode: str) -> None:
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"kernel dispatch mode must be one of {MODES}, got {mode!r}")
+    _mode = mode
+
+
+def get_mode() -> str:
+    return _mode
 
 
 def set_force_reference(flag: bool) -> None:
-    global _force_reference
-    _force_reference = bool(flag)
+    set_mode("reference" if flag else "auto")
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and not _force_reference
+    return _mode == "triton" or (_mode == "auto" and tensor.is_cuda)
 
 
 def sparse_paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
