@@ -111,3 +111,25 @@ def test_every_step_is_logged_as_one_json_line(tiny_checkpoint, tmp_path):
     kinds = {line["kind"] for line in lines}
     assert {"prefill", "decode"} <= kinds
     assert all(line["duration_s"] > 0 for line in lines)
+
+
+def test_a_failing_forward_fails_only_its_requests_and_frees_their_pages(tiny_checkpoint, monkeypatch):
+    engine = _engine(tiny_checkpoint)
+    real_forward = engine.model.forward
+    failures = iter([RuntimeError("injected fault")])
+
+    def flaky_forward(batch, kv):
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return real_forward(batch, kv)
+
+    monkeypatch.setattr(engine.model, "forward", flaky_forward)
+    outputs: list[RequestOutput] = []
+    engine.submit(Sequence("victim", [5, 6, 7], SamplingParams(max_tokens=4)), outputs.append)
+    assert engine.step()
+    assert [(o.finished, o.finish_reason, o.error) for o in outputs] == [
+        (True, FinishReason.ERROR, "internal error: injected fault")]
+    assert _all_pages_free(engine)
+    result = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(result[0]["output_ids"]) == 4 and result[0]["finish_reason"] == "length"
