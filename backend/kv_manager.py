@@ -1,9 +1,12 @@
 """All of a deployment's paged memory, behind the interface the scheduler uses.
 
 Sizing (EngineConfig): `num_tokens` positions across all requests for the compressed pools
-(num_tokens / 4 CSA entries, num_tokens / 128 HCA entries), `num_tokens * swa_full_tokens_ratio`
-positions for the sliding-window pool, `page_size` slots per page, and one compressor-state slot
-per `max_running_requests`. "Tokens" always mean positions in the full sequence.
+(num_tokens / 4 CSA entries, num_tokens / 128 HCA entries), plus one page per pool for each of
+`max_running_requests` (a request's last page is partly empty: with 64-entry pages one HCA page
+covers 8192 positions, and 32 short requests would otherwise need 32 pages of a pool sized for a
+few), `num_tokens * swa_full_tokens_ratio` positions for the sliding-window pool, `page_size` slots
+per page, and one compressor-state slot per running request. "Tokens" always mean positions in
+the full sequence.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ class KVCacheManager:
         self.compressed_pools: list[CompressedPool] = []
         if csa_layers:
             self.csa_pool = CompressedPool(
-                "csa", model.csa_rate, csa_layers, _pages(num_tokens // model.csa_rate, page_size), page_size,
+                "csa", model.csa_rate, csa_layers, _pages(num_tokens // model.csa_rate, page_size, max_running_requests),
+                page_size,
                 {"kv": model.head_dim, "index_k": model.index_head_dim}, dtype, device)
             self.compressed_pools.append(self.csa_pool)
         if hca_layers:
             self.hca_pool = CompressedPool(
-                "hca", model.hca_rate, hca_layers, _pages(num_tokens // model.hca_rate, page_size), page_size,
+                "hca", model.hca_rate, hca_layers, _pages(num_tokens // model.hca_rate, page_size, max_running_requests),
+                page_size,
                 {"kv": model.head_dim}, dtype, device)
             self.compressed_pools.append(self.hca_pool)
         self.state_pool = CompressorStatePool(max_running_requests, {
@@ -147,5 +152,6 @@ class KVCacheManager:
         self.state_pool.check()
 
 
-def _pages(entries: int, page_size: int) -> int:
-    return max(1, -(-entries // page_size))
+def _pages(entries: int, page_size: int, partial_pages: int) -> int:
+    """Pages for `entries` entries plus one partly filled page per running request."""
+    return -(-entries // page_size) + partial_pages

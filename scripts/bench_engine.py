@@ -10,6 +10,11 @@ machine. Decode throughput is C * (max_tokens - 1) tokens over the time a max_to
 beyond a 1-token run (which is prefill and first token only); end-to-end throughput counts all
 C * max_tokens tokens over the whole run. Prints a table and writes a list of objects
 {concurrency, engine_tokens_per_s, reference_tokens_per_s, ratio, ...} (tokens_per_s = decode).
+
+With --mixed-lengths the C prompts have different lengths (--prompt-tokens +- 50 %), as real
+traffic does. The reference cannot batch those (its compressors do not read the attention mask,
+so left padding would be compressed into CSA/HCA entries), so it generates them one at a time,
+while the engine still batches them.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 
 
-def prompts(count: int, length: int, vocab: int) -> list[list[int]]:
+def prompts(count: int, length: int, vocab: int, mixed_lengths: bool = False) -> list[list[int]]:
     g = torch.Generator().manual_seed(count)
-    return torch.randint(2, vocab, (count, length), generator=g).tolist()
+    if not mixed_lengths:
+        return torch.randint(2, vocab, (count, length), generator=g).tolist()
+    lengths = torch.randint(max(1, length // 2), length * 3 // 2 + 1, (count,), generator=g).tolist()
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> float:
@@ -43,14 +51,16 @@ def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> f
 
 
 def time_reference(model, batch: list[list[int]], max_tokens: int) -> float:
-    ids = torch.tensor(batch)
+    """One batched generate() when the prompts have equal lengths, else one generate() per prompt."""
+    groups = [batch] if len({len(p) for p in batch}) == 1 else [[p] for p in batch]
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=1)
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] - ids.shape[1] == max_tokens
-    return elapsed
+    for group in groups:
+        ids = torch.tensor(group)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, pad_token_id=1)
+        assert out.shape[1] - ids.shape[1] == max_tokens
+    return time.perf_counter() - start
 
 
 def throughput(timer, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
@@ -67,6 +77,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--mixed-lengths", action="store_true",
+                        help="prompts of different lengths (the reference then runs them one by one)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
@@ -80,10 +92,10 @@ def main() -> None:
     time_engine(engine, prompts(1, 8, engine.vocab_size), 4)  # warm-up
     rows = []
     for c in args.concurrency:
-        batch = prompts(c, args.prompt_tokens, engine.vocab_size)
+        batch = prompts(c, args.prompt_tokens, engine.vocab_size, args.mixed_lengths)
         engine_decode, engine_e2e = throughput(lambda b, n: time_engine(engine, b, n), batch, args.max_tokens)
         ref_decode, ref_e2e = throughput(lambda b, n: time_reference(reference, b, n), batch, args.max_tokens)
-        rows.append({"concurrency": c, "engine_tokens_per_s": round(engine_decode, 1),
+        rows.append({"concurrency": c, "mixed_lengths": args.mixed_lengths, "engine_tokens_per_s": round(engine_decode, 1),
                      "reference_tokens_per_s": round(ref_decode, 1), "ratio": round(engine_decode / ref_decode, 2),
                      "engine_end_to_end_tokens_per_s": round(engine_e2e, 1),
                      "reference_end_to_end_tokens_per_s": round(ref_e2e, 1),

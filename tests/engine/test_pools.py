@@ -61,7 +61,11 @@ def test_window_pages_slide_out_as_a_request_advances():
 def test_out_of_pages_is_raised_at_the_predicted_capacity():
     kv = _manager(num_tokens=4096, ratio=0.25, page_size=16)
     capacity = kv.capacity()
-    assert capacity["window"] == 1024 and capacity["csa"] == 4096 and capacity["hca"] == 4096
+    # window: 4096 * 0.25 positions; compressed pools: num_tokens' entries in pages of 16, plus one
+    # partly filled page for each of the 4 running requests.
+    assert capacity["window"] == 1024
+    assert capacity["csa"] == (4096 // 4 // 16 + 4) * 16 * 4 == 4352
+    assert capacity["hca"] == (4096 // 128 // 16 + 4) * 16 * 128 == 12288
     # One request can prefill window-pool capacity in a single chunk, not one token more.
     seq = Sequence("big", list(range(5000)))
     assert kv.can_extend(seq, 1024) and not kv.can_extend(seq, 1025)
@@ -70,8 +74,19 @@ def test_out_of_pages_is_raised_at_the_predicted_capacity():
     assert info.value.pool == "window"
     kv.check()
     assert kv.pages_used()["window"] == 0  # the failed extend allocated nothing
-    # Compressed pools: a request of 4096 positions fits, 4096 + 4 needs one CSA entry more.
-    assert kv.can_ever_fit(4096 + 3) and not kv.can_ever_fit(4096 + 4)
+    # Compressed pools: a request of 4352 positions fits, 4352 + 4 needs one CSA entry more.
+    assert kv.can_ever_fit(4352 + 3) and not kv.can_ever_fit(4352 + 4)
+
+
+def test_every_running_request_can_hold_a_partial_page_of_each_pool():
+    """Short requests each take a whole page per pool; the pools keep one per running request."""
+    kv = _manager(num_tokens=1024, ratio=1.0, page_size=16, max_running=4)
+    seqs = [Sequence(f"s{i}", [0] * 200) for i in range(4)]
+    for seq in seqs:  # 130 positions: one HCA entry and 32 CSA entries each
+        assert kv.can_extend(seq, 130)
+        kv.extend(seq, 130)
+    assert kv.pages_used()["hca"] == 4 and kv.pages_used()["csa"] == 4 * 2
+    kv.check()
 
 
 def test_bytes_per_token_and_capacity_are_reported():
