@@ -71,6 +71,7 @@ class LLMEngine:
         self.max_prompt_tokens = self.max_request_tokens - 1
         self.sampler = Sampler()
         self._live: dict[str, _Live] = {}
+        self._submit_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
@@ -84,7 +85,9 @@ class LLMEngine:
         self._validate(seq)
         live = _Live(seq, on_output, IncrementalDetokenizer(self.tokenizer, seq.sampling.stop),
                      set(seq.sampling.stop_token_ids) | (set() if seq.sampling.ignore_eos else set(self.eos_token_ids)))
-        self._live[seq.request_id] = live
+        with self._submit_lock:  # one live entry per request id, even when two threads race
+            if self._live.setdefault(seq.request_id, live) is not live:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
         try:
             self.scheduler.add(seq)
         except ValueError:
@@ -263,8 +266,6 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
         seq.sampling.validate(self.config.max_tokens_limit)
-        if seq.request_id in self._live:
-            raise ValueError(f"request id {seq.request_id!r} is already in use")
         total = len(seq.prompt_ids) + seq.sampling.max_tokens
         if total > self.max_request_tokens:
             raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.sampling.max_tokens}) "

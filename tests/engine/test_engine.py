@@ -133,3 +133,15 @@ def test_a_failing_forward_fails_only_its_requests_and_frees_their_pages(tiny_ch
     assert _all_pages_free(engine)
     result = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(result[0]["output_ids"]) == 4 and result[0]["finish_reason"] == "length"
+
+
+def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(tiny_checkpoint):
+    engine = _shared_engine(tiny_checkpoint)
+    outputs: list[RequestOutput] = []
+    engine.submit(Sequence("same-id", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)), outputs.append)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.submit(Sequence("same-id", [8, 9], SamplingParams(max_tokens=3)), lambda out: None)
+    while not (outputs and outputs[-1].finished):
+        assert engine.step()
+    assert sum(len(o.new_token_ids) for o in outputs) == 3 and outputs[-1].finish_reason is FinishReason.LENGTH
+    assert _all_pages_free(engine)
