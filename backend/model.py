@@ -84,7 +84,7 @@ class DeepseekV4Model:
         if layer_type == CSA:
             comp_kv, comp_table, rate = kv.csa_pool.tensors["kv"][self.pool_layer[i]], batch.comp_block_tables["csa"], c.csa_rate
             self._compress_into(i, "compressor.", "csa", x, batch, kv, comp_kv, comp_table)
-            topk = self._indexer_topk(i, x, q_residual, batch, kv)
+            topk = self._indexer_topk(i, x, q_residual, batch, kv, rope["compress"])
         elif layer_type == HCA:
             comp_kv, comp_table, rate = kv.hca_pool.tensors["kv"][self.pool_layer[i]], batch.comp_block_tables["hca"], c.hca_rate
             self._compress_into(i, "compressor.", "hca", x, batch, kv, comp_kv, comp_table)
@@ -120,15 +120,14 @@ class DeepseekV4Model:
             pages = block_table[plan.entry_row, plan.entry_index // page_size].long()
             pool_tensor.view(-1, pool_tensor.shape[-1])[pages * page_size + plan.entry_index % page_size] = entries
 
-    def _indexer_topk(self, i, x, q_residual, batch, kv) -> torch.Tensor:
+    def _indexer_topk(self, i, x, q_residual, batch, kv, compress_cos_sin) -> torch.Tensor:
         """Lightning indexer: top-k compressed entries per query, -1 where fewer are causal. [T, k]"""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.compressor.indexer."
         layer = self.pool_layer[i]
         index_k = kv.csa_pool.tensors["index_k"][layer]
         self._compress_into(i, "compressor.indexer.", "indexer", x, batch, kv, index_k, batch.comp_block_tables["csa"])
         q = F.linear(q_residual, w[p + "q_b_proj.weight"]).view(x.shape[0], c.index_n_heads, c.index_head_dim)
-        cos, sin = self.rotary["compress"].cos_sin(batch.positions, self.dtype)
-        q = apply_rope(q, cos, sin)
+        q = apply_rope(q, *compress_cos_sin)  # the indexer's queries use the compress rope, as its keys do
         weights = F.linear(x, w[p + "scorer.weights_proj.weight"]).float() * c.index_n_heads ** -0.5
         scores = dispatch.indexer_scores(q, weights, c.index_head_dim ** -0.5, batch.token_seq, batch.positions,
                                          index_k, batch.comp_block_tables["csa"], c.csa_rate)
