@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from .fake_engine import expected_ids
-from .triton_helpers import REPO_ROOT, GrpcStreams, as_list, grpc_inputs, http_generate, http_generate_stream
+from .triton_helpers import (REPO_ROOT, GrpcStreams, as_list, grpc_inputs, http_generate, http_generate_stream,
+                             wait_for)
 
 
 
@@ -88,14 +89,6 @@ def _pages_used(server) -> float:
     return sum(server.metric_values("dsv4_pool_pages_used").values())
 
 
-def _wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
 
 def test_cancel_frees_pages(fake_server):
     before = fake_server.metric_values("dsv4_requests_finished_total").get(
@@ -106,11 +99,11 @@ def test_cancel_frees_pages(fake_server):
     while streams.results["long"].num_responses < 3 and time.monotonic() < deadline:
         streams._take(timeout=30)
     assert streams.results["long"].num_responses >= 3
-    assert _wait_for(lambda: _pages_used(fake_server) >= 1)
+    assert wait_for(lambda: _pages_used(fake_server) >= 1, timeout=10.0)
     streams.close(cancel=True)
-    assert _wait_for(lambda: _pages_used(fake_server) == 0), fake_server.metrics_text()
-    assert _wait_for(lambda: fake_server.metric_values("dsv4_requests_finished_total").get(
-        '{finish_reason="cancelled",model="dsv4"}', 0.0) == before + 1)
+    assert wait_for(lambda: _pages_used(fake_server) == 0, timeout=10.0), fake_server.metrics_text()
+    assert wait_for(lambda: fake_server.metric_values("dsv4_requests_finished_total").get(
+        '{finish_reason="cancelled",model="dsv4"}', 0.0) == before + 1, timeout=10.0)
 
 
 BAD_REQUESTS = {

@@ -22,6 +22,7 @@ from .triton_helpers import (
     http_generate,
     http_generate_stream,
     server_env,
+    wait_for,
 )
 
 MAX_TOKENS = 8
@@ -110,14 +111,6 @@ def test_http_generate_stream_matches_offline_generation(server, reference):
     assert events[-1]["finish_reason"] == reference[prompt]["finish_reason"]
 
 
-def _wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
 
 def test_cancelling_a_stream_frees_its_pages(server):
     def pages_used():
@@ -126,7 +119,7 @@ def test_cancelling_a_stream_frees_its_pages(server):
     def cancelled():
         return server.metric_values("dsv4_requests_finished_total").get('{finish_reason="cancelled",model="dsv4"}', 0)
 
-    assert _wait_for(lambda: pages_used() == 0), "pages in use before the test"
+    assert wait_for(lambda: pages_used() == 0), "pages in use before the test"
     before = cancelled()
     streams = GrpcStreams(server.grpc_url)
     streams.send("long", grpc_inputs("tell me a very long story", max_tokens=4000,
@@ -135,11 +128,11 @@ def test_cancelling_a_stream_frees_its_pages(server):
     while streams.results["long"].num_responses < 3 and time.monotonic() < deadline:
         streams._take(timeout=60)
     assert streams.results["long"].num_finals == 0, "finished before it could be cancelled"
-    assert _wait_for(lambda: pages_used() > 0)
+    assert wait_for(lambda: pages_used() > 0)
     streams.close(cancel=True)
-    assert _wait_for(lambda: pages_used() == 0), server.metrics_text()
-    assert _wait_for(lambda: cancelled() == before + 1)
-    assert _wait_for(lambda: sum(server.metric_values("dsv4_num_requests_running").values()) == 0)
+    assert wait_for(lambda: pages_used() == 0), server.metrics_text()
+    assert wait_for(lambda: cancelled() == before + 1)
+    assert wait_for(lambda: sum(server.metric_values("dsv4_num_requests_running").values()) == 0)
 
 
 def _vocab_size() -> int:

@@ -305,3 +305,13 @@ def http_generate_stream(server: TritonServer, body: dict) -> list[dict]:
 def as_list(value) -> list:
     """HTTP generate returns a one-element output as a scalar, longer ones as lists."""
     return value if isinstance(value, list) else [value]
+
+
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1) -> bool:
+    """Poll `predicate` until it holds or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
