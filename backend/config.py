@@ -48,33 +48,35 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
+        """Every rule on the values, cross-field ones included, in one place: raise ConfigError naming
+        the parameter. Runs at construction, so a bad deployment fails before any weight loads (and in
+        scripts/make_model_repository.py, before a repository is written)."""
         _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
-        _check(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "dtype",
-            self.dtype,
-            "auto, float32, bfloat16 or float16",
-        )
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+               "auto, float32, bfloat16 or float16")
         _check(self.policy in POLICIES, "policy", self.policy, " or ".join(POLICIES))
+        _check_int(self, "max_running_requests", 1)
+        # Every running request's decode must fit one step, and with one request still in prefill
+        # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.
+        _check_int(self, "max_num_batched_tokens", self.max_running_requests,
+                   f"max_running_requests ({self.max_running_requests})")
         if self.decode_interleave_every is not None:
-            _check(self.decode_interleave_every >= 1, "decode_interleave_every", self.decode_interleave_every, ">= 1")
+            _check_int(self, "decode_interleave_every", 1)
+            _check(self.policy == "prefill_first", "decode_interleave_every", self.decode_interleave_every,
+                   f"unset with policy {self.policy!r} (every mixed step already carries the decodes)")
         if self.prefill_chunk_tokens is not None:
-            _check(self.prefill_chunk_tokens >= 1, "prefill_chunk_tokens", self.prefill_chunk_tokens, ">= 1")
+            _check_int(self, "prefill_chunk_tokens", 1)
+            _check(self.prefill_chunk_tokens <= self.max_num_batched_tokens, "prefill_chunk_tokens",
+                   self.prefill_chunk_tokens, f"at most max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.itl_target_ms is not None:
-            _check(self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms, "> 0")
-        _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests, ">= 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
-        _check(self.num_tokens >= 1, "num_tokens", self.num_tokens, ">= 1")
-        _check(
-            0.0 < self.swa_full_tokens_ratio <= 1.0, "swa_full_tokens_ratio", self.swa_full_tokens_ratio, "in (0, 1]"
-        )
-        _check(
-            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
-            "page_size",
-            self.page_size,
-            "a power of two",
-        )
-        _check(self.max_tokens_limit >= 1, "max_tokens_limit", self.max_tokens_limit, ">= 1")
+            _check(_is_number(self.itl_target_ms) and self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms,
+                   "a number > 0")
+        _check_int(self, "num_tokens", 1)
+        _check(_is_number(self.swa_full_tokens_ratio) and 0.0 < self.swa_full_tokens_ratio <= 1.0,
+               "swa_full_tokens_ratio", self.swa_full_tokens_ratio, "in (0, 1]")
+        _check(_is_int(self.page_size) and self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+               "page_size", self.page_size, "a power of two")
+        _check_int(self, "max_tokens_limit", 1)
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
@@ -116,6 +118,19 @@ class EngineConfig:
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
         raise ConfigError(f"parameter {name!r}: invalid value {value!r} (expected {expected})")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: str | None = None) -> None:
+    value = getattr(config, name)
+    _check(_is_int(value) and value >= minimum, name, value, f"an integer >= {minimum_text or minimum}")
 
 
 def _parse(name: str, type_name: str, value: str):

@@ -1,4 +1,4 @@
-"""The engine: one thread that owns the device and runs schedule -> forward -> sample -> postprocess.
+"""The engine: one thread that owns the device and runs schedule -> prepare -> forward -> sample -> postprocess.
 
     engine = LLMEngine(EngineConfig(checkpoint=...))
     engine.start()                                   # the loop thread
@@ -9,6 +9,10 @@
 `on_output(RequestOutput)` is called on the engine thread once per step that produced text or
 tokens for the request, and exactly once with `finished=True`. `generate()` runs the same loop on
 the caller's thread for offline use (scripts, tests, benchmarks).
+
+Start-up order: the config was validated when it was built; the checkpoint's config.json is read,
+the memory pools are sized and the chunk budget resolved — so a deployment that cannot work fails
+before any weight is read — and only then are the weights loaded.
 """
 
 from __future__ import annotations
@@ -17,35 +21,24 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from tokenizers import Tokenizer
 
-from backend.config import EngineConfig
+from backend.config import ConfigError, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
-from backend.forward_batch import BatchRow, build_forward_batch
-from backend.kv_manager import KVCacheManager
-from backend.model import DeepseekV4Model
-from backend.model_config import load_model_config
-from backend.request import FinishReason, RequestOutput, SamplingParams, Sequence
+from backend.memory.kv_manager import KVCacheManager
+from backend.model.checkpoint import load_weights
+from backend.model.config import load_model_config
+from backend.model.deepseek_v4 import DeepseekV4Model
+from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.request import FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import Sampler
-from backend.scheduler import Scheduler, SchedulerConfig, StepPlan
-from backend.weights import load_weights
-from kernels import dispatch
+from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from kernels.dispatch import KernelDispatch, default_mode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Live:
-    """Engine-side state of a request that is not finished yet."""
-
-    seq: Sequence
-    on_output: Callable[[RequestOutput], None]
-    detokenizer: IncrementalDetokenizer
-    stop_ids: set[int] = field(default_factory=set)
 
 
 class LLMEngine:
@@ -53,46 +46,42 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
-        if config.use_reference_kernels:  # one switch for the whole process (or DSV4_REFERENCE_KERNELS=1)
-            dispatch.set_force_reference(True)
         checkpoint = Path(config.checkpoint)
         self.model_config = load_model_config(checkpoint)
-        weights = load_weights(checkpoint, self.model_config, self.dtype, self.device)
-        self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype)
-        self.kv = KVCacheManager(
-            self.model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
-            page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=self.dtype,
-            device=self.device)
-        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config), self.kv)
+        self.kv = _memory_pools(config, self.model_config, self.dtype, self.device)
+        self.scheduler = Scheduler(config, self.kv, resolve_prefill_chunk_tokens(config, self.kv))
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
-        self.vocab_size = self.model_config.vocab_size
-        self.max_request_tokens = self.kv.max_request_tokens()
-        self.max_prompt_tokens = self.max_request_tokens - 1
+        self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
+                                    self.kv.max_request_positions())
+        self.kernels = KernelDispatch(default_mode(config.use_reference_kernels))
+        weights = load_weights(checkpoint, self.model_config, self.dtype, self.device)
+        self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype, self.kernels)
         self.sampler = Sampler()
-        self._live: dict[str, _Live] = {}
-        self._submit_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
-        logger.info("engine ready: device=%s dtype=%s capacity=%s bytes/token=%s prefill_chunk_tokens=%d",
-                    self.device, self.dtype, self.kv.capacity(), self.kv.bytes_per_token(),
+        logger.info("engine ready: device=%s dtype=%s kernels=%s capacity=%s bytes/token=%s prefill_chunk_tokens=%d",
+                    self.device, self.dtype, self.kernels.mode, self.kv.capacity(), self.kv.bytes_per_token(),
                     self.scheduler.prefill_chunk_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     # --- any thread ---------------------------------------------------------------------------------
     def submit(self, seq: Sequence, on_output: Callable[[RequestOutput], None]) -> None:
-        """Queue a request; raises ValueError with a clear message if it is invalid or can never fit."""
-        self._validate(seq)
-        live = _Live(seq, on_output, IncrementalDetokenizer(self.tokenizer, seq.sampling.stop),
-                     set(seq.sampling.stop_token_ids) | (set() if seq.sampling.ignore_eos else set(self.eos_token_ids)))
-        with self._submit_lock:  # one live entry per request id, even when two threads race
-            if self._live.setdefault(seq.request_id, live) is not live:
-                raise ValueError(f"request id {seq.request_id!r} is already in use")
-        try:
-            self.scheduler.add(seq)
-        except ValueError:
-            self._live.pop(seq.request_id, None)
-            raise
+        """The admission gate: queue a request, or raise ValueError with a message for the client.
+
+        Checks what this deployment allows (RequestLimits: vocabulary, max_tokens_limit, the
+        positions the memory can ever hold) and that the id is not in use (Scheduler.add).
+        """
+        self.limits.check(seq.prompt_ids, seq.sampling)
+        seq.on_output = on_output
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop)
+        seq.stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
+            () if seq.sampling.ignore_eos else self.eos_token_ids)
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -176,7 +165,7 @@ class LLMEngine:
 
     def _execute(self, plan: StepPlan) -> None:
         for seq in plan.aborted:
-            self._finish_now(seq, seq.finish_reason or FinishReason.CANCELLED)
+            self._send_final(seq, error=_scheduler_error(seq))
         if not plan.chunks:
             return
         started = time.perf_counter()
@@ -184,92 +173,87 @@ class LLMEngine:
             finished = self._run(plan)
         except Exception as exc:
             logger.exception("forward failed; failing the %d requests of step %s", len(plan.chunks), plan.step_index)
-            finished = self._fail_plan(plan)
-            self.scheduler.on_step_done(plan, time.perf_counter() - started, finished)
-            for seq in finished:
-                self._finish_now(seq, FinishReason.ERROR, error=f"internal error: {exc}")
+            failed = [chunk.seq for chunk in plan.chunks]
+            for seq in failed:
+                seq.finish_reason = FinishReason.ERROR
+            self.scheduler.on_step_done(plan, time.perf_counter() - started, failed)
+            for seq in failed:
+                self._send_final(seq, error=f"internal error: {exc}")
             return
         self.scheduler.on_step_done(plan, time.perf_counter() - started, [seq for seq, _ in finished])
         for seq, final_text in finished:
-            self._emit_final(seq, final_text)
+            self._send(seq, [seq.output_ids[-1]], final_text, finished=True)
 
     def _run(self, plan: StepPlan) -> list[tuple[Sequence, str]]:
-        """Forward + sample + postprocess; returns (finished sequence, its last text) pairs."""
-        rows = [BatchRow(c.seq.request_id, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
+        """Prepare + forward + sample + postprocess; returns (finished sequence, its last text) pairs."""
+        rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
         batch = build_forward_batch(rows, self.kv, self.device)
         logits = self.model.forward(batch, self.kv)
-        sampling = [c for c in plan.chunks if c.samples]
-        tokens = self.sampler.sample(logits, [c.seq.request_id for c in sampling], [c.seq.sampling for c in sampling])
+        sampling = [c.seq for c in plan.chunks if c.samples]
+        tokens = self.sampler.sample(logits, sampling)
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens = chunk.end
         finished = []
-        for chunk, token in zip(sampling, tokens):
-            result = self._append_token(chunk.seq, token)
-            if result is not None:
-                finished.append((chunk.seq, result))
-        for chunk in plan.chunks:
-            if all(chunk.seq is not seq for seq, _ in finished):
-                self.kv.release_slid_out(chunk.seq)
+        for seq, token in zip(sampling, tokens):
+            final_text = self._append_token(seq, token)
+            if final_text is not None:
+                finished.append((seq, final_text))
         return finished
 
     def _append_token(self, seq: Sequence, token: int) -> str | None:
         """Record a sampled token; stream it, or return the final text if the request is done."""
-        live = self._live[seq.request_id]
         seq.output_ids.append(token)
-        is_stop_token = token in live.stop_ids
-        text = "" if is_stop_token else live.detokenizer.add(token)
-        if is_stop_token or live.detokenizer.stopped:
+        is_stop_token = token in seq.stop_ids
+        text = "" if is_stop_token else seq.detokenizer.add(token)
+        if is_stop_token or seq.detokenizer.stopped:
             seq.finish_reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.sampling.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         else:
-            self._send(live, [token], text, finished=False)
+            self._send(seq, [token], text, finished=False)
             return None
-        return text + live.detokenizer.flush()
+        return text + seq.detokenizer.flush()
 
-    def _send(self, live: _Live, token_ids: list[int], text: str, finished: bool, error: str | None = None):
-        seq = live.seq
+    def _send_final(self, seq: Sequence, error: str | None) -> None:
+        """The final response of a request ended without a last token (cancelled or failed)."""
+        text = seq.detokenizer.flush() if seq.finish_reason is FinishReason.CANCELLED else ""
+        self._send(seq, [], text, finished=True, error=error)
+
+    def _send(self, seq: Sequence, token_ids: list[int], text: str, finished: bool, error: str | None = None):
         try:
-            live.on_output(RequestOutput(seq.request_id, token_ids, text, finished,
-                                         seq.finish_reason if finished else None, len(seq.prompt_ids),
-                                         len(seq.output_ids), error))
+            seq.on_output(RequestOutput(seq.request_id, token_ids, text, finished,
+                                        seq.finish_reason if finished else None, len(seq.prompt_ids),
+                                        len(seq.output_ids), error))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
 
-    def _emit_final(self, seq: Sequence, final_text: str) -> None:
-        live = self._live.pop(seq.request_id)
-        self.sampler.release(seq.request_id)
-        self._send(live, [seq.output_ids[-1]], final_text, finished=True)
 
-    def _finish_now(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        """A request ended by the scheduler (cancelled, cannot fit) or by a failed step."""
-        live = self._live.pop(seq.request_id, None)
-        self.sampler.release(seq.request_id)
-        if live is None:
-            return
-        seq.finish_reason = reason
-        if reason is FinishReason.ERROR and error is None:
-            error = "the request no longer fits in the memory pools"
-        self._send(live, [], live.detokenizer.flush() if reason is FinishReason.CANCELLED else "", True, error)
+def _memory_pools(config: EngineConfig, model_config, dtype, device) -> KVCacheManager:
+    """The pools the config asks for; ConfigError when they could not serve a single request."""
+    kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
+                        page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
+                        device=device)
+    if kv.max_request_positions() == 0:
+        window = kv.window_pool
+        raise ConfigError(
+            f"parameter 'swa_full_tokens_ratio': the window pool holds {window.num_pages} pages of {config.page_size} "
+            f"positions (num_tokens * swa_full_tokens_ratio), fewer than one sliding window needs "
+            f"({window.pages_per_running_request()}); raise num_tokens or swa_full_tokens_ratio")
+    return kv
 
-    def _fail_plan(self, plan: StepPlan) -> list[Sequence]:
-        seqs = []
-        for chunk in plan.chunks:
-            chunk.seq.finish_reason = FinishReason.ERROR
-            seqs.append(chunk.seq)
-        return seqs
 
-    def _validate(self, seq: Sequence) -> None:
-        if not seq.prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in seq.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
-        seq.sampling.validate(self.config.max_tokens_limit)
-        total = len(seq.prompt_ids) + seq.sampling.max_tokens
-        if total > self.max_request_tokens:
-            raise ValueError(f"prompt ({len(seq.prompt_ids)} tokens) + max_tokens ({seq.sampling.max_tokens}) "
-                             f"exceeds the {self.max_request_tokens} positions this deployment supports")
+def check_deployment(config: EngineConfig) -> int:
+    """What LLMEngine checks before it reads a weight, without allocating anything: the checkpoint's
+    config.json is supported and the pools leave a prefill chunk budget (returned). Raises
+    ConfigError / UnsupportedCheckpoint naming what to change."""
+    model_config = load_model_config(config.checkpoint)
+    return resolve_prefill_chunk_tokens(config, _memory_pools(config, model_config, config.resolved_dtype(), "meta"))
+
+
+def _scheduler_error(seq: Sequence) -> str | None:
+    if seq.finish_reason is FinishReason.ERROR:
+        return "the request no longer fits in the memory pools"
+    return None
 
 
 def _eos_token_ids(checkpoint: Path, config) -> list[int]:

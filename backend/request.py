@@ -1,9 +1,10 @@
 """Requests as the engine and the scheduler see them.
 
-A `Sequence` is one request's whole state: its tokens, how many of them already have their
-keys/values in the pools (`num_computed_tokens`), its sampling parameters and its status.
-Everything else (pages, compressor slots) is owned by the memory manager and keyed by
-`request_id`.
+A `Sequence` is one request's whole engine-side state, in one object: its tokens, how many of them
+already have their keys/values in the pools (`num_computed_tokens`), its sampling parameters, its
+status, and what the engine attaches at submit (the output callback, the detokenizer, the stop
+ids, the sampling generator, the queue rank and the handle of its pages). `finish()` ends it and
+releases everything it holds.
 
 Token accounting, the one rule the scheduler and engine share:
 - `num_tokens = len(prompt_ids) + len(output_ids)`;
@@ -12,14 +13,25 @@ Token accounting, the one rule the scheduler and engine share:
 - a prefill is a sequence with more than one uncomputed token, a decode one with exactly one.
 Preemption (recompute) sets `num_computed_tokens = 0`: the prompt and the outputs already
 streamed are prefilled again, and generation resumes where it stopped.
+
+Validation, each rule once: `SamplingParams` checks its own values when built (`from_dict` also
+coerces what clients send); `RequestLimits.check` holds what a deployment allows (vocabulary,
+max_tokens_limit, positions) and is called by `LLMEngine.submit`, the only admission gate.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
-import time
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from backend.detokenizer import IncrementalDetokenizer
+    from backend.memory.kv_manager import RequestPages
 
 
 class SequenceStatus(enum.Enum):
@@ -35,9 +47,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # rejected or failed inside the engine
 
 
+# --- sampling parameters ----------------------------------------------------------------------------
+
+
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters (validated by `validate()`)."""
+    """Per-request decoding parameters; a bad value raises ValueError naming the field."""
 
     max_tokens: int = 16
     temperature: float = 0.0  # 0 means greedy
@@ -49,26 +64,133 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
-    def validate(self, max_tokens_limit: int | None = None) -> None:
-        """Raise ValueError naming the offending field."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if max_tokens_limit is not None and self.max_tokens > max_tokens_limit:
-            raise ValueError(f"max_tokens must be at most {max_tokens_limit}, got {self.max_tokens}")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        _check_range("temperature", self.temperature, 0.0, 100.0, "[0, 100]")
+        _check_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]", low_open=True)
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
-        if not 0.0 <= float(self.min_p) <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        _check_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any], where: str = "sampling_parameters") -> "SamplingParams":
+        """Coerce what clients send (numbers as numeric strings, `stop` as one string, genai-perf's
+        `min_tokens`) and build; unknown keys and bad values raise ValueError naming them."""
+        unknown = sorted(set(params) - SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in params.items():
+            if key in _INT_KEYS:
+                kwargs[key] = _as_int(value, key)
+            elif key in _FLOAT_KEYS:
+                kwargs[key] = _as_float(value, key)
+            elif key == "stop":
+                kwargs[key] = [value] if isinstance(value, str) else value
+            else:
+                kwargs[key] = value
+        _apply_min_tokens(kwargs)
+        return cls(**kwargs)
+
+
+_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens")
+_FLOAT_KEYS = ("temperature", "top_p", "min_p")
+SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens"])
+
+
+def _apply_min_tokens(kwargs: dict[str, Any]) -> None:
+    """genai-perf's deterministic output length sends min_tokens == max_tokens: that is ignore_eos."""
+    min_tokens = kwargs.pop("min_tokens", None)
+    if min_tokens is None or min_tokens == 0:
+        return
+    max_tokens = kwargs.get("max_tokens", SamplingParams.max_tokens)
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens}")
+    if min_tokens < max_tokens or kwargs.get("stop") or kwargs.get("stop_token_ids"):
+        raise ValueError(
+            "min_tokens is only supported as min_tokens >= max_tokens without stop/stop_token_ids "
+            "(it then means ignore_eos=true)"
+        )
+    kwargs["ignore_eos"] = True
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_range(name: str, value: Any, low: float, high: float, text: str, low_open: bool = False) -> None:
+    number_ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not number_ok or not (low < value if low_open else low <= value) or value > high:
+        raise ValueError(f"{name} must be in {text}, got {value!r}")
+
+
+def _as_int(value: Any, key: str) -> int:
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(f"{key} must be an integer, got {value!r}")
+
+
+def _as_float(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    try:
+        number = float(value) if isinstance(value, (int, float, str)) else None
+    except ValueError:
+        number = None
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"{key} must be a finite number, got {value!r}")
+    return number
+
+
+# --- what a deployment allows -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What the served engine accepts; built once by the engine from its config and its memory."""
+
+    vocab_size: int
+    max_tokens_limit: int
+    max_request_positions: int  # KVCacheManager.max_request_positions(): the one capacity rule
+
+    def check(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ValueError with a client-facing message if this deployment cannot serve the request."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not (_is_int(t) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
+        if sampling.max_tokens > self.max_tokens_limit:
+            raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {sampling.max_tokens}")
+        bad = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        # The last sampled token is never fed back, so a request needs prompt + max_tokens - 1 positions.
+        positions = len(prompt_ids) + sampling.max_tokens - 1
+        if positions > self.max_request_positions:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) needs {positions} "
+                f"positions, more than the {self.max_request_positions} positions this deployment supports; "
+                "shorten the prompt or lower max_tokens")
+
+
+# --- outputs ----------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -85,24 +207,29 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is ERROR
 
 
-_request_counter = itertools.count()
+# --- the request ------------------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine."""
+    """One request inside the engine: its tokens, its progress, and everything the engine holds for it."""
 
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first among waiting requests
-    arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    arrival_index: int = field(default_factory=lambda: next(_request_counter))
     num_preemptions: int = 0
+    # Attached by the engine (submit) and the scheduler; released by finish().
+    on_output: Callable[[RequestOutput], None] | None = field(default=None, repr=False)
+    detokenizer: "IncrementalDetokenizer | None" = field(default=None, repr=False)
+    stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
+    generator: "torch.Generator | None" = field(default=None, repr=False)  # the sampler's, for temperature > 0
+    queue_rank: int = 0  # position in the waiting queue within its priority; negative: requeued in front
+    pages: "RequestPages | None" = field(default=None, repr=False)  # set by the memory manager
 
     @property
     def num_tokens(self) -> int:
@@ -127,3 +254,21 @@ class Sequence:
 
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def finish(self, reason: FinishReason | None = None) -> None:
+        """End the request: FINISHED, its pages and slot back to the pools, its generator dropped.
+
+        Idempotent; `reason` (when given) becomes the finish reason. The final response is the
+        engine's to send (it needs the text the detokenizer still holds).
+        """
+        if reason is not None:
+            self.finish_reason = reason
+        self.status = SequenceStatus.FINISHED
+        self.release_pages()
+        self.generator = None
+
+    def release_pages(self) -> None:
+        """Give back every page and the compressor-state slot (preemption and finish; idempotent)."""
+        pages, self.pages = self.pages, None
+        if pages is not None:
+            pages.release()

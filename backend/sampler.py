@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.request import SamplingParams
+from backend.request import SamplingParams, Sequence
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -32,28 +32,24 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self):
-        self._generators: dict[str, torch.Generator] = {}
+    """Draws one token per row; the per-request generator lives on the request (`seq.generator`)."""
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """One token per row of logits [R, V]."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row of logits [R, V], row r for seqs[r]."""
         tokens = torch.argmax(logits, dim=-1).tolist()
-        for row, (request_id, p) in enumerate(zip(request_ids, params)):
-            if p.temperature > 0.0:
-                probs = torch.softmax(filter_logits(logits[row].cpu(), p), dim=-1)
-                tokens[row] = int(torch.multinomial(probs, 1, generator=self._generator(request_id, p)).item())
+        for row, seq in enumerate(seqs):
+            if seq.sampling.temperature > 0.0:
+                probs = torch.softmax(filter_logits(logits[row].cpu(), seq.sampling), dim=-1)
+                tokens[row] = int(torch.multinomial(probs, 1, generator=_generator(seq)).item())
         return tokens
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator()
-            if params.seed is not None:
-                gen.manual_seed(params.seed)
-            else:
-                gen.seed()
-            self._generators[request_id] = gen
-        return gen
 
-    def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+def _generator(seq: Sequence) -> torch.Generator:
+    """The request's generator, seeded on first use (from its seed, or from entropy)."""
+    if seq.generator is None:
+        seq.generator = torch.Generator()
+        if seq.sampling.seed is not None:
+            seq.generator.manual_seed(seq.sampling.seed)
+        else:
+            seq.generator.seed()
+    return seq.generator

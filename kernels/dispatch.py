@@ -1,10 +1,13 @@
-"""One switch between the Triton kernels and the torch references.
+"""The switch between the Triton kernels and their torch references, one per engine.
 
-By default CUDA tensors go to the Triton kernels and everything else to the references.
-`set_mode("reference")` (or DSV4_REFERENCE_KERNELS=1) runs the references on CUDA too, for
-comparison; `set_mode("triton")` runs the kernels whatever the device — on CPU tensors that takes
-TRITON_INTERPRET=1, which is how the tests check the engine's calls into the kernels without a GPU.
-The engine calls only the functions below.
+    kernels = KernelDispatch("auto")   # Triton on CUDA tensors, the references elsewhere
+    kernels.sparse_paged_attention(q, ...)
+
+Modes: `auto` (the default); `reference` runs the references on CUDA too, for comparison (the
+`use_reference_kernels` engine parameter, or DSV4_REFERENCE_KERNELS=1 when the mode is not
+given); `triton` runs the kernels whatever the device — on CPU tensors that takes
+TRITON_INTERPRET=1, which is how the tests check the engine's calls into the kernels without a
+GPU. The model calls only the methods below, so every hot path has one seam.
 """
 
 from __future__ import annotations
@@ -15,50 +18,51 @@ import torch
 
 from kernels.attention import sparse_paged_attention_reference
 from kernels.indexer import indexer_scores_reference
-from kernels.moe import fused_moe_reference
+from kernels.moe import fused_moe_reference, route_hash, route_topk
 
 MODES = ("auto", "reference", "triton")
-_mode = "reference" if os.environ.get("DSV4_REFERENCE_KERNELS", "0") == "1" else "auto"
 
 
-def set_mode(mode: str) -> None:
-    global _mode
-    if mode not in MODES:
-        raise ValueError(f"kernel dispatch mode must be one of {MODES}, got {mode!r}")
-    _mode = mode
+def default_mode(use_reference: bool = False) -> str:
+    return "reference" if use_reference or os.environ.get("DSV4_REFERENCE_KERNELS", "0") == "1" else "auto"
 
 
-def get_mode() -> str:
-    return _mode
+class KernelDispatch:
+    def __init__(self, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"kernel dispatch mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
 
+    def use_triton(self, tensor: torch.Tensor) -> bool:
+        return self.mode == "triton" or (self.mode == "auto" and tensor.is_cuda)
 
-def set_force_reference(flag: bool) -> None:
-    set_mode("reference" if flag else "auto")
+    def sparse_paged_attention(self, q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.use_triton(q):
+            from kernels.attention import sparse_paged_attention_triton
 
+            return sparse_paged_attention_triton(q, *args, **kwargs)
+        return sparse_paged_attention_reference(q, *args, **kwargs)
 
-def use_triton(tensor: torch.Tensor) -> bool:
-    return _mode == "triton" or (_mode == "auto" and tensor.is_cuda)
+    def indexer_scores(self, q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.use_triton(q):
+            from kernels.indexer import indexer_scores_triton
 
+            return indexer_scores_triton(q, *args, **kwargs)
+        return indexer_scores_reference(q, *args, **kwargs)
 
-def sparse_paged_attention(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if use_triton(q):
-        from kernels.attention import sparse_paged_attention_triton
+    def fused_moe(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.use_triton(x):
+            from kernels.moe import fused_moe_triton
 
-        return sparse_paged_attention_triton(q, *args, **kwargs)
-    return sparse_paged_attention_reference(q, *args, **kwargs)
+            return fused_moe_triton(x, *args, **kwargs)
+        return fused_moe_reference(x, *args, **kwargs)
 
+    # Routing has one (torch) implementation; it goes through here so that a fused kernel can
+    # replace it without the model changing.
+    @staticmethod
+    def route_topk(logits, bias, k: int, routed_scaling_factor: float):
+        return route_topk(logits, bias, k, routed_scaling_factor)
 
-def indexer_scores(q: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if use_triton(q):
-        from kernels.indexer import indexer_scores_triton
-
-        return indexer_scores_triton(q, *args, **kwargs)
-    return indexer_scores_reference(q, *args, **kwargs)
-
-
-def fused_moe(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    if use_triton(x):
-        from kernels.moe import fused_moe_triton
-
-        return fused_moe_triton(x, *args, **kwargs)
-    return fused_moe_reference(x, *args, **kwargs)
+    @staticmethod
+    def route_hash(logits, tid2eid, input_ids, routed_scaling_factor: float):
+        return route_hash(logits, tid2eid, input_ids, routed_scaling_factor)

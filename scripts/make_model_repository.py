@@ -5,9 +5,11 @@
         --set policy=mixed --set max_running_requests=8
 
 copies model_repository/dsv4 to OUT/<model-name>/ and rewrites the `parameters` of its
-config.pbtxt. Values are validated through EngineConfig.from_parameters (a bad key or value fails
-here, naming the parameter, instead of at model load). The `repo_root` parameter is set to this
-checkout, so a repository anywhere on disk still imports `backend`.
+config.pbtxt. Values are validated through EngineConfig.from_parameters, cross-field rules included,
+and, when the checkpoint is there, against its config.json and the pool sizes (the derived chunk
+budget): a bad key or value fails here, naming the parameter, instead of at model load. The
+`repo_root` parameter is set to this checkout, so a repository anywhere on disk still imports
+`backend`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from backend.config import ConfigError, EngineConfig  # noqa: E402
+from backend.engine import check_deployment  # noqa: E402
+from backend.model.config import UnsupportedCheckpoint  # noqa: E402
 
 SOURCE = REPO_ROOT / "model_repository" / "dsv4"
 PARAM_RE = re.compile(r'(\{\s*key:\s*"(?P<key>[^"]+)",\s*value:\s*\{\s*string_value:\s*)"(?P<value>(?:[^"\\]|\\.)*)"')
@@ -70,7 +74,14 @@ def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, mod
         values["checkpoint"] = str(Path(checkpoint).expanduser().resolve())
     values["repo_root"] = str(REPO_ROOT)
     engine_params = {k: v for k, v in {**read_parameters(pbtxt), **values}.items() if k not in NON_ENGINE_KEYS}
-    EngineConfig.from_parameters(engine_params)  # raises ConfigError naming the parameter
+    config = EngineConfig.from_parameters(engine_params)  # raises ConfigError naming the parameter
+    if not Path(config.checkpoint).is_absolute():
+        config.checkpoint = str(REPO_ROOT / config.checkpoint)
+    if (Path(config.checkpoint) / "config.json").is_file():
+        try:
+            check_deployment(config)
+        except UnsupportedCheckpoint as exc:
+            raise ConfigError(f"parameter 'checkpoint': {exc}") from exc
 
     target = out / model_name
     if target.exists():

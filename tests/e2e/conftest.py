@@ -59,7 +59,7 @@ def fake_repo_root(tmp_path_factory) -> Path:
     """A repo root whose backend/ is the real adapter-side modules plus the fake engine."""
     root = tmp_path_factory.mktemp("fake_root")
     (root / "backend").mkdir()
-    for name in ("config.py", "request.py", "triton_io.py", "metrics.py"):
+    for name in ("config.py", "request.py", "serving"):
         os.symlink(REPO_ROOT / "backend" / name, root / "backend" / name)
     shutil.copy(Path(__file__).with_name("fake_engine.py"), root / "backend" / "engine.py")
     return root

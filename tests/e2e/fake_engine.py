@@ -1,12 +1,14 @@
 """A stand-in for backend.engine.LLMEngine with the same interface, for testing the Triton adapter
 (model_repository/dsv4/1/model.py) fast and deterministically.
 
-tests/e2e/conftest.py lays out a repo root whose backend/ holds the real config, request,
-triton_io and metrics modules plus this file as backend/engine.py.
+tests/e2e/conftest.py lays out a repo root whose backend/ holds the real config and request
+modules and serving/ package plus this file as backend/engine.py; tests/serving/test_adapter_loop.py
+uses it in-process.
 
 Tokens are bytes (vocab 256). Generation is deterministic: the i-th output token is
 `ord('a') + (sum(prompt) + i) % 26`, one token per request per step, STEP_S per step. A prompt
-containing "NOFIT" is refused by submit(); "é" in the prompt makes every token a UTF-8 "é" split
+containing "NOFIT" is refused by submit(), and so is what RequestLimits refuses (ids outside
+the 256 bytes, max_tokens over config.max_tokens_limit, more than 1000 positions); "é" in the prompt makes every token a UTF-8 "é" split
 over two steps. Each running request holds one page in pool "window".
 """
 
@@ -16,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from backend.request import FinishReason, RequestOutput, Sequence
+from backend.request import FinishReason, RequestLimits, RequestOutput, Sequence
 
 STEP_S = 0.01
 
@@ -43,8 +45,7 @@ class LLMEngine:
     def __init__(self, config):
         self.config = config
         self.tokenizer = ByteTokenizer()
-        self.vocab_size = 256
-        self.max_prompt_tokens = 64
+        self.limits = RequestLimits(vocab_size=256, max_tokens_limit=config.max_tokens_limit, max_request_positions=1000)
         self._lock = threading.Lock()
         self._running: dict[str, tuple[Sequence, object]] = {}
         self._aborted: set[str] = set()
@@ -57,9 +58,11 @@ class LLMEngine:
 
     def shutdown(self):
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def submit(self, seq: Sequence, on_output) -> None:
+        self.limits.check(seq.prompt_ids, seq.sampling)
         if b"NOFIT" in bytes(seq.prompt_ids):
             raise ValueError("request can never fit: prompt asks for NOFIT")
         with self._lock:

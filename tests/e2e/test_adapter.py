@@ -114,7 +114,7 @@ BAD_REQUESTS = {
     "bad json": {"sampling_parameters": np.array([b"{oops"], dtype=np.object_)},
     "unknown key": {"sampling_parameters": np.array([b'{"temp": 1}'], dtype=np.object_)},
     "negative temperature": {"sampling_parameters": np.array([b'{"temperature": -1}'], dtype=np.object_)},
-    "too long prompt": {"text_input": np.array([b"x" * 65], dtype=np.object_)},
+    "too long prompt": {"text_input": np.array([b"x" * 1000], dtype=np.object_)},
     "engine refuses": {"text_input": np.array([b"NOFIT please"], dtype=np.object_)},
 }
 
@@ -143,6 +143,7 @@ def test_bad_requests_get_errors_while_a_good_stream_completes(fake_server):
     for name in BAD_REQUESTS:
         assert errors.get(name), f"{name}: expected an error response"
     assert "max_tokens" in errors["zero max_tokens"] and "never fit" in errors["engine refuses"]
+    assert "positions" in errors["too long prompt"] and "at most 1000" in errors["huge max_tokens"]
     assert fake_server.is_ready()
 
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.forward_batch import BatchRow, build_forward_batch
-from backend.kv_manager import KVCacheManager
-from backend.model import DeepseekV4Model
-from backend.model_config import load_model_config
+from backend.memory.kv_manager import KVCacheManager
+from backend.model.checkpoint import load_weights
+from backend.model.config import load_model_config
+from backend.model.deepseek_v4 import DeepseekV4Model
+from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.request import Sequence
-from backend.weights import load_weights
+from kernels.dispatch import KernelDispatch
 
 LOGITS_TOL = 1e-4
 NEAR_TIE_REL = 1e-4  # a selection difference counts as a near-tie below this relative margin
@@ -74,10 +75,10 @@ class EngineHarness:
     """The engine's model and pools without the scheduler: the test chooses every batch."""
 
     def __init__(self, checkpoint, page_size: int = 16, num_tokens: int = 16384, max_running_requests: int = 8,
-                 swa_full_tokens_ratio: float = 0.5):
+                 swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto"):
         self.config = load_model_config(checkpoint)
         weights = load_weights(checkpoint, self.config, torch.float32, "cpu")
-        self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32)
+        self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32, KernelDispatch(kernel_mode))
         self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
                                  page_size=page_size, max_running_requests=max_running_requests,
                                  dtype=torch.float32, device="cpu")
@@ -97,7 +98,7 @@ class EngineHarness:
             seq = tracked.seq
             self.kv.extend(seq, n)
             start = seq.num_computed_tokens
-            rows.append(BatchRow(seq.request_id, seq.prompt_ids[start:start + n], start, True))
+            rows.append(BatchRow(seq.pages, seq.prompt_ids[start:start + n], start, True))
         batch = build_forward_batch(rows, self.kv, "cpu")
         batch.logits_token_index = torch.arange(batch.num_tokens)
         self._rows = [tracked for tracked, _ in work]

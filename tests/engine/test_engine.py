@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from backend.config import EngineConfig
+from backend.config import ConfigError, EngineConfig
 from backend.engine import LLMEngine, RequestOutput
 from backend.request import FinishReason, SamplingParams, Sequence
 
@@ -76,16 +76,18 @@ def test_abort_takes_effect_at_the_next_step_and_frees_every_page(tiny_checkpoin
 
 
 @pytest.mark.parametrize("prompt,params,message", [
-    ([], SamplingParams(), "empty"),
-    ([5, 600], SamplingParams(), "out of the vocabulary"),
-    ([5, 6], SamplingParams(max_tokens=0), "max_tokens"),
-    ([5, 6], SamplingParams(temperature=-1.0), "temperature"),
-    ([5] * 70000, SamplingParams(), "positions"),
+    ([], {}, "empty"),
+    ([5, 600], {}, "out of the vocabulary"),
+    ([5, 6], {"max_tokens": 0}, "max_tokens"),
+    ([5, 6], {"max_tokens": 40000}, "max_tokens must be at most 32768"),
+    ([5, 6], {"temperature": -1.0}, "temperature"),
+    ([5, 6], {"stop_token_ids": [512]}, "stop_token_ids outside the vocabulary"),
+    ([5] * 70000, {}, "positions"),
 ])
 def test_bad_requests_are_refused_clearly_and_the_engine_keeps_working(tiny_checkpoint, prompt, params, message):
     engine = _shared_engine(tiny_checkpoint)
     with pytest.raises(ValueError, match=message):
-        engine.submit(Sequence(f"bad-{message}", prompt, params), lambda out: None)
+        engine.submit(Sequence(f"bad-{message}", prompt, SamplingParams(**params)), lambda out: None)
     result = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(result[0]["output_ids"]) == 3
     assert _all_pages_free(engine)
@@ -145,3 +147,18 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(ti
         assert engine.step()
     assert sum(len(o.new_token_ids) for o in outputs) == 3 and outputs[-1].finish_reason is FinishReason.LENGTH
     assert _all_pages_free(engine)
+
+
+@pytest.mark.parametrize("settings, name", [
+    (dict(num_tokens=512), "swa_full_tokens_ratio"),  # a window pool smaller than one window
+    (dict(policy="mixed", decode_interleave_every=2), "decode_interleave_every"),
+])
+def test_a_deployment_that_cannot_work_fails_before_any_weight_is_read(tiny_checkpoint, monkeypatch, settings, name):
+    import backend.engine
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read before the deployment was checked")
+
+    monkeypatch.setattr(backend.engine, "load_weights", no_weights)
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", **settings))

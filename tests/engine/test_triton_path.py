@@ -13,7 +13,6 @@ import kernels.attention
 import kernels.indexer
 import kernels.moe
 from backend.request import Sequence
-from kernels import dispatch
 
 from .harness import EngineHarness, Reference, Tracked, compare
 from .test_reference import _prompt
@@ -21,7 +20,7 @@ from .test_reference import _prompt
 
 @pytest.fixture
 def triton_calls(monkeypatch):
-    """Dispatch to the Triton wrappers, counting the calls that reach each."""
+    """Count the calls that reach each Triton wrapper."""
     calls = {}
     for module, name in ((kernels.attention, "sparse_paged_attention_triton"),
                          (kernels.indexer, "indexer_scores_triton"), (kernels.moe, "fused_moe_triton")):
@@ -29,14 +28,14 @@ def triton_calls(monkeypatch):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kwargs)
         monkeypatch.setattr(module, name, counted)
-    previous = dispatch.get_mode()
-    dispatch.set_mode("triton")
-    yield calls
-    dispatch.set_mode(previous)
+    return calls
 
 
 def test_engine_with_interpreted_triton_kernels_matches_the_reference(tiny_checkpoint, triton_calls):
-    harness = EngineHarness(tiny_checkpoint)
+    harness = EngineHarness(tiny_checkpoint, kernel_mode="triton")
+    bystander = EngineHarness(tiny_checkpoint)  # the kernel choice is per model, not per process
+    bystander.step([(Tracked(Sequence("other", _prompt(20, 23))), 20)])
+    assert triton_calls == {}
     reference = Reference(tiny_checkpoint)
     long = Tracked(Sequence("long", _prompt(140, 21)))
     short = Tracked(Sequence("short", _prompt(12, 22)))

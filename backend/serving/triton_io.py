@@ -2,8 +2,10 @@
 
 Nothing here imports tritonserver: a request is a dict of numpy arrays (input name -> array, as
 `pb_utils.get_input_tensor_by_name(...).as_numpy()` gives them) plus the request's JSON parameters,
-and a response is a dict of numpy arrays. Every malformed request raises `ValueError` with a
-message meant for the client.
+and a response is a dict of numpy arrays. A malformed request raises `ValueError` with a message
+meant for the client. This module checks the form of the tensors (dtypes, shapes, UTF-8, JSON);
+the values are checked once, by `SamplingParams` and by the engine's admission gate
+(`LLMEngine.submit`: vocabulary, limits, capacity).
 
 The interface follows Triton's vLLM backend so genai-perf and perf_analyzer work unchanged:
 - exactly one of `text_input` (STRING [1]) and `input_ids` (INT32 [-1]);
@@ -17,7 +19,6 @@ The interface follows Triton's vLLM backend so genai-perf and perf_analyzer work
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -37,23 +38,9 @@ INPUT_NAMES = (
 )
 OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
 
-# sampling_parameters keys -> the type each accepts. Numbers may also come as numeric strings
-# (genai-perf sends "max_tokens": "128").
-_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens")
-_FLOAT_KEYS = ("temperature", "top_p", "min_p")
-SAMPLING_KEYS = frozenset(_INT_KEYS + _FLOAT_KEYS + ("stop", "stop_token_ids", "ignore_eos"))
 # Request-level parameters that are not sampling parameters: `stream` (as in the vLLM backend's
 # HTTP example) and Triton's own `triton_*` keys (e.g. triton_enable_empty_final_response).
 _REQUEST_ONLY_KEYS = frozenset({"stream"})
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What the served engine accepts; built once from the engine and its config."""
-
-    vocab_size: int
-    max_prompt_tokens: int
-    max_tokens_limit: int
 
 
 class ParsedRequest(NamedTuple):
@@ -62,20 +49,19 @@ class ParsedRequest(NamedTuple):
     stream: bool
     exclude_input_in_output: bool
     priority: int
-    prompt_text: str  # the text prompt, or the decoded ids (prepended when not excluded)
+    prompt_text: str | None  # the text prompt; None for input_ids (decoded when prepended)
 
 
 def parse_request(
     inputs: Mapping[str, np.ndarray],
     tokenizer,
-    limits: RequestLimits,
     request_parameters: str | Mapping[str, Any] | None = None,
 ) -> ParsedRequest:
     """Validate one request's tensors; raise ValueError with a client-facing message."""
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input(s) {unknown}; expected some of {list(INPUT_NAMES)}")
-    prompt_ids, prompt_text = _parse_prompt(inputs, tokenizer, limits)
+    prompt_ids, prompt_text = _parse_prompt(inputs, tokenizer)
 
     request_params = _load_request_parameters(request_parameters)
     stream = _optional_bool(inputs, "stream")
@@ -93,7 +79,7 @@ def parse_request(
         raise ValueError("exclude_input_in_output=false is not supported when streaming")
     exclude = stream if exclude is None else exclude
 
-    sampling = _parse_sampling(inputs, request_params, limits)
+    sampling = _parse_sampling(inputs, request_params)
     priority = _optional_int(inputs, "priority")
     return ParsedRequest(
         prompt_ids=prompt_ids,
@@ -109,7 +95,7 @@ def parse_request(
 # The prompt.
 
 
-def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, limits: RequestLimits) -> tuple[list[int], str]:
+def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer) -> tuple[list[int], str | None]:
     has_text, has_ids = "text_input" in inputs, "input_ids" in inputs
     if has_text == has_ids:
         raise ValueError("give exactly one of 'text_input' and 'input_ids'" + (" (got both)" if has_text else ""))
@@ -121,10 +107,7 @@ def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, limits: RequestLi
         if not ids:
             raise ValueError("text_input tokenizes to no tokens")
     else:
-        ids = _token_ids(inputs["input_ids"], limits.vocab_size)
-        text = tokenizer.decode(ids, skip_special_tokens=False)
-    if len(ids) > limits.max_prompt_tokens:
-        raise ValueError(f"prompt has {len(ids)} tokens; at most {limits.max_prompt_tokens} are allowed")
+        ids, text = _token_ids(inputs["input_ids"]), None
     return ids, text
 
 
@@ -145,17 +128,12 @@ def _single_string(array: np.ndarray, name: str) -> str:
         raise ValueError(f"{name} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
-def _token_ids(array: np.ndarray, vocab_size: int) -> list[int]:
+def _token_ids(array: np.ndarray) -> list[int]:
     array = np.asarray(array)
     if array.dtype.kind not in ("i", "u"):
         raise ValueError(f"input_ids must be an INT32 tensor, got dtype {array.dtype}")
     if array.ndim != 1:
         raise ValueError(f"input_ids must be one-dimensional, got shape {list(array.shape)}")
-    if array.size == 0:
-        raise ValueError("input_ids is empty")
-    bad = array[(array < 0) | (array >= vocab_size)]
-    if bad.size:
-        raise ValueError(f"input_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5].tolist()}")
     return [int(t) for t in array]
 
 
@@ -201,9 +179,8 @@ def _load_request_parameters(raw: str | Mapping[str, Any] | None) -> dict[str, A
     return {k: v for k, v in params.items() if not k.startswith("triton_")}
 
 
-def _parse_sampling(
-    inputs: Mapping[str, np.ndarray], request_params: dict[str, Any], limits: RequestLimits
-) -> SamplingParams:
+def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, Any]) -> SamplingParams:
+    """sampling_parameters (or the request's own parameters), plus the max_tokens input."""
     if "sampling_parameters" in inputs:
         raw = _single_string(inputs["sampling_parameters"], "sampling_parameters")
         try:
@@ -216,97 +193,14 @@ def _parse_sampling(
     else:
         params = {k: v for k, v in request_params.items() if k not in _REQUEST_ONLY_KEYS}
         where = "request parameters"
-    unknown = sorted(set(params) - SAMPLING_KEYS)
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
-
-    kwargs: dict[str, Any] = {}
-    for key in _INT_KEYS:
-        if key in params:
-            kwargs[key] = _as_int(params[key], key)
-    for key in _FLOAT_KEYS:
-        if key in params:
-            kwargs[key] = _as_float(params[key], key)
-    if "stop" in params:
-        kwargs["stop"] = _as_stop(params["stop"])
-    if "stop_token_ids" in params:
-        kwargs["stop_token_ids"] = _as_token_list(params["stop_token_ids"], limits.vocab_size)
-    if "ignore_eos" in params:
-        if not isinstance(params["ignore_eos"], bool):
-            raise ValueError(f"ignore_eos must be a boolean, got {params['ignore_eos']!r}")
-        kwargs["ignore_eos"] = params["ignore_eos"]
-
     input_max_tokens = _optional_int(inputs, "max_tokens")
-    if input_max_tokens is not None:
-        if "max_tokens" in kwargs and kwargs["max_tokens"] != input_max_tokens:
-            raise ValueError(
-                f"the max_tokens input ({input_max_tokens}) and max_tokens in {where} ({kwargs['max_tokens']}) disagree"
-            )
-        kwargs["max_tokens"] = input_max_tokens
-    _apply_min_tokens(kwargs)
-
-    sampling = SamplingParams(**kwargs)
-    sampling.validate(max_tokens_limit=limits.max_tokens_limit)
+    if input_max_tokens is None:
+        return SamplingParams.from_dict(params, where)
+    sampling = SamplingParams.from_dict({**params, "max_tokens": params.get("max_tokens", input_max_tokens)}, where)
+    if sampling.max_tokens != input_max_tokens:
+        raise ValueError(f"the max_tokens input ({input_max_tokens}) and max_tokens in {where} "
+                         f"({sampling.max_tokens}) disagree")
     return sampling
-
-
-def _apply_min_tokens(kwargs: dict[str, Any]) -> None:
-    """genai-perf's deterministic output length sends min_tokens == max_tokens: that is ignore_eos."""
-    min_tokens = kwargs.pop("min_tokens", None)
-    if min_tokens is None or min_tokens == 0:
-        return
-    max_tokens = kwargs.get("max_tokens", SamplingParams().max_tokens)
-    if min_tokens < 0:
-        raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens}")
-    if min_tokens < max_tokens or kwargs.get("stop") or kwargs.get("stop_token_ids"):
-        raise ValueError(
-            "min_tokens is only supported as min_tokens >= max_tokens without stop/stop_token_ids "
-            "(it then means ignore_eos=true)"
-        )
-    kwargs["ignore_eos"] = True
-
-
-def _as_int(value: Any, key: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"{key} must be an integer, got {value!r}")
-
-
-def _as_float(value: Any, key: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    try:
-        number = float(value) if isinstance(value, (int, float, str)) else None
-    except ValueError:
-        number = None
-    if number is None or not math.isfinite(number):
-        raise ValueError(f"{key} must be a finite number, got {value!r}")
-    return number
-
-
-def _as_stop(value: Any) -> list[str]:
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ValueError(f"stop must be a non-empty string or a list of them, got {value!r}")
-    return stops
-
-
-def _as_token_list(value: Any, vocab_size: int) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
-    bad = [t for t in value if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,9 +229,12 @@ class ResponseBuilder:
     (a split UTF-8 character) wait for the next delta, so the ids of all responses concatenate to
     the generated ids. Not streaming: one response with the whole text (prompt first unless
     `exclude_input_in_output`). The response that carries `finished` also carries `finish_reason`.
+    An `input_ids` prompt is decoded with `tokenizer` only when its text is prepended (by then the
+    engine has accepted its ids).
     """
 
     request: ParsedRequest
+    tokenizer: Any = None
     _pending_ids: list[int] = field(default_factory=list)
     _pending_text: list[str] = field(default_factory=list)
 
@@ -349,12 +246,17 @@ class ResponseBuilder:
             return None
         text = "".join(self._pending_text)
         if not self.request.stream and not self.request.exclude_input_in_output:
-            text = self.request.prompt_text + text
+            text = self._prompt_text() + text
         arrays = response_arrays(
             text, self._pending_ids, output.finish_reason if output.finished else None, output.num_input_tokens
         )
         self._pending_ids, self._pending_text = [], []
         return arrays
+
+    def _prompt_text(self) -> str:
+        if self.request.prompt_text is not None:
+            return self.request.prompt_text
+        return self.tokenizer.decode(self.request.prompt_ids, skip_special_tokens=False)
 
 
 def to_numpy_inputs(names: list[str], get_tensor: Callable[[str], Any]) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.layers import apply_rope, rms_norm
+from backend.model.layers import apply_rope, rms_norm
 
 
 @dataclass

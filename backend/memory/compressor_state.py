@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.page_allocator import PageAllocator
+from backend.memory.page_allocator import PageAllocator
 
 
 class CompressorStatePool:
@@ -21,12 +21,10 @@ class CompressorStatePool:
                  device: str | torch.device):
         """rings: stream name -> (num_layers, ring length, width)."""
         self.allocator = PageAllocator(self.name, num_slots)
-        self.ring_len = {name: ring for name, (_, ring, _) in rings.items()}
         self.kv = {name: torch.zeros(n, num_slots, ring, w, dtype=dtype, device=device)
                    for name, (n, ring, w) in rings.items() if n}
         self.gate = {name: torch.zeros(n, num_slots, ring, w, dtype=dtype, device=device)
                      for name, (n, ring, w) in rings.items() if n}
-        self._slots: dict[str, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -35,22 +33,13 @@ class CompressorStatePool:
     def bytes_per_slot(self) -> int:
         return sum(t[:, 0].numel() * t.element_size() for d in (self.kv, self.gate) for t in d.values())
 
-    def acquire(self, request_id: str) -> int:
-        if request_id not in self._slots:
-            self._slots[request_id] = self.allocator.allocate(1)[0]
-        return self._slots[request_id]
+    def acquire(self) -> int:
+        return self.allocator.allocate(1)[0]
 
-    def slot_of(self, request_id: str) -> int:
-        return self._slots[request_id]
+    def release(self, slot: int) -> None:
+        self.allocator.free([slot])
 
-    def has(self, request_id: str) -> bool:
-        return request_id in self._slots
-
-    def free(self, request_id: str) -> None:
-        slot = self._slots.pop(request_id, None)
-        if slot is not None:
-            self.allocator.free([slot])
-
-    def check(self) -> None:
+    def check(self, num_held: int) -> None:
         self.allocator.check()
-        assert len(self._slots) == self.allocator.num_used
+        assert num_held == self.allocator.num_used, f"{num_held} requests hold a compressor-state slot, " \
+                                                    f"allocator says {self.allocator.num_used}"

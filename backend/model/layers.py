@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from backend.model_config import ModelConfig
+from backend.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,9 @@ Hi / Di = indexer heads / head dim, R = rows that want logits.
 One forward: embed -> for each layer [mHC collapse -> attention -> mHC mix -> mHC collapse -> MoE
 -> mHC mix] -> hyper-head -> norm -> lm_head (only at the rows' last tokens). Attention writes each
 token's K=V into the window pool, closes compressor windows into the compressed pools, then calls
-the sparse paged attention kernel (kernels.dispatch) over window + compressed entries.
+the sparse paged attention kernel over window + compressed entries. Every hot path goes through
+the engine's `KernelDispatch` (Triton kernels or their torch references); the pools' tensors are
+reached only through `kv.layer(i)`.
 """
 
 from __future__ import annotations
@@ -14,30 +16,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backend.compressor import compress
-from backend.forward_batch import ForwardBatch
-from backend.kv_manager import KVCacheManager
-from backend.layers import (Rotary, apply_rope, hyper_connection, hyper_head, hyper_mix, rms_norm, shared_expert,
-                            unweighted_rms_norm)
-from backend.model_config import CSA, HCA, SLIDING, ModelConfig
-from kernels import dispatch
-from kernels.moe import route_hash, route_topk
+from backend.memory.kv_manager import KVCacheManager, LayerMemory
+from backend.model.compressor import compress
+from backend.model.config import CSA, SLIDING, ModelConfig
+from backend.model.forward_batch import ForwardBatch
+from backend.model.layers import (Rotary, apply_rope, hyper_connection, hyper_head, hyper_mix, rms_norm,
+                                  shared_expert, unweighted_rms_norm)
+from kernels.dispatch import KernelDispatch
 
 
 class DeepseekV4Model:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
+                 kernels: KernelDispatch | None = None):
         self.config = config
         self.w = weights
         self.device = device
         self.dtype = dtype
+        self.kernels = kernels or KernelDispatch()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
-        # Each compressed layer's index among the layers of its kind, i.e. its slice of the pools.
-        self.pool_layer = {}
         # Optional debug hook: called with (layer, batch, scores, indices) at every CSA indexer.
         self.indexer_observer = None
-        for kind in (CSA, HCA):
-            for ordinal, i in enumerate(config.layers_of_type(kind)):
-                self.pool_layer[i] = ordinal
 
     # --- the whole model --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -77,22 +75,20 @@ class DeepseekV4Model:
         q = apply_rope(unweighted_rms_norm(q, c.rms_norm_eps), cos, sin)  # [T, H, Dh]
         kv_new = rms_norm(F.linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], c.rms_norm_eps)
         kv_new = apply_rope(kv_new, cos, sin)  # [T, Dh]
-        window_kv = kv.window_pool.kv[i]
-        window_kv.view(-1, c.head_dim)[batch.window_write_index] = kv_new
+        memory = kv.layer(i)
+        memory.window_kv.view(-1, c.head_dim)[batch.window_write_index] = kv_new
 
-        comp_kv, comp_table, rate, topk = None, None, 0, None
+        comp_table, topk = None, None
+        if memory.pool is not None:
+            comp_table = batch.comp_block_tables[memory.pool]
+            self._compress_into(i, "compressor.", memory.pool, x, batch, memory, memory.compressed_kv, comp_table)
         if layer_type == CSA:
-            comp_kv, comp_table, rate = kv.csa_pool.tensors["kv"][self.pool_layer[i]], batch.comp_block_tables["csa"], c.csa_rate
-            self._compress_into(i, "compressor.", "csa", x, batch, kv, comp_kv, comp_table)
-            topk = self._indexer_topk(i, x, q_residual, batch, kv, rope["compress"])
-        elif layer_type == HCA:
-            comp_kv, comp_table, rate = kv.hca_pool.tensors["kv"][self.pool_layer[i]], batch.comp_block_tables["hca"], c.hca_rate
-            self._compress_into(i, "compressor.", "hca", x, batch, kv, comp_kv, comp_table)
+            topk = self._indexer_topk(i, x, q_residual, batch, memory, rope["compress"])
 
-        out = dispatch.sparse_paged_attention(
+        out = self.kernels.sparse_paged_attention(
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
-            window_kv, batch.window_block_table, batch.window_first_page, c.sliding_window,
-            comp_kv, comp_table, rate, topk,
+            memory.window_kv, batch.window_block_table, batch.window_first_page, c.sliding_window,
+            memory.compressed_kv, comp_table, memory.compress_rate, topk,
         )
         out = apply_rope(out, cos, -sin)  # undo the rotation V picked up as K
         return self._output_projection(i, out)
@@ -104,14 +100,13 @@ class DeepseekV4Model:
         grouped = torch.einsum("tgi,gri->tgr", groups, w_a).flatten(1)
         return F.linear(grouped, self.w[p + "o_b_proj.weight"])
 
-    def _compress_into(self, i, prefix, stream, x, batch, kv, pool_tensor, block_table) -> None:
+    def _compress_into(self, i, prefix, stream, x, batch, memory: LayerMemory, pool_tensor, block_table) -> None:
         """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.{prefix}"
         plan = batch.plans[stream]
-        layer = self.pool_layer[i]
+        state_kv, state_gate = memory.state[stream]
         entries = compress(
-            F.linear(x, w[p + "kv_proj.weight"]), F.linear(x, w[p + "gate_proj.weight"]),
-            kv.state_pool.kv[stream][layer], kv.state_pool.gate[stream][layer], plan,
+            F.linear(x, w[p + "kv_proj.weight"]), F.linear(x, w[p + "gate_proj.weight"]), state_kv, state_gate, plan,
             w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
             lambda positions: self.rotary["compress"].cos_sin(positions, self.dtype),
         )
@@ -120,17 +115,17 @@ class DeepseekV4Model:
             pages = block_table[plan.entry_row, plan.entry_index // page_size].long()
             pool_tensor.view(-1, pool_tensor.shape[-1])[pages * page_size + plan.entry_index % page_size] = entries
 
-    def _indexer_topk(self, i, x, q_residual, batch, kv, compress_cos_sin) -> torch.Tensor:
+    def _indexer_topk(self, i, x, q_residual, batch, memory: LayerMemory, compress_cos_sin) -> torch.Tensor:
         """Lightning indexer: top-k compressed entries per query, -1 where fewer are causal. [T, k]"""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.compressor.indexer."
-        layer = self.pool_layer[i]
-        index_k = kv.csa_pool.tensors["index_k"][layer]
-        self._compress_into(i, "compressor.indexer.", "indexer", x, batch, kv, index_k, batch.comp_block_tables["csa"])
+        index_k = memory.index_k
+        self._compress_into(i, "compressor.indexer.", "indexer", x, batch, memory, index_k,
+                            batch.comp_block_tables["csa"])
         q = F.linear(q_residual, w[p + "q_b_proj.weight"]).view(x.shape[0], c.index_n_heads, c.index_head_dim)
         q = apply_rope(q, *compress_cos_sin)  # the indexer's queries use the compress rope, as its keys do
         weights = F.linear(x, w[p + "scorer.weights_proj.weight"]).float() * c.index_n_heads ** -0.5
-        scores = dispatch.indexer_scores(q, weights, c.index_head_dim ** -0.5, batch.token_seq, batch.positions,
-                                         index_k, batch.comp_block_tables["csa"], c.csa_rate)
+        scores = self.kernels.indexer_scores(q, weights, c.index_head_dim ** -0.5, batch.token_seq, batch.positions,
+                                             index_k, batch.comp_block_tables["csa"], c.csa_rate)
         top_k = min(c.index_topk, scores.shape[1])
         indices = scores.topk(top_k, dim=-1).indices
         causal = (batch.positions + 1) // c.csa_rate
@@ -144,11 +139,12 @@ class DeepseekV4Model:
         c, w, p = self.config, self.w, f"model.layers.{i}.mlp."
         router_logits = F.linear(x, w[p + "gate.weight"])
         if c.mlp_layer_types[i] == "hash_moe":
-            ids, weights = route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
+            ids, weights = self.kernels.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids,
+                                                   c.routed_scaling_factor)
         else:
-            ids, weights = route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
-                                      c.routed_scaling_factor)
-        routed = dispatch.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                                    c.swiglu_limit)
+            ids, weights = self.kernels.route_topk(router_logits, w[p + "gate.e_score_correction_bias"],
+                                                   c.num_experts_per_tok, c.routed_scaling_factor)
+        routed = self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                                        c.swiglu_limit)
         return routed + shared_expert(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
                                       w[p + "shared_experts.down_proj.weight"], c.swiglu_limit)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backend.model_config import CSA, HCA, ModelConfig
+from backend.model.config import CSA, HCA, ModelConfig
 
 # Parameters the reference keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict).
 _FP32_MARKERS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",

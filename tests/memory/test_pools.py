@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.kv_manager import KVCacheManager
-from backend.model_config import ModelConfig, _normalise
-from backend.page_allocator import OutOfPages, PageAllocator
-from backend.pools.window_pool import WindowPool
+from backend.memory.kv_manager import KVCacheManager
+from backend.memory.page_allocator import OutOfPages, PageAllocator
+from backend.memory.paged_pool import PageRun
+from backend.memory.window_pool import WindowPool
+from backend.model.config import ModelConfig, _normalise
 from backend.request import Sequence
 
 
@@ -44,17 +45,18 @@ def test_allocator_rejects_double_free_and_is_all_or_nothing():
 def test_window_pages_slide_out_as_a_request_advances():
     pool = WindowPool(num_layers=1, num_pages=64, page_size=16, head_dim=4, window=128, dtype=torch.float32,
                       device="cpu")
-    pool.extend("a", 0, 300)
-    assert pool.pages_of("a") == 19  # positions 0..299
-    pool.release_slid_out("a", 300)  # next token 300 sees positions 173..300
-    first, pages = pool.block_row("a")
-    assert first == 173 // 16 and len(pages) == 19 - first
+    run = PageRun()
+    pool.extend(run, 0, 300)
+    assert len(run.pages) == 19  # positions 0..299
+    pool.release_slid_out(run, 300)  # next token 300 sees positions 173..300
+    assert run.first == 173 // 16 and len(run.pages) == 19 - run.first
     for pos in range(300, 700):  # decode: the request never holds more than window/page + 1 pages
-        pool.extend("a", pos, 1)
-        pool.release_slid_out("a", pos + 1)
-        assert pool.pages_of("a") <= 128 // 16 + 1
-    pool.free("a")
-    pool.check()
+        pool.extend(run, pos, 1)
+        pool.release_slid_out(run, pos + 1)
+        assert len(run.pages) <= 128 // 16 + 1
+    pool.check([run])
+    pool.free(run)
+    pool.check([])
     assert pool.allocator.num_free == 64
 
 
@@ -75,7 +77,7 @@ def test_out_of_pages_is_raised_at_the_predicted_capacity():
     kv.check()
     assert kv.pages_used()["window"] == 0  # the failed extend allocated nothing
     # Compressed pools: a request of 4352 positions fits, 4352 + 4 needs one CSA entry more.
-    assert kv.can_ever_fit(4352 + 3) and not kv.can_ever_fit(4352 + 4)
+    assert kv.max_request_positions() == 4352 + 3
 
 
 def test_every_running_request_can_hold_a_partial_page_of_each_pool():
@@ -120,3 +122,40 @@ def test_pages_are_conserved_under_any_sequence_of_operations(ops):
         kv.free(seq)
     kv.check()
     assert all(v == 0 for v in kv.pages_used().values())
+
+
+def test_finishing_a_request_returns_every_page_and_its_slot():
+    """One handle (seq.pages) holds all of a request's memory; seq.finish() gives all of it back."""
+    kv = _manager()
+    seq, other = Sequence("s", [0] * 400), Sequence("o", [0] * 400)
+    kv.extend(seq, 300)
+    kv.extend(other, 100)
+    assert seq.pages is not None and seq.pages.slot is not None
+    assert set(seq.pages.runs) == {"window", "csa", "hca"}
+    seq.finish()
+    assert seq.pages is None and seq.is_finished
+    kv.check()
+    assert kv.pages_used() == {"window": 7, "csa": 2, "hca": 0, "compressor_state": 1}  # the other's only
+    seq.finish()  # idempotent
+    kv.free(other)
+    kv.check()
+    assert all(used == 0 for used in kv.pages_used().values())
+
+
+def test_layer_memory_is_a_view_of_the_pools_for_each_layer_type():
+    kv = _manager()
+    csa, hca, sliding = (kv.layer(i) for i in range(3))
+    assert (csa.pool, csa.compress_rate, hca.pool, hca.compress_rate) == ("csa", 4, "hca", 128)
+    assert sliding.pool is None and sliding.compressed_kv is None and sliding.state == {}
+    assert set(csa.state) == {"csa", "indexer"} and set(hca.state) == {"hca"} and hca.index_k is None
+    csa.compressed_kv[2, 3] = 1.5
+    csa.index_k[2, 3] = 2.5
+    sliding.window_kv[1, 0] = 3.5
+    assert kv.compressed_pools["csa"].tensors["kv"][0, 2, 3, 0] == 1.5
+    assert kv.compressed_pools["csa"].tensors["index_k"][0, 2, 3, 0] == 2.5
+    assert kv.window_pool.kv[2, 1, 0, 0] == 3.5  # layer 2's slice of the shared window pool
+
+
+def test_a_window_pool_smaller_than_one_window_admits_nothing():
+    kv = _manager(num_tokens=4096, ratio=128 / 4096, page_size=16)  # 8 pages: a window needs 8 + 1
+    assert kv.max_request_positions() == 0

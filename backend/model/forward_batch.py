@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.compressor import CompressionPlan, build_plan
-from backend.kv_manager import KVCacheManager
+from backend.memory.kv_manager import KVCacheManager, RequestPages
+from backend.model.compressor import CompressionPlan, build_plan
 
 
 @dataclass
 class BatchRow:
-    request_id: str
+    pages: RequestPages  # the request's memory (allocated for these tokens)
     token_ids: list[int]  # the row's tokens to compute
     start_pos: int
     want_logits: bool  # the chunk reaches the end of the sequence: sample a token
@@ -60,21 +60,21 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> For
         token_seq.extend([b] * n)
         if row.want_logits:
             logits_index.append(offset + n - 1)
-        first, pages = kv.window_pool.block_row(row.request_id)
+        first, pages = kv.window_row(row.pages)
         window_rows.append(pages)
         first_pages.append(first)
         write_index.extend(pages[p // page_size - first] * page_size + p % page_size for p in pos)
         starts.append(row.start_pos)
         lens.append(n)
         offsets.append(offset)
-        slots.append(kv.state_pool.slot_of(row.request_id))
+        slots.append(row.pages.slot)
 
     model = kv.model
     plans = {}
-    if getattr(kv, "csa_pool", None) is not None:
+    if kv.has_pool("csa"):
         plans["csa"] = build_plan(model.csa_rate, True, starts, lens, offsets, slots, device)
         plans["indexer"] = plans["csa"]
-    if getattr(kv, "hca_pool", None) is not None:
+    if kv.has_pool("hca"):
         plans["hca"] = build_plan(model.hca_rate, False, starts, lens, offsets, slots, device)
 
     def long(values):
@@ -88,7 +88,7 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> For
         window_write_index=long(write_index),
         window_block_table=_padded(window_rows, device),
         window_first_page=long(first_pages),
-        comp_block_tables={pool.name: _padded([pool.block_row(r.request_id) for r in rows], device)
-                           for pool in kv.compressed_pools},
+        comp_block_tables={name: _padded([kv.compressed_row(r.pages, name) for r in rows], device)
+                           for name in kv.compressed_pools},
         plans=plans,
     )

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from backend.config import ConfigError, EngineConfig
-from backend.page_allocator import OutOfPages
-from backend.request import FinishReason, SamplingParams, Sequence, SequenceStatus
-from backend.scheduler import Scheduler, SchedulerConfig, StepCostModel, StepFeatures, StepKind
+from backend.memory.page_allocator import OutOfPages
+from backend.request import FinishReason, RequestLimits, SamplingParams, Sequence, SequenceStatus
+from backend.scheduler import Scheduler, StepCostModel, StepKind, resolve_prefill_chunk_tokens
 
 FIRST_TOKEN = 1000
 
@@ -38,16 +38,16 @@ class FakeMemory:
 
     `extend` checks that allocations are contiguous (they start at seq.num_computed_tokens
     exactly where the last one ended), which catches a scheduler that allocates twice for the same
-    positions or forgets to free on preemption. `lie_about_fit` makes can_ever_fit always True.
+    positions or forgets to free on preemption. Like the real manager it hangs a handle on
+    `seq.pages` whose release() frees the request, so the scheduler frees through the request.
     """
 
     def __init__(self, num_pages: int = 1 << 20, page_size: int = 16, num_slots: int = 1 << 10,
-                 derived_chunk: int = 256, lie_about_fit: bool = False):
+                 derived_chunk: int = 256):
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_slots
         self.derived_chunk = derived_chunk
-        self.lie_about_fit = lie_about_fit
         self.pages: dict[str, int] = {}  # request id -> pages held (holders own a slot)
         self.positions: dict[str, int] = {}  # request id -> positions allocated
         self.num_free = num_pages
@@ -76,13 +76,14 @@ class FakeMemory:
         self.pages[seq.request_id] = self.pages.get(seq.request_id, 0) + need
         self.positions[seq.request_id] = seq.num_computed_tokens + num_new_tokens
         self.num_free -= need
+        seq.pages = seq.pages or FakePages(self, seq.request_id)
 
-    def free(self, seq) -> None:
-        self.num_free += self.pages.pop(seq.request_id, 0)
-        self.positions.pop(seq.request_id, None)
+    def release_slid_out(self, seq) -> None:
+        assert seq.pages is not None and not seq.is_finished
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return self.lie_about_fit or self._pages_for(num_tokens) <= self.num_pages
+    def free(self, request_id: str) -> None:
+        self.num_free += self.pages.pop(request_id, 0)
+        self.positions.pop(request_id, None)
 
     def derived_prefill_chunk_tokens(self, max_running_requests: int) -> int:
         self.derive_calls.append(max_running_requests)
@@ -91,9 +92,20 @@ class FakeMemory:
     def usage(self) -> dict[str, float]:
         return {"pages": 1 - self.num_free / self.num_pages}
 
+    def max_request_positions(self) -> int:
+        return self.num_pages * self.page_size
+
     @property
     def num_used(self) -> int:
         return sum(self.pages.values())
+
+
+class FakePages:
+    def __init__(self, memory: FakeMemory, request_id: str):
+        self.memory, self.request_id = memory, request_id
+
+    def release(self) -> None:
+        self.memory.free(self.request_id)
 
 
 class LinearCost:
@@ -165,9 +177,17 @@ def make_seq(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0) 
     return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), priority=priority)
 
 
-def make_scheduler(memory: FakeMemory | None = None, **config) -> Scheduler:
-    config.setdefault("prefill_chunk_tokens", 64)
-    return Scheduler(SchedulerConfig(**config), memory or FakeMemory())
+def make_scheduler(memory: FakeMemory | None = None, prefill_chunk_tokens: int = 64, **config) -> Scheduler:
+    """A Scheduler over `memory` with a validated EngineConfig built from `config`.
+
+    Scheduler-only knobs (step_history, min_prefill_chunk_tokens, cost_model_decay) go to the
+    constructor; prefill_chunk_tokens is the resolved budget, as the engine hands it over.
+    """
+    kwargs = {k: config.pop(k) for k in ("step_history", "min_prefill_chunk_tokens") if k in config}
+    if "cost_model_decay" in config:
+        kwargs["cost_model"] = StepCostModel(decay=config.pop("cost_model_decay"))
+    config.setdefault("max_num_batched_tokens", max(8192, prefill_chunk_tokens))
+    return Scheduler(EngineConfig(**config), memory or FakeMemory(), prefill_chunk_tokens, **kwargs)
 
 
 def batch_of(plan) -> list[tuple[str, int]]:
@@ -189,8 +209,8 @@ ATTACKER_CHUNKS = 58
 def run_bug_report_scenario(**config):
     """Victim decodes 19 steps, then a prompt of exactly 58 chunks arrives; returns the steps after it."""
     memory = FakeMemory(page_size=64)
-    scheduler = Scheduler(SchedulerConfig(prefill_chunk_tokens=CHUNK, max_running_requests=50,
-                                          max_num_batched_tokens=8192, **config), memory)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=CHUNK, max_running_requests=50,
+                               max_num_batched_tokens=8192, **config)
     engine = FakeEngine(scheduler)
     victim = make_seq("victim", 12, max_tokens=700)
     scheduler.add(victim)
@@ -378,15 +398,18 @@ def test_no_request_is_lost_or_duplicated_and_pages_are_conserved(
         requests, aborts, policy, num_pages, num_slots, max_running, extra_batched, chunk):
     memory = FakeMemory(num_pages=num_pages, page_size=4, num_slots=num_slots)
     max_batched = max_running + extra_batched
-    scheduler = Scheduler(SchedulerConfig(prefill_chunk_tokens=min(chunk, max_batched), max_running_requests=max_running,
-                                          max_num_batched_tokens=max_batched, **policy), memory)
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=min(chunk, max_batched), max_running_requests=max_running,
+                               max_num_batched_tokens=max_batched, **policy)
     engine = FakeEngine(scheduler, cost=LinearCost(fixed=0.001, per_prefill=50e-6))
     seqs = [make_seq(f"r{i}", p, max_tokens=m, priority=prio) for i, (_, p, m, prio) in enumerate(requests)]
+    gate = RequestLimits(vocab_size=1 << 20, max_tokens_limit=1 << 20,
+                         max_request_positions=memory.max_request_positions())  # engine.submit's check
     accepted, rejected = {}, set()
     for t in range(5000):
         for i, (arrival, *_rest) in enumerate(requests):
             if arrival == t:
                 try:
+                    gate.check(seqs[i].prompt_ids, seqs[i].sampling)
                     scheduler.add(seqs[i])
                     accepted[seqs[i].request_id] = seqs[i]
                 except ValueError:
@@ -413,7 +436,7 @@ def test_no_request_is_lost_or_duplicated_and_pages_are_conserved(
 
     for rid in rejected:  # rejected exactly when the longest possible request cannot fit
         seq = seqs[int(rid[1:])]
-        assert not memory.can_ever_fit(len(seq.prompt_ids) + seq.sampling.max_tokens - 1)
+        assert len(seq.prompt_ids) + seq.sampling.max_tokens - 1 > memory.max_request_positions()
     assert set(engine.finals) == set(accepted)
     for rid, seq in accepted.items():
         assert engine.finals[rid] in ([FinishReason.LENGTH], [FinishReason.CANCELLED]), (rid, engine.finals[rid])
@@ -498,21 +521,11 @@ def test_a_blocked_head_of_queue_is_not_skipped():
     assert scheduler.num_waiting == 2
 
 
-def test_add_rejects_a_request_that_can_never_fit():
-    scheduler = make_scheduler(FakeMemory(num_pages=4, page_size=4))  # 16 positions
-    scheduler.add(make_seq("fits", 10, max_tokens=7))  # 10 + 7 - 1 = 16 positions
-    with pytest.raises(ValueError, match=r"'too-long'.*max_tokens"):
-        scheduler.add(make_seq("too-long", 10, max_tokens=8))
-    assert scheduler.num_waiting == 1
-
-
-def test_add_rejects_duplicates_empty_prompts_and_used_sequences():
+def test_add_rejects_duplicates_and_used_sequences():
     scheduler = make_scheduler()
     scheduler.add(make_seq("a", 3))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add(make_seq("a", 3))
-    with pytest.raises(ValueError, match="empty"):
-        scheduler.add(make_seq("b", 0))
     used = make_seq("c", 3)
     used.num_computed_tokens = 2
     with pytest.raises(ValueError, match="fresh"):
@@ -582,7 +595,7 @@ def test_preempted_request_goes_to_the_front_of_the_queue():
 
 
 def test_a_request_that_cannot_extend_even_alone_fails_instead_of_livelocking():
-    memory = FakeMemory(num_pages=2, page_size=4, lie_about_fit=True)  # 8 positions
+    memory = FakeMemory(num_pages=2, page_size=4)  # 8 positions
     scheduler = make_scheduler(memory)
     engine = FakeEngine(scheduler)
     seq = make_seq("greedy", 6, max_tokens=10)
@@ -595,7 +608,7 @@ def test_a_request_that_cannot_extend_even_alone_fails_instead_of_livelocking():
 
 
 def test_a_prefill_that_cannot_progress_even_alone_fails_instead_of_livelocking():
-    memory = FakeMemory(num_pages=4, page_size=4, lie_about_fit=True)  # 16 positions
+    memory = FakeMemory(num_pages=4, page_size=4)  # 16 positions
     scheduler = make_scheduler(memory, prefill_chunk_tokens=8)
     engine = FakeEngine(scheduler)
     seq = make_seq("long", 30)
@@ -607,7 +620,7 @@ def test_a_prefill_that_cannot_progress_even_alone_fails_instead_of_livelocking(
 
 
 def test_a_request_that_does_not_fit_an_empty_engine_fails():
-    memory = FakeMemory(num_pages=2, page_size=4, lie_about_fit=True)
+    memory = FakeMemory(num_pages=2, page_size=4)
     scheduler = make_scheduler(memory, prefill_chunk_tokens=64)
     seq = make_seq("huge", 20)
     scheduler.add(seq)
@@ -722,8 +735,8 @@ def test_wait_for_work_returns_when_a_request_is_added():
 def run_itl(cost: LinearCost, num_steps: int, slow_down_at: int | None = None, **config):
     """A victim decoding and a long prompt prefilling under an ITL target; returns (engine, scheduler)."""
     config.setdefault("policy", "mixed")
-    scheduler = Scheduler(SchedulerConfig(prefill_chunk_tokens=4096, max_num_batched_tokens=8192, **config),
-                          FakeMemory(page_size=64))
+    scheduler = make_scheduler(FakeMemory(page_size=64), prefill_chunk_tokens=4096, max_num_batched_tokens=8192,
+                               **config)
     engine = FakeEngine(scheduler, cost=cost)
     scheduler.add(make_seq("victim", 4, max_tokens=10_000))
     engine.step()
@@ -790,40 +803,6 @@ def test_itl_target_is_robust_to_timing_noise():
     assert durations[int(0.99 * len(durations))] <= 0.030 * 1.15  # the noise alone reaches 1.10
 
 
-def test_step_cost_model_keeps_work_coefficients_non_negative_and_fits_the_mean():
-    """Data whose best unconstrained fit has a negative attention cost (collinear features).
-
-    Predictions must still grow with work (the budget search relies on it), and the fit must stay
-    a least-squares fit: with the intercept free, mean prediction == mean observation.
-    """
-    rng = random.Random(1)
-    model = StepCostModel(decay=1.0)
-    observed = []
-    for _ in range(40):
-        num_prefill = rng.randint(500, 1500)
-        features = StepFeatures(num_prefill, 1, num_prefill * rng.uniform(1e5, 1.2e5))
-        duration = 0.005 + 2e-5 * num_prefill - 1e-11 * features.attention_pairs + rng.uniform(-1e-3, 1e-3)
-        model.observe(features, duration)
-        observed.append((features, duration))
-    base = StepFeatures(1000, 1, 1e8)
-    assert model.predict(StepFeatures(1000, 1, 2e8)) >= model.predict(base)
-    assert model.predict(StepFeatures(2000, 1, 1e8)) > model.predict(base)
-    mean_predicted = statistics.mean(model.predict(f) for f, _ in observed)
-    assert mean_predicted == pytest.approx(statistics.mean(d for _, d in observed), rel=1e-3)
-
-
-def test_step_cost_model_recovers_a_linear_cost_including_context():
-    rng = random.Random(0)
-    truth = [0.004, 0.02, 0.01, 0.003]  # seconds per unit of StepFeatures.vector()
-    model = StepCostModel(decay=1.0)
-    samples = [StepFeatures(rng.randint(0, 4000), rng.randint(0, 64), rng.uniform(0, 5e8)) for _ in range(50)]
-    for features in samples:
-        model.observe(features, sum(w * x for w, x in zip(truth, features.vector())))
-    probe = StepFeatures(2500, 10, 3e8)
-    expected = sum(w * x for w, x in zip(truth, probe.vector()))
-    assert model.predict(probe) == pytest.approx(expected, rel=1e-4)
-
-
 # --------------------------------------------------------------------------------------------
 # Observability and the engine contract
 # --------------------------------------------------------------------------------------------
@@ -875,53 +854,31 @@ def test_schedule_refuses_to_run_ahead_of_on_step_done():
 
 
 # --------------------------------------------------------------------------------------------
-# Configuration
+# The chunk budget, resolved once from the memory
 # --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kwargs, name", [
-    ({"policy": "decode_first"}, "policy"),
-    ({"decode_interleave_every": 0}, "decode_interleave_every"),
-    ({"policy": "mixed", "decode_interleave_every": 8}, "decode_interleave_every"),
-    ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens"),
-    ({"prefill_chunk_tokens": 9000, "max_num_batched_tokens": 8192}, "prefill_chunk_tokens"),
-    ({"itl_target_ms": 0}, "itl_target_ms"),
-    ({"max_running_requests": 0}, "max_running_requests"),
-    ({"max_running_requests": 64, "max_num_batched_tokens": 32}, "max_num_batched_tokens"),
-    ({"min_prefill_chunk_tokens": 0}, "min_prefill_chunk_tokens"),
-    ({"cost_model_decay": 0.0}, "cost_model_decay"),
-])
-def test_config_errors_name_the_parameter(kwargs, name):
-    with pytest.raises(ConfigError, match=f"'{name}'"):
-        SchedulerConfig(**kwargs)
-
-
-def test_config_from_engine_config():
-    engine_config = EngineConfig(policy="mixed", prefill_chunk_tokens=512, itl_target_ms=40.0,
-                                 max_running_requests=8, max_num_batched_tokens=1024, step_log="/tmp/x.jsonl")
-    config = SchedulerConfig.from_engine_config(engine_config)
-    assert (config.policy, config.prefill_chunk_tokens, config.itl_target_ms) == ("mixed", 512, 40.0)
-    assert (config.max_running_requests, config.max_num_batched_tokens, config.step_log) == (8, 1024, "/tmp/x.jsonl")
-    with pytest.raises(ConfigError, match="'decode_interleave_every'"):
-        SchedulerConfig.from_engine_config(EngineConfig(policy="mixed", decode_interleave_every=4))
 
 
 def test_prefill_chunk_tokens_is_derived_from_memory_and_logged(caplog):
     memory = FakeMemory(derived_chunk=3456)
     with caplog.at_level(logging.INFO, logger="backend.scheduler"):
-        scheduler = Scheduler(SchedulerConfig(max_running_requests=50), memory)
-    assert scheduler.prefill_chunk_tokens == 3456 and memory.derive_calls == [50]
+        chunk = resolve_prefill_chunk_tokens(EngineConfig(max_running_requests=50), memory)
+    assert chunk == 3456 and memory.derive_calls == [50]
     assert "prefill_chunk_tokens = 3456" in caplog.text
 
 
 def test_explicit_prefill_chunk_tokens_does_not_ask_memory():
     memory = FakeMemory(derived_chunk=3456)
-    assert Scheduler(SchedulerConfig(prefill_chunk_tokens=100), memory).prefill_chunk_tokens == 100
+    assert resolve_prefill_chunk_tokens(EngineConfig(prefill_chunk_tokens=100), memory) == 100
     assert memory.derive_calls == []
 
 
 def test_derived_chunk_is_capped_by_batched_tokens_and_must_be_positive():
-    assert Scheduler(SchedulerConfig(max_num_batched_tokens=1000), FakeMemory(derived_chunk=3456)
-                     ).prefill_chunk_tokens == 1000
+    assert resolve_prefill_chunk_tokens(EngineConfig(max_num_batched_tokens=1000), FakeMemory(derived_chunk=3456)) == 1000
     with pytest.raises(ConfigError, match="'prefill_chunk_tokens'"):
-        Scheduler(SchedulerConfig(), FakeMemory(derived_chunk=0))
+        resolve_prefill_chunk_tokens(EngineConfig(), FakeMemory(derived_chunk=0))
+
+
+def test_the_scheduler_takes_the_resolved_budget_as_a_positive_int():
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        make_scheduler(prefill_chunk_tokens=0)
+    assert make_scheduler(prefill_chunk_tokens=77).prefill_chunk_tokens == 77

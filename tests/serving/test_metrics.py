@@ -1,44 +1,9 @@
-"""backend/metrics.py against a fake of pb_utils' metric API."""
+"""backend/serving/metrics.py against a fake of pb_utils' metric API."""
 
 import pytest
+from fake_pb_utils import FakeFamily, FakePbUtils
 
-from backend.metrics import ITL_BUCKETS, TTFT_BUCKETS, RequestTimer, ServingMetrics
-
-
-class FakeMetric:
-    def __init__(self, labels, buckets=None):
-        self.labels, self.buckets = labels, buckets
-        self.value, self.observed = 0.0, []
-
-    def increment(self, delta):
-        assert delta > 0, "Triton counters only go up"
-        self.value += delta
-
-    def set(self, value):
-        self.value = value
-
-    def observe(self, value):
-        self.observed.append(value)
-
-
-class FakeFamily:
-    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
-    created = {}
-
-    def __init__(self, name, description, kind):
-        self.name, self.kind, self.metrics = name, kind, []
-        FakeFamily.created[name] = self
-
-    def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
-        if self.kind == self.HISTOGRAM:
-            assert buckets, "histograms need buckets"
-        metric = FakeMetric(labels, buckets)
-        self.metrics.append(metric)
-        return metric
-
-
-class FakePbUtils:
-    MetricFamily = FakeFamily
+from backend.serving.metrics import ITL_BUCKETS, TTFT_BUCKETS, RequestTimer, ServingMetrics
 
 
 @pytest.fixture

@@ -1,17 +1,13 @@
 """scripts/make_model_repository.py: parameters rewritten, validated, repo_root written."""
 
-import importlib.util
 from pathlib import Path
 
+import make_model_repository as mmr  # scripts/ is on sys.path (tests/conftest.py)
 import pytest
 
 from backend.config import ConfigError, EngineConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "make_model_repository", REPO_ROOT / "scripts" / "make_model_repository.py")
-mmr = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mmr)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_config_pbtxt_has_one_parameter_per_engine_field():
@@ -57,3 +53,16 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert mmr.main(["--out", str(tmp_path), "--set", "max_running_requests=4"]) == 0
     assert mmr.main(["--out", str(tmp_path), "--set", "max_running_requests=zero"]) == 2
     assert "max_running_requests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sets, name", [
+    ({"policy": "mixed", "decode_interleave_every": "2"}, "decode_interleave_every"),
+    ({"prefill_chunk_tokens": "9000"}, "prefill_chunk_tokens"),  # above max_num_batched_tokens (8192)
+    ({"max_running_requests": "64", "max_num_batched_tokens": "32"}, "max_num_batched_tokens"),
+    # Checked against the checkpoint's window (128): a 128-position window pool cannot hold one window + a page.
+    ({"num_tokens": "512"}, "swa_full_tokens_ratio"),
+])
+def test_cross_field_values_fail_before_a_repository_is_written(tmp_path, tiny_checkpoint, sets, name):
+    with pytest.raises(ConfigError, match=f"'{name}'"):
+        mmr.make_repository(tmp_path, sets, str(tiny_checkpoint))
+    assert not (tmp_path / "dsv4").exists()

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.model_config import UnsupportedCheckpoint, load_model_config, parse_model_config
-from backend.weights import CheckpointError, load_weights
+from backend.model.config import UnsupportedCheckpoint, load_model_config, parse_model_config
+from backend.model.checkpoint import CheckpointError, load_weights
 
-from .conftest import write_checkpoint
+from make_checkpoint import write_checkpoint
 
 
 def _copy(src, dst):
@@ -89,7 +89,7 @@ def test_flash_shaped_variant_has_deepseek_v4_flash_widths():
     """--flash-shaped: the real widths (checked on the meta device, nothing is allocated)."""
     from make_checkpoint import make_config, parameter_shapes
 
-    from backend.weights import expected_shapes
+    from backend.model.checkpoint import expected_shapes
 
     config = make_config(flash_shaped=True)
     shapes = parameter_shapes(config)

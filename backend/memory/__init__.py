@@ -1,9 +1,12 @@
-"""Paged memory for DeepSeek-V4, one module per pool kind.
+"""Paged memory for DeepSeek-V4 (the prefix cache will live here too).
 
+- `page_allocator`: a free list of page ids (plain ints), all-or-nothing.
+- `paged_pool`: the base of the paged pools: tensors, an allocator, page runs.
 - `window_pool`: the sliding-window K=V of every layer, paged by position; pages that slide out of
   the window are freed as a request advances.
 - `compressed_pool`: compressed entries of CSA layers (plus their indexer keys) and of HCA layers,
   paged by entry index; kept for the request's whole life.
 - `compressor_state`: per-request ring buffers of the projections of the last few tokens, from
   which the compressors build each entry when its window closes.
+- `kv_manager`: all of the above behind one interface; a request's memory is its `RequestPages`.
 """

@@ -1,0 +1,118 @@
+"""Scheduling policies and prefill budgets: small objects the scheduler consults once per step.
+
+A policy decides what a step carries, using the scheduler's building blocks (`schedule_decodes`,
+`schedule_prefills`, `prefill_budget`); a budget decides how many prefill tokens a step may take.
+See docs/seed-bug-report.md for the failure they answer and README "The problem" for the rules:
+
+- `PrefillFirst`: the historical `prefill(budget) or decode()`; with `interleave_every=N`, after N
+  consecutive prefill steps one decode step if a decode is runnable (never an idle step instead);
+  any step that carries a decode restarts the count. The count is the policy's own state.
+- `Mixed`: every step carries every runnable decode plus prefill tokens within
+  min(budget, max_num_batched_tokens - decodes).
+- `FixedBudget`: prefill_chunk_tokens every step.
+- `ItlTargetBudget`: the most prefill tokens the step-cost model predicts to fit the target, never
+  below a minimum chunk (prefill always progresses). With `mixed` it bounds every step; with
+  `prefill_first` it caps each prefill step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Protocol
+
+from backend.config import ConfigError
+from backend.scheduler.cost_model import StepCostModel, StepFeatures
+from backend.scheduler.plan import StepPlan
+from backend.scheduler.step_record import StepKind
+
+if TYPE_CHECKING:
+    from backend.config import EngineConfig
+    from backend.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Policy(Protocol):
+    def build(self, scheduler: "Scheduler", plan: StepPlan) -> None:
+        """Fill plan.chunks through the scheduler's building blocks."""
+
+    def on_step(self, kind: StepKind) -> None:
+        """A step of this kind was committed."""
+
+
+class PrefillFirst:
+    def __init__(self, interleave_every: int | None = None):
+        self.interleave_every = interleave_every
+        self.prefill_streak = 0  # consecutive prefill-only steps ending at the latest one
+
+    def build(self, scheduler: "Scheduler", plan: StepPlan) -> None:
+        every = self.interleave_every
+        if every is not None and self.prefill_streak >= every and scheduler.has_running_decode():
+            scheduler.schedule_decodes(plan)
+            if plan.chunks:
+                return
+        scheduler.schedule_prefills(plan, scheduler.prefill_budget(plan))
+        if not plan.chunks:
+            scheduler.schedule_decodes(plan)
+
+    def on_step(self, kind: StepKind) -> None:
+        self.prefill_streak = self.prefill_streak + 1 if kind is StepKind.PREFILL else 0
+
+
+class Mixed:
+    def build(self, scheduler: "Scheduler", plan: StepPlan) -> None:
+        scheduler.schedule_decodes(plan)
+        room = scheduler.max_num_batched_tokens - plan.num_tokens  # >= 1 while prefill is possible
+        scheduler.schedule_prefills(plan, min(scheduler.prefill_budget(plan), room))
+
+    def on_step(self, kind: StepKind) -> None:
+        pass
+
+
+def make_policy(config: "EngineConfig") -> Policy:
+    if config.policy == "mixed":
+        return Mixed()
+    return PrefillFirst(config.decode_interleave_every)
+
+
+class FixedBudget:
+    def __init__(self, chunk_tokens: int):
+        self.chunk_tokens = chunk_tokens
+
+    def tokens(self, plan: StepPlan, context: int) -> int:
+        return self.chunk_tokens
+
+
+class ItlTargetBudget:
+    def __init__(self, target_ms: float, cost_model: StepCostModel, min_tokens: int, max_tokens: int):
+        self.target_s = target_ms / 1e3
+        self.cost_model = cost_model
+        self.min_tokens = min(min_tokens, max_tokens)
+        self.max_tokens = max_tokens
+
+    def tokens(self, plan: StepPlan, context: int) -> int:
+        """`context`: the computed length of the sequence the tokens will mostly go to."""
+        return self.cost_model.max_prefill_tokens(self.target_s, StepFeatures.of(plan.chunks), context,
+                                                  lo=self.min_tokens, hi=self.max_tokens)
+
+
+def resolve_prefill_chunk_tokens(config: "EngineConfig", memory) -> int:
+    """The step's prefill chunk budget: explicit, or derived from the window pool (logged either way).
+
+    Called once, when the memory manager exists; a derived budget below one token is a deployment
+    error (ConfigError naming the parameters to change).
+    """
+    if config.prefill_chunk_tokens is not None:
+        logger.info("prefill_chunk_tokens = %d (explicit)", config.prefill_chunk_tokens)
+        return config.prefill_chunk_tokens
+    derived = memory.derived_prefill_chunk_tokens(config.max_running_requests)
+    if derived < 1:
+        raise ConfigError(
+            f"parameter 'prefill_chunk_tokens': derived value {derived} from the window pool with "
+            f"max_running_requests={config.max_running_requests} is < 1; enlarge the window pool "
+            "(num_tokens, swa_full_tokens_ratio), lower max_running_requests or set prefill_chunk_tokens")
+    chunk = min(derived, config.max_num_batched_tokens)
+    logger.info("prefill_chunk_tokens = %d (derived from the memory pools: %d for max_running_requests=%d, "
+                "capped by max_num_batched_tokens=%d)", chunk, derived, config.max_running_requests,
+                config.max_num_batched_tokens)
+    return chunk

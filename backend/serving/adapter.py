@@ -1,0 +1,210 @@
+"""The Triton adapter's logic: requests in, responses out, cancellation, metrics, exactly one FINAL.
+
+`model_repository/dsv4/1/model.py` only builds the engine and hands the Python backend's utility
+module (`triton_python_backend_utils`, "pb_utils") to `TritonAdapter`; nothing here imports
+tritonserver, so the whole contract is unit-tested in-process with a fake pb_utils.
+
+Threads:
+- tritonserver's `execute()` calls `submit()`: parse the request (triton_io), hand it to the
+  engine (`engine.submit`, the admission gate) and return at once (decoupled mode);
+- the engine thread calls back with each `RequestOutput`; the callback only queues it;
+- one response thread sends what the queue holds (`triton_io.ResponseBuilder` decides what),
+  polls `is_cancelled()` every `poll_s` over all live requests and turns a cancellation into
+  `engine.abort`, and mirrors `engine.stats()` into the metrics every `stats_s`.
+Every request gets exactly one FINAL response: an error response (bad request, engine error,
+cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
+response could not carry it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from backend.request import FinishReason, Sequence
+from backend.serving import triton_io
+from backend.serving.metrics import RequestTimer, ServingMetrics
+
+
+@dataclass
+class _Live:
+    """One in-flight request, as the adapter sees it."""
+
+    sender: object  # the request's response sender
+    builder: triton_io.ResponseBuilder
+    timer: RequestTimer = field(default_factory=RequestTimer)
+    cancelling: bool = False
+
+
+class TritonAdapter:
+    def __init__(self, engine, pb_utils, model_name: str, *, poll_s: float = 0.02, stats_s: float = 0.1):
+        self.engine = engine
+        self.pb = pb_utils
+        self.final_flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self.metrics = ServingMetrics(pb_utils, model_name)
+        self.logger = pb_utils.Logger
+        self.poll_s, self.stats_s = poll_s, stats_s
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()
+        self._outputs: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._response_loop, name="dsv4-responses", daemon=True)
+
+    def start(self) -> None:
+        self.engine.start()
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine, drain the responses, answer whatever is still live with an error."""
+        self.engine.shutdown()
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            leftovers, self._live = list(self._live.values()), {}
+        for live in leftovers:
+            self._send_error(live.sender, "the model is shutting down")
+
+    # --- requests in ----------------------------------------------------------------------------
+    def submit(self, request) -> None:
+        """Parse and hand one request to the engine; a bad request is answered at once, never raised."""
+        sender = request.get_response_sender()
+        request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+        try:
+            inputs = triton_io.to_numpy_inputs(
+                list(triton_io.INPUT_NAMES), lambda name: self.pb.get_input_tensor_by_name(request, name))
+            parsed = triton_io.parse_request(inputs, self.engine.tokenizer, request.parameters())
+            seq = Sequence(request_id, parsed.prompt_ids, parsed.sampling, priority=parsed.priority)
+            with self._lock:
+                self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer))
+            self.engine.submit(seq, self._outputs.put)
+        except Exception as exc:  # a bad request, or one the engine refuses: answer it, stay up
+            with self._lock:
+                self._live.pop(request_id, None)
+            self.metrics.on_finished(FinishReason.ERROR.value)
+            self._send_error(sender, str(exc), getattr(self.pb.TritonError, "INVALID_ARG", None))
+
+    # --- responses out --------------------------------------------------------------------------
+    def _response_loop(self) -> None:
+        next_poll = next_stats = 0.0
+        while not (self._stop.is_set() and self._outputs.empty()):
+            try:
+                self._handle(self._outputs.get(timeout=self.poll_s))
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if now >= next_poll:
+                self._poll_cancelled()
+                next_poll = now + self.poll_s
+            if now >= next_stats:
+                self._update_stats()
+                next_stats = now + self.stats_s
+
+    def _handle(self, output) -> None:
+        with self._lock:
+            live = self._live.get(output.request_id)
+        if live is None:
+            return  # already answered (an error while sending, or shutdown)
+        final_sent = False
+        try:
+            if output.new_token_ids:
+                self.metrics.on_tokens(live.timer)
+            if output.error or output.finish_reason == FinishReason.CANCELLED:
+                final_sent = self._send_end_error(live, output)
+            else:
+                final_sent = self._send_output(output.request_id, live, output)
+        except Exception as exc:
+            self.logger.log_error(f"[dsv4] sending a response for {output.request_id} failed: {exc}")
+            self.engine.abort(output.request_id)
+            final_sent = self._send_error(live.sender, f"internal error: {exc}")
+        finally:
+            if output.finished or final_sent:
+                self._retire(output, live, final_sent)
+
+    def _send_end_error(self, live: _Live, output) -> bool:
+        if output.error:
+            return self._send_error(live.sender, output.error)
+        return self._send_error(live.sender, "request cancelled", getattr(self.pb.TritonError, "CANCELLED", None))
+
+    def _send_output(self, request_id: str, live: _Live, output) -> bool:
+        """Send the response the builder makes of `output`, if any; True when it carried FINAL."""
+        arrays = live.builder.on_output(output)
+        if arrays is None:
+            return False
+        if live.sender.is_cancelled():
+            self._cancel(request_id, live)
+            return False
+        tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
+        live.sender.send(self.pb.InferenceResponse(output_tensors=tensors),
+                         flags=self.final_flag if output.finished else 0)
+        return output.finished
+
+    def _retire(self, output, live: _Live, final_sent: bool) -> None:
+        with self._lock:
+            self._live.pop(output.request_id, None)
+        self.metrics.on_finished((output.finish_reason or FinishReason.ERROR).value)
+        if not final_sent:
+            self._send_final_flag(live.sender)
+
+    def _poll_cancelled(self) -> None:
+        with self._lock:
+            live_items = list(self._live.items())
+        for request_id, live in live_items:
+            if not live.cancelling and live.sender.is_cancelled():
+                self._cancel(request_id, live)
+
+    def _cancel(self, request_id: str, live: _Live) -> None:
+        """The client cancelled: the engine aborts at its next step and answers CANCELLED."""
+        if not live.cancelling:
+            live.cancelling = True
+            self.engine.abort(request_id)
+
+    def _update_stats(self) -> None:
+        try:
+            self.metrics.update(self.engine.stats())
+        except Exception as exc:
+            self.logger.log_warn(f"[dsv4] engine.stats() failed: {exc}")
+
+    def _send_error(self, sender, message: str, code=None) -> bool:
+        """Send an error response flagged FINAL; True when it went out."""
+        error = self.pb.TritonError(message, code) if code is not None else self.pb.TritonError(message)
+        try:
+            sender.send(self.pb.InferenceResponse(output_tensors=[], error=error), flags=self.final_flag)
+            return True
+        except Exception as exc:
+            self.logger.log_warn(f"[dsv4] could not send an error response: {exc}")
+            return False
+
+    def _send_final_flag(self, sender) -> None:
+        try:
+            sender.send(flags=self.final_flag)
+        except Exception as exc:
+            self.logger.log_warn(f"[dsv4] could not send the final flag: {exc}")
+
+
+def exit_with_parent(stop: threading.Event, poll_s: float = 0.5) -> threading.Thread:
+    """Exit this process when its parent (tritonserver) is gone.
+
+    tritonserver can exit without finalize() (its exit timeout hit with requests in flight); then
+    calls to it block forever. Do not leave an engine computing for nobody: exit, removing this
+    stub's shm region (named in its command line) that the server would have removed.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            if os.getppid() != parent:
+                try:
+                    argv = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+                    (Path("/dev/shm") / argv[2].decode()).unlink(missing_ok=True)
+                except (OSError, IndexError, UnicodeDecodeError, ValueError):
+                    pass
+                os._exit(0)
+
+    thread = threading.Thread(target=watch, name="dsv4-parent-watch", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,121 @@
+"""A stand-in for tritonserver's `triton_python_backend_utils` (pb_utils): the parts the adapter and
+the metrics use, recording what they send instead of talking to a server."""
+
+from __future__ import annotations
+
+import threading
+
+
+class FakeMetric:
+    def __init__(self, labels, buckets=None):
+        self.labels, self.buckets = labels, buckets
+        self.value, self.observed = 0.0, []
+
+    def increment(self, delta):
+        assert delta > 0, "Triton counters only go up"
+        self.value += delta
+
+    def set(self, value):
+        self.value = value
+
+    def observe(self, value):
+        self.observed.append(value)
+
+
+class FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        FakeFamily.created[name] = self
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+        if self.kind == self.HISTOGRAM:
+            assert buckets, "histograms need buckets"
+        metric = FakeMetric(labels, buckets)
+        self.metrics.append(metric)
+        return metric
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self.name, self.array = name, array
+
+    def as_numpy(self):
+        return self.array
+
+
+class TritonError:
+    INVALID_ARG, CANCELLED = "INVALID_ARG", "CANCELLED"
+
+    def __init__(self, message, code=None):
+        self.message, self.code = message, code
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs = {t.name: t.array for t in output_tensors}
+        self.error = error
+
+
+class Logger:
+    lines: list[str] = []
+
+    @classmethod
+    def log_info(cls, message):
+        cls.lines.append(message)
+
+    log_warn = log_error = log_info
+
+
+class FakePbUtils:
+    """Pass the class itself where the adapter expects the pb_utils module."""
+
+    MetricFamily = FakeFamily
+    Tensor, TritonError, InferenceResponse, Logger = Tensor, TritonError, InferenceResponse, Logger
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        array = request.inputs.get(name)
+        return None if array is None else Tensor(name, array)
+
+
+class Sender:
+    """A response sender: records (response, flags); `fail_sends` makes the next sends raise."""
+
+    def __init__(self):
+        self.sent: list[tuple[InferenceResponse | None, int]] = []
+        self.cancelled = False
+        self.fail_sends = 0
+        self.lock = threading.Lock()
+
+    def send(self, response=None, flags=0):
+        with self.lock:
+            if self.fail_sends:
+                self.fail_sends -= 1
+                raise RuntimeError("the client went away")
+            self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return self.cancelled
+
+    @property
+    def num_finals(self) -> int:
+        return sum(1 for _, flags in self.sent if flags & FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class Request:
+    def __init__(self, inputs: dict, parameters: str = "{}", request_id: str = "r"):
+        self.inputs, self._parameters, self._id = inputs, parameters, request_id
+        self.sender = Sender()
+
+    def get_response_sender(self):
+        return self.sender
+
+    def parameters(self):
+        return self._parameters
+
+    def request_id(self):
+        return self._id

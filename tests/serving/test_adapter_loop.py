@@ -1,0 +1,157 @@
+"""backend/serving/adapter.py in-process: a fake pb_utils, the deterministic fake engine, real threads.
+
+The contract checked here is the one tritonserver's clients rely on: every request ends with
+exactly one FINAL response, whatever happens — a bad request, an engine refusal, cancellation, a
+failing send, shutdown — and nothing is left in the adapter's table. The same adapter runs in a
+real tritonserver in tests/e2e/test_adapter.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+from fake_pb_utils import FakePbUtils, Request
+
+from backend.config import EngineConfig
+from backend.serving.adapter import TritonAdapter
+from tests.e2e.fake_engine import LLMEngine as FakeEngine
+from tests.e2e.fake_engine import expected_ids
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def request(prompt: str = "hello", max_tokens: int = 5, stream: bool = True, **extra) -> Request:
+    inputs = {"text_input": text(prompt), "max_tokens": np.array([max_tokens], np.int32),
+              "stream": np.array([stream])}
+    inputs.update(extra)
+    return Request(inputs)
+
+
+@pytest.fixture
+def adapter():
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.005, stats_s=0.01)
+    adapter.start()
+    yield adapter
+    adapter.shutdown()
+
+
+def wait_final(*requests: Request, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(r.sender.num_finals for r in requests):
+            time.sleep(0.05)  # a second FINAL, if the adapter were to send one, would show up by now
+            return
+        time.sleep(0.005)
+    raise AssertionError("no FINAL response in time")
+
+
+def tokens_of(req: Request) -> list[int]:
+    return [int(t) for response, _ in req.sender.sent if response is not None and response.error is None
+            for t in response.outputs["output_ids"]]
+
+
+def errors_of(req: Request) -> list[str]:
+    return [response.error.message for response, _ in req.sender.sent if response is not None and response.error]
+
+
+def test_a_stream_sends_its_tokens_then_exactly_one_final(adapter):
+    req = request("hello", max_tokens=6)
+    adapter.submit(req)
+    wait_final(req)
+    assert tokens_of(req) == expected_ids(list(b"hello"), 6)
+    assert req.sender.num_finals == 1 and req.sender.sent[-1][1] == 1
+    assert req.sender.sent[-1][0].outputs["finish_reason"].tolist() == [b"length"]
+    assert adapter._live == {}
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"sampling_parameters": text("{oops")}, "not valid JSON"),
+    ({"sampling_parameters": text(json.dumps({"top_p": 0}))}, "top_p"),
+    ({"max_tokens": np.array([0], np.int32)}, "max_tokens"),
+    ({"max_tokens": np.array([5000], np.int32)}, "at most 1000"),
+    ({"text_input": text("NOFIT")}, "never fit"),
+    ({"text_input": text("x" * 1000)}, "positions"),
+])
+def test_bad_requests_get_one_error_final_and_never_reach_the_engine(adapter, inputs, message):
+    req = request(**inputs)
+    adapter.submit(req)
+    assert req.sender.num_finals == 1 and len(req.sender.sent) == 1  # answered at once, in submit()
+    assert message in errors_of(req)[0]
+    assert adapter.engine._running == {} and adapter._live == {}
+
+
+def test_cancellation_reaches_the_engine_and_ends_with_one_cancelled_final(adapter):
+    req = request("a long one", max_tokens=900)
+    adapter.submit(req)
+    deadline = time.monotonic() + 10
+    while len(req.sender.sent) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    req.sender.cancelled = True
+    wait_final(req)
+    assert req.sender.num_finals == 1
+    assert errors_of(req) == ["request cancelled"] and errors_of(req) == [req.sender.sent[-1][0].error.message]
+    assert len(tokens_of(req)) < 900
+    assert adapter.engine._running == {} and adapter._live == {}
+
+
+def test_a_failing_send_aborts_the_request_and_still_sends_one_final(adapter):
+    req = request("hello", max_tokens=50)
+    req.sender.fail_sends = 1  # the first token response raises
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.num_finals == 1
+    assert errors_of(req)[0].startswith("internal error: the client went away")
+    deadline = time.monotonic() + 5
+    while adapter.engine._running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert adapter.engine._running == {} and adapter._live == {}
+
+
+def test_a_sender_that_always_fails_leaves_nothing_behind(adapter):
+    req = request("hello", max_tokens=50)
+    req.sender.fail_sends = 10**6
+    adapter.submit(req)
+    deadline = time.monotonic() + 5
+    while (adapter._live or adapter.engine._running) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert adapter._live == {} and adapter.engine._running == {}
+    assert req.sender.sent == []
+
+
+def test_shutdown_answers_every_live_request_with_one_final():
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.005)
+    adapter.start()
+    reqs = [request(f"p{i}", max_tokens=900) for i in range(3)]
+    for req in reqs:
+        adapter.submit(req)
+    time.sleep(0.05)
+    adapter.shutdown()
+    for req in reqs:
+        assert req.sender.num_finals == 1 and errors_of(req)[-1] == "the model is shutting down"
+
+
+def test_many_requests_with_random_cancels_and_send_failures_each_end_exactly_once(adapter):
+    rng = random.Random(0)
+    reqs = []
+    for i in range(40):
+        req = request(f"prompt {i}", max_tokens=rng.randint(1, 30), stream=rng.random() < 0.7)
+        req.sender.fail_sends = 1 if rng.random() < 0.2 else 0
+        reqs.append(req)
+        adapter.submit(req)
+        if rng.random() < 0.3:
+            req.sender.cancelled = True
+    wait_final(*reqs, timeout=30)
+    assert all(req.sender.num_finals == 1 for req in reqs)
+    assert all(req.sender.sent[-1][1] == 1 for req in reqs)  # nothing after the FINAL
+    deadline = time.monotonic() + 5
+    while adapter.engine._running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert adapter._live == {} and adapter.engine._running == {}

@@ -1,0 +1,69 @@
+"""backend/request.py: SamplingParams built and coerced once; RequestLimits, the engine's one gate."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.memory.kv_manager import KVCacheManager
+from backend.request import RequestLimits, SamplingParams, Sequence
+
+LIMITS = RequestLimits(vocab_size=8, max_tokens_limit=100, max_request_positions=16)
+
+
+def test_from_dict_coerces_what_clients_send():
+    params = SamplingParams.from_dict({"max_tokens": "12", "temperature": 1, "top_k": 3.0, "min_tokens": "12"})
+    assert params == SamplingParams(max_tokens=12, temperature=1.0, top_k=3, ignore_eos=True)
+    assert isinstance(params.temperature, float)
+    assert SamplingParams.from_dict({"stop": "fox"}).stop == ["fox"]
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_tokens": 0}, "max_tokens must be a positive"),
+    ({"max_tokens": "many"}, "max_tokens must be an integer"),
+    ({"temperature": float("nan")}, "finite"),
+    ({"top_p": 0}, "top_p"),
+    ({"stop": [""]}, "stop"),
+    ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
+    ({"temp": 1}, "unknown key"),
+])
+def test_from_dict_refuses_bad_values_naming_them(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.from_dict(params)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], {}, "the prompt is empty"),
+    ([1, 8], {}, "token id 8 is out of the vocabulary"),
+    ([-1], {}, "token id -1 is out of the vocabulary"),
+    ([1], {"max_tokens": 101}, "max_tokens must be at most 100"),
+    ([1], {"stop_token_ids": [9]}, "stop_token_ids outside the vocabulary"),
+    ([1] * 10, {"max_tokens": 8}, "needs 17 positions, more than the 16"),
+])
+def test_limits_refuse_what_the_deployment_cannot_serve(prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        LIMITS.check(prompt, SamplingParams(**params))
+
+
+def test_limits_accept_exactly_the_positions_the_memory_holds():
+    LIMITS.check([1] * 10, SamplingParams(max_tokens=7))  # 10 + 7 - 1 = 16: the last token is never fed back
+
+
+def test_the_capacity_rule_is_the_memory_managers(tiny_checkpoint):
+    """The limit the gate uses is what one request can really reach running alone."""
+    import torch
+
+    from backend.model.config import load_model_config
+
+    kv = KVCacheManager(load_model_config(tiny_checkpoint), num_tokens=512, swa_full_tokens_ratio=1.0, page_size=16,
+                        max_running_requests=1, dtype=torch.float32, device="cpu")
+    positions = kv.max_request_positions()
+    seq = Sequence("alone", [1] * (positions + 1))
+    while seq.num_computed_tokens < positions:  # chunked prefill, as the scheduler runs it alone
+        n = min(16, positions - seq.num_computed_tokens)
+        assert kv.can_extend(seq, n)
+        kv.extend(seq, n)
+        seq.num_computed_tokens += n
+        kv.release_slid_out(seq)
+    assert not kv.can_extend(seq, 1)  # one position more does not fit
+    seq.finish()
+    kv.check()
