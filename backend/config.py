@@ -43,6 +43,9 @@ class EngineConfig:
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
+    # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
+    # run on one: README "Threads"). None: torch's count where the engine is built (the cores).
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,6 +80,8 @@ class EngineConfig:
         _check(_is_int(self.page_size) and self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
                "page_size", self.page_size, "a power of two")
         _check_int(self, "max_tokens_limit", 1)
+        if self.cpu_threads is not None:
+            _check_int(self, "cpu_threads", 1)
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":

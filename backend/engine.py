@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 from tokenizers import Tokenizer
 
 from backend.config import ConfigError, EngineConfig
@@ -58,6 +59,8 @@ class LLMEngine:
         weights = load_weights(checkpoint, self.model_config, self.dtype, self.device)
         self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype, self.kernels)
         self.sampler = Sampler()
+        self.cpu_threads = config.cpu_threads or torch.get_num_threads()
+        self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
@@ -88,6 +91,7 @@ class LLMEngine:
 
     def start(self) -> None:
         if self._thread is None:
+            self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
             self._thread.start()
 
@@ -114,6 +118,7 @@ class LLMEngine:
             "longest_prefill_streak": counters.longest_prefill_streak,
             "decode_stalls": counters.decode_stalls,
             "num_preemptions": counters.num_preemptions,
+            "num_itl_infeasible": counters.num_itl_infeasible,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "pool_usage": self.kv.usage(),
@@ -186,6 +191,7 @@ class LLMEngine:
 
     def _run(self, plan: StepPlan) -> list[tuple[Sequence, str]]:
         """Prepare + forward + sample + postprocess; returns (finished sequence, its last text) pairs."""
+        _use_intra_op_threads(1 if plan.num_tokens < self.small_step_tokens else self.cpu_threads)
         rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
         batch = build_forward_batch(rows, self.kv, self.device)
         logits = self.model.forward(batch, self.kv)
@@ -226,6 +232,17 @@ class LLMEngine:
                                         len(seq.output_ids), error))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
+
+
+# Steps with fewer tokens (decodes, small mixed steps) are thousands of tiny ops: one intra-op thread
+# runs them as fast as two on the main thread, while two in a worker thread (a second OpenMP team)
+# made them 1.2-1.35x slower; prefill chunks gain from the cores (bench_engine_thread.py).
+SMALL_STEP_TOKENS = 64
+
+
+def _use_intra_op_threads(count: int) -> None:
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
 
 
 def _memory_pools(config: EngineConfig, model_config, dtype, device) -> KVCacheManager:

@@ -229,6 +229,7 @@ class Sequence:
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     generator: "torch.Generator | None" = field(default=None, repr=False)  # the sampler's, for temperature > 0
     queue_rank: int = 0  # position in the waiting queue within its priority; negative: requeued in front
+    last_chunk_tokens: int = 0  # its latest prefill chunk (the ITL budget grows a chunk at most 2x)
     pages: "RequestPages | None" = field(default=None, repr=False)  # set by the memory manager
 
     @property

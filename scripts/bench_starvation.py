@@ -14,7 +14,8 @@ under each policy of --policies:
   itl:MS              mixed, with the prefill tokens per step sized for an MS-millisecond step
 Timestamps are taken as tokens come out of the engine (the callback), never from a log. The
 default chunk (565 tokens) splits the default 32768-token attacker into 58 chunks, as in the
-report (200,019 tokens in 58 chunks of 3456).
+report (200,019 tokens in 58 chunks of 3456). A policy may be listed more than once (repetitions,
+e.g. `--policies prefill_first,itl:150,itl:150,itl:150`); each run is a row.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def summarize(policy: str, engine: LLMEngine, victim: Trace, attacker: Trace, ar
         "victim_wall_s": victim.token_times[-1] - victim.submitted,
         "victim_output_tokens": len(victim.token_times),
         "victim_max_gap_s": max(gaps),
+        "victim_p99_gap_s": sorted(gaps)[int(0.99 * (len(gaps) - 1))],
         "victim_median_gap_s": statistics.median(gaps),
         **{f"victim_gaps_over_{t:g}s": sum(g > t for g in gaps) for t in args.gap_thresholds},
         "attacker_ttft_s": (attacker.token_times[0] - attacker.submitted) if attacker.token_times else None,
@@ -119,6 +121,8 @@ def summarize(policy: str, engine: LLMEngine, victim: Trace, attacker: Trace, ar
         "longest_prefill_streak": engine.scheduler.counters.longest_prefill_streak,
         "total_wall_s": end - victim.submitted,
         "itl_target_ms": engine.config.itl_target_ms,
+        "itl_infeasible_steps": engine.scheduler.counters.num_itl_infeasible,
+        "cost_model_level_shifts": engine.scheduler.cost_model.num_level_shifts,
         # For the plot: victim token times and the prefill-carrying steps, relative to the victim's submit.
         "victim_token_times_s": [t - victim.submitted for t in victim.token_times],
         "prefill_spans_s": [(r.time - victim.submitted, r.duration_s) for r in records if r.num_prefill_tokens],
@@ -127,11 +131,13 @@ def summarize(policy: str, engine: LLMEngine, victim: Trace, attacker: Trace, ar
 
 def print_table(rows: list[dict], thresholds: list[float]) -> None:
     cols = [("policy", "policy", "{}"), ("victim wall", "victim_wall_s", "{:.2f}"),
-            ("max gap", "victim_max_gap_s", "{:.3f}"), ("median gap", "victim_median_gap_s", "{:.3f}")]
+            ("max gap", "victim_max_gap_s", "{:.3f}"), ("p99 gap", "victim_p99_gap_s", "{:.3f}"),
+            ("median gap", "victim_median_gap_s", "{:.3f}")]
     cols += [(f"gaps>{t:g}s", f"victim_gaps_over_{t:g}s", "{}") for t in thresholds]
     cols += [("attacker ttft", "attacker_ttft_s", "{:.2f}"), ("prefill steps", "prefill_steps", "{}"),
              ("med prefill", "median_prefill_step_s", "{:.3f}"), ("med decode", "median_decode_step_s", "{:.4f}"),
-             ("med mixed", "median_mixed_step_s", "{:.3f}"), ("total wall", "total_wall_s", "{:.2f}")]
+             ("med mixed", "median_mixed_step_s", "{:.3f}"), ("total wall", "total_wall_s", "{:.2f}"),
+             ("infeasible", "itl_infeasible_steps", "{}"), ("level shifts", "cost_model_level_shifts", "{}")]
     header = " | ".join(f"{name:>13}" for name, _, _ in cols)
     print(header)
     print("-" * len(header))

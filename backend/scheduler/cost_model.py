@@ -1,7 +1,27 @@
-"""The step-cost model behind `itl_target_ms`: predicted step time from the work a step carries."""
+"""The step-cost model behind `itl_target_ms`: predicted step time from the work a step carries.
+
+    t = level * (w . x) * noise,   x = [1, prefill tokens, decode tokens, attention pairs] (scaled)
+
+Three parts, each robust on its own to a noisy machine (CPU step times vary by +-25-30 %):
+- the shape `w`: exponentially weighted least squares over durations divided by the level in
+  force when they were taken, with a long memory and the work coefficients kept >= 0. Noise never
+  discounts it, so the slope information of earlier steps is kept (a constant chunk at a growing
+  context carries none of its own); a fit that would drop every work term is refused and the
+  previous coefficients stay;
+- the `level`: the machine's speed relative to the shape. A two-sided CUSUM on
+  r = log(actual / predicted) needs evidence, a change that persists over several steps (2x: two
+  steps; 1.3x: about fifteen), before it moves the level by the mean residual of that run; one
+  slow step does nothing. The steps of that run are then re-normalised by the new level, so the
+  shape never learns the change as work;
+- the calibration: the recent ratios actual / predicted. `predict_upper` is the point prediction
+  times their `quantile` (0.9): a chunk sized by it keeps about 90 % of steps under the target
+  rather than half.
+"""
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -41,66 +61,106 @@ class StepFeatures:
 
 
 class StepCostModel:
-    """Online linear model of step time: t = w . [1, prefill, decode, attention] (StepFeatures).
-
-    Fitted by exponentially weighted ridge least squares: each observation multiplies the
-    weight of all earlier ones by `decay`, so a machine that gets slower (thermal throttling, a
-    neighbour on the GPU) is followed within a few steps. When an observation misses its
-    prediction by more than `drift_tolerance`, history is discounted by an extra `drift_decay`:
-    a real change of machine speed is adopted quickly, while ordinary noise keeps the long memory.
-    Coefficients other than the intercept are kept >= 0 (see _solve), so predictions grow with
-    the work, which keeps the budget search monotone.
-    """
+    """Online model of step time (see the module docstring); fed by the scheduler after every step."""
 
     NUM_FEATURES = 4
 
-    def __init__(self, decay: float = 0.98, ridge: float = 1e-6, drift_tolerance: float = 0.25,
-                 drift_decay: float = 0.1):
+    def __init__(self, decay: float = 0.99, ridge: float = 1e-6, cusum_slack: float = 0.15,
+                 cusum_threshold: float = 1.0, quantile: float = 0.9, quantile_window: int = 64,
+                 min_ratios: int = 8, default_upper_ratio: float = 1.3, warm_up: int = 20):
         self.decay = decay
         self.ridge = ridge
-        self.drift_tolerance = drift_tolerance
-        self.drift_decay = drift_decay
+        self.cusum_slack = cusum_slack
+        self.cusum_threshold = cusum_threshold
+        self.quantile = quantile
+        self.min_ratios = min_ratios
+        self.default_upper_ratio = default_upper_ratio  # used until min_ratios ratios are known
+        self.warm_up = warm_up  # observations before drift is looked for (a young shape mispredicts anyway)
         n = self.NUM_FEATURES
-        self._gram = np.zeros((n, n))  # sum of w * x x^T
-        self._moment = np.zeros(n)  # sum of w * x * t
-        self._coef: list[float] | None = None
+        self._gram = np.zeros((n, n))  # sum of weight * x x^T
+        self._moment = np.zeros(n)  # sum of weight * x * (duration / level)
+        self._coef: np.ndarray | None = None
+        self._accepted: np.ndarray | None = None  # the last fit that kept a work term
+        self.level = 1.0
+        self._recent: deque[_Observation] = deque(maxlen=quantile_window)  # newest last
+        self._cusum = {+1: _Run(), -1: _Run()}
         self.num_observations = 0
+        self.num_level_shifts = 0
         self.max_prefill_seen = 0  # the budget search never extrapolates past 2x this
 
+    # --- learning ---------------------------------------------------------------------------------
     def observe(self, features: StepFeatures, duration_s: float) -> None:
         predicted = self.predict(features)
-        discount = self.decay
-        if predicted is not None and abs(duration_s - predicted) > self.drift_tolerance * predicted:
-            discount *= self.drift_decay
         x = np.asarray(features.vector())
-        self._moment = discount * self._moment + x * duration_s
-        self._gram = discount * self._gram + np.outer(x, x)
+        normalised = duration_s / self.level
+        self._moment = self.decay * self._moment + x * normalised
+        self._gram = self.decay * self._gram + np.outer(x, x)
+        ratio = duration_s / predicted if predicted is not None and duration_s > 0 else None
+        self._recent.append(_Observation(x, normalised, ratio))
         self._coef = None
         self.num_observations += 1
         self.max_prefill_seen = max(self.max_prefill_seen, features.prefill_tokens)
+        if ratio is not None and self.num_observations > self.warm_up:
+            self._detect_drift(math.log(ratio))
 
+    def _detect_drift(self, residual: float) -> None:
+        """Two-sided CUSUM on log(actual / predicted); a run past the threshold moves the level."""
+        for sign, run in self._cusum.items():
+            run.add(sign * residual - self.cusum_slack, residual)
+            if run.score > self.cusum_threshold:
+                self._shift_level(math.exp(run.mean_residual), run.count)
+                self._cusum = {+1: _Run(), -1: _Run()}
+                return
+
+    def _shift_level(self, factor: float, num_steps: int) -> None:
+        """Adopt a level `factor` times the current one, shown by the last `num_steps` observations.
+
+        Those observations entered the shape normalised by the old level and their ratios were
+        taken against it: both are moved to the new level (earlier ones stay, they were right).
+        """
+        self.level *= factor
+        self.num_level_shifts += 1
+        for age, obs in enumerate(list(reversed(self._recent))[:num_steps]):
+            self._moment -= self.decay ** age * obs.x * obs.normalised * (1.0 - 1.0 / factor)
+            obs.normalised /= factor
+            obs.ratio = None if obs.ratio is None else obs.ratio / factor
+        self._coef = None
+
+    # --- predicting -------------------------------------------------------------------------------
     def predict(self, features: StepFeatures) -> float | None:
-        """Predicted step time in seconds, or None before the first observation."""
+        """Point prediction of the step time in seconds, or None before the first observation."""
         if self.num_observations == 0:
             return None
         if self._coef is None:
             self._coef = self._solve()
-        return sum(w * x for w, x in zip(self._coef, features.vector()))
+        return self.level * max(float(self._coef @ np.asarray(features.vector())), 1e-6)
+
+    def upper_ratio(self) -> float:
+        """The `quantile` of recent actual / predicted ratios (a default until enough are known)."""
+        ratios = [obs.ratio for obs in self._recent if obs.ratio is not None]
+        if len(ratios) < self.min_ratios:
+            return self.default_upper_ratio
+        return float(np.quantile(np.asarray(ratios), self.quantile))
+
+    def predict_upper(self, features: StepFeatures) -> float | None:
+        """The time `quantile` of such steps stay under: what a step is sized by."""
+        predicted = self.predict(features)
+        return None if predicted is None else predicted * self.upper_ratio()
 
     def max_prefill_tokens(self, target_s: float, base: StepFeatures, context: int, lo: int, hi: int) -> int:
-        """The most prefill tokens in [lo, hi] whose step (base + them) is predicted <= target_s.
+        """The most prefill tokens in [lo, hi] whose step (base + them) is predicted (upper) <= target_s.
 
         `context` is the computed length of the sequence the tokens will mostly go to. Returns lo
-        when even lo misses the target (prefill must progress) and lo before any observation;
-        never more than twice the largest prefill observed, so a young model is not trusted far
-        outside its data.
+        when even lo misses the target (prefill must progress; see is_feasible) and lo before any
+        observation; never more than twice the largest prefill observed, so a young model is not
+        trusted far outside its data.
         """
         hi = max(lo, min(hi, 2 * self.max_prefill_seen))
         if self.num_observations == 0:
             return lo
 
         def fits(num_tokens: int) -> bool:
-            return self.predict(base.plus(num_tokens, context)) <= target_s
+            return self.predict_upper(base.plus(num_tokens, context)) <= target_s
 
         if fits(hi):
             return hi
@@ -111,14 +171,15 @@ class StepCostModel:
             lo, hi = (mid, hi) if fits(mid) else (lo, mid)
         return lo
 
-    def _solve(self) -> list[float]:
+    def _solve(self) -> np.ndarray:
         """Least squares with the work coefficients kept >= 0 (all but the intercept).
 
         A negative coefficient is dropped (fixed at 0) and the rest refitted, the active-set idea
         of non-negative least squares. Merely clamping it would not do: prefill tokens and
         attention pairs are nearly collinear while one long prompt is prefilled, so a fit often
         pairs a too-large prefill cost with a negative attention cost; clamping the latter alone
-        would then predict far too slow a step and starve the prefill.
+        would then predict far too slow a step and starve the prefill. A solution without any work
+        term (a step's cost independent of its work) is refused: the last one that had one stays.
         """
         active = list(range(self.NUM_FEATURES))
         while True:
@@ -126,5 +187,37 @@ class StepCostModel:
             solution = dict(zip(active, np.linalg.solve(gram, self._moment[active]).tolist()))
             negative = [i for i in active[1:] if solution[i] < 0]
             if not negative:
-                return [solution.get(i, 0.0) for i in range(self.NUM_FEATURES)]
+                break
             active.remove(min(negative, key=solution.__getitem__))
+        coef = np.array([solution.get(i, 0.0) for i in range(self.NUM_FEATURES)])
+        if np.any(coef[1:] > 0) or self._accepted is None:
+            self._accepted = coef
+        return self._accepted
+
+
+@dataclass
+class _Observation:
+    x: np.ndarray
+    normalised: float  # duration / level at the time (moved when the level moves)
+    ratio: float | None  # duration / predicted, None before the model had data
+
+
+@dataclass
+class _Run:
+    """One side of the CUSUM: its score and the residuals since the score last left zero."""
+
+    score: float = 0.0
+    total: float = 0.0
+    count: int = 0
+
+    def add(self, increment: float, residual: float) -> None:
+        if self.score == 0.0:
+            self.total, self.count = 0.0, 0
+        self.score = max(0.0, self.score + increment)
+        if self.score > 0.0:
+            self.total += residual
+            self.count += 1
+
+    @property
+    def mean_residual(self) -> float:
+        return self.total / self.count if self.count else 0.0

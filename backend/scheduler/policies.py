@@ -10,9 +10,12 @@ See docs/seed-bug-report.md for the failure they answer and README "The problem"
 - `Mixed`: every step carries every runnable decode plus prefill tokens within
   min(budget, max_num_batched_tokens - decodes).
 - `FixedBudget`: prefill_chunk_tokens every step.
-- `ItlTargetBudget`: the most prefill tokens the step-cost model predicts to fit the target, never
-  below a minimum chunk (prefill always progresses). With `mixed` it bounds every step; with
-  `prefill_first` it caps each prefill step.
+- `ItlTargetBudget`: the most prefill tokens the step-cost model predicts (at its 90th percentile)
+  to fit the target, never below a minimum chunk (prefill always progresses) and never more than
+  twice the sequence's previous chunk (a trust region: one mispredicted step can at most double).
+  With `mixed` it bounds every step; with `prefill_first` it caps each prefill step. A step that
+  could not meet the target even with the minimum chunk is flagged infeasible (plan, step record,
+  counter, metric) and logged once with the predicted floor; it still takes the minimum chunk.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from backend.scheduler.step_record import StepKind
 
 if TYPE_CHECKING:
     from backend.config import EngineConfig
+    from backend.request import Sequence
     from backend.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -79,7 +83,7 @@ class FixedBudget:
     def __init__(self, chunk_tokens: int):
         self.chunk_tokens = chunk_tokens
 
-    def tokens(self, plan: StepPlan, context: int) -> int:
+    def tokens(self, plan: StepPlan, candidate: "Sequence | None") -> int:
         return self.chunk_tokens
 
 
@@ -89,11 +93,32 @@ class ItlTargetBudget:
         self.cost_model = cost_model
         self.min_tokens = min(min_tokens, max_tokens)
         self.max_tokens = max_tokens
+        self._warned = False
 
-    def tokens(self, plan: StepPlan, context: int) -> int:
-        """`context`: the computed length of the sequence the tokens will mostly go to."""
-        return self.cost_model.max_prefill_tokens(self.target_s, StepFeatures.of(plan.chunks), context,
-                                                  lo=self.min_tokens, hi=self.max_tokens)
+    def tokens(self, plan: StepPlan, candidate: "Sequence | None") -> int:
+        """Prefill tokens for this step; `candidate` is the sequence they will mostly go to."""
+        if candidate is None:
+            return self.max_tokens  # nothing to prefill: the budget is not used
+        base, context = StepFeatures.of(plan.chunks), candidate.num_computed_tokens
+        hi = self.max_tokens
+        if candidate.last_chunk_tokens:
+            hi = max(self.min_tokens, min(hi, 2 * candidate.last_chunk_tokens))
+        floor_s = self.cost_model.predict_upper(base.plus(self.min_tokens, context))
+        if floor_s is not None and floor_s > self.target_s:
+            plan.itl_infeasible = True
+            self._warn_once(floor_s, base, context)
+            return self.min_tokens
+        return self.cost_model.max_prefill_tokens(self.target_s, base, context, lo=self.min_tokens, hi=hi)
+
+    def _warn_once(self, floor_s: float, base: StepFeatures, context: int) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "itl_target_ms=%g cannot be met: a step with %d decodes and the minimum %d-token prefill chunk at "
+                "context %d is predicted at %.1f ms (90th percentile; the model's fixed cost is %.1f ms); such steps "
+                "take the minimum chunk and are counted as infeasible (dsv4_itl_infeasible_steps_total)",
+                self.target_s * 1e3, base.decode_tokens, self.min_tokens, context, floor_s * 1e3,
+                (self.cost_model.predict(StepFeatures()) or 0.0) * 1e3)
 
 
 def resolve_prefill_chunk_tokens(config: "EngineConfig", memory) -> int:

@@ -341,8 +341,7 @@ class Scheduler:
 
     def prefill_budget(self, plan: StepPlan) -> int:
         """Prefill tokens allowed in this step, given the chunks already in `plan`."""
-        candidate = self._next_prefill_candidate(plan)
-        return self.budget.tokens(plan, candidate.num_computed_tokens if candidate is not None else 0)
+        return self.budget.tokens(plan, self._next_prefill_candidate(plan))
 
     def _next_prefill_candidate(self, plan: StepPlan) -> Sequence | None:
         for seq in self._running:
@@ -401,7 +400,7 @@ class Scheduler:
         """Recompute preemption: free everything, requeue at the front; outputs stay in seq.output_ids."""
         self._running.remove(seq)
         seq.release_pages()
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.last_chunk_tokens = 0
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
         self._enqueue(seq, front=True)
@@ -410,9 +409,10 @@ class Scheduler:
 
     def _add_chunk(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> None:
         self.memory.extend(seq, num_tokens)
-        start = seq.num_computed_tokens
-        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode=seq.is_decode,
-                                samples=start + num_tokens == seq.num_tokens))
+        start, is_decode = seq.num_computed_tokens, seq.is_decode
+        if not is_decode:
+            seq.last_chunk_tokens = num_tokens
+        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode=is_decode, samples=start + num_tokens == seq.num_tokens))
 
     # --- bookkeeping --------------------------------------------------------------------------
 
@@ -435,6 +435,7 @@ class Scheduler:
             decode_stalled=any(seq.is_decode and not plan.has_chunk(seq) for seq in self._running),
             pool_usage=dict(self.memory.usage()),
             predicted_s=plan.predicted_s,
+            itl_infeasible=plan.itl_infeasible,
         )
         self.counters.observe(record)
         self.policy.on_step(plan.kind)

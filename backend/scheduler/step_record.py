@@ -43,6 +43,7 @@ class StepRecord:
     decode_stalled: bool  # a running decode was runnable but got no token in this step
     pool_usage: dict[str, float] = field(default_factory=dict)  # pool name -> fraction used
     predicted_s: float | None = None  # the step-cost model's prediction, when it has data
+    itl_infeasible: bool = False  # the ITL target was out of reach even with the minimum prefill chunk
     duration_s: float | None = None
 
     def to_json(self) -> str:
@@ -64,6 +65,7 @@ class StepCounters:
     num_preemptions: int = 0
     num_cancelled: int = 0
     num_failed: int = 0
+    num_itl_infeasible: int = 0  # steps with itl_infeasible set
 
     @property
     def num_steps(self) -> int:
@@ -75,6 +77,7 @@ class StepCounters:
         self.prefill_streak = self.prefill_streak + 1 if record.kind is StepKind.PREFILL else 0
         self.longest_prefill_streak = max(self.longest_prefill_streak, self.prefill_streak)
         self.decode_stalls += record.decode_stalled
+        self.num_itl_infeasible += record.itl_infeasible
 
 
 class StepLog:

@@ -9,6 +9,7 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
     dsv4_engine_steps_total            counter    by kind (engine.stats()["steps_by_kind"])
     dsv4_decode_stalls_total           counter    engine.stats()["decode_stalls"]
     dsv4_preemptions_total             counter    engine.stats()["num_preemptions"]
+    dsv4_itl_infeasible_steps_total    counter    steps the ITL target was out of reach even at the minimum chunk
     dsv4_longest_prefill_streak        gauge      consecutive prefill steps, the longest seen
     dsv4_num_requests_running          gauge
     dsv4_num_requests_waiting          gauge
@@ -54,6 +55,8 @@ class ServingMetrics:
                 ("dsv4_engine_steps_total", "Engine steps by kind", "COUNTER"),
                 ("dsv4_decode_stalls_total", "Steps that left a runnable decode unscheduled", "COUNTER"),
                 ("dsv4_preemptions_total", "Requests preempted (recomputed) for lack of memory", "COUNTER"),
+                ("dsv4_itl_infeasible_steps_total",
+                 "Steps whose ITL target could not be met even with the minimum prefill chunk", "COUNTER"),
                 ("dsv4_longest_prefill_streak", "Longest run of consecutive prefill steps", "GAUGE"),
                 ("dsv4_num_requests_running", "Requests running in the engine", "GAUGE"),
                 ("dsv4_num_requests_waiting", "Requests waiting in the engine", "GAUGE"),
@@ -85,7 +88,8 @@ class ServingMetrics:
         """Mirror one `engine.stats()` snapshot; counters advance by the change since the last one."""
         for kind, count in stats.get("steps_by_kind", {}).items():
             self._advance("dsv4_engine_steps_total", count, kind=str(kind))
-        counters = (("dsv4_decode_stalls_total", "decode_stalls"), ("dsv4_preemptions_total", "num_preemptions"))
+        counters = (("dsv4_decode_stalls_total", "decode_stalls"), ("dsv4_preemptions_total", "num_preemptions"),
+                    ("dsv4_itl_infeasible_steps_total", "num_itl_infeasible"))
         for family, key in counters:
             if key in stats:
                 self._advance(family, stats[key])

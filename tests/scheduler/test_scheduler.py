@@ -125,6 +125,17 @@ class LinearCost:
         return int(budget / self.per_prefill)
 
 
+class NoisyCost(LinearCost):
+    """LinearCost times uniform multiplicative noise of +-`spread`."""
+
+    def __init__(self, rng: random.Random, spread: float, **kwargs):
+        super().__init__(**kwargs)
+        self.rng, self.spread = rng, spread
+
+    def __call__(self, plan) -> float:
+        return super().__call__(plan) * self.rng.uniform(1 - self.spread, 1 + self.spread)
+
+
 class FakeEngine:
     """The engine's side of the loop: run a plan, advance tokens, sample, finish, report."""
 
@@ -772,14 +783,54 @@ def test_itl_target_adapts_when_the_machine_slows_down():
     best_slow = cost.best_prefill(target, num_decodes=1)  # about half of the fast machine's
     after = list(zip(engine.plans, engine.durations))[1 + 40:]
     assert after[0][1] > target * 1.5  # the first slow step misses: the test does slow the machine
-    assert all(duration <= target * 1.02 for _, duration in after[2:])  # under the target from the 3rd slow step
-    assert all(plan.num_prefill_tokens >= 0.9 * best_slow for plan, _ in after[3:])  # and near the best from the 4th
+    # Drift needs evidence (a few slow steps), then the level moves and the shape absorbs the rest.
+    assert all(duration <= target * 1.1 for _, duration in after[3:])  # within 10 % from the 4th slow step
+    assert all(duration <= target * 1.02 for _, duration in after[8:])  # under the target from the 9th
+    assert all(plan.num_prefill_tokens >= 0.9 * best_slow for plan, _ in after[8:])  # and near the best
 
 
-def test_itl_target_that_cannot_be_met_still_makes_prefill_progress():
+def test_itl_target_that_cannot_be_met_still_makes_prefill_progress_and_says_so(caplog):
     cost = LinearCost(fixed=0.050)  # the fixed cost alone exceeds the target
-    engine, _ = run_itl(cost, 30, itl_target_ms=30.0, min_prefill_chunk_tokens=16)
+    with caplog.at_level(logging.WARNING, logger="backend.scheduler"):
+        engine, scheduler = run_itl(cost, 30, itl_target_ms=30.0, min_prefill_chunk_tokens=16)
     assert all(p.num_prefill_tokens == 16 for p in engine.plans[5:])
+    flagged = [r.itl_infeasible for r in scheduler.records]
+    assert all(flagged[2:]) and not flagged[0]  # flagged once the model has data
+    assert scheduler.counters.num_itl_infeasible == sum(flagged)
+    warnings = [r for r in caplog.records if "cannot be met" in r.getMessage()]
+    assert len(warnings) == 1 and "minimum 16-token prefill chunk" in warnings[0].getMessage()
+
+
+def test_a_feasible_itl_target_flags_nothing():
+    engine, scheduler = run_itl(LinearCost(), 40, itl_target_ms=30.0)
+    assert scheduler.counters.num_itl_infeasible == 0 and not any(r.itl_infeasible for r in scheduler.records)
+
+
+def test_itl_chunks_of_a_sequence_grow_at_most_2x_per_step():
+    """The trust region: a misprediction can at most double a sequence's step, never jump to the maximum."""
+    rng = random.Random(2)
+    cost = LinearCost()
+    engine, _ = run_itl(lambda plan: cost(plan) * rng.uniform(0.7, 1.3), 200, itl_target_ms=30.0)
+    chunks = [c.num_tokens for p in engine.plans for c in p.chunks if c.seq.request_id == "long"]
+    assert len(chunks) > 100
+    assert all(b <= 2 * a for a, b in zip(chunks, chunks[1:]))
+
+
+def test_itl_target_under_30pct_noise_and_a_2x_slowdown_never_doubles_a_step():
+    """The 2-core machine's failure: +-30 % noise must not make the model collapse into one huge chunk.
+
+    Only the steps taken before the slowdown could be seen (the jump and the two that give the
+    evidence) may exceed the target by more than the noise does.
+    """
+    for seed in range(3):
+        cost = NoisyCost(random.Random(seed), 0.3)
+        engine, scheduler = run_itl(cost, 300, slow_down_at=150, itl_target_ms=30.0)
+        durations = engine.durations[20:150] + engine.durations[154:]
+        assert max(durations) <= 1.6 * 0.030, (seed, max(durations))
+        assert max(engine.durations[150:154]) <= 3 * 0.030  # 2x machine x 1.3 noise: the unforeseeable steps
+        steady = engine.durations[20:150] + engine.durations[170:]
+        assert sum(d <= 0.030 * 1.1 for d in steady) >= 0.85 * len(steady), seed
+        assert scheduler.cost_model.num_level_shifts >= 1
 
 
 def test_itl_target_with_prefill_first_caps_the_prefill_chunk():
@@ -792,15 +843,18 @@ def test_itl_target_with_prefill_first_caps_the_prefill_chunk():
 
 
 def test_itl_target_is_robust_to_timing_noise():
-    """+-10% noise on every step: chunks stay near the best size, steps near the target."""
+    """+-10% noise on every step: steps are sized for the 90th percentile, so ~90 % stay under the
+    target, and the chunk gives up only what that margin costs (about 1 / 1.08 of the variable part)."""
     rng = random.Random(0)
     cost = LinearCost()
-    engine, _ = run_itl(lambda plan: cost(plan) * rng.uniform(0.9, 1.1), 400, itl_target_ms=30.0)
+    engine, scheduler = run_itl(lambda plan: cost(plan) * rng.uniform(0.9, 1.1), 400, itl_target_ms=30.0)
     best = cost.best_prefill(0.030, num_decodes=1)
     prefill = [p.num_prefill_tokens for p in engine.plans[20:]]
-    durations = sorted(engine.durations[20:])
-    assert min(prefill) >= 0.85 * best and statistics.mean(prefill) >= 0.95 * best
-    assert durations[int(0.99 * len(durations))] <= 0.030 * 1.15  # the noise alone reaches 1.10
+    durations = engine.durations[20:]
+    assert min(prefill) >= 0.8 * best and statistics.mean(prefill) >= 0.85 * best
+    assert sum(d <= 0.030 for d in durations) >= 0.85 * len(durations)
+    assert max(durations) <= 0.030 * 1.1  # the noise alone reaches 1.10
+    assert scheduler.cost_model.num_level_shifts == 0  # noise is not drift
 
 
 # --------------------------------------------------------------------------------------------
