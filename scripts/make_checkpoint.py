@@ -1,8 +1,18 @@
 #!/usr/bin/env python3
-"""Write a deterministic DeepSeek-V4 checkpoint in the Hugging Face layout.
+"""Write a deterministic DeepSeek-V4 checkpoint, in any of the layouts and formats DeepSeek-V4 ships in.
 
     python scripts/make_checkpoint.py --out checkpoints/dsv4-tiny            # the built-in model
     python scripts/make_checkpoint.py --out /data/dsv4-flash-2l --flash-shaped  # real widths, 2 layers, bf16
+    python scripts/make_checkpoint.py --out /tmp/tiny-fp8 --layout deepseek --quantize fp8-mxfp4
+
+--layout (backend/model/weight_names.py): `hf-modules` (transformers' module names, the default and
+the built-in model), `transformers` (what save_pretrained writes) or `deepseek` (DeepSeek's published
+names, one tensor per expert). --quantize: `none`; `fp8-mxfp4` as V4-Flash and V4-Pro ship (FP8
+e4m3 linears with e8m0 128x128 block scales, MXFP4 routed experts with e8m0 scales per 32); `fp8`
+as V4-Flash-Base ships (FP8 linears and experts, float32 power-of-two scales). Quantized
+checkpoints need the deepseek or transformers layout (per-expert tensors), and carry the
+`quantization_config` and `expert_dtype` of the published config.json. Their weights *are* the
+quantized values: the random weights are drawn, then quantized, and the files hold the result.
 
 The tiny model keeps DeepSeek-V4's structural constants (window 128, compress rates 4 and 128,
 hc_mult 4, 20 Sinkhorn iterations, hash-routed layers first, sqrtsoftplus routing with a correction
@@ -19,10 +29,23 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.model.quantization import quantize_fp8, quantize_mxfp4  # noqa: E402
+from backend.model.weight_names import original_name  # noqa: E402
+
+LAYOUTS = ("hf-modules", "transformers", "deepseek")
+QUANTIZATIONS = ("none", "fp8", "fp8-mxfp4")
+# Engine tensors DeepSeek stores in FP8 (as `<name>.weight` + `<name>.scale`); routed experts per --quantize.
+_FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
+                "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
+                "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -163,10 +186,14 @@ def parameter_shapes(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 
 def write_checkpoint(out: Path, flash_shaped: bool = False, seed: int = 0, shard_bytes: int = 4 * 2**30,
-                     **config_overrides) -> None:
+                     layout: str = "hf-modules", quantize: str = "none", **config_overrides) -> None:
     """Write config.json, safetensors (sharded above shard_bytes) and the tokenizer files to `out`."""
     from tqdm import tqdm
 
+    if layout not in LAYOUTS or quantize not in QUANTIZATIONS:
+        raise ValueError(f"layout must be one of {LAYOUTS} and quantize one of {QUANTIZATIONS}")
+    if quantize != "none" and layout == "hf-modules":
+        raise ValueError("quantized checkpoints store one tensor per expert: use --layout deepseek or transformers")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = make_config(flash_shaped, **config_overrides)
@@ -177,15 +204,58 @@ def write_checkpoint(out: Path, flash_shaped: bool = False, seed: int = 0, shard
     for name, (shape, ref_dtype) in tqdm(shapes.items(), desc="tensors", disable=not flash_shaped):
         tensor = init_tensor(name, shape, config, seed)
         tensor = tensor.to(torch.int64 if not ref_dtype.is_floating_point else dtype).contiguous()
-        if size and size + tensor.nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += tensor.nbytes
+        for stored_name, stored in stored_tensors(name, tensor, layout, quantize):
+            if size and size + stored.nbytes > shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][stored_name] = stored
+            size += stored.nbytes
     _save_shards(out, shards)
     config.dtype = "bfloat16" if flash_shaped else "float32"
     config.save_pretrained(out)
+    if quantize != "none":
+        _declare_quantization(out / "config.json", quantize)
     _write_tokenizer(out, config)
+
+
+def stored_tensors(name: str, tensor: torch.Tensor, layout: str, quantize: str):
+    """(name, tensor) pairs as `layout` stores the engine tensor `name` (experts split, FP8/MXFP4 per `quantize`)."""
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and layout != "hf-modules":
+        half = tensor.shape[1] // 2
+        for expert in range(tensor.shape[0]):
+            parts = ({"w1": tensor[expert, :half], "w3": tensor[expert, half:]} if name.endswith("gate_up_proj")
+                     else {"w2": tensor[expert]})
+            for proj, part in parts.items():
+                yield from _quantized(original_name(name, layout, expert, proj), part.contiguous(), quantize,
+                                      is_expert=True)
+        return
+    stored_name = original_name(name, layout)
+    if quantize != "none" and name.endswith(_FP8_LINEARS):
+        yield from _quantized(stored_name, tensor, quantize, is_expert=False)
+    else:
+        yield stored_name, tensor
+
+
+def _quantized(weight_name: str, weight: torch.Tensor, quantize: str, is_expert: bool):
+    """`weight_name` and its `.scale` as `quantize` stores it: fp8-mxfp4 (V4-Flash: e8m0 scales, MXFP4
+    experts), fp8 (V4-Flash-Base: FP8 experts too, float32 power-of-two scales), none."""
+    if quantize == "none":
+        yield weight_name, weight
+        return
+    quantized, scale = quantize_mxfp4(weight) if is_expert and quantize == "fp8-mxfp4" else quantize_fp8(weight)
+    if quantize == "fp8":
+        scale = scale.to(torch.float32)
+    yield weight_name, quantized
+    yield weight_name[: -len(".weight")] + ".scale", scale
+
+
+def _declare_quantization(config_path: Path, quantize: str) -> None:
+    """The published config.json's quantization fields."""
+    raw = json.loads(config_path.read_text())
+    raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    raw["expert_dtype"] = "fp4" if quantize == "fp8-mxfp4" else "fp8"
+    config_path.write_text(json.dumps(raw, indent=2) + "\n")
 
 
 def _save_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
@@ -223,8 +293,10 @@ def main() -> None:
     parser.add_argument("--flash-shaped", action="store_true", help="real DeepSeek-V4-Flash widths, 2 layers, bf16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors shard")
+    parser.add_argument("--layout", choices=LAYOUTS, default="hf-modules", help="tensor names (see above)")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help="weight format (see above)")
     args = parser.parse_args()
-    write_checkpoint(args.out, args.flash_shaped, args.seed, int(args.shard_gb * 2**30))
+    write_checkpoint(args.out, args.flash_shaped, args.seed, int(args.shard_gb * 2**30), args.layout, args.quantize)
     print(f"wrote {args.out}")
 
 

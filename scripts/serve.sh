@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Serve the model repository with tritonserver on 127.0.0.1 (Ctrl-C stops it).
-#   bash scripts/serve.sh [--model-repository DIR] [--http-port P] [--grpc-port P] [--metrics-port P]
-#                         [-- EXTRA_TRITONSERVER_FLAGS...]
+#   bash scripts/serve.sh [--set KEY=VALUE ...] [--model-repository DIR] [--http-port P] [--grpc-port P]
+#                         [--metrics-port P] [-- EXTRA_TRITONSERVER_FLAGS...]
 # Defaults: model_repository/ of this checkout, ports 8000 (HTTP) / 8001 (gRPC) / 8002 (metrics).
+# --set changes a config.pbtxt parameter (e.g. --set checkpoint=/data/DeepSeek-V4-Flash): the
+# repository is then written to build/model_repository by scripts/make_model_repository.py, which
+# checks the values first.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,11 +14,13 @@ HTTP_PORT=8000
 GRPC_PORT=8001
 METRICS_PORT=8002
 EXTRA=()
+SETS=()
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --model-repository) MODEL_REPOSITORY="$2"; shift 2 ;;
+    --set) SETS+=(--set "$2"); shift 2 ;;
     --http-port) HTTP_PORT="$2"; shift 2 ;;
     --grpc-port) GRPC_PORT="$2"; shift 2 ;;
     --metrics-port) METRICS_PORT="$2"; shift 2 ;;
@@ -29,6 +34,12 @@ MODEL_REPOSITORY="$(cd "$MODEL_REPOSITORY" && pwd)"
 bash "$REPO_ROOT/scripts/setup.sh"
 # shellcheck source=scripts/env.sh
 source "$REPO_ROOT/scripts/env.sh"
+
+if [ ${#SETS[@]} -gt 0 ]; then
+  [ "$MODEL_REPOSITORY" = "$REPO_ROOT/model_repository" ] || { echo "serve.sh: --set needs the default repository" >&2; exit 2; }
+  MODEL_REPOSITORY="$REPO_ROOT/build/model_repository"
+  python "$REPO_ROOT/scripts/make_model_repository.py" --out "$MODEL_REPOSITORY" "${SETS[@]}" >/dev/null
+fi
 
 echo "[serve] tritonserver: model repository $MODEL_REPOSITORY;" \
   "HTTP 127.0.0.1:$HTTP_PORT, gRPC 127.0.0.1:$GRPC_PORT, metrics 127.0.0.1:$METRICS_PORT"

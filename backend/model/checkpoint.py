@@ -1,19 +1,30 @@
-"""Checkpoint weights: the names and shapes DeepSeek-V4 expects, read with safetensors.
+"""Checkpoint weights: every published DeepSeek-V4 layout and format, read into the engine's tensors.
 
-Names follow the Hugging Face layout that `transformers.DeepseekV4ForCausalLM` saves. Every
-tensor is checked against the shape the config implies; a missing or misshaped tensor raises
-`CheckpointError` naming the file and the tensor.
+`load_weights` reads a checkpoint directory (one safetensors file, or shards listed by
+model.safetensors.index.json) in any of the three layouts of backend/model/weight_names.py,
+detected from its tensor names. It streams shard by shard: each tensor goes from the memory-mapped
+file to its engine tensor (on the target device and dtype) before the next is read, so host memory
+peaks at about the model plus one tensor, never two copies of the model. FP8 and MXFP4 weights
+(backend/model/quantization.py) are dequantized on the way — exactly, into the engine dtype. The
+`mtp.*` draft layer is skipped (one log line). Every tensor is checked against the shape the config
+implies: a missing, unexpected, misshaped or mistyped tensor raises `CheckpointError` naming the
+file, the tensor, and what was expected and found.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from backend.model.config import CSA, HCA, ModelConfig
+from backend.model.quantization import MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape
+from backend.model.weight_names import Target, detect_layout, engine_target, is_draft_layer
+
+logger = logging.getLogger(__name__)
 
 # Parameters the reference keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict).
 _FP32_MARKERS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",
@@ -93,36 +104,140 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
 
 
 def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The engine's tensors (names of backend/model/checkpoint.expected_shapes) from `checkpoint`."""
     from tqdm import tqdm
 
     checkpoint = Path(checkpoint)
-    shapes = expected_shapes(config)
     files = _weight_files(checkpoint)
-    missing = [name for name in shapes if name not in files]
-    if missing:
-        raise CheckpointError(f"{checkpoint}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+    try:
+        layout = detect_layout(files)
+    except ValueError as exc:
+        raise CheckpointError(f"{checkpoint}: {exc}") from None
+    loader = _Loader(expected_shapes(config), layout, dtype, device, files)
     by_file: dict[Path, list[str]] = {}
-    for name in shapes:
-        by_file.setdefault(files[name], []).append(name)
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path in by_file:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file listed in the index does not exist")
     total_bytes = sum(p.stat().st_size for p in by_file)
-    weights = {}
-    with tqdm(total=len(shapes), desc="loading weights", unit="tensor", disable=total_bytes < 2**30) as bar:
+    with tqdm(total=len(files), desc="loading weights", unit="tensor", disable=total_bytes < 2**30) as bar:
         for path, names in by_file.items():
-            if not path.is_file():
-                raise CheckpointError(f"{path}: file listed in the index does not exist")
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
-                    weights[name] = _convert(name, f.get_tensor(name), shapes[name], path, dtype, device)
+                    loader.take(name, f, path)
                     bar.update()
+    weights = loader.finish(checkpoint)
+    logger.info("loaded %s (%s layout): %d tensors%s", checkpoint, layout, len(weights),
+                f"; skipped the {loader.num_draft} tensors of the mtp.* draft layer" if loader.num_draft else "")
     return weights
 
 
-def _convert(name: str, tensor: torch.Tensor, shape: tuple[int, ...], path: Path, dtype, device) -> torch.Tensor:
-    if tuple(tensor.shape) != shape:
-        raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+class _Loader:
+    """Fills the engine's tensors from checkpoint tensors as they are read, one at a time."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], layout: str, dtype: torch.dtype, device,
+                 files: dict[str, Path]):
+        self.shapes, self.layout, self.dtype, self.device, self.files = shapes, layout, dtype, device, files
+        self.weights: dict[str, torch.Tensor] = {}
+        self.expert_parts: dict[str, set[tuple[int, str | None]]] = {}  # merged tensor -> (expert, half) filled
+        self.num_draft = 0
+
+    def take(self, name: str, f, path: Path) -> None:
+        if is_draft_layer(name):
+            self.num_draft += 1
+            return
+        if self._is_scale_of_a_weight(name):
+            return  # read with its weight
+        target = engine_target(name, self.layout)
+        if target.name not in self.shapes:
+            weight = name[: -len(".scale")] + ".weight"
+            if name.endswith(".scale") and engine_target(weight, self.layout).name in self.shapes:
+                raise CheckpointError(f"{path}: block scales {name!r} without their weight {weight!r}")
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} (read as {target.name!r}, which this model "
+                                  "config does not have)")
+        expected = self._source_shape(target)
+        tensor = self._dequantized(name, f.get_tensor(name), expected, path)
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        self._store(target, _convert(target.name, tensor, self.dtype, self.device))
+
+    def finish(self, checkpoint: Path) -> dict[str, torch.Tensor]:
+        experts = self.shapes  # merged expert tensors must have every expert's every part
+        for merged, parts in self.expert_parts.items():
+            count = experts[merged][0] * (2 if merged.endswith("gate_up_proj") else 1)
+            if len(parts) != count:
+                raise CheckpointError(f"{checkpoint}: {merged!r} got {len(parts)} of its {count} expert tensors")
+        missing = [name for name in self.shapes if name not in self.weights]
+        if missing:
+            raise CheckpointError(f"{checkpoint}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        return self.weights
+
+    def _is_scale_of_a_weight(self, name: str) -> bool:
+        return name.endswith(".scale") and name[: -len(".scale")] + ".weight" in self.files
+
+    def _source_shape(self, target: Target) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor: the engine tensor's, or one expert's part of it."""
+        shape = self.shapes[target.name]
+        if target.expert is None:
+            return shape
+        rows = shape[1] // 2 if target.half is not None else shape[1]
+        return rows, shape[2]
+
+    def _dequantized(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...], path: Path) -> torch.Tensor:
+        """FP8 (e4m3 + block scales) and MXFP4 (packed int8 + e8m0 scales) weights as float32."""
+        if tensor.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8) or len(expected) != 2:
+            return tensor
+        scale_name = name[: -len(".weight")] + ".scale"
+        if not name.endswith(".weight") or scale_name not in self.files:
+            if tensor.dtype == torch.float8_e4m3fn:
+                raise CheckpointError(f"{path}: FP8 tensor {name!r} has no block scales {scale_name!r}")
+            return tensor
+        scale = self._read(scale_name)
+        n, k = expected
+        if tensor.dtype == torch.float8_e4m3fn:
+            want = fp8_block_shape((n, k))
+            kind = "FP8 block scales"
+        else:
+            want = (n, k // MXFP4_BLOCK)
+            kind = "MXFP4 scales"
+            if tuple(tensor.shape) != (n, k // 2):
+                raise CheckpointError(f"{path}: MXFP4 tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                                      f"{(n, k // 2)} (two e2m1 codes per byte of {expected})")
+        if tuple(scale.shape) != want:
+            raise CheckpointError(f"{self.files[scale_name]}: {kind} {scale_name!r} have shape {tuple(scale.shape)}, "
+                                  f"expected {want} for weight {expected}")
+        if tensor.dtype == torch.float8_e4m3fn:
+            return dequantize_fp8(tensor, scale)
+        return dequantize_mxfp4(tensor, scale)
+
+    def _read(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def _store(self, target: Target, tensor: torch.Tensor) -> None:
+        if target.expert is None:
+            self.weights[target.name] = tensor
+            return
+        merged = self.weights.get(target.name)
+        if merged is None:
+            merged = self.weights[target.name] = torch.empty(self.shapes[target.name], dtype=tensor.dtype,
+                                                             device=tensor.device)
+        rows = tensor.shape[0]
+        offset = rows if target.half == "up" else 0
+        merged[target.expert, offset:offset + rows] = tensor
+        self.expert_parts.setdefault(target.name, set()).add((target.expert, target.half))
+
+
+def is_fp32_parameter(name: str) -> bool:
+    """Kept in fp32 whatever the engine dtype, as the reference keeps it."""
+    return any(marker in name for marker in _FP32_MARKERS)
+
+
+def _convert(name: str, tensor: torch.Tensor, dtype, device) -> torch.Tensor:
     if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise CheckpointError(f"{path}: tensor {name!r} is {tensor.dtype}; FP8 checkpoints are not supported yet")
+        raise CheckpointError(f"tensor {name!r} is {tensor.dtype} without block scales")
     if not tensor.dtype.is_floating_point:
         return tensor.to(device=device, dtype=torch.long)
-    target = torch.float32 if any(marker in name for marker in _FP32_MARKERS) else dtype
+    target = torch.float32 if is_fp32_parameter(name) else dtype
     return tensor.to(device=device, dtype=target).contiguous()

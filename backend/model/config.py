@@ -61,6 +61,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     rope_parameters: dict | None = None
     partial_rotary_factor: float | None = None
+    # Quantized checkpoints (DeepSeek's published V4-Flash / V4-Pro): FP8 block-scaled linears, and
+    # routed experts in MXFP4 ("fp4") or FP8 ("fp8"; V4-Flash-Base). None: bf16/fp32 weights.
+    quantization_config: dict | None = None
+    expert_dtype: str | None = None
+    num_nextn_predict_layers: int = 0  # the mtp.* draft layers a checkpoint carries (not used)
     qk_rope_head_dim: int = field(init=False, default=0)
 
     @property
@@ -133,7 +138,7 @@ def _rope_parameters(cfg: dict) -> dict:
     main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0), "partial_rotary_factor": factor}
     yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
     if "type" in yarn and "rope_type" not in yarn:
-        yarn["rope_type"] = yarn.pop("type")
+        yarn["rope_type"] = yarn["type"]  # kept too, as the reference keeps it
     compress = {**yarn, "rope_theta": cfg.get("compress_rope_theta", 160000.0), "partial_rotary_factor": factor}
     compress.setdefault("rope_type", "default")
     if compress["rope_type"] == "yarn":
@@ -170,6 +175,33 @@ def _validate(config: ModelConfig, source: str) -> None:
         raise bad(f"rope dim {config.qk_rope_head_dim} must be even and fit head_dim and index_head_dim")
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
         raise bad("num_attention_heads * head_dim must be divisible by o_groups")
+    _validate_quantization(config, bad)
+
+
+# What DeepSeek's FP8 checkpoints declare, and all this engine reads.
+_FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+
+def _validate_quantization(config: ModelConfig, bad) -> None:
+    quant = config.quantization_config
+    if quant is None:
+        if config.expert_dtype not in (None, "bf16", "bfloat16"):
+            raise bad(f"expert_dtype={config.expert_dtype!r} without a quantization_config")
+        return
+    if not isinstance(quant, dict):
+        raise bad(f"quantization_config must be an object, got {quant!r}")
+    for key, value in _FP8_QUANTIZATION.items():
+        if quant.get(key, value) != value:
+            raise bad(f"quantization_config.{key}={quant.get(key)!r} is not supported (only {value!r})")
+    if quant.get("scale_fmt") not in (None, "ue8m0"):
+        raise bad(f"quantization_config.scale_fmt={quant['scale_fmt']!r} is not supported (only 'ue8m0')")
+    if list(quant.get("weight_block_size") or [128, 128]) != [128, 128]:
+        raise bad(f"quantization_config.weight_block_size={quant['weight_block_size']!r} is not supported "
+                  "(only [128, 128])")
+    if config.expert_dtype is None:
+        config.expert_dtype = "fp4"  # what a quantized config without the key means
+    if config.expert_dtype not in ("fp4", "fp8"):
+        raise bad(f"expert_dtype={config.expert_dtype!r} is not supported (fp4 or fp8)")
 
 
 def load_model_config(checkpoint: str | Path) -> ModelConfig:
@@ -179,12 +211,6 @@ def load_model_config(checkpoint: str | Path) -> ModelConfig:
     raw = json.loads(path.read_text())
     if raw.get("model_type") != "deepseek_v4":
         raise UnsupportedCheckpoint(f"{path}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise UnsupportedCheckpoint(
-            f"{path}: quantized checkpoints ({method}, e.g. FP8) are not supported yet; use a bf16/fp32 checkpoint"
-        )
     return parse_model_config(raw, str(path))
 
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from make_checkpoint import write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from backend.model.config import UnsupportedCheckpoint, load_model_config, parse_model_config
 from backend.model.checkpoint import CheckpointError, load_weights
-
-from make_checkpoint import write_checkpoint
+from backend.model.config import UnsupportedCheckpoint, load_model_config, parse_model_config
 
 
 def _copy(src, dst):
@@ -52,7 +52,9 @@ def test_misshaped_tensor_names_file_tensor_and_shapes(tiny_checkpoint, tmp_path
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"quantization_config": {"quant_method": "fp8"}}, "FP8"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quant_method='awq' is not supported"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 64]}}, "weight_block_size"),
+    ({"quantization_config": {"quant_method": "fp8"}, "expert_dtype": "int4"}, "expert_dtype"),
     ({"model_type": "llama"}, "model_type"),
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
@@ -100,3 +102,148 @@ def test_flash_shaped_variant_has_deepseek_v4_flash_widths():
     ours = expected_shapes(parse_model_config(json.loads(config.to_json_string())))
     assert ours == {name: shape for name, (shape, _) in shapes.items()}
 
+
+
+# --- the published configs -------------------------------------------------------------------------
+
+PUBLISHED_CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "configs"  # as DeepSeek publishes them
+
+
+@pytest.mark.parametrize("name, layers, first_two, hash_layers, q_rank, experts, expert_dtype", [
+    ("deepseek-v4-flash", 43, "sliding_attention", 3, 1024, 256, "fp4"),
+    ("deepseek-v4-flash-base", 43, "sliding_attention", 3, 1024, 256, "fp8"),
+    ("deepseek-v4-pro", 61, "heavily_compressed_attention", 3, 1536, 384, "fp4"),
+])
+def test_published_configs_parse_as_the_reference_reads_them(name, layers, first_two, hash_layers, q_rank, experts,
+                                                             expert_dtype):
+    from transformers import DeepseekV4Config
+
+    raw = json.loads((PUBLISHED_CONFIGS / f"{name}.config.json").read_text())
+    ours = parse_model_config(raw, name)
+    theirs = DeepseekV4Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    assert ours.num_hidden_layers == layers and ours.layer_types == theirs.layer_types
+    assert ours.layer_types[:2] == [first_two] * 2 and len(ours.layer_types) == layers  # the MTP entry dropped
+    assert ours.layer_types[2:4] == ["compressed_sparse_attention", "heavily_compressed_attention"]
+    assert ours.mlp_layer_types == theirs.mlp_layer_types
+    assert ours.mlp_layer_types.count("hash_moe") == hash_layers
+    assert (ours.q_lora_rank, ours.o_lora_rank, ours.n_routed_experts) == (q_rank, 1024, experts)
+    assert ours.qk_rope_head_dim == 64 and ours.rope_parameters == theirs.rope_parameters
+    compress = ours.rope_parameters["compress"]
+    assert (compress["rope_type"], compress["factor"], compress["original_max_position_embeddings"],
+            compress["rope_theta"]) == ("yarn", 16, 65536, 160000)
+    assert ours.rope_parameters["main"]["rope_type"] == "default"
+    assert ours.expert_dtype == expert_dtype and ours.quantization_config["weight_block_size"] == [128, 128]
+    assert ours.num_nextn_predict_layers == 1
+
+
+def test_the_published_v4_flash_plan_matches_its_shards_on_disk():
+    """DeepSeek-V4-Flash's 46 shards hold 159,609,485,896 bytes of tensors (the mtp layer included)."""
+    from backend.model.footprint import weight_bytes
+
+    config = parse_model_config(json.loads((PUBLISHED_CONFIGS / "deepseek-v4-flash.config.json").read_text()))
+    total = sum(weight_bytes(config, "published").values())
+    assert abs(total - 159_609_485_896) / 159_609_485_896 < 0.02
+
+
+# --- every layout, every published format ------------------------------------------------------------
+
+
+def _reference_state(checkpoint) -> dict[str, torch.Tensor]:
+    """What transformers itself loads from `checkpoint` (it dequantizes FP8/MXFP4 on CPU), in fp32."""
+    from transformers import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).state_dict()
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "transformers"])
+def test_unquantized_layouts_load_the_same_tensors_as_the_module_layout(tiny_checkpoint, tmp_path, layout):
+    ckpt = tmp_path / layout
+    write_checkpoint(ckpt, layout=layout, shard_bytes=200 * 1024)  # sharded: experts spread over files
+    config = load_model_config(ckpt)
+    ours = load_weights(ckpt, config, torch.float32, "cpu")
+    built_in = load_weights(tiny_checkpoint, config, torch.float32, "cpu")
+    assert ours.keys() == built_in.keys() and all(torch.equal(ours[k], built_in[k]) for k in ours)
+
+
+@pytest.mark.parametrize("layout, quantize", [("deepseek", "fp8-mxfp4"), ("deepseek", "fp8"),
+                                              ("transformers", "fp8-mxfp4")])
+def test_quantized_checkpoints_load_exactly_what_transformers_dequantizes(tmp_path, layout, quantize):
+    ckpt = tmp_path / f"{layout}-{quantize}"
+    write_checkpoint(ckpt, layout=layout, quantize=quantize, shard_bytes=300 * 1024)
+    config = load_model_config(ckpt)
+    assert config.expert_dtype == ("fp4" if quantize == "fp8-mxfp4" else "fp8")
+    ours = load_weights(ckpt, config, torch.float32, "cpu")
+    theirs = _reference_state(ckpt)
+    assert ours.keys() == theirs.keys()
+    differ = [k for k in ours if not torch.equal(ours[k].float(), theirs[k].float())]
+    assert not differ, differ[:5]
+
+
+def test_the_published_layout_in_fp8_and_mxfp4_serves_what_the_reference_computes(tmp_path):
+    """Logits at every position of a prefill, and greedy tokens, against transformers loading the same files."""
+    from tests.engine.harness import EngineHarness, Reference, Tracked, compare
+
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams, Sequence
+
+    ckpt = tmp_path / "flash-like"
+    write_checkpoint(ckpt, layout="deepseek", quantize="fp8-mxfp4")
+    harness, reference = EngineHarness(ckpt), Reference(ckpt)
+    prompt = torch.randint(2, 512, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    tracked = Tracked(Sequence("p", prompt))
+    harness.step([(tracked, 170)])
+    harness.step([(tracked, 130)])
+    ref_logits, ref_records = reference.run(prompt)
+    result = compare(tracked, ref_logits, ref_records, harness.config.csa_rate, harness.config.index_topk)
+    assert result.positions_compared >= 0.9 * len(prompt)
+    engine = LLMEngine(EngineConfig(checkpoint=str(ckpt), device="cpu"))
+    got = engine.generate([prompt[:40], prompt], SamplingParams(max_tokens=12))
+    assert [r["output_ids"] for r in got] == [reference.greedy(prompt[:40], 12), reference.greedy(prompt, 12)]
+
+
+def _deepseek_checkpoint(tmp_path, quantize="fp8-mxfp4"):
+    ckpt = tmp_path / "ds"
+    write_checkpoint(ckpt, layout="deepseek", quantize=quantize)
+    return ckpt, load_file(ckpt / "model.safetensors")
+
+
+def test_the_draft_layer_is_skipped_with_one_log_line(tmp_path, caplog):
+    import logging
+
+    ckpt, tensors = _deepseek_checkpoint(tmp_path)
+    tensors.update({"mtp.0.enorm.weight": torch.ones(64), "mtp.0.e_proj.weight": torch.ones(64, 64)})
+    save_file(tensors, ckpt / "model.safetensors")
+    with caplog.at_level(logging.INFO, logger="backend.model.checkpoint"):
+        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+    assert [r.getMessage() for r in caplog.records if "mtp" in r.getMessage()] == [
+        f"loaded {ckpt} (deepseek layout): {len(expected_shapes_of(ckpt))} tensors; skipped the 2 tensors of the mtp.* "
+        "draft layer"]
+
+
+def expected_shapes_of(ckpt):
+    from backend.model.checkpoint import expected_shapes
+
+    return expected_shapes(load_model_config(ckpt))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("layers.0.attn.wq_a.scale"), r"FP8 tensor 'layers.0.attn.wq_a.weight' has no block scales"),
+    (lambda t: t.update({"layers.0.attn.wq_a.scale": t["layers.0.attn.wq_a.scale"][:, :0]}),
+     r"FP8 block scales 'layers.0.attn.wq_a.scale' have shape \(1, 0\), expected \(1, 1\)"),
+    (lambda t: t.update({"layers.2.ffn.experts.3.w2.weight": t["layers.2.ffn.experts.3.w2.weight"][:, :8].clone()}),
+     r"MXFP4 tensor 'layers.2.ffn.experts.3.w2.weight' has shape \(64, 8\), expected \(64, 16\)"),
+    (lambda t: t.update({"layers.2.ffn.experts.3.w2.scale": t["layers.2.ffn.experts.3.w2.scale"][:2].clone()}),
+     r"MXFP4 scales 'layers.2.ffn.experts.3.w2.scale' have shape \(2, 1\), expected \(64, 1\)"),
+    (lambda t: [t.pop(f"layers.1.ffn.experts.5.w3.{leaf}") for leaf in ("weight", "scale")],
+     r"'model.layers.1.mlp.experts.gate_up_proj' got 15 of its 16"),
+    (lambda t: t.pop("layers.1.ffn.experts.5.w3.weight"),
+     r"block scales 'layers.1.ffn.experts.5.w3.scale' without their weight"),
+    (lambda t: t.update({"layers.0.attn.bogus.weight": torch.ones(2)}), r"unexpected tensor 'layers.0.attn.bogus.weight'"),
+])
+def test_broken_published_checkpoints_are_refused_naming_file_tensor_and_shapes(tmp_path, edit, message):
+    ckpt, tensors = _deepseek_checkpoint(tmp_path)
+    edit(tensors)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=message):
+        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")

@@ -1,0 +1,100 @@
+"""Bytes of a DeepSeek-V4 model's weights, from its config alone (no weight is read).
+
+Formats:
+- `published`: the checkpoint as DeepSeek ships it, with the mtp.* draft layer: FP8 e4m3 linears
+  with one e8m0 byte per 128x128 block, routed experts in MXFP4 (half a byte per weight and one
+  e8m0 byte per 32) or, with expert_dtype "fp8", in FP8 with float32 block scales;
+  bf16 embeddings, head, norms, compressors, indexer weights_proj and router; fp32 mHC parameters,
+  sinks, position biases and router bias; int64 tid2eid.
+- `dequantize`: what the engine holds today: every weight in the engine dtype (bf16 on CUDA), the
+  parameters the reference keeps in fp32 in fp32, tid2eid as int64; no draft layer.
+"""
+
+from __future__ import annotations
+
+from backend.model.checkpoint import expected_shapes, is_fp32_parameter
+from backend.model.config import SLIDING, ModelConfig
+from backend.model.quantization import FP8_BLOCK, MXFP4_BLOCK
+
+FORMATS = ("published", "dequantize")
+# Engine tensors DeepSeek stores in FP8 with 128x128 block scales.
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
+               "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
+               "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
+_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for dim in shape:
+        out *= dim
+    return out
+
+
+def _fp8_bytes(shape: tuple[int, ...], scale_bytes: int) -> int:
+    *lead, n, k = shape
+    blocks = -(-n // FP8_BLOCK) * -(-k // FP8_BLOCK)
+    return _numel(tuple(lead)) * (n * k + blocks * scale_bytes)
+
+
+# fp32 on disk (the published checkpoints keep norms in bf16; the engine holds those in fp32 too).
+_FP32_ON_DISK = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias")
+
+
+def tensor_bytes(name: str, shape: tuple[int, ...], config: ModelConfig, fmt: str, dtype_bytes: int = 2) -> int:
+    """Bytes one engine tensor takes in `fmt` (see the module docstring)."""
+    if name.endswith(".tid2eid"):
+        return _numel(shape) * 8
+    if fmt == "dequantize":
+        return _numel(shape) * (4 if is_fp32_parameter(name) else dtype_bytes)
+    if any(marker in name for marker in _FP32_ON_DISK):
+        return _numel(shape) * 4
+    if config.quantization_config is None:
+        return _numel(shape) * 2
+    if name.endswith(_EXPERTS):
+        if config.expert_dtype == "fp8":
+            return _fp8_bytes(shape, scale_bytes=4)
+        return _numel(shape) // 2 + _numel(shape) // MXFP4_BLOCK
+    if name.endswith(FP8_LINEARS):
+        return _fp8_bytes(shape, scale_bytes=1)
+    return _numel(shape) * 2
+
+
+def draft_layer_bytes(config: ModelConfig, fmt: str) -> int:
+    """The mtp.* layer of a published checkpoint: a sliding-window decoder layer, e_proj and h_proj
+    (FP8, hidden x hidden), enorm, hnorm, norm and its own hyper-head."""
+    if fmt != "published" or not config.num_nextn_predict_layers:
+        return 0
+    layer_shapes = {name.replace("model.layers.0.", "mtp.0."): shape
+                    for name, shape in expected_shapes(_one_sliding_layer(config)).items()
+                    if name.startswith("model.layers.0.")}
+    d, n = config.hidden_size, config.hc_mult
+    total = sum(tensor_bytes(name, shape, config, fmt) for name, shape in layer_shapes.items())
+    total += 2 * _fp8_bytes((d, d), scale_bytes=1) + 3 * d * 2 + (n * n * d + n + 1) * 4
+    return total * config.num_nextn_predict_layers
+
+
+def _one_sliding_layer(config: ModelConfig) -> ModelConfig:
+    import dataclasses
+
+    return dataclasses.replace(config, num_hidden_layers=1, layer_types=[SLIDING],
+                               mlp_layer_types=[config.mlp_layer_types[-1]])
+
+
+def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0}
+    for name, shape in expected_shapes(config).items():
+        size = tensor_bytes(name, shape, config, fmt, dtype_bytes)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            parts["embed+head"] += size
+        elif name.endswith(_EXPERTS):
+            parts["routed experts"] += size
+        elif ".self_attn." in name:
+            parts["attention"] += size
+        else:
+            parts["other"] += size
+    parts["draft layer (mtp)"] = draft_layer_bytes(config, fmt)
+    return parts

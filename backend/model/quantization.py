@@ -1,0 +1,85 @@
+"""DeepSeek-V4's quantized weight formats: what their bytes mean (and how to write them, for tests).
+
+- FP8 (dense and attention linears; V4-Flash-Base also its routed experts): `X.weight` float8 e4m3
+  [N, K] and `X.scale` [ceil(N/128), ceil(K/128)], float8_e8m0fnu (V4-Flash, V4-Pro) or float32
+  holding powers of two (V4-Flash-Base): W[n, k] = W_q[n, k] * S[n // 128, k // 128].
+- MXFP4 (routed experts, `expert_dtype: "fp4"`): `X.weight` int8 [N, K/2], two e2m1 codes per byte
+  (low nibble = even k), and `X.scale` e8m0 [N, K/32]: W[n, k] = FP4[code] * 2^(S[n, k // 32] - 127).
+- e8m0: byte b means 2^(b - 127) (0xFF is NaN); the scale multiplies, it is not an inverse.
+
+Every dequantized value is exact in bf16 and fp32: an e4m3 or e2m1 value (3 or 1 mantissa bits)
+times a power of two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = 128
+MXFP4_BLOCK = 32
+E4M3_MAX = 448.0
+# e2m1 code -> value; bit 3 is the sign.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as float32 multipliers, from e8m0 (float8_e8m0fnu or raw uint8 bytes) or float32."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def fp8_block_shape(shape: tuple[int, int]) -> tuple[int, int]:
+    n, k = shape
+    return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 from e4m3 `weight` [N, K] and block scales [ceil(N/128), ceil(K/128)]."""
+    n, k = weight.shape
+    blocks = scale_to_float(scale)
+    expanded = blocks.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return weight.to(torch.float32) * expanded
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 from packed e2m1 codes [N, K/2] (int8 or uint8) and e8m0 scales [N, K/32]."""
+    codes = packed.view(torch.uint8)
+    low, high = (codes & 0xF).long(), (codes >> 4).long()
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
+    values = torch.stack((table[low], table[high]), dim=-1).flatten(-2)  # [N, K]: low nibble = even k
+    return values * scale_to_float(scale).repeat_interleave(MXFP4_BLOCK, -1)
+
+
+# --- writing (scripts/make_checkpoint.py, tests) ------------------------------------------------------
+
+
+def _power_of_two_at_least(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight [N, K], e8m0 block scales) with power-of-two scales, as DeepSeek's converter writes."""
+    n, k = weight.shape
+    bn, bk = fp8_block_shape((n, k))
+    padded = torch.zeros(bn * FP8_BLOCK, bk * FP8_BLOCK, dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(bn, FP8_BLOCK, bk, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-4)
+    scale = _power_of_two_at_least(amax / E4M3_MAX)  # [bn, bk]
+    quantized = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view_as(padded)[:n, :k]
+    return quantized.to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed e2m1 codes [N, K/2] int8, e8m0 scales [N, K/32] float8_e8m0fnu): round to the nearest code."""
+    n, k = weight.shape
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 needs K divisible by {MXFP4_BLOCK}, got {k}")
+    groups = weight.float().view(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    scale = _power_of_two_at_least(groups.abs().amax(-1).clamp(min=1e-4) / 6.0)  # [N, K/32]
+    scaled = (groups / scale[..., None]).view(n, k)
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = (scaled[..., None] - table).abs().argmin(-1).to(torch.uint8)  # [N, K]
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.view(torch.int8), scale.to(torch.float8_e8m0fnu)

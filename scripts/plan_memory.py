@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""How a DeepSeek-V4 model fits on GPUs: weights per device, KV bytes per token, token capacity.
+
+    python scripts/plan_memory.py --config ../shared/docs/configs/deepseek-v4-flash.config.json --num-gpus 8
+    python scripts/plan_memory.py --checkpoint /data/DeepSeek-V4-Flash --weight-format fp8 --json plan.json
+
+Reads config.json only (no weight). Weights come from backend/model/footprint.py: `dequantize`
+(every weight in bf16, what the engine holds today) or `fp8` (weights kept as published: FP8
+linears, MXFP4 or FP8 experts, with their scales); the published checkpoint's size on disk (with
+the mtp.* draft layer) is printed beside them, to compare with the real shards. Weights are
+assumed split evenly over --num-gpus; the KV pools are not split (DeepSeek-V4 has one K=V head,
+which tensor parallelism replicates). Capacity = what is left of --gpu-memory-gib x
+--utilization after the weights and --reserve-gib of activations, less the sliding windows and
+compressor state of --max-running-requests requests, divided by the compressed pools' bytes per
+position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.memory.kv_manager import KVCacheManager  # noqa: E402
+from backend.model.config import load_model_config, parse_model_config  # noqa: E402
+from backend.model.footprint import weight_bytes  # noqa: E402
+
+GIB = 2**30
+
+
+def kv_geometry(config, page_size: int, max_running: int) -> dict:
+    """Per-position bytes of each pool and per-request bytes of window + compressor state (bf16)."""
+    kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
+                        max_running_requests=max_running, dtype=torch.bfloat16, device="meta")
+    per_token = kv.bytes_per_token()
+    window_per_request = kv.window_pool.pages_per_running_request() * page_size * per_token["window"]
+    state_per_request = kv.state_pool.bytes_per_slot()
+    return {"bytes_per_token": per_token, "window_bytes_per_request": window_per_request,
+            "state_bytes_per_request": state_per_request}
+
+
+def plan(config, weight_format: str, num_gpus: int, gpu_memory_gib: float, utilization: float, reserve_gib: float,
+         max_running: int, page_size: int) -> dict:
+    fmt = "dequantize" if weight_format == "dequantize" else "published"
+    parts = weight_bytes(config, fmt)
+    on_disk = sum(weight_bytes(config, "published").values())
+    draft = parts.pop("draft layer (mtp)")
+    weights = sum(parts.values())
+    geometry = kv_geometry(config, page_size, max_running)
+    per_token = geometry["bytes_per_token"]
+    compressed_per_position = sum(v for k, v in per_token.items() if k != "window")
+    budget = gpu_memory_gib * GIB * utilization - weights / num_gpus - reserve_gib * GIB
+    per_request = geometry["window_bytes_per_request"] + geometry["state_bytes_per_request"]
+    kv_budget = budget - max_running * per_request
+    return {
+        "weight_format": weight_format, "num_gpus": num_gpus, "gpu_memory_gib": gpu_memory_gib,
+        "weights_bytes": weights, "weights_by_part": parts, "weights_per_device_bytes": weights / num_gpus,
+        "published_on_disk_bytes": on_disk, "published_draft_layer_bytes": draft if fmt == "published" else
+        weight_bytes(config, "published")["draft layer (mtp)"],
+        "kv_bytes_per_position": per_token, "kv_bytes_per_running_request": per_request,
+        "fits": kv_budget > 0, "token_capacity_per_device": max(0, int(kv_budget // compressed_per_position)),
+    }
+
+
+def print_plan(row: dict) -> None:
+    print(f"weights ({row['weight_format']}): {row['weights_bytes'] / GIB:.1f} GiB in all, "
+          f"{row['weights_per_device_bytes'] / GIB:.1f} GiB per device on {row['num_gpus']} GPU(s) of "
+          f"{row['gpu_memory_gib']:g} GiB")
+    for part, size in row["weights_by_part"].items():
+        print(f"  {part:>16}: {size / GIB:8.2f} GiB")
+    print(f"published checkpoint on disk (with the mtp layer, {row['published_draft_layer_bytes'] / GIB:.2f} GiB): "
+          f"{row['published_on_disk_bytes']:,} bytes")
+    per_token = ", ".join(f"{k} {v:.1f}" for k, v in row["kv_bytes_per_position"].items())
+    print(f"KV bytes per position: {per_token}; per running request (window + compressor state): "
+          f"{row['kv_bytes_per_running_request'] / 2**20:.1f} MiB")
+    if row["fits"]:
+        print(f"token capacity per device: {row['token_capacity_per_device']:,} positions")
+    else:
+        print("does not fit: the weights (and reserve) exceed the device memory")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, help="a checkpoint directory (its config.json)")
+    source.add_argument("--config", type=Path, help="a config.json file")
+    parser.add_argument("--weight-format", choices=["dequantize", "fp8"], default="fp8")
+    parser.add_argument("--gpu-memory-gib", type=float, default=141.0)
+    parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory to use")
+    parser.add_argument("--reserve-gib", type=float, default=4.0, help="activations and workspace per device")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.checkpoint is not None:
+        config = load_model_config(args.checkpoint)
+    else:
+        config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
+    row = plan(config, args.weight_format, args.num_gpus, args.gpu_memory_gib, args.utilization, args.reserve_gib,
+               args.max_running_requests, args.page_size)
+    print_plan(row)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""backend/model/weight_names.py: the one name table, checked against transformers itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from make_checkpoint import make_config
+from safetensors import safe_open
+
+from backend.model.checkpoint import expected_shapes
+from backend.model.config import parse_model_config
+from backend.model.weight_names import Target, detect_layout, engine_target, is_draft_layer, original_name
+
+EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def stored_names(shapes: dict, layout: str) -> dict[str, Target]:
+    """Every name `layout` stores, with the engine tensor (part) it fills, via original_name."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.endswith(EXPERT_TENSORS):
+            projs = ("w1", "w3") if name.endswith("gate_up_proj") else ("w2",)
+            for expert in range(shape[0]):
+                for proj in projs:
+                    half = {"w1": "gate", "w3": "up"}.get(proj)
+                    out[original_name(name, layout, expert, proj)] = Target(name, expert, half)
+        else:
+            out[original_name(name, layout)] = Target(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_shapes(tiny_checkpoint):
+    import json
+
+    return expected_shapes(parse_model_config(json.loads((tiny_checkpoint / "config.json").read_text())))
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "transformers"])
+def test_every_engine_tensor_round_trips_through_each_layout(tiny_shapes, layout):
+    for stored, target in stored_names(tiny_shapes, layout).items():
+        assert engine_target(stored, layout) == target, stored
+
+
+def test_the_transformers_layout_is_what_save_pretrained_writes(tmp_path):
+    """The names transformers 5.23 writes for the tiny config, one tensor per expert, model. prefixed."""
+    from transformers import DeepseekV4ForCausalLM
+
+    config = make_config()
+    torch.manual_seed(0)
+    DeepseekV4ForCausalLM(config).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        written = set(f.keys())
+    shapes = expected_shapes(parse_model_config(config.to_dict()))
+    assert written == set(stored_names(shapes, "transformers"))
+    assert detect_layout(written) == "transformers"
+
+
+def test_deepseek_published_names_map_to_the_engine():
+    """Names as they appear in DeepSeek-V4-Flash's shards."""
+    expected = {
+        "embed.weight": Target("model.embed_tokens.weight"),
+        "head.weight": Target("lm_head.weight"),
+        "norm.weight": Target("model.norm.weight"),
+        "hc_head_fn": Target("model.hc_head.hc_fn"),
+        "layers.0.attn_norm.weight": Target("model.layers.0.input_layernorm.weight"),
+        "layers.0.hc_ffn_scale": Target("model.layers.0.ffn_hc.scale"),
+        "layers.0.attn.attn_sink": Target("model.layers.0.self_attn.sinks"),
+        "layers.2.attn.wq_b.weight": Target("model.layers.2.self_attn.q_b_proj.weight"),
+        "layers.2.attn.kv_norm.weight": Target("model.layers.2.self_attn.kv_norm.weight"),
+        "layers.3.attn.compressor.ape": Target("model.layers.3.self_attn.compressor.position_bias"),
+        "layers.3.attn.compressor.norm.weight": Target("model.layers.3.self_attn.compressor.kv_norm.weight"),
+        "layers.2.attn.indexer.wq_b.weight": Target("model.layers.2.self_attn.compressor.indexer.q_b_proj.weight"),
+        "layers.2.attn.indexer.weights_proj.weight":
+            Target("model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight"),
+        "layers.2.attn.indexer.compressor.wgate.weight":
+            Target("model.layers.2.self_attn.compressor.indexer.gate_proj.weight"),
+        "layers.0.ffn.gate.tid2eid": Target("model.layers.0.mlp.gate.tid2eid"),
+        "layers.5.ffn.gate.bias": Target("model.layers.5.mlp.gate.e_score_correction_bias"),
+        "layers.5.ffn.shared_experts.w3.weight": Target("model.layers.5.mlp.shared_experts.up_proj.weight"),
+        "layers.5.ffn.experts.7.w1.weight": Target("model.layers.5.mlp.experts.gate_up_proj", 7, "gate"),
+        "layers.5.ffn.experts.7.w3.weight": Target("model.layers.5.mlp.experts.gate_up_proj", 7, "up"),
+        "layers.5.ffn.experts.255.w2.weight": Target("model.layers.5.mlp.experts.down_proj", 255, None),
+    }
+    for name, target in expected.items():
+        assert engine_target(name, "deepseek") == target, name
+
+
+def test_layouts_are_told_apart_by_their_names_and_the_draft_layer_is_recognised():
+    assert detect_layout(["embed.weight", "layers.0.attn.wq_a.weight"]) == "deepseek"
+    assert detect_layout(["model.embed_tokens.weight", "model.layers.0.attn.wq_a.weight", "head.weight"]) == \
+        "transformers"
+    assert detect_layout(["model.embed_tokens.weight", "model.layers.0.self_attn.q_a_proj.weight"]) == "hf-modules"
+    with pytest.raises(ValueError, match="not a DeepSeek-V4 checkpoint"):
+        detect_layout(["transformer.wte.weight"])
+    assert is_draft_layer("mtp.0.attn.wq_a.weight") and is_draft_layer("model.mtp.0.enorm.weight")
+    assert not is_draft_layer("layers.0.attn.wq_a.weight")
