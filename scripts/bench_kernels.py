@@ -6,11 +6,14 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
               (window only), CSA (window + top-512) and HCA (window + all 1/128 entries) layers
   indexer     the same decode batches and prefill chunk (CSA, 64 heads x 128)
   moe         256 experts top-6, hidden 4096, intermediate 2048, at 1..256 decode tokens and 4096 prefill tokens
+  fp8_gemm    the FP8 linears of V4-Flash (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) at 1, 64 and 4096 tokens,
+              checked against fp8_gemm_reference; "ref" is the same product as a bf16 F.linear (cuBLAS) on the
+              dequantized weight, so "x ref" is the FP8 kernel's speed-up over serving the weight in bf16
 Each case is timed with CUDA events (median of --repeat runs, L2 flushed before each) and reported as achieved
 bandwidth (bytes the kernel must move) and TFLOP/s, against the device's measured copy bandwidth (a large
 device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the reference's time and the speed-up.
 
-  python scripts/bench_kernels.py [--kernels attention,indexer,moe] [--json FILE] [--csv FILE]
+  python scripts/bench_kernels.py [--kernels attention,indexer,moe,fp8_gemm] [--json FILE] [--csv FILE]
   python scripts/bench_kernels.py --dry-run   # CPU: small shapes, kernels under TRITON_INTERPRET, references
 """
 
@@ -50,15 +53,21 @@ class Shapes:
     decode_batches: list = field(default_factory=list)
     prefill_tokens: int = 0
     moe_decode_tokens: list = field(default_factory=list)
+    fp8_linears: dict = field(default_factory=dict)  # name -> (N, K)
+    fp8_tokens: list = field(default_factory=list)
 
 
 FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512, hidden=4096,
               moe_inter=2048, num_experts=256, top_k=6, window=128, csa_rate=4, hca_rate=128, page_size=64,
               context=8192, decode_batches=[1, 8, 32, 64, 128, 256], prefill_tokens=4096,
-              moe_decode_tokens=[1, 8, 32, 64, 128, 256])
+              moe_decode_tokens=[1, 8, 32, 64, 128, 256],
+              fp8_linears={"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
+                           "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)},
+              fp8_tokens=[1, 64, 4096])
 DRY = Shapes(head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8, hidden=64, moe_inter=32,
              num_experts=8, top_k=2, window=16, csa_rate=4, hca_rate=16, page_size=8, context=72,
-             decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5])
+             decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5],
+             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5])
 
 
 @dataclass
@@ -255,7 +264,7 @@ def moe_work(s: Shapes, topk_ids) -> tuple[float, float]:
 
 # --- running ----------------------------------------------------------------------------------------------------
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
-TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2)}
+TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "fp8_gemm": (2e-2, 2e-2)}
 
 
 def _max_error(torch, actual, expected, atol, rtol) -> float:
@@ -338,7 +347,33 @@ def bench_moe(torch, s, device, timer, options):
     return results
 
 
-BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe}
+def bench_fp8_gemm(torch, s, device, timer, options):
+    import torch.nn.functional as F
+
+    from kernels.fp8_gemm import fp8_gemm_reference, fp8_gemm_triton
+
+    results = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, (n, k) in s.fp8_linears.items():
+        w_q = (torch.randn(n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_scale = torch.exp2(torch.randint(-14, -10, (-(-n // 128), -(-k // 128)), generator=gen,
+                                           device=device).float())
+        w_bf16 = fp8_gemm_reference(torch.eye(k, device=device), w_q, w_scale).T.contiguous().to(torch.bfloat16)
+        for t in s.fp8_tokens:
+            x = torch.randn(t, k, generator=gen, device=device).to(torch.bfloat16)
+            actual, expected = fp8_gemm_triton(x, w_q, w_scale), fp8_gemm_reference(x.float(), w_q, w_scale)
+            error = _max_error(torch, actual, expected, *TOLERANCES["fp8_gemm"])
+            ms = timer(lambda: fp8_gemm_triton(x, w_q, w_scale))
+            ref_ms = None if options.skip_reference else timer(lambda: F.linear(x, w_bf16))
+            work = ((n * k + w_scale.numel() * 4 + 2 * t * (k + n)) / 1e9, 2 * t * n * k / 1e9)
+            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
+            print(f"  {'fp8_gemm':<10} {name + f' T={t}':<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  "
+                  f"{status}", flush=True)
+            results.append(Result("fp8_gemm", f"{name} T={t}", ms, ref_ms, *work, error))
+    return results
+
+
+BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe, "fp8_gemm": bench_fp8_gemm}
 
 
 def _print_table(rows):
@@ -353,7 +388,7 @@ def _print_table(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="attention,indexer,moe", help="comma-separated subset")
+    parser.add_argument("--kernels", default="attention,indexer,moe,fp8_gemm", help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
     parser.add_argument("--json", type=Path, help="write the results as JSON")

@@ -2,7 +2,7 @@
 """Compile every Triton kernel, in every configuration the engine launches, for Hopper (sm_90), without a GPU.
 
 The launches come from the kernels' own plan functions (`plan_sparse_paged_attention`, `plan_indexer_scores`,
-`plan_fused_moe`) called on meta tensors of each model's shapes, so the tiles, constexprs and argument
+`plan_fused_moe`, `plan_fp8_gemm`) called on meta tensors of each model's shapes, so the tiles, constexprs and argument
 specialisation are exactly what the wrappers would launch. Each is compiled with triton.compile for
 GPUTarget("cuda", 90, 32); registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, shared
 memory from the compiled metadata, wgmma from the PTX.
@@ -40,6 +40,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
+from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.moe import plan_fused_moe  # noqa: E402
 
@@ -60,7 +61,10 @@ MODELS = [
 ]
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
          ("v4-flash", "indexer T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
-         ("tiny", "attention hca prefill T=512")}
+         ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096")}
+# The FP8 linears of V4-Flash (N, K), as DeepSeek publishes them.
+FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
+               "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}
 
 
 @dataclass
@@ -122,6 +126,11 @@ def moe_launches(m: dict, num_tokens: int):
         _meta(m["num_experts"], m["hidden"], m["moe_inter"]), 10.0)[1]
 
 
+def fp8_gemm_launches(num_tokens: int, n: int, k: int):
+    w_scale = _meta(-(-n // 128), -(-k // 128), dtype=torch.float32)
+    return plan_fp8_gemm(_meta(num_tokens, k), _meta(n, k, dtype=torch.float8_e4m3fn), w_scale)[1]
+
+
 def cases() -> list[tuple[str, str, list]]:
     """(model, case, launches) for every case; launches are (kernel, grid, args, kwargs)."""
     out = []
@@ -135,6 +144,9 @@ def cases() -> list[tuple[str, str, list]]:
             out.append((m["name"], f"indexer T={t}", indexer_launches(m, t)))
         for t in m["moe_tokens"]:
             out.append((m["name"], f"moe T={t}", moe_launches(m, t)))
+    for name, (n, k) in FP8_LINEARS.items():
+        for t in (1, 64, 4096):
+            out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k)))
     return out
 
 

@@ -1,0 +1,165 @@
+"""Block-scaled FP8 GEMM with dynamic per-token activation quantization, as DeepSeek-V4's linears run.
+
+Math, for activations x [T, K] and an FP8 weight W_q [N, K] with block scales S_w [ceil(N/128), ceil(K/128)]
+(backend/model/quantization.py; the scale multiplies):
+  activation quantization, per token t and 128-wide K group g (DeepSeek's `act_quant`):
+      amax[t, g] = max(max_k |x[t, k]|, 1e-4),  s_x[t, g] = 2^ceil(log2(amax / 448)),
+      x_q[t, k]  = e4m3(clamp(x[t, k] / s_x[t, g], -448, 448))
+  out[t, n] = sum_g s_x[t, g] * S_w[n // 128, g] * sum_{k in g} x_q[t, k] * W_q[n, k]   (fp32 accumulation)
+
+Layouts: x [T, K] (fp32/bf16/fp16, last dimension contiguous), w_q [N, K] float8_e4m3fn, w_scale
+[ceil(N/128), ceil(K/128)] float8_e8m0fnu or float32; out [T, N] in x's dtype. N and K need not be
+multiples of 128 (partial blocks are masked and their scales still apply).
+
+Kernel (`fp8_gemm_triton`): grid (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N)); each program walks K in 128-wide
+steps (BLOCK_K = the group), quantizes its x rows of that group in registers (the activation is read
+once per column tile, never written), multiplies FP8 by FP8 (wgmma on Hopper) and adds the block's
+product times s_x and S_w into an fp32 accumulator. Under Triton's interpreter, which has no FP8
+dot and whose fp32 -> e4m3 cast rounds wrongly (124.8 -> 64, ties away from even), the rounding to
+e4m3 is done in fp32 arithmetic (`_round_to_e4m3`, round-to-nearest-even as the GPU's cvt) and the
+dot in fp32: the same values. The torch reference (`fp8_gemm_reference`) quantizes the same way and multiplies the
+dequantized operands in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.common import is_interpreting
+
+GROUP = 128  # K group of the activation scales = the weight's block size
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, returned as fp32."""
+    a = tl.abs(v)
+    exponent = tl.floor(tl.log2(tl.maximum(a, 0.015625)))  # below 2^-6 e4m3 is subnormal: quantum 2^-9
+    quantum = tl.exp2(exponent - 3.0)  # 3 mantissa bits
+    y = a / quantum
+    r = tl.floor(y + 0.5)
+    is_odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
+    r = tl.where((r - y == 0.5) & is_odd, r - 1.0, r)
+    return tl.where(v < 0, -r * quantum, r * quantum)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, w_scale_ptr, out_ptr,
+    # sizes
+    num_tokens, n, k,
+    # strides (the last dimension of every tensor is contiguous)
+    stride_xt, stride_wn, stride_sn, stride_ot,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr,
+):
+    """Program (token tile m, column tile n): out[rows, cols] = sum over K groups of the scaled FP8 products."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < num_tokens, cols < n
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    w_scale_ptrs = w_scale_ptr + (cols // BLOCK_K) * stride_sn  # [BLOCK_N], advanced one group per step
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        k_mask = offs_k < k - k0
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [BLOCK_M]
+        x_scale = tl.exp2(tl.ceil(tl.log2(amax / 448.0)))
+        x_s = tl.minimum(tl.maximum(x / x_scale[:, None], -448.0), 448.0)
+        w_q = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if NATIVE_FP8_DOT:
+            block = tl.dot(x_s.to(tl.float8e4nv), w_q)
+        else:
+            block = tl.dot(_round_to_e4m3(x_s), w_q.to(tl.float32), input_precision="ieee")
+        w_scale = tl.load(w_scale_ptrs, mask=col_mask, other=0.0).to(tl.float32)
+        acc += block * x_scale[:, None] * w_scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        w_scale_ptrs += 1
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def fp8_gemm_config(num_tokens: int, n: int) -> dict:
+    """Tiles: a 16-row tile for decode batches, 64 or 128 rows for prefill chunks; 128 columns."""
+    fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731 (tl.dot needs >= 16)
+    block_m = 16 if num_tokens <= 16 else (64 if num_tokens <= 256 else 128)
+    return dict(BLOCK_M=min(block_m, fit(num_tokens)), BLOCK_N=min(128, fit(n)), num_warps=4 if block_m <= 64 else 8,
+                num_stages=3)
+
+
+def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None):
+    """Check the inputs, allocate the output; return (out, launches) without launching."""
+    _check_fp8_gemm_inputs(x, w_q, w_scale)
+    num_tokens, k = x.shape
+    n = w_q.shape[0]
+    out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out, []
+    cfg = config or fp8_gemm_config(num_tokens, n)
+    scale_arg = _block_scales(w_scale)
+    args = (x, w_q, scale_arg, out, num_tokens, n, k, x.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
+    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP,
+                  NATIVE_FP8_DOT=not is_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    return out, [(_fp8_gemm_kernel, grid, args, kwargs)]
+
+
+def _e8m0_as_float(raw: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes as float32 multipliers (2^(b - 127)); a tiny [N/128, K/128] tensor, made once per call."""
+    return torch.exp2(raw.to(torch.float32) - 127.0).contiguous()
+
+
+def _check_fp8_gemm_inputs(x, w_q, w_scale):
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
+    assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} not supported"
+    n, k = w_q.shape
+    assert x.shape[1] == k, f"x has K={x.shape[1]}, the weight K={k}"
+    assert w_q.dtype == torch.float8_e4m3fn and w_q.stride(1) == 1, "w_q must be float8_e4m3fn [N, K], contiguous"
+    assert tuple(w_scale.shape) == (triton.cdiv(n, GROUP), triton.cdiv(k, GROUP)), (
+        f"w_scale must be [{triton.cdiv(n, GROUP)}, {triton.cdiv(k, GROUP)}], got {tuple(w_scale.shape)}")
+    assert w_scale.dtype in (torch.float8_e8m0fnu, torch.float32, torch.uint8), f"w_scale dtype {w_scale.dtype}"
+
+
+def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *,
+                    config: dict | None = None) -> torch.Tensor:
+    """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype)."""
+    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return out
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32): DeepSeek's per-token, per-128-group act_quant."""
+    num_tokens, k = x.shape
+    groups = triton.cdiv(k, GROUP)
+    padded = torch.zeros(num_tokens, groups * GROUP, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    blocks = padded.view(num_tokens, groups, GROUP)
+    amax = blocks.abs().amax(-1).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    quantized = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(num_tokens, -1)[:, :k]
+    return quantized.to(torch.float8_e4m3fn), scale
+
+
+def _block_scales(w_scale: torch.Tensor) -> torch.Tensor:
+    if w_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        return _e8m0_as_float(w_scale.view(torch.uint8))
+    return w_scale.to(torch.float32)
+
+
+def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """out [T, N] = dequant(act_quant(x)) @ dequant(W_q, S_w)^T in fp32, cast to x's dtype."""
+    x_q, s_x = quantize_activations_reference(x)
+    k = x.shape[1]
+    x_deq = x_q.float() * s_x.repeat_interleave(GROUP, -1)[:, :k]
+    n = w_q.shape[0]
+    w_deq = w_q.float() * _block_scales(w_scale).repeat_interleave(GROUP, 0)[:n].repeat_interleave(GROUP, 1)[:, :k]
+    return (x_deq @ w_deq.T).to(x.dtype)
