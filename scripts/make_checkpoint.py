@@ -37,15 +37,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.model.quantization import quantize_fp8, quantize_mxfp4  # noqa: E402
+from backend.model.quantization import FP8_LINEARS, quantize_fp8, quantize_mxfp4  # noqa: E402
 from backend.model.weight_names import original_name  # noqa: E402
 
 LAYOUTS = ("hf-modules", "transformers", "deepseek")
 QUANTIZATIONS = ("none", "fp8", "fp8-mxfp4")
-# Engine tensors DeepSeek stores in FP8 (as `<name>.weight` + `<name>.scale`); routed experts per --quantize.
-_FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
-                "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
-                "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -230,7 +226,7 @@ def stored_tensors(name: str, tensor: torch.Tensor, layout: str, quantize: str):
                                       is_expert=True)
         return
     stored_name = original_name(name, layout)
-    if quantize != "none" and name.endswith(_FP8_LINEARS):
+    if quantize != "none" and name.endswith(FP8_LINEARS):
         yield from _quantized(stored_name, tensor, quantize, is_expert=False)
     else:
         yield stored_name, tensor

@@ -14,13 +14,9 @@ from __future__ import annotations
 
 from backend.model.checkpoint import expected_shapes, is_fp32_parameter
 from backend.model.config import SLIDING, ModelConfig
-from backend.model.quantization import FP8_BLOCK, MXFP4_BLOCK
+from backend.model.quantization import FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK
 
 FORMATS = ("published", "dequantize")
-# Engine tensors DeepSeek stores in FP8 with 128x128 block scales.
-FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
-               "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
-               "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 _EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import torch
 
+# Engine tensors DeepSeek stores in FP8 (`<name>.weight` + `<name>.scale`); routed experts by expert_dtype.
+FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
+               "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
+               "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
 FP8_BLOCK = 128
 MXFP4_BLOCK = 32
 E4M3_MAX = 448.0
