@@ -19,10 +19,17 @@ block's expert read from block_expert:
   gate/up  h[row, :]   = clamped SwiGLU of x[token] @ [W_gate; W_up][e]^T, fp32 accumulation, stored in x's dtype
   down     out[token] += topk_weight * (h[row] @ W_down[e]^T), fp32, added with fp32 atomics into a zeroed [T, D]
            buffer (or stored per pair and summed by torch with per_pair_output=True), then cast to x's dtype.
+
+Quantized experts (`QuantizedExperts`, the published formats, dequantized in the kernel as each tile is loaded):
+  fp8    data [E, N, K] float8_e4m3fn, scale [E, H * ceil(R/128), ceil(K/128)] float32: the 128x128 block scales of
+         each of the H halves of R rows (gate_up: H = 2 halves of I rows, w1 then w3; down: H = 1 of D rows)
+  mxfp4  data [E, N, K/2] int8 (two e2m1 codes per byte, low nibble = even k), scale [E, N, K/32] e8m0
+         (float8_e8m0fnu or its uint8 bytes)
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,17 +65,71 @@ def _normalised_weights(scores, topk_ids, routed_scaling_factor):
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * routed_scaling_factor
 
 
+class QuantizedExperts(NamedTuple):
+    """Routed expert weights as published (see the module docstring); `shape` is the logical [E, N, K]."""
+
+    format: str  # "fp8" or "mxfp4"
+    data: torch.Tensor
+    scale: torch.Tensor
+    shape: tuple[int, int, int]
+    rows_per_half: int  # R: rows of each half sharing a block-scale grid (fp8); N for mxfp4 and down
+
+    def dequantize(self) -> torch.Tensor:
+        """[E, N, K] float32, the reference's view of the weights."""
+        num_experts, n, k = self.shape
+        if self.format == "mxfp4":
+            codes = self.data.view(torch.uint8)
+            table = torch.tensor(_FP4, dtype=torch.float32, device=codes.device)
+            values = torch.stack((table[(codes & 0xF).long()], table[(codes >> 4).long()]), -1).flatten(-2)
+            exponents = self.scale.view(torch.uint8).float()  # e8m0 bytes (float8_e8m0fnu or uint8)
+            return values * torch.exp2(exponents - 127.0).repeat_interleave(32, -1)
+        r = self.rows_per_half
+        blocks = triton.cdiv(r, 128)
+        halves = self.scale.view(num_experts, n // r, blocks, -1).repeat_interleave(128, 2)[:, :, :r]
+        per_row = halves.reshape(num_experts, n, -1).repeat_interleave(128, -1)[..., :k]
+        return self.data.float() * per_row
+
+
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+DENSE, FP8, MXFP4 = 0, 1, 2
+_FORMATS = {"fp8": FP8, "mxfp4": MXFP4}
+
+
+@triton.jit
+def _expert_weight_tile(w_ptr, s_ptr, expert, rows, ks, mask, stride_we, stride_wn, stride_se, stride_sn,
+                        rows_per_half, WEIGHT_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """W[expert, rows, ks] as a [BLOCK_K, BLOCK_N] tile in COMPUTE_DTYPE (rows [1, BLOCK_N], ks [BLOCK_K, 1])."""
+    if WEIGHT_FORMAT == 0:
+        w = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks, mask=mask, other=0.0)
+    elif WEIGHT_FORMAT == 1:
+        w = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks, mask=mask, other=0.0).to(tl.float32)
+        blocks = (rows_per_half + 127) // 128
+        scale_rows = (rows // rows_per_half) * blocks + (rows % rows_per_half) // 128
+        w *= tl.load(s_ptr + expert * stride_se + scale_rows * stride_sn + ks // 128, mask=mask, other=0.0)
+    else:
+        byte = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks // 2, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((ks % 2) * 4)) & 0xF
+        magnitude = code & 7
+        exponent = (magnitude >> 1).to(tl.float32)
+        mantissa = (magnitude & 1).to(tl.float32)
+        value = tl.where(exponent == 0.0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2(exponent - 1.0))
+        value = tl.where(code >= 8, -value, value)
+        e8m0 = tl.load(s_ptr + expert * stride_se + rows * stride_sn + ks // 32, mask=mask, other=127)
+        w = value * tl.exp2((e8m0.to(tl.int32) & 0xFF).to(tl.float32) - 127.0)
+    return w.to(COMPUTE_DTYPE)
+
+
 @triton.jit
 def _moe_gate_up_kernel(
     # pointers
-    x_ptr, w_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
+    x_ptr, w_ptr, s_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
     # sizes
-    num_pairs, top_k, hidden, inter, swiglu_limit,
+    num_pairs, top_k, hidden, inter, swiglu_limit, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
-    stride_xt, stride_we, stride_wn, stride_hm,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
 ):
     """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T)."""
     block = tl.program_id(0)
@@ -83,21 +144,20 @@ def _moe_gate_up_kernel(
     col_mask = cols < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    gate_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    up_ptrs = gate_ptrs + inter * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         k_mask = offs_k < hidden - k0
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
         w_mask = k_mask[:, None] & col_mask[None, :]
-        w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(COMPUTE_DTYPE)
-        w_up = tl.load(up_ptrs, mask=w_mask, other=0.0).to(COMPUTE_DTYPE)
+        ks = (k0 + offs_k)[:, None]  # [BLOCK_K, 1]
+        w_gate = _expert_weight_tile(w_ptr, s_ptr, expert, cols[None, :], ks, w_mask, stride_we, stride_wn,
+                                     stride_se, stride_sn, rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
+        w_up = _expert_weight_tile(w_ptr, s_ptr, expert, (cols + inter)[None, :], ks, w_mask, stride_we, stride_wn,
+                                   stride_se, stride_sn, rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
     gate = tl.minimum(acc_gate, swiglu_limit)
     up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
     h = gate * tl.sigmoid(gate) * up
@@ -108,14 +168,14 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     # pointers
-    h_ptr, w_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
+    h_ptr, w_ptr, s_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
     # sizes
-    num_pairs, top_k, hidden, inter,
+    num_pairs, top_k, hidden, inter, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
-    stride_hm, stride_we, stride_wn, stride_om,
+    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
 ):
     """Program (row block b, hidden columns n): out[token, n] += weight * (h[rows] @ W_down[e, n]^T), in fp32.
 
@@ -132,15 +192,15 @@ def _moe_down_kernel(
     col_mask = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
         a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+        w = _expert_weight_tile(w_ptr, s_ptr, expert, cols[None, :], (k0 + offs_k)[:, None],
+                                k_mask[:, None] & col_mask[None, :], stride_we, stride_wn, stride_se, stride_sn,
+                                rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     if PER_PAIR_OUTPUT:
@@ -150,8 +210,13 @@ def _moe_down_kernel(
         tl.atomic_add(out_ptr + tokens[:, None] * stride_om + cols[None, :], acc, mask=mask, sem="relaxed")
 
 
-def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> dict:
-    """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs."""
+def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quantized: bool = False) -> dict:
+    """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs.
+
+    Quantized experts are dequantized into registers tile by tile: K tiles of 32 and two stages keep
+    the fp32 weight tiles (two of them in gate/up) within the register file and shared memory (sm_90,
+    scripts/check_kernels_compile.py).
+    """
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
         block_m = 16
@@ -169,6 +234,11 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> dic
     fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731
     gate_up.update(BLOCK_K=min(gate_up["BLOCK_K"], fit(hidden)), BLOCK_N=min(gate_up["BLOCK_N"], fit(inter)))
     down.update(BLOCK_K=min(down["BLOCK_K"], fit(inter)), BLOCK_N=min(down["BLOCK_N"], fit(hidden)))
+    if quantized:
+        for tile in (gate_up, down):
+            tile.update(BLOCK_K=min(tile["BLOCK_K"], 32), num_stages=min(tile["num_stages"], 2))
+        if block_m >= 32:
+            gate_up["num_warps"] = 8  # two decoded tiles and two accumulators: spread over more threads
     return dict(BLOCK_M=block_m, gate_up=gate_up, down=down)
 
 
@@ -204,14 +274,14 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
     """
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w_gate_up.shape
+    num_experts, two_inter, _ = _logical_shape(w_gate_up)
     inter = two_inter // 2
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return (lambda: torch.zeros_like(x)), []
-    cfg = config or moe_config(num_pairs, num_experts, hidden, inter)
+    cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE)
     block_m = cfg["BLOCK_M"]
     sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
     max_blocks = block_expert.shape[0]
@@ -223,15 +293,19 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     out = torch.zeros((out_rows, hidden), dtype=torch.float32, device=x.device)
 
     g = cfg["gate_up"]
-    gate_up_args = (x, w_gate_up, h, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter, float(swiglu_limit),
-                    x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0))
+    (gu_data, gu_scale, gu_rows), (d_data, d_scale, d_rows) = _kernel_weights(w_gate_up), _kernel_weights(w_down)
+    weight_format = _weight_format(w_gate_up)
+    gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
+                    float(swiglu_limit), gu_rows, x.stride(0), gu_data.stride(0), gu_data.stride(1),
+                    gu_scale.stride(0), gu_scale.stride(1), h.stride(0))
     gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
-                          DOT_PRECISION=precision, num_warps=g["num_warps"], num_stages=g["num_stages"])
+                          DOT_PRECISION=precision, WEIGHT_FORMAT=weight_format, num_warps=g["num_warps"],
+                          num_stages=g["num_stages"])
     d = cfg["down"]
-    down_args = (h, w_down, weights, out, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
-                 h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0))
+    down_args = (h, d_data, d_scale, weights, out, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter, d_rows,
+                 h.stride(0), d_data.stride(0), d_data.stride(1), d_scale.stride(0), d_scale.stride(1), out.stride(0))
     down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
-                       DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output,
+                       DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output, WEIGHT_FORMAT=weight_format,
                        num_warps=d["num_warps"], num_stages=d["num_stages"])
     launches = [
         (_moe_gate_up_kernel, (max_blocks, triton.cdiv(inter, g["BLOCK_N"])), gate_up_args, gate_up_kwargs),
@@ -245,15 +319,52 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     return finish, launches
 
 
+def _logical_shape(w) -> tuple[int, int, int]:
+    return tuple(w.shape)  # a tensor's, or QuantizedExperts.shape
+
+
+def _weight_format(w) -> int:
+    return _FORMATS[w.format] if isinstance(w, QuantizedExperts) else DENSE
+
+
+def _kernel_weights(w):
+    """(data, scale, rows_per_half) as the kernels take them; dense weights get a dummy scale."""
+    if not isinstance(w, QuantizedExperts):
+        return w, torch.empty((1, 1), dtype=torch.float32, device=w.device), w.shape[1]
+    if w.format == "mxfp4":
+        return w.data.view(torch.uint8), w.scale.view(torch.uint8), w.rows_per_half
+    return w.data, w.scale, w.rows_per_half
+
+
+def _check_quantized(name: str, w: QuantizedExperts) -> None:
+    num_experts, n, k = w.shape
+    assert w.format in _FORMATS, f"{name}: format must be fp8 or mxfp4, got {w.format!r}"
+    assert n % w.rows_per_half == 0, f"{name}: {n} rows are not whole halves of {w.rows_per_half}"
+    if w.format == "fp8":
+        assert w.data.dtype == torch.float8_e4m3fn and tuple(w.data.shape) == w.shape, f"{name}: fp8 data [E, N, K]"
+        blocks = (n // w.rows_per_half) * triton.cdiv(w.rows_per_half, 128)
+        assert tuple(w.scale.shape) == (num_experts, blocks, triton.cdiv(k, 128)) and w.scale.dtype == torch.float32, (
+            f"{name}: fp8 scales must be float32 [E, {blocks}, {triton.cdiv(k, 128)}], got {tuple(w.scale.shape)}")
+    else:
+        assert k % 32 == 0 and tuple(w.data.shape) == (num_experts, n, k // 2), f"{name}: mxfp4 data [E, N, K/2]"
+        assert tuple(w.scale.shape) == (num_experts, n, k // 32), f"{name}: mxfp4 scales [E, N, K/32]"
+    assert w.data.stride(-1) == 1 and w.scale.stride(-1) == 1, f"{name}: last dimensions contiguous"
+
+
 def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w_gate_up.shape
+    num_experts, two_inter, _ = _logical_shape(w_gate_up)
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} not supported"
     assert x.stride(1) == 1, "x's last dimension must be contiguous"
-    assert w_gate_up.shape == (num_experts, two_inter, hidden) and two_inter % 2 == 0, "w_gate_up must be [E, 2I, D]"
-    assert w_down.shape == (num_experts, hidden, two_inter // 2), "w_down must be [E, D, I]"
+    assert _logical_shape(w_gate_up) == (num_experts, two_inter, hidden) and two_inter % 2 == 0, \
+        "w_gate_up must be [E, 2I, D]"
+    assert _logical_shape(w_down) == (num_experts, hidden, two_inter // 2), "w_down must be [E, D, I]"
+    assert _weight_format(w_gate_up) == _weight_format(w_down), "both expert weights in one format"
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-        assert w.dtype == x.dtype and w.stride(2) == 1, f"{name}: x's dtype, last dimension contiguous"
+        if isinstance(w, QuantizedExperts):
+            _check_quantized(name, w)
+        else:
+            assert w.dtype == x.dtype and w.stride(2) == 1, f"{name}: x's dtype, last dimension contiguous"
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens, "topk_ids must be [T, k]"
     assert topk_ids.dtype == torch.int64, f"topk_ids must be int64, got {topk_ids.dtype}"
     assert topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(), "topk_weights must be [T, k]"

@@ -6,6 +6,9 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
               (window only), CSA (window + top-512) and HCA (window + all 1/128 entries) layers
   indexer     the same decode batches and prefill chunk (CSA, 64 heads x 128)
   moe         256 experts top-6, hidden 4096, intermediate 2048, at 1..256 decode tokens and 4096 prefill tokens
+  moe_q       the same MoE cases with the experts as published (fp8 with block scales, mxfp4), dequantized in the
+              kernel; "ref" is the bf16 kernel on the dequantized weights, so "x ref" is the speed-up of serving them
+              quantized
   fp8_gemm    the FP8 linears of V4-Flash (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) at 1, 64 and 4096 tokens,
               checked against fp8_gemm_reference; "ref" is the same product as a bf16 F.linear (cuBLAS) on the
               dequantized weight, so "x ref" is the FP8 kernel's speed-up over serving the weight in bf16
@@ -254,17 +257,18 @@ def indexer_work(s: Shapes, positions) -> tuple[float, float]:
     return gbytes, 2 * s.index_heads * s.index_head_dim * sum(entries) / 1e9
 
 
-def moe_work(s: Shapes, topk_ids) -> tuple[float, float]:
-    """(GB, GFLOP): weights of every expert used, x in, out; 6 * I * D flops per (token, slot)."""
+def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, float]:
+    """(GB, GFLOP): weights of every expert used (weight_bytes per weight), x in, out; 6 * I * D flops per pair."""
     used = int(topk_ids.unique().numel())
     pairs = topk_ids.numel()
-    gbytes = (used * 3 * s.moe_inter * s.hidden * 2 + 2 * topk_ids.shape[0] * s.hidden * 2) / 1e9
+    gbytes = (used * 3 * s.moe_inter * s.hidden * weight_bytes + 2 * topk_ids.shape[0] * s.hidden * 2) / 1e9
     return gbytes, 6 * pairs * s.moe_inter * s.hidden / 1e9
 
 
 # --- running ----------------------------------------------------------------------------------------------------
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
-TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "fp8_gemm": (2e-2, 2e-2)}
+TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
+              "fp8_gemm": (2e-2, 2e-2)}
 
 
 def _max_error(torch, actual, expected, atol, rtol) -> float:
@@ -373,7 +377,57 @@ def bench_fp8_gemm(torch, s, device, timer, options):
     return results
 
 
-BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe, "fp8_gemm": bench_fp8_gemm}
+def quantized_experts(torch, device, fmt: str, num_experts: int, n: int, k: int, halves: int, gen):
+    """Random expert weights [E, N, K] as published, one expert at a time (no fp32 copy of them all)."""
+    from kernels.moe import QuantizedExperts
+
+    if fmt == "mxfp4":
+        data = torch.randint(-128, 128, (num_experts, n, k // 2), generator=gen, device=device, dtype=torch.int8)
+        scale = torch.randint(118, 124, (num_experts, n, k // 32), generator=gen, device=device, dtype=torch.uint8)
+        return QuantizedExperts("mxfp4", data, scale, (num_experts, n, k), n)
+    data = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=device)
+    for e in range(num_experts):
+        data[e] = (torch.randn(n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows = n // halves
+    blocks = (num_experts, halves * -(-rows // 128), -(-k // 128))
+    scale = torch.exp2(torch.randint(-16, -12, blocks, generator=gen, device=device).float())
+    return QuantizedExperts("fp8", data, scale, (num_experts, n, k), rows)
+
+
+def _dequantized_bf16(torch, experts):
+    out = torch.empty(experts.shape, dtype=torch.bfloat16, device=experts.data.device)
+    for e in range(experts.shape[0]):
+        one = experts._replace(data=experts.data[e:e + 1], scale=experts.scale[e:e + 1], shape=(1, *experts.shape[1:]))
+        out[e] = one.dequantize()[0].to(torch.bfloat16)
+    return out
+
+
+def bench_moe_quantized(torch, s, device, timer, options):
+    from kernels.moe import fused_moe_reference, fused_moe_triton
+
+    results = []
+    gen = torch.Generator(device=device).manual_seed(1)
+    for fmt, weight_bytes in (("fp8", 1.0), ("mxfp4", 0.5 + 1 / 32)):
+        gate_up = quantized_experts(torch, device, fmt, s.num_experts, 2 * s.moe_inter, s.hidden, 2, gen)
+        down = quantized_experts(torch, device, fmt, s.num_experts, s.hidden, s.moe_inter, 1, gen)
+        bf16 = (_dequantized_bf16(torch, gate_up), _dequantized_bf16(torch, down))
+        for num_tokens in [*s.moe_decode_tokens, s.prefill_tokens]:
+            x, ids, weights, *_ = moe_inputs(torch, s, device, num_tokens, bf16)
+            name = f"{fmt} {'prefill' if num_tokens == s.prefill_tokens else 'decode'} T={num_tokens}"
+            actual = fused_moe_triton(x, ids, weights, gate_up, down, 10.0)
+            expected = fused_moe_reference(x, ids, weights, *bf16, 10.0)
+            error = _max_error(torch, actual, expected, *TOLERANCES["moe"])
+            ms = timer(lambda: fused_moe_triton(x, ids, weights, gate_up, down, 10.0))
+            ref_ms = None if options.skip_reference else timer(lambda: fused_moe_triton(x, ids, weights, *bf16, 10.0))
+            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
+            print(f"  {'moe_q':<10} {name:<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
+            results.append(Result("moe_q", name, ms, ref_ms, *moe_work(s, ids, weight_bytes), error))
+        del gate_up, down, bf16
+    return results
+
+
+BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe, "moe_q": bench_moe_quantized,
+           "fp8_gemm": bench_fp8_gemm}
 
 
 def _print_table(rows):
@@ -388,7 +442,7 @@ def _print_table(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="attention,indexer,moe,fp8_gemm", help="comma-separated subset")
+    parser.add_argument("--kernels", default="attention,indexer,moe,moe_q,fp8_gemm", help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
     parser.add_argument("--json", type=Path, help="write the results as JSON")

@@ -42,7 +42,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
-from kernels.moe import plan_fused_moe  # noqa: E402
+from kernels.moe import QuantizedExperts, plan_fused_moe  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -61,7 +61,8 @@ MODELS = [
 ]
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
          ("v4-flash", "indexer T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
-         ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096")}
+         ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
+         ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096")}
 # The FP8 linears of V4-Flash (N, K), as DeepSeek publishes them.
 FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}
@@ -119,11 +120,24 @@ def indexer_launches(m: dict, num_tokens: int):
         max_entries=8192 // m["csa_rate"])[1]
 
 
-def moe_launches(m: dict, num_tokens: int):
+def _experts(fmt: str, num_experts: int, n: int, k: int, halves: int):
+    """Expert weights [E, N, K] as the kernel takes them: bf16, or QuantizedExperts as published."""
+    if fmt == "bf16":
+        return _meta(num_experts, n, k)
+    if fmt == "mxfp4":
+        return QuantizedExperts("mxfp4", _meta(num_experts, n, k // 2, dtype=torch.int8),
+                                _meta(num_experts, n, k // 32, dtype=torch.uint8), (num_experts, n, k), n)
+    rows = n // halves
+    scale = _meta(num_experts, halves * -(-rows // 128), -(-k // 128), dtype=torch.float32)
+    return QuantizedExperts("fp8", _meta(num_experts, n, k, dtype=torch.float8_e4m3fn), scale, (num_experts, n, k), rows)
+
+
+def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16"):
+    e, d, i = m["num_experts"], m["hidden"], m["moe_inter"]
     return plan_fused_moe(
         _meta(num_tokens, m["hidden"]), _meta(num_tokens, m["top_k"], dtype=torch.int64),
-        _meta(num_tokens, m["top_k"], dtype=torch.float32), _meta(m["num_experts"], 2 * m["moe_inter"], m["hidden"]),
-        _meta(m["num_experts"], m["hidden"], m["moe_inter"]), 10.0)[1]
+        _meta(num_tokens, m["top_k"], dtype=torch.float32), _experts(fmt, e, 2 * i, d, 2), _experts(fmt, e, d, i, 1),
+        10.0)[1]
 
 
 def fp8_gemm_launches(num_tokens: int, n: int, k: int):
@@ -144,6 +158,10 @@ def cases() -> list[tuple[str, str, list]]:
             out.append((m["name"], f"indexer T={t}", indexer_launches(m, t)))
         for t in m["moe_tokens"]:
             out.append((m["name"], f"moe T={t}", moe_launches(m, t)))
+    flash = MODELS[0]
+    for fmt in ("fp8", "mxfp4"):
+        for t in flash["moe_tokens"]:
+            out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))
     for name, (n, k) in FP8_LINEARS.items():
         for t in (1, 64, 4096):
             out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k)))

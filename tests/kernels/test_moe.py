@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.moe import fused_moe_reference, fused_moe_triton, moe_align, route_hash, route_topk
+from kernels.moe import QuantizedExperts, fused_moe_reference, fused_moe_triton, moe_align, route_hash, route_topk
 
 # The reference rounds x @ W_gate_up to x's dtype before the SwiGLU; the kernel keeps it in fp32. bf16 compares
 # against the reference in fp32 and includes the interpreter's truncating fp32->bf16 store of h and out.
@@ -122,3 +122,58 @@ def test_route_hash_takes_experts_from_the_table():
     ids, weights = route_hash(logits, tid2eid, input_ids, 2.0)
     assert torch.equal(ids, tid2eid[input_ids])
     torch.testing.assert_close(weights.sum(-1), torch.full((7,), 2.0))
+
+
+# --- experts as published: FP8 with 128x128 block scales per half, MXFP4 with e8m0 per 32 ----------------------
+
+
+def fp8_experts(w: torch.Tensor, halves: int):
+    """Quantize [E, N, K] as DeepSeek stores it (each half — w1, w3 — with its own block grid)."""
+    from backend.model.quantization import dequantize_fp8, quantize_fp8
+
+    num_experts, n, k = w.shape
+    rows = n // halves
+    data, scales, dequantized = [], [], []
+    for e in range(num_experts):
+        parts = [quantize_fp8(w[e, h * rows:(h + 1) * rows]) for h in range(halves)]
+        data.append(torch.cat([q for q, _ in parts]))
+        scales.append(torch.cat([s.float() for _, s in parts]))
+        dequantized.append(torch.cat([dequantize_fp8(q, s) for q, s in parts]))
+    return QuantizedExperts("fp8", torch.stack(data), torch.stack(scales), (num_experts, n, k), rows), \
+        torch.stack(dequantized)
+
+
+def mxfp4_experts(w: torch.Tensor):
+    from backend.model.quantization import dequantize_mxfp4, quantize_mxfp4
+
+    parts = [quantize_mxfp4(w[e]) for e in range(w.shape[0])]
+    experts = QuantizedExperts("mxfp4", torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts]),
+                               tuple(w.shape), w.shape[1])
+    return experts, torch.stack([dequantize_mxfp4(q, s) for q, s in parts])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("hidden, inter", [(96, 64), (160, 96)])  # partial 128-blocks; K multiples of 32 (MXFP4)
+def test_quantized_experts_are_dequantized_in_the_kernel(fmt, hidden, inter):
+    x, ids, weights, w_gate_up, w_down = make_inputs(19, 5, 2, hidden, inter, torch.float32, skip_experts=(3,),
+                                                     seed=hidden)
+    if fmt == "fp8":
+        (q_gate_up, deq_gate_up), (q_down, deq_down) = fp8_experts(w_gate_up, 2), fp8_experts(w_down, 1)
+    else:
+        (q_gate_up, deq_gate_up), (q_down, deq_down) = mxfp4_experts(w_gate_up), mxfp4_experts(w_down)
+    assert torch.equal(q_gate_up.dequantize(), deq_gate_up) and torch.equal(q_down.dequantize(), deq_down)
+    expected = fused_moe_reference(x, ids, weights, deq_gate_up, deq_down, LIMIT)
+    actual = fused_moe_triton(x, ids, weights, q_gate_up, q_down, LIMIT, config=SMALL_TILES)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_quantized_experts_with_the_wrong_scales_are_refused():
+    x, ids, weights, w_gate_up, w_down = make_inputs(4, 2, 1, 64, 32, torch.float32)
+    q_gate_up, _ = fp8_experts(w_gate_up, 2)
+    q_down, _ = fp8_experts(w_down, 1)
+    bad = q_gate_up._replace(scale=q_gate_up.scale[:, :1])
+    with pytest.raises(AssertionError, match="fp8 scales must be float32"):
+        fused_moe_triton(x, ids, weights, bad, q_down, LIMIT)
+    mixed = mxfp4_experts(w_down)[0]
+    with pytest.raises(AssertionError, match="one format"):
+        fused_moe_triton(x, ids, weights, q_gate_up, mixed, LIMIT)
