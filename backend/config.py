@@ -27,6 +27,9 @@ class EngineConfig:
     checkpoint: str = str(DEFAULT_CHECKPOINT)
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16
+    # Quantized checkpoints: `dequantize` expands FP8/MXFP4 at load (exact); `fp8` keeps them as published
+    # and runs them through the FP8 GEMM and quantized MoE kernels; auto: fp8 on CUDA, dequantize on CPU.
+    weight_format: str = "auto"
     # Scheduling.
     policy: str = "prefill_first"
     decode_interleave_every: int | None = None
@@ -58,6 +61,8 @@ class EngineConfig:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "auto, float32, bfloat16 or float16")
         _check(self.policy in POLICIES, "policy", self.policy, " or ".join(POLICIES))
+        _check(self.weight_format in ("auto", "dequantize", "fp8"), "weight_format", self.weight_format,
+               "auto, dequantize or fp8")
         _check_int(self, "max_running_requests", 1)
         # Every running request's decode must fit one step, and with one request still in prefill
         # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.

@@ -56,7 +56,8 @@ class LLMEngine:
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
         self.kernels = KernelDispatch(default_mode(config.use_reference_kernels))
-        weights = load_weights(checkpoint, self.model_config, self.dtype, self.device)
+        self.weight_format = resolve_weight_format(config, self.model_config, self.device)
+        weights = load_weights(checkpoint, self.model_config, self.dtype, self.device, self.weight_format)
         self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype, self.kernels)
         self.sampler = Sampler()
         self.cpu_threads = config.cpu_threads or torch.get_num_threads()
@@ -64,9 +65,9 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
-        logger.info("engine ready: device=%s dtype=%s kernels=%s capacity=%s bytes/token=%s prefill_chunk_tokens=%d",
-                    self.device, self.dtype, self.kernels.mode, self.kv.capacity(), self.kv.bytes_per_token(),
-                    self.scheduler.prefill_chunk_tokens)
+        logger.info("engine ready: device=%s dtype=%s weights=%s kernels=%s capacity=%s bytes/token=%s "
+                    "prefill_chunk_tokens=%d", self.device, self.dtype, self.weight_format, self.kernels.mode,
+                    self.kv.capacity(), self.kv.bytes_per_token(), self.scheduler.prefill_chunk_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -259,11 +260,24 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device) -> KVCacheM
     return kv
 
 
+def resolve_weight_format(config: EngineConfig, model_config, device: str) -> str:
+    """`auto`: keep a quantized checkpoint quantized on CUDA (V4-Flash does not fit any GPU in bf16),
+    dequantize on CPU; `fp8` needs a quantized checkpoint."""
+    quantized = model_config.quantization_config is not None
+    if config.weight_format == "auto":
+        return "fp8" if quantized and device == "cuda" else "dequantize"
+    if config.weight_format == "fp8" and not quantized:
+        raise ConfigError("parameter 'weight_format': 'fp8' needs a quantized (FP8) checkpoint; this one has no "
+                          "quantization_config")
+    return config.weight_format
+
+
 def check_deployment(config: EngineConfig) -> int:
     """What LLMEngine checks before it reads a weight, without allocating anything: the checkpoint's
     config.json is supported and the pools leave a prefill chunk budget (returned). Raises
     ConfigError / UnsupportedCheckpoint naming what to change."""
     model_config = load_model_config(config.checkpoint)
+    resolve_weight_format(config, model_config, config.resolved_device())
     return resolve_prefill_chunk_tokens(config, _memory_pools(config, model_config, config.resolved_dtype(), "meta"))
 
 

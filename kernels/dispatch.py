@@ -16,9 +16,12 @@ import os
 
 import torch
 
+import torch.nn.functional as F
+
 from kernels.attention import sparse_paged_attention_reference
+from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
-from kernels.moe import fused_moe_reference, route_hash, route_topk
+from kernels.moe import QuantizedExperts, fused_moe_reference, route_hash, route_topk
 
 MODES = ("auto", "reference", "triton")
 
@@ -50,12 +53,27 @@ class KernelDispatch:
             return indexer_scores_triton(q, *args, **kwargs)
         return indexer_scores_reference(q, *args, **kwargs)
 
-    def fused_moe(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit) -> torch.Tensor:
         if self.use_triton(x):
             from kernels.moe import fused_moe_triton
 
-            return fused_moe_triton(x, *args, **kwargs)
-        return fused_moe_reference(x, *args, **kwargs)
+            return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit)
+        w_gate_up, w_down = (w.dequantize().to(x.dtype) if isinstance(w, QuantizedExperts) else w
+                             for w in (w_gate_up, w_down))
+        return fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit)
+
+    def linear(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight."""
+        if not isinstance(weight, Fp8Weight):
+            return F.linear(x, weight)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.use_triton(x):
+            from kernels.fp8_gemm import fp8_gemm_triton
+
+            out = fp8_gemm_triton(flat.contiguous(), weight.data, weight.scale)
+        else:
+            out = fp8_gemm_reference(flat, weight.data, weight.scale)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     # Routing has one (torch) implementation; it goes through here so that a fused kernel can
     # replace it without the model changing.

@@ -23,6 +23,8 @@ dequantized operands in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,17 @@ from kernels.common import is_interpreting
 
 GROUP = 128  # K group of the activation scales = the weight's block size
 E4M3_MAX = 448.0
+
+
+class Fp8Weight(NamedTuple):
+    """A linear's weight kept as published: data [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] float32."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.data.shape)
 
 
 @triton.jit

@@ -35,6 +35,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-running-requests", type=int, default=16)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--weight-format", choices=["auto", "dequantize", "fp8"], default="auto",
+                        help="quantized checkpoints: dequantize at load, or keep FP8/MXFP4 (auto: fp8 on CUDA)")
     parser.add_argument("--ignore-eos", action="store_true")
     return parser.parse_args(argv)
 
@@ -55,6 +57,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+                          weight_format=args.weight_format,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           max_running_requests=args.max_running_requests)
     engine = LLMEngine(config)

@@ -4,8 +4,8 @@
     python scripts/plan_memory.py --config ../shared/docs/configs/deepseek-v4-flash.config.json --num-gpus 8
     python scripts/plan_memory.py --checkpoint /data/DeepSeek-V4-Flash --weight-format fp8 --json plan.json
 
-Reads config.json only (no weight). Weights come from backend/model/footprint.py: `dequantize`
-(every weight in bf16, what the engine holds today) or `fp8` (weights kept as published: FP8
+Reads config.json only (no weight). Weights come from backend/model/footprint.py: what the engine
+holds with --weight-format `dequantize` (every weight in bf16) or `fp8` (kept as published: FP8
 linears, MXFP4 or FP8 experts, with their scales); the published checkpoint's size on disk (with
 the mtp.* draft layer) is printed beside them, to compare with the real shards. Weights are
 assumed split evenly over --num-gpus; the KV pools are not split (DeepSeek-V4 has one K=V head,
@@ -46,10 +46,10 @@ def kv_geometry(config, page_size: int, max_running: int) -> dict:
 
 def plan(config, weight_format: str, num_gpus: int, gpu_memory_gib: float, utilization: float, reserve_gib: float,
          max_running: int, page_size: int) -> dict:
-    fmt = "dequantize" if weight_format == "dequantize" else "published"
-    parts = weight_bytes(config, fmt)
-    on_disk = sum(weight_bytes(config, "published").values())
-    draft = parts.pop("draft layer (mtp)")
+    parts = weight_bytes(config, weight_format)
+    published = weight_bytes(config, "published")
+    on_disk = sum(published.values())
+    parts.pop("draft layer (mtp)")
     weights = sum(parts.values())
     geometry = kv_geometry(config, page_size, max_running)
     per_token = geometry["bytes_per_token"]
@@ -60,8 +60,7 @@ def plan(config, weight_format: str, num_gpus: int, gpu_memory_gib: float, utili
     return {
         "weight_format": weight_format, "num_gpus": num_gpus, "gpu_memory_gib": gpu_memory_gib,
         "weights_bytes": weights, "weights_by_part": parts, "weights_per_device_bytes": weights / num_gpus,
-        "published_on_disk_bytes": on_disk, "published_draft_layer_bytes": draft if fmt == "published" else
-        weight_bytes(config, "published")["draft layer (mtp)"],
+        "published_on_disk_bytes": on_disk, "published_draft_layer_bytes": published["draft layer (mtp)"],
         "kv_bytes_per_position": per_token, "kv_bytes_per_running_request": per_request,
         "fits": kv_budget > 0, "token_capacity_per_device": max(0, int(kv_budget // compressed_per_position)),
     }

@@ -9,6 +9,11 @@ peaks at about the model plus one tensor, never two copies of the model. FP8 and
 `mtp.*` draft layer is skipped (one log line). Every tensor is checked against the shape the config
 implies: a missing, unexpected, misshaped or mistyped tensor raises `CheckpointError` naming the
 file, the tensor, and what was expected and found.
+
+With weight_format="fp8" quantized weights stay as published instead: the FP8 linears as
+`kernels.fp8_gemm.Fp8Weight` (scales as float32) and the routed experts merged into
+`kernels.moe.QuantizedExperts` (FP8 or packed MXFP4 with their scales); `o_a_proj` is dequantized,
+as DeepSeek's own inference does (its grouped product is not a plain GEMM).
 """
 
 from __future__ import annotations
@@ -21,8 +26,13 @@ import torch
 from safetensors import safe_open
 
 from backend.model.config import CSA, HCA, ModelConfig
-from backend.model.quantization import MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape
+from backend.model.quantization import (FP8_LINEARS, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape,
+                                        scale_to_float)
 from backend.model.weight_names import Target, detect_layout, engine_target, is_draft_layer
+from kernels.fp8_gemm import Fp8Weight
+from kernels.moe import QuantizedExperts
+
+WEIGHT_FORMATS = ("dequantize", "fp8")
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +113,8 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
     return out
 
 
-def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype, device,
+                 weight_format: str = "dequantize") -> dict[str, torch.Tensor]:
     """The engine's tensors (names of backend/model/checkpoint.expected_shapes) from `checkpoint`."""
     from tqdm import tqdm
 
@@ -113,7 +124,9 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
         layout = detect_layout(files)
     except ValueError as exc:
         raise CheckpointError(f"{checkpoint}: {exc}") from None
-    loader = _Loader(expected_shapes(config), layout, dtype, device, files)
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    loader = _Loader(expected_shapes(config), layout, dtype, device, files, keep_quantized=weight_format == "fp8")
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -137,8 +150,9 @@ class _Loader:
     """Fills the engine's tensors from checkpoint tensors as they are read, one at a time."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], layout: str, dtype: torch.dtype, device,
-                 files: dict[str, Path]):
+                 files: dict[str, Path], keep_quantized: bool = False):
         self.shapes, self.layout, self.dtype, self.device, self.files = shapes, layout, dtype, device, files
+        self.keep_quantized = keep_quantized
         self.weights: dict[str, torch.Tensor] = {}
         self.expert_parts: dict[str, set[tuple[int, str | None]]] = {}  # merged tensor -> (expert, half) filled
         self.num_draft = 0
@@ -157,7 +171,11 @@ class _Loader:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (read as {target.name!r}, which this model "
                                   "config does not have)")
         expected = self._source_shape(target)
-        tensor = self._dequantized(name, f.get_tensor(name), expected, path)
+        raw = f.get_tensor(name)
+        if self.keep_quantized and self._keeps(target, name, raw):
+            self._keep(target, raw, self._scale_of(name, raw, expected, path))
+            return
+        tensor = self._dequantized(name, raw, expected, path)
         if tuple(tensor.shape) != expected:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         self._store(target, _convert(target.name, tensor, self.dtype, self.device))
@@ -184,15 +202,41 @@ class _Loader:
         rows = shape[1] // 2 if target.half is not None else shape[1]
         return rows, shape[2]
 
-    def _dequantized(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...], path: Path) -> torch.Tensor:
-        """FP8 (e4m3 + block scales) and MXFP4 (packed int8 + e8m0 scales) weights as float32."""
-        if tensor.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8) or len(expected) != 2:
-            return tensor
+    def _is_quantized(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> bool:
+        return tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and len(expected) == 2 and (
+            tensor.dtype == torch.float8_e4m3fn or name[: -len(".weight")] + ".scale" in self.files)
+
+    def _keeps(self, target: Target, name: str, tensor: torch.Tensor) -> bool:
+        """Whether weight_format=fp8 keeps this tensor quantized (FP8 linears but o_a_proj, routed experts)."""
+        if not self._is_quantized(name, tensor, self._source_shape(target)):
+            return False
+        return target.expert is not None or (target.name.endswith(FP8_LINEARS)
+                                             and not target.name.endswith("o_a_proj.weight"))
+
+    def _keep(self, target: Target, tensor: torch.Tensor, scale: torch.Tensor) -> None:
+        if target.expert is None:
+            self.weights[target.name] = Fp8Weight(tensor.to(self.device).contiguous(),
+                                                  scale_to_float(scale).to(self.device).contiguous())
+            return
+        merged = self.weights.get(target.name)
+        if merged is None:
+            merged = self.weights[target.name] = _empty_experts(self.shapes[target.name], tensor.dtype,
+                                                               halves=1 if target.half is None else 2,
+                                                               device=self.device)
+        rows, up = merged.rows_per_half, target.half == "up"
+        merged.data[target.expert, rows * up:rows * up + rows] = tensor.to(self.device)
+        scale_rows = scale.shape[0]
+        if merged.format == "fp8":
+            merged.scale[target.expert, scale_rows * up:scale_rows * up + scale_rows] = scale_to_float(scale)
+        else:
+            merged.scale[target.expert, rows * up:rows * up + rows] = scale.view(torch.uint8)
+        self.expert_parts.setdefault(target.name, set()).add((target.expert, target.half))
+
+    def _scale_of(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...], path: Path) -> torch.Tensor:
+        """The block scales of a quantized weight, checked against its shape."""
         scale_name = name[: -len(".weight")] + ".scale"
         if not name.endswith(".weight") or scale_name not in self.files:
-            if tensor.dtype == torch.float8_e4m3fn:
-                raise CheckpointError(f"{path}: FP8 tensor {name!r} has no block scales {scale_name!r}")
-            return tensor
+            raise CheckpointError(f"{path}: FP8 tensor {name!r} has no block scales {scale_name!r}")
         scale = self._read(scale_name)
         n, k = expected
         if tensor.dtype == torch.float8_e4m3fn:
@@ -207,6 +251,13 @@ class _Loader:
         if tuple(scale.shape) != want:
             raise CheckpointError(f"{self.files[scale_name]}: {kind} {scale_name!r} have shape {tuple(scale.shape)}, "
                                   f"expected {want} for weight {expected}")
+        return scale
+
+    def _dequantized(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...], path: Path) -> torch.Tensor:
+        """FP8 (e4m3 + block scales) and MXFP4 (packed int8 + e8m0 scales) weights as float32."""
+        if not self._is_quantized(name, tensor, expected):
+            return tensor
+        scale = self._scale_of(name, tensor, expected, path)
         if tensor.dtype == torch.float8_e4m3fn:
             return dequantize_fp8(tensor, scale)
         return dequantize_mxfp4(tensor, scale)
@@ -227,6 +278,18 @@ class _Loader:
         offset = rows if target.half == "up" else 0
         merged[target.expert, offset:offset + rows] = tensor
         self.expert_parts.setdefault(target.name, set()).add((target.expert, target.half))
+
+
+def _empty_experts(shape: tuple[int, int, int], dtype: torch.dtype, halves: int, device) -> QuantizedExperts:
+    """Room for merged experts [E, N, K] as published: FP8 (e4m3, float32 block scales per half) or MXFP4."""
+    num_experts, n, k = shape
+    rows = n // halves
+    if dtype == torch.float8_e4m3fn:
+        scale = torch.empty(num_experts, halves * -(-rows // 128), -(-k // 128), dtype=torch.float32, device=device)
+        return QuantizedExperts("fp8", torch.empty(shape, dtype=dtype, device=device), scale, shape, rows)
+    data = torch.empty(num_experts, n, k // 2, dtype=torch.int8, device=device)
+    scale = torch.empty(num_experts, n, k // MXFP4_BLOCK, dtype=torch.uint8, device=device)
+    return QuantizedExperts("mxfp4", data, scale, shape, rows)
 
 
 def is_fp32_parameter(name: str) -> bool:

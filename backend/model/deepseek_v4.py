@@ -70,10 +70,11 @@ class DeepseekV4Model:
         cos, sin = rope["main" if layer_type == SLIDING else "compress"]
         num_tokens = x.shape[0]
 
-        q_residual = rms_norm(F.linear(x, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], c.rms_norm_eps)
-        q = F.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, c.num_attention_heads, c.head_dim)
+        linear = self.kernels.linear
+        q_residual = rms_norm(linear(x, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], c.rms_norm_eps)
+        q = linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, c.num_attention_heads, c.head_dim)
         q = apply_rope(unweighted_rms_norm(q, c.rms_norm_eps), cos, sin)  # [T, H, Dh]
-        kv_new = rms_norm(F.linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], c.rms_norm_eps)
+        kv_new = rms_norm(linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], c.rms_norm_eps)
         kv_new = apply_rope(kv_new, cos, sin)  # [T, Dh]
         memory = kv.layer(i)
         memory.window_kv.view(-1, c.head_dim)[batch.window_write_index] = kv_new
@@ -98,7 +99,7 @@ class DeepseekV4Model:
         groups = out.reshape(out.shape[0], c.o_groups, -1)  # [T, G, H*Dh/G]
         w_a = self.w[p + "o_a_proj.weight"].view(c.o_groups, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
         grouped = torch.einsum("tgi,gri->tgr", groups, w_a).flatten(1)
-        return F.linear(grouped, self.w[p + "o_b_proj.weight"])
+        return self.kernels.linear(grouped, self.w[p + "o_b_proj.weight"])
 
     def _compress_into(self, i, prefix, stream, x, batch, memory: LayerMemory, pool_tensor, block_table) -> None:
         """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
@@ -121,7 +122,8 @@ class DeepseekV4Model:
         index_k = memory.index_k
         self._compress_into(i, "compressor.indexer.", "indexer", x, batch, memory, index_k,
                             batch.comp_block_tables["csa"])
-        q = F.linear(q_residual, w[p + "q_b_proj.weight"]).view(x.shape[0], c.index_n_heads, c.index_head_dim)
+        q = self.kernels.linear(q_residual, w[p + "q_b_proj.weight"]).view(x.shape[0], c.index_n_heads,
+                                                                            c.index_head_dim)
         q = apply_rope(q, *compress_cos_sin)  # the indexer's queries use the compress rope, as its keys do
         weights = F.linear(x, w[p + "scorer.weights_proj.weight"]).float() * c.index_n_heads ** -0.5
         scores = self.kernels.indexer_scores(q, weights, c.index_head_dim ** -0.5, batch.token_seq, batch.positions,
@@ -147,4 +149,4 @@ class DeepseekV4Model:
         routed = self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                                         c.swiglu_limit)
         return routed + shared_expert(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
-                                      w[p + "shared_experts.down_proj.weight"], c.swiglu_limit)
+                                      w[p + "shared_experts.down_proj.weight"], c.swiglu_limit, self.kernels.linear)

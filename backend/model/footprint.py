@@ -6,8 +6,10 @@ Formats:
   e8m0 byte per 32) or, with expert_dtype "fp8", in FP8 with float32 block scales;
   bf16 embeddings, head, norms, compressors, indexer weights_proj and router; fp32 mHC parameters,
   sinks, position biases and router bias; int64 tid2eid.
-- `dequantize`: what the engine holds today: every weight in the engine dtype (bf16 on CUDA), the
-  parameters the reference keeps in fp32 in fp32, tid2eid as int64; no draft layer.
+- `fp8`: what the engine holds with weight_format=fp8: as published, without the draft layer, and
+  with `o_a_proj` dequantized to bf16 (backend/model/checkpoint.py);
+- `dequantize`: what the engine holds with weight_format=dequantize: every weight in the engine dtype
+  (bf16 on CUDA), the parameters the reference keeps in fp32 in fp32, tid2eid as int64; no draft layer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from backend.model.checkpoint import expected_shapes, is_fp32_parameter
 from backend.model.config import SLIDING, ModelConfig
 from backend.model.quantization import FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK
 
-FORMATS = ("published", "dequantize")
+FORMATS = ("published", "fp8", "dequantize")
 _EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
@@ -45,7 +47,7 @@ def tensor_bytes(name: str, shape: tuple[int, ...], config: ModelConfig, fmt: st
         return _numel(shape) * (4 if is_fp32_parameter(name) else dtype_bytes)
     if any(marker in name for marker in _FP32_ON_DISK):
         return _numel(shape) * 4
-    if config.quantization_config is None:
+    if config.quantization_config is None or (fmt == "fp8" and name.endswith("o_a_proj.weight")):
         return _numel(shape) * 2
     if name.endswith(_EXPERTS):
         if config.expert_dtype == "fp8":

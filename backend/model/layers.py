@@ -120,7 +120,8 @@ def hyper_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
 
 
 # --- the shared expert ------------------------------------------------------------------------
-def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, limit: float):
-    g = F.linear(x, gate).clamp(max=limit)
-    u = F.linear(x, up).clamp(min=-limit, max=limit)
-    return F.linear(F.silu(g) * u, down)
+def shared_expert(x: torch.Tensor, gate, up, down, limit: float, linear=F.linear):
+    """Clamped SwiGLU; `linear` multiplies by a weight (F.linear, or the engine's FP8-aware one)."""
+    g = linear(x, gate).clamp(max=limit)
+    u = linear(x, up).clamp(min=-limit, max=limit)
+    return linear(F.silu(g) * u, down)

@@ -75,9 +75,9 @@ class EngineHarness:
     """The engine's model and pools without the scheduler: the test chooses every batch."""
 
     def __init__(self, checkpoint, page_size: int = 16, num_tokens: int = 16384, max_running_requests: int = 8,
-                 swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto"):
+                 swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto", weight_format: str = "dequantize"):
         self.config = load_model_config(checkpoint)
-        weights = load_weights(checkpoint, self.config, torch.float32, "cpu")
+        weights = load_weights(checkpoint, self.config, torch.float32, "cpu", weight_format)
         self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32, KernelDispatch(kernel_mode))
         self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
                                  page_size=page_size, max_running_requests=max_running_requests,

@@ -247,3 +247,35 @@ def test_broken_published_checkpoints_are_refused_naming_file_tensor_and_shapes(
     save_file(tensors, ckpt / "model.safetensors")
     with pytest.raises(CheckpointError, match=message):
         load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+
+
+# --- weight_format=fp8: kept as published ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", ["fp8-mxfp4", "fp8"])
+def test_fp8_format_keeps_the_published_weights_and_they_mean_the_dequantized_ones(tmp_path, quantize):
+    from kernels.fp8_gemm import Fp8Weight
+    from kernels.moe import QuantizedExperts
+
+    ckpt = tmp_path / quantize
+    write_checkpoint(ckpt, layout="deepseek", quantize=quantize, shard_bytes=300 * 1024)
+    config = load_model_config(ckpt)
+    kept = load_weights(ckpt, config, torch.float32, "cpu", weight_format="fp8")
+    expanded = load_weights(ckpt, config, torch.float32, "cpu")
+    q_b = kept["model.layers.1.self_attn.q_b_proj.weight"]
+    assert isinstance(q_b, Fp8Weight) and q_b.data.dtype == torch.float8_e4m3fn
+    assert torch.equal(q_b.data.float() * q_b.scale.repeat_interleave(128, 0)[:q_b.shape[0]]
+                       .repeat_interleave(128, 1)[:, :q_b.shape[1]], expanded["model.layers.1.self_attn.q_b_proj.weight"])
+    assert torch.is_tensor(kept["model.layers.1.self_attn.o_a_proj.weight"])  # dequantized, as DeepSeek's inference
+    experts = kept["model.layers.2.mlp.experts.gate_up_proj"]
+    assert isinstance(experts, QuantizedExperts) and experts.format == ("mxfp4" if quantize == "fp8-mxfp4" else "fp8")
+    for name in ("model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
+        assert torch.equal(kept[name].dequantize(), expanded[name])
+
+
+def test_fp8_format_needs_a_quantized_checkpoint(tiny_checkpoint):
+    from backend.config import ConfigError, EngineConfig
+    from backend.engine import LLMEngine
+
+    with pytest.raises(ConfigError, match="'weight_format'"):
+        LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", weight_format="fp8"))
