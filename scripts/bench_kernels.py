@@ -422,7 +422,6 @@ def bench_moe_quantized(torch, s, device, timer, options):
             status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
             print(f"  {'moe_q':<10} {name:<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
             results.append(Result("moe_q", name, ms, ref_ms, *moe_work(s, ids, weight_bytes), error))
-        del gate_up, down, bf16
     return results
 
 
