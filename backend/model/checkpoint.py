@@ -240,6 +240,8 @@ class _Loader:
         scale = self._read(scale_name)
         n, k = expected
         if tensor.dtype == torch.float8_e4m3fn:
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(f"{path}: FP8 tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
             want = fp8_block_shape((n, k))
             kind = "FP8 block scales"
         else:

@@ -240,13 +240,17 @@ def expected_shapes_of(ckpt):
     (lambda t: t.pop("layers.1.ffn.experts.5.w3.weight"),
      r"block scales 'layers.1.ffn.experts.5.w3.scale' without their weight"),
     (lambda t: t.update({"layers.0.attn.bogus.weight": torch.ones(2)}), r"unexpected tensor 'layers.0.attn.bogus.weight'"),
+    (lambda t: t.update({"layers.0.attn.wq_b.weight": t["layers.0.attn.wq_b.weight"][:-1].clone()}),
+     r"FP8 tensor 'layers.0.attn.wq_b.weight' has shape \(255, 48\), expected \(256, 48\)"),
 ])
-def test_broken_published_checkpoints_are_refused_naming_file_tensor_and_shapes(tmp_path, edit, message):
+@pytest.mark.parametrize("weight_format", ["dequantize", "fp8"])
+def test_broken_published_checkpoints_are_refused_naming_file_tensor_and_shapes(tmp_path, edit, message,
+                                                                               weight_format):
     ckpt, tensors = _deepseek_checkpoint(tmp_path)
     edit(tensors)
     save_file(tensors, ckpt / "model.safetensors")
     with pytest.raises(CheckpointError, match=message):
-        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu", weight_format)
 
 
 # --- weight_format=fp8: kept as published ----------------------------------------------------------------
