@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from kernels.common import is_interpreting
+from kernels.quant_formats import E4M3_MAX, FP8_BLOCK, dequantize_fp8, scale_to_float
 
-GROUP = 128  # K group of the activation scales = the weight's block size
-E4M3_MAX = 448.0
+GROUP = FP8_BLOCK  # K group of the activation scales = the weight's block size
 
 
 class Fp8Weight(NamedTuple):
@@ -116,17 +116,12 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
     if num_tokens == 0:
         return out, []
     cfg = config or fp8_gemm_config(num_tokens, n)
-    scale_arg = _block_scales(w_scale)
+    scale_arg = scale_to_float(w_scale).contiguous()
     args = (x, w_q, scale_arg, out, num_tokens, n, k, x.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
     kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP,
                   NATIVE_FP8_DOT=not is_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
     return out, [(_fp8_gemm_kernel, grid, args, kwargs)]
-
-
-def _e8m0_as_float(raw: torch.Tensor) -> torch.Tensor:
-    """e8m0 bytes as float32 multipliers (2^(b - 127)); a tiny [N/128, K/128] tensor, made once per call."""
-    return torch.exp2(raw.to(torch.float32) - 127.0).contiguous()
 
 
 def _check_fp8_gemm_inputs(x, w_q, w_scale):
@@ -162,17 +157,8 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     return quantized.to(torch.float8_e4m3fn), scale
 
 
-def _block_scales(w_scale: torch.Tensor) -> torch.Tensor:
-    if w_scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
-        return _e8m0_as_float(w_scale.view(torch.uint8))
-    return w_scale.to(torch.float32)
-
-
 def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """out [T, N] = dequant(act_quant(x)) @ dequant(W_q, S_w)^T in fp32, cast to x's dtype."""
     x_q, s_x = quantize_activations_reference(x)
-    k = x.shape[1]
-    x_deq = x_q.float() * s_x.repeat_interleave(GROUP, -1)[:, :k]
-    n = w_q.shape[0]
-    w_deq = w_q.float() * _block_scales(w_scale).repeat_interleave(GROUP, 0)[:n].repeat_interleave(GROUP, 1)[:, :k]
-    return (x_deq @ w_deq.T).to(x.dtype)
+    x_deq = x_q.float() * s_x.repeat_interleave(GROUP, -1)[:, : x.shape[1]]
+    return (x_deq @ dequantize_fp8(w_q, w_scale).T).to(x.dtype)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import compute_dtype
+from kernels.quant_formats import FP8_BLOCK, dequantize_mxfp4
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -78,19 +79,14 @@ class QuantizedExperts(NamedTuple):
         """[E, N, K] float32, the reference's view of the weights."""
         num_experts, n, k = self.shape
         if self.format == "mxfp4":
-            codes = self.data.view(torch.uint8)
-            table = torch.tensor(_FP4, dtype=torch.float32, device=codes.device)
-            values = torch.stack((table[(codes & 0xF).long()], table[(codes >> 4).long()]), -1).flatten(-2)
-            exponents = self.scale.view(torch.uint8).float()  # e8m0 bytes (float8_e8m0fnu or uint8)
-            return values * torch.exp2(exponents - 127.0).repeat_interleave(32, -1)
-        r = self.rows_per_half
-        blocks = triton.cdiv(r, 128)
-        halves = self.scale.view(num_experts, n // r, blocks, -1).repeat_interleave(128, 2)[:, :, :r]
-        per_row = halves.reshape(num_experts, n, -1).repeat_interleave(128, -1)[..., :k]
+            return dequantize_mxfp4(self.data, self.scale.view(torch.uint8))
+        r = self.rows_per_half  # each half has its own grid of 128 x 128 block scales
+        blocks = triton.cdiv(r, FP8_BLOCK)
+        halves = self.scale.view(num_experts, n // r, blocks, -1).repeat_interleave(FP8_BLOCK, 2)[:, :, :r]
+        per_row = halves.reshape(num_experts, n, -1).repeat_interleave(FP8_BLOCK, -1)[..., :k]
         return self.data.float() * per_row
 
 
-_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 DENSE, FP8, MXFP4 = 0, 1, 2
 _FORMATS = {"fp8": FP8, "mxfp4": MXFP4}
 
@@ -274,7 +270,7 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
     """
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = _logical_shape(w_gate_up)
+    num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
     _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
     top_k = topk_ids.shape[1]
@@ -319,18 +315,15 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     return finish, launches
 
 
-def _logical_shape(w) -> tuple[int, int, int]:
-    return tuple(w.shape)  # a tensor's, or QuantizedExperts.shape
-
-
 def _weight_format(w) -> int:
     return _FORMATS[w.format] if isinstance(w, QuantizedExperts) else DENSE
 
 
 def _kernel_weights(w):
-    """(data, scale, rows_per_half) as the kernels take them; dense weights get a dummy scale."""
+    """(data, scale, rows_per_half) as the kernels take them; a dense weight stands in for its own
+    scale (the dense kernels never read it)."""
     if not isinstance(w, QuantizedExperts):
-        return w, torch.empty((1, 1), dtype=torch.float32, device=w.device), w.shape[1]
+        return w, w, w.shape[1]
     if w.format == "mxfp4":
         return w.data.view(torch.uint8), w.scale.view(torch.uint8), w.rows_per_half
     return w.data, w.scale, w.rows_per_half
@@ -353,12 +346,12 @@ def _check_quantized(name: str, w: QuantizedExperts) -> None:
 
 def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = _logical_shape(w_gate_up)
+    num_experts, two_inter, _ = w_gate_up.shape
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} not supported"
     assert x.stride(1) == 1, "x's last dimension must be contiguous"
-    assert _logical_shape(w_gate_up) == (num_experts, two_inter, hidden) and two_inter % 2 == 0, \
+    assert tuple(w_gate_up.shape) == (num_experts, two_inter, hidden) and two_inter % 2 == 0, \
         "w_gate_up must be [E, 2I, D]"
-    assert _logical_shape(w_down) == (num_experts, hidden, two_inter // 2), "w_down must be [E, D, I]"
+    assert tuple(w_down.shape) == (num_experts, hidden, two_inter // 2), "w_down must be [E, D, I]"
     assert _weight_format(w_gate_up) == _weight_format(w_down), "both expert weights in one format"
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if isinstance(w, QuantizedExperts):

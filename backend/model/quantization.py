@@ -1,4 +1,7 @@
-"""DeepSeek-V4's quantized weight formats: what their bytes mean (and how to write them, for tests).
+"""DeepSeek-V4's quantized weight formats: which tensors are quantized, what the bytes mean, how to write them.
+
+The decoding is defined once, in kernels/quant_formats.py (the kernels' references need it too), and
+re-exported here for the loader.
 
 - FP8 (dense and attention linears; V4-Flash-Base also its routed experts): `X.weight` float8 e4m3
   [N, K] and `X.scale` [ceil(N/128), ceil(K/128)], float8_e8m0fnu (V4-Flash, V4-Pro) or float32
@@ -15,44 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from kernels.quant_formats import (E4M3_MAX, FP4_VALUES, FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8,  # noqa: F401
+                                   dequantize_mxfp4, fp8_block_shape, scale_to_float)
+
 # Engine tensors DeepSeek stores in FP8 (`<name>.weight` + `<name>.scale`); routed experts by expert_dtype.
 FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
                "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
                "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
-FP8_BLOCK = 128
-MXFP4_BLOCK = 32
-E4M3_MAX = 448.0
-# e2m1 code -> value; bit 3 is the sign.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """Block scales as float32 multipliers, from e8m0 (float8_e8m0fnu or raw uint8 bytes) or float32."""
-    if scale.dtype == torch.uint8:
-        return torch.exp2(scale.to(torch.float32) - 127.0)
-    return scale.to(torch.float32)
-
-
-def fp8_block_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    n, k = shape
-    return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 from e4m3 `weight` [N, K] and block scales [ceil(N/128), ceil(K/128)]."""
-    n, k = weight.shape
-    blocks = scale_to_float(scale)
-    expanded = blocks.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return weight.to(torch.float32) * expanded
-
-
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W [N, K] float32 from packed e2m1 codes [N, K/2] (int8 or uint8) and e8m0 scales [N, K/32]."""
-    codes = packed.view(torch.uint8)
-    low, high = (codes & 0xF).long(), (codes >> 4).long()
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
-    values = torch.stack((table[low], table[high]), dim=-1).flatten(-2)  # [N, K]: low nibble = even k
-    return values * scale_to_float(scale).repeat_interleave(MXFP4_BLOCK, -1)
 
 
 # --- writing (scripts/make_checkpoint.py, tests) ------------------------------------------------------
