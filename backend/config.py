@@ -77,12 +77,12 @@ class EngineConfig:
             _check(self.prefill_chunk_tokens <= self.max_num_batched_tokens, "prefill_chunk_tokens",
                    self.prefill_chunk_tokens, f"at most max_num_batched_tokens ({self.max_num_batched_tokens})")
         if self.itl_target_ms is not None:
-            _check(_is_number(self.itl_target_ms) and self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms,
+            _check(is_number(self.itl_target_ms) and self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms,
                    "a number > 0")
         _check_int(self, "num_tokens", 1)
-        _check(_is_number(self.swa_full_tokens_ratio) and 0.0 < self.swa_full_tokens_ratio <= 1.0,
+        _check(is_number(self.swa_full_tokens_ratio) and 0.0 < self.swa_full_tokens_ratio <= 1.0,
                "swa_full_tokens_ratio", self.swa_full_tokens_ratio, "in (0, 1]")
-        _check(_is_int(self.page_size) and self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+        _check(is_int(self.page_size) and self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
                "page_size", self.page_size, "a power of two")
         _check_int(self, "max_tokens_limit", 1)
         if self.cpu_threads is not None:
@@ -130,17 +130,18 @@ def _check(ok: bool, name: str, value, expected: str) -> None:
         raise ConfigError(f"parameter {name!r}: invalid value {value!r} (expected {expected})")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int that is not a bool (json and Python both make True an int)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: str | None = None) -> None:
     value = getattr(config, name)
-    _check(_is_int(value) and value >= minimum, name, value, f"an integer >= {minimum_text or minimum}")
+    _check(is_int(value) and value >= minimum, name, value, f"an integer >= {minimum_text or minimum}")
 
 
 def _parse(name: str, type_name: str, value: str):

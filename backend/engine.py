@@ -48,15 +48,14 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         checkpoint = Path(config.checkpoint)
-        self.model_config = load_model_config(checkpoint)
-        self.kv = _memory_pools(config, self.model_config, self.dtype, self.device)
-        self.scheduler = Scheduler(config, self.kv, resolve_prefill_chunk_tokens(config, self.kv))
+        self.model_config, self.weight_format, self.kv, prefill_chunk_tokens = plan_deployment(
+            config, self.device, self.dtype)
+        self.scheduler = Scheduler(config, self.kv, prefill_chunk_tokens)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
         self.kernels = KernelDispatch(default_mode(config.use_reference_kernels))
-        self.weight_format = resolve_weight_format(config, self.model_config, self.device)
         weights = load_weights(checkpoint, self.model_config, self.dtype, self.device, self.weight_format)
         self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype, self.kernels)
         self.sampler = Sampler()
@@ -272,13 +271,19 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
     return config.weight_format
 
 
-def check_deployment(config: EngineConfig) -> int:
-    """What LLMEngine checks before it reads a weight, without allocating anything: the checkpoint's
-    config.json is supported and the pools leave a prefill chunk budget (returned). Raises
-    ConfigError / UnsupportedCheckpoint naming what to change."""
+def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
+    """Everything decided before a weight is read: (model config, weight format, memory pools on
+    `device`, prefill chunk budget). Raises ConfigError / UnsupportedCheckpoint naming what to change."""
     model_config = load_model_config(config.checkpoint)
-    resolve_weight_format(config, model_config, config.resolved_device())
-    return resolve_prefill_chunk_tokens(config, _memory_pools(config, model_config, config.resolved_dtype(), "meta"))
+    weight_format = resolve_weight_format(config, model_config, config.resolved_device())
+    kv = _memory_pools(config, model_config, dtype, device)
+    return model_config, weight_format, kv, resolve_prefill_chunk_tokens(config, kv)
+
+
+def check_deployment(config: EngineConfig) -> int:
+    """plan_deployment without allocating anything (the pools on the meta device); returns the
+    prefill chunk budget. What make_model_repository.py checks before writing a repository."""
+    return plan_deployment(config, "meta", config.resolved_dtype())[3]
 
 
 def _scheduler_error(seq: Sequence) -> str | None:

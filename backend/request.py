@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from backend.config import is_int, is_number
+
 if TYPE_CHECKING:
     import torch
 
@@ -65,18 +67,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check_range("temperature", self.temperature, 0.0, 100.0, "[0, 100]")
         _check_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]", low_open=True)
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
@@ -123,18 +125,14 @@ def _apply_min_tokens(kwargs: dict[str, Any]) -> None:
     kwargs["ignore_eos"] = True
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_range(name: str, value: Any, low: float, high: float, text: str, low_open: bool = False) -> None:
-    number_ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    number_ok = is_number(value) and math.isfinite(value)
     if not number_ok or not (low < value if low_open else low <= value) or value > high:
         raise ValueError(f"{name} must be in {text}, got {value!r}")
 
 
 def _as_int(value: Any, key: str) -> int:
-    if _is_int(value):
+    if is_int(value):
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
@@ -173,7 +171,7 @@ class RequestLimits:
         """Raise ValueError with a client-facing message if this deployment cannot serve the request."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not (_is_int(t) and 0 <= t < self.vocab_size)]
+        bad = [t for t in prompt_ids if not (is_int(t) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
         if sampling.max_tokens > self.max_tokens_limit:
@@ -256,14 +254,12 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def finish(self, reason: FinishReason | None = None) -> None:
+    def finish(self) -> None:
         """End the request: FINISHED, its pages and slot back to the pools, its generator dropped.
 
-        Idempotent; `reason` (when given) becomes the finish reason. The final response is the
-        engine's to send (it needs the text the detokenizer still holds).
+        Idempotent. Whoever ends it sets finish_reason; the final response is the engine's to send
+        (it needs the text the detokenizer still holds).
         """
-        if reason is not None:
-            self.finish_reason = reason
         self.status = SequenceStatus.FINISHED
         self.release_pages()
         self.generator = None

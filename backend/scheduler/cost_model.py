@@ -151,8 +151,8 @@ class StepCostModel:
         """The most prefill tokens in [lo, hi] whose step (base + them) is predicted (upper) <= target_s.
 
         `context` is the computed length of the sequence the tokens will mostly go to. Returns lo
-        when even lo misses the target (prefill must progress; see is_feasible) and lo before any
-        observation; never more than twice the largest prefill observed, so a young model is not
+        when even lo misses the target (prefill must progress; ItlTargetBudget flags such steps)
+        and lo before any observation; never more than twice the largest prefill observed, so a young model is not
         trusted far outside its data.
         """
         hi = max(lo, min(hi, 2 * self.max_prefill_seen))
