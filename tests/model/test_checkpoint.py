@@ -283,3 +283,16 @@ def test_fp8_format_needs_a_quantized_checkpoint(tiny_checkpoint):
 
     with pytest.raises(ConfigError, match="'weight_format'"):
         LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", weight_format="fp8"))
+
+
+def test_a_checkpoint_written_by_save_pretrained_loads_the_models_own_tensors(tmp_path):
+    """The checkpoint a transformers user has: DeepseekV4ForCausalLM.save_pretrained, not our writer."""
+    from make_checkpoint import make_config
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(make_config())
+    model.save_pretrained(tmp_path)
+    ours = load_weights(tmp_path, load_model_config(tmp_path), torch.float32, "cpu")
+    theirs = model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
