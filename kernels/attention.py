@@ -3,7 +3,8 @@
 Math, for query token t of batch row b = token_seq[t] at absolute position p = token_pos[t], head h:
   window keys   K_w = { kv at positions j in [max(0, p - window + 1), p] }   (read through the page table)
   compressed    K_c = HCA: { entry e : 0 <= e < (p + 1) // compress_rate }   (topk_indices is None)
-                      CSA: { entry topk_indices[t, i] : topk_indices[t, i] >= 0 }
+                      CSA: { entry e = topk_indices[t, i] : 0 <= e < (p + 1) // compress_rate }  (others ignored,
+                           so the indexer's raw top-k over -inf-masked scores needs no masking launch)
   logits        s_j = scale * q[t, h] . k_j      for k_j in K_w ∪ K_c, plus one sink logit sinks[h]
   out[t, h]   = sum_j softmax(s ∪ {sink})_j * k_j       (shared K = V; the sink carries mass, no value)
 All softmax arithmetic in fp32.
@@ -16,7 +17,7 @@ Layouts (one layer's slice of each pool):
   comp_kv            [num_comp_pages, page_size, D]; entry e of row b lives at
                      page comp_block_table[b, e // page_size], slot e % page_size
   comp_block_table   [B, C] int32
-  topk_indices       [T, K] int32 or None
+  topk_indices       [T, K] int32 / int64 or None
 
 Kernel (`sparse_paged_attention_triton`): one program per (query token, block of BLOCK_H heads, KV split);
 grid (T, cdiv(H, BLOCK_H), num_splits). The heads of a token share every key (MQA, K = V), so the query
@@ -61,7 +62,10 @@ def _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
     return m_new, l_i, acc
 
 
-@triton.jit
+# Arguments that vary from step to step are not specialised (divisibility by 16, == 1), so that a new batch
+# never JIT-compiles a second variant mid-stream.
+@triton.jit(do_not_specialize=["num_topk", "num_splits", "stride_topk_t", "stride_ot", "stride_oh", "stride_lse_t",
+                             "stride_lse_h"])
 def _sparse_paged_attention_kernel(
     # pointers
     q_ptr, sinks_ptr, token_seq_ptr, token_pos_ptr,
@@ -132,8 +136,8 @@ def _sparse_paged_attention_kernel(
             idx = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             if COMP_MODE == 2:
                 entry = tl.load(topk_ptr + t * stride_topk_t + idx, mask=idx < num_comp, other=-1).to(tl.int64)
-                key_mask = entry >= 0
-                entry = tl.maximum(entry, 0)
+                key_mask = (entry >= 0) & (entry < (pos + 1) // compress_rate)
+                entry = tl.where(key_mask, entry, 0)
             else:
                 entry = idx.to(tl.int64)
                 key_mask = idx < num_comp
@@ -156,7 +160,7 @@ def _sparse_paged_attention_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lse_t", "stride_lse_h"])
 def _split_kv_combine_kernel(
     partial_ptr, lse_ptr, sinks_ptr, out_ptr,
     num_splits,
@@ -388,7 +392,7 @@ def _compressed_keys(comp_kv, comp_block_table, seq, pos, compress_rate, topk_in
         valid = entries < num_causal[:, None]
     else:
         entries = topk_indices.long()
-        valid = entries >= 0
+        valid = (entries >= 0) & (entries < ((pos + 1) // compress_rate)[:, None])
     entries = torch.where(valid, entries, torch.zeros_like(entries))
     keys = _gather_rows(comp_kv, comp_block_table, seq[:, None], entries // page_size, entries % page_size)
     return keys, valid

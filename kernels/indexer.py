@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels.common import compute_dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_entries", "stride_st"])  # vary with the context: never recompile per step
 def _indexer_scores_kernel(
     # pointers
     q_ptr, weights_ptr, token_seq_ptr, token_pos_ptr, index_k_ptr, block_table_ptr, scores_ptr,
@@ -152,8 +152,13 @@ def indexer_scores_reference(
     index_k: torch.Tensor,
     block_table: torch.Tensor,
     compress_rate: int,
+    *,
+    max_entries: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch definition of the kernel (see the module docstring). Returns [T, max_entries] fp32.
+
+    max_entries: the scores' width (at least the widest causal count; columns past a token's causal entries
+    are -inf); None computes it from token_pos.
 
     The tokens of one prefill chunk share their keys, so a request with several tokens gathers its
     keys once and scores its tokens in tiles; single tokens (decodes) are scored together, each with
@@ -161,7 +166,8 @@ def indexer_scores_reference(
     """
     num_tokens = q.shape[0]
     num_causal = (token_pos.long() + 1) // compress_rate
-    max_entries = int(num_causal.max().item()) if num_tokens else 0
+    if max_entries is None:
+        max_entries = int(num_causal.max().item()) if num_tokens else 0
     scores = torch.full((num_tokens, max_entries), float("-inf"), dtype=torch.float32, device=q.device)
     if max_entries == 0:
         return scores

@@ -1,4 +1,4 @@
-"""Routed mixture of experts with DeepSeek-V4's clamped SwiGLU.
+"""Routed mixture of experts with DeepSeek-V4's clamped SwiGLU: routing, alignment and the grouped GEMMs.
 
 Math, for token t with chosen experts topk_ids[t, :] and weights topk_weights[t, :]:
   g, u   = split(w_gate_up[e] @ x[t], 2)                 (gate first, then up)
@@ -12,13 +12,27 @@ Layouts:
   w_gate_up    [E, 2 * I, D]
   w_down       [E, D, I]
 
-Routing (`route_topk`, `route_hash`) is plain torch. Kernel (`fused_moe_triton`): `moe_align` sorts the T * k
-(token, slot) pairs by expert into row blocks of BLOCK_M (each expert's rows padded to a multiple of BLOCK_M; an
-expert with no pair owns no block), then two grouped GEMMs, each with grid (max_blocks, column tiles) and the
-block's expert read from block_expert:
+Routing (`route_topk_triton`, `route_hash_triton`; references `route_topk`, `route_hash`), ONE launch each, grid
+cdiv(T, BLOCK_T), each program holding BLOCK_T rows of logits [T, E] (fp32/bf16/fp16) in registers:
+  scores = sqrt(softplus(logits)) in fp32 (softplus = x above 20, else log1p(exp(x)) computed as
+  log(u) * e / (u - 1) with e = exp(x), u = 1 + e: log1p's accuracy without libdevice, which the interpreter lacks)
+  top-k: k argmax passes over scores + bias; ties go to the LOWEST expert index, a NaN score counts as -inf;
+  the picks come out in pass order (descending score), the reference's torch.topk(sorted=False) in its own order.
+  hash: experts = tid2eid[input_ids[t]], scores gathered at those k experts only.
+  weights = chosen scores / (their sum + 1e-20) * routed_scaling_factor.
+
+Kernel (`fused_moe_triton`): `moe_align` (torch ops, no host sync) sorts the T * k (token, slot) pairs by expert
+into row blocks of BLOCK_M (each expert's rows padded to a multiple of BLOCK_M; an expert with no pair owns no
+block), then two grouped GEMMs, the block's expert read from block_expert:
   gate/up  h[row, :]   = clamped SwiGLU of x[token] @ [W_gate; W_up][e]^T, fp32 accumulation, stored in x's dtype
   down     out[token] += topk_weight * (h[row] @ W_down[e]^T), fp32, added with fp32 atomics into a zeroed [T, D]
-           buffer (or stored per pair and summed by torch with per_pair_output=True), then cast to x's dtype.
+           buffer (or stored per pair and summed by torch with per_pair_output=True: deterministic); the result is
+           cast to x's dtype, or returned as the fp32 accumulator itself with out_dtype=torch.float32.
+Both GEMMs run a 1-D grid of max_blocks * column-tile programs in the standard Triton matmul grouping
+(GROUP_SIZE_M): consecutive programs take GROUP_SIZE_M row blocks x every column tile, so while a group runs, its
+row blocks' gathered activations (GROUP_SIZE_M * BLOCK_M rows of x or h) stay in L2 and are read from DRAM about
+once, not once per column tile; an expert's weight tiles are shared by its row blocks inside a group too. Row
+blocks past the last used one (block_expert -1) are at the end of the order and exit at once.
 
 Quantized experts (`QuantizedExperts`, the published formats, dequantized in the kernel as each tile is loaded):
   fp8    data [E, N, K] float8_e4m3fn, scale [E, H * ceil(R/128), ceil(K/128)] float32: the 128x128 block scales of
@@ -66,6 +80,137 @@ def _normalised_weights(scores, topk_ids, routed_scaling_factor):
     return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * routed_scaling_factor
 
 
+# --- routing kernels ------------------------------------------------------------------------------------------
+@triton.jit
+def _sqrt_softplus(x):
+    """sqrt(softplus(x)) in fp32, as torch's F.softplus (threshold 20) then sqrt (IEEE)."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    d = tl.where(u == 1.0, 1.0, u - 1.0)
+    softplus = tl.where(u == 1.0, e, tl.log(u) * (e / d))  # log1p(e), accurate also where e << 1
+    softplus = tl.where(x > 20.0, x, softplus)
+    return tl.sqrt_rn(softplus)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_topk_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr,
+    num_tokens, stride_lt, routed_scaling_factor,
+    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (BLOCK_T tokens): TOP_K argmax passes over scores + bias (ties -> lowest expert), normalised weights."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    experts = tl.arange(0, BLOCK_E)
+    e_mask = experts < NUM_EXPERTS
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + experts[None, :],
+                mask=row_mask[:, None] & e_mask[None, :], other=0.0).to(tl.float32)
+    scores = _sqrt_softplus(x)
+    choice = scores + tl.load(bias_ptr + experts, mask=e_mask, other=0.0).to(tl.float32)[None, :]
+    choice = tl.where(choice == choice, choice, float("-inf"))  # NaN ranks lowest
+    slots = tl.arange(0, BLOCK_K)
+    taken = tl.zeros([BLOCK_T, BLOCK_E], tl.int1) | (~e_mask)[None, :]  # padding experts are never free
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    weights = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(taken, float("-inf"), choice), axis=1)
+        pick = tl.min(tl.where(~taken & (choice == best[:, None]), experts[None, :], BLOCK_E), axis=1)
+        hit = experts[None, :] == pick[:, None]
+        taken = taken | hit
+        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        weights = tl.where(slots[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], weights)
+    weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20) * routed_scaling_factor
+    out_mask = row_mask[:, None] & (slots < TOP_K)[None, :]
+    offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    tl.store(ids_ptr + offs, ids.to(tl.int64), mask=out_mask)
+    tl.store(weights_ptr + offs, weights, mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_hash_kernel(
+    logits_ptr, tid2eid_ptr, input_ids_ptr, ids_ptr, weights_ptr,
+    num_tokens, stride_lt, stride_tid, routed_scaling_factor,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (BLOCK_T tokens): experts from the table, scores gathered at them, normalised weights."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_tokens
+    slots = tl.arange(0, BLOCK_K)
+    mask = row_mask[:, None] & (slots < TOP_K)[None, :]
+    token_ids = tl.load(input_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    ids = tl.load(tid2eid_ptr + token_ids[:, None] * stride_tid + slots[None, :], mask=mask, other=0).to(tl.int64)
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + ids, mask=mask, other=0.0).to(tl.float32)
+    weights = tl.where(mask, _sqrt_softplus(x), 0.0)
+    weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20) * routed_scaling_factor
+    offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    tl.store(ids_ptr + offs, ids, mask=mask)
+    tl.store(weights_ptr + offs, weights, mask=mask)
+
+
+def _route_block_t(block_e: int) -> int:
+    """Tokens per routing program: a [BLOCK_T, BLOCK_E] tile of about 1K scores (fixed by the model, not by T)."""
+    return max(1, min(16, 1024 // block_e))
+
+
+def plan_route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
+    """Check, allocate (ids [T, k] int64, weights [T, k] fp32); return ((ids, weights), launches)."""
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [T, E] with a contiguous last dimension"
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), f"logits dtype {logits.dtype}"
+    num_tokens, num_experts = logits.shape
+    assert tuple(bias.shape) == (num_experts,) and bias.stride(0) == 1, "bias must be [E], contiguous"
+    assert 1 <= k <= num_experts, f"top-{k} of {num_experts} experts"
+    ids = torch.empty((num_tokens, k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((num_tokens, k), dtype=torch.float32, device=logits.device)
+    if num_tokens == 0:
+        return (ids, weights), []
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = _route_block_t(block_e)
+    args = (logits, bias, ids, weights, num_tokens, logits.stride(0), float(routed_scaling_factor))
+    kwargs = dict(NUM_EXPERTS=num_experts, TOP_K=k, BLOCK_T=block_t, BLOCK_E=block_e,
+                  BLOCK_K=triton.next_power_of_2(k), num_warps=4)
+    return (ids, weights), [(_route_topk_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
+
+
+def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
+    """Triton version of `route_topk` (same arguments and outputs), one launch. The ids of a row come out in
+    descending score order (ties: lowest expert index first); the reference's order is torch.topk's."""
+    out, launches = plan_route_topk(logits, bias, k, routed_scaling_factor)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return out
+
+
+def plan_route_hash(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+                    routed_scaling_factor: float):
+    """Check, allocate (ids [T, k] int64, weights [T, k] fp32); return ((ids, weights), launches)."""
+    assert logits.dim() == 2 and logits.stride(1) == 1, "logits must be [T, E] with a contiguous last dimension"
+    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), f"logits dtype {logits.dtype}"
+    assert tid2eid.dim() == 2 and tid2eid.stride(1) == 1, "tid2eid must be [vocab, k], contiguous rows"
+    assert not tid2eid.is_floating_point() and not input_ids.is_floating_point(), "integer tid2eid and input_ids"
+    input_ids = input_ids.reshape(-1)
+    num_tokens, k = logits.shape[0], tid2eid.shape[1]
+    assert input_ids.numel() == num_tokens and input_ids.stride(0) == 1, "input_ids must hold T contiguous ids"
+    ids = torch.empty((num_tokens, k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((num_tokens, k), dtype=torch.float32, device=logits.device)
+    if num_tokens == 0:
+        return (ids, weights), []
+    block_t = 16
+    args = (logits, tid2eid, input_ids, ids, weights, num_tokens, logits.stride(0), tid2eid.stride(0),
+            float(routed_scaling_factor))
+    kwargs = dict(TOP_K=k, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(k), num_warps=1)
+    return (ids, weights), [(_route_hash_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
+
+
+def route_hash_triton(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+                      routed_scaling_factor: float):
+    """Triton version of `route_hash` (same arguments and outputs), one launch."""
+    out, launches = plan_route_hash(logits, tid2eid, input_ids, routed_scaling_factor)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return out
+
+
 class QuantizedExperts(NamedTuple):
     """Routed expert weights as published (see the module docstring); `shape` is the logical [E, N, K]."""
 
@@ -88,6 +233,7 @@ class QuantizedExperts(NamedTuple):
 
 
 DENSE, FP8, MXFP4 = 0, 1, 2
+GROUP_SIZE_M = 8  # row blocks per launch group (the standard Triton matmul value)
 _FORMATS = {"fp8": FP8, "mxfp4": MXFP4}
 
 
@@ -116,19 +262,29 @@ def _expert_weight_tile(w_ptr, s_ptr, expert, rows, ks, mask, stride_we, stride_
 
 
 @triton.jit
+def _grouped_tile(pid, num_row_blocks, num_col_tiles, GROUP_SIZE_M: tl.constexpr):
+    """(row block, column tile) of program pid in the standard Triton matmul grouping: GROUP_SIZE_M row blocks
+    share each column tile in turn, so their rows of the activation are reused from L2 across column tiles."""
+    per_group = GROUP_SIZE_M * num_col_tiles
+    first_block = (pid // per_group) * GROUP_SIZE_M
+    group_rows = tl.minimum(num_row_blocks - first_block, GROUP_SIZE_M)
+    return first_block + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_gate_up_kernel(
     # pointers
     x_ptr, w_ptr, s_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
     # sizes
-    num_pairs, top_k, hidden, inter, swiglu_limit, rows_per_half,
+    num_pairs, max_blocks, top_k, hidden, inter, swiglu_limit, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
 ):
     """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T)."""
-    block = tl.program_id(0)
+    block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last used block
         return
@@ -136,7 +292,7 @@ def _moe_gate_up_kernel(
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_mask = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -161,30 +317,31 @@ def _moe_gate_up_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_down_kernel(
     # pointers
     h_ptr, w_ptr, s_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
     # sizes
-    num_pairs, top_k, hidden, inter, rows_per_half,
+    num_pairs, max_blocks, top_k, hidden, inter, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
     stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
 ):
     """Program (row block b, hidden columns n): out[token, n] += weight * (h[rows] @ W_down[e, n]^T), in fp32.
 
     PER_PAIR_OUTPUT stores row `pair` of a [T * k, D] buffer instead of adding into row `token` atomically.
     """
-    block = tl.program_id(0)
+    block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last used block
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + rows)
     row_mask = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
     offs_k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
@@ -197,7 +354,7 @@ def _moe_down_kernel(
                                 rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
-    acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     if PER_PAIR_OUTPUT:
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :], acc, mask=mask)
@@ -235,7 +392,7 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quanti
             tile.update(BLOCK_K=min(tile["BLOCK_K"], 32), num_stages=min(tile["num_stages"], 2))
         if block_m >= 32:
             gate_up["num_warps"] = 8  # two decoded tiles and two accumulators: spread over more threads
-    return dict(BLOCK_M=block_m, gate_up=gate_up, down=down)
+    return dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -264,7 +421,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *, per_pair_output=False,
-                   config=None):
+                   config=None, out_dtype=None):
     """Check the inputs, align the pairs, allocate buffers; return (finish, launches) without launching.
 
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
@@ -276,9 +433,9 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
-        return (lambda: torch.zeros_like(x)), []
+        return (lambda: torch.zeros_like(x, dtype=out_dtype or x.dtype)), []
     cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE)
-    block_m = cfg["BLOCK_M"]
+    block_m, group_size_m = cfg["BLOCK_M"], cfg.get("GROUP_SIZE_M", GROUP_SIZE_M)
     sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
     max_blocks = block_expert.shape[0]
     dot_dtype = compute_dtype(x.dtype)
@@ -291,26 +448,27 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     g = cfg["gate_up"]
     (gu_data, gu_scale, gu_rows), (d_data, d_scale, d_rows) = _kernel_weights(w_gate_up), _kernel_weights(w_down)
     weight_format = _weight_format(w_gate_up)
-    gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
+    gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, hidden, inter,
                     float(swiglu_limit), gu_rows, x.stride(0), gu_data.stride(0), gu_data.stride(1),
                     gu_scale.stride(0), gu_scale.stride(1), h.stride(0))
     gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
-                          DOT_PRECISION=precision, WEIGHT_FORMAT=weight_format, num_warps=g["num_warps"],
-                          num_stages=g["num_stages"])
+                          DOT_PRECISION=precision, WEIGHT_FORMAT=weight_format, GROUP_SIZE_M=group_size_m,
+                          num_warps=g["num_warps"], num_stages=g["num_stages"])
     d = cfg["down"]
-    down_args = (h, d_data, d_scale, weights, out, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter, d_rows,
+    down_args = (h, d_data, d_scale, weights, out, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, hidden,
+                 inter, d_rows,
                  h.stride(0), d_data.stride(0), d_data.stride(1), d_scale.stride(0), d_scale.stride(1), out.stride(0))
     down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
                        DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output, WEIGHT_FORMAT=weight_format,
-                       num_warps=d["num_warps"], num_stages=d["num_stages"])
+                       GROUP_SIZE_M=group_size_m, num_warps=d["num_warps"], num_stages=d["num_stages"])
     launches = [
-        (_moe_gate_up_kernel, (max_blocks, triton.cdiv(inter, g["BLOCK_N"])), gate_up_args, gate_up_kwargs),
-        (_moe_down_kernel, (max_blocks, triton.cdiv(hidden, d["BLOCK_N"])), down_args, down_kwargs),
+        (_moe_gate_up_kernel, (max_blocks * triton.cdiv(inter, g["BLOCK_N"]),), gate_up_args, gate_up_kwargs),
+        (_moe_down_kernel, (max_blocks * triton.cdiv(hidden, d["BLOCK_N"]),), down_args, down_kwargs),
     ]
 
     def finish():
         summed = out.view(num_tokens, top_k, hidden).sum(dim=1) if per_pair_output else out
-        return summed.to(x.dtype)
+        return summed.to(out_dtype or x.dtype)
 
     return finish, launches
 
@@ -373,14 +531,16 @@ def fused_moe_triton(
     *,
     per_pair_output: bool = False,
     config: dict | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Triton version of `fused_moe_reference` (same arguments, [T, D] in x's dtype).
+    """Triton version of `fused_moe_reference` (same arguments, [T, D] in x's dtype, or in out_dtype:
+    torch.float32 returns the fp32 accumulator itself, saving the cast's launch).
 
     per_pair_output: write each (token, slot) row and sum with torch instead of fp32 atomics into [T, D]:
     deterministic, at the cost of a [T * k, D] fp32 buffer. config: tile override (see `moe_config`).
     """
     finish, launches = plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit,
-                                      per_pair_output=per_pair_output, config=config)
+                                      per_pair_output=per_pair_output, config=config, out_dtype=out_dtype)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return finish()
@@ -417,3 +577,9 @@ def fused_moe_reference(
         contribution = F.linear(hidden, w_down[expert]).float() * topk_weights.reshape(-1)[pairs, None].float()
         out.index_add_(0, tokens, contribution)
     return out.to(x.dtype)
+
+
+# The names the engine's KernelDispatch looks up (`<op>_reference`).
+route_topk_reference = route_topk
+route_hash_reference = route_hash
+swiglu_reference = clamped_swiglu

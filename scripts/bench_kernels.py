@@ -12,6 +12,8 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
   fp8_gemm    the FP8 linears of V4-Flash (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) at 1, 64 and 4096 tokens,
               checked against fp8_gemm_reference; "ref" is the same product as a bf16 F.linear (cuBLAS) on the
               dequantized weight, so "x ref" is the FP8 kernel's speed-up over serving the weight in bf16
+  mhc         the hyper-connection collapse (+ RMSNorm), mix (+ a second, fp32 block output) and head collapse on
+              bf16 streams [T, 4, 4096] at the decode batches and the prefill chunk
 Each case is timed with CUDA events (median of --repeat runs, L2 flushed before each) and reported as achieved
 bandwidth (bytes the kernel must move) and TFLOP/s, against the device's measured copy bandwidth (a large
 device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the reference's time and the speed-up.
@@ -268,7 +270,7 @@ def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, flo
 # --- running ----------------------------------------------------------------------------------------------------
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
 TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
-              "fp8_gemm": (2e-2, 2e-2)}
+              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2)}
 
 
 def _max_error(torch, actual, expected, atol, rtol) -> float:
@@ -425,8 +427,54 @@ def bench_moe_quantized(torch, s, device, timer, options):
     return results
 
 
+def bench_mhc(torch, s, device, timer, options, hc_mult=4):
+    """Each output of the three mHC kernels checked against the fp32 reference; bf16 streams, fp32 parameters."""
+    from kernels.mhc import (hc_collapse_reference, hc_collapse_triton, hc_head_reference, hc_head_triton,
+                             hc_mix_reference, hc_mix_triton)
+
+    n, d = hc_mult, s.hidden
+    gen = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, device=device)  # noqa: E731
+    fn, base, scale, weight = rand(2 * n + n * n, n * d) * 0.1, rand(2 * n + n * n) * 0.5, 1 + rand(3) * 0.1, \
+        1 + rand(d) * 0.1
+    head_fn, head_base, head_scale = rand(n, n * d) * 0.1, rand(n) * 0.5, 1 + rand(1) * 0.1
+    collapse_kw = dict(hc_mult=n, eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
+    head_kw = dict(eps=1e-6, hc_eps=1e-6, norm_weight=weight)
+    results = []
+    for t in [*s.decode_batches, s.prefill_tokens]:
+        streams = rand(t, n, d).to(torch.bfloat16)
+        routed, shared = rand(t, d), rand(t, d).to(torch.bfloat16)
+        post, comb, _ = hc_collapse_reference(streams.float(), fn, base, scale, weight, **collapse_kw)
+        cases = [
+            ("collapse", lambda: hc_collapse_triton(streams, fn, base, scale, weight, **collapse_kw),
+             lambda: hc_collapse_reference(streams, fn, base, scale, weight, **collapse_kw),
+             lambda: hc_collapse_reference(streams.float(), fn, base, scale, weight, **collapse_kw),
+             (t * n * d * 2 + fn.numel() * 4 + t * d * 2 + t * (n + n * n) * 4, 2 * t * fn.numel())),
+            ("mix", lambda: hc_mix_triton(streams, routed, post, comb, shared),
+             lambda: hc_mix_reference(streams, routed, post, comb, shared),
+             lambda: hc_mix_reference(streams.float(), routed, post, comb, shared.float()),
+             (2 * t * n * d * 2 + t * d * (4 + 2), 2 * t * n * n * d)),
+            ("head", lambda: hc_head_triton(streams, head_fn, head_base, head_scale, **head_kw),
+             lambda: hc_head_reference(streams, head_fn, head_base, head_scale, **head_kw),
+             lambda: hc_head_reference(streams.float(), head_fn, head_base, head_scale, **head_kw),
+             (t * n * d * 2 + head_fn.numel() * 4 + t * d * 2, 2 * t * head_fn.numel())),
+        ]
+        for kind, kernel_fn, reference_fn, float_reference_fn, (nbytes, flops) in cases:
+            actual, expected = kernel_fn(), float_reference_fn()
+            pairs = zip(actual, expected) if isinstance(actual, tuple) else [(actual, expected)]
+            error = max(_max_error(torch, a, e, *TOLERANCES["mhc"]) for a, e in pairs)
+            del actual, expected
+            ms = timer(kernel_fn)
+            ref_ms = None if options.skip_reference else timer(reference_fn)
+            name = f"{kind} {'prefill' if t == s.prefill_tokens else 'decode'} T={t}"
+            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
+            print(f"  {'mhc':<10} {name:<24} {ms:9.3f} ms  ref {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
+            results.append(Result("mhc", name, ms, ref_ms, nbytes / 1e9, flops / 1e9, error))
+    return results
+
+
 BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe, "moe_q": bench_moe_quantized,
-           "fp8_gemm": bench_fp8_gemm}
+           "fp8_gemm": bench_fp8_gemm, "mhc": bench_mhc}
 
 
 def _print_table(rows):
@@ -441,7 +489,7 @@ def _print_table(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="attention,indexer,moe,moe_q,fp8_gemm", help="comma-separated subset")
+    parser.add_argument("--kernels", default="attention,indexer,moe,moe_q,fp8_gemm,mhc", help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
     parser.add_argument("--json", type=Path, help="write the results as JSON")

@@ -42,6 +42,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
+from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -140,6 +141,21 @@ def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16"):
         10.0)[1]
 
 
+def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
+    """The mHC kernels on bf16 streams [T, 4, D]: collapse (+ RMSNorm), mix (+ a second block output), head."""
+    n, d = hc_mult, m["hidden"]
+    streams, f32 = _meta(num_tokens, n, d), torch.float32
+    if kind == "collapse":
+        return plan_hc_collapse(streams, _meta(2 * n + n * n, n * d, dtype=f32), _meta(2 * n + n * n, dtype=f32),
+                                _meta(3, dtype=f32), _meta(d, dtype=f32), hc_mult=n, eps=1e-6, hc_eps=1e-6,
+                                sinkhorn_iters=20)[1]
+    if kind == "head":
+        return plan_hc_head(streams, _meta(n, n * d, dtype=f32), _meta(n, dtype=f32), _meta(1, dtype=f32), eps=1e-6,
+                            hc_eps=1e-6, norm_weight=_meta(d, dtype=f32))[1]
+    return plan_hc_mix(streams, _meta(num_tokens, d, dtype=f32), _meta(num_tokens, n, dtype=f32),
+                       _meta(num_tokens, n, n, dtype=f32), _meta(num_tokens, d))[1]
+
+
 def fp8_gemm_launches(num_tokens: int, n: int, k: int):
     w_scale = _meta(-(-n // 128), -(-k // 128), dtype=torch.float32)
     return plan_fp8_gemm(_meta(num_tokens, k), _meta(n, k, dtype=torch.float8_e4m3fn), w_scale)[1]
@@ -158,6 +174,9 @@ def cases() -> list[tuple[str, str, list]]:
             out.append((m["name"], f"indexer T={t}", indexer_launches(m, t)))
         for t in m["moe_tokens"]:
             out.append((m["name"], f"moe T={t}", moe_launches(m, t)))
+        for t in sorted({1, 64, 256, m["prefill_tokens"]}):
+            for kind in ("collapse", "mix", "head"):
+                out.append((m["name"], f"mhc {kind} T={t}", mhc_launches(m, t, kind)))
     flash = MODELS[0]
     for fmt in ("fp8", "mxfp4"):
         for t in flash["moe_tokens"]:

@@ -16,9 +16,16 @@ import os
 import sys
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"
+# DSV4_TEST_DEVICE=cuda (scripts/gpu_check.sh, on a GPU machine): the kernels compile for the GPU and
+# tensors are created on it by default; everything else below is the same.
+ON_CUDA = os.environ.get("DSV4_TEST_DEVICE") == "cuda"
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+
+if ON_CUDA:
+    torch.set_default_device("cuda")
 
 torch.set_num_threads(1)
 

@@ -1,0 +1,442 @@
+"""DeepSeek-V4's manifold-constrained hyper-connections (mHC), fused: the collapse before a block, the mix after it,
+and the final head collapse.
+
+Math (what transformers' DeepSeek-V4 hyper-connections compute), for token t, N = hc_mult streams:
+  collapse   flat   = s[t] (N * D values, fp32) * rsqrt(mean(s[t]^2) + eps)          (unweighted RMSNorm)
+             mixes  = flat @ fn^T                                                  [2N + N*N]: pre | post | comb
+             pre    = sigmoid(mixes[:N] * scale[0] + base[:N]) + hc_eps                                [N]
+             post   = 2 * sigmoid(mixes[N:2N] * scale[1] + base[N:2N])                                 [N]
+             comb   = softmax_j(mixes[2N:].view(N, N) * scale[2] + base[2N:].view(N, N)) + hc_eps      [N, N]
+                      then Sinkhorn: comb /= colsum + hc_eps, and (sinkhorn_iters - 1) times
+                      comb /= rowsum + hc_eps; comb /= colsum + hc_eps
+             c      = (sum_n pre[n] * s[t, n]).to(dtype)                                               [D]
+             x      = (norm_weight * c * rsqrt(mean(c^2) + eps)).to(dtype)    (x = c when norm_weight is None)
+  mix        y      = (block_out + block_out2).to(dtype)     (summed in fp32; y = block_out.to(dtype) alone)
+             new[k] = (post[k].to(dtype) * y).to(dtype) + (sum_j comb[j, k].to(dtype) * s[j]).to(dtype)
+                      (the roundings of hyper_mix in streams' dtype: identities in fp32)
+  head       pre    = sigmoid((flat @ fn^T) * scale[0] + base) + hc_eps; x = (sum_n pre[n] * s[t, n]).to(dtype),
+             optionally followed by the weighted RMSNorm as in the collapse (the model's final norm)
+
+Layouts:
+  streams [T, N, D] (last dimension contiguous), fp32 or bf16; block_out, block_out2 [T, D] any float dtype
+  fn [2N + N*N, N*D] fp32 (head: [N, N*D]), base [2N + N*N] (head: [N]), scale [3] (head: [1]), norm_weight [D]
+  post [T, N] fp32, comb [T, N, N] fp32 (comb[t, j, k]: weight of stream j in new stream k), x [T, D] streams' dtype
+
+Kernels (one launch each):
+  `_hc_collapse_kernel`, grid (cdiv(T, BLOCK_T), splits): a program owns BLOCK_T tokens, so its reads of fn
+  (1.5 MB fp32 at V4-Flash size) are shared by BLOCK_T tokens. Pass 1 loops over (stream, BLOCK_D tile) steps: the
+  sum of squares and two fp32 tl.dot products, the pre/post tile [BLOCK_T, max(16, 2P)] (column g * P + i holds fn
+  row g * N + i) and the comb tile [BLOCK_T, P * P] (column i * P + j holds fn row 2N + i * N + j), P = N rounded
+  up to a power of two; the RMSNorm factor is applied to the products afterwards (it is one scalar per token).
+  With fewer token blocks than SMs (decode) the N * cdiv(D, BLOCK_D) steps are split over `splits` programs per
+  block (a run-time argument: no recompilation per batch size): each writes its partial sums to an fp32 scratch
+  and bumps the block's counter (an acq_rel atomic); the last to arrive sums the partials, resets the counter to
+  zero for the next launch (no memset, CUDA-graph safe) and carries on alone. Sigmoids, the softmax and the
+  Sinkhorn iterations then run on [BLOCK_T, P, P] in registers. Pass 2 re-reads the streams, writes the
+  pre-weighted collapse c (rounded to the dtype) into x and sums its squares; pass 3 re-reads the program's own x
+  (L2-hot) and writes the weighted RMSNorm over it.
+  `_hc_mix_kernel`, grid (T, cdiv(D, BLOCK_D)): a program reads the N streams of one token's D tile once, the
+  block output(s), post and comb, and writes all N new streams of the tile (safe in place: out may be streams).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# --- references (the model's math, casts included) ----------------------------------------------------------------
+def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def hc_collapse_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                          norm_weight: torch.Tensor | None, *, hc_mult: int, eps: float, hc_eps: float,
+                          sinkhorn_iters: int):
+    """hyper_connection followed by rms_norm(collapsed, norm_weight, eps) (none when norm_weight is None).
+
+    streams [T, N, D] -> (post [T, N] fp32, comb [T, N, N] fp32, x [T, D] in streams' dtype).
+    """
+    n = hc_mult
+    flat = _unweighted_rms_norm(streams.flatten(1).float(), eps)
+    mixes = torch.nn.functional.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    x = collapsed if norm_weight is None else _rms_norm(collapsed, norm_weight, eps)
+    return post, comb, x
+
+
+def hc_head_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                      eps: float, hc_eps: float, norm_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """hyper_head (the final collapse; fn [N, N*D], base [N], scale [1]) -> [T, D] in streams' dtype, followed by
+    rms_norm(., norm_weight, eps) when norm_weight is given."""
+    flat = _unweighted_rms_norm(streams.flatten(1).float(), eps)
+    pre = torch.sigmoid(torch.nn.functional.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    x = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return x if norm_weight is None else _rms_norm(x, norm_weight, eps)
+
+
+def hc_mix_reference(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     block_out2: torch.Tensor | None = None) -> torch.Tensor:
+    """hyper_mix(streams, y, post, comb) with y = (block_out [+ block_out2], summed in fp32).to(streams.dtype).
+
+    new[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * streams[t, j]: [T, N, D] in streams' dtype.
+    """
+    dtype = streams.dtype
+    y = block_out.float() if block_out2 is None else block_out.float() + block_out2.float()
+    y = y.to(dtype)
+    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+# --- kernels ------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def _hc_collapse_kernel(
+    # pointers
+    s_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, partial_ptr, counter_ptr,
+    # sizes, strides, scalars
+    num_tokens, num_splits, stride_st, stride_sn, stride_xt, eps, hc_eps,
+    # model constants and tiles
+    N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HEAD: tl.constexpr,
+    HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH_PP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (b, split): tokens [b * BLOCK_T, (b + 1) * BLOCK_T), the split's share of the N * D inputs; the
+    last split of block b to finish (or the only one) sums the partial products and does the rest."""
+    block = tl.program_id(0)
+    split = tl.program_id(1)
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tokens < num_tokens
+    tokens = tokens.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    # fn rows of the two product tiles; a row index of -1 marks a padding column
+    cols_pp = tl.arange(0, WIDTH_PP)
+    group, lane = cols_pp // P, cols_pp % P
+    valid_pp = (lane < N) & (group < (1 if HEAD else 2))
+    rows_pp = group * N + lane
+    cols_c = tl.arange(0, P * P)
+    ci, cj = cols_c // P, cols_c % P
+    valid_c = (ci < N) & (cj < N)
+    rows_c = 2 * N + ci * N + cj
+
+    # pass 1: sum of squares and the raw products s[t] @ fn^T over this split's (stream, D tile) steps
+    TILES_PER_STREAM: tl.constexpr = (D + BLOCK_D - 1) // BLOCK_D
+    per_split = (N * TILES_PER_STREAM + num_splits - 1) // num_splits
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    acc_pp = tl.zeros([BLOCK_T, WIDTH_PP], tl.float32)
+    acc_c = tl.zeros([BLOCK_T, P * P], tl.float32)
+    for step in range(split * per_split, tl.minimum((split + 1) * per_split, N * TILES_PER_STREAM)):
+        n = step // TILES_PER_STREAM
+        d0 = (step % TILES_PER_STREAM) * BLOCK_D
+        d_mask = offs_d < D - d0
+        a = tl.load(s_ptr + tokens[:, None] * stride_st + n * stride_sn + (d0 + offs_d)[None, :],
+                    mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        sumsq += tl.sum(a * a, 1)
+        k = n * D + d0 + offs_d  # column of fn
+        f_pp = tl.load(fn_ptr + rows_pp[:, None] * (N * D) + k[None, :],
+                       mask=valid_pp[:, None] & d_mask[None, :], other=0.0)
+        acc_pp = tl.dot(a, tl.trans(f_pp), acc_pp, input_precision=DOT_PRECISION)
+        if not HEAD:
+            f_c = tl.load(fn_ptr + rows_c[:, None] * (N * D) + k[None, :],
+                          mask=valid_c[:, None] & d_mask[None, :], other=0.0)
+            acc_c = tl.dot(a, tl.trans(f_c), acc_c, input_precision=DOT_PRECISION)
+    if num_splits > 1:
+        # partials [blocks, splits, BLOCK_T, PARTIAL]: sumsq | pre/post tile | comb tile; the last split to bump
+        # the block's counter (acq_rel: it sees every other split's partials) reduces them and carries on
+        PARTIAL: tl.constexpr = 1 + WIDTH_PP + P * P
+        rows = ((block * num_splits + split) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64) * PARTIAL
+        tl.store(partial_ptr + rows, sumsq)
+        tl.store(partial_ptr + rows[:, None] + 1 + cols_pp[None, :], acc_pp)
+        if not HEAD:
+            tl.store(partial_ptr + rows[:, None] + 1 + WIDTH_PP + cols_c[None, :], acc_c)
+        tl.debug_barrier()  # all of this program's partials are written before its one thread bumps the counter
+        done = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if done < num_splits - 1:
+            return
+        tl.store(counter_ptr + block, 0)  # ready for the next launch (no memset: a CUDA graph can replay this)
+        sumsq = tl.zeros([BLOCK_T], tl.float32)
+        acc_pp = tl.zeros([BLOCK_T, WIDTH_PP], tl.float32)
+        acc_c = tl.zeros([BLOCK_T, P * P], tl.float32)
+        for other in range(num_splits):
+            rows = ((block * num_splits + other) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64) * PARTIAL
+            sumsq += tl.load(partial_ptr + rows, cache_modifier=".cg")
+            acc_pp += tl.load(partial_ptr + rows[:, None] + 1 + cols_pp[None, :], cache_modifier=".cg")
+            if not HEAD:
+                acc_c += tl.load(partial_ptr + rows[:, None] + 1 + WIDTH_PP + cols_c[None, :], cache_modifier=".cg")
+    r = tl.rsqrt(sumsq / (N * D) + eps)  # [BLOCK_T]
+
+    # pre (and post): column g * P + i, group 0 = pre, 1 = post
+    z = acc_pp * r[:, None] * tl.load(scale_ptr + group, mask=valid_pp, other=0.0)[None, :] \
+        + tl.load(base_ptr + rows_pp, mask=valid_pp, other=0.0)[None, :]
+    act = tl.where((group == 0)[None, :], tl.sigmoid(z) + hc_eps, 2 * tl.sigmoid(z))
+    if not HEAD:
+        tl.store(post_ptr + tokens[:, None] * N + lane[None, :], act,
+                 mask=t_mask[:, None] & ((group == 1) & (lane < N))[None, :])
+        # comb: softmax over j, then Sinkhorn on [BLOCK_T, P, P]
+        z_c = acc_c * r[:, None] * tl.load(scale_ptr + 2) + tl.load(base_ptr + rows_c, mask=valid_c, other=0.0)[None, :]
+        z_c = tl.reshape(tl.where(valid_c[None, :], z_c, float("-inf")), [BLOCK_T, P, P])
+        valid3 = tl.reshape(valid_c, [1, P, P])
+        e = tl.exp(z_c - tl.max(z_c, 2)[:, :, None])
+        e = tl.where(valid3, e, 0.0)
+        row_sum = tl.sum(e, 2)
+        comb = e / tl.where(row_sum == 0.0, 1.0, row_sum)[:, :, None]  # padding rows (i >= N) are all zero
+        comb = tl.where(valid3, comb + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
+        for _ in range(SINKHORN_ITERS - 1):
+            comb = comb / (tl.sum(comb, 2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
+        comb_flat = tl.reshape(comb, [BLOCK_T, P * P])
+        tl.store(comb_ptr + tokens[:, None] * (N * N) + (ci * N + cj)[None, :], comb_flat,
+                 mask=t_mask[:, None] & valid_c[None, :])
+
+    # pass 2: c = sum_n pre[n] * s[t, n], rounded to the dtype, into x; its sum of squares for the norm
+    out_ty = x_ptr.dtype.element_ty
+    sumsq_c = tl.zeros([BLOCK_T], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_mask = offs_d < D - d0
+        mask = t_mask[:, None] & d_mask[None, :]
+        c = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for n in tl.static_range(N):
+            pre_n = tl.sum(tl.where((cols_pp == n)[None, :], act, 0.0), 1)  # [BLOCK_T]
+            a = tl.load(s_ptr + tokens[:, None] * stride_st + n * stride_sn + (d0 + offs_d)[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            c += pre_n[:, None] * a
+        c = c.to(out_ty)
+        tl.store(x_ptr + tokens[:, None] * stride_xt + (d0 + offs_d)[None, :], c, mask=mask)
+        if HAS_NORM:
+            cf = c.to(tl.float32)
+            sumsq_c += tl.sum(cf * cf, 1)
+
+    # pass 3: x = weight * c * rsqrt(mean(c^2) + eps), over the program's own rows of x
+    if HAS_NORM:
+        tl.debug_barrier()  # every thread's stores of c are visible before the block reads them back
+        r_c = tl.rsqrt(sumsq_c / D + eps)
+        for d0 in range(0, D, BLOCK_D):
+            d_mask = offs_d < D - d0
+            mask = t_mask[:, None] & d_mask[None, :]
+            ptrs = x_ptr + tokens[:, None] * stride_xt + (d0 + offs_d)[None, :]
+            c = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + d0 + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            tl.store(ptrs, (w[None, :] * (c * r_c[:, None])).to(out_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _hc_mix_kernel(
+    # pointers
+    s_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, out_ptr,
+    # sizes, strides
+    num_tokens, stride_st, stride_sn, stride_yt, stride_y2t, stride_ot, stride_on,
+    # model constants and tiles
+    N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, HAS_SECOND: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (t, d tile): new[t, k, tile] = post[t, k] * y[t, tile] + sum_j comb[t, j, k] * s[t, j, tile]."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    ks = tl.arange(0, P)
+    k_mask = ks < N
+    ty = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + t * stride_yt + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    if HAS_SECOND:
+        y += tl.load(y2_ptr + t * stride_y2t + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    y = y.to(ty).to(tl.float32)
+    post = tl.load(post_ptr + t * N + ks, mask=k_mask, other=0.0).to(ty).to(tl.float32)
+    acc = tl.zeros([P, BLOCK_D], tl.float32)
+    for j in tl.static_range(N):
+        comb_j = tl.load(comb_ptr + t * (N * N) + j * N + ks, mask=k_mask, other=0.0).to(ty).to(tl.float32)
+        s_j = tl.load(s_ptr + t * stride_st + j * stride_sn + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        acc += comb_j[:, None] * s_j[None, :]
+    new = (post[:, None] * y[None, :]).to(ty).to(tl.float32) + acc.to(ty).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + ks[:, None] * stride_on + offs_d[None, :], new.to(ty),
+             mask=k_mask[:, None] & d_mask[None, :])
+
+
+# --- host wrappers ------------------------------------------------------------------------------------------------
+_DEFAULT_NUM_SMS = 132  # H100 / H200; used off a CUDA device (interpreter, compile check)
+_MAX_BLOCKS_SPLIT = 64  # counters kept per device: token blocks of a launch that splits its inputs
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Per-device int32 counters, zeroed once; each split launch leaves the ones it used at zero again. One
+    stream at a time may run split collapse launches on a device (they share these counters)."""
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_MAX_BLOCKS_SPLIT, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def collapse_config(num_tokens: int, hidden: int, hc_mult: int, num_sms: int = _DEFAULT_NUM_SMS) -> dict:
+    """BLOCK_T tokens per program (tl.dot needs >= 16 rows): 16 up to 2048 tokens, 32 beyond (128 programs at a
+    4096-token prefill chunk, fn's L2 reads halved); BLOCK_D = 128 columns of a stream per step.
+
+    Fewer token blocks than SMs (decode): the N * D inputs are split over SPLITS programs per block so that about
+    two programs per SM read fn and the streams (one program alone would be latency-bound: 1.5 MB of fn at
+    V4-Flash size), and the last of them to finish does the Sinkhorn, the collapse and the norm.
+    """
+    block_t = 16 if num_tokens <= 2048 else 32
+    block_d = min(128, triton.next_power_of_2(hidden))
+    blocks = triton.cdiv(num_tokens, block_t)
+    steps = hc_mult * triton.cdiv(hidden, block_d)
+    splits = 1
+    if blocks < num_sms and blocks <= _MAX_BLOCKS_SPLIT:
+        splits = min(steps, triton.cdiv(2 * num_sms, blocks))
+        splits = triton.cdiv(steps, triton.cdiv(steps, splits))  # no split without a step
+    return dict(BLOCK_T=block_t, BLOCK_D=block_d, SPLITS=splits, num_warps=4, num_stages=2)
+
+
+def mix_config(num_tokens: int, hidden: int) -> dict:
+    """Smaller D tiles at small T, so a decode step still spreads over many programs."""
+    block_d = 256 if num_tokens <= 64 else 1024
+    return dict(BLOCK_D=min(block_d, triton.next_power_of_2(hidden)), num_warps=4)
+
+
+def _check_streams(streams: torch.Tensor, hc_mult: int):
+    assert streams.dim() == 3 and streams.shape[1] == hc_mult, f"streams must be [T, {hc_mult}, D]"
+    assert streams.dtype in (torch.float32, torch.float16, torch.bfloat16), f"streams dtype {streams.dtype}"
+    assert streams.stride(2) == 1, "streams' last dimension must be contiguous"
+    assert hc_mult >= 4, "the kernels tile N x N comb as >= 16 columns: hc_mult >= 4"
+
+
+def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_eps, sinkhorn_iters, head,
+                   config=None):
+    num_tokens, n, hidden = streams.shape
+    _check_streams(streams, hc_mult)
+    mixes = n if head else 2 * n + n * n
+    assert tuple(fn.shape) == (mixes, n * hidden) and fn.dtype == torch.float32 and fn.is_contiguous(), \
+        f"fn must be contiguous fp32 [{mixes}, {n * hidden}], got {tuple(fn.shape)} {fn.dtype}"
+    assert tuple(base.shape) == (mixes,) and base.dtype == torch.float32 and base.is_contiguous(), \
+        f"base must be contiguous fp32 [{mixes}]"
+    assert tuple(scale.shape) == ((1,) if head else (3,)) and scale.dtype == torch.float32, \
+        f"scale must be fp32 [{1 if head else 3}]"
+    if norm_weight is not None:
+        assert tuple(norm_weight.shape) == (hidden,) and norm_weight.is_contiguous(), f"norm_weight must be [{hidden}]"
+    assert sinkhorn_iters >= 1, "at least one Sinkhorn normalisation"
+    device = streams.device
+    x = torch.empty((num_tokens, hidden), dtype=streams.dtype, device=device)
+    if head:
+        post = comb = x  # never written
+    else:
+        post = torch.empty((num_tokens, n), dtype=torch.float32, device=device)
+        comb = torch.empty((num_tokens, n, n), dtype=torch.float32, device=device)
+    outputs = x if head else (post, comb, x)
+    if num_tokens == 0:
+        return outputs, []
+    cfg = config or collapse_config(num_tokens, hidden, n, _num_sms(device))
+    p = triton.next_power_of_2(n)
+    width_pp = max(16, 2 * p)
+    blocks, splits = triton.cdiv(num_tokens, cfg["BLOCK_T"]), cfg.get("SPLITS", 1)
+    if splits > 1:
+        assert blocks <= _MAX_BLOCKS_SPLIT, f"a split launch takes at most {_MAX_BLOCKS_SPLIT} token blocks"
+        partial = torch.empty((blocks * splits * cfg["BLOCK_T"], 1 + width_pp + p * p), dtype=torch.float32,
+                              device=device)
+    else:
+        partial = fn  # never touched
+    counters = _counters(device)  # touched only by split launches; passed always: one signature
+    args = (streams, fn, base, scale, norm_weight if norm_weight is not None else base, post, comb, x, partial,
+            counters, num_tokens, splits, streams.stride(0), streams.stride(1), x.stride(0), float(eps),
+            float(hc_eps))
+    kwargs = dict(N=n, D=hidden, P=p, SINKHORN_ITERS=int(sinkhorn_iters), HEAD=head,
+                  HAS_NORM=norm_weight is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"],
+                  WIDTH_PP=width_pp, DOT_PRECISION=cfg.get("DOT_PRECISION", "ieee"), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    return outputs, [(_hc_collapse_kernel, (blocks, splits), args, kwargs)]
+
+
+def plan_hc_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_eps, sinkhorn_iters, config=None):
+    """Check inputs, allocate (post, comb, x); return ((post, comb, x), launches) without launching (one launch;
+    none at T = 0)."""
+    return _plan_collapse(streams, fn, base, scale, norm_weight, hc_mult=hc_mult, eps=eps, hc_eps=hc_eps,
+                          sinkhorn_iters=sinkhorn_iters, head=False, config=config)
+
+
+def plan_hc_head(streams, fn, base, scale, *, eps, hc_eps, norm_weight=None, config=None):
+    """Check inputs, allocate x; return (x, launches) without launching (one launch; none at T = 0)."""
+    return _plan_collapse(streams, fn, base, scale, norm_weight, hc_mult=streams.shape[1], eps=eps, hc_eps=hc_eps,
+                          sinkhorn_iters=1, head=True, config=config)
+
+
+def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, config=None):
+    """Check inputs, allocate the new streams (or use out, which may be streams itself); return (new, launches)
+    without launching (one launch; none at T = 0)."""
+    num_tokens, n, hidden = streams.shape
+    _check_streams(streams, n)
+    for name, y in (("block_out", block_out), ("block_out2", block_out2)):
+        if y is not None:
+            assert tuple(y.shape) == (num_tokens, hidden) and y.stride(1) == 1 and y.is_floating_point(), \
+                f"{name} must be [T, D] with a contiguous last dimension"
+    assert tuple(post.shape) == (num_tokens, n) and post.dtype == torch.float32 and post.is_contiguous(), \
+        "post must be contiguous fp32 [T, N]"
+    assert tuple(comb.shape) == (num_tokens, n, n) and comb.dtype == torch.float32 and comb.is_contiguous(), \
+        "comb must be contiguous fp32 [T, N, N]"
+    if out is None:
+        out = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    assert out.shape == streams.shape and out.dtype == streams.dtype and out.stride(2) == 1, "out like streams"
+    if num_tokens == 0:
+        return out, []
+    cfg = config or mix_config(num_tokens, hidden)
+    second = block_out2 if block_out2 is not None else block_out
+    args = (streams, block_out, second, post, comb, out, num_tokens, streams.stride(0), streams.stride(1),
+            block_out.stride(0), second.stride(0), out.stride(0), out.stride(1))
+    kwargs = dict(N=n, D=hidden, P=triton.next_power_of_2(n), HAS_SECOND=block_out2 is not None,
+                  BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"])
+    return out, [(_hc_mix_kernel, (num_tokens, triton.cdiv(hidden, cfg["BLOCK_D"])), args, kwargs)]
+
+
+def _launch(launches):
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+
+def hc_collapse_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                       norm_weight: torch.Tensor | None, *, hc_mult: int, eps: float, hc_eps: float,
+                       sinkhorn_iters: int, config: dict | None = None):
+    """Triton version of `hc_collapse_reference` (same arguments and outputs), one launch."""
+    outputs, launches = plan_hc_collapse(streams, fn, base, scale, norm_weight, hc_mult=hc_mult, eps=eps,
+                                         hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, config=config)
+    _launch(launches)
+    return outputs
+
+
+def hc_head_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                   eps: float, hc_eps: float, norm_weight: torch.Tensor | None = None,
+                   config: dict | None = None) -> torch.Tensor:
+    """Triton version of `hc_head_reference` (same arguments and output), one launch."""
+    x, launches = plan_hc_head(streams, fn, base, scale, eps=eps, hc_eps=hc_eps, norm_weight=norm_weight,
+                               config=config)
+    _launch(launches)
+    return x
+
+
+def hc_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  block_out2: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                  config: dict | None = None) -> torch.Tensor:
+    """Triton version of `hc_mix_reference` (same arguments and output), one launch. out: where to write the new
+    streams (may be streams itself: each program reads its tile before writing it); a new tensor by default."""
+    new, launches = plan_hc_mix(streams, block_out, post, comb, block_out2, out=out, config=config)
+    _launch(launches)
+    return new
