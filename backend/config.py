@@ -46,6 +46,9 @@ class EngineConfig:
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
+    # Decode steps at static (bucketed) shapes, replayed from CUDA graphs on CUDA; on CPU, True runs the
+    # same padded step eagerly (how the graph path is tested without a GPU). None: on for CUDA only.
+    cuda_graphs: bool | None = None
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: README "Threads"). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
@@ -115,6 +118,9 @@ class EngineConfig:
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_cuda_graphs(self) -> bool:
+        return self.resolved_device() == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     def resolved_dtype(self):
         import torch

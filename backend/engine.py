@@ -34,6 +34,7 @@ from backend.model.checkpoint import load_weights
 from backend.model.config import load_model_config
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.model.graph_runner import DecodeGraphs
 from backend.request import FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
@@ -58,6 +59,9 @@ class LLMEngine:
         self.kernels = KernelDispatch(default_mode(config.use_reference_kernels))
         weights = load_weights(checkpoint, self.model_config, self.dtype, self.device, self.weight_format)
         self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype, self.kernels)
+        self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
+                                           capture=self.device == "cuda")
+                              if config.resolved_cuda_graphs() else None)
         self.sampler = Sampler()
         self.cpu_threads = config.cpu_threads or torch.get_num_threads()
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
@@ -193,8 +197,10 @@ class LLMEngine:
         """Prepare + forward + sample + postprocess; returns (finished sequence, its last text) pairs."""
         _use_intra_op_threads(1 if plan.num_tokens < self.small_step_tokens else self.cpu_threads)
         rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
-        batch = build_forward_batch(rows, self.kv, self.device)
-        logits = self.model.forward(batch, self.kv)
+        if self.decode_graphs is not None and self.decode_graphs.accepts(rows):
+            logits = self.decode_graphs.forward(rows)  # every decode row samples: logits align with `sampling`
+        else:
+            logits = self.model.forward(build_forward_batch(rows, self.kv, self.device), self.kv)
         sampling = [c.seq for c in plan.chunks if c.samples]
         tokens = self.sampler.sample(logits, sampling)
         for chunk in plan.chunks:

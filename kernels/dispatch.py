@@ -12,18 +12,21 @@ GPU. The model calls only the methods below, so every hot path has one seam.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
-
 import torch.nn.functional as F
 
 from kernels.attention import sparse_paged_attention_reference
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
-from kernels.moe import QuantizedExperts, fused_moe_reference, route_hash, route_topk
+from kernels.moe import QuantizedExperts, fused_moe_reference
 
 MODES = ("auto", "reference", "triton")
+# Ops whose fused Triton kernel does not exist yet: their torch reference runs on the GPU path too
+# (scripts/count_launches.py shows what they cost).
+REFERENCE_ONLY = frozenset({"norm_rope", "compress_into_pool", "route_topk", "route_hash", "swiglu"})
 
 
 def default_mode(use_reference: bool = False) -> str:
@@ -53,14 +56,17 @@ class KernelDispatch:
             return indexer_scores_triton(q, *args, **kwargs)
         return indexer_scores_reference(q, *args, **kwargs)
 
-    def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit) -> torch.Tensor:
+    def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch)."""
         if self.use_triton(x):
             from kernels.moe import fused_moe_triton
 
-            return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit)
+            return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype)
         w_gate_up, w_down = (w.dequantize().to(x.dtype) if isinstance(w, QuantizedExperts) else w
                              for w in (w_gate_up, w_down))
-        return fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit)
+        out = fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit)
+        return out if out_dtype is None else out.to(out_dtype)
 
     def linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight."""
@@ -75,12 +81,37 @@ class KernelDispatch:
             out = fp8_gemm_reference(flat, weight.data, weight.scale)
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    # Routing has one (torch) implementation; it goes through here so that a fused kernel can
-    # replace it without the model changing.
-    @staticmethod
-    def route_topk(logits, bias, k: int, routed_scaling_factor: float):
-        return route_topk(logits, bias, k, routed_scaling_factor)
+    # --- the fused kernels of one layer: `<name>_triton` or `<name>_reference` of kernels/<module>.py --------
+    def _fused(self, module: str, name: str, tensor: torch.Tensor, *args, **kwargs):
+        triton = self.use_triton(tensor) and name not in REFERENCE_ONLY
+        implementation = "triton" if triton else "reference"
+        return getattr(importlib.import_module(f"kernels.{module}"), f"{name}_{implementation}")(*args, **kwargs)
 
-    @staticmethod
-    def route_hash(logits, tid2eid, input_ids, routed_scaling_factor: float):
-        return route_hash(logits, tid2eid, input_ids, routed_scaling_factor)
+    def hc_collapse(self, streams, *args, **kwargs):
+        """mHC collapse + the block's RMSNorm -> (post, comb, x)."""
+        return self._fused("mhc", "hc_collapse", streams, streams, *args, **kwargs)
+
+    def hc_mix(self, streams, *args, **kwargs):
+        """mHC mix of one (or the sum of two) block outputs into the streams."""
+        return self._fused("mhc", "hc_mix", streams, streams, *args, **kwargs)
+
+    def hc_head(self, streams, *args, **kwargs):
+        return self._fused("mhc", "hc_head", streams, streams, *args, **kwargs)
+
+    def norm_rope(self, x, *args, **kwargs):
+        """RMSNorm and/or RoPE, optionally stored into a paged pool."""
+        return self._fused("norm_rope", "norm_rope", x, x, *args, **kwargs)
+
+    def compress_into_pool(self, kv, *args, **kwargs):
+        """Close a compressor's windows into its pool and update its ring."""
+        return self._fused("compressor", "compress_into_pool", kv, kv, *args, **kwargs)
+
+    def route_topk(self, logits, *args, **kwargs):
+        return self._fused("moe", "route_topk", logits, logits, *args, **kwargs)
+
+    def route_hash(self, logits, *args, **kwargs):
+        return self._fused("moe", "route_hash", logits, logits, *args, **kwargs)
+
+    def swiglu(self, gate_up, limit: float):
+        """The shared expert's clamped SwiGLU on its fused gate|up product."""
+        return self._fused("moe", "swiglu", gate_up, gate_up, limit)

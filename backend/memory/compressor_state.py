@@ -21,9 +21,10 @@ class CompressorStatePool:
                  device: str | torch.device):
         """rings: stream name -> (num_layers, ring length, width)."""
         self.allocator = PageAllocator(self.name, num_slots)
-        self.kv = {name: torch.zeros(n, num_slots, ring, w, dtype=dtype, device=device)
+        self.scratch_slot = num_slots  # never allocated: the padding rows of static-shape steps use it
+        self.kv = {name: torch.zeros(n, num_slots + 1, ring, w, dtype=dtype, device=device)
                    for name, (n, ring, w) in rings.items() if n}
-        self.gate = {name: torch.zeros(n, num_slots, ring, w, dtype=dtype, device=device)
+        self.gate = {name: torch.zeros(n, num_slots + 1, ring, w, dtype=dtype, device=device)
                      for name, (n, ring, w) in rings.items() if n}
 
     @property

@@ -39,7 +39,9 @@ class PagedPool:
         self.page_size = page_size
         self.num_layers = num_layers
         self.allocator = PageAllocator(name, num_pages)
-        self.tensors = {stream: torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
+        # One page past the allocator's: the padding rows of static-shape (CUDA graph) steps write there.
+        self.scratch_page = num_pages
+        self.tensors = {stream: torch.zeros(num_layers, num_pages + 1, page_size, width, dtype=dtype, device=device)
                         for stream, width in widths.items()}
 
     @property

@@ -7,7 +7,8 @@ Entry w of a compressor with rate m is a gated, softmax-weighted sum of token pr
                      for w = 0 the Ca half is empty (weight 0).
 It is then RMS-normed and rotated (compress rope) at position w * m. Entry w is ready once token
 (w + 1) * m - 1 has been projected, and depends on nothing else, so a chunked prefill or a decode
-computes exactly the entries a full forward would.
+computes exactly the entries a full forward would. The math is `compress_into_pool_reference` in
+kernels/compressor.py.
 
 Per step, a `CompressionPlan` (one per rate/overlap kind, shared by all layers of that kind) says
 which entries close in this batch, where each of their source tokens is (in the request's ring of
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.model.layers import apply_rope, rms_norm
 
 
 @dataclass
@@ -97,36 +97,3 @@ def _source_index(positions, row, start, offset, ring: int, num_rows: int):
     from_ring = row * ring + (positions - (start - ring))
     from_batch = num_rows * ring + offset + (positions - start)
     return torch.where(positions < start, from_ring, from_batch)
-
-
-def compress(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor, state_gate: torch.Tensor,
-             plan: CompressionPlan, position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-             rope_cos_sin) -> torch.Tensor:
-    """Entries closed in this step [N, head_dim]; updates the ring state in place.
-
-    kv, gate: this batch's projections [T, width]; state_*: one layer's rings [slots, ring, width];
-    rope_cos_sin: positions -> (cos, sin) of the compress rope.
-    """
-    width = kv.shape[-1]
-    ring_kv = state_kv[plan.ring_slots[:, None], plan.ring_order].reshape(-1, width)
-    ring_gate = state_gate[plan.ring_slots[:, None], plan.ring_order].reshape(-1, width)
-    src_kv, src_gate = torch.cat([ring_kv, kv]), torch.cat([ring_gate, gate])
-    state_kv[plan.keep_slot, plan.keep_pos] = src_kv[plan.keep_src]
-    state_gate[plan.keep_slot, plan.keep_pos] = src_gate[plan.keep_src]
-    if plan.num_entries == 0:
-        return kv.new_zeros((0, norm_weight.shape[0]))
-    win_kv, win_gate = src_kv[plan.entry_src], src_gate[plan.entry_src]  # [N, span, width]
-    if plan.overlap:
-        head_dim, rate = width // 2, plan.rate
-        win_kv = torch.cat([win_kv[:, :rate, :head_dim], win_kv[:, rate:, head_dim:]], dim=1)
-        win_gate = torch.cat([win_gate[:, :rate, :head_dim] + position_bias[:, :head_dim],
-                              win_gate[:, rate:, head_dim:] + position_bias[:, head_dim:]], dim=1)
-    else:
-        win_gate = win_gate + position_bias
-    valid = plan.entry_valid[..., None]
-    win_kv = torch.where(valid, win_kv, torch.zeros_like(win_kv))
-    win_gate = win_gate.masked_fill(~valid, float("-inf"))
-    weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-    entries = rms_norm((win_kv * weights).sum(dim=1), norm_weight, eps)
-    cos, sin = rope_cos_sin(plan.entry_pos)
-    return apply_rope(entries, cos, sin)

@@ -3,12 +3,16 @@
 Legend: T = tokens in the batch, N = hc_mult streams, D = hidden, H = heads, Dh = head_dim,
 Hi / Di = indexer heads / head dim, R = rows that want logits.
 
-One forward: embed -> for each layer [mHC collapse -> attention -> mHC mix -> mHC collapse -> MoE
--> mHC mix] -> hyper-head -> norm -> lm_head (only at the rows' last tokens). Attention writes each
-token's K=V into the window pool, closes compressor windows into the compressed pools, then calls
-the sparse paged attention kernel over window + compressed entries. Every hot path goes through
-the engine's `KernelDispatch` (Triton kernels or their torch references); the pools' tensors are
-reached only through `kv.layer(i)`.
+One forward: embed -> for each layer [mHC collapse + norm -> attention -> mHC mix -> mHC collapse +
+norm -> MoE -> mHC mix (routed + shared)] -> hyper-head -> norm -> lm_head (only at the rows' last
+tokens). Attention writes each token's K=V into the window pool, closes compressor windows into the
+compressed pools, then calls the sparse paged attention kernel over window + compressed entries.
+
+Every op of a layer goes through the engine's `KernelDispatch` (a fused Triton kernel, or its torch
+reference: the same math), and the linears that read the same input are one GEMM
+(backend/model/projections.py), so a decode step issues a few dozen launches per layer
+(scripts/count_launches.py) and no host synchronisation: every shape comes from the batch's host-side
+metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i)`.
 """
 
 from __future__ import annotations
@@ -17,11 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from backend.memory.kv_manager import KVCacheManager, LayerMemory
-from backend.model.compressor import compress
 from backend.model.config import CSA, SLIDING, ModelConfig
 from backend.model.forward_batch import ForwardBatch
-from backend.model.layers import (Rotary, apply_rope, hyper_connection, hyper_head, hyper_mix, rms_norm,
-                                  shared_expert, unweighted_rms_norm)
+from backend.model.rotary import Rotary
+from backend.model.projections import ATTENTION_INPUT, SHARED_EXPERT_INPUT, fuse_projections
 from kernels.dispatch import KernelDispatch
 
 
@@ -34,6 +37,12 @@ class DeepseekV4Model:
         self.dtype = dtype
         self.kernels = kernels or KernelDispatch()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
+        layers = range(config.num_hidden_layers)
+        self.attention_input = [fuse_projections(weights, f"model.layers.{i}.", ATTENTION_INPUT) for i in layers]
+        self.shared_expert_input = [fuse_projections(weights, f"model.layers.{i}.", SHARED_EXPERT_INPUT)
+                                    for i in layers]
+        self.hc = dict(hc_mult=config.hc_mult, eps=config.rms_norm_eps, hc_eps=config.hc_eps,
+                       sinkhorn_iters=config.hc_sinkhorn_iters)
         # Optional debug hook: called with (layer, batch, scores, indices) at every CSA indexer.
         self.indexer_observer = None
 
@@ -41,112 +50,114 @@ class DeepseekV4Model:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCacheManager) -> torch.Tensor:
         """Logits [R, vocab] (fp32) at `batch.logits_token_index`."""
-        c, w = self.config, self.w
+        c, w, k = self.config, self.w, self.kernels
         hidden = w["model.embed_tokens.weight"][batch.input_ids]  # [T, D]
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, D]
         rope = {label: r.cos_sin(batch.positions, self.dtype) for label, r in self.rotary.items()}
+        # The compress rope at each closing entry, once per plan (the indexer shares the CSA plan).
+        entry_rope = {}
+        for stream, plan in batch.plans.items():
+            shared = next((v for s, v in entry_rope.items() if batch.plans[s] is plan), None)
+            entry_rope[stream] = shared or self.rotary["compress"].cos_sin(plan.entry_pos, self.dtype)
         for i in range(c.num_hidden_layers):
-            streams = self._layer(i, streams, batch, kv, rope)
+            streams = self._layer(i, streams, batch, kv, rope, entry_rope)
         last = streams[batch.logits_token_index]
-        last = hyper_head(last, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"], c)
-        last = rms_norm(last, w["model.norm.weight"], c.rms_norm_eps)
+        last = k.hc_head(last, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
+                         eps=c.rms_norm_eps, hc_eps=c.hc_eps, norm_weight=w["model.norm.weight"])
         return F.linear(last, w["lm_head.weight"]).float()
 
-    def _layer(self, i: int, streams, batch, kv, rope):
-        c, p = self.config, f"model.layers.{i}."
-        post, comb, collapsed = hyper_connection(streams, self.w[p + "attn_hc.fn"], self.w[p + "attn_hc.base"],
-                                                 self.w[p + "attn_hc.scale"], c)
-        x = rms_norm(collapsed, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
-        streams = hyper_mix(streams, self._attention(i, x, batch, kv, rope), post, comb)
-        post, comb, collapsed = hyper_connection(streams, self.w[p + "ffn_hc.fn"], self.w[p + "ffn_hc.base"],
-                                                 self.w[p + "ffn_hc.scale"], c)
-        x = rms_norm(collapsed, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-        return hyper_mix(streams, self._moe(i, x, batch.input_ids), post, comb)
+    def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
+        k, w, p = self.kernels, self.w, f"model.layers.{i}."
+        post, comb, x = k.hc_collapse(streams, w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"],
+                                      w[p + "input_layernorm.weight"], **self.hc)
+        streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
+        post, comb, x = k.hc_collapse(streams, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
+                                      w[p + "post_attention_layernorm.weight"], **self.hc)
+        routed, shared = self._moe(i, x, batch.input_ids)
+        return k.hc_mix(streams, routed, post, comb, shared)
 
     # --- attention --------------------------------------------------------------------------------
-    def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope) -> torch.Tensor:
-        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn."
+    def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope,
+                   entry_rope) -> torch.Tensor:
+        c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.self_attn."
         layer_type = c.layer_types[i]
         cos, sin = rope["main" if layer_type == SLIDING else "compress"]
-        num_tokens = x.shape[0]
+        num_tokens, eps = x.shape[0], c.rms_norm_eps
 
-        linear = self.kernels.linear
-        q_residual = rms_norm(linear(x, w[p + "q_a_proj.weight"]), w[p + "q_a_norm.weight"], c.rms_norm_eps)
-        q = linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, c.num_attention_heads, c.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, c.rms_norm_eps), cos, sin)  # [T, H, Dh]
-        kv_new = rms_norm(linear(x, w[p + "kv_proj.weight"]), w[p + "kv_norm.weight"], c.rms_norm_eps)
-        kv_new = apply_rope(kv_new, cos, sin)  # [T, Dh]
+        proj = self.attention_input[i](x, k.linear)  # every linear of x: one GEMM, column views
+        q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
+        q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, c.num_attention_heads, c.head_dim)
+        q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope
         memory = kv.layer(i)
-        memory.window_kv.view(-1, c.head_dim)[batch.window_write_index] = kv_new
+        k.norm_rope(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], eps, cos=cos, sin=sin,
+                    out=memory.window_kv, out_index=batch.window_write_index)  # K=V straight into the window pool
 
         comp_table, topk = None, None
         if memory.pool is not None:
             comp_table = batch.comp_block_tables[memory.pool]
-            self._compress_into(i, "compressor.", memory.pool, x, batch, memory, memory.compressed_kv, comp_table)
+            self._compress_into(i, "compressor.", memory.pool, proj, batch, memory, memory.compressed_kv, comp_table,
+                                entry_rope)
         if layer_type == CSA:
-            topk = self._indexer_topk(i, x, q_residual, batch, memory, rope["compress"])
+            topk = self._indexer_topk(i, proj, q_residual, batch, memory, rope["compress"], entry_rope)
 
-        out = self.kernels.sparse_paged_attention(
+        out = k.sparse_paged_attention(
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
             memory.window_kv, batch.window_block_table, batch.window_first_page, c.sliding_window,
             memory.compressed_kv, comp_table, memory.compress_rate, topk,
         )
-        out = apply_rope(out, cos, -sin)  # undo the rotation V picked up as K
+        out = k.norm_rope(out, None, eps, normalize=False, cos=cos, sin=sin, inverse=True)  # undo V's rotation as K
         return self._output_projection(i, out)
 
     def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
         c, p = self.config, f"model.layers.{i}.self_attn."
-        groups = out.reshape(out.shape[0], c.o_groups, -1)  # [T, G, H*Dh/G]
+        groups = out.view(out.shape[0], c.o_groups, -1).transpose(0, 1)  # [G, T, H*Dh/G]
         w_a = self.w[p + "o_a_proj.weight"].view(c.o_groups, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
-        grouped = torch.einsum("tgi,gri->tgr", groups, w_a).flatten(1)
+        grouped = torch.bmm(groups, w_a.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)  # [T, G*R]
         return self.kernels.linear(grouped, self.w[p + "o_b_proj.weight"])
 
-    def _compress_into(self, i, prefix, stream, x, batch, memory: LayerMemory, pool_tensor, block_table) -> None:
+    def _compress_into(self, i, prefix, stream, proj, batch, memory: LayerMemory, pool_tensor, block_table,
+                       entry_rope) -> None:
         """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.{prefix}"
-        plan = batch.plans[stream]
         state_kv, state_gate = memory.state[stream]
-        entries = compress(
-            F.linear(x, w[p + "kv_proj.weight"]), F.linear(x, w[p + "gate_proj.weight"]), state_kv, state_gate, plan,
-            w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
-            lambda positions: self.rotary["compress"].cos_sin(positions, self.dtype),
-        )
-        if plan.num_entries:
-            page_size = pool_tensor.shape[1]
-            pages = block_table[plan.entry_row, plan.entry_index // page_size].long()
-            pool_tensor.view(-1, pool_tensor.shape[-1])[pages * page_size + plan.entry_index % page_size] = entries
+        self.kernels.compress_into_pool(
+            proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
+            batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps, *entry_rope[stream],
+            pool_tensor, block_table)
 
-    def _indexer_topk(self, i, x, q_residual, batch, memory: LayerMemory, compress_cos_sin) -> torch.Tensor:
-        """Lightning indexer: top-k compressed entries per query, -1 where fewer are causal. [T, k]"""
-        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.compressor.indexer."
+    def _indexer_topk(self, i, proj, q_residual, batch, memory: LayerMemory, compress_cos_sin,
+                      entry_rope) -> torch.Tensor:
+        """Lightning indexer: top-k compressed entries per query [T, k] (picks past the causal ones are ignored
+        by the attention kernel)."""
+        c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.self_attn.compressor.indexer."
         index_k = memory.index_k
-        self._compress_into(i, "compressor.indexer.", "indexer", x, batch, memory, index_k,
-                            batch.comp_block_tables["csa"])
-        q = self.kernels.linear(q_residual, w[p + "q_b_proj.weight"]).view(x.shape[0], c.index_n_heads,
-                                                                            c.index_head_dim)
-        q = apply_rope(q, *compress_cos_sin)  # the indexer's queries use the compress rope, as its keys do
-        weights = F.linear(x, w[p + "scorer.weights_proj.weight"]).float() * c.index_n_heads ** -0.5
-        scores = self.kernels.indexer_scores(q, weights, c.index_head_dim ** -0.5, batch.token_seq, batch.positions,
-                                             index_k, batch.comp_block_tables["csa"], c.csa_rate)
-        top_k = min(c.index_topk, scores.shape[1])
-        indices = scores.topk(top_k, dim=-1).indices
-        causal = (batch.positions + 1) // c.csa_rate
-        indices = torch.where(indices >= causal[:, None], torch.full_like(indices, -1), indices).to(torch.int32)
+        self._compress_into(i, "compressor.indexer.", "indexer", proj, batch, memory, index_k,
+                            batch.comp_block_tables["csa"], entry_rope)
+        q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(q_residual.shape[0], c.index_n_heads, c.index_head_dim)
+        # the indexer's queries use the compress rope, as its keys do
+        q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1])
+        weights = proj["self_attn.compressor.indexer.scorer.weights_proj"]  # the head scaling goes with the softmax's
+        scale = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
+        scores = k.indexer_scores(q, weights, scale, batch.token_seq, batch.positions, index_k,
+                                  batch.comp_block_tables["csa"], c.csa_rate, max_entries=batch.max_entries["csa"])
+        # Raw top-k: picks of non-causal (-inf) entries are ignored by the attention kernel itself.
+        indices = scores.topk(min(c.index_topk, scores.shape[1]), dim=-1).indices
         if self.indexer_observer is not None:
-            self.indexer_observer(i, batch, scores, indices)
+            causal = (batch.positions + 1) // c.csa_rate
+            self.indexer_observer(i, batch, scores, torch.where(indices >= causal[:, None], -1, indices))
         return indices
 
     # --- mixture of experts -------------------------------------------------------------------------
-    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        c, w, p = self.config, self.w, f"model.layers.{i}.mlp."
-        router_logits = F.linear(x, w[p + "gate.weight"])
+    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
+        c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.mlp."
+        router_logits = k.linear(x, w[p + "gate.weight"])
         if c.mlp_layer_types[i] == "hash_moe":
-            ids, weights = self.kernels.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids,
-                                                   c.routed_scaling_factor)
+            ids, weights = k.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
         else:
-            ids, weights = self.kernels.route_topk(router_logits, w[p + "gate.e_score_correction_bias"],
-                                                   c.num_experts_per_tok, c.routed_scaling_factor)
-        routed = self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                                        c.swiglu_limit)
-        return routed + shared_expert(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
-                                      w[p + "shared_experts.down_proj.weight"], c.swiglu_limit, self.kernels.linear)
+            ids, weights = k.route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
+                                        c.routed_scaling_factor)
+        routed = k.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                             c.swiglu_limit, out_dtype=torch.float32)
+        hidden = k.swiglu(self.shared_expert_input[i].product(x, k.linear), c.swiglu_limit)
+        return routed, k.linear(hidden, w[p + "shared_experts.down_proj.weight"])

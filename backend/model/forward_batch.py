@@ -34,6 +34,9 @@ class ForwardBatch:
     window_first_page: torch.Tensor  # [B] long
     comp_block_tables: dict[str, torch.Tensor]  # pool name -> [B, C] int32
     plans: dict[str, CompressionPlan]  # "csa", "indexer" and "hca"
+    # pool name -> the most entries any token of the batch may attend to (host int: the indexer's score
+    # width, so that no kernel wrapper reads positions back from the device)
+    max_entries: dict[str, int]
 
     @property
     def num_tokens(self) -> int:
@@ -91,4 +94,6 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> For
         comp_block_tables={name: _padded([kv.compressed_row(r.pages, name) for r in rows], device)
                            for name in kv.compressed_pools},
         plans=plans,
+        max_entries={name: max((s + n) // pool.compress_rate for s, n in zip(starts, lens)) if rows else 0
+                     for name, pool in kv.compressed_pools.items()},
     )

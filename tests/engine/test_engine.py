@@ -162,3 +162,21 @@ def test_a_deployment_that_cannot_work_fails_before_any_weight_is_read(tiny_chec
     monkeypatch.setattr(backend.engine, "load_weights", no_weights)
     with pytest.raises(ConfigError, match=f"'{name}'"):
         LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", **settings))
+
+
+def test_static_decode_steps_generate_the_same_tokens_as_dynamic_ones(tiny_checkpoint):
+    """cuda_graphs=true on CPU: every decode step runs padded to its static shape (what a graph replays),
+    including under preemption; as requests are preempted and resume, steps run at more than one row bucket.
+    The 512-position pools hold the four prompts' compressed entries (2 CSA pages each) but not their growth."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (90, 100, 110, 120)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = _engine(tiny_checkpoint, num_tokens=8192, cuda_graphs=False).generate(prompts, params)
+    static = _engine(tiny_checkpoint, num_tokens=512, swa_full_tokens_ratio=1.0, cuda_graphs=True)
+    assert static.decode_graphs is not None and not static.decode_graphs.capture
+    got = static.generate(prompts, params)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    assert static.stats()["num_preemptions"] > 0
+    buckets = {key.rows for key in static.decode_graphs.keys}
+    assert 4 in buckets and len(buckets) >= 2, buckets
+    assert _all_pages_free(static)

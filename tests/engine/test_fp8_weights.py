@@ -22,7 +22,11 @@ from .test_reference import _prompt
 # where a perturbed score flips a discrete choice (an expert, a CSA top-k entry). Measured here:
 # median 0.053, 90th percentile 0.10, max 0.47; the same argmax at 91 % of positions.
 MEDIAN_DISTANCE, P90_DISTANCE, SAME_ARGMAX = 0.1, 0.2, 0.85
-KERNELS_VS_REFERENCES = 1e-4  # the same quantized arithmetic, another summation order
+# Kernels vs references on the same quantized weights: the same arithmetic in another summation order, so
+# the per-position relative distance is ulp-level (median 3e-7 measured) -- except where an activation sits on
+# an e4m3 rounding boundary and an ulp flips its rounding (one element moves by 1/16 of itself). Measured: 2 of
+# 150 positions, max distance 2e-4. Allowed: median 1e-5, at most 5 % of positions above it, none above 2e-3.
+KERNELS_MEDIAN, KERNELS_FLIPPED_SHARE, KERNELS_MAX = 1e-5, 0.05, 2e-3
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +56,10 @@ def test_fp8_weights_give_logits_close_to_the_dequantized_ones(published):
 def test_fp8_kernels_compute_what_their_references_compute(published):
     reference = _run(EngineHarness(published, weight_format="fp8"))
     kernels = _run(EngineHarness(published, weight_format="fp8", kernel_mode="triton"))
-    scale = reference.abs().max().item()
-    assert (kernels - reference).abs().max().item() <= KERNELS_VS_REFERENCES * scale
+    distance = (kernels - reference).norm(dim=-1) / reference.norm(dim=-1)
+    assert distance.median() <= KERNELS_MEDIAN, distance
+    assert (distance > KERNELS_MEDIAN).float().mean() <= KERNELS_FLIPPED_SHARE, distance
+    assert distance.max() <= KERNELS_MAX, distance
 
 
 def test_the_engine_serves_fp8_weights_and_frees_every_page(published):

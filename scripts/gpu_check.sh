@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Everything that needs an NVIDIA GPU, in one run that installs nothing (the machine has torch + triton):
+#   1. the kernel tests with CUDA tensors (DSV4_TEST_DEVICE=cuda: no interpreter),
+#   2. the engine on CUDA against CPU fp32, CUDA graphs on and off (scripts/check_engine_device.py),
+#   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
+#   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py).
+# Results go to ${OUT:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
+#
+#   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-results/gpu_check}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+unset TRITON_INTERPRET
+
+declare -A status
+run() {  # name, command...
+  local name="$1"; shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  if "$@" > >(tee "$OUT/$name.log") 2>&1; then status[$name]="ok ($((SECONDS - start)) s)"
+  else status[$name]="FAILED ($((SECONDS - start)) s, see $OUT/$name.log)"; fi
+}
+
+run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -x -p no:cacheprovider
+run engine "$PY" scripts/check_engine_device.py --device cuda --json "$OUT/engine.json"
+run launches "$PY" scripts/count_launches.py --device cuda --json "$OUT/launches.json"
+run bench_kernels "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json" --csv "$OUT/kernels.csv"
+
+echo
+echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
+failed=0
+for name in kernel_tests engine launches bench_kernels; do
+  printf '%-14s %s\n' "$name" "${status[$name]}"
+  case "${status[$name]}" in FAILED*) failed=1 ;; esac
+done
+[ -f "$OUT/launches.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"launches per layer {r['per_layer_mean']:.1f}, per step {r['per_step']:.0f}, host syncs per step {r['syncs_per_step']:g}\")" "$OUT/launches.json"
+exit $failed

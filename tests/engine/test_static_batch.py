@@ -1,0 +1,104 @@
+"""The static-shape decode step (what CUDA graphs replay) against the dynamic one, eagerly on CPU.
+
+Two copies of the same memory: one decodes with batches built by `build_forward_batch`, the other
+through `DecodeGraphs(capture=False)` with batches padded to their `StaticKey`. Prompts end just before
+CSA and HCA boundaries, so the decode steps close compressor windows (real and padding entries in one
+plan), and the batch sizes (3 and 5 rows: padded to 4 and 8) leave padding rows. Logits must match and
+the padding must leave every request's memory alone (the greedy continuations agree step after step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.memory.kv_manager import KVCacheManager
+from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.model.graph_runner import DecodeGraphs
+from backend.model.static_batch import StaticKey, row_bucket, static_decode_batch, static_key
+from backend.request import Sequence
+
+from .harness import EngineHarness
+
+PROMPT_LENGTHS = [3, 126, 127, 254, 60]  # next positions cross 4-, 128- and 256-boundaries while decoding
+
+
+def _kv(harness: EngineHarness) -> KVCacheManager:
+    return KVCacheManager(harness.config, num_tokens=16384, swa_full_tokens_ratio=0.5, page_size=16,
+                          max_running_requests=8, dtype=torch.float32, device="cpu")
+
+
+class _Decoder:
+    """Requests on one memory, prefilled on the reference path, then decoded by `forward(rows)`."""
+
+    def __init__(self, harness: EngineHarness, kv: KVCacheManager, prompts: list[list[int]]):
+        self.model, self.kv = harness.model, kv
+        self.seqs = [Sequence(f"r{i}", p) for i, p in enumerate(prompts)]
+        for seq in self.seqs:
+            seq.output_ids.append(int(self._run([(seq, len(seq.prompt_ids))], None)[0].argmax()))
+
+    def _run(self, work, graphs):
+        rows = []
+        for seq, n in work:
+            self.kv.extend(seq, n)
+            start = seq.num_computed_tokens
+            rows.append(BatchRow(seq.pages, seq.token_ids()[start:start + n], start, True))
+        if graphs is None:
+            logits = self.model.forward(build_forward_batch(rows, self.kv, "cpu"), self.kv)
+        else:
+            logits = graphs.forward(rows)
+        for seq, n in work:
+            seq.num_computed_tokens += n
+            self.kv.release_slid_out(seq)
+        return logits
+
+    def decode(self, seqs, graphs=None) -> torch.Tensor:
+        logits = self._run([(seq, 1) for seq in seqs], graphs)
+        for seq, token in zip(seqs, logits.argmax(-1).tolist()):
+            seq.output_ids.append(token)
+        return logits
+
+
+@pytest.mark.parametrize("kernel_mode", ["reference", "triton"])
+def test_padded_static_decode_equals_dynamic(tiny_checkpoint, kernel_mode):
+    harness = EngineHarness(tiny_checkpoint, kernel_mode=kernel_mode)
+    harness.model.indexer_observer = None  # the harness's observer tracks its own rows only
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, harness.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    harness.model.kernels.mode = "reference"  # prefill fast; the decode steps run the mode under test
+    dynamic, static = _Decoder(harness, _kv(harness), prompts), _Decoder(harness, _kv(harness), prompts)
+    harness.model.kernels.mode = kernel_mode
+    graphs = DecodeGraphs(harness.model, static.kv, max_rows=8, capture=False)
+    steps = 3 if kernel_mode == "triton" else 6
+    for step in range(steps):
+        subset = slice(0, 3) if step % 2 else slice(None)  # 3 rows (bucket 4), then 5 (bucket 8)
+        expected = dynamic.decode(dynamic.seqs[subset])
+        actual = static.decode(static.seqs[subset], graphs)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert [s.output_ids for s in static.seqs] == [s.output_ids for s in dynamic.seqs]
+    assert {k.rows for k in graphs.keys} == {4, 8}
+    for decoder in (dynamic, static):
+        for seq in decoder.seqs:
+            decoder.kv.free(seq)
+        decoder.kv.check()
+
+
+def test_static_keys_bucket_rows_and_context(tiny_checkpoint):
+    harness = EngineHarness(tiny_checkpoint)
+    assert [row_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64)] == [1, 2, 4, 8, 8, 16, 64]
+    seq = Sequence("a", list(range(2, 300)))
+    harness.kv.extend(seq, 300 - 2)
+    seq.num_computed_tokens = 298
+    harness.kv.release_slid_out(seq)
+    harness.kv.extend(seq, 1)
+    rows = [BatchRow(seq.pages, [5], 298, True)]
+    key = static_key(rows)
+    assert key == StaticKey(rows=1, context=512)
+    batch = static_decode_batch(rows, harness.kv, StaticKey(rows=4, context=512), "cpu")
+    assert batch.num_tokens == 4 and batch.max_entries == {"csa": 128, "hca": 4}
+    assert batch.comp_block_tables["csa"].shape == (4, 8)  # 128 entries in pages of 16
+    scratch = harness.kv.window_pool.scratch_page
+    assert batch.window_write_index[1:].tolist() == [scratch * harness.kv.page_size] * 3
+    for plan in batch.plans.values():
+        assert plan.num_entries == 4 and (plan.entry_row[1:] == -1).all()  # position 298 closes no window
+        assert plan.keep_slot[1:].tolist() == [harness.kv.state_pool.scratch_slot] * 3

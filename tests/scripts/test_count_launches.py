@@ -1,0 +1,45 @@
+"""The launch budget of a decode step on the GPU code path (Triton kernels, interpreted on CPU).
+
+scripts/count_launches.py is the benchmark that reports the numbers; this pins the budget so a change
+that adds launches or a host synchronisation to the decode step fails here rather than on a GPU.
+"""
+
+from __future__ import annotations
+
+from count_launches import measure
+
+# What the step achieves today (mHC fused, linears of one input fused; norms, RoPE, compressors and routing
+# still run as torch references on the GPU path): a regression guard. The goal is 40.
+MAX_LAUNCHES_PER_LAYER = 200
+
+
+def test_decode_step_stays_within_the_launch_budget_with_no_host_sync(tiny_checkpoint):
+    result = measure(tiny_checkpoint, batch=4, steps=2, mode="triton")
+    assert result["syncs_per_step"] == 0, result["syncs"]
+    worst = max(result["per_layer"].values())
+    assert worst <= MAX_LAUNCHES_PER_LAYER, (worst, result["top_ops"])
+    # every kind of layer of the tiny model was counted, each issuing real work
+    assert set(result["per_layer_kind"]) == {"sliding_attention", "compressed_sparse_attention",
+                                             "heavily_compressed_attention"}
+    assert min(result["per_layer"].values()) >= 15
+
+
+def test_the_counter_sees_torch_ops_triton_launches_and_syncs(tiny_checkpoint):
+    import torch
+
+    from count_launches import counting
+    from backend.model.config import load_model_config
+
+    class Model:  # the counter attributes launches inside `_layer` to the layer
+        def _layer(self, i, x):
+            y = x + 1  # one launch
+            y.view(-1)  # a view: none
+            return int(y.sum())  # one launch (sum) and one sync (.item)
+
+    model = Model()
+    with counting(model) as counter:
+        model._layer(3, torch.ones(4))
+        torch.arange(3).tolist()  # outside any layer: one launch (arange), one sync (tolist)
+    assert counter.launches == {3: 2, "step": 2}  # torch.ones is a fill launch too
+    assert sum(counter.syncs.values()) == 2
+    assert load_model_config(tiny_checkpoint).num_hidden_layers == 4
