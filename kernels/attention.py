@@ -32,18 +32,16 @@ them with the sink. Mixed batches need nothing special: every token reads its ow
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype
+from kernels.common import compiled_programs_per_sm, compute_dtype, num_sms
 
-# Split-KV (flash-decoding) is chosen when fewer than this many programs per SM would run without it.
-_PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 32
-_DEFAULT_NUM_SMS = 132  # H100 / H200; used when q is not on a CUDA device (interpreter, compile check)
+# Registers per thread assumed off a GPU (where the kernel is not compiled for a device): about the 164-180 that
+# sm_90 gives V4-Flash's configurations (scripts/check_kernels_compile.py), so the interpreter picks GPU-like splits.
+_ASSUMED_REGISTERS = 168
 _LOG2E = 1.4426950408889634
 
 
@@ -186,13 +184,6 @@ def _split_kv_combine_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, (acc / denom).to(out_ptr.dtype.element_ty))
 
 
-@lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def attention_config(head_dim: int, num_heads: int) -> dict:
     """Tile sizes and launch options for a head_dim / head count (shared with scripts/).
 
@@ -208,13 +199,24 @@ def attention_config(head_dim: int, num_heads: int) -> dict:
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
 
 
-def choose_num_splits(num_programs: int, max_key_blocks: int, num_sms: int) -> int:
-    """Split-KV factor: 1 when the (token, head block) programs already fill the GPU; otherwise enough
-    splits to reach _PROGRAMS_PER_SM programs per SM, at least two key blocks per split, at most _MAX_SPLITS."""
-    target = _PROGRAMS_PER_SM * num_sms
-    if num_programs >= target or max_key_blocks < 4:
+def choose_num_splits(num_programs: int, max_key_blocks: int, num_sms: int, programs_per_sm: int,
+                      min_blocks_per_split: int = 2) -> int:
+    """Split-KV factor: 1 when the (token, head block) programs already fill every SM to its occupancy (one full
+    wave of programs_per_sm * num_sms); otherwise enough splits to fill that wave, each split keeping at least
+    min_blocks_per_split key blocks (`min_blocks_per_split` bounds the partials' traffic), at most _MAX_SPLITS."""
+    wave = programs_per_sm * num_sms
+    most = min(max_key_blocks // max(min_blocks_per_split, 1), _MAX_SPLITS)
+    if num_programs >= wave or most < 2:
         return 1
-    return max(1, min(triton.cdiv(target, max(num_programs, 1)), max_key_blocks // 2, _MAX_SPLITS))
+    return max(1, min(triton.cdiv(wave, max(num_programs, 1)), most))
+
+
+def min_blocks_per_split(block_h: int, block_n: int, head_dim: int, element_bytes: int) -> int:
+    """Key blocks a split must read so that its partial output's round trip (BLOCK_H x head_dim fp32 written,
+    then read by the combine kernel) moves no more bytes than its keys (BLOCK_N x head_dim each): split-KV then
+    at most doubles a step's attention traffic while it multiplies the programs at work."""
+    partial_round_trip = 2 * block_h * head_dim * 4
+    return max(2, -(-partial_round_trip // (block_n * head_dim * element_bytes)))
 
 
 def _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n) -> int:
@@ -249,36 +251,47 @@ def plan_sparse_paged_attention(
     num_head_blocks = triton.cdiv(num_heads, block_h)
     comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
     num_topk = topk_indices.shape[1] if topk_indices is not None else 0
-    if num_splits is None:
-        max_key_blocks = _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n)
-        num_splits = choose_num_splits(num_tokens * num_head_blocks, max_key_blocks, _num_sms(q.device))
-    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
-    is_split = num_splits > 1
-
     dot_dtype = compute_dtype(q.dtype)
-    comp_kv_arg = comp_kv if comp_kv is not None else window_kv
-    comp_table_arg = comp_block_table if comp_block_table is not None else window_block_table
-    topk_arg = topk_indices if topk_indices is not None else token_seq
-    if is_split:
-        partial = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        dst, dst_strides, lse_strides = partial, partial.stride()[:3], lse.stride()[:2]
-    else:
-        lse, dst, dst_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
-    args = (
-        q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
-        comp_kv_arg, comp_table_arg, topk_arg, dst, lse,
-        num_heads, window, max(compress_rate, 1), num_topk, window_kv.shape[1], comp_kv_arg.shape[1], num_splits,
-        float(scale) * _LOG2E,
-        q.stride(0), q.stride(1),
-        window_kv.stride(0), window_kv.stride(1), window_block_table.stride(0),
-        comp_kv_arg.stride(0), comp_kv_arg.stride(1), comp_table_arg.stride(0),
-        topk_arg.stride(0) if topk_indices is not None else 0,
-        *dst_strides, *lse_strides,
-    )
-    kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=is_split,
+    kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=True,
                   COMPUTE_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    def kernel_args(splits: int):
+        """(args, partial, lse) of the attention launch with `splits` splits (buffers allocated when split)."""
+        comp_kv_arg = comp_kv if comp_kv is not None else window_kv
+        comp_table_arg = comp_block_table if comp_block_table is not None else window_block_table
+        topk_arg = topk_indices if topk_indices is not None else token_seq
+        partial = lse = None
+        if splits > 1:
+            partial = torch.empty((num_tokens, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+            lse = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=q.device)
+            dst, dst_strides, lse_strides = partial, partial.stride()[:3], lse.stride()[:2]
+        else:
+            lse, dst, dst_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
+        args = (
+            q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
+            comp_kv_arg, comp_table_arg, topk_arg, dst, lse,
+            num_heads, window, max(compress_rate, 1), num_topk, window_kv.shape[1], comp_kv_arg.shape[1], splits,
+            float(scale) * _LOG2E,
+            q.stride(0), q.stride(1),
+            window_kv.stride(0), window_kv.stride(1), window_block_table.stride(0),
+            comp_kv_arg.stride(0), comp_kv_arg.stride(1), comp_table_arg.stride(0),
+            topk_arg.stride(0) if topk_indices is not None else 0,
+            *dst_strides, *lse_strides,
+        )
+        return args, partial, lse
+
+    if num_splits is None:
+        key = ("attention", q.device, q.dtype, head_dim, comp_mode, tuple(sorted(cfg.items())), block_n)
+        occupancy = compiled_programs_per_sm(_sparse_paged_attention_kernel, lambda: kernel_args(2)[0], kwargs,
+                                             q.device, key, _ASSUMED_REGISTERS)
+        max_key_blocks = _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n)
+        num_splits = choose_num_splits(num_tokens * num_head_blocks, max_key_blocks, num_sms(q.device), occupancy,
+                                       min_blocks_per_split(block_h, block_n, head_dim, q.element_size()))
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    is_split = num_splits > 1
+    args, partial, lse = kernel_args(num_splits)
+    kwargs["IS_SPLIT"] = is_split
     launches = [(_sparse_paged_attention_kernel, (num_tokens, num_head_blocks, num_splits), args, kwargs)]
     if is_split:
         combine_args = (partial, lse, sinks, out, num_splits, *partial.stride()[:3], *lse.stride()[:2],

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 import triton.language as tl
+
+DEFAULT_NUM_SMS = 132  # H100 / H200; used off a CUDA device (interpreter, compile check)
+# One sm_90 streaming multiprocessor: what bounds the programs resident at once.
+SM90_REGISTERS = 65536
+SM90_THREADS = 2048
+SM90_SHARED = 228 * 1024  # bytes; each resident program also reserves 1 KB
+SM90_PROGRAMS = 32
+REGISTER_GRANULE = 256  # registers are allocated per warp in units of 256
 
 
 def is_interpreting() -> bool:
@@ -19,3 +28,41 @@ def compute_dtype(dtype: torch.dtype):
     if dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreting()):
         return tl.float32
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+@lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def programs_per_sm(registers_per_thread: int, num_warps: int, shared_bytes: int) -> int:
+    """Programs (CTAs) of one kernel resident on an sm_90 SM at once: the least of what its registers, threads and
+    shared memory allow (at least 1)."""
+    per_warp = -(-registers_per_thread * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+    by_registers = SM90_REGISTERS // (per_warp * num_warps)
+    by_threads = SM90_THREADS // (32 * num_warps)
+    by_shared = SM90_SHARED // (shared_bytes + 1024)
+    return max(1, min(by_registers, by_threads, by_shared, SM90_PROGRAMS))
+
+
+_OCCUPANCY: dict[tuple, int] = {}
+
+
+def compiled_programs_per_sm(kernel, make_args, kwargs, device: torch.device, key: tuple,
+                             assumed_registers: int) -> int:
+    """`programs_per_sm` of `kernel` as compiled for the arguments make_args() returns: on CUDA its real register
+    and shared-memory use (compiled once through JITFunction.warmup, cached under `key`); elsewhere (the
+    interpreter, meta tensors) `assumed_registers` per thread and no shared memory. On CUDA the compile happens at
+    the first step of a shape, before any CUDA graph capture (graph_runner warms up first)."""
+    if key in _OCCUPANCY:
+        return _OCCUPANCY[key]
+    num_warps = kwargs.get("num_warps", 4)
+    registers, shared = assumed_registers, 0
+    if device.type == "cuda" and not is_interpreting():
+        compiled = kernel.warmup(*make_args(), grid=(1,), **kwargs)
+        compiled._init_handles()  # loads the module: sets n_regs
+        registers, shared = compiled.n_regs, compiled.metadata.shared
+    _OCCUPANCY[key] = programs_per_sm(registers, num_warps, shared)
+    return _OCCUPANCY[key]

@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import DEFAULT_NUM_SMS, num_sms
+
 
 # --- references (the model's math, casts included) ----------------------------------------------------------------
 def _unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -268,14 +270,7 @@ def _hc_mix_kernel(
 
 
 # --- host wrappers ------------------------------------------------------------------------------------------------
-_DEFAULT_NUM_SMS = 132  # H100 / H200; used off a CUDA device (interpreter, compile check)
 _MAX_BLOCKS_SPLIT = 64  # counters kept per device: token blocks of a launch that splits its inputs
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}
@@ -290,7 +285,7 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[key]
 
 
-def collapse_config(num_tokens: int, hidden: int, hc_mult: int, num_sms: int = _DEFAULT_NUM_SMS) -> dict:
+def collapse_config(num_tokens: int, hidden: int, hc_mult: int, num_sms: int = DEFAULT_NUM_SMS) -> dict:
     """BLOCK_T tokens per program (tl.dot needs >= 16 rows): 16 up to 2048 tokens, 32 beyond (128 programs at a
     4096-token prefill chunk, fn's L2 reads halved); BLOCK_D = 128 columns of a stream per step.
 
@@ -346,7 +341,7 @@ def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_ep
     outputs = x if head else (post, comb, x)
     if num_tokens == 0:
         return outputs, []
-    cfg = config or collapse_config(num_tokens, hidden, n, _num_sms(device))
+    cfg = config or collapse_config(num_tokens, hidden, n, num_sms(device))
     p = triton.next_power_of_2(n)
     width_pp = max(16, 2 * p)
     blocks, splits = triton.cdiv(num_tokens, cfg["BLOCK_T"]), cfg.get("SPLITS", 1)

@@ -122,11 +122,12 @@ def test_split_kv_matches_reference(mode, num_splits):
 
 
 def test_automatic_split_for_small_decode_batch():
-    """The default picks split-KV for a 3-token decode batch (far fewer programs than 2 per SM)."""
-    q, sinks, scale, kwargs = make_batch([(3, 1), (40, 1), (70, 1)], num_heads=4, head_dim=32, window=48,
+    """The default picks split-KV for a 3-token decode batch (3 programs for 132 SMs), as many splits as the
+    traffic bound allows: (window 160 + up to 32 entries) / 16 = 12 key blocks at >= 4 blocks a split: 3."""
+    q, sinks, scale, kwargs = make_batch([(3, 1), (140, 1), (250, 1)], num_heads=4, head_dim=32, window=160,
                                          page_size=4, dtype=torch.bfloat16, mode="hca", compress_rate=8)
     _, launches = plan_sparse_paged_attention(q, sinks, scale, **kwargs, block_n=16)
-    assert len(launches) == 2 and launches[0][1][2] > 1  # (token, head block, split) grid, then the combine
+    assert len(launches) == 2 and launches[0][1][2] == 3  # (token, head block, split) grid, then the combine
     _check(q, sinks, scale, kwargs, torch.bfloat16, block_n=16)
 
 
@@ -173,7 +174,32 @@ def test_empty_batch():
 
 
 def test_split_rule():
-    assert choose_num_splits(num_programs=8, max_key_blocks=40, num_sms=132) == 20
-    assert choose_num_splits(num_programs=8, max_key_blocks=200, num_sms=132) == 32
-    assert choose_num_splits(num_programs=264, max_key_blocks=200, num_sms=132) == 1
-    assert choose_num_splits(num_programs=1, max_key_blocks=3, num_sms=132) == 1
+    """Splits fill one wave of the SMs at the kernel's occupancy, within the key blocks and the traffic bound."""
+    assert choose_num_splits(num_programs=8, max_key_blocks=400, num_sms=132, programs_per_sm=1) == 17
+    assert choose_num_splits(num_programs=8, max_key_blocks=400, num_sms=132, programs_per_sm=2) == 32  # capped
+    assert choose_num_splits(num_programs=8, max_key_blocks=40, num_sms=132, programs_per_sm=2) == 20
+    assert choose_num_splits(num_programs=8, max_key_blocks=40, num_sms=132, programs_per_sm=2,
+                             min_blocks_per_split=8) == 5
+    assert choose_num_splits(num_programs=132, max_key_blocks=200, num_sms=132, programs_per_sm=1) == 1
+    assert choose_num_splits(num_programs=132, max_key_blocks=200, num_sms=132, programs_per_sm=3) == 3
+    assert choose_num_splits(num_programs=1, max_key_blocks=3, num_sms=132, programs_per_sm=4) == 1
+
+
+def test_occupancy_from_registers_threads_and_shared_memory():
+    from kernels.common import programs_per_sm
+
+    # V4-Flash's decode attention on sm_90: 176 registers x 8 warps (registers bound: 1), 67.5 KB shared
+    assert programs_per_sm(176, 8, 67584) == 1
+    assert programs_per_sm(96, 4, 12288) == 5  # the tiny model's: registers bound (65536 / (3072 * 4))
+    assert programs_per_sm(32, 4, 100 * 1024) == 2  # shared memory bound
+    assert programs_per_sm(16, 1, 0) == 32  # the programs-per-SM cap
+    assert programs_per_sm(255, 8, 0) == 1  # never 0
+
+
+def test_partials_never_cost_more_traffic_than_the_keys_a_split_reads():
+    from kernels.attention import min_blocks_per_split
+
+    # head_dim 512, 32 heads per block, 32 keys per block, bf16: 2 * 32 * 4 B per channel of partials against
+    # 32 * 2 B of keys per block: 4 blocks
+    assert min_blocks_per_split(32, 32, 512, 2) == 4
+    assert min_blocks_per_split(16, 64, 64, 4) == 2  # fp32 keys, small head blocks: the floor of 2
