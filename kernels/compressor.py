@@ -9,12 +9,28 @@ backend/model/compressor.py, which builds the per-step `CompressionPlan` on the 
 computes the entries the plan closes and stores each at page block_table[entry_row, entry_index // page_size],
 slot entry_index % page_size of `pool` [pages, page_size, d]. Entries with entry_row < 0 are padding (static
 shapes for CUDA graphs): they go to the pool's last page, the scratch page no request owns
-(backend/memory/paged_pool.py), so no mask or data-dependent shape is needed. Only the torch definition exists so far: the GPU path runs it too.
+(backend/memory/paged_pool.py), so no mask or data-dependent shape is needed.
+
+Kernel (`compress_into_pool_triton`): one program per closing entry and one per BLOCK_KEEP ring updates.
+  entry program   resolves its span's sources (a ring slot of its row, or a token of this batch), and over span
+                  chunks of BLOCK_S positions x all head_dim channels: pass 1 an online max / sum of exp of
+                  gate + position_bias (rounded to the dtype, as the reference adds them), pass 2 the softmax
+                  weights rounded to the dtype times kv (the product rounded too), summed in fp32; then the
+                  RMSNorm and the interleaved rope of the trailing channels (pairs split in registers) and one
+                  store of the entry into its page and slot.
+  keep program    copies BLOCK_KEEP (kv, gate) rows of the full projection width into their ring positions.
+Launches: ONE when every row of the batch advances by one token (decode; also every padded static step): an entry
+reads ring positions start - span + 1 .. start - 1 and the ring update writes position start, whose ring index
+is that of start - ring, which no entry reads (span <= ring), so entry and keep programs cannot race. A batch
+with longer rows (prefill chunks) may overwrite ring positions its entries read: TWO launches of the same kernel,
+the entries first, then the ring updates. The launch shapes come from the plan's tensor shapes only.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels.norm_rope import apply_rope, rms_norm
 
@@ -63,3 +79,195 @@ def _compress(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor, stat
     weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
     entries = rms_norm((win_kv * weights).sum(dim=1), norm_weight, eps)
     return apply_rope(entries, entry_cos, entry_sin)
+
+
+# --- kernel -------------------------------------------------------------------------------------------------------
+@triton.jit
+def _source_rows(src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos,
+                 stride_kv_t, stride_gate_t, RING: tl.constexpr):
+    """(from_ring, state offset, kv offset, gate offset) of source indices `src` (int64): index i < num_ring_rows
+    is ring slot i % RING of batch row i // RING, the rest token i - num_ring_rows of this batch."""
+    from_ring = src < num_ring_rows
+    ring_row = tl.where(from_ring, src // RING, 0)
+    slot = tl.load(ring_slots_ptr + ring_row).to(tl.int64)
+    ring_pos = tl.load(ring_order_ptr + ring_row * RING + src % RING).to(tl.int64)
+    token = tl.where(from_ring, 0, src - num_ring_rows)
+    return from_ring, slot * stride_state_slot + ring_pos * stride_state_pos, token * stride_kv_t, token * stride_gate_t
+
+
+@triton.jit
+def _load_source(state_ptr, batch_ptr, from_ring, state_off, batch_off, cols, mask):
+    """[rows, cols] values of kv (or gate) at the resolved sources (fp32 math follows the caller)."""
+    ring = tl.load(state_ptr + state_off[:, None] + cols, mask=mask & from_ring[:, None], other=0.0)
+    batch = tl.load(batch_ptr + batch_off[:, None] + cols, mask=mask & ~from_ring[:, None], other=0.0)
+    return tl.where(from_ring[:, None], ring, batch)
+
+
+@triton.jit(do_not_specialize=["num_entry_programs", "num_keep", "num_ring_rows"])
+def _compress_kernel(
+    # this batch's projections and one layer's rings
+    kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr,
+    # the plan
+    ring_slots_ptr, ring_order_ptr, entry_src_ptr, entry_valid_ptr, entry_row_ptr, entry_index_ptr,
+    keep_src_ptr, keep_slot_ptr, keep_pos_ptr,
+    # weights, rope at each entry, the pool
+    bias_ptr, norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, block_table_ptr,
+    # sizes
+    num_entry_programs, num_keep, num_ring_rows, scratch_page, eps,
+    # strides (last dimensions contiguous)
+    stride_kv_t, stride_gate_t, stride_state_slot, stride_state_pos, stride_bias_s, stride_cos, stride_sin,
+    stride_pool_page, stride_pool_slot, stride_bt,
+    # model constants and tiles
+    RATE: tl.constexpr, RING: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = kv_ptr.dtype.element_ty
+    if pid >= num_entry_programs:  # ring update: keep rows (pid - num_entry_programs) * BLOCK_KEEP ...
+        m = (pid - num_entry_programs) * BLOCK_KEEP + tl.arange(0, BLOCK_KEEP)
+        m_mask = m < num_keep
+        src = tl.load(keep_src_ptr + m, mask=m_mask, other=0).to(tl.int64)
+        from_ring, state_off, kv_off, gate_off = _source_rows(
+            src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
+            stride_gate_t, RING)
+        dest = (tl.load(keep_slot_ptr + m, mask=m_mask, other=0).to(tl.int64) * stride_state_slot
+                + tl.load(keep_pos_ptr + m, mask=m_mask, other=0).to(tl.int64) * stride_state_pos)
+        for w0 in range(0, WIDTH, BLOCK_W):
+            cols = w0 + tl.arange(0, BLOCK_W)
+            mask = m_mask[:, None] & (cols < WIDTH)[None, :]
+            kv = _load_source(state_kv_ptr, kv_ptr, from_ring, state_off, kv_off, cols[None, :], mask)
+            gate = _load_source(state_gate_ptr, gate_ptr, from_ring, state_off, gate_off, cols[None, :], mask)
+            tl.store(state_kv_ptr + dest[:, None] + cols[None, :], kv, mask=mask)
+            tl.store(state_gate_ptr + dest[:, None] + cols[None, :], gate, mask=mask)
+        return
+
+    e = pid.to(tl.int64)  # one closing entry
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    # pass 1: per channel, the max and the sum of exp of the gate logits over the span (online)
+    m_i = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, SPAN, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < SPAN
+        src = tl.load(entry_src_ptr + e * SPAN + s, mask=s_mask, other=0).to(tl.int64)
+        valid = (tl.load(entry_valid_ptr + e * SPAN + s, mask=s_mask, other=0) != 0) & s_mask
+        from_ring, state_off, kv_off, gate_off = _source_rows(
+            src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
+            stride_gate_t, RING)
+        cols = d[None, :] + (tl.where(s >= RATE, HEAD_DIM, 0)[:, None] if OVERLAP else 0)  # Ca half, then Cb
+        mask = s_mask[:, None] & d_mask[None, :]
+        gate = _load_source(state_gate_ptr, gate_ptr, from_ring, state_off, gate_off, cols, mask).to(tl.float32)
+        bias = tl.load(bias_ptr + (s % RATE)[:, None] * stride_bias_s + cols, mask=mask, other=0.0).to(tl.float32)
+        logit = (gate + bias).to(dtype).to(tl.float32)
+        logit = tl.where(valid[:, None] & d_mask[None, :], logit, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logit, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(logit - m_safe[None, :]), 0)
+        m_i = m_new
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    # pass 2: sum of kv * softmax weight, each rounded to the dtype as in the reference
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, SPAN, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = s < SPAN
+        src = tl.load(entry_src_ptr + e * SPAN + s, mask=s_mask, other=0).to(tl.int64)
+        valid = (tl.load(entry_valid_ptr + e * SPAN + s, mask=s_mask, other=0) != 0) & s_mask
+        from_ring, state_off, kv_off, gate_off = _source_rows(
+            src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
+            stride_gate_t, RING)
+        cols = d[None, :] + (tl.where(s >= RATE, HEAD_DIM, 0)[:, None] if OVERLAP else 0)
+        mask = valid[:, None] & d_mask[None, :]
+        gate = _load_source(state_gate_ptr, gate_ptr, from_ring, state_off, gate_off, cols, mask).to(tl.float32)
+        bias = tl.load(bias_ptr + (s % RATE)[:, None] * stride_bias_s + cols, mask=mask, other=0.0).to(tl.float32)
+        logit = (gate + bias).to(dtype).to(tl.float32)
+        weight = tl.where(mask, tl.exp(logit - m_safe[None, :]) / l_safe[None, :], 0.0).to(dtype).to(tl.float32)
+        kv = _load_source(state_kv_ptr, kv_ptr, from_ring, state_off, kv_off, cols, mask).to(tl.float32)
+        acc += tl.sum((kv * weight).to(dtype).to(tl.float32), 0)
+    # RMSNorm (weighted), then the rope of the trailing ROPE_DIM channels, pairs (2i, 2i + 1)
+    x = acc.to(dtype).to(tl.float32)
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(x * x, 0), HEAD_DIM * 1.0) + eps))
+    w = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    y = (w * (x * r)).to(dtype).to(tl.float32)
+    even, odd = tl.split(tl.reshape(y, [BLOCK_D // 2, 2]))
+    pair = tl.arange(0, BLOCK_D // 2)
+    j = pair - (HEAD_DIM - ROPE_DIM) // 2  # pair index within the rope section
+    is_rope = (j >= 0) & (pair < HEAD_DIM // 2)
+    j = tl.where(is_rope, j, 0)
+    cos = tl.load(cos_ptr + e * stride_cos + j, mask=is_rope, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + e * stride_sin + j, mask=is_rope, other=0.0).to(tl.float32)
+    even_r = tl.where(is_rope, (even * cos - odd * sin).to(dtype).to(tl.float32), even)
+    odd_r = tl.where(is_rope, (odd * cos + even * sin).to(dtype).to(tl.float32), odd)
+    y = tl.reshape(tl.join(even_r, odd_r), [BLOCK_D])
+    # store at page block_table[row, index // PAGE_SIZE] (the scratch page for padding), slot index % PAGE_SIZE
+    row = tl.load(entry_row_ptr + e).to(tl.int64)
+    index = tl.load(entry_index_ptr + e).to(tl.int64)
+    page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
+    page = tl.where(row >= 0, page, scratch_page)
+    tl.store(pool_ptr + page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot + d, y.to(dtype),
+             mask=d_mask)
+
+
+def compress_config(span: int, head_dim: int, width: int) -> dict:
+    """Tiles from the model's shapes alone: BLOCK_D = the head padded to a power of two, BLOCK_S span positions
+    per chunk for about 4K elements a tile; keep rows of BLOCK_W <= 1024 channels, ~4K elements a tile."""
+    block_d = max(2, triton.next_power_of_2(head_dim))
+    block_s = max(1, min(triton.next_power_of_2(span), 4096 // block_d))
+    block_w = min(1024, triton.next_power_of_2(width))
+    return dict(BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_W=block_w, BLOCK_KEEP=max(1, 4096 // block_w),
+                num_warps=4 if block_d * block_s <= 2048 else 8)
+
+
+def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
+                            entry_sin, pool, block_table, config: dict | None = None):
+    """Check shapes; return the launches (kernel, grid, args, kwargs) of `compress_into_pool_triton`: none when
+    nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries, then the rings)."""
+    width = kv.shape[-1]
+    head_dim = norm_weight.shape[0]
+    span, ring = plan.entry_src.shape[1], plan.ring
+    num_rows, num_entries, num_keep = plan.ring_slots.shape[0], plan.entry_src.shape[0], plan.keep_src.shape[0]
+    assert width == (2 * head_dim if plan.overlap else head_dim), f"projection width {width}, head_dim {head_dim}"
+    assert gate.shape == kv.shape and kv.stride(-1) == 1 and gate.stride(-1) == 1, "kv / gate [T, width], last dim contiguous"
+    assert state_kv.shape == state_gate.shape and state_kv.shape[1:] == (ring, width) and state_kv.stride(-1) == 1 \
+        and state_kv.stride() == state_gate.stride(), f"rings must be [slots, {ring}, {width}]"
+    assert tuple(position_bias.shape) == (plan.rate, width) and position_bias.stride(-1) == 1, "position_bias [rate, width]"
+    assert pool.dim() == 3 and pool.shape[-1] == head_dim and pool.stride(-1) == 1, "pool [pages, page_size, head_dim]"
+    rope_dim = 2 * entry_cos.shape[-1]
+    assert entry_cos.shape[0] == num_entries and entry_sin.shape == entry_cos.shape and rope_dim <= head_dim
+    assert head_dim % 2 == 0, "the rope pairs channels"
+    if num_entries == 0 and num_keep == 0:
+        return []
+    cfg = config or compress_config(span, head_dim, width)
+    contiguous = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731 (plans are built contiguous)
+    entry_cos, entry_sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (entry_cos, entry_sin))
+    entry_valid = contiguous(plan.entry_valid)
+    entry_valid = entry_valid.view(torch.uint8) if entry_valid.dtype == torch.bool else entry_valid
+    tensors = (kv, gate, state_kv, state_gate, contiguous(plan.ring_slots), contiguous(plan.ring_order),
+               contiguous(plan.entry_src), entry_valid, contiguous(plan.entry_row), contiguous(plan.entry_index),
+               contiguous(plan.keep_src), contiguous(plan.keep_slot), contiguous(plan.keep_pos),
+               position_bias, norm_weight, entry_cos, entry_sin, pool, block_table)
+    strides = (kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), position_bias.stride(0),
+               entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
+    kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
+                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], **cfg)
+    keep_programs = triton.cdiv(num_keep, cfg["BLOCK_KEEP"])
+    scratch_page = pool.shape[0] - 1
+
+    def launch(num_entry_programs, num_programs):
+        args = (*tensors, num_entry_programs, num_keep, num_rows * ring, scratch_page, float(eps), *strides)
+        return (_compress_kernel, (num_programs,), args, kwargs)
+
+    if num_keep == num_rows:  # every row advances by one token: entries and ring updates cannot race
+        return [launch(num_entries, num_entries + keep_programs)]
+    return [launch(num_entries, num_entries)] * (num_entries > 0) + [launch(0, keep_programs)] * (keep_programs > 0)
+
+
+def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
+                              entry_sin, pool, block_table, config: dict | None = None) -> None:
+    """Triton version of `compress_into_pool_reference` (same arguments and effects)."""
+    for kernel, grid, args, kwargs in plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
+                                                              norm_weight, eps, entry_cos, entry_sin, pool,
+                                                              block_table, config):
+        kernel[grid](*args, **kwargs)

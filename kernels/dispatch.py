@@ -24,11 +24,6 @@ from kernels.indexer import indexer_scores_reference
 from kernels.moe import QuantizedExperts, fused_moe_reference
 
 MODES = ("auto", "reference", "triton")
-# Ops whose fused Triton kernel does not exist yet: their torch reference runs on the GPU path too
-# (scripts/count_launches.py shows what they cost).
-REFERENCE_ONLY = frozenset({"norm_rope", "compress_into_pool", "route_topk", "route_hash", "swiglu"})
-
-
 def default_mode(use_reference: bool = False) -> str:
     return "reference" if use_reference or os.environ.get("DSV4_REFERENCE_KERNELS", "0") == "1" else "auto"
 
@@ -83,8 +78,7 @@ class KernelDispatch:
 
     # --- the fused kernels of one layer: `<name>_triton` or `<name>_reference` of kernels/<module>.py --------
     def _fused(self, module: str, name: str, tensor: torch.Tensor, *args, **kwargs):
-        triton = self.use_triton(tensor) and name not in REFERENCE_ONLY
-        implementation = "triton" if triton else "reference"
+        implementation = "triton" if self.use_triton(tensor) else "reference"
         return getattr(importlib.import_module(f"kernels.{module}"), f"{name}_{implementation}")(*args, **kwargs)
 
     def hc_collapse(self, streams, *args, **kwargs):

@@ -21,9 +21,10 @@ cdiv(T, BLOCK_T), each program holding BLOCK_T rows of logits [T, E] (fp32/bf16/
   hash: experts = tid2eid[input_ids[t]], scores gathered at those k experts only.
   weights = chosen scores / (their sum + 1e-20) * routed_scaling_factor.
 
-Kernel (`fused_moe_triton`): `moe_align` (torch ops, no host sync) sorts the T * k (token, slot) pairs by expert
-into row blocks of BLOCK_M (each expert's rows padded to a multiple of BLOCK_M; an expert with no pair owns no
-block), then two grouped GEMMs, the block's expert read from block_expert:
+Kernel (`fused_moe_triton`), three launches: `_moe_align_kernel` (reference `moe_align`; see `plan_moe_align`)
+sorts the T * k (token, slot) pairs by expert into row blocks of BLOCK_M (each expert's rows padded to a multiple
+of BLOCK_M; an expert with no pair owns no block), its other programs zeroing the atomic accumulator; then two
+grouped GEMMs, the block's expert read from block_expert:
   gate/up  h[row, :]   = clamped SwiGLU of x[token] @ [W_gate; W_up][e]^T, fp32 accumulation, stored in x's dtype
   down     out[token] += topk_weight * (h[row] @ W_down[e]^T), fp32, added with fp32 atomics into a zeroed [T, D]
            buffer (or stored per pair and summed by torch with per_pair_output=True: deterministic); the result is
@@ -33,6 +34,9 @@ Both GEMMs run a 1-D grid of max_blocks * column-tile programs in the standard T
 row blocks' gathered activations (GROUP_SIZE_M * BLOCK_M rows of x or h) stay in L2 and are read from DRAM about
 once, not once per column tile; an expert's weight tiles are shared by its row blocks inside a group too. Row
 blocks past the last used one (block_expert -1) are at the end of the order and exit at once.
+
+Shared expert activation (`swiglu_triton`, reference `clamped_swiglu`): [T, 2I] gate|up product -> [T, I], one
+launch, so the shared expert is GEMM -> swiglu -> GEMM.
 
 Quantized experts (`QuantizedExperts`, the published formats, dequantized in the kernel as each tile is loaded):
   fp8    data [E, N, K] float8_e4m3fn, scale [E, H * ceil(R/128), ceil(K/128)] float32: the 128x128 block scales of
@@ -395,8 +399,14 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quanti
     return dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down)
 
 
+def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Row blocks the alignment may use, from shapes only: sum_e cdiv(count_e, block_m) is at most this."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Group the (token, slot) pairs by expert into row blocks of block_m, without a host synchronisation.
+    """Group the (token, slot) pairs by expert into row blocks of block_m, without a host synchronisation
+    (the reference of `_moe_align_kernel`: the same outputs, bit for bit).
 
     Returns sorted_pairs [max_blocks * block_m] int32 (pair index t * k + slot, num_pairs in padding rows) and
     block_expert [max_blocks] int64 (-1 for blocks past the last used one). max_blocks is an upper bound from
@@ -404,7 +414,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
-    max_blocks = (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+    max_blocks = max_align_blocks(num_pairs, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m
@@ -418,6 +428,95 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=flat.device), right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
     return sorted_pairs, block_expert
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "zero_numel"])
+def _moe_align_kernel(
+    ids_ptr, sorted_pairs_ptr, block_expert_ptr, zero_ptr, num_pairs, max_blocks, zero_numel,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+):
+    """Program 0: `moe_align` (see the module docstring). Programs 1..: zero zero_ptr[:zero_numel] (fp32)."""
+    pid = tl.program_id(0)
+    if pid > 0:
+        offs = (pid - 1).to(tl.int64) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(zero_ptr + offs, tl.zeros([ZERO_BLOCK], tl.float32), mask=offs < zero_numel)
+        return
+    experts = tl.arange(0, BLOCK_E)
+    lanes = tl.arange(0, BLOCK_P)
+    # pass 1: pairs per expert
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    # every row that holds no pair: the expert of its block, its offset in that expert's rows
+    total_rows = max_blocks * BLOCK_M
+    for r0 in range(0, total_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        expert = tl.sum((block_end[None, :] <= (rows // BLOCK_M)[:, None]).to(tl.int32), axis=1)  # E: past the end
+        mine = experts[None, :] == expert[:, None]
+        first = tl.sum(tl.where(mine, block_start[None, :], 0), axis=1) * BLOCK_M
+        count = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+        padding = (expert >= NUM_EXPERTS) | (rows - first >= count)
+        tl.store(sorted_pairs_ptr + rows, tl.zeros([BLOCK_R], tl.int32) + num_pairs, mask=padding & (rows < total_rows))
+        is_first = (rows % BLOCK_M == 0) & (rows < total_rows)  # block_expert: one entry per block
+        tl.store(block_expert_ptr + rows // BLOCK_M, tl.where(expert < NUM_EXPERTS, expert, -1).to(tl.int64),
+                 mask=is_first)
+    # pass 2: each pair's row = its expert's cursor + its rank among the chunk's earlier pairs of that expert
+    cursor = block_start * BLOCK_M
+    for p0 in range(0, num_pairs, BLOCK_P):
+        valid = p0 + lanes < num_pairs
+        ids = tl.load(ids_ptr + p0 + lanes, mask=valid, other=-1).to(tl.int32)
+        onehot = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
+        earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_pairs_ptr + base + rank, (p0 + lanes).to(tl.int32), mask=valid)
+        cursor += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+ZERO_BLOCK = 1024  # fp32 elements zeroed per extra program of the alignment launch
+
+
+def plan_moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, zero: torch.Tensor | None = None):
+    """Allocate `moe_align`'s outputs; return ((sorted_pairs, block_expert), launches): ONE launch, program 0
+    aligning (one program: the alignment is a few hundred pairs at decode) and, when `zero` (a contiguous fp32
+    buffer) is given, more programs zeroing it, so the atomic accumulator costs no launch of its own.
+
+    Program 0 holds [BLOCK_P, BLOCK_E] one-hot tiles of expert ids (about 8K elements): a histogram pass, an
+    exclusive cumsum of cdiv(count, BLOCK_M) for each expert's first block, a pass over the rows that writes
+    block_expert and the padding rows, and a pass that places each pair at its expert's cursor plus its rank
+    among the chunk's earlier pairs of that expert ([BLOCK_P, BLOCK_P] comparisons), so pairs of one expert keep
+    increasing pair order, as the reference's stable sort does. Nothing depends on data on the host."""
+    flat = topk_ids.reshape(-1)
+    assert flat.stride(0) == 1 or flat.numel() <= 1, "topk_ids must be contiguous"
+    num_pairs = flat.numel()
+    max_blocks = max_align_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty((max_blocks * block_m,), dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty((max_blocks,), dtype=torch.int64, device=flat.device)
+    zero_numel = 0 if zero is None else zero.numel()
+    assert zero is None or (zero.dtype == torch.float32 and zero.is_contiguous()), "zero must be contiguous fp32"
+    if num_pairs == 0:
+        return (sorted_pairs, block_expert), []
+    block_e = triton.next_power_of_2(num_experts)
+    block_p = max(16, min(128, 8192 // block_e))
+    kwargs = dict(NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_R=block_p,
+                  ZERO_BLOCK=ZERO_BLOCK, num_warps=8 if block_e >= 256 else 4)
+    args = (flat, sorted_pairs, block_expert, sorted_pairs if zero is None else zero, num_pairs, max_blocks,
+            zero_numel)
+    grid = (1 + triton.cdiv(zero_numel, ZERO_BLOCK),)
+    return (sorted_pairs, block_expert), [(_moe_align_kernel, grid, args, kwargs)]
+
+
+def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Triton version of `moe_align` (same outputs), one launch."""
+    out, launches = plan_moe_align(topk_ids, num_experts, block_m)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return out
 
 
 def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *, per_pair_output=False,
@@ -436,14 +535,15 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
         return (lambda: torch.zeros_like(x, dtype=out_dtype or x.dtype)), []
     cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE)
     block_m, group_size_m = cfg["BLOCK_M"], cfg.get("GROUP_SIZE_M", GROUP_SIZE_M)
-    sorted_pairs, block_expert = moe_align(topk_ids, num_experts, block_m)
+    out_rows = num_pairs if per_pair_output else num_tokens
+    out = torch.empty((out_rows, hidden), dtype=torch.float32, device=x.device)
+    (sorted_pairs, block_expert), align = plan_moe_align(topk_ids.contiguous(), num_experts, block_m,
+                                                         zero=None if per_pair_output else out)
     max_blocks = block_expert.shape[0]
     dot_dtype = compute_dtype(x.dtype)
     precision = "ieee" if dot_dtype == tl.float32 else "tf32"
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     h = torch.empty((max_blocks * block_m, inter), dtype=x.dtype, device=x.device)
-    out_rows = num_pairs if per_pair_output else num_tokens
-    out = torch.zeros((out_rows, hidden), dtype=torch.float32, device=x.device)
 
     g = cfg["gate_up"]
     (gu_data, gu_scale, gu_rows), (d_data, d_scale, d_rows) = _kernel_weights(w_gate_up), _kernel_weights(w_down)
@@ -461,7 +561,7 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
                        DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output, WEIGHT_FORMAT=weight_format,
                        GROUP_SIZE_M=group_size_m, num_warps=d["num_warps"], num_stages=d["num_stages"])
-    launches = [
+    launches = align + [
         (_moe_gate_up_kernel, (max_blocks * triton.cdiv(inter, g["BLOCK_N"]),), gate_up_args, gate_up_kwargs),
         (_moe_down_kernel, (max_blocks * triton.cdiv(hidden, d["BLOCK_N"]),), down_args, down_kwargs),
     ]
@@ -551,6 +651,46 @@ def fused_moe_triton(
 def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _swiglu_kernel(gate_up_ptr, out_ptr, num_tokens, stride_gt, stride_ot, limit,
+                   INTER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Program (BLOCK_T tokens, BLOCK_I columns): out = silu(min(g, limit)) * clamp(u, +-limit), fp32 math."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < num_tokens)[:, None] & (cols < INTER)[None, :]
+    src = gate_up_ptr + rows[:, None] * stride_gt + cols[None, :]
+    gate = tl.minimum(tl.load(src, mask=mask, other=0.0).to(tl.float32), limit)
+    up = tl.load(src + INTER, mask=mask, other=0.0).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def plan_swiglu(gate_up: torch.Tensor, limit: float):
+    """Check, allocate out [T, I]; return (out, launches): one launch (none at T = 0), grid over token and column
+    tiles whose sizes depend on I alone (a new batch size never recompiles)."""
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0, \
+        f"gate_up must be [T, 2I] with a contiguous last dimension, got {tuple(gate_up.shape)}"
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out, []
+    block_i = min(1024, triton.next_power_of_2(inter))
+    block_t = max(1, 1024 // block_i)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(inter, block_i))
+    args = (gate_up, out, num_tokens, gate_up.stride(0), out.stride(0), float(limit))
+    return out, [(_swiglu_kernel, grid, args, dict(INTER=inter, BLOCK_T=block_t, BLOCK_I=block_i, num_warps=4))]
+
+
+def swiglu_triton(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Triton version of `clamped_swiglu` on a [T, 2I] gate|up product (gate first), one launch. The reference
+    rounds silu(g) to the input's dtype before the product; the kernel keeps fp32 until the store."""
+    out, launches = plan_swiglu(gate_up, limit)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return out
 
 
 def fused_moe_reference(

@@ -21,7 +21,7 @@ row t * H + h receives (t, h). Without out, a new contiguous tensor of x's shape
 Kernel `_norm_rope_kernel`, one launch per call (none at T = 0), grid (T, cdiv(H, BLOCK_H)): a program owns one
 token and BLOCK_H of its heads (BLOCK_H = 1 for [T, C]), a [BLOCK_H, BLOCK_C] tile, BLOCK_C =
 next_power_of_2(C) (masked), so each row is read once and written once and cos / sin are read once per program.
-Tiles hold up to 2048 elements (4096 when C alone needs them), ~8 per thread (16 at 4096, 8 warps); a row wider
+Tiles hold up to 2048 elements (4096 when C alone needs them), ~4 per thread (8 at 4096, 8 warps); a row wider
 than 4096 channels loops over 4096-channel chunks (a sum-of-squares pass, then a re-read). The rope lanes read
 their pair partner (channel 2i + 1 for 2i and back) with a second, gather load of the same row (L1-hot) and
 normalise it the same way, so nothing moves between lanes. The program count depends only on T and H, and nothing
@@ -193,12 +193,13 @@ _TILE = 2048  # elements a program's tile aims at (BLOCK_H heads of BLOCK_C chan
 
 def norm_rope_config(num_heads: int, channels: int) -> dict:
     """BLOCK_C = next_power_of_2(C) up to MAX_BLOCK_C (wider rows: chunks); BLOCK_H heads per program so that a
-    tile holds about _TILE elements; num_warps for ~8 elements per thread (one 16-byte vector of bf16; 1 to 8
-    warps, so 16 per thread in a 4096-channel tile). From (H, C) alone: the same compiled kernel serves every batch
+    tile holds about _TILE elements; num_warps for ~4 elements per thread (1 to 8 warps, so 8 per thread in a
+    4096-channel tile): with 8 per thread, the pool store's tile of 512 channels spilled for sm_90
+    (scripts/check_kernels_compile.py), as each lane also holds its rope partner and fp32 copies. From (H, C) alone: the same compiled kernel serves every batch
     size."""
     block_c = min(triton.next_power_of_2(channels), MAX_BLOCK_C)
     block_h = max(1, min(triton.next_power_of_2(num_heads), _TILE // block_c))
-    num_warps = max(1, min(8, block_h * block_c // 256))
+    num_warps = max(1, min(8, block_h * block_c // 128))
     return dict(BLOCK_H=block_h, BLOCK_C=block_c, num_warps=num_warps)
 
 

@@ -2,7 +2,8 @@
 """Compile every Triton kernel, in every configuration the engine launches, for Hopper (sm_90), without a GPU.
 
 The launches come from the kernels' own plan functions (`plan_sparse_paged_attention`, `plan_indexer_scores`,
-`plan_fused_moe`, `plan_fp8_gemm`) called on meta tensors of each model's shapes, so the tiles, constexprs and argument
+`plan_fused_moe` with its alignment, `plan_fp8_gemm`, the mHC, norm+rope, routing, swiglu and compressor plans) called
+on meta tensors of each model's shapes, so the tiles, constexprs and argument
 specialisation are exactly what the wrappers would launch. Each is compiled with triton.compile for
 GPUTarget("cuda", 90, 32); registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, shared
 memory from the compiled metadata, wgmma from the PTX.
@@ -39,11 +40,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
+from backend.model.compressor import CompressionPlan  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
+from kernels.compressor import plan_compress_into_pool  # noqa: E402
 from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
-from kernels.moe import QuantizedExperts, plan_fused_moe  # noqa: E402
+from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
+from kernels.norm_rope import plan_norm_rope  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -52,10 +56,12 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 # Shapes the engine runs. "tiny" is scripts/make_checkpoint.py's TINY_CONFIG (the test model).
 MODELS = [
     dict(name="v4-flash", head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512,
+         q_lora_rank=1024, rope_dim=64,
          hidden=4096, moe_inter=2048, num_experts=256, top_k=6, window=128, csa_rate=4, hca_rate=128,
          page_size=64, max_context=65536, decode_batches=[1, 8, 32, 64, 128, 256], prefill_tokens=4096,
          moe_tokens=[1, 256, 1024, 4096]),
     dict(name="tiny", head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8,
+         q_lora_rank=48, rope_dim=16,
          hidden=64, moe_inter=32, num_experts=8, top_k=2, window=128, csa_rate=4, hca_rate=128,
          page_size=64, max_context=65536, decode_batches=[1, 8, 64], prefill_tokens=512,
          moe_tokens=[1, 128, 512]),
@@ -63,7 +69,9 @@ MODELS = [
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
          ("v4-flash", "indexer T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
-         ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096")}
+         ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
+         ("v4-flash", "route topk T=64"), ("v4-flash", "swiglu T=64"), ("v4-flash", "compressor hca 64x1"),
+         ("v4-flash", "compressor csa 1x4096")}
 # The FP8 linears of V4-Flash (N, K), as DeepSeek publishes them.
 FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}
@@ -156,6 +164,56 @@ def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
                        _meta(num_tokens, n, n, dtype=f32), _meta(num_tokens, d))[1]
 
 
+def norm_rope_launches(m: dict, num_tokens: int, use: str):
+    """The five uses of a layer: q_a norm, q norm + rope, kv norm + rope into the window pool, the inverse rope of
+    the attention output, the indexer's query rope."""
+    t, h, dh, half = num_tokens, m["num_heads"], m["head_dim"], m["rope_dim"] // 2
+    rope = dict(cos=_meta(t, half), sin=_meta(t, half))
+    if use == "q_a":
+        return plan_norm_rope(_meta(t, m["q_lora_rank"]), _meta(m["q_lora_rank"]), 1e-6)[1]
+    if use == "q":
+        return plan_norm_rope(_meta(t, h, dh), None, 1e-6, **rope)[1]
+    if use == "kv":
+        wide = _meta(t, 4 * dh)[:, :dh]  # a column view of the fused attention-input projection
+        return plan_norm_rope(wide, _meta(dh), 1e-6, out=_meta(4096, m["page_size"], dh),
+                              out_index=_meta(t, dtype=torch.int64), **rope)[1]
+    if use == "inverse":
+        return plan_norm_rope(_meta(t, h, dh), None, 1e-6, normalize=False, inverse=True, **rope)[1]
+    return plan_norm_rope(_meta(t, m["index_heads"], m["index_head_dim"]), None, 1e-6, normalize=False, **rope)[1]
+
+
+def routing_launches(m: dict, num_tokens: int, kind: str):
+    logits, f32 = _meta(num_tokens, m["num_experts"], dtype=torch.float32), torch.float32
+    if kind == "topk":
+        return plan_route_topk(logits, _meta(m["num_experts"], dtype=f32), m["top_k"], 1.5)[1]
+    return plan_route_hash(logits, _meta(129280, m["top_k"], dtype=torch.int32),
+                           _meta(num_tokens, dtype=torch.int64), 1.5)[1]
+
+
+def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int):
+    """A compressor over num_rows rows of tokens_per_row tokens: kind csa / hca / indexer."""
+    rate = m["hca_rate"] if kind == "hca" else m["csa_rate"]
+    overlap = kind != "hca"
+    head_dim = m["index_head_dim"] if kind == "indexer" else m["head_dim"]
+    width, ring = (2 if overlap else 1) * head_dim, (2 if overlap else 1) * rate
+    num_tokens = num_rows * tokens_per_row
+    entries = num_rows if tokens_per_row == 1 else num_tokens // rate
+    keep = num_rows * min(ring, tokens_per_row)
+    i64 = torch.int64
+    plan = CompressionPlan(
+        rate=rate, overlap=overlap, ring=ring, ring_slots=_meta(num_rows, dtype=i64),
+        ring_order=_meta(num_rows, ring, dtype=i64), entry_src=_meta(entries, ring, dtype=i64),
+        entry_valid=_meta(entries, ring, dtype=torch.bool), entry_pos=_meta(entries, dtype=i64),
+        entry_row=_meta(entries, dtype=i64), entry_index=_meta(entries, dtype=i64), keep_src=_meta(keep, dtype=i64),
+        keep_slot=_meta(keep, dtype=i64), keep_pos=_meta(keep, dtype=i64))
+    projection = _meta(num_tokens, 4 * width)  # column views of the fused attention-input projection
+    half = m["rope_dim"] // 2
+    return plan_compress_into_pool(
+        projection[:, :width], projection[:, width:2 * width], _meta(257, ring, width), _meta(257, ring, width), plan,
+        _meta(rate, width, dtype=torch.float32), _meta(head_dim), 1e-6, _meta(entries, half), _meta(entries, half),
+        _meta(4096, m["page_size"], head_dim), _meta(num_rows, 1024, dtype=torch.int32))
+
+
 def fp8_gemm_launches(num_tokens: int, n: int, k: int):
     w_scale = _meta(-(-n // 128), -(-k // 128), dtype=torch.float32)
     return plan_fp8_gemm(_meta(num_tokens, k), _meta(n, k, dtype=torch.float8_e4m3fn), w_scale)[1]
@@ -177,6 +235,16 @@ def cases() -> list[tuple[str, str, list]]:
         for t in sorted({1, 64, 256, m["prefill_tokens"]}):
             for kind in ("collapse", "mix", "head"):
                 out.append((m["name"], f"mhc {kind} T={t}", mhc_launches(m, t, kind)))
+        for t in (1, 64, m["prefill_tokens"]):
+            for use in ("q_a", "q", "kv", "inverse", "indexer_q"):
+                out.append((m["name"], f"norm_rope {use} T={t}", norm_rope_launches(m, t, use)))
+            for kind in ("topk", "hash"):
+                out.append((m["name"], f"route {kind} T={t}", routing_launches(m, t, kind)))
+            out.append((m["name"], f"swiglu T={t}", plan_swiglu(_meta(t, 2 * m["moe_inter"]), 10.0)[1]))
+        for kind in ("csa", "hca", "indexer"):
+            for rows, tokens in ((1, 1), (64, 1), (1, m["prefill_tokens"])):
+                out.append((m["name"], f"compressor {kind} {rows}x{tokens}",
+                            compressor_launches(m, kind, rows, tokens)))
     flash = MODELS[0]
     for fmt in ("fp8", "mxfp4"):
         for t in flash["moe_tokens"]:

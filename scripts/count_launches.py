@@ -17,7 +17,7 @@ on CPU (TRITON_INTERPRET=1 is set here) — and counts, inside `DeepseekV4Model.
             output_size, boolean-mask indexing).
 Launches are attributed to the layer that issued them, or to the step (embedding, rope tables, hyper-head,
 lm_head). `--mode reference` counts the torch reference path instead. Prints a table; `--json` writes
-{per_step, per_layer, per_layer_kind, syncs_per_step, top_ops}.
+{per_step, per_layer, per_layer_kind, syncs_per_step, top_ops, ops_per_layer_kind}.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class LaunchCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.launches: Counter = Counter()  # scope -> launches
-        self.ops: Counter = Counter()  # op name -> launches
+        self.ops: Counter = Counter()  # (scope, op name) -> launches
         self.syncs: Counter = Counter()  # op name -> syncs
         self.scope = STEP
         self.paused = 0
@@ -79,13 +79,13 @@ class LaunchCounter(TorchDispatchMode):
                 self.syncs[str(func)] += 1
             if not func.is_view and func not in NO_LAUNCH:
                 self.launches[self.scope] += 1
-                self.ops[str(func.overloadpacket.__name__)] += 1
+                self.ops[self.scope, str(func.overloadpacket.__name__)] += 1
         return func(*args, **kwargs)
 
     def triton_launch(self, name: str) -> None:
         if not self.paused:
             self.launches[self.scope] += 1
-            self.ops[f"triton:{name}"] += 1
+            self.ops[self.scope, f"triton:{name}"] += 1
 
     def host_sync(self, name: str) -> None:
         if not self.paused:
@@ -222,13 +222,21 @@ def measure(checkpoint: Path, batch: int = 8, steps: int = 4, mode: str = "trito
     kinds: dict[str, list[float]] = {}
     for i, count in per_layer.items():
         kinds.setdefault(config.layer_types[i], []).append(count)
+    by_kind: dict[str, Counter] = {}  # layer kind -> op -> launches per layer of that kind per step
+    for (scope, op), count in ops.items():
+        kind = STEP if scope == STEP else config.layer_types[scope]
+        by_kind.setdefault(kind, Counter())[op] += count / steps / (1 if scope == STEP else len(kinds[kind]))
+    all_ops = Counter()
+    for (_, op), count in ops.items():
+        all_ops[op] += count
     return dict(
         checkpoint=str(checkpoint), mode=mode, device=device, batch=batch, steps=steps,
         per_step=sum(totals.values()) / steps, outside_layers_per_step=totals[STEP] / steps,
         per_layer=per_layer, per_layer_mean=sum(per_layer.values()) / len(per_layer),
         per_layer_kind={k: sum(v) / len(v) for k, v in kinds.items()},
         syncs_per_step=sum(syncs.values()) / steps, syncs={k: v / steps for k, v in syncs.items()},
-        top_ops={k: v / steps for k, v in ops.most_common(25)},
+        top_ops={k: v / steps for k, v in all_ops.most_common(25)},
+        ops_per_layer_kind={kind: dict(c.most_common()) for kind, c in by_kind.items()},
     )
 
 
@@ -244,6 +252,8 @@ def _print(result: dict) -> None:
         print(f"{'  ' + kind:<34} {count:>14.1f}")
     print(f"host syncs per step: {result['syncs_per_step']:g} {result['syncs'] or ''}")
     print("most launched ops per step: " + ", ".join(f"{k} {v:g}" for k, v in result["top_ops"].items()))
+    for kind, ops in result["ops_per_layer_kind"].items():
+        print(f"  {kind}: " + ", ".join(f"{k} {v:g}" for k, v in ops.items()))
 
 
 def main() -> int:

@@ -93,6 +93,26 @@ def test_align_groups_pairs_by_expert(block_m):
     assert (used[1:] >= used[:-1]).all() and not ((used == 7) | (used == 8)).any()
 
 
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [(13, 3, 9, 4), (1, 6, 16, 16), (150, 6, 16, 16),
+                                                                  (40, 2, 300, 16), (7, 3, 3, 64)])
+def test_align_kernel_equals_the_reference(num_tokens, top_k, num_experts, block_m):
+    """The one-launch alignment writes exactly the reference's rows (several pair chunks at 900 pairs, a
+    non-power-of-two expert count above 256, unused experts) and zeroes the accumulator it is given."""
+    from kernels.moe import plan_moe_align
+
+    gen = torch.Generator().manual_seed(num_tokens * num_experts)
+    topk_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    topk_ids[topk_ids == 1] = 0 if num_experts > top_k else 1  # skew: expert 0 crowded, expert 1 mostly empty
+    expected = moe_align(topk_ids, num_experts, block_m)
+    accumulator = torch.full((num_tokens, 1500), 7.0)
+    (sorted_pairs, block_expert), launches = plan_moe_align(topk_ids, num_experts, block_m, zero=accumulator)
+    assert len(launches) == 1
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    assert torch.equal(sorted_pairs, expected[0]) and torch.equal(block_expert, expected[1])
+    assert not accumulator.any()
+
+
 def test_align_bound_is_tight():
     """Every expert with block_m + 1 pairs needs exactly the 2 * E blocks the shape-only bound allows."""
     num_experts, block_m = 5, 4
@@ -177,3 +197,66 @@ def test_quantized_experts_with_the_wrong_scales_are_refused():
     mixed = mxfp4_experts(w_down)[0]
     with pytest.raises(AssertionError, match="one format"):
         fused_moe_triton(x, ids, weights, q_gate_up, mixed, LIMIT)
+
+
+# --- routing and the shared expert's activation as kernels --------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,k", [(1, 16, 4), (19, 16, 6), (37, 24, 3), (5, 7, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_topk_kernel_matches_the_reference(num_tokens, num_experts, k, dtype):
+    """Irregular token and expert counts (partial blocks, a non-power-of-two E, k = E); the kernel's ids come in
+    descending score order, so sets are compared, and the weights slot by slot after ordering both alike."""
+    from kernels.moe import route_topk_triton
+
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 3).to(dtype)
+    logits[0, 0] = 25.0  # softplus' linear branch
+    bias = torch.randn(num_experts, generator=gen) * 0.1
+    ids_ref, w_ref = route_topk(logits, bias, k, 1.5)
+    ids, weights = route_topk_triton(logits, bias, k, 1.5)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (num_tokens, k)
+    order_ref, order = ids_ref.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(ids_ref.gather(1, order_ref), ids.gather(1, order))
+    torch.testing.assert_close(weights.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=1e-6)
+
+
+def test_route_topk_kernel_breaks_ties_to_the_lowest_expert():
+    from kernels.moe import route_topk_triton
+
+    logits = torch.zeros(3, 8)  # every score equal
+    ids, weights = route_topk_triton(logits, torch.zeros(8), 3, 1.0)
+    assert ids.tolist() == [[0, 1, 2]] * 3
+    torch.testing.assert_close(weights, torch.full((3, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17])
+def test_route_hash_kernel_matches_the_reference(num_tokens):
+    from kernels.moe import route_hash_triton
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    tid2eid = torch.stack([torch.randperm(12, generator=gen)[:5] for _ in range(40)]).int()
+    input_ids = torch.randint(0, 40, (num_tokens,), generator=gen)
+    logits = torch.randn(num_tokens, 12, generator=gen)
+    ids_ref, w_ref = route_hash(logits, tid2eid, input_ids, 2.0)
+    ids, weights = route_hash_triton(logits, tid2eid, input_ids, 2.0)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(weights, w_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_tokens,inter", [(1, 24), (13, 40), (3, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_kernel_matches_the_reference(num_tokens, inter, dtype):
+    """Column views of a wider product, partial tiles, several column programs (1500 > 1024); bf16 against the
+    fp32 reference within one bf16 rounding."""
+    from kernels.moe import clamped_swiglu, swiglu_triton
+
+    gen = torch.Generator().manual_seed(inter)
+    wide = (torch.randn(num_tokens, 2 * inter + 6, generator=gen) * 3).to(dtype)
+    gate_up = wide[:, : 2 * inter]  # a column view: row stride 2I + 6
+    expected = clamped_swiglu(gate_up.float(), LIMIT)
+    actual = swiglu_triton(gate_up, LIMIT)
+    assert actual.dtype == dtype and actual.shape == (num_tokens, inter)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol)
+    assert swiglu_triton(gate_up[:0], LIMIT).shape == (0, inter)

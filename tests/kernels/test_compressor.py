@@ -1,0 +1,132 @@
+"""compress_into_pool_triton against compress_into_pool_reference, step after step on the same rings and pools.
+
+Requests of different lengths advance through chunked prefills (chunk boundaries off the window grid) and
+then decode steps, so entries close from ring and batch tokens alike, rings wrap, and the one-launch (decode)
+and two-launch (prefill) forms both run. Padding entries (entry_row -1, as static decode steps have) must
+land on the scratch page only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from backend.model.compressor import build_plan
+from kernels.compressor import compress_into_pool_reference, compress_into_pool_triton, plan_compress_into_pool
+
+PAGE_SIZE = 4
+
+
+class _Memory:
+    """Rings [slots + 1, ring, width] and a pool [pages + 1, PAGE_SIZE, head_dim] (last page: scratch)."""
+
+    def __init__(self, rate, overlap, head_dim, num_requests, max_entries, dtype, gen):
+        width = 2 * head_dim if overlap else head_dim
+        ring = 2 * rate if overlap else rate
+        self.kv = torch.randn(num_requests + 1, ring, width, generator=gen).to(dtype)
+        self.gate = torch.randn(num_requests + 1, ring, width, generator=gen).to(dtype)
+        pages_per_request = -(-max_entries // PAGE_SIZE)
+        self.pool = torch.zeros(num_requests * pages_per_request + 1, PAGE_SIZE, head_dim, dtype=dtype)
+        perm = torch.randperm(num_requests * pages_per_request, generator=gen)  # scattered pages
+        self.table = perm.view(num_requests, pages_per_request).int()
+
+    def clone(self):
+        other = object.__new__(_Memory)
+        other.kv, other.gate, other.pool, other.table = self.kv.clone(), self.gate.clone(), self.pool.clone(), self.table
+        return other
+
+
+def _run(rate, overlap, head_dim, rope_dim, schedule, lengths, dtype, *, pad_entries=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * head_dim if overlap else head_dim
+    memory = _Memory(rate, overlap, head_dim, len(lengths), max(lengths) // rate + 1, dtype, gen)
+    expected, actual = memory, memory.clone()
+    bias = torch.randn(rate, width, generator=gen).float()
+    norm_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    done = [0] * len(lengths)
+    launches_seen = set()
+    for step in schedule:  # step: [(request, tokens)]
+        rows = [r for r, _ in step]
+        lens = [n for _, n in step]
+        starts = [done[r] for r in rows]
+        offsets = [sum(lens[:i]) for i in range(len(lens))]
+        plan = build_plan(rate, overlap, starts, lens, offsets, rows, "cpu")
+        if pad_entries:
+            pad = lambda t, v: torch.cat([t, torch.full((pad_entries, *t.shape[1:]), v, dtype=t.dtype)])  # noqa
+            plan = replace(plan, entry_src=pad(plan.entry_src, 0), entry_valid=pad(plan.entry_valid, True),
+                           entry_pos=pad(plan.entry_pos, 0), entry_row=pad(plan.entry_row, -1),
+                           entry_index=pad(plan.entry_index, 0))
+        num_tokens = sum(lens)
+        wide = torch.randn(num_tokens, 2 * width + 3, generator=gen).to(dtype)
+        kv, gate = wide[:, :width], wide[:, width:2 * width]  # column views of one projection, as the model has
+        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        table = expected.table[rows]
+        for memory, fn in ((expected, compress_into_pool_reference), (actual, compress_into_pool_triton)):
+            fn(kv, gate, memory.kv, memory.gate, plan, bias, norm_weight, 1e-6, cos, sin, memory.pool, table)
+        launches_seen.add(len(plan_compress_into_pool(kv, gate, actual.kv, actual.gate, plan, bias, norm_weight,
+                                                      1e-6, cos, sin, actual.pool, table)))
+        for r, n in step:
+            done[r] += n
+    return expected, actual, launches_seen
+
+
+def _schedule(lengths, chunk):
+    """Prefill every request in chunks of `chunk` (two requests per step), then decode all together 6 times."""
+    steps, done = [], [0] * len(lengths)
+    while any(d < n for d, n in zip(done, lengths)):
+        step = []
+        for r, n in enumerate(lengths):
+            if done[r] < n and len(step) < 2:
+                take = min(chunk, n - done[r])
+                step.append((r, take))
+                done[r] += take
+        steps.append(step)
+    steps += [[(r, 1) for r in range(len(lengths))] for _ in range(6)]
+    return steps, [n + 6 for n in lengths]
+
+
+# bf16: the interpreter truncates fp32 -> bf16 where the GPU rounds, and each of the reference's roundings (gate +
+# bias, weights, products, sum, norm, rope) may then differ by an ulp of values of size ~1 (2^-8).
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=4e-2)}
+
+
+@pytest.mark.parametrize("rate,overlap,head_dim,rope_dim", [(4, True, 24, 8), (16, False, 20, 8), (4, True, 16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference_through_prefill_and_decode(rate, overlap, head_dim, rope_dim, dtype):
+    prompt_lengths = [3, 37, 50, 9]
+    schedule, lengths = _schedule(prompt_lengths, chunk=7 if overlap else 13)
+    expected, actual, launches = _run(rate, overlap, head_dim, rope_dim, schedule, lengths, dtype)
+    assert launches == {1, 2}  # decode steps in one launch, prefill chunks in two
+    torch.testing.assert_close(actual.pool.float(), expected.pool.float(), **TOLERANCE[dtype])
+    torch.testing.assert_close(actual.kv, expected.kv, rtol=0, atol=0)  # rings are copies: exact
+    torch.testing.assert_close(actual.gate, expected.gate, rtol=0, atol=0)
+    assert expected.pool[:-1].abs().sum() > 0  # entries were written
+
+
+def test_hca_rate_128_spans_several_chunks():
+    """A real HCA window (128 positions, chunked by BLOCK_S inside the program) with a wide head."""
+    schedule = [[(0, 100)], [(0, 60)], [(0, 1)]]
+    expected, actual, _ = _run(128, False, 96, 64, schedule, [161], torch.float32, seed=3)
+    torch.testing.assert_close(actual.pool, expected.pool, rtol=1e-5, atol=1e-5)
+    assert expected.pool[:-1].abs().sum() > 0
+
+
+def test_padding_entries_write_only_the_scratch_page():
+    schedule = [[(0, 5), (1, 2)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]
+    expected, actual, _ = _run(4, True, 16, 8, schedule, [7, 4], torch.float32, pad_entries=2)
+    torch.testing.assert_close(actual.pool[:-1], expected.pool[:-1], rtol=1e-5, atol=1e-5)
+    assert actual.pool[-1].abs().sum() > 0  # the padding went somewhere: the scratch page
+
+
+def test_nothing_to_do_launches_nothing():
+    plan = build_plan(4, True, [0], [1], [0], [0], "cpu")  # one token: nothing closes
+    assert plan.num_entries == 0
+    plan = replace(plan, keep_src=plan.keep_src[:0], keep_slot=plan.keep_slot[:0], keep_pos=plan.keep_pos[:0])
+    z = torch.zeros(1, 32)
+    state = torch.zeros(1, 8, 32)
+    assert plan_compress_into_pool(z, z, state, state.clone(), plan, torch.zeros(4, 32), torch.ones(16), 1e-6,
+                                   torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(2, 4, 16),
+                                   torch.zeros(1, 1, dtype=torch.int32)) == []
