@@ -14,6 +14,9 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
               dequantized weight, so "x ref" is the FP8 kernel's speed-up over serving the weight in bf16
   mhc         the hyper-connection collapse (+ RMSNorm), mix (+ a second, fp32 block output) and head collapse on
               bf16 streams [T, 4, 4096] at the decode batches and the prefill chunk
+  glue        the rest of a layer's launches at the decode batches and the prefill chunk: RMSNorm+RoPE (q_a; q per
+              head; K=V stored into the window pool), routing (top-k, hash), the MoE alignment, the shared expert's
+              SwiGLU, and the three compressors (CSA, HCA, indexer keys) with every decode row closing an entry
 Each case is timed with CUDA events (median of --repeat runs, L2 flushed before each) and reported as achieved
 bandwidth (bytes the kernel must move) and TFLOP/s, against the device's measured copy bandwidth (a large
 device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the reference's time and the speed-up.
@@ -60,6 +63,8 @@ class Shapes:
     moe_decode_tokens: list = field(default_factory=list)
     fp8_linears: dict = field(default_factory=dict)  # name -> (N, K)
     fp8_tokens: list = field(default_factory=list)
+    q_lora_rank: int = 0
+    rope_dim: int = 0
 
 
 FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512, hidden=4096,
@@ -68,11 +73,11 @@ FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, in
               moe_decode_tokens=[1, 8, 32, 64, 128, 256],
               fp8_linears={"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                            "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)},
-              fp8_tokens=[1, 64, 4096])
+              fp8_tokens=[1, 64, 4096], q_lora_rank=1024, rope_dim=64)
 DRY = Shapes(head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8, hidden=64, moe_inter=32,
              num_experts=8, top_k=2, window=16, csa_rate=4, hca_rate=16, page_size=8, context=72,
              decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5],
-             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5])
+             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5], q_lora_rank=48, rope_dim=16)
 
 
 @dataclass
@@ -270,7 +275,7 @@ def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, flo
 # --- running ----------------------------------------------------------------------------------------------------
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
 TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
-              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2)}
+              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2)}
 
 
 def _max_error(torch, actual, expected, atol, rtol) -> float:
@@ -473,8 +478,112 @@ def bench_mhc(torch, s, device, timer, options, hc_mult=4):
     return results
 
 
+def _glue_cases(torch, s, device, t, gen):
+    """(name, kernel_fn, reference_fn, float_reference_fn, (bytes, flops)) for the glue kernels at T = t tokens;
+    functions return tensors (stateful kernels return what they wrote)."""
+    from backend.model.compressor import build_plan
+    from kernels.compressor import compress_into_pool_reference, compress_into_pool_triton
+    from kernels.moe import (clamped_swiglu, moe_align, moe_align_triton, route_hash, route_hash_triton, route_topk,
+                             route_topk_triton, swiglu_triton)
+    from kernels.norm_rope import norm_rope_reference, norm_rope_triton
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    rand = lambda *shape, dtype=bf16: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa: E731
+    half, dh, heads = s.rope_dim // 2, s.head_dim, s.num_heads
+    cos, sin = rand(t, half).cos(), rand(t, half).sin()
+    q_a, q, kv_col = rand(t, s.q_lora_rank), rand(t, heads, dh), rand(t, 4 * dh)[:, :dh]
+    w_q_a, w_kv = rand(s.q_lora_rank) * 0.1 + 1, rand(dh) * 0.1 + 1
+    window = torch.zeros(t + 1, 1, dh, dtype=bf16, device=device)
+    index = torch.randperm(t, generator=gen, device=device)
+    logits, bias = rand(t, s.num_experts, dtype=f32), rand(s.num_experts, dtype=f32) * 0.1
+    tid2eid = torch.randint(0, s.num_experts, (1000, s.top_k), generator=gen, device=device, dtype=torch.int32)
+    input_ids = torch.randint(0, 1000, (t,), generator=gen, device=device)
+    topk_ids = route_topk(logits, bias, s.top_k, 1.0)[0]
+    gate_up = rand(t, 2 * s.moe_inter) * 4
+    fl = lambda v: v.float()  # noqa: E731
+    cases = [
+        ("norm q_a", lambda: norm_rope_triton(q_a, w_q_a, 1e-6), lambda: norm_rope_reference(q_a, w_q_a, 1e-6),
+         lambda: norm_rope_reference(fl(q_a), fl(w_q_a), 1e-6), (4 * t * s.q_lora_rank, 0)),
+        ("norm+rope q", lambda: norm_rope_triton(q, None, 1e-6, cos=cos, sin=sin),
+         lambda: norm_rope_reference(q, None, 1e-6, cos=cos, sin=sin),
+         lambda: norm_rope_reference(fl(q), None, 1e-6, cos=fl(cos), sin=fl(sin)), (4 * t * heads * dh, 0)),
+        ("norm+rope kv->pool", lambda: norm_rope_triton(kv_col, w_kv, 1e-6, cos=cos, sin=sin, out=window,
+                                                        out_index=index)[:t],
+         lambda: norm_rope_reference(kv_col, w_kv, 1e-6, cos=cos, sin=sin, out=window, out_index=index)[:t],
+         lambda: norm_rope_reference(fl(kv_col), fl(w_kv), 1e-6, cos=fl(cos), sin=fl(sin), out=fl(window),
+                                     out_index=index)[:t], (4 * t * dh, 0)),
+        ("route topk", lambda: _sorted_route(torch, route_topk_triton(logits, bias, s.top_k, 1.0)),
+         lambda: _sorted_route(torch, route_topk(logits, bias, s.top_k, 1.0)),
+         lambda: _sorted_route(torch, route_topk(logits, bias, s.top_k, 1.0)), (4 * t * s.num_experts, 0)),
+        ("route hash", lambda: route_hash_triton(logits, tid2eid, input_ids, 1.0)[1],
+         lambda: route_hash(logits, tid2eid, input_ids, 1.0)[1], lambda: route_hash(logits, tid2eid, input_ids, 1.0)[1],
+         (t * s.top_k * 16, 0)),
+        ("moe align", lambda: moe_align_triton(topk_ids, s.num_experts, 16)[0].float(),
+         lambda: moe_align(topk_ids, s.num_experts, 16)[0].float(),
+         lambda: moe_align(topk_ids, s.num_experts, 16)[0].float(), (3 * t * s.top_k * 8, 0)),
+        ("swiglu", lambda: swiglu_triton(gate_up, 10.0), lambda: clamped_swiglu(gate_up, 10.0),
+         lambda: clamped_swiglu(fl(gate_up), 10.0), (6 * t * s.moe_inter, 0)),
+    ]
+    for kind, rate, overlap, head_dim in (("csa", s.csa_rate, True, dh), ("hca", s.hca_rate, False, dh),
+                                          ("indexer", s.csa_rate, True, s.index_head_dim)):
+        cases.append((f"compress {kind}", *_compressor_fns(torch, s, device, gen, t, rate, overlap, head_dim,
+                                                           build_plan, compress_into_pool_triton,
+                                                           compress_into_pool_reference)))
+    return cases
+
+
+def _sorted_route(torch, route):
+    ids, weights = route
+    order = ids.argsort(dim=-1)
+    return torch.cat([ids.gather(1, order).float(), weights.gather(1, order)], dim=1)
+
+
+def _compressor_fns(torch, s, device, gen, t, rate, overlap, head_dim, build_plan, triton_fn, reference_fn):
+    """A decode batch of t rows each closing an entry (t = the prefill chunk: one row of t tokens)."""
+    width, ring = (2 if overlap else 1) * head_dim, (2 if overlap else 1) * rate
+    prefill = t == s.prefill_tokens
+    rows = 1 if prefill else t
+    starts = [0] if prefill else [(r + 8) * rate - 1 for r in range(rows)]
+    lens = [t] if prefill else [1] * rows
+    plan = build_plan(rate, overlap, starts, lens, list(range(0, t, max(1, t // rows)))[:rows], list(range(rows)),
+                      device)
+    entries = plan.num_entries
+    rand = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa
+    projection = rand(t, 2 * width)
+    state_kv, state_gate = rand(rows + 1, ring, width), rand(rows + 1, ring, width)
+    bias, norm_w = rand(rate, width, dtype=torch.float32), rand(head_dim) * 0.1 + 1
+    cos, sin = rand(entries, s.rope_dim // 2).cos(), rand(entries, s.rope_dim // 2).sin()
+    pages = -(-(max(starts) + t) // rate // s.page_size) + 1
+    pool = torch.zeros(rows * pages + 1, s.page_size, head_dim, dtype=torch.bfloat16, device=device)
+    table = torch.arange(rows * pages, device=device, dtype=torch.int32).view(rows, pages)
+
+    def run(fn, cast=lambda v: v):
+        out = cast(pool).clone()
+        fn(cast(projection[:, :width]), cast(projection[:, width:]), cast(state_kv).clone(), cast(state_gate).clone(),
+           plan, bias, cast(norm_w), 1e-6, cast(cos), cast(sin), out, table)
+        return out
+
+    work = (2 * 2 * entries * ring * head_dim + 2 * entries * head_dim, 0)
+    return (lambda: run(triton_fn), lambda: run(reference_fn), lambda: run(reference_fn, lambda v: v.float()), work)
+
+
+def bench_glue(torch, s, device, timer, options):
+    results = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for t in [*s.decode_batches, s.prefill_tokens]:
+        for kind, kernel_fn, reference_fn, float_reference_fn, (nbytes, flops) in _glue_cases(torch, s, device, t, gen):
+            error = _max_error(torch, kernel_fn(), float_reference_fn(), *TOLERANCES["glue"])
+            ms = timer(kernel_fn)
+            ref_ms = None if options.skip_reference else timer(reference_fn)
+            name = f"{kind} {'prefill' if t == s.prefill_tokens else 'decode'} T={t}"
+            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
+            print(f"  {'glue':<10} {name:<24} {ms:9.3f} ms  ref {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
+            results.append(Result("glue", name, ms, ref_ms, nbytes / 1e9, flops / 1e9, error))
+    return results
+
+
 BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe, "moe_q": bench_moe_quantized,
-           "fp8_gemm": bench_fp8_gemm, "mhc": bench_mhc}
+           "fp8_gemm": bench_fp8_gemm, "mhc": bench_mhc, "glue": bench_glue}
 
 
 def _print_table(rows):
@@ -489,7 +598,7 @@ def _print_table(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="attention,indexer,moe,moe_q,fp8_gemm,mhc", help="comma-separated subset")
+    parser.add_argument("--kernels", default="attention,indexer,moe,moe_q,fp8_gemm,mhc,glue", help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
     parser.add_argument("--json", type=Path, help="write the results as JSON")
