@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The engine on a device against the engine on CPU in fp32, with and without CUDA graphs (greedy tokens).
 
-    python scripts/check_engine_device.py [--device cuda] [--max-tokens 24] [--json FILE]
+    python scripts/check_engine_device.py [--device cuda] [--max-tokens 24] [--checkpoint DIR] [--json FILE]
 
 Generates greedily for prompts of 1..300 tokens (batched, so decode steps have several rows and cross
 CSA/HCA boundaries) with: CPU fp32 (the reference run); the device in fp32 with cuda_graphs off and on
@@ -23,16 +23,17 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from backend.config import EngineConfig  # noqa: E402
+from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 
 PROMPT_LENGTHS = [1, 7, 60, 127, 130, 255, 300]
 
 
-def generate(device: str, dtype: str, cuda_graphs: bool, prompts, max_tokens: int) -> list[list[int]]:
-    engine = LLMEngine(EngineConfig(device=device, dtype=dtype, cuda_graphs=cuda_graphs, max_running_requests=8,
-                                    num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5))
+def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompts, max_tokens: int) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
+                                    max_running_requests=8, num_tokens=16384, page_size=16,
+                                    swa_full_tokens_ratio=0.5))
     results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     return [r["output_ids"] for r in results]
 
@@ -48,17 +49,18 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    reference = generate("cpu", "float32", False, prompts, options.max_tokens)
-    runs = [("fp32", False, True), ("fp32", True, True), ("bfloat16", False, False), ("bfloat16", True, False)]
+    reference = generate(options.checkpoint, "cpu", "float32", False, prompts, options.max_tokens)
+    runs = [("float32", False, True), ("float32", True, True), ("bfloat16", False, False), ("bfloat16", True, False)]
     rows, failed, outputs = [], False, {}
     for dtype, graphs, must_equal in runs:
-        tokens = generate(options.device, dtype, graphs, prompts, options.max_tokens)
+        tokens = generate(options.checkpoint, options.device, dtype, graphs, prompts, options.max_tokens)
         outputs[(dtype, graphs)] = tokens
         equal = tokens == reference
         failed |= must_equal and not equal

@@ -108,7 +108,8 @@ def counting(model):
 
     def triton_run(original):
         def run(self, *args, **kwargs):
-            counter.triton_launch(getattr(self, "__name__", None) or self.fn.__name__)
+            if not kwargs.get("warmup"):  # JITFunction.warmup compiles without launching (kernels/common.py)
+                counter.triton_launch(getattr(self, "__name__", None) or self.fn.__name__)
             counter.paused += 1
             try:
                 return original(self, *args, **kwargs)
