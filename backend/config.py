@@ -52,6 +52,11 @@ class EngineConfig:
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: README "Threads"). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
+    # Parallelism (backend/parallel/layout.py): ranks = max of the two; each is 1 or that many. Rank 0 is
+    # this engine, ranks 1.. worker processes it starts, one per device.
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    collective_timeout_s: float = 600.0  # a collective (or a worker) silent this long fails the group
 
     def __post_init__(self) -> None:
         self.validate()
@@ -90,6 +95,20 @@ class EngineConfig:
         _check_int(self, "max_tokens_limit", 1)
         if self.cpu_threads is not None:
             _check_int(self, "cpu_threads", 1)
+        _check_int(self, "tensor_parallel_size", 1)
+        _check_int(self, "expert_parallel_size", 1)
+        world = self.world_size
+        for name in ("tensor_parallel_size", "expert_parallel_size"):
+            _check(getattr(self, name) in (1, world), name, getattr(self, name),
+                   f"1 or the number of ranks ({world}): tensor and expert parallelism each span every rank or none")
+        _check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
+               self.collective_timeout_s, "a number of seconds > 0")
+        _check(not (self.cuda_graphs and world > 1), "cuda_graphs", self.cuda_graphs,
+               "unset or false with tensor/expert parallelism (graphs of sharded steps are not supported yet)")
+
+    @property
+    def world_size(self) -> int:
+        return max(self.tensor_parallel_size, self.expert_parallel_size)
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
@@ -120,7 +139,9 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_cuda_graphs(self) -> bool:
-        return self.resolved_device() == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+        if self.cuda_graphs is None:
+            return self.resolved_device() == "cuda" and self.world_size == 1
+        return self.cuda_graphs
 
     def resolved_dtype(self):
         import torch

@@ -35,6 +35,9 @@ from backend.model.config import load_model_config
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
+from backend.parallel.comm import Communicator
+from backend.parallel.group import RankGroup, RankGroupError
+from backend.parallel.layout import ParallelLayout
 from backend.request import FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
@@ -56,9 +59,15 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
-        self.kernels = KernelDispatch(default_mode(config.use_reference_kernels))
-        weights = load_weights(checkpoint, self.model_config, self.dtype, self.device, self.weight_format)
-        self.model = DeepseekV4Model(self.model_config, weights, self.device, self.dtype, self.kernels)
+        self.layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
+        # Several ranks: the workers start loading their shards while this rank loads its own.
+        self.group = RankGroup.start(config, self.layout) if self.layout.world_size > 1 else None
+        self.model = load_model(config, self.model_config, self.weight_format, self.device, self.dtype, self.layout,
+                                self.group.comm if self.group else Communicator())
+        self.kernels = self.model.kernels
+        if self.group is not None:
+            self.group.wait_ready()
+        self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
                                            capture=self.device == "cuda")
                               if config.resolved_cuda_graphs() else None)
@@ -83,6 +92,8 @@ class LLMEngine:
         Checks what this deployment allows (RequestLimits: vocabulary, max_tokens_limit, the
         positions the memory can ever hold) and that the id is not in use (Scheduler.add).
         """
+        if self.unavailable:
+            raise ValueError(f"the model cannot serve: {self.unavailable}")
         self.limits.check(seq.prompt_ids, seq.sampling)
         seq.on_output = on_output
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop)
@@ -106,6 +117,9 @@ class LLMEngine:
             self._thread.join(timeout)
             self._thread = None
         self.scheduler.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def stats(self) -> dict:
         """A snapshot of the counters and pool usage, safe to read from any thread.
@@ -127,6 +141,7 @@ class LLMEngine:
             "num_waiting": self.scheduler.num_waiting,
             "pool_usage": self.kv.usage(),
             "pages_used": self.kv.pages_used(),
+            "unavailable": self.unavailable,
         }
 
     # --- offline use --------------------------------------------------------------------------------
@@ -174,7 +189,7 @@ class LLMEngine:
 
     def _execute(self, plan: StepPlan) -> None:
         for seq in plan.aborted:
-            self._send_final(seq, error=_scheduler_error(seq))
+            self._send_final(seq, error=_scheduler_error(seq) or self.unavailable)
         if not plan.chunks:
             return
         started = time.perf_counter()
@@ -182,6 +197,9 @@ class LLMEngine:
             finished = self._run(plan)
         except Exception as exc:
             logger.exception("forward failed; failing the %d requests of step %s", len(plan.chunks), plan.step_index)
+            if isinstance(exc, RankGroupError):  # no later step can run: end every request, refuse new ones
+                self.unavailable = str(exc)
+                self.scheduler.abort_all()
             failed = [chunk.seq for chunk in plan.chunks]
             for seq in failed:
                 seq.finish_reason = FinishReason.ERROR
@@ -199,6 +217,8 @@ class LLMEngine:
         rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
         if self.decode_graphs is not None and self.decode_graphs.accepts(rows):
             logits = self.decode_graphs.forward(rows)  # every decode row samples: logits align with `sampling`
+        elif self.group is not None:  # every rank runs this batch (built on the host, broadcast)
+            logits = self.group.forward(self.model, self.kv, build_forward_batch(rows, self.kv, "cpu"))
         else:
             logits = self.model.forward(build_forward_batch(rows, self.kv, self.device), self.kv)
         sampling = [c.seq for c in plan.chunks if c.samples]
@@ -281,9 +301,18 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     """Everything decided before a weight is read: (model config, weight format, memory pools on
     `device`, prefill chunk budget). Raises ConfigError / UnsupportedCheckpoint naming what to change."""
     model_config = load_model_config(config.checkpoint)
+    ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     kv = _memory_pools(config, model_config, dtype, device)
     return model_config, weight_format, kv, resolve_prefill_chunk_tokens(config, kv)
+
+
+def load_model(config: EngineConfig, model_config, weight_format: str, device, dtype, layout: ParallelLayout,
+               comm: Communicator) -> DeepseekV4Model:
+    """This rank's shard of the model (all of it on one rank), with its kernel dispatch."""
+    weights = load_weights(config.checkpoint, model_config, dtype, device, weight_format, layout=layout)
+    kernels = KernelDispatch(default_mode(config.use_reference_kernels))
+    return DeepseekV4Model(model_config, weights, device, dtype, kernels, layout=layout, comm=comm)
 
 
 def check_deployment(config: EngineConfig) -> int:

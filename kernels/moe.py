@@ -7,7 +7,8 @@ Math, for token t with chosen experts topk_ids[t, :] and weights topk_weights[t,
 
 Layouts:
   x            [T, D]
-  topk_ids     [T, K] int64 (expert ids in [0, E))
+  topk_ids     [T, K] int64 (expert ids; a pair whose id is outside [0, E) is left out: under expert
+               parallelism the ids are shifted to the rank's own experts, and another rank's fall outside)
   topk_weights [T, K] fp32
   w_gate_up    [E, 2 * I, D]
   w_down       [E, D, I]
@@ -406,7 +407,9 @@ def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Group the (token, slot) pairs by expert into row blocks of block_m, without a host synchronisation
-    (the reference of `_moe_align_kernel`: the same outputs, bit for bit).
+    (the reference of `_moe_align_kernel`: the same outputs, bit for bit). Pairs whose expert is outside
+    [0, num_experts) are left out (expert parallelism: ids shifted to this rank's experts, another rank's
+    fall outside), so they contribute nothing.
 
     Returns sorted_pairs [max_blocks * block_m] int32 (pair index t * k + slot, num_pairs in padding rows) and
     block_expert [max_blocks] int64 (-1 for blocks past the last used one). max_blocks is an upper bound from
@@ -415,16 +418,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     max_blocks = max_align_blocks(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m
+    keyed = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # another rank's: sorted last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, keyed, torch.ones_like(keyed))
+    blocks = (counts[:num_experts] + block_m - 1) // block_m
     block_end = torch.cumsum(blocks, 0)  # [E]
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-    expert_of = flat[order]
+    order = torch.argsort(keyed, stable=True)  # pairs grouped by expert
+    expert_of = keyed[order]
     rank = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    dest = (block_end - blocks)[expert_of] * block_m + rank
-    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=flat.device)
+    first_row = torch.cat([block_end - blocks, block_end.new_full((1,), max_blocks)]) * block_m
+    dest = torch.where(expert_of < num_experts, first_row[expert_of] + rank, max_blocks * block_m)  # skipped: past
+    sorted_pairs = torch.full((max_blocks * block_m + 1,), num_pairs, dtype=torch.int32, device=flat.device)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    sorted_pairs = sorted_pairs[:-1]
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=flat.device), right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
     return sorted_pairs, block_expert
@@ -448,6 +454,7 @@ def _moe_align_kernel(
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
         ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32)
+        ids = tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, -1)  # another rank's expert: left out
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, 0)
@@ -468,8 +475,9 @@ def _moe_align_kernel(
     # pass 2: each pair's row = its expert's cursor + its rank among the chunk's earlier pairs of that expert
     cursor = block_start * BLOCK_M
     for p0 in range(0, num_pairs, BLOCK_P):
-        valid = p0 + lanes < num_pairs
-        ids = tl.load(ids_ptr + p0 + lanes, mask=valid, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32)
+        ids = tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, -1)
+        valid = ids >= 0
         onehot = ids[:, None] == experts[None, :]
         base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
         earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
@@ -536,7 +544,8 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE)
     block_m, group_size_m = cfg["BLOCK_M"], cfg.get("GROUP_SIZE_M", GROUP_SIZE_M)
     out_rows = num_pairs if per_pair_output else num_tokens
-    out = torch.empty((out_rows, hidden), dtype=torch.float32, device=x.device)
+    # per-pair rows of left-out pairs (another rank's experts) are never written: zeroed up front
+    out = (torch.zeros if per_pair_output else torch.empty)((out_rows, hidden), dtype=torch.float32, device=x.device)
     (sorted_pairs, block_expert), align = plan_moe_align(topk_ids.contiguous(), num_experts, block_m,
                                                          zero=None if per_pair_output else out)
     max_blocks = block_expert.shape[0]
@@ -702,9 +711,11 @@ def fused_moe_reference(
     swiglu_limit: float,
 ) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    num_experts = w_gate_up.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)  # left out: last
     order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
-    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
     token_of = order // topk_ids.shape[1]
     start = 0
     for expert, count in enumerate(counts):

@@ -2,6 +2,7 @@
 """Offline generation through the engine: every prompt submitted at once, so they batch.
 
     python scripts/generate.py --checkpoint checkpoints/dsv4-tiny --prompts-file prompts.json --max-tokens 32
+    python scripts/generate.py ... --tensor-parallel-size 2 [--expert-parallel-size 2]   # 2 ranks (processes)
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
 Input files are JSON lists of strings (--prompts-file) or of lists of token ids (--input-ids-file).
@@ -38,6 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--weight-format", choices=["auto", "dequantize", "fp8"], default="auto",
                         help="quantized checkpoints: dequantize at load, or keep FP8/MXFP4 (auto: fp8 on CUDA)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks splitting the attention heads (and, without EP, every expert's columns)")
+    parser.add_argument("--expert-parallel-size", type=int, default=1, help="ranks splitting the routed experts")
     return parser.parse_args(argv)
 
 
@@ -59,12 +63,17 @@ def main(argv=None) -> None:
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                           weight_format=args.weight_format,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
-                          max_running_requests=args.max_running_requests)
+                          max_running_requests=args.max_running_requests,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          expert_parallel_size=args.expert_parallel_size)
     engine = LLMEngine(config)
-    prompts = load_prompts(args, engine.tokenizer)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                            ignore_eos=args.ignore_eos)
-    results = engine.generate(prompts, params)
+    try:
+        prompts = load_prompts(args, engine.tokenizer)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                                ignore_eos=args.ignore_eos)
+        results = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()  # with several ranks: the workers exit
     json.dump([{k: r[k] for k in ("output_ids", "text", "finish_reason")} for r in results], sys.stdout)
     sys.stdout.write("\n")
 

@@ -84,6 +84,26 @@ def alt_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
+# The tiny checkpoint with enough heads, output groups, experts and intermediate columns to split 4 ways
+# (backend/parallel/layout.py): tensor and expert parallelism tests.
+PARALLEL_CONFIG = dict(num_attention_heads=8, o_groups=4, n_routed_experts=8, moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="session")
+def parallel_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dsv4-parallel")
+    write_checkpoint(out, seed=11, **PARALLEL_CONFIG)
+    return out
+
+
+@pytest.fixture(scope="session")
+def parallel_checkpoint_published(tmp_path_factory) -> Path:
+    """The same model as DeepSeek publishes its checkpoints: original names, FP8 linears, MXFP4 experts."""
+    out = tmp_path_factory.mktemp("dsv4-parallel-fp8")
+    write_checkpoint(out, seed=11, layout="deepseek", quantize="fp8-mxfp4", **PARALLEL_CONFIG)
+    return out
+
+
 @pytest.fixture(scope="session", params=["tiny", "alt"])
 def checkpoint(request, tiny_checkpoint, alt_checkpoint) -> Path:
     return tiny_checkpoint if request.param == "tiny" else alt_checkpoint

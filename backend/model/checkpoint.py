@@ -14,6 +14,12 @@ With weight_format="fp8" quantized weights stay as published instead: the FP8 li
 `kernels.fp8_gemm.Fp8Weight` (scales as float32) and the routed experts merged into
 `kernels.moe.QuantizedExperts` (FP8 or packed MXFP4 with their scales); `o_a_proj` is dequantized,
 as DeepSeek's own inference does (its grouped product is not a plain GEMM).
+
+With a `ParallelLayout` of several ranks (backend/parallel/layout.py) each rank loads only its part:
+routed experts of other ranks are never read; a dense tensor split across ranks is read as a slice
+(safetensors' get_slice); an FP8/MXFP4 tensor split across ranks is read whole (one tensor at a time)
+and cut on its block grid: kept FP8 needs the cut on a 128-block boundary, MXFP4 columns on a
+32-column one (a clear CheckpointError otherwise), dequantized weights are cut after dequantizing.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ import torch
 from safetensors import safe_open
 
 from backend.model.config import CSA, HCA, ModelConfig
-from backend.model.quantization import (FP8_LINEARS, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape,
-                                        scale_to_float)
+from backend.model.quantization import (FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4,
+                                        fp8_block_shape, scale_to_float)
 from backend.model.weight_names import Target, detect_layout, engine_target, is_draft_layer
+from backend.parallel.layout import ParallelLayout, Shard
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
 
@@ -114,11 +121,12 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
 
 
 def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype, device,
-                 weight_format: str = "dequantize") -> dict[str, torch.Tensor]:
-    """The engine's tensors (names of backend/model/checkpoint.expected_shapes) from `checkpoint`."""
+                 weight_format: str = "dequantize", layout: ParallelLayout | None = None) -> dict[str, torch.Tensor]:
+    """The engine's tensors (names of backend/model/checkpoint.expected_shapes) from `checkpoint`: this rank's
+    parts of them under `layout` (backend/parallel/layout.py; None: one rank holds everything)."""
     from tqdm import tqdm
 
-    checkpoint = Path(checkpoint)
+    checkpoint, parallel = Path(checkpoint), layout
     files = _weight_files(checkpoint)
     try:
         layout = detect_layout(files)
@@ -126,7 +134,8 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
         raise CheckpointError(f"{checkpoint}: {exc}") from None
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-    loader = _Loader(expected_shapes(config), layout, dtype, device, files, keep_quantized=weight_format == "fp8")
+    loader = _Loader(expected_shapes(config), layout, dtype, device, files, keep_quantized=weight_format == "fp8",
+                     parallel=parallel or ParallelLayout())
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -150,8 +159,10 @@ class _Loader:
     """Fills the engine's tensors from checkpoint tensors as they are read, one at a time."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], layout: str, dtype: torch.dtype, device,
-                 files: dict[str, Path], keep_quantized: bool = False):
-        self.shapes, self.layout, self.dtype, self.device, self.files = shapes, layout, dtype, device, files
+                 files: dict[str, Path], keep_quantized: bool = False, parallel: ParallelLayout = ParallelLayout()):
+        self.layout, self.dtype, self.device, self.files = layout, dtype, device, files
+        self.full_shapes, self.shapes = shapes, parallel.local_shapes(shapes)  # whole tensors, this rank's parts
+        self.parallel = parallel
         self.keep_quantized = keep_quantized
         self.weights: dict[str, torch.Tensor] = {}
         self.expert_parts: dict[str, set[tuple[int, str | None]]] = {}  # merged tensor -> (expert, half) filled
@@ -170,15 +181,36 @@ class _Loader:
                 raise CheckpointError(f"{path}: block scales {name!r} without their weight {weight!r}")
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (read as {target.name!r}, which this model "
                                   "config does not have)")
-        expected = self._source_shape(target)
-        raw = f.get_tensor(name)
-        if self.keep_quantized and self._keeps(target, name, raw):
-            self._keep(target, raw, self._scale_of(name, raw, expected, path))
+        if target.expert is not None:
+            first, count = self.parallel.expert_range(self.full_shapes[target.name][0])
+            if not first <= target.expert < first + count:
+                return  # another rank's expert: never read
+            target = Target(target.name, target.expert - first, target.half)
+        full = self._source_shape(target, self.full_shapes)
+        part = self._source_part(target, full)
+        if not self._is_quantized(name, _dtype_of(f, name), full):
+            found = tuple(f.get_slice(name).get_shape())
+            if found != full:
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {found}, expected {full}")
+            self._store(target, _convert(target.name, _read_part(f, name, part), self.dtype, self.device))
             return
-        tensor = self._dequantized(name, raw, expected, path)
-        if tuple(tensor.shape) != expected:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        raw = f.get_tensor(name)  # quantized: read whole, cut on its block grid below
+        scale = self._scale_of(name, raw, full, path)
+        if self.keep_quantized and self._keeps(target, name, raw):
+            self._keep(target, *_cut_quantized(name, raw, scale, part))
+            return
+        tensor = _cut(self._dequantize(raw, scale), part)
         self._store(target, _convert(target.name, tensor, self.dtype, self.device))
+
+    def _source_part(self, target: Target, full: tuple[int, ...]) -> Shard | None:
+        """This rank's part of the checkpoint tensor behind `target` (None: all of it)."""
+        if target.expert is None:
+            return self.parallel.shard(target.name, full)
+        if not self.parallel.experts_sliced:
+            return None  # whole experts
+        part = self.parallel.shard(target.name, self.full_shapes[target.name])  # the merged tensor's
+        start, stop = part.ranges[0]
+        return Shard(0 if target.half is not None else 1, ((start, stop),))  # gate / up rows, down columns
 
     def finish(self, checkpoint: Path) -> dict[str, torch.Tensor]:
         experts = self.shapes  # merged expert tensors must have every expert's every part
@@ -194,21 +226,21 @@ class _Loader:
     def _is_scale_of_a_weight(self, name: str) -> bool:
         return name.endswith(".scale") and name[: -len(".scale")] + ".weight" in self.files
 
-    def _source_shape(self, target: Target) -> tuple[int, ...]:
-        """The shape of the checkpoint tensor: the engine tensor's, or one expert's part of it."""
-        shape = self.shapes[target.name]
+    def _source_shape(self, target: Target, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The shape of the checkpoint tensor: the engine tensor's, or one expert's part of it (in `shapes`)."""
+        shape = shapes[target.name]
         if target.expert is None:
             return shape
         rows = shape[1] // 2 if target.half is not None else shape[1]
         return rows, shape[2]
 
-    def _is_quantized(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> bool:
-        return tensor.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and len(expected) == 2 and (
-            tensor.dtype == torch.float8_e4m3fn or name[: -len(".weight")] + ".scale" in self.files)
+    def _is_quantized(self, name: str, dtype: torch.dtype, expected: tuple[int, ...]) -> bool:
+        return dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and len(expected) == 2 and (
+            dtype == torch.float8_e4m3fn or name[: -len(".weight")] + ".scale" in self.files)
 
     def _keeps(self, target: Target, name: str, tensor: torch.Tensor) -> bool:
         """Whether weight_format=fp8 keeps this tensor quantized (FP8 linears but o_a_proj, routed experts)."""
-        if not self._is_quantized(name, tensor, self._source_shape(target)):
+        if not self._is_quantized(name, tensor.dtype, self._source_shape(target, self.full_shapes)):
             return False
         return target.expert is not None or (target.name.endswith(FP8_LINEARS)
                                              and not target.name.endswith("o_a_proj.weight"))
@@ -255,11 +287,9 @@ class _Loader:
                                   f"expected {want} for weight {expected}")
         return scale
 
-    def _dequantized(self, name: str, tensor: torch.Tensor, expected: tuple[int, ...], path: Path) -> torch.Tensor:
+    @staticmethod
+    def _dequantize(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """FP8 (e4m3 + block scales) and MXFP4 (packed int8 + e8m0 scales) weights as float32."""
-        if not self._is_quantized(name, tensor, expected):
-            return tensor
-        scale = self._scale_of(name, tensor, expected, path)
         if tensor.dtype == torch.float8_e4m3fn:
             return dequantize_fp8(tensor, scale)
         return dequantize_mxfp4(tensor, scale)
@@ -280,6 +310,52 @@ class _Loader:
         offset = rows if target.half == "up" else 0
         merged[target.expert, offset:offset + rows] = tensor
         self.expert_parts.setdefault(target.name, set()).add((target.expert, target.half))
+
+
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8}
+
+
+def _dtype_of(f, name: str) -> torch.dtype | None:
+    """The dtype of a tensor in an open safetensors file, without reading it (None: not a quantized kind)."""
+    return _SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+
+
+def _read_part(f, name: str, part: Shard | None) -> torch.Tensor:
+    """The tensor, or only its `part`, read from the file (safetensors slicing: nothing else is read)."""
+    if part is None:
+        return f.get_tensor(name)
+    view = f.get_slice(name)
+    lead = (slice(None),) * part.dim
+    pieces = [view[lead + (slice(start, stop),)] for start, stop in part.ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
+
+
+def _cut(tensor: torch.Tensor, part: Shard | None, dim_scale: int = 1) -> torch.Tensor:
+    """`part` of an in-memory tensor; dim_scale divides the ranges (packed or block-scaled columns)."""
+    if part is None:
+        return tensor
+    pieces = [tensor.narrow(part.dim, start // dim_scale, -(-stop // dim_scale) - start // dim_scale)
+              for start, stop in part.ranges]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
+
+
+def _cut_quantized(name: str, data: torch.Tensor, scale: torch.Tensor, part: Shard | None):
+    """(data, scale) of `part` of a weight kept quantized: FP8 cut on its 128 x 128 blocks, MXFP4 rows anywhere
+    and columns on its 32-column scale groups (packed two per byte)."""
+    if part is None:
+        return data, scale
+    fp8 = data.dtype == torch.float8_e4m3fn
+    block = FP8_BLOCK if fp8 else (MXFP4_BLOCK if part.dim == 1 else 1)
+    size = data.shape[part.dim] * (1 if fp8 or part.dim == 0 else 2)
+    for start, stop in part.ranges:
+        if start % block or (stop % block and stop != size):
+            raise CheckpointError(f"{name!r}: this rank's part [{start}, {stop}) of dimension {part.dim} is not on the "
+                                  f"{block}-wide block grid of its scales; serve it with weight_format=dequantize or "
+                                  "choose a layout that splits on block boundaries")
+    if fp8:
+        return _cut(data, part), _cut(scale, part, FP8_BLOCK)
+    packed = 2 if part.dim == 1 else 1
+    return _cut(data, part, packed), _cut(scale, part, MXFP4_BLOCK if part.dim == 1 else 1)
 
 
 def _empty_experts(shape: tuple[int, int, int], dtype: torch.dtype, halves: int, device) -> QuantizedExperts:

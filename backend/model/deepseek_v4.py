@@ -13,6 +13,12 @@ reference: the same math), and the linears that read the same input are one GEMM
 (backend/model/projections.py), so a decode step issues a few dozen launches per layer
 (scripts/count_launches.py) and no host synchronisation: every shape comes from the batch's host-side
 metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i)`.
+
+Under a `ParallelLayout` of several ranks (backend/parallel/layout.py) the weights are this rank's parts:
+the attention runs its share of the heads and groups and all-reduces the output projection, the MoE
+its experts (or its slice of every expert) plus its slice of the shared expert, summed in one
+all-reduce, and the LM head its rows of the vocabulary, all-gathered. Every rank runs the same forward
+on the same batch; the collectives go through `comm`.
 """
 
 from __future__ import annotations
@@ -25,13 +31,20 @@ from backend.model.config import CSA, SLIDING, ModelConfig
 from backend.model.forward_batch import ForwardBatch
 from backend.model.rotary import Rotary
 from backend.model.projections import ATTENTION_INPUT, SHARED_EXPERT_INPUT, fuse_projections
+from backend.parallel.comm import Communicator
+from backend.parallel.layout import ParallelLayout
 from kernels.dispatch import KernelDispatch
 
 
 class DeepseekV4Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
-                 kernels: KernelDispatch | None = None):
+                 kernels: KernelDispatch | None = None, layout: ParallelLayout = ParallelLayout(),
+                 comm: Communicator = Communicator()):
         self.config = config
+        self.layout, self.comm = layout, comm
+        split = layout.tensor_parallel_size if layout.attention_split else 1
+        self.local_heads, self.local_groups = config.num_attention_heads // split, config.o_groups // split
+        self.first_expert = layout.expert_range(config.n_routed_experts)[0]
         self.w = weights
         self.device = device
         self.dtype = dtype
@@ -64,7 +77,8 @@ class DeepseekV4Model:
         last = streams[batch.logits_token_index]
         last = k.hc_head(last, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
                          eps=c.rms_norm_eps, hc_eps=c.hc_eps, norm_weight=w["model.norm.weight"])
-        return F.linear(last, w["lm_head.weight"]).float()
+        logits = F.linear(last, w["lm_head.weight"]).float()
+        return self.comm.all_gather_last(logits) if self.layout.world_size > 1 else logits  # vocabulary-parallel
 
     def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
         k, w, p = self.kernels, self.w, f"model.layers.{i}."
@@ -74,6 +88,11 @@ class DeepseekV4Model:
         post, comb, x = k.hc_collapse(streams, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
                                       w[p + "post_attention_layernorm.weight"], **self.hc)
         routed, shared = self._moe(i, x, batch.input_ids)
+        if self.layout.world_size > 1:  # routed partial sums (+ the split shared expert's) meet here
+            if self.layout.attention_split:
+                routed, shared = self.comm.all_reduce(routed + shared.float()), None
+            else:
+                routed = self.comm.all_reduce(routed)
         return k.hc_mix(streams, routed, post, comb, shared)
 
     # --- attention --------------------------------------------------------------------------------
@@ -86,7 +105,7 @@ class DeepseekV4Model:
 
         proj = self.attention_input[i](x, k.linear)  # every linear of x: one GEMM, column views
         q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
-        q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, c.num_attention_heads, c.head_dim)
+        q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
         q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope
         memory = kv.layer(i)
         k.norm_rope(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], eps, cos=cos, sin=sin,
@@ -109,11 +128,12 @@ class DeepseekV4Model:
         return self._output_projection(i, out)
 
     def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        c, p = self.config, f"model.layers.{i}.self_attn."
-        groups = out.view(out.shape[0], c.o_groups, -1).transpose(0, 1)  # [G, T, H*Dh/G]
-        w_a = self.w[p + "o_a_proj.weight"].view(c.o_groups, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
+        c, p, g = self.config, f"model.layers.{i}.self_attn.", self.local_groups
+        groups = out.view(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H*Dh/G] (this rank's groups)
+        w_a = self.w[p + "o_a_proj.weight"].view(g, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
         grouped = torch.bmm(groups, w_a.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)  # [T, G*R]
-        return self.kernels.linear(grouped, self.w[p + "o_b_proj.weight"])
+        out = self.kernels.linear(grouped, self.w[p + "o_b_proj.weight"])
+        return self.comm.all_reduce(out) if self.layout.attention_split else out
 
     def _compress_into(self, i, prefix, stream, proj, batch, memory: LayerMemory, pool_tensor, block_table,
                        entry_rope) -> None:
@@ -157,6 +177,8 @@ class DeepseekV4Model:
         else:
             ids, weights = k.route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
                                         c.routed_scaling_factor)
+        if self.first_expert:
+            ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
         routed = k.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
                              c.swiglu_limit, out_dtype=torch.float32)
         hidden = k.swiglu(self.shared_expert_input[i].product(x, k.linear), c.swiglu_limit)

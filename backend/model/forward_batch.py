@@ -7,7 +7,7 @@ been allocated (`KVCacheManager.extend`) before the batch is built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -41,6 +41,26 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device) -> "ForwardBatch":
+        """A copy with every tensor on `device` (a plan shared by two streams stays shared)."""
+        moved: dict[int, object] = {}
+
+        def move(value):
+            if id(value) in moved:
+                return moved[id(value)]
+            if isinstance(value, torch.Tensor):
+                out = value.to(device, copy=True)
+            elif isinstance(value, dict):
+                out = {k: move(v) for k, v in value.items()}
+            elif hasattr(value, "__dataclass_fields__"):
+                out = replace(value, **{f.name: move(getattr(value, f.name)) for f in fields(value)})
+            else:
+                out = value
+            moved[id(value)] = out
+            return out
+
+        return move(self)
 
 
 def _padded(rows: list[list[int]], device) -> torch.Tensor:

@@ -17,7 +17,7 @@ static-shape step runs eagerly: this is how the logic of the graph path is teste
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -63,7 +63,7 @@ class DecodeGraphs:
         return logits[: len(rows)]
 
     def _new_step(self, key: StaticKey, host: ForwardBatch) -> _StaticStep:
-        step = _StaticStep(_to_device(host, self.model.device))
+        step = _StaticStep(host.to(self.model.device))
         if self.capture:
             copy_batch(step.batch, static_decode_batch([], self.kv, key, "cpu"))  # padding only: writes scratch
             side = torch.cuda.Stream()
@@ -75,24 +75,3 @@ class DecodeGraphs:
             with torch.cuda.graph(step.graph, pool=self._pool):
                 step.logits = self.model.forward(step.batch, self.kv)
         return step
-
-
-def _to_device(batch: ForwardBatch, device) -> ForwardBatch:
-    """A copy of `batch` on `device` (shared plans stay shared)."""
-    moved: dict[int, object] = {}
-
-    def move(value):
-        if id(value) in moved:
-            return moved[id(value)]
-        if isinstance(value, torch.Tensor):
-            out = value.to(device, copy=True)
-        elif isinstance(value, dict):
-            out = {k: move(v) for k, v in value.items()}
-        elif hasattr(value, "__dataclass_fields__"):
-            out = replace(value, **{f.name: move(getattr(value, f.name)) for f in fields(value)})
-        else:
-            out = value
-        moved[id(value)] = out
-        return out
-
-    return move(batch)

@@ -163,6 +163,12 @@ class Scheduler:
             self._work_changed.notify_all()
             return True
 
+    def abort_all(self) -> None:
+        """abort() every live request (the engine can no longer run a step)."""
+        with self._lock:
+            self._abort_requests.update(self._live_ids)
+            self._work_changed.notify_all()
+
     @property
     def num_running(self) -> int:
         return len(self._running)

@@ -260,3 +260,27 @@ def test_swiglu_kernel_matches_the_reference(num_tokens, inter, dtype):
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol)
     assert swiglu_triton(gate_up[:0], LIMIT).shape == (0, inter)
+
+
+@pytest.mark.parametrize("per_pair_output", [False, True])
+def test_pairs_of_other_ranks_experts_are_left_out(per_pair_output):
+    """Expert parallelism: ids shifted by the rank's first expert fall outside [0, E) for other ranks' experts;
+    kernel and reference then equal the MoE with those pairs' weights zeroed."""
+    from kernels.moe import plan_moe_align
+
+    x, ids, weights, w_gate_up, w_down = make_inputs(19, 8, 3, hidden=40, inter=24, dtype=torch.float32, seed=3)
+    local = ids - 3  # this rank holds experts 3..6 of 8 (4 experts): others are < 0 or >= 4
+    mine = (local >= 0) & (local < 4)
+    assert mine.any() and not mine.all()
+    expected = fused_moe_reference(x, ids, weights * mine, w_gate_up, w_down, LIMIT)
+    local_up, local_down = w_gate_up[3:7], w_down[3:7]
+    torch.testing.assert_close(fused_moe_reference(x, local, weights, local_up, local_down, LIMIT), expected)
+    actual = fused_moe_triton(x, local, weights, local_up, local_down, LIMIT, per_pair_output=per_pair_output,
+                              config=SMALL_TILES)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    (sorted_pairs, block_expert), launches = plan_moe_align(local, 4, 16)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    reference = moe_align(local, 4, 16)
+    assert torch.equal(sorted_pairs, reference[0]) and torch.equal(block_expert, reference[1])
+    assert sorted((p for p in sorted_pairs.tolist() if p < local.numel())) == mine.reshape(-1).nonzero().view(-1).tolist()

@@ -1,0 +1,43 @@
+"""The collectives a sharded forward needs, over torch.distributed (NCCL on CUDA, gloo on CPU).
+
+`Communicator()` is the single-rank one: every collective returns its input. `DistributedCommunicator`
+runs them in a torch.distributed process group; the model calls only these two methods
+(backend/parallel/layout.py says where).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Communicator:
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (in place where the backend reduces in place)."""
+        return tensor
+
+    def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor concatenated along the last dimension, in rank order."""
+        return tensor
+
+
+class DistributedCommunicator(Communicator):
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self._dist, self.group = dist, group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        self._dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=-1)

@@ -1,0 +1,174 @@
+"""Rank 0 and its worker processes: one model instance over N ranks, with torch.distributed.
+
+    group = RankGroup.start(config, layout)        # spawns ranks 1..N-1, each loads its shard
+    model = load_model(config, ..., layout, group.comm)        # rank 0's own shard, meanwhile
+    group.wait_ready()
+    logits = group.forward(model, kv, host_batch)  # every rank runs the same forward on its shard
+    group.close()                                  # workers exit; the process group is destroyed
+
+Rank 0 is the engine that model.py holds (scheduler, sampler, detokenizer, its own shard). Ranks
+1..N-1 are processes it starts (torch.multiprocessing, spawn, one per device, daemonic so they die
+with it). Each step rank 0 broadcasts the step's ForwardBatch (host tensors: token ids, positions,
+page tables, compression plans; pickled over a gloo group) and every rank runs
+`DeepseekV4Model.forward` on its shard and its own copy of the pools, which every rank keeps
+identical by running the same writes; only rank 0 samples. Tensor collectives run in the default
+group (NCCL on CUDA, gloo on CPU). A worker that dies, or a collective that times out
+(`collective_timeout_s`), raises `RankGroupError` on rank 0: the engine then fails what is in flight
+and stops serving (see backend/engine.py).
+
+Multi-node: the same code with init_method env:// (MASTER_ADDR, MASTER_PORT) — docs/parallel.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from backend.config import EngineConfig
+from backend.parallel.comm import DistributedCommunicator
+from backend.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class RankGroupError(RuntimeError):
+    """A worker died or a collective failed: this model instance cannot run another step."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every rank needs to join the group and build its shard (picklable)."""
+
+    config: EngineConfig
+    layout: ParallelLayout
+    init_method: str
+    timeout_s: float
+
+    def device(self, rank: int) -> str:
+        return f"cuda:{rank % max(1, torch.cuda.device_count())}" if self.config.resolved_device() == "cuda" \
+            else "cpu"
+
+
+def _join(spec: GroupSpec, rank: int):
+    """init_process_group for `rank`; returns (communicator for tensors, gloo group for the step's batch)."""
+    cuda = spec.config.resolved_device() == "cuda"
+    if cuda:
+        torch.cuda.set_device(spec.device(rank))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method, rank=rank,
+                            world_size=spec.layout.world_size, timeout=timedelta(seconds=spec.timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s)) if cuda else None
+    return DistributedCommunicator(), control
+
+
+def _worker_main(index: int, spec: GroupSpec) -> None:
+    """Ranks 1..N-1 (process `index` is rank index + 1): join, load the shard, then run every step rank 0
+    broadcasts until it sends None."""
+    rank = index + 1
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
+    comm, control = _join(spec, rank)
+    layout = ParallelLayout(spec.layout.tensor_parallel_size, spec.layout.expert_parallel_size, rank)
+    device = spec.device(rank)
+    from backend.engine import load_model, plan_deployment  # the engine imports this module
+
+    config, dtype = spec.config, spec.config.resolved_dtype()
+    model_config, weight_format, kv, _ = plan_deployment(config, device, dtype)  # the same pools as rank 0
+    model = load_model(config, model_config, weight_format, device, dtype, layout, comm)
+    dist.barrier(group=control)  # loaded
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        if message[0] is None:
+            break
+        model.forward(message[0].to(device), kv)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _python() -> str:
+    """The interpreter spawned workers run: this one, unless it is an embedding binary (tritonserver's Python
+    backend stub), in which case the repository's venv."""
+    if Path(sys.executable).name.startswith("python"):
+        return sys.executable
+    return str(REPO_ROOT / ".venv" / "bin" / "python")
+
+
+class RankGroup:
+    def __init__(self, spec: GroupSpec, context, control):
+        self.spec, self._context, self.control = spec, context, control
+        self.comm = DistributedCommunicator()
+        self.broken: str | None = None
+
+    @classmethod
+    def start(cls, config: EngineConfig, layout: ParallelLayout) -> "RankGroup":
+        """Spawn ranks 1..N-1 and join them as rank 0; returns once every worker has loaded its shard."""
+        import torch.multiprocessing as mp
+
+        init_method = "env://" if os.environ.get("MASTER_ADDR") else f"tcp://127.0.0.1:{_free_port()}"
+        spec = GroupSpec(config, layout, init_method, config.collective_timeout_s)
+        mp.set_executable(_python())
+        context = mp.start_processes(_worker_main, args=(spec,), nprocs=layout.world_size - 1, join=False,
+                                     daemon=True, start_method="spawn")
+        _, control = _join(spec, 0)
+        return cls(spec, context, control)
+
+    def wait_ready(self) -> None:
+        """Return once every worker has loaded its shard (rank 0 loads its own in the meantime)."""
+        try:
+            dist.barrier(group=self.control)
+        except Exception as exc:
+            self.broken = f"a worker failed while loading its shard: {exc}"
+            self.close()
+            raise RankGroupError(self.broken) from exc
+        logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
+
+    def forward(self, model, kv, batch):
+        """Broadcast the host batch, run this rank's forward; RankGroupError if any rank is gone."""
+        if self.broken:
+            raise RankGroupError(self.broken)
+        try:
+            self._check_workers()
+            dist.broadcast_object_list([batch], src=0, group=self.control)
+            return model.forward(batch.to(model.device), kv)
+        except RankGroupError:
+            raise
+        except Exception as exc:  # a collective failed or timed out: the group cannot step again
+            self.broken = f"tensor/expert parallel group failed: {exc}"
+            raise RankGroupError(self.broken) from exc
+
+    def _check_workers(self) -> None:
+        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self._context.processes)
+                if not p.is_alive()]
+        if dead:
+            self.broken = f"worker process gone: {', '.join(dead)}"
+            raise RankGroupError(self.broken)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Tell the workers to exit, wait for them (terminate stragglers), leave the process group."""
+        if not self.broken:
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.control)
+            except Exception:  # noqa: BLE001 (a broken group: the workers are terminated below)
+                pass
+        for p in self._context.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()

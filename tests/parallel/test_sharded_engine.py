@@ -1,0 +1,136 @@
+"""Tensor and expert parallelism with real processes over gloo (CPU, fp32): the sharded engine against one rank.
+
+Rank 0 is the engine in this process; ranks 1.. are the worker processes it spawns (backend/parallel/group.py).
+Both engines get the same ragged steps (prefill chunks of different lengths beside decodes, across CSA and HCA
+boundaries); logits must agree within 1e-5 at every step. scripts/generate.py --tensor-parallel-size 2 must
+give the single rank's greedy tokens for prompts of 1 to 600 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.request import Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT_LENGTHS = (1, 37, 150, 300)
+CHUNK = 64
+
+
+def _engine(checkpoint, **settings) -> LLMEngine:
+    return LLMEngine(EngineConfig(checkpoint=str(checkpoint), device="cpu", num_tokens=8192, page_size=16,
+                                  swa_full_tokens_ratio=0.5, **settings))
+
+
+def _steps(prompts):
+    """Per step, (request, tokens) pairs: prompts in chunks of CHUNK, finished prompts decoding, then 3 decodes."""
+    done = [0] * len(prompts)
+    steps = []
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        step = [(r, min(CHUNK, len(p) - done[r]) if done[r] < len(p) else 1) for r, p in enumerate(prompts)]
+        for r, n in step:
+            done[r] += n
+        steps.append(step)
+    return steps + [[(r, 1) for r in range(len(prompts))]] * 3
+
+
+class _Driver:
+    """Runs `steps` through one engine's model (its rank group when sharded), greedy tokens appended."""
+
+    def __init__(self, engine: LLMEngine, prompts):
+        self.engine = engine
+        self.seqs = [Sequence(f"r{i}", list(p)) for i, p in enumerate(prompts)]
+
+    def step(self, work) -> torch.Tensor:
+        engine, rows = self.engine, []
+        for r, n in work:
+            seq = self.seqs[r]
+            engine.kv.extend(seq, n)
+            start = seq.num_computed_tokens
+            ids = seq.token_ids()[start:start + n]
+            rows.append(BatchRow(seq.pages, ids, start, start + n >= len(seq.prompt_ids)))
+        batch = build_forward_batch(rows, engine.kv, "cpu")
+        if engine.group is None:
+            logits = engine.model.forward(batch, engine.kv)
+        else:
+            logits = engine.group.forward(engine.model, engine.kv, batch)
+        sampled = iter(logits.argmax(-1).tolist())
+        for (r, n), row in zip(work, rows):
+            seq = self.seqs[r]
+            seq.num_computed_tokens += n
+            engine.kv.release_slid_out(seq)
+            if row.want_logits:
+                seq.output_ids.append(next(sampled))
+        return logits
+
+
+@pytest.fixture(scope="module")
+def single(parallel_checkpoint):
+    return _engine(parallel_checkpoint)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2), (4, 4), (4, 1)])
+def test_sharded_logits_equal_one_rank_on_ragged_steps(parallel_checkpoint, single, tp, ep):
+    gen = torch.Generator().manual_seed(tp * 10 + ep)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    sharded = _engine(parallel_checkpoint, tensor_parallel_size=tp, expert_parallel_size=ep)
+    try:
+        one, many = _Driver(single, prompts), _Driver(sharded, prompts)
+        for work in _steps(prompts):
+            expected, actual = one.step(work), many.step(work)
+            assert actual.shape == expected.shape
+            torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        assert [s.output_ids for s in many.seqs] == [s.output_ids for s in one.seqs]
+        for seq in one.seqs:
+            single.kv.free(seq)
+        single.kv.check()
+    finally:
+        sharded.shutdown()
+    assert not _workers(), "a worker outlived the engine"
+
+
+def _workers() -> list:
+    """This process's children but multiprocessing's resource tracker (it lives as long as the parent)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_published_checkpoint_shards_like_the_single_rank(parallel_checkpoint_published):
+    """DeepSeek's layout, FP8 linears and MXFP4 experts, dequantized per rank: TP=2 + EP=2 equals one rank."""
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 140)]
+    single, sharded = _engine(parallel_checkpoint_published), _engine(parallel_checkpoint_published,
+                                                                      tensor_parallel_size=2, expert_parallel_size=2)
+    try:
+        one, many = _Driver(single, prompts), _Driver(sharded, prompts)
+        for work in _steps(prompts):
+            torch.testing.assert_close(many.step(work), one.step(work), rtol=0, atol=1e-5)
+    finally:
+        sharded.shutdown()
+
+
+def test_generate_script_with_two_ranks_gives_the_single_rank_tokens(parallel_checkpoint, tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (1, 2, 33, 128, 129, 300, 600)]
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps(prompts))
+
+    def generate(*extra):
+        result = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), "--checkpoint",
+                                 str(parallel_checkpoint), "--input-ids-file", str(ids_file), "--max-tokens", "8",
+                                 "--device", "cpu", "--ignore-eos", *extra], capture_output=True, text=True,
+                                timeout=600, cwd=REPO)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [r["output_ids"] for r in json.loads(result.stdout)]
+
+    assert generate("--tensor-parallel-size", "2") == generate()
