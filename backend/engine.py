@@ -38,7 +38,7 @@ from backend.model.graph_runner import DecodeGraphs
 from backend.parallel.comm import Communicator
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.parallel.layout import ParallelLayout
-from backend.request import FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
+from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import Sampler
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
 from kernels.dispatch import KernelDispatch, default_mode
@@ -93,7 +93,7 @@ class LLMEngine:
         positions the memory can ever hold) and that the id is not in use (Scheduler.add).
         """
         if self.unavailable:
-            raise ValueError(f"the model cannot serve: {self.unavailable}")
+            raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
         self.limits.check(seq.prompt_ids, seq.sampling)
         seq.on_output = on_output
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop)

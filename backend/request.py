@@ -42,6 +42,10 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class EngineUnavailable(ValueError):
+    """The engine can no longer serve any request (a rank of its group is gone): answered 503 / UNAVAILABLE."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.request import FinishReason, Sequence
+from backend.request import EngineUnavailable, FinishReason, Sequence
 from backend.serving import triton_io
 from backend.serving.metrics import RequestTimer, ServingMetrics
 
@@ -86,7 +86,8 @@ class TritonAdapter:
             with self._lock:
                 self._live.pop(request_id, None)
             self.metrics.on_finished(FinishReason.ERROR.value)
-            self._send_error(sender, str(exc), getattr(self.pb.TritonError, "INVALID_ARG", None))
+            code = "UNAVAILABLE" if isinstance(exc, EngineUnavailable) else "INVALID_ARG"  # 503 / 400
+            self._send_error(sender, str(exc), getattr(self.pb.TritonError, code, None))
 
     # --- responses out --------------------------------------------------------------------------
     def _response_loop(self) -> None:

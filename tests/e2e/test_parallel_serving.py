@@ -1,0 +1,91 @@
+"""tritonserver serving the engine over two ranks (tensor_parallel_size=2: the stub's engine and one worker
+process it spawns), against the single-rank engine; and what a dead worker does to the requests and the server.
+
+Stopping the server must leave no worker behind: the fixture's stop checks every process of the server's
+group (the worker included) is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from .conftest import _make_repository, _serve
+from .triton_helpers import REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env
+
+PROMPTS = ["Hello world", "The quick brown fox", "a", "Tensor parallel serving", "x" * 40]
+MAX_TOKENS = 8
+
+
+def _repository(tmp_path_factory, checkpoint, *sets):
+    return _make_repository(tmp_path_factory.mktemp("tp_repo"), f"checkpoint={checkpoint}", "device=cpu",
+                            "tensor_parallel_size=2", *sets)
+
+
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory, parallel_checkpoint):
+    yield from _serve(_repository(tmp_path_factory, parallel_checkpoint), tmp_path_factory.mktemp("tp_log"))
+
+
+def _offline(checkpoint, prompts, max_tokens):
+    prompts_file = REPO_ROOT / "build" / f"tp_prompts_{time.monotonic_ns()}.json"
+    prompts_file.write_text(json.dumps(prompts))
+    try:
+        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(checkpoint),
+               "--prompts-file", str(prompts_file), "--max-tokens", str(max_tokens), "--device", "cpu"]
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, env=server_env())
+    finally:
+        prompts_file.unlink()
+    return json.loads(done.stdout)
+
+
+def _workers(server) -> list[psutil.Process]:
+    """The rank group's worker processes: the spawned children under tritonserver's Python stub."""
+    return [p for p in psutil.Process(server.process.pid).children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_two_ranks_stream_the_single_rank_tokens(tp_server, parallel_checkpoint):
+    assert len(_workers(tp_server)) == 1
+    expected = _offline(parallel_checkpoint, PROMPTS, MAX_TOKENS)
+    streams = GrpcStreams(tp_server.grpc_url)
+    try:
+        ids = [f"tp{i}" for i in range(len(PROMPTS))]
+        for rid, prompt in zip(ids, PROMPTS):
+            streams.send(rid, grpc_inputs(prompt, MAX_TOKENS))
+        results = streams.wait(ids, timeout=180)
+    finally:
+        streams.close()
+    for rid, want in zip(ids, expected):
+        got = results[rid]
+        assert got.error is None, got.error
+        assert (got.ids, got.text, got.num_finals) == (want["output_ids"], want["text"], 1)
+
+
+def test_a_killed_worker_fails_the_stream_and_the_server_answers(tmp_path_factory, parallel_checkpoint):
+    """SIGKILL the worker while a long generation streams: the request ends with an error (no hang), later
+    requests get a clear error at once, and the server still answers and stops cleanly."""
+    repository = _repository(tmp_path_factory, parallel_checkpoint, "collective_timeout_s=30")
+    for server in _serve(repository, tmp_path_factory.mktemp("tp_kill_log")):
+        (worker,) = _workers(server)
+        streams = GrpcStreams(server.grpc_url)
+        try:
+            streams.send("long", grpc_inputs("Once upon a time", 2000, sampling={"temperature": 0, "ignore_eos": True}))
+            while not streams.results["long"].ids:  # streaming has begun
+                streams._take(timeout=60)
+            worker.send_signal(signal.SIGKILL)
+            started = time.monotonic()
+            result = streams.wait(["long"], timeout=60)["long"]
+            assert time.monotonic() - started < 60
+            assert result.error is not None or result.finish_reason == "error", result
+            assert len(result.ids) < 2000
+        finally:
+            streams.close()
+        status, body = http_generate(server, {"text_input": "after", "max_tokens": 4})
+        assert status >= 400 and "cannot serve" in json.dumps(body), (status, body)
