@@ -57,6 +57,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     collective_timeout_s: float = 600.0  # a collective (or a worker) silent this long fails the group
+    # When the engine can no longer serve (a rank is gone): ask Triton to unload the model, so that its ready
+    # endpoint says not ready (as Triton's vLLM backend does). Needs tritonserver --model-control-mode=explicit.
+    unload_when_unavailable: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

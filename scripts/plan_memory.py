@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
 """How a DeepSeek-V4 model fits on GPUs: weights per device, KV bytes per token, token capacity.
 
-    python scripts/plan_memory.py --config ../shared/docs/configs/deepseek-v4-flash.config.json --num-gpus 8
+    python scripts/plan_memory.py --config docs/configs/deepseek-v4-flash.config.json \
+        --tensor-parallel-size 8 --expert-parallel-size 8
     python scripts/plan_memory.py --checkpoint /data/DeepSeek-V4-Flash --weight-format fp8 --json plan.json
 
 Reads config.json only (no weight). Weights come from backend/model/footprint.py: what the engine
 holds with --weight-format `dequantize` (every weight in bf16) or `fp8` (kept as published: FP8
 linears, MXFP4 or FP8 experts, with their scales); the published checkpoint's size on disk (with
-the mtp.* draft layer) is printed beside them, to compare with the real shards. Weights are
-assumed split evenly over --num-gpus; the KV pools are not split (DeepSeek-V4 has one K=V head,
-which tensor parallelism replicates). Capacity = what is left of --gpu-memory-gib x
---utilization after the weights and --reserve-gib of activations, less the sliding windows and
-compressor state of --max-running-requests requests, divided by the compressed pools' bytes per
-position.
+the mtp.* draft layer) is printed beside them, to compare with the real shards. Per device is what
+ONE rank of the parallel layout holds, tensor by tensor (backend/parallel/layout.py: split heads and
+groups, split or sliced experts, the vocabulary-parallel head, everything else replicated). The KV
+pools are not split: DeepSeek-V4 has one K=V head and the compressors are replicated, so every rank
+keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after the rank's
+weights and --reserve-gib of activations, less the sliding windows and compressor state of
+--max-running-requests requests, divided by the compressed pools' bytes per position.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend.memory.kv_manager import KVCacheManager  # noqa: E402
 from backend.model.config import load_model_config, parse_model_config  # noqa: E402
 from backend.model.footprint import weight_bytes  # noqa: E402
+from backend.parallel.layout import ParallelLayout  # noqa: E402
 
 GIB = 2**30
 
@@ -44,22 +47,29 @@ def kv_geometry(config, page_size: int, max_running: int) -> dict:
             "state_bytes_per_request": state_per_request}
 
 
-def plan(config, weight_format: str, num_gpus: int, gpu_memory_gib: float, utilization: float, reserve_gib: float,
-         max_running: int, page_size: int) -> dict:
+def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: float, utilization: float,
+         reserve_gib: float, max_running: int, page_size: int) -> dict:
+    """ConfigError (naming the parameter) when the layout cannot split this model."""
+    layout.check(config)
     parts = weight_bytes(config, weight_format)
     published = weight_bytes(config, "published")
     on_disk = sum(published.values())
     parts.pop("draft layer (mtp)")
     weights = sum(parts.values())
+    per_rank = weight_bytes(config, weight_format, layout=layout)
+    per_rank.pop("draft layer (mtp)")
+    rank_weights = sum(per_rank.values())
     geometry = kv_geometry(config, page_size, max_running)
     per_token = geometry["bytes_per_token"]
     compressed_per_position = sum(v for k, v in per_token.items() if k != "window")
-    budget = gpu_memory_gib * GIB * utilization - weights / num_gpus - reserve_gib * GIB
+    budget = gpu_memory_gib * GIB * utilization - rank_weights - reserve_gib * GIB
     per_request = geometry["window_bytes_per_request"] + geometry["state_bytes_per_request"]
     kv_budget = budget - max_running * per_request
     return {
-        "weight_format": weight_format, "num_gpus": num_gpus, "gpu_memory_gib": gpu_memory_gib,
-        "weights_bytes": weights, "weights_by_part": parts, "weights_per_device_bytes": weights / num_gpus,
+        "weight_format": weight_format, "num_gpus": layout.world_size,
+        "tensor_parallel_size": layout.tensor_parallel_size, "expert_parallel_size": layout.expert_parallel_size,
+        "gpu_memory_gib": gpu_memory_gib, "weights_bytes": weights, "weights_by_part": parts,
+        "weights_per_device_bytes": rank_weights, "weights_per_device_by_part": per_rank,
         "published_on_disk_bytes": on_disk, "published_draft_layer_bytes": published["draft layer (mtp)"],
         "kv_bytes_per_position": per_token, "kv_bytes_per_running_request": per_request,
         "fits": kv_budget > 0, "token_capacity_per_device": max(0, int(kv_budget // compressed_per_position)),
@@ -69,9 +79,11 @@ def plan(config, weight_format: str, num_gpus: int, gpu_memory_gib: float, utili
 def print_plan(row: dict) -> None:
     print(f"weights ({row['weight_format']}): {row['weights_bytes'] / GIB:.1f} GiB in all, "
           f"{row['weights_per_device_bytes'] / GIB:.1f} GiB per device on {row['num_gpus']} GPU(s) of "
-          f"{row['gpu_memory_gib']:g} GiB")
+          f"{row['gpu_memory_gib']:g} GiB (tensor_parallel_size={row['tensor_parallel_size']}, "
+          f"expert_parallel_size={row['expert_parallel_size']})")
+    print(f"  {'':>16}  {'all':>9}  {'per device':>10}")
     for part, size in row["weights_by_part"].items():
-        print(f"  {part:>16}: {size / GIB:8.2f} GiB")
+        print(f"  {part:>16}: {size / GIB:8.2f}  {row['weights_per_device_by_part'][part] / GIB:10.2f} GiB")
     print(f"published checkpoint on disk (with the mtp layer, {row['published_draft_layer_bytes'] / GIB:.2f} GiB): "
           f"{row['published_on_disk_bytes']:,} bytes")
     per_token = ", ".join(f"{k} {v:.1f}" for k, v in row["kv_bytes_per_position"].items())
@@ -90,7 +102,8 @@ def main() -> None:
     source.add_argument("--config", type=Path, help="a config.json file")
     parser.add_argument("--weight-format", choices=["dequantize", "fp8"], default="fp8")
     parser.add_argument("--gpu-memory-gib", type=float, default=141.0)
-    parser.add_argument("--num-gpus", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--expert-parallel-size", type=int, default=1)
     parser.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory to use")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="activations and workspace per device")
     parser.add_argument("--max-running-requests", type=int, default=64)
@@ -101,7 +114,8 @@ def main() -> None:
         config = load_model_config(args.checkpoint)
     else:
         config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
-    row = plan(config, args.weight_format, args.num_gpus, args.gpu_memory_gib, args.utilization, args.reserve_gib,
+    layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
+    row = plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
                args.max_running_requests, args.page_size)
     print_plan(row)
     if args.json:

@@ -79,12 +79,16 @@ def _one_sliding_layer(config: ModelConfig) -> ModelConfig:
                                mlp_layer_types=[config.mlp_layer_types[-1]])
 
 
-def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2) -> dict[str, int]:
-    """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer."""
+def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None) -> dict[str, int]:
+    """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer; with a
+    ParallelLayout (backend/parallel/layout.py), what one rank holds (the draft layer is never loaded)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0}
-    for name, shape in expected_shapes(config).items():
+    shapes = expected_shapes(config)
+    if layout is not None:
+        shapes = layout.local_shapes(shapes)
+    for name, shape in shapes.items():
         size = tensor_bytes(name, shape, config, fmt, dtype_bytes)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             parts["embed+head"] += size

@@ -16,7 +16,10 @@ group (NCCL on CUDA, gloo on CPU). A worker that dies, or a collective that time
 (`collective_timeout_s`), raises `RankGroupError` on rank 0: the engine then fails what is in flight
 and stops serving (see backend/engine.py).
 
-Multi-node: the same code with init_method env:// (MASTER_ADDR, MASTER_PORT) — docs/parallel.md.
+Multi-node: the same code with init_method env:// — MASTER_ADDR, MASTER_PORT (rank 0's host and a
+free port), NNODES and NODE_RANK in the environment: node 0 (tritonserver) spawns its ranks 1..P-1
+(P = ranks / NNODES), every other node runs `scripts/serve_node.py`, which spawns ranks
+NODE_RANK * P .. NODE_RANK * P + P - 1 (docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ def _join(spec: GroupSpec, rank: int):
     return DistributedCommunicator(), control
 
 
-def _worker_main(index: int, spec: GroupSpec) -> None:
-    """Ranks 1..N-1 (process `index` is rank index + 1): join, load the shard, then run every step rank 0
-    broadcasts until it sends None."""
-    rank = index + 1
+def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
+    """A worker rank (process `index` of its node is rank first_rank + index): join, load the shard, then run
+    every step rank 0 broadcasts until it sends None."""
+    rank = first_rank + index
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
     comm, control = _join(spec, rank)
@@ -94,6 +97,37 @@ def _worker_main(index: int, spec: GroupSpec) -> None:
     dist.destroy_process_group()
 
 
+def ranks_per_node(world_size: int) -> int:
+    """Ranks each node runs: the world over NNODES (environment; 1 when unset)."""
+    nodes = int(os.environ.get("NNODES", "1"))
+    if nodes < 1 or world_size % nodes:
+        raise RankGroupError(f"NNODES={nodes} does not divide the {world_size} ranks")
+    return world_size // nodes
+
+
+def spawn_ranks(spec: GroupSpec, first_rank: int, count: int):
+    """Start ranks first_rank .. first_rank + count - 1 as daemonic processes (they die with this one)."""
+    import torch.multiprocessing as mp
+
+    if count == 0:
+        return None
+    mp.set_executable(_python())
+    return mp.start_processes(_worker_main, args=(spec, first_rank), nprocs=count, join=False, daemon=True,
+                              start_method="spawn")
+
+
+def run_node(config: EngineConfig, node_rank: int) -> None:
+    """Another node's ranks (scripts/serve_node.py): spawn them, wait until rank 0 ends the group."""
+    layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
+    per_node = ranks_per_node(layout.world_size)
+    if not os.environ.get("MASTER_ADDR") or not 0 < node_rank < layout.world_size // per_node:
+        raise RankGroupError("a worker node needs MASTER_ADDR / MASTER_PORT and 0 < NODE_RANK < NNODES")
+    spec = GroupSpec(config, layout, "env://", config.collective_timeout_s)
+    context = spawn_ranks(spec, first_rank=node_rank * per_node, count=per_node)
+    while not context.join():  # raises if a rank fails; True once all exited
+        pass
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -110,20 +144,17 @@ def _python() -> str:
 
 class RankGroup:
     def __init__(self, spec: GroupSpec, context, control):
-        self.spec, self._context, self.control = spec, context, control
+        self.spec, self.control = spec, control
+        self._processes = context.processes if context is not None else []  # this node's workers
         self.comm = DistributedCommunicator()
         self.broken: str | None = None
 
     @classmethod
     def start(cls, config: EngineConfig, layout: ParallelLayout) -> "RankGroup":
-        """Spawn ranks 1..N-1 and join them as rank 0; returns once every worker has loaded its shard."""
-        import torch.multiprocessing as mp
-
+        """Spawn this node's other ranks and join the group as rank 0 (then load, then `wait_ready`)."""
         init_method = "env://" if os.environ.get("MASTER_ADDR") else f"tcp://127.0.0.1:{_free_port()}"
         spec = GroupSpec(config, layout, init_method, config.collective_timeout_s)
-        mp.set_executable(_python())
-        context = mp.start_processes(_worker_main, args=(spec,), nprocs=layout.world_size - 1, join=False,
-                                     daemon=True, start_method="spawn")
+        context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1)
         _, control = _join(spec, 0)
         return cls(spec, context, control)
 
@@ -152,8 +183,7 @@ class RankGroup:
             raise RankGroupError(self.broken) from exc
 
     def _check_workers(self) -> None:
-        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self._context.processes)
-                if not p.is_alive()]
+        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self._processes) if not p.is_alive()]
         if dead:
             self.broken = f"worker process gone: {', '.join(dead)}"
             raise RankGroupError(self.broken)
@@ -165,7 +195,7 @@ class RankGroup:
                 dist.broadcast_object_list([None], src=0, group=self.control)
             except Exception:  # noqa: BLE001 (a broken group: the workers are terminated below)
                 pass
-        for p in self._context.processes:
+        for p in self._processes:
             p.join(timeout)
             if p.is_alive():
                 p.terminate()

@@ -49,6 +49,8 @@ class TritonAdapter:
         self.metrics = ServingMetrics(pb_utils, model_name)
         self.logger = pb_utils.Logger
         self.poll_s, self.stats_s = poll_s, stats_s
+        self.model_name = model_name
+        self._unload_requested = False
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._outputs: queue.Queue = queue.Queue()
@@ -166,9 +168,27 @@ class TritonAdapter:
 
     def _update_stats(self) -> None:
         try:
-            self.metrics.update(self.engine.stats())
+            stats = self.engine.stats()
+            self.metrics.update(stats)
         except Exception as exc:
             self.logger.log_warn(f"[dsv4] engine.stats() failed: {exc}")
+            return
+        if stats.get("unavailable") and not self._unload_requested and self._unload_when_unavailable():
+            self._report_not_ready(stats["unavailable"])
+
+    def _unload_when_unavailable(self) -> bool:
+        return bool(getattr(getattr(self.engine, "config", None), "unload_when_unavailable", False))
+
+    def _report_not_ready(self, reason: str) -> None:
+        """The engine can never serve again: ask Triton to unload this model so that its ready endpoint says
+        so (as Triton's vLLM backend does; the `unload_when_unavailable` parameter, which needs
+        --model-control-mode=explicit). Otherwise the model stays loaded, refusing every request as UNAVAILABLE."""
+        self._unload_requested = True
+        self.logger.log_error(f"[dsv4] the engine cannot serve any more ({reason}); unloading the model")
+        try:
+            self.pb.unload_model(self.model_name)  # non-blocking: finalize() runs once the in-flight requests end
+        except Exception as exc:  # noqa: BLE001 (no explicit model control after all)
+            self.logger.log_warn(f"[dsv4] cannot unload the model ({exc}): it stays loaded, answering UNAVAILABLE")
 
     def _send_error(self, sender, message: str, code=None) -> bool:
         """Send an error response flagged FINAL; True when it went out."""

@@ -41,8 +41,8 @@ def _make_repository(out: Path, *sets: str) -> Path:
     return out
 
 
-def _serve(repository: Path, log_dir: Path):
-    server = TritonServer(repository, log_dir / "tritonserver.log")
+def _serve(repository: Path, log_dir: Path, *extra_args: str):
+    server = TritonServer(repository, log_dir / "tritonserver.log", extra_args=extra_args)
     server.start()
     _SERVERS.append(server)
     try:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from .conftest import _make_repository, _serve
-from .triton_helpers import REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env
+from .triton_helpers import REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env, wait_for
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Tensor parallel serving", "x" * 40]
 MAX_TOKENS = 8
@@ -46,9 +46,15 @@ def _offline(checkpoint, prompts, max_tokens):
 
 
 def _workers(server) -> list[psutil.Process]:
-    """The rank group's worker processes: the spawned children under tritonserver's Python stub."""
-    return [p for p in psutil.Process(server.process.pid).children(recursive=True)
-            if "spawn_main" in " ".join(p.cmdline())]
+    """The rank group's live worker processes: the spawned children under tritonserver's Python stub."""
+    workers = []
+    for p in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
+                workers.append(p)
+        except psutil.Error:  # gone (or a zombie) meanwhile
+            pass
+    return workers
 
 
 def test_two_ranks_stream_the_single_rank_tokens(tp_server, parallel_checkpoint):
@@ -68,11 +74,17 @@ def test_two_ranks_stream_the_single_rank_tokens(tp_server, parallel_checkpoint)
         assert (got.ids, got.text, got.num_finals) == (want["output_ids"], want["text"], 1)
 
 
-def test_a_killed_worker_fails_the_stream_and_the_server_answers(tmp_path_factory, parallel_checkpoint):
-    """SIGKILL the worker while a long generation streams: the request ends with an error (no hang), later
-    requests get a clear error at once, and the server still answers and stops cleanly."""
-    repository = _repository(tmp_path_factory, parallel_checkpoint, "collective_timeout_s=30")
-    for server in _serve(repository, tmp_path_factory.mktemp("tp_kill_log")):
+@pytest.mark.parametrize("control", ["none", "explicit"])
+def test_a_killed_worker_fails_the_stream_and_the_server_answers(tmp_path_factory, parallel_checkpoint, control):
+    """SIGKILL the worker while a long generation streams: the request ends with an error (no hang), the server
+    still answers and stops cleanly. With explicit model control the model unloads itself, so its ready
+    endpoint says not ready (as Triton's vLLM backend does); otherwise later requests get UNAVAILABLE at once."""
+    explicit = control == "explicit"
+    repository = _repository(tmp_path_factory, parallel_checkpoint, "collective_timeout_s=30",
+                             f"unload_when_unavailable={str(explicit).lower()}")
+    extra = ("--model-control-mode=explicit", "--load-model=dsv4") if explicit else ()
+    for server in _serve(repository, tmp_path_factory.mktemp("tp_kill_log"), *extra):
+        assert server.is_ready("/v2/models/dsv4/ready")
         (worker,) = _workers(server)
         streams = GrpcStreams(server.grpc_url)
         try:
@@ -87,5 +99,17 @@ def test_a_killed_worker_fails_the_stream_and_the_server_answers(tmp_path_factor
             assert len(result.ids) < 2000
         finally:
             streams.close()
-        status, body = http_generate(server, {"text_input": "after", "max_tokens": 4})
-        assert status >= 400 and "cannot serve" in json.dumps(body), (status, body)
+        if explicit:
+            assert wait_for(lambda: not server.is_ready("/v2/models/dsv4/ready"), timeout=30)
+            assert not _workers(server)  # the unloaded model's group is gone
+        else:
+            status, body = http_generate(server, {"text_input": "after", "max_tokens": 4})
+            assert status >= 400 and "cannot serve" in json.dumps(body), (status, body)
+            streams = GrpcStreams(server.grpc_url)
+            try:
+                streams.send("after", grpc_inputs("after", 4))
+                refused = streams.wait(["after"], timeout=30)["after"]
+            finally:
+                streams.close()
+            assert refused.error and "cannot serve" in refused.error
+            assert server.is_ready("/v2/models/dsv4/ready")  # Triton 2.51: no way to say otherwise here

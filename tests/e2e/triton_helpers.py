@@ -85,6 +85,7 @@ class TritonServer:
     process: subprocess.Popen | None = None
     stray_shm: list[str] = field(default_factory=list)
     stray_pids: list[int] = field(default_factory=list)
+    extra_args: tuple[str, ...] = ()  # more tritonserver options (e.g. --model-control-mode=explicit)
 
     @property
     def http_url(self) -> str:
@@ -107,6 +108,7 @@ class TritonServer:
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
             "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=3",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            *self.extra_args,
         ]
         log = open(self.log_path, "wb")
         self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
@@ -129,9 +131,9 @@ class TritonServer:
             time.sleep(0.2)
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def is_ready(self) -> bool:
+    def is_ready(self, path: str = "/v2/health/ready") -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as resp:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False

@@ -9,6 +9,7 @@ give the single rank's greedy tokens for prompts of 1 to 600 tokens.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.model.forward_batch import BatchRow, build_forward_batch
-from backend.request import Sequence
+from backend.request import SamplingParams, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_LENGTHS = (1, 37, 150, 300)
@@ -134,3 +135,37 @@ def test_generate_script_with_two_ranks_gives_the_single_rank_tokens(parallel_ch
         return [r["output_ids"] for r in json.loads(result.stdout)]
 
     assert generate("--tensor-parallel-size", "2") == generate()
+
+
+def test_two_nodes_on_loopback(parallel_checkpoint, monkeypatch):
+    """Multi-node through env:// (MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK): this process is node 0 (rank 0),
+    scripts/serve_node.py is node 1 (rank 1); the greedy tokens are the single rank's and node 1 exits cleanly
+    when the engine shuts down."""
+    from backend.parallel.group import _free_port
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
+    settings = dict(tensor_parallel_size=2, expert_parallel_size=2)
+    sets = [f"checkpoint={parallel_checkpoint}", "device=cpu", "num_tokens=8192", "page_size=16",
+            "swa_full_tokens_ratio=0.5", *(f"{k}={v}" for k, v in settings.items())]
+    node1 = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_node.py"),
+                              *(a for s in sets for a in ("--set", s))], env={**os.environ, **env, "NODE_RANK": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for key, value in {**env, "NODE_RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        engine = _engine(parallel_checkpoint, **settings)
+        monkeypatch.delenv("MASTER_ADDR")  # the single-rank engine below needs no group
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 90)]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        try:
+            got = [r["output_ids"] for r in engine.generate(prompts, params)]
+        finally:
+            engine.shutdown()
+        expected = [r["output_ids"] for r in _engine(parallel_checkpoint).generate(prompts, params)]
+        assert got == expected
+        assert node1.wait(timeout=60) == 0, node1.stdout.read()[-3000:]
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
