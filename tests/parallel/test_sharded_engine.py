@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -169,3 +170,26 @@ def test_two_nodes_on_loopback(parallel_checkpoint, monkeypatch):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_a_silent_worker_times_out_the_step_instead_of_hanging(parallel_checkpoint):
+    """A worker that stops answering (SIGSTOP: alive, silent) fails the in-flight requests after
+    collective_timeout_s, and the engine refuses what comes next, naming the cause."""
+    import signal
+
+    from backend.request import EngineUnavailable
+
+    engine = _engine(parallel_checkpoint, tensor_parallel_size=2, collective_timeout_s=3)
+    (worker,) = _workers()
+    try:
+        worker.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        (result,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert result["finish_reason"] == "error" and "parallel group failed" in result["error"], result
+        assert time.monotonic() - started < 30
+        with pytest.raises(EngineUnavailable, match="cannot serve"):
+            engine.submit(Sequence("later", [1, 2]), lambda out: None)
+    finally:
+        worker.kill()
+        engine.shutdown()
+    assert not _workers()
