@@ -37,6 +37,12 @@ class EngineConfig:
     itl_target_ms: float | None = None
     max_running_requests: int = 16
     max_num_batched_tokens: int = 8192
+    # Waiting requests age: one priority level is worth this many seconds of waiting (admission order is
+    # priority * priority_aging_s + arrival time), so a request of a worse priority is never overtaken by
+    # requests that arrive more than (its priority - theirs) * priority_aging_s after it. None: strict priority.
+    priority_aging_s: float | None = 10.0
+    # Requests waiting beyond this many are refused at once with UNAVAILABLE instead of queueing without end.
+    max_queue_size: int | None = None
     # Memory.
     num_tokens: int = 65536  # positions the compressed pools hold across all requests
     swa_full_tokens_ratio: float = 0.25  # window pool size as a fraction of num_tokens
@@ -87,6 +93,11 @@ class EngineConfig:
             _check_int(self, "prefill_chunk_tokens", 1)
             _check(self.prefill_chunk_tokens <= self.max_num_batched_tokens, "prefill_chunk_tokens",
                    self.prefill_chunk_tokens, f"at most max_num_batched_tokens ({self.max_num_batched_tokens})")
+        if self.max_queue_size is not None:
+            _check_int(self, "max_queue_size", 1)
+        if self.priority_aging_s is not None:
+            _check(is_number(self.priority_aging_s) and self.priority_aging_s > 0, "priority_aging_s",
+                   self.priority_aging_s, "a number of seconds > 0, or unset for strict priority")
         if self.itl_target_ms is not None:
             _check(is_number(self.itl_target_ms) and self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms,
                    "a number > 0")

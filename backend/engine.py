@@ -68,6 +68,7 @@ class LLMEngine:
         if self.group is not None:
             self.group.wait_ready()
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
+        self.num_rejected_queue_full = 0
         self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
                                            capture=self.device == "cuda")
                               if config.resolved_cuda_graphs() else None)
@@ -94,6 +95,10 @@ class LLMEngine:
         """
         if self.unavailable:
             raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
+        limit = self.config.max_queue_size
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            self.num_rejected_queue_full += 1
+            raise EngineUnavailable(f"the queue is full ({limit} requests waiting, max_queue_size); retry later")
         self.limits.check(seq.prompt_ids, seq.sampling)
         seq.on_output = on_output
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop)
@@ -137,6 +142,8 @@ class LLMEngine:
             "decode_stalls": counters.decode_stalls,
             "num_preemptions": counters.num_preemptions,
             "num_itl_infeasible": counters.num_itl_infeasible,
+            "num_timed_out": counters.num_timed_out,
+            "num_rejected_queue_full": getattr(self, "num_rejected_queue_full", 0),
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "pool_usage": self.kv.usage(),
@@ -247,8 +254,8 @@ class LLMEngine:
         return text + seq.detokenizer.flush()
 
     def _send_final(self, seq: Sequence, error: str | None) -> None:
-        """The final response of a request ended without a last token (cancelled or failed)."""
-        text = seq.detokenizer.flush() if seq.finish_reason is FinishReason.CANCELLED else ""
+        """The final response of a request ended without a last token (cancelled, timed out or failed)."""
+        text = seq.detokenizer.flush() if seq.finish_reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT) else ""
         self._send(seq, [], text, finished=True, error=error)
 
     def _send(self, seq: Sequence, token_ids: list[int], text: str, finished: bool, error: str | None = None):

@@ -43,13 +43,15 @@ class SequenceStatus(enum.Enum):
 
 
 class EngineUnavailable(ValueError):
-    """The engine can no longer serve any request (a rank of its group is gone): answered 503 / UNAVAILABLE."""
+    """The engine cannot take the request: its queue is full (max_queue_size), or it can no longer serve at all
+    (a rank of its group is gone). Answered with Triton's UNAVAILABLE code."""
 
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"  # aborted by the client
+    TIMEOUT = "timeout"  # not finished within its timeout_ms (the tokens so far were delivered)
     ERROR = "error"  # rejected or failed inside the engine
 
 
@@ -69,6 +71,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    timeout_ms: int | None = None  # from arrival: a request not finished by then ends with finish_reason "timeout"
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -86,6 +89,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.timeout_ms is not None and (not is_int(self.timeout_ms) or self.timeout_ms < 1):
+            raise ValueError(f"timeout_ms must be a positive integer (milliseconds), got {self.timeout_ms!r}")
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any], where: str = "sampling_parameters") -> "SamplingParams":
@@ -108,7 +113,7 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens")
+_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms")
 _FLOAT_KEYS = ("temperature", "top_p", "min_p")
 SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens"])
 
@@ -231,6 +236,7 @@ class Sequence:
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     generator: "torch.Generator | None" = field(default=None, repr=False)  # the sampler's, for temperature > 0
     queue_rank: int = 0  # position in the waiting queue within its priority; negative: requeued in front
+    arrival_s: float = 0.0  # when the scheduler took it in (its clock): the start of its aging and deadline
     last_chunk_tokens: int = 0  # its latest prefill chunk (the ITL budget grows a chunk at most 2x)
     pages: "RequestPages | None" = field(default=None, repr=False)  # set by the memory manager
 

@@ -23,12 +23,18 @@ Ownership (the token accounting rule itself is in backend/request.py):
 - What a step carries is the policy's choice (backend/scheduler/policies.py), and how many
   prefill tokens it may take the budget's.
 
-Admission is FCFS by (priority, arrival), strictly in order: a head that does not fit blocks the
-queue rather than being overtaken. Memory shortage: a decode that cannot extend preempts the most
+Admission is strictly in queue order (a head that does not fit blocks the queue rather than being
+overtaken). The order is by priority with aging: the key is priority * priority_aging_s + arrival
+time (lower first; ties in arrival order), so one priority level is worth priority_aging_s seconds of
+waiting, and a request is never overtaken by one that arrived more than (its priority - the other's)
+* priority_aging_s later: under any stream of better-priority arrivals its wait is bounded
+(priority_aging_s unset: strict priority, FCFS within a priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most
 recently admitted running sequence (recompute: pages freed, num_computed_tokens = 0, requeued at
 the front of its priority); a prefill continuation takes a smaller chunk or waits. A sequence
 that cannot extend while running alone is failed (FinishReason.ERROR) instead of retried forever.
-Sequences the scheduler ends (cancelled or failed) come back in `plan.aborted`.
+Deadlines: a request with `timeout_ms` that has not finished that long after it arrived ends, waiting
+or running, at the next schedule() with FinishReason.TIMEOUT (its pages freed).
+Sequences the scheduler ends (cancelled, timed out or failed) come back in `plan.aborted`.
 Whether a request can ever fit is the engine's admission gate (RequestLimits); the scheduler
 only guards against a memory manager that contradicts it.
 """
@@ -114,6 +120,7 @@ class Scheduler:
         self.max_running_requests = config.max_running_requests
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.priority_aging_s = config.priority_aging_s
         self.cost_model = cost_model or StepCostModel()
         self.policy = make_policy(config)
         if config.itl_target_ms is None:
@@ -207,12 +214,13 @@ class Scheduler:
         """
         if self._inflight is not None:
             raise RuntimeError(f"schedule() called before on_step_done() for step {self._inflight.plan.step_index}")
+        now = time.monotonic() if now is None else now
         plan = StepPlan()
-        self._take_arrivals_and_aborts(plan)
+        self._take_arrivals_and_aborts(plan, now)
         self._build(plan)
         if not plan.chunks:
             return plan if plan.aborted else None
-        self._commit(plan, time.monotonic() if now is None else now)
+        self._commit(plan, now)
         return plan
 
     def on_step_done(self, plan: StepPlan, duration_s: float, finished: Iterable[Sequence] = ()) -> None:
@@ -250,21 +258,30 @@ class Scheduler:
 
     # --- arrivals, aborts, retirement ---------------------------------------------------------
 
-    def _take_arrivals_and_aborts(self, plan: StepPlan) -> None:
+    def _take_arrivals_and_aborts(self, plan: StepPlan, now: float) -> None:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_requests = self._abort_requests, set()
         for seq in arrivals:
+            seq.arrival_s = now
             self._enqueue(seq, front=False)
         if aborts:
             for seq in [s for s in self._running + self._waiting if s.request_id in aborts]:
                 self._end(plan, seq, FinishReason.CANCELLED)
+        for seq in [s for s in self._running + self._waiting if _past_deadline(s, now)]:
+            self._end(plan, seq, FinishReason.TIMEOUT)  # its pages are freed; the tokens it got were streamed
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
-        """Insert into waiting: FCFS within a priority, lower priority value first; `front` jumps its class."""
+        """Insert into waiting by `_waiting_key`; `front` (a preempted request) goes before its equals."""
         seq.queue_rank = next(self._front_ranks if front else self._back_ranks)
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self._waiting, seq, key=_waiting_key)
+        bisect.insort(self._waiting, seq, key=self._waiting_key)
+
+    def _waiting_key(self, seq: Sequence) -> tuple:
+        """Admission order: priority aged by waiting time (see the module docstring), then queue rank."""
+        if self.priority_aging_s is None:
+            return seq.priority, seq.queue_rank
+        return seq.priority * self.priority_aging_s + seq.arrival_s, seq.queue_rank
 
     def _end(self, plan: StepPlan, seq: Sequence, reason: FinishReason) -> None:
         """The scheduler finishes `seq` itself (cancelled, or cannot fit); reported in plan.aborted."""
@@ -275,6 +292,8 @@ class Scheduler:
         plan.aborted.append(seq)
         if reason is FinishReason.CANCELLED:
             self.counters.num_cancelled += 1
+        elif reason is FinishReason.TIMEOUT:
+            self.counters.num_timed_out += 1
         else:
             self.counters.num_failed += 1
 
@@ -449,5 +468,6 @@ class Scheduler:
         self._inflight = _Inflight(plan, record, features)
 
 
-def _waiting_key(seq: Sequence) -> tuple[int, int]:
-    return seq.priority, seq.queue_rank
+def _past_deadline(seq: Sequence, now: float) -> bool:
+    timeout_ms = seq.sampling.timeout_ms
+    return timeout_ms is not None and (now - seq.arrival_s) * 1000.0 >= timeout_ms

@@ -65,6 +65,7 @@ class StepCounters:
     num_preemptions: int = 0
     num_cancelled: int = 0
     num_failed: int = 0
+    num_timed_out: int = 0
     num_itl_infeasible: int = 0  # steps with itl_infeasible set
 
     @property

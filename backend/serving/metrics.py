@@ -5,7 +5,8 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
 
     dsv4_time_to_first_token_seconds   histogram  arrival -> first generated token leaves
     dsv4_inter_token_latency_seconds   histogram  gap between consecutive outputs with tokens
-    dsv4_requests_finished_total       counter    by finish_reason (stop|length|cancelled|error)
+    dsv4_requests_finished_total       counter    by finish_reason (stop|length|cancelled|timeout|error)
+    dsv4_requests_rejected_total       counter    by reason: queue_full (max_queue_size)
     dsv4_engine_steps_total            counter    by kind (engine.stats()["steps_by_kind"])
     dsv4_decode_stalls_total           counter    engine.stats()["decode_stalls"]
     dsv4_preemptions_total             counter    engine.stats()["num_preemptions"]
@@ -52,6 +53,7 @@ class ServingMetrics:
                 ("dsv4_time_to_first_token_seconds", "Time from arrival to the first generated token", "HISTOGRAM"),
                 ("dsv4_inter_token_latency_seconds", "Time between consecutive token outputs", "HISTOGRAM"),
                 ("dsv4_requests_finished_total", "Finished requests by finish reason", "COUNTER"),
+                ("dsv4_requests_rejected_total", "Requests refused at arrival, by reason", "COUNTER"),
                 ("dsv4_engine_steps_total", "Engine steps by kind", "COUNTER"),
                 ("dsv4_decode_stalls_total", "Steps that left a runnable decode unscheduled", "COUNTER"),
                 ("dsv4_preemptions_total", "Requests preempted (recomputed) for lack of memory", "COUNTER"),
@@ -93,6 +95,8 @@ class ServingMetrics:
         for family, key in counters:
             if key in stats:
                 self._advance(family, stats[key])
+        if "num_rejected_queue_full" in stats:
+            self._advance("dsv4_requests_rejected_total", stats["num_rejected_queue_full"], reason="queue_full")
         gauges = (
             ("dsv4_longest_prefill_streak", "longest_prefill_streak"),
             ("dsv4_num_requests_running", "num_running"),

@@ -11,7 +11,8 @@ The interface follows Triton's vLLM backend so genai-perf and perf_analyzer work
 - exactly one of `text_input` (STRING [1]) and `input_ids` (INT32 [-1]);
 - `sampling_parameters` (STRING [1]): a JSON object; when absent, the request's own parameters
   (`request.parameters()`, e.g. the `parameters` object of an HTTP generate call) are used instead;
-- `max_tokens` (INT32 [1]) may also come as an input (TRT-LLM style);
+- `max_tokens` and `timeout_ms` (INT32 [1]) may also come as inputs (TRT-LLM style), agreeing with
+  sampling_parameters where both are given; `priority` (INT32 [1]) orders the waiting queue;
 - `stream` (BOOL [1]) and `exclude_input_in_output` (BOOL [1]); when not streaming the prompt text
   is prepended to `text_output` unless `exclude_input_in_output` is true; streaming never repeats it.
 """
@@ -35,8 +36,12 @@ INPUT_NAMES = (
     "sampling_parameters",
     "exclude_input_in_output",
     "priority",
+    "timeout_ms",
 )
 OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+
+# INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style); both given, they must agree.
+_SAMPLING_INPUTS = ("max_tokens", "timeout_ms")
 
 # Request-level parameters that are not sampling parameters: `stream` (as in the vLLM backend's
 # HTTP example) and Triton's own `triton_*` keys (e.g. triton_enable_empty_final_response).
@@ -193,13 +198,11 @@ def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, 
     else:
         params = {k: v for k, v in request_params.items() if k not in _REQUEST_ONLY_KEYS}
         where = "request parameters"
-    input_max_tokens = _optional_int(inputs, "max_tokens")
-    if input_max_tokens is None:
-        return SamplingParams.from_dict(params, where)
-    sampling = SamplingParams.from_dict({**params, "max_tokens": params.get("max_tokens", input_max_tokens)}, where)
-    if sampling.max_tokens != input_max_tokens:
-        raise ValueError(f"the max_tokens input ({input_max_tokens}) and max_tokens in {where} "
-                         f"({sampling.max_tokens}) disagree")
+    given = {name: value for name in _SAMPLING_INPUTS if (value := _optional_int(inputs, name)) is not None}
+    sampling = SamplingParams.from_dict({**given, **params}, where)
+    for name, value in given.items():
+        if getattr(sampling, name) != value:
+            raise ValueError(f"the {name} input ({value}) and {name} in {where} ({getattr(sampling, name)}) disagree")
     return sampling
 
 
