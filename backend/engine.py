@@ -38,8 +38,9 @@ from backend.model.graph_runner import DecodeGraphs
 from backend.parallel.comm import Communicator
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.parallel.layout import ParallelLayout
-from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
-from backend.sampler import Sampler
+from backend.request import (EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence,
+                             TokenLogprobs)
+from backend.sampler import Sampler, apply_penalties
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
 from kernels.dispatch import KernelDispatch, default_mode
 
@@ -162,6 +163,8 @@ class LLMEngine:
             def on_output(out: RequestOutput):
                 results[index]["output_ids"].extend(out.new_token_ids)
                 results[index]["text"] += out.new_text
+                if out.logprobs is not None:
+                    results[index].setdefault("logprobs", []).extend(out.logprobs)
                 if out.finished:
                     results[index]["finish_reason"] = out.finish_reason.value
                     results[index]["error"] = out.error
@@ -214,12 +217,13 @@ class LLMEngine:
             for seq in failed:
                 self._send_final(seq, error=f"internal error: {exc}")
             return
-        self.scheduler.on_step_done(plan, time.perf_counter() - started, [seq for seq, _ in finished])
-        for seq, final_text in finished:
-            self._send(seq, [seq.output_ids[-1]], final_text, finished=True)
+        self.scheduler.on_step_done(plan, time.perf_counter() - started, [seq for seq, _, _ in finished])
+        for seq, final_text, logprobs in finished:
+            self._send(seq, [seq.output_ids[-1]], final_text, finished=True, logprobs=logprobs)
 
-    def _run(self, plan: StepPlan) -> list[tuple[Sequence, str]]:
-        """Prepare + forward + sample + postprocess; returns (finished sequence, its last text) pairs."""
+    def _run(self, plan: StepPlan) -> list[tuple[Sequence, str, TokenLogprobs | None]]:
+        """Prepare + forward + sample + postprocess; returns (finished sequence, its last text, its last token's
+        log-probabilities) triples."""
         _use_intra_op_threads(1 if plan.num_tokens < self.small_step_tokens else self.cpu_threads)
         rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
         if self.decode_graphs is not None and self.decode_graphs.accepts(rows):
@@ -229,17 +233,20 @@ class LLMEngine:
         else:
             logits = self.model.forward(build_forward_batch(rows, self.kv, self.device), self.kv)
         sampling = [c.seq for c in plan.chunks if c.samples]
+        logits = apply_penalties(logits, sampling)
         tokens = self.sampler.sample(logits, sampling)
+        logprobs = (self.sampler.logprobs(logits, sampling, tokens)
+                    if any(seq.sampling.logprobs is not None for seq in sampling) else [None] * len(tokens))
         for chunk in plan.chunks:
             chunk.seq.num_computed_tokens = chunk.end
         finished = []
-        for seq, token in zip(sampling, tokens):
-            final_text = self._append_token(seq, token)
+        for seq, token, token_logprobs in zip(sampling, tokens, logprobs):
+            final_text = self._append_token(seq, token, token_logprobs)
             if final_text is not None:
-                finished.append((seq, final_text))
+                finished.append((seq, final_text, token_logprobs))
         return finished
 
-    def _append_token(self, seq: Sequence, token: int) -> str | None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
         """Record a sampled token; stream it, or return the final text if the request is done."""
         seq.output_ids.append(token)
         is_stop_token = token in seq.stop_ids
@@ -249,7 +256,7 @@ class LLMEngine:
         elif len(seq.output_ids) >= seq.sampling.max_tokens:
             seq.finish_reason = FinishReason.LENGTH
         else:
-            self._send(seq, [token], text, finished=False)
+            self._send(seq, [token], text, finished=False, logprobs=logprobs)
             return None
         return text + seq.detokenizer.flush()
 
@@ -258,11 +265,12 @@ class LLMEngine:
         text = seq.detokenizer.flush() if seq.finish_reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT) else ""
         self._send(seq, [], text, finished=True, error=error)
 
-    def _send(self, seq: Sequence, token_ids: list[int], text: str, finished: bool, error: str | None = None):
+    def _send(self, seq: Sequence, token_ids: list[int], text: str, finished: bool, error: str | None = None,
+              logprobs: TokenLogprobs | None = None):
         try:
             seq.on_output(RequestOutput(seq.request_id, token_ids, text, finished,
                                         seq.finish_reason if finished else None, len(seq.prompt_ids),
-                                        len(seq.output_ids), error))
+                                        len(seq.output_ids), error, None if logprobs is None else [logprobs]))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
 

@@ -57,6 +57,8 @@ class FinishReason(str, enum.Enum):
 
 # --- sampling parameters ----------------------------------------------------------------------------
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+
 
 @dataclass
 class SamplingParams:
@@ -72,6 +74,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     timeout_ms: int | None = None  # from arrival: a request not finished by then ends with finish_reason "timeout"
+    # Log-probabilities (vLLM's meaning): None: none; k >= 0: each generated token's, and the k most likely
+    # tokens' of the same distribution (backend/sampler.py says which distribution).
+    logprobs: int | None = None
+    # Penalties on tokens already in the request (backend/sampler.py): OpenAI's frequency / presence penalties
+    # over the generated tokens, vLLM's (HF's) repetition penalty over prompt and generated tokens.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1  # completions per request: only 1 (accepted because OpenAI clients send it)
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -91,6 +102,14 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.timeout_ms is not None and (not is_int(self.timeout_ms) or self.timeout_ms < 1):
             raise ValueError(f"timeout_ms must be a positive integer (milliseconds), got {self.timeout_ms!r}")
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, "(0, 10]", low_open=True)
+        if not is_int(self.n) or self.n != 1:
+            raise ValueError(f"n must be 1: one completion per request (send the request again for more), got {self.n!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs (top log-probabilities per token) must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any], where: str = "sampling_parameters") -> "SamplingParams":
@@ -113,8 +132,8 @@ class SamplingParams:
         return cls(**kwargs)
 
 
-_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms")
-_FLOAT_KEYS = ("temperature", "top_p", "min_p")
+_INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprobs", "n")
+_FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens"])
 
 
@@ -212,6 +231,17 @@ class RequestOutput:
     num_input_tokens: int
     num_output_tokens: int
     error: str | None = None  # set when finish_reason is ERROR
+    logprobs: list["TokenLogprobs"] | None = None  # one per new token, when the request asked for them
+
+
+@dataclass
+class TokenLogprobs:
+    """A generated token's log-probability and the `logprobs` most likely tokens' (best first), all under the
+    distribution the sampler drew from (backend/sampler.py)."""
+
+    logprob: float
+    rank: int = 1  # 1 + the number of tokens more likely than this one
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 # --- the request ------------------------------------------------------------------------------------

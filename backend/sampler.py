@@ -3,13 +3,25 @@
 Greedy rows (temperature 0) are one argmax over the batch; sampled rows are drawn one by one from
 their own `torch.Generator`, so a request with a seed gets the same tokens whatever it is batched
 with.
+
+Penalties (`apply_penalties`, rows whose request sets them; the others are not touched or copied):
+  repetition_penalty r (vLLM / HF): every token in the prompt or the output so far has its logit divided
+      by r where positive, multiplied by r where negative;
+  frequency_penalty f and presence_penalty p (OpenAI): logit[t] -= f * count(t in the output) + p * [t in
+      the output].
+Greedy rows take the argmax of the penalised logits, sampled rows sample from them.
+
+Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set) are those of the distribution
+the token was drawn from: with temperature > 0, log_softmax of the penalised, temperature-scaled logits
+after the top-k / top-p / min-p cut (tokens cut away have -inf); greedy, log_softmax of the (penalised)
+logits themselves (temperature 1, nothing cut): without penalties, the model's own log-probability.
 """
 
 from __future__ import annotations
 
 import torch
 
-from backend.request import SamplingParams, Sequence
+from backend.request import SamplingParams, Sequence, TokenLogprobs
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -31,8 +43,35 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Logits [R, V] with each row's penalties applied (see the module docstring); `logits` itself when no row
+    has any."""
+    rows = [r for r, seq in enumerate(seqs) if has_penalties(seq.sampling)]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        params, seq = seqs[row].sampling, seqs[row]
+        line = logits[row]
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), dtype=torch.long,
+                                device=line.device)
+            values = line[seen]
+            line[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        if seq.output_ids and (params.frequency_penalty or params.presence_penalty):
+            counts = torch.bincount(torch.tensor(seq.output_ids, device=line.device), minlength=line.shape[0])
+            line -= (params.frequency_penalty * counts + params.presence_penalty * (counts > 0)).to(line.dtype)
+    return logits
+
+
 class Sampler:
-    """Draws one token per row; the per-request generator lives on the request (`seq.generator`)."""
+    """Draws one token per row; the per-request generator lives on the request (`seq.generator`).
+
+    `logits` passed to both methods are the penalised ones (`apply_penalties`, which the engine calls first)."""
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of logits [R, V], row r for seqs[r]."""
@@ -42,6 +81,28 @@ class Sampler:
                 probs = torch.softmax(filter_logits(logits[row].cpu(), seq.sampling), dim=-1)
                 tokens[row] = int(torch.multinomial(probs, 1, generator=_generator(seq)).item())
         return tokens
+
+
+    def logprobs(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprobs | None]:
+        """For each row whose request asked for them, the sampled token's log-probability and the top ones."""
+        out: list[TokenLogprobs | None] = []
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+            k = seq.sampling.logprobs
+            if k is None:
+                out.append(None)
+                continue
+            dist = sampling_log_probs(logits[row].cpu(), seq.sampling)
+            top = torch.topk(dist, k) if k else None
+            out.append(TokenLogprobs(float(dist[token]), int((dist > dist[token]).sum()) + 1,
+                                     [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))))
+        return out
+
+
+def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [V] of the distribution a row is sampled from (see the module docstring)."""
+    if params.temperature > 0.0:
+        return torch.log_softmax(filter_logits(logits, params), dim=-1)
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _generator(seq: Sequence) -> torch.Generator:

@@ -19,6 +19,7 @@ The interface follows Triton's vLLM backend so genai-perf and perf_analyzer work
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,11 +38,17 @@ INPUT_NAMES = (
     "exclude_input_in_output",
     "priority",
     "timeout_ms",
+    "return_logprobs",
+    "top_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
 )
-OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens")
+OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
+                "output_logprobs", "output_top_logprob_ids", "output_top_logprobs", "logprobs")
 
-# INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style); both given, they must agree.
-_SAMPLING_INPUTS = ("max_tokens", "timeout_ms")
+# INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style): input name -> key; both given, they
+# must agree. `top_logprobs` is the `logprobs` key (vLLM's meaning: how many top log-probabilities per token).
+_SAMPLING_INPUTS = {"max_tokens": "max_tokens", "timeout_ms": "timeout_ms", "top_logprobs": "logprobs"}
 
 # Request-level parameters that are not sampling parameters: `stream` (as in the vLLM backend's
 # HTTP example) and Triton's own `triton_*` keys (e.g. triton_enable_empty_final_response).
@@ -55,6 +62,9 @@ class ParsedRequest(NamedTuple):
     exclude_input_in_output: bool
     priority: int
     prompt_text: str | None  # the text prompt; None for input_ids (decoded when prepended)
+    return_logprobs: bool = False  # the vLLM backend's `logprobs` JSON output (Triton's OpenAI frontend reads it)
+    return_num_input_tokens: bool = True  # False only when the client sends the input false
+    return_num_output_tokens: bool = True
 
 
 def parse_request(
@@ -93,6 +103,9 @@ def parse_request(
         exclude_input_in_output=exclude,
         priority=0 if priority is None else priority,
         prompt_text=prompt_text,
+        return_logprobs=bool(_optional_bool(inputs, "return_logprobs")),
+        return_num_input_tokens=_optional_bool(inputs, "return_num_input_tokens") is not False,
+        return_num_output_tokens=_optional_bool(inputs, "return_num_output_tokens") is not False,
     )
 
 
@@ -198,11 +211,14 @@ def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, 
     else:
         params = {k: v for k, v in request_params.items() if k not in _REQUEST_ONLY_KEYS}
         where = "request parameters"
-    given = {name: value for name in _SAMPLING_INPUTS if (value := _optional_int(inputs, name)) is not None}
-    sampling = SamplingParams.from_dict({**given, **params}, where)
-    for name, value in given.items():
-        if getattr(sampling, name) != value:
-            raise ValueError(f"the {name} input ({value}) and {name} in {where} ({getattr(sampling, name)}) disagree")
+    given = {key: (name, value) for name, key in _SAMPLING_INPUTS.items()
+             if (value := _optional_int(inputs, name)) is not None}
+    sampling = SamplingParams.from_dict({**{k: v for k, (_, v) in given.items()}, **params}, where)
+    for key, (name, value) in given.items():
+        if getattr(sampling, key) != value:
+            raise ValueError(f"the {name} input ({value}) and {key} in {where} ({getattr(sampling, key)}) disagree")
+    if _optional_bool(inputs, "return_logprobs") and sampling.logprobs is None:
+        sampling = dataclasses.replace(sampling, logprobs=0)  # the generated tokens' own log-probabilities
     return sampling
 
 
@@ -224,6 +240,31 @@ def response_arrays(
     }
 
 
+def logprob_arrays(logprobs: list, top_logprobs: int) -> dict[str, np.ndarray]:
+    """output_logprobs FP32 [n] (one per token id), and with top_logprobs = k > 0 output_top_logprob_ids INT32 [n, k]
+    and output_top_logprobs FP32 [n, k] (best first); `logprobs` holds a TokenLogprobs per token."""
+    arrays = {"output_logprobs": np.array([lp.logprob for lp in logprobs], dtype=np.float32)}
+    if top_logprobs:
+        arrays["output_top_logprob_ids"] = np.array([[t for t, _ in lp.top] for lp in logprobs],
+                                                    dtype=np.int32).reshape(-1, top_logprobs)
+        arrays["output_top_logprobs"] = np.array([[v for _, v in lp.top] for lp in logprobs],
+                                                 dtype=np.float32).reshape(-1, top_logprobs)
+    return arrays
+
+
+def vllm_logprobs_json(token_ids: list[int], logprobs: list, tokenizer) -> np.ndarray:
+    """The vLLM backend's `logprobs` output (what Triton's OpenAI frontend parses): one JSON string, a list with,
+    per generated token, {token id: {"logprob", "rank", "decoded_token"}} for the token itself and the top ones
+    (rank 1 = most likely)."""
+    entries = []
+    for token, lp in zip(token_ids, logprobs):
+        entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": tokenizer.decode([t])}
+                 for rank, (t, v) in enumerate(lp.top, start=1)}
+        entry[str(token)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": tokenizer.decode([token])}
+        entries.append(entry)
+    return np.array([json.dumps(entries).encode("utf-8")], dtype=np.object_)
+
+
 @dataclass
 class ResponseBuilder:
     """Turns a request's stream of engine `RequestOutput`s into the responses to send.
@@ -240,20 +281,31 @@ class ResponseBuilder:
     tokenizer: Any = None
     _pending_ids: list[int] = field(default_factory=list)
     _pending_text: list[str] = field(default_factory=list)
+    _pending_logprobs: list = field(default_factory=list)
 
     def on_output(self, output) -> dict[str, np.ndarray] | None:
         """Arrays of the response to send for `output`, or None when nothing is to be sent yet."""
         self._pending_ids.extend(output.new_token_ids)
         self._pending_text.append(output.new_text)
+        self._pending_logprobs.extend(output.logprobs or [])
         if not output.finished and (not self.request.stream or not output.new_text):
             return None
         text = "".join(self._pending_text)
         if not self.request.stream and not self.request.exclude_input_in_output:
             text = self._prompt_text() + text
+        request = self.request
         arrays = response_arrays(
             text, self._pending_ids, output.finish_reason if output.finished else None, output.num_input_tokens
         )
-        self._pending_ids, self._pending_text = [], []
+        if not request.return_num_input_tokens:
+            del arrays["num_input_tokens"]
+        if not request.return_num_output_tokens:
+            del arrays["num_output_tokens"]
+        if request.sampling.logprobs is not None:
+            arrays.update(logprob_arrays(self._pending_logprobs, request.sampling.logprobs))
+        if request.return_logprobs:
+            arrays["logprobs"] = vllm_logprobs_json(self._pending_ids, self._pending_logprobs, self.tokenizer)
+        self._pending_ids, self._pending_text, self._pending_logprobs = [], [], []
         return arrays
 
     def _prompt_text(self) -> str:

@@ -119,3 +119,24 @@ def test_near_tie_margin_is_measured_on_the_cut():
     assert selection_margin(scores.expand(32, -1), 31, 4, 2) < 1e-6
     assert selection_margin(scores.expand(32, -1), 31, 4, 1) == pytest.approx(1.0 / 3.0)
     assert selection_margin(scores.expand(32, -1), 7, 4, 2) is None  # only 2 causal entries: no cut
+
+
+def test_logprobs_are_the_reference_models_log_softmax(tiny_checkpoint):
+    """Greedy: each generated token's log-probability, and the top 5, equal log_softmax of the transformers
+    model's logits at that position (the full sequence run once through the reference)."""
+    import torch.nn.functional as F
+
+    prompt = torch.randint(2, 500, (37,), generator=torch.Generator().manual_seed(8)).tolist()
+    engine = LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", dtype="float32"))
+    (result,) = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5))
+    ids = prompt + result["output_ids"]
+    reference = Reference(tiny_checkpoint)
+    logits, _ = reference.run(ids[:-1])
+    expected = F.log_softmax(logits[len(prompt) - 1:], dim=-1)  # the positions that produced the outputs
+    assert len(result["logprobs"]) == 6
+    for step, (token, got) in enumerate(zip(result["output_ids"], result["logprobs"])):
+        assert abs(got.logprob - expected[step, token].item()) < 1e-4
+        top = torch.topk(expected[step], 5)
+        assert [t for t, _ in got.top] == top.indices.tolist()
+        assert max(abs(lp - want) for (_, lp), want in zip(got.top, top.values.tolist())) < 1e-4
+        assert got.top[0][0] == token  # greedy picks the most likely

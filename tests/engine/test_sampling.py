@@ -91,3 +91,46 @@ def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
         if detok.stopped:
             break
     assert detok.stopped and "".join(pieces) + detok.flush() == "The quick brown "
+
+
+def test_logprobs_come_from_the_distribution_sampled_from():
+    """Sampled rows: log_softmax of the temperature-scaled logits after the top-k cut (cut tokens -inf), the
+    drawn token's value and the top ones; greedy rows: the model's own log_softmax; rows that did not ask: None."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.1, 3.0, 0.2, 0.3], [1.0, 1.0, 1.0, 1.0]])
+    sampled = SamplingParams(temperature=0.5, top_k=2, seed=1, logprobs=3)
+    seqs = _seqs([sampled, SamplingParams(logprobs=1), SamplingParams()])
+    sampler = Sampler()
+    tokens = sampler.sample(logits, seqs)
+    first, second, third = sampler.logprobs(logits, seqs, tokens)
+    scaled = torch.log_softmax(torch.tensor([2.0, 1.0]) / 0.5, dim=-1)
+    assert tokens[0] in (0, 1) and abs(first.logprob - scaled[tokens[0]].item()) < 1e-6
+    assert [t for t, _ in first.top[:2]] == [0, 1] and first.top[2][1] == float("-inf")
+    assert abs(second.logprob - torch.log_softmax(logits[1], -1)[1].item()) < 1e-6 and second.top[0][0] == 1
+    assert third is None
+
+
+def test_penalties_follow_openai_and_vllm_definitions():
+    from backend.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0]])
+    seq = Sequence("r", [1, 4], SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25))
+    seq.output_ids = [3, 3, 0]
+    out = apply_penalties(logits, [seq])
+    # repetition over prompt (1, 4) and output (3, 0): positive / 2, negative * 2; then output counts 3: 2, 0: 1
+    expected = torch.tensor([[2.0 / 2 - 0.5 - 0.25, -1.0 * 2, 0.5, 1.0 / 2 - 1.0 - 0.25, 0.0]])
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0]]))  # the caller's logits untouched
+    plain = [Sequence("p", [1], SamplingParams())]
+    assert apply_penalties(logits, plain) is logits  # no penalty: no copy
+    # greedy follows the penalised logits: a repeated top token gives way
+    assert Sampler().sample(out, [seq]) == [2]
+
+
+@pytest.mark.parametrize("params,message", [
+    (dict(n=2), "n must be 1"), (dict(frequency_penalty=3.0), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logprobs=21), "logprobs"),
+    (dict(timeout_ms=0), "timeout_ms"),
+])
+def test_out_of_range_serving_parameters_are_refused(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params)

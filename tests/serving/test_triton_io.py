@@ -255,7 +255,7 @@ def test_any_json_is_accepted_valid_or_rejected_with_value_error(params):
 def output(ids, new_text, finished=False, reason=None):
     return SimpleNamespace(
         request_id="r", new_token_ids=ids, new_text=new_text, finished=finished, finish_reason=reason,
-        num_input_tokens=2, num_output_tokens=0, error=None,
+        num_input_tokens=2, num_output_tokens=0, error=None, logprobs=None,
     )
 
 
