@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from tokenizers import Tokenizer
 
+from backend.chat import ChatTemplate
 from backend.config import ConfigError, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
 from backend.memory.kv_manager import KVCacheManager
@@ -57,6 +58,7 @@ class LLMEngine:
             config, self.device, self.dtype)
         self.scheduler = Scheduler(config, self.kv, prefill_chunk_tokens)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        self.chat_template = ChatTemplate.from_checkpoint(checkpoint)  # None: `messages` requests are refused
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())

@@ -268,13 +268,23 @@ def _save_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+# DeepSeek's chat format, small: system text after BOS, then <｜User｜> / <｜Assistant｜> turns, each
+# assistant turn closed by EOS, and a final <｜Assistant｜> to generate from (backend/chat.py renders it).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% else %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
 def _write_tokenizer(out: Path, config) -> None:
     tokenizer = build_tokenizer(min(config.vocab_size, 512))
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
-             "model_max_length": config.max_position_embeddings},
+             "model_max_length": config.max_position_embeddings, "chat_template": CHAT_TEMPLATE},
             indent=2,
         )
     )

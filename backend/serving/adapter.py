@@ -79,7 +79,8 @@ class TritonAdapter:
         try:
             inputs = triton_io.to_numpy_inputs(
                 list(triton_io.INPUT_NAMES), lambda name: self.pb.get_input_tensor_by_name(request, name))
-            parsed = triton_io.parse_request(inputs, self.engine.tokenizer, request.parameters())
+            parsed = triton_io.parse_request(inputs, self.engine.tokenizer, request.parameters(),
+                                             getattr(self.engine, "chat_template", None))
             seq = Sequence(request_id, parsed.prompt_ids, parsed.sampling, priority=parsed.priority)
             with self._lock:
                 self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer))

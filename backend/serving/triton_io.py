@@ -32,6 +32,7 @@ from backend.request import FinishReason, SamplingParams
 INPUT_NAMES = (
     "text_input",
     "input_ids",
+    "messages",
     "max_tokens",
     "stream",
     "sampling_parameters",
@@ -71,12 +72,14 @@ def parse_request(
     inputs: Mapping[str, np.ndarray],
     tokenizer,
     request_parameters: str | Mapping[str, Any] | None = None,
+    chat_template=None,
 ) -> ParsedRequest:
-    """Validate one request's tensors; raise ValueError with a client-facing message."""
+    """Validate one request's tensors; raise ValueError with a client-facing message. `chat_template`
+    (backend/chat.py) turns a `messages` input into the prompt; None: `messages` is refused."""
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input(s) {unknown}; expected some of {list(INPUT_NAMES)}")
-    prompt_ids, prompt_text = _parse_prompt(inputs, tokenizer)
+    prompt_ids, prompt_text = _parse_prompt(inputs, tokenizer, chat_template)
 
     request_params = _load_request_parameters(request_parameters)
     stream = _optional_bool(inputs, "stream")
@@ -113,10 +116,31 @@ def parse_request(
 # The prompt.
 
 
-def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer) -> tuple[list[int], str | None]:
-    has_text, has_ids = "text_input" in inputs, "input_ids" in inputs
-    if has_text == has_ids:
-        raise ValueError("give exactly one of 'text_input' and 'input_ids'" + (" (got both)" if has_text else ""))
+def _chat_prompt(array: np.ndarray, tokenizer, chat_template) -> tuple[list[int], str]:
+    """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat template."""
+    if chat_template is None:
+        raise ValueError("'messages' needs a chat template, and this checkpoint has none (tokenizer_config.json "
+                         "chat_template); send text_input instead")
+    raw = _single_string(array, "messages")
+    try:
+        messages = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    text = chat_template.render(messages)
+    ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+    if not ids:
+        raise ValueError("messages render to no tokens")
+    return ids, text
+
+
+def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template=None) -> tuple[list[int], str | None]:
+    given = [name for name in ("text_input", "input_ids", "messages") if name in inputs]
+    if len(given) != 1:
+        raise ValueError("give exactly one of 'text_input', 'input_ids' and 'messages'"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    if given[0] == "messages":
+        return _chat_prompt(inputs["messages"], tokenizer, chat_template)
+    has_text = given[0] == "text_input"
     if has_text:
         text = _single_string(inputs["text_input"], "text_input")
         if not text:

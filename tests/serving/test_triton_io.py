@@ -60,7 +60,7 @@ def test_input_ids_prompt_int32_and_int64(tokenizer):
     "inputs, message",
     [
         ({}, "exactly one of"),
-        ({"text_input": text("hello"), "input_ids": np.array([1], np.int32)}, "got both"),
+        ({"text_input": text("hello"), "input_ids": np.array([1], np.int32)}, "got text_input, input_ids"),
         ({"text_input": text("")}, "text_input is empty"),
         ({"text_input": text("\xff".encode("latin-1"))}, "not valid UTF-8"),
         ({"text_input": np.array([1], np.int32)}, "STRING"),

@@ -1,0 +1,67 @@
+"""Chat prompts: the checkpoint's chat template renders `messages`; malformed messages get clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from backend.chat import ChatTemplate
+from backend.serving import triton_io
+
+
+@pytest.fixture(scope="module")
+def template(tiny_checkpoint) -> ChatTemplate:
+    found = ChatTemplate.from_checkpoint(tiny_checkpoint)
+    assert found is not None, "the built-in checkpoint ships a chat template"
+    return found
+
+
+def test_the_built_in_template_renders_deepseeks_chat_format(template):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
+    assert template.render(messages) == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜>Hello."
+                                         "<｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜>")
+
+
+def test_the_template_matches_transformers_apply_chat_template(tiny_checkpoint, template):
+    """The same rendering as transformers' tokenizer (what Triton's OpenAI frontend applies itself)."""
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    reference = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    assert template.render(messages) == reference.apply_chat_template(messages, tokenize=False,
+                                                                      add_generation_prompt=True)
+
+
+def test_messages_input_becomes_the_rendered_prompt_without_extra_special_tokens(tiny_checkpoint, template):
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    messages = [{"role": "user", "content": "Hi"}]
+    inputs = {"messages": np.array([json.dumps(messages).encode()], dtype=np.object_)}
+    parsed = triton_io.parse_request(inputs, tokenizer, None, template)
+    assert parsed.prompt_text == template.render(messages)
+    assert parsed.prompt_ids == tokenizer.encode(parsed.prompt_text, add_special_tokens=False).ids
+    assert parsed.prompt_ids[0] == 0  # the template's BOS, once
+
+
+@pytest.mark.parametrize("messages,message", [
+    ("not json", "not valid JSON"), ("[]", "non-empty"), ('[{"role": "robot", "content": "x"}]', "role"),
+    ('[{"role": "user", "content": 3}]', "content must be a string"), ('{"role": "user"}', "non-empty JSON list"),
+    ('[{"role": "user", "content": "x", "extra": 1}]', "messages\\[0\\]"),
+])
+def test_malformed_messages_are_refused_naming_the_problem(tiny_checkpoint, template, messages, message):
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    inputs = {"messages": np.array([messages.encode()], dtype=np.object_)}
+    with pytest.raises(ValueError, match=message):
+        triton_io.parse_request(inputs, tokenizer, None, template)
+
+
+def test_messages_without_a_template_and_two_prompts_are_refused(tiny_checkpoint):
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    messages = np.array([b'[{"role": "user", "content": "x"}]'], dtype=np.object_)
+    with pytest.raises(ValueError, match="needs a chat template"):
+        triton_io.parse_request({"messages": messages}, tokenizer, None, None)
+    with pytest.raises(ValueError, match="exactly one of"):
+        triton_io.parse_request({"messages": messages, "text_input": np.array([b"x"], dtype=np.object_)}, tokenizer)
