@@ -103,6 +103,29 @@ def _load_source(state_ptr, batch_ptr, from_ring, state_off, batch_off, cols, ma
     return tl.where(from_ring[:, None], ring, batch)
 
 
+@triton.jit
+def _span_chunk(s0, e, d, d_mask, entry_src_ptr, entry_valid_ptr, ring_slots_ptr, ring_order_ptr, gate_ptr,
+                state_gate_ptr, bias_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t, stride_gate_t,
+                stride_bias_s, RATE: tl.constexpr, RING: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Span positions s0 .. s0 + BLOCK_S of entry e: (gate + position_bias logits in fp32, rounded to the dtype as
+    the reference adds them, -inf where masked; mask [BLOCK_S, BLOCK_D]; the sources' from_ring, state and kv
+    offsets; the columns, the Ca half for the first RATE positions of an overlapping span, then the Cb half)."""
+    s = s0 + tl.arange(0, BLOCK_S)
+    s_mask = s < SPAN
+    src = tl.load(entry_src_ptr + e * SPAN + s, mask=s_mask, other=0).to(tl.int64)
+    valid = (tl.load(entry_valid_ptr + e * SPAN + s, mask=s_mask, other=0) != 0) & s_mask
+    from_ring, state_off, kv_off, gate_off = _source_rows(
+        src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
+        stride_gate_t, RING)
+    cols = d[None, :] + (tl.where(s >= RATE, HEAD_DIM, 0)[:, None] if OVERLAP else 0)
+    mask = valid[:, None] & d_mask[None, :]
+    gate = _load_source(state_gate_ptr, gate_ptr, from_ring, state_off, gate_off, cols, mask).to(tl.float32)
+    bias = tl.load(bias_ptr + (s % RATE)[:, None] * stride_bias_s + cols, mask=mask, other=0.0).to(tl.float32)
+    logit = (gate + bias).to(gate_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(mask, logit, float("-inf")), mask, from_ring, state_off, kv_off, cols
+
+
 @triton.jit(do_not_specialize=["num_entry_programs", "num_keep", "num_ring_rows"])
 def _compress_kernel(
     # this batch's projections and one layer's rings
@@ -149,19 +172,10 @@ def _compress_kernel(
     m_i = tl.full([BLOCK_D], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, SPAN, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = s < SPAN
-        src = tl.load(entry_src_ptr + e * SPAN + s, mask=s_mask, other=0).to(tl.int64)
-        valid = (tl.load(entry_valid_ptr + e * SPAN + s, mask=s_mask, other=0) != 0) & s_mask
-        from_ring, state_off, kv_off, gate_off = _source_rows(
-            src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
-            stride_gate_t, RING)
-        cols = d[None, :] + (tl.where(s >= RATE, HEAD_DIM, 0)[:, None] if OVERLAP else 0)  # Ca half, then Cb
-        mask = s_mask[:, None] & d_mask[None, :]
-        gate = _load_source(state_gate_ptr, gate_ptr, from_ring, state_off, gate_off, cols, mask).to(tl.float32)
-        bias = tl.load(bias_ptr + (s % RATE)[:, None] * stride_bias_s + cols, mask=mask, other=0.0).to(tl.float32)
-        logit = (gate + bias).to(dtype).to(tl.float32)
-        logit = tl.where(valid[:, None] & d_mask[None, :], logit, float("-inf"))
+        logit, _, _, _, _, _ = _span_chunk(
+            s0, e, d, d_mask, entry_src_ptr, entry_valid_ptr, ring_slots_ptr, ring_order_ptr, gate_ptr, state_gate_ptr,
+            bias_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t, stride_gate_t, stride_bias_s,
+            RATE, RING, SPAN, OVERLAP, HEAD_DIM, BLOCK_S)
         m_new = tl.maximum(m_i, tl.max(logit, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(logit - m_safe[None, :]), 0)
@@ -171,18 +185,10 @@ def _compress_kernel(
     # pass 2: sum of kv * softmax weight, each rounded to the dtype as in the reference
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, SPAN, BLOCK_S):
-        s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = s < SPAN
-        src = tl.load(entry_src_ptr + e * SPAN + s, mask=s_mask, other=0).to(tl.int64)
-        valid = (tl.load(entry_valid_ptr + e * SPAN + s, mask=s_mask, other=0) != 0) & s_mask
-        from_ring, state_off, kv_off, gate_off = _source_rows(
-            src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
-            stride_gate_t, RING)
-        cols = d[None, :] + (tl.where(s >= RATE, HEAD_DIM, 0)[:, None] if OVERLAP else 0)
-        mask = valid[:, None] & d_mask[None, :]
-        gate = _load_source(state_gate_ptr, gate_ptr, from_ring, state_off, gate_off, cols, mask).to(tl.float32)
-        bias = tl.load(bias_ptr + (s % RATE)[:, None] * stride_bias_s + cols, mask=mask, other=0.0).to(tl.float32)
-        logit = (gate + bias).to(dtype).to(tl.float32)
+        logit, mask, from_ring, state_off, kv_off, cols = _span_chunk(
+            s0, e, d, d_mask, entry_src_ptr, entry_valid_ptr, ring_slots_ptr, ring_order_ptr, gate_ptr, state_gate_ptr,
+            bias_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t, stride_gate_t, stride_bias_s,
+            RATE, RING, SPAN, OVERLAP, HEAD_DIM, BLOCK_S)
         weight = tl.where(mask, tl.exp(logit - m_safe[None, :]) / l_safe[None, :], 0.0).to(dtype).to(tl.float32)
         kv = _load_source(state_kv_ptr, kv_ptr, from_ring, state_off, kv_off, cols, mask).to(tl.float32)
         acc += tl.sum((kv * weight).to(dtype).to(tl.float32), 0)
