@@ -146,7 +146,7 @@ class LLMEngine:
             "num_preemptions": counters.num_preemptions,
             "num_itl_infeasible": counters.num_itl_infeasible,
             "num_timed_out": counters.num_timed_out,
-            "num_rejected_queue_full": getattr(self, "num_rejected_queue_full", 0),
+            "num_rejected_queue_full": self.num_rejected_queue_full,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "pool_usage": self.kv.usage(),

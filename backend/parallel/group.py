@@ -93,8 +93,13 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             break
-        model.forward(message[0].to(device), kv)
+        model.forward(_on(message[0], device), kv)
     dist.destroy_process_group()
+
+
+def _on(batch, device):
+    """The broadcast host batch on `device` (no copy when that is the host)."""
+    return batch if torch.device(device).type == "cpu" else batch.to(device)
 
 
 def ranks_per_node(world_size: int) -> int:
@@ -175,7 +180,7 @@ class RankGroup:
         try:
             self._check_workers()
             dist.broadcast_object_list([batch], src=0, group=self.control)
-            return model.forward(batch.to(model.device), kv)
+            return model.forward(_on(batch, model.device), kv)
         except RankGroupError:
             raise
         except Exception as exc:  # a collective failed or timed out: the group cannot step again
