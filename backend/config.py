@@ -49,6 +49,10 @@ class EngineConfig:
     page_size: int = 64
     # Observability.
     step_log: str | None = None  # path of a JSON-lines file, one record per step
+    # Prefix caching (backend/memory/prefix_cache.py): prompts starting with an already-computed prefix (in
+    # blocks of lcm(128, page_size) positions) reuse its memory; up to prefix_cache_entries cached boundaries.
+    enable_prefix_caching: bool = False
+    prefix_cache_entries: int = 256
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
@@ -109,6 +113,7 @@ class EngineConfig:
         _check_int(self, "max_tokens_limit", 1)
         if self.cpu_threads is not None:
             _check_int(self, "cpu_threads", 1)
+        _check_int(self, "prefix_cache_entries", 1)
         _check_int(self, "tensor_parallel_size", 1)
         _check_int(self, "expert_parallel_size", 1)
         world = self.world_size
@@ -117,6 +122,8 @@ class EngineConfig:
                    f"1 or the number of ranks ({world}): tensor and expert parallelism each span every rank or none")
         _check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
                self.collective_timeout_s, "a number of seconds > 0")
+        _check(not (self.enable_prefix_caching and world > 1), "enable_prefix_caching", self.enable_prefix_caching,
+               "false with tensor/expert parallelism (the workers do not mirror the cache's copies yet)")
         _check(not (self.cuda_graphs and world > 1), "cuda_graphs", self.cuda_graphs,
                "unset or false with tensor/expert parallelism (graphs of sharded steps are not supported yet)")
 

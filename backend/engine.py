@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -321,6 +322,8 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     kv = _memory_pools(config, model_config, dtype, device)
+    if config.enable_prefix_caching:
+        kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries)
     return model_config, weight_format, kv, resolve_prefill_chunk_tokens(config, kv)
 
 

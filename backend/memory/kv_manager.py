@@ -92,6 +92,19 @@ class KVCacheManager:
         }, dtype, device)
         self._layers = [self._layer_memory(i) for i in range(model.num_hidden_layers)]
         self._live: set[RequestPages] = set()  # handles holding anything, for check()
+        self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
+
+    def enable_prefix_caching(self, block_tokens: int, max_entries: int) -> None:
+        from backend.memory.prefix_cache import PrefixCache
+
+        self.prefix_cache = PrefixCache(self, block_tokens, max_entries)
+
+    def track(self, pages: RequestPages) -> None:
+        """A handle given memory outside `extend` (a restored prefix) is accounted for like the others."""
+        self._live.add(pages)
+
+    def live_handles(self) -> list[RequestPages]:
+        return list(self._live)
 
     def _paged_pools(self) -> list[PagedPool]:
         return [self.window_pool, *self.compressed_pools.values()]
@@ -225,8 +238,17 @@ class KVCacheManager:
         out["running_requests"] = self.state_pool.allocator.num_pages
         return out
 
+    def evict_cached_until(self, fits) -> bool:
+        """Evict prefix-cache entries (least recently used first) until `fits()`; its final answer."""
+        while not fits():
+            if self.prefix_cache is None or not self.prefix_cache.evict_one():
+                return False
+        return True
+
     def check(self) -> None:
-        """free + used == total in every pool, and every live request's pages accounted for."""
+        """free + used == total in every pool, and every page's references are exactly its holders: live
+        requests and prefix-cache entries."""
         for pool in self._paged_pools():
-            pool.check([pages.runs[pool.name] for pages in self._live if pool.name in pages.runs])
+            cached = self.prefix_cache.held_pages(pool.name) if self.prefix_cache is not None else []
+            pool.check([pages.runs[pool.name] for pages in self._live if pool.name in pages.runs], cached)
         self.state_pool.check(sum(pages.slot is not None for pages in self._live))

@@ -1,4 +1,10 @@
-"""A free list of page ids: plain Python ints, testable without tensors."""
+"""A free list of page ids with reference counts: plain Python ints, testable without tensors.
+
+A page is used while anything holds a reference to it: the request that allocated it, and (prefix
+caching, backend/memory/prefix_cache.py) every cache entry and every other request that shares it.
+`allocate` hands out pages with one reference, `retain` adds one, `free` drops one; a page returns to
+the free list only when its last reference goes, so a page in use is never freed.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ class PageAllocator:
         self.num_pages = num_pages
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free = list(range(num_pages - 1, -1, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # used page -> references
 
     @property
     def num_free(self) -> int:
@@ -31,27 +37,41 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
+
+    def refs(self, page: int) -> int:
+        return self._refs.get(page, 0)
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfPages(self.name, n, len(self._free))
         pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        self._refs.update((page, 1) for page in pages)
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def retain(self, pages: list[int]) -> None:
+        """One more reference to each of these used pages (a sharer)."""
         for page in pages:
-            if page not in self._used:
+            if page not in self._refs:
+                raise ValueError(f"pool {self.name!r}: page {page} retained but not in use")
+            self._refs[page] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference to each page; a page without references is free again."""
+        for page in pages:
+            if page not in self._refs:
                 raise ValueError(f"pool {self.name!r}: page {page} freed twice or never allocated")
-            self._used.remove(page)
-            self._free.append(page)
+            self._refs[page] -= 1
+            if not self._refs[page]:
+                del self._refs[page]
+                self._free.append(page)
 
     def check(self) -> None:
         """Every page is either free or used, never both, never lost."""
         free = set(self._free)
         assert len(free) == len(self._free), f"pool {self.name!r}: duplicate free pages"
-        assert not (free & self._used), f"pool {self.name!r}: pages both free and used"
-        assert len(free) + len(self._used) == self.num_pages, (
-            f"pool {self.name!r}: {len(free)} free + {len(self._used)} used != {self.num_pages}"
+        assert not (free & set(self._refs)), f"pool {self.name!r}: pages both free and used"
+        assert all(count > 0 for count in self._refs.values()), f"pool {self.name!r}: a used page without references"
+        assert len(free) + len(self._refs) == self.num_pages, (
+            f"pool {self.name!r}: {len(free)} free + {len(self._refs)} used != {self.num_pages}"
         )

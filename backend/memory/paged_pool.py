@@ -9,6 +9,7 @@ handle (backend/memory/kv_manager.py), not in the pool, so releasing a request i
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -83,9 +84,13 @@ class PagedPool:
         self.allocator.free(run.pages)
         run.first, run.pages = 0, []
 
-    def check(self, runs: list[PageRun]) -> None:
-        """free + used == total, and the runs of live requests hold exactly the used pages."""
+    def check(self, runs: list[PageRun], cached: list[list[int]] = ()) -> None:
+        """free + used == total, and each used page has exactly as many references as holders: the runs of
+        live requests and the `cached` page lists (prefix-cache entries)."""
         self.allocator.check()
-        held = sum(len(run.pages) for run in runs)
-        assert held == self.allocator.num_used, f"{self.name} pool: requests hold {held}, allocator says " \
-                                                f"{self.allocator.num_used}"
+        holders = Counter(page for run in runs for page in run.pages)
+        holders.update(page for pages in cached for page in pages)
+        references = {page: self.allocator.refs(page) for page in holders}
+        assert dict(holders) == references and len(holders) == self.allocator.num_used, \
+            f"{self.name} pool: holders {dict(holders)} do not match the references {references} " \
+            f"({self.allocator.num_used} pages used)"

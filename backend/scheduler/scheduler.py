@@ -121,6 +121,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.priority_aging_s = config.priority_aging_s
+        self.prefix_cache = getattr(memory, "prefix_cache", None)  # backend/memory/prefix_cache.py, or None
         self.cost_model = cost_model or StepCostModel()
         self.policy = make_policy(config)
         if config.itl_target_ms is None:
@@ -239,6 +240,9 @@ class Scheduler:
         if self._inflight is None or plan is not self._inflight.plan:
             raise RuntimeError(f"on_step_done() for step {plan.step_index}, which is not the step in flight")
         self._check_advanced(plan, finished)
+        if self.prefix_cache is not None:  # states standing at a block boundary are kept for later prompts
+            for chunk in plan.chunks:
+                self.prefix_cache.register(chunk.seq)
         for seq in finished:
             self._retire(seq)
         for chunk in plan.chunks:
@@ -358,7 +362,7 @@ class Scheduler:
             if left <= 0:
                 return
             if seq.is_prefill and not plan.has_chunk(seq):
-                num_tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, left))
+                num_tokens = self._fit_chunk(seq, self._cut_at_block(seq, min(seq.num_uncomputed_tokens, left)))
                 if num_tokens:
                     self._add_chunk(plan, seq, num_tokens)
                     left -= num_tokens
@@ -381,8 +385,12 @@ class Scheduler:
         left = budget
         while left > 0 and self._waiting and self._can_admit_another():
             seq = self._waiting[0]
-            num_tokens = min(seq.num_uncomputed_tokens, left)
-            if not self.memory.can_extend(seq, num_tokens):
+            restored = self._restore_prefix(seq)
+            num_tokens = self._cut_at_block(seq, min(seq.num_uncomputed_tokens, left))
+            if not self._fits(seq, num_tokens):
+                if restored:  # it waits holding nothing, like every waiting request
+                    seq.release_pages()
+                    seq.num_computed_tokens = 0
                 return
             self._waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -390,12 +398,36 @@ class Scheduler:
             self._add_chunk(plan, seq, num_tokens)
             left -= num_tokens
 
+    def _restore_prefix(self, seq: Sequence) -> bool:
+        """Start `seq` after the longest cached prefix of its tokens (prefix caching); True when it did."""
+        if self.prefix_cache is None or seq.num_computed_tokens or seq.pages is not None:
+            return False
+        entry = self.prefix_cache.lookup(seq)
+        return entry is not None and self.prefix_cache.restore(seq, entry)
+
+    def _cut_at_block(self, seq: Sequence, num_tokens: int) -> int:
+        """With prefix caching, a prefill chunk that crosses a block boundary ends there, so that the state at
+        the boundary can be kept (the prompt's last boundary too: a prompt longer than a block takes at least two
+        chunks)."""
+        if self.prefix_cache is None or seq.is_decode:
+            return num_tokens
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        boundary = end // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
+        return boundary - start if boundary > start else num_tokens
+
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        """can_extend, evicting prefix-cache entries first when they hold the pages it needs."""
+        if self.memory.can_extend(seq, num_tokens):
+            return True
+        return self.prefix_cache is not None and self.memory.evict_cached_until(
+            lambda: self.memory.can_extend(seq, num_tokens))
+
     def _can_admit_another(self) -> bool:
         return len(self._running) < self.max_running_requests and self.memory.has_free_slot()
 
     def _fit_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """The largest chunk <= num_tokens whose pages exist (can_extend is monotone); 0 if none."""
-        if self.memory.can_extend(seq, num_tokens):
+        if self._fits(seq, num_tokens):
             return num_tokens
         lo, hi = 0, num_tokens  # invariant: lo fits (0 trivially), hi does not
         while hi - lo > 1:
@@ -409,7 +441,7 @@ class Scheduler:
         Returns False when `seq` itself was the newest (it is preempted) or is alone and still
         cannot extend (it is failed with ERROR rather than retried forever).
         """
-        while not self.memory.can_extend(seq, num_tokens):
+        while not self._fits(seq, num_tokens):  # cached-only pages go before any request is preempted
             victim = next(s for s in reversed(self._running) if not plan.has_chunk(s))
             if victim is seq and len(self._running) == 1:
                 self._end(plan, seq, FinishReason.ERROR)

@@ -1,0 +1,70 @@
+"""Prefix caching: prompts sharing prefixes generate exactly what they generate without the cache.
+
+Prefixes of many lengths (shorter and longer than the 128-token window, across the HCA boundaries at
+128 and 256, block-aligned and not), chunked prefill, the mixed policy and preemption; the cache must be
+hit, and every page must be accounted for (held by a request or a cache entry, freed when neither holds
+it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+
+
+def _engine(checkpoint, **settings) -> LLMEngine:
+    base = dict(checkpoint=str(checkpoint), device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5)
+    return LLMEngine(EngineConfig(**{**base, **settings}))
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """A shared 300-token history; prompts continue it at many lengths, and one shares only 100 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    history = torch.randint(2, 500, (420,), generator=gen).tolist()
+    tail = lambda n: torch.randint(2, 500, (n,), generator=gen).tolist()  # noqa: E731
+    return [history[:300] + tail(5), history[:300] + tail(40), history[:256] + tail(1), history[:129] + tail(70),
+            history[:420], history[:100] + tail(60), history[:300]]
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(prefill_chunk_tokens=48), dict(policy="mixed"),
+                                      dict(max_running_requests=2)])
+def test_cached_prefixes_generate_exactly_what_recomputing_gives(tiny_checkpoint, settings):
+    prompts = _prompts()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = _engine(tiny_checkpoint, **settings)
+    expected = [r["output_ids"] for r in plain.generate(prompts, params)]
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True, **settings)
+    first = cached.generate(prompts[:1], params)  # computes the shared history's blocks
+    assert first[0]["output_ids"] == expected[0]
+    got = [r["output_ids"] for r in cached.generate(prompts[1:], params)]
+    assert got == expected[1:]
+    stats = cached.kv.prefix_cache.stats
+    assert stats.hits >= 4 and stats.cached_tokens >= 4 * 128, stats
+    cached.kv.check()
+    cached.kv.prefix_cache.clear()
+    cached.kv.check()
+    assert all(used == 0 for used in cached.kv.pages_used().values())
+
+
+def test_preempted_requests_resume_from_the_cache_and_eviction_makes_room(tiny_checkpoint):
+    """Pools so small that requests preempt each other and cached pages must be evicted to admit them."""
+    prompts = _prompts(seed=1)
+    params = SamplingParams(max_tokens=150, ignore_eos=True)  # decodes grow past what the pools hold
+    expected = [r["output_ids"] for r in _engine(tiny_checkpoint).generate(prompts, params)]
+    tight = _engine(tiny_checkpoint, enable_prefix_caching=True, num_tokens=512, swa_full_tokens_ratio=1.0,
+                    max_running_requests=4)
+    assert [r["output_ids"] for r in tight.generate(prompts, params)] == expected
+    stats = tight.kv.prefix_cache.stats
+    assert stats.evictions > 0 and tight.stats()["num_preemptions"] > 0 and stats.hits > len(prompts) // 2, stats
+    tight.kv.check()
+
+
+def test_prefix_caching_is_refused_with_several_ranks():
+    from backend.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'enable_prefix_caching'"):
+        EngineConfig(device="cpu", enable_prefix_caching=True, tensor_parallel_size=2)

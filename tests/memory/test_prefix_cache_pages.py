@@ -1,0 +1,98 @@
+"""Prefix-cache page accounting: any sequence of requests arriving (restoring a cached prefix when one
+matches), computing, registering block boundaries, finishing, aborting, and cache evictions conserves every
+pool's pages, and a page is free only when no request and no cache entry holds it."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.memory.page_allocator import PageAllocator
+from backend.request import Sequence
+
+from test_pools import _manager  # tests/memory is on sys.path
+
+
+def test_a_retained_page_is_freed_only_by_its_last_holder():
+    alloc = PageAllocator("p", 3)
+    (page,) = alloc.allocate(1)
+    alloc.retain([page])
+    alloc.free([page])
+    assert alloc.num_used == 1 and alloc.refs(page) == 1  # one holder left: still in use
+    alloc.free([page])
+    assert alloc.num_used == 0
+    alloc.check()
+
+
+operations = st.lists(st.tuples(st.sampled_from(["arrive", "compute", "finish", "evict"]), st.integers(0, 10 ** 6)),
+                      min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations=operations)
+def test_any_sequence_of_operations_conserves_pages(operations):
+    kv = _manager(num_tokens=2048, ratio=0.5, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=6)
+    cache = kv.prefix_cache
+    history = list(range(2, 700))  # requests share prefixes of it
+    live: list[Sequence] = []
+    for step, (op, value) in enumerate(operations):
+        if op == "arrive" and len(live) < 4 and kv.has_free_slot():
+            length = 1 + value % 600
+            seq = Sequence(f"r{step}", history[:length] if value % 3 else history[:length // 2] + [1] * (length // 2))
+            entry = cache.lookup(seq)
+            if entry is not None:
+                assert entry.length < seq.num_tokens and entry.length % 128 == 0
+                cache.restore(seq, entry)
+            live.append(seq)
+        elif op == "compute" and live:
+            seq = live[value % len(live)]
+            n = min(seq.num_tokens - seq.num_computed_tokens, 1 + value % 200)
+            boundary = (seq.num_computed_tokens + n) // 128 * 128
+            if boundary > seq.num_computed_tokens and value % 2:
+                n = boundary - seq.num_computed_tokens  # a chunk cut at a block, as the scheduler cuts them
+            if n > 0 and kv.evict_cached_until(lambda: kv.can_extend(seq, n)):
+                kv.extend(seq, n)
+                seq.num_computed_tokens += n
+                cache.register(seq)
+                kv.release_slid_out(seq)
+        elif op == "finish" and live:
+            live.pop(value % len(live)).release_pages()  # finished or aborted: the same release
+        elif op == "evict":
+            cache.evict_one()
+        kv.check()  # every page's references are exactly its holders; free + used == total
+    for seq in live:
+        seq.release_pages()
+    cache.clear()
+    kv.check()
+    assert all(used == 0 for used in kv.pages_used().values())
+
+
+def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_ones():
+    kv = _manager(num_tokens=2048, ratio=0.5, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=4)
+    cache = kv.prefix_cache
+    first = Sequence("a", list(range(2, 400)))
+    for n in (128, 128):  # two chunks, each ending at a block boundary
+        kv.extend(first, n)
+        first.num_computed_tokens += n
+        cache.register(first)
+        kv.release_slid_out(first)
+    assert cache.num_entries == 2
+    second = Sequence("b", list(range(2, 300)) + [1, 1])
+    entry = cache.lookup(second)
+    assert entry.length == 256 and cache.restore(second, entry)
+    csa = kv.compressed_pools["csa"]  # 64 entries = 4 pages of 16: whole pages, shared
+    assert second.pages.runs["csa"].pages == first.pages.runs["csa"].pages[:4]
+    # holders: a, b, the entry at 256 and (for the first 32 entries, 2 pages) the entry at 128
+    assert [csa.allocator.refs(p) for p in second.pages.runs["csa"].pages] == [4, 4, 3, 3]
+    hca = kv.compressed_pools["hca"]  # 2 entries of a 16-entry page: partly filled, so b got its own copy
+    assert second.pages.runs["hca"].pages != first.pages.runs["hca"].pages[:1]
+    window = second.pages.runs["window"]
+    assert window.pages == first.pages.runs["window"].pages[window.first - first.pages.runs["window"].first:][:len(window.pages)]
+    kv.check()
+    first.release_pages()
+    second.release_pages()
+    cache.clear()
+    kv.check()
+    assert all(used == 0 for used in kv.pages_used().values())
