@@ -153,6 +153,7 @@ class LLMEngine:
             "pool_usage": self.kv.usage(),
             "pages_used": self.kv.pages_used(),
             "unavailable": self.unavailable,
+            "prefix_cache": self.kv.prefix_cache.snapshot_stats() if self.kv.prefix_cache is not None else None,
         }
 
     # --- offline use --------------------------------------------------------------------------------

@@ -117,9 +117,12 @@ class PrefixCache:
         kv.track(pages)
         seq.num_computed_tokens = entry.length
         entry.last_used = next(self._clock)
-        self.stats.hits += 1
-        self.stats.cached_tokens += entry.length
         return True
+
+    def record_hit(self, num_tokens: int) -> None:
+        """A request restored from the cache was admitted (a restore undone before admission is no hit)."""
+        self.stats.hits += 1
+        self.stats.cached_tokens += num_tokens
 
     def _is_partial(self, name: str, length: int) -> bool:
         pool = self.kv.compressed_pools[name]
@@ -178,6 +181,13 @@ class PrefixCache:
     @property
     def num_entries(self) -> int:
         return len(self._entries)
+
+    def snapshot_stats(self) -> dict:
+        """For engine.stats(): hits, positions served, evictions, entries, and distinct pages entries hold."""
+        pools = [self.kv.window_pool.name, *self.kv.compressed_pools]
+        pages = {pool: len({p for held in self.held_pages(pool) for p in held}) for pool in pools}
+        return {"hits": self.stats.hits, "cached_tokens": self.stats.cached_tokens,
+                "evictions": self.stats.evictions, "entries": len(self._entries), "pages": pages}
 
     def held_pages(self, pool: str) -> list[list[int]]:
         """The page lists the entries hold in `pool` (for KVCacheManager.check)."""

@@ -42,6 +42,7 @@ class StepPlan:
     step_index: int | None = None
     predicted_s: float | None = None  # the step-cost model's prediction, when it has data
     itl_infeasible: bool = False  # the ITL target could not be met even with the minimum prefill chunk
+    num_cached_tokens: int = 0  # prompt positions admissions in this step took from the prefix cache
     _scheduled: set[Sequence] = field(default_factory=set, init=False, repr=False)  # seqs with a chunk
 
     @property

@@ -386,6 +386,7 @@ class Scheduler:
         while left > 0 and self._waiting and self._can_admit_another():
             seq = self._waiting[0]
             restored = self._restore_prefix(seq)
+            cached = seq.num_computed_tokens if restored else 0
             num_tokens = self._cut_at_block(seq, min(seq.num_uncomputed_tokens, left))
             if not self._fits(seq, num_tokens):
                 if restored:  # it waits holding nothing, like every waiting request
@@ -393,6 +394,9 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                 return
             self._waiting.pop(0)
+            if cached:
+                plan.num_cached_tokens += cached
+                self.prefix_cache.record_hit(cached)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             self._add_chunk(plan, seq, num_tokens)
@@ -493,6 +497,7 @@ class Scheduler:
             pool_usage=dict(self.memory.usage()),
             predicted_s=plan.predicted_s,
             itl_infeasible=plan.itl_infeasible,
+            num_cached_tokens=plan.num_cached_tokens,
         )
         self.counters.observe(record)
         self.policy.on_step(plan.kind)

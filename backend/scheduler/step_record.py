@@ -44,6 +44,7 @@ class StepRecord:
     pool_usage: dict[str, float] = field(default_factory=dict)  # pool name -> fraction used
     predicted_s: float | None = None  # the step-cost model's prediction, when it has data
     itl_infeasible: bool = False  # the ITL target was out of reach even with the minimum prefill chunk
+    num_cached_tokens: int = 0  # prompt positions this step's admissions took from the prefix cache
     duration_s: float | None = None
 
     def to_json(self) -> str:

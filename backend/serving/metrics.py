@@ -7,6 +7,9 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
     dsv4_inter_token_latency_seconds   histogram  gap between consecutive outputs with tokens
     dsv4_requests_finished_total       counter    by finish_reason (stop|length|cancelled|timeout|error)
     dsv4_requests_rejected_total       counter    by reason: queue_full (max_queue_size)
+    dsv4_prefix_cache_hit_tokens_total counter    prompt positions served from the prefix cache
+    dsv4_prefix_cache_evictions_total  counter    prefix-cache entries evicted
+    dsv4_prefix_cache_pages            gauge      by pool, pages the prefix cache's entries hold
     dsv4_engine_steps_total            counter    by kind (engine.stats()["steps_by_kind"])
     dsv4_decode_stalls_total           counter    engine.stats()["decode_stalls"]
     dsv4_preemptions_total             counter    engine.stats()["num_preemptions"]
@@ -54,6 +57,9 @@ class ServingMetrics:
                 ("dsv4_inter_token_latency_seconds", "Time between consecutive token outputs", "HISTOGRAM"),
                 ("dsv4_requests_finished_total", "Finished requests by finish reason", "COUNTER"),
                 ("dsv4_requests_rejected_total", "Requests refused at arrival, by reason", "COUNTER"),
+                ("dsv4_prefix_cache_hit_tokens_total", "Prompt positions served from the prefix cache", "COUNTER"),
+                ("dsv4_prefix_cache_evictions_total", "Prefix-cache entries evicted", "COUNTER"),
+                ("dsv4_prefix_cache_pages", "Pages the prefix cache's entries hold", "GAUGE"),
                 ("dsv4_engine_steps_total", "Engine steps by kind", "COUNTER"),
                 ("dsv4_decode_stalls_total", "Steps that left a runnable decode unscheduled", "COUNTER"),
                 ("dsv4_preemptions_total", "Requests preempted (recomputed) for lack of memory", "COUNTER"),
@@ -97,6 +103,12 @@ class ServingMetrics:
                 self._advance(family, stats[key])
         if "num_rejected_queue_full" in stats:
             self._advance("dsv4_requests_rejected_total", stats["num_rejected_queue_full"], reason="queue_full")
+        cache = stats.get("prefix_cache")
+        if cache:
+            self._advance("dsv4_prefix_cache_hit_tokens_total", cache["cached_tokens"])
+            self._advance("dsv4_prefix_cache_evictions_total", cache["evictions"])
+            for pool, pages in cache["pages"].items():
+                self._metric("dsv4_prefix_cache_pages", pool=str(pool)).set(float(pages))
         gauges = (
             ("dsv4_longest_prefill_streak", "longest_prefill_streak"),
             ("dsv4_num_requests_running", "num_running"),

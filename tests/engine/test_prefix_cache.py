@@ -33,17 +33,22 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize("settings", [dict(), dict(prefill_chunk_tokens=48), dict(policy="mixed"),
                                       dict(max_running_requests=2)])
 def test_cached_prefixes_generate_exactly_what_recomputing_gives(tiny_checkpoint, settings):
+    """Greedy tokens identical, and the log-probabilities of every generated token (log_softmax of the logits,
+    and of the top 5) within 1e-5."""
     prompts = _prompts()
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5)
     plain = _engine(tiny_checkpoint, **settings)
-    expected = [r["output_ids"] for r in plain.generate(prompts, params)]
+    expected = plain.generate(prompts, params)
     cached = _engine(tiny_checkpoint, enable_prefix_caching=True, **settings)
-    first = cached.generate(prompts[:1], params)  # computes the shared history's blocks
-    assert first[0]["output_ids"] == expected[0]
-    got = [r["output_ids"] for r in cached.generate(prompts[1:], params)]
-    assert got == expected[1:]
+    got = cached.generate(prompts[:1], params) + cached.generate(prompts[1:], params)  # the first fills the cache
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    for mine, theirs in zip(got, expected):
+        for a, b in zip(mine["logprobs"], theirs["logprobs"]):
+            assert abs(a.logprob - b.logprob) <= 1e-5
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) <= 1e-5
     stats = cached.kv.prefix_cache.stats
     assert stats.hits >= 4 and stats.cached_tokens >= 4 * 128, stats
+    assert sum(r.num_cached_tokens for r in cached.scheduler.records) == stats.cached_tokens
     cached.kv.check()
     cached.kv.prefix_cache.clear()
     cached.kv.check()
