@@ -92,9 +92,14 @@ class PrefixCache:
 
         kv = self.kv
         partial = {name: self._is_partial(name, entry.length) for name in entry.compressed}
-        if kv.state_pool.num_free < 1 or any(partial[name] and kv.compressed_pools[name].num_free < 1
-                                             for name in partial):
-            return False
+
+        def room() -> bool:  # a state slot, and a page for each partly filled page to copy
+            return kv.state_pool.num_free >= 1 and all(not partial[name] or kv.compressed_pools[name].num_free >= 1
+                                                       for name in partial)
+
+        while not room():  # other entries' pages go first (this one is kept: its pages are about to be shared)
+            if not self.evict_one(keep=entry):
+                return False
         pages = RequestPages(kv)
         pages.slot = kv.state_pool.acquire()
         for stream, (kv_snap, gate_snap) in self._snapshots.items():
@@ -160,11 +165,12 @@ class PrefixCache:
         self.stats.registered += 1
 
     # --- eviction -----------------------------------------------------------------------------
-    def evict_one(self) -> bool:
-        """Drop the least recently used entry; False when there is none."""
-        if not self._entries:
+    def evict_one(self, keep: CachedPrefix | None = None) -> bool:
+        """Drop the least recently used entry (never `keep`); False when there is none."""
+        candidates = [e for e in self._entries.values() if e is not keep]
+        if not candidates:
             return False
-        entry = min(self._entries.values(), key=lambda e: e.last_used)
+        entry = min(candidates, key=lambda e: e.last_used)
         del self._entries[entry.digest]
         self.kv.window_pool.allocator.free(entry.window_pages)
         for name, cached in entry.compressed.items():

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Prefix caching on a multi-turn chat workload: the same conversations with the cache off and on, in one run.
+
+    python scripts/bench_prefix.py --json results/prefix.json --plot results/prefix.png
+
+--conversations conversations of --turns turns run concurrently, each turn submitted when the previous reply
+has finished: turn k's prompt is the whole conversation so far (prompts and replies) plus a new message of
+50-200 tokens (random, seeded), and the reply is --reply-tokens tokens (eos ignored). The real engine runs
+in process on the built-in checkpoint (CPU by default), once with enable_prefix_caching=false and once with
+true, on the same conversations. Reported per mode: time to first token (p50 / p99) per turn, prefill
+tokens the engine computed (from its step records), total wall time, and the hit rate (prompt positions
+served from the cache over all prompt positions). Timestamps are taken as tokens come out of the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.request import RequestOutput, SamplingParams, Sequence  # noqa: E402
+
+
+class Conversation:
+    def __init__(self, index: int, turns: int, vocab: int, seed: int):
+        gen = torch.Generator().manual_seed(seed * 1000 + index)
+        self.messages = [torch.randint(2, vocab, (int(torch.randint(50, 201, (1,), generator=gen)),),
+                                       generator=gen).tolist() for _ in range(turns)]
+        self.index, self.turn, self.history = index, 0, []
+        self.active: Sequence | None = None
+        self.submitted = self.first_token = None
+        self.ttft: list[float] = []
+        self.prompt_tokens = 0
+
+
+def run(config: EngineConfig, conversations: int, turns: int, reply_tokens: int, seed: int) -> dict:
+    engine = LLMEngine(config)
+    convs = [Conversation(i, turns, engine.vocab_size, seed) for i in range(conversations)]
+    params = SamplingParams(max_tokens=reply_tokens, ignore_eos=True)
+
+    def on_output(conv: Conversation):
+        def callback(out: RequestOutput):
+            if out.new_token_ids and conv.first_token is None:
+                conv.first_token = time.perf_counter()
+            conv.reply.extend(out.new_token_ids)
+            if out.finished:
+                conv.ttft.append(conv.first_token - conv.submitted)
+                conv.history = conv.prompt + conv.reply
+                conv.turn += 1
+                conv.active = None
+        return callback
+
+    started = time.perf_counter()
+    while any(c.turn < turns for c in convs):
+        for conv in convs:
+            if conv.active is None and conv.turn < turns:
+                conv.prompt = conv.history + conv.messages[conv.turn]
+                conv.reply, conv.first_token = [], None
+                conv.prompt_tokens += len(conv.prompt)
+                conv.active = Sequence(f"c{conv.index}t{conv.turn}", conv.prompt, params)
+                conv.submitted = time.perf_counter()
+                engine.submit(conv.active, on_output(conv))
+        engine.step()
+    wall = time.perf_counter() - started
+    prefill = sum(r.num_prefill_tokens for r in engine.scheduler.records)
+    prompt_tokens = sum(c.prompt_tokens for c in convs)
+    cache = engine.kv.prefix_cache
+    per_turn = []
+    for turn in range(turns):
+        values = sorted(c.ttft[turn] for c in convs)
+        per_turn.append({"turn": turn + 1, "ttft_p50_s": statistics.median(values),
+                         "ttft_p99_s": values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]})
+    return {"prefix_caching": config.enable_prefix_caching, "wall_s": wall, "prefill_tokens_computed": prefill,
+            "prompt_tokens": prompt_tokens,
+            "hit_rate": (cache.stats.cached_tokens / prompt_tokens) if cache is not None else 0.0,
+            "per_turn": per_turn}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--reply-tokens", type=int, default=32)
+    parser.add_argument("--num-tokens", type=int, default=32768, help="the engine's num_tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args = parser.parse_args()
+    rows = []
+    for caching in (False, True):
+        config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_tokens=args.num_tokens,
+                              max_running_requests=max(16, args.conversations), enable_prefix_caching=caching)
+        rows.append(run(config, args.conversations, args.turns, args.reply_tokens, args.seed))
+    off, on = rows
+    print(f"{'turn':>4} | {'TTFT p50 off (ms)':>17} {'on (ms)':>8} {'ratio':>6} | {'p99 off':>8} {'on':>8}")
+    for a, b in zip(off["per_turn"], on["per_turn"]):
+        print(f"{a['turn']:>4} | {a['ttft_p50_s'] * 1e3:>17.1f} {b['ttft_p50_s'] * 1e3:>8.1f} "
+              f"{a['ttft_p50_s'] / b['ttft_p50_s']:>5.1f}x | {a['ttft_p99_s'] * 1e3:>8.1f} {b['ttft_p99_s'] * 1e3:>8.1f}")
+    print(f"prefill tokens computed: off {off['prefill_tokens_computed']}, on {on['prefill_tokens_computed']} "
+          f"({off['prefill_tokens_computed'] / max(1, on['prefill_tokens_computed']):.1f}x fewer); "
+          f"wall: off {off['wall_s']:.2f} s, on {on['wall_s']:.2f} s; hit rate {on['hit_rate']:.0%} "
+          f"of {on['prompt_tokens']} prompt positions")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for row, label in ((off, "prefix caching off"), (on, "prefix caching on")):
+            turns = [t["turn"] for t in row["per_turn"]]
+            ax.plot(turns, [t["ttft_p50_s"] * 1e3 for t in row["per_turn"]], marker="o", label=f"{label}, p50")
+            ax.plot(turns, [t["ttft_p99_s"] * 1e3 for t in row["per_turn"]], linestyle="--", label=f"{label}, p99")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("time to first token (ms)")
+        ax.set_title(f"{args.conversations} conversations x {args.turns} turns, replies of {args.reply_tokens} tokens")
+        ax.legend()
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
