@@ -11,8 +11,13 @@ from P exactly as if it had computed them:
   compressor    the CSA and indexer rings at P (the projections of the last window, which the next CSA
                 entry reads), copied into a snapshot slot and copied back into the continuing request's
                 slot. At a multiple of 128 the HCA ring holds nothing the next HCA entry reads.
-Entries are found by a chain of block digests (blake2b over the previous digest and the block's tokens),
-so a prompt matches the longest cached prefix of itself in one pass. Each entry holds its own references
+Besides block boundaries, the exact end of every finished request is kept (what a chat's next turn
+resends): there P is anywhere, so the HCA ring (the open HCA window) is snapshotted too, and the partly
+filled last window page is copied for the continuing request, like the compressed pages.
+Entries are found by a chain of block digests (blake2b over the previous digest and the block's tokens);
+an end entry hangs off the digest of its last full block with the tokens after it (its tail). A prompt
+matches the longest cached prefix of itself: descending through its blocks, an end entry anchored at
+block k is longer than the boundary entry at k, which is longer than anything anchored before. Each entry holds its own references
 to every page it needs (backend/memory/page_allocator.py counts them), so entries are independent and any
 can be evicted: least recently used first, when pages or snapshot slots run short. A page is free only
 when no request and no entry holds it.
@@ -33,13 +38,15 @@ import torch
 
 @dataclass
 class CachedPrefix:
-    digest: bytes
+    key: bytes  # the block digest (a boundary), or the digest of anchor + tail (an end)
     length: int  # P, positions
     window_first: int  # logical page of window_pages[0]
-    window_pages: list[int]
+    window_pages: list[int]  # the last one partly filled when P is not a page boundary
     compressed: dict[str, list[int]]  # pool -> pages of logical pages [0, n)
     snapshot: int  # slot in the snapshot tensors
     last_used: int = 0
+    anchor: bytes | None = None  # an end entry: the digest of its last full block (b"" before the first)
+    tail: tuple[int, ...] = ()  # an end entry: its tokens after the anchor
 
 
 @dataclass
@@ -51,7 +58,7 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    STREAMS = ("csa", "indexer")  # compressor rings a continuation reads (see the module docstring)
+    STREAMS = ("csa", "indexer", "hca")  # compressor rings kept (hca: read only after an end entry)
 
     def __init__(self, kv, block_tokens: int, max_entries: int):
         if block_tokens % 128 or block_tokens % kv.page_size:
@@ -63,6 +70,7 @@ class PrefixCache:
                            for stream in self.STREAMS if stream in state.kv}
         self._free_snapshots = list(range(max_entries - 1, -1, -1))
         self._entries: dict[bytes, CachedPrefix] = {}
+        self._ends: dict[bytes, list[CachedPrefix]] = {}  # anchor digest -> end entries hanging off it
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
 
@@ -77,11 +85,16 @@ class PrefixCache:
 
     def lookup(self, seq) -> CachedPrefix | None:
         """The longest cached prefix of `seq`'s tokens that leaves at least one token to compute."""
-        num_blocks = (seq.num_tokens - 1) // self.block_tokens
-        for digest in reversed(self.digests(seq.token_ids(), num_blocks)):
-            entry = self._entries.get(digest)
-            if entry is not None:
-                return entry
+        tokens, limit = seq.token_ids(), seq.num_tokens - 1
+        digests = [b""] + self.digests(tokens, limit // self.block_tokens)
+        for k in range(len(digests) - 1, -1, -1):
+            start = k * self.block_tokens
+            ends = [e for e in self._ends.get(digests[k], []) if start + len(e.tail) <= limit
+                    and tuple(tokens[start:start + len(e.tail)]) == e.tail]
+            if ends:
+                return max(ends, key=lambda e: e.length)
+            if k and digests[k] in self._entries:
+                return self._entries[digests[k]]
         return None
 
     # --- restore ------------------------------------------------------------------------------
@@ -92,10 +105,11 @@ class PrefixCache:
 
         kv = self.kv
         partial = {name: self._is_partial(name, entry.length) for name in entry.compressed}
+        window_partial = entry.length % kv.page_size != 0
 
         def room() -> bool:  # a state slot, and a page for each partly filled page to copy
-            return kv.state_pool.num_free >= 1 and all(not partial[name] or kv.compressed_pools[name].num_free >= 1
-                                                       for name in partial)
+            return (kv.state_pool.num_free >= 1 and (not window_partial or kv.window_pool.num_free >= 1)
+                    and all(not partial[name] or kv.compressed_pools[name].num_free >= 1 for name in partial))
 
         while not room():  # other entries' pages go first (this one is kept: its pages are about to be shared)
             if not self.evict_one(keep=entry):
@@ -106,18 +120,11 @@ class PrefixCache:
             kv.state_pool.kv[stream][:, pages.slot].copy_(kv_snap[:, entry.snapshot])
             kv.state_pool.gate[stream][:, pages.slot].copy_(gate_snap[:, entry.snapshot])
         window = pages.run("window")
-        window.first, window.pages = entry.window_first, list(entry.window_pages)
-        kv.window_pool.allocator.retain(entry.window_pages)
+        window.first = entry.window_first
+        window.pages = _share(kv.window_pool, entry.window_pages, copy_last=window_partial)
         for name, cached in entry.compressed.items():
-            pool, run = kv.compressed_pools[name], pages.run(name)
-            shared = cached[:-1] if partial[name] else cached
-            pool.allocator.retain(shared)
-            run.first, run.pages = 0, list(shared)
-            if partial[name]:  # this request writes its next entries into the last page: its own copy
-                (copy,) = pool.allocator.allocate(1)
-                for tensor in pool.tensors.values():
-                    tensor[:, copy].copy_(tensor[:, cached[-1]])
-                run.pages.append(copy)
+            run = pages.run(name)
+            run.first, run.pages = 0, _share(kv.compressed_pools[name], cached, copy_last=partial[name])
         seq.pages = pages
         kv.track(pages)
         seq.num_computed_tokens = entry.length
@@ -140,19 +147,38 @@ class PrefixCache:
         if length == 0 or length % self.block_tokens or seq.pages is None or seq.pages.slot is None:
             return
         digest = self.digests(seq.token_ids(), length // self.block_tokens)[-1]
-        if digest in self._entries:
-            self._entries[digest].last_used = next(self._clock)
+        self._keep(seq, digest)
+
+    def register_end(self, seq) -> None:
+        """When `seq` finishes: keep its state at its last computed position (the next turn of a chat resends
+        all of it), unless that is a block boundary (register() kept it) or nothing."""
+        length = seq.num_computed_tokens
+        if length == 0 or length % self.block_tokens == 0 or seq.pages is None or seq.pages.slot is None:
             return
+        tokens = seq.token_ids()
+        full = length // self.block_tokens
+        anchor = self.digests(tokens, full)[-1] if full else b""
+        tail = tuple(tokens[full * self.block_tokens:length])
+        key = hashlib.blake2b(anchor + np.asarray(tail, dtype=np.int64).tobytes(), digest_size=16,
+                              person=b"end").digest()
+        entry = self._keep(seq, key)
+        if entry is not None and entry.anchor is None:
+            entry.anchor, entry.tail = anchor, tail
+            self._ends.setdefault(anchor, []).append(entry)
+
+    def _keep(self, seq, key: bytes) -> CachedPrefix | None:
+        """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length."""
+        if key in self._entries:
+            self._entries[key].last_used = next(self._clock)
+            return self._entries[key]
         if not self._free_snapshots and not self.evict_one():
-            return
-        kv, pages = self.kv, seq.pages
+            return None
+        kv, pages, length = self.kv, seq.pages, seq.num_computed_tokens
         window_first = kv.window_pool.first_needed_page(length)
         run = pages.run("window")
-        window_pages = run.pages[window_first - run.first:length // kv.page_size - run.first]
-        compressed = {}
-        for name, pool in kv.compressed_pools.items():
-            needed = pool.pages_for_tokens(length)
-            compressed[name] = pages.run(name).pages[:needed]
+        window_pages = run.pages[window_first - run.first:-(-length // kv.page_size) - run.first]
+        compressed = {name: pages.run(name).pages[:pool.pages_for_tokens(length)]
+                      for name, pool in kv.compressed_pools.items()}
         snapshot = self._free_snapshots.pop()
         for stream, (kv_snap, gate_snap) in self._snapshots.items():
             kv_snap[:, snapshot].copy_(kv.state_pool.kv[stream][:, pages.slot])
@@ -160,9 +186,10 @@ class PrefixCache:
         kv.window_pool.allocator.retain(window_pages)
         for name, cached in compressed.items():
             kv.compressed_pools[name].allocator.retain(cached)
-        self._entries[digest] = CachedPrefix(digest, length, window_first, window_pages, compressed, snapshot,
-                                             next(self._clock))
+        entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot,
+                                                  next(self._clock))
         self.stats.registered += 1
+        return entry
 
     # --- eviction -----------------------------------------------------------------------------
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
@@ -171,7 +198,11 @@ class PrefixCache:
         if not candidates:
             return False
         entry = min(candidates, key=lambda e: e.last_used)
-        del self._entries[entry.digest]
+        del self._entries[entry.key]
+        if entry.anchor is not None:
+            self._ends[entry.anchor].remove(entry)
+            if not self._ends[entry.anchor]:
+                del self._ends[entry.anchor]
         self.kv.window_pool.allocator.free(entry.window_pages)
         for name, cached in entry.compressed.items():
             self.kv.compressed_pools[name].allocator.free(cached)
@@ -210,6 +241,19 @@ class PrefixCache:
             by_requests = {p for r in kv.live_handles() for p in r.runs.get(pool.name, _EMPTY).pages}
             out[pool.name] = len(held - by_requests)
         return out
+
+
+def _share(pool, cached: list[int], copy_last: bool) -> list[int]:
+    """A request's pages in `pool` from an entry's: shared by reference, the last one copied into a page of its
+    own when `copy_last` (partly filled: the request writes its next slots there)."""
+    shared = cached[:-1] if copy_last else cached
+    pool.allocator.retain(shared)
+    if not copy_last:
+        return list(shared)
+    (copy,) = pool.allocator.allocate(1)
+    for tensor in pool.tensors.values():
+        tensor[:, copy].copy_(tensor[:, cached[-1]])
+    return [*shared, copy]
 
 
 def _like_slots(rings: torch.Tensor, num: int) -> torch.Tensor:

@@ -240,9 +240,11 @@ class Scheduler:
         if self._inflight is None or plan is not self._inflight.plan:
             raise RuntimeError(f"on_step_done() for step {plan.step_index}, which is not the step in flight")
         self._check_advanced(plan, finished)
-        if self.prefix_cache is not None:  # states standing at a block boundary are kept for later prompts
+        if self.prefix_cache is not None:  # states at a block boundary, and where requests end, are kept
             for chunk in plan.chunks:
                 self.prefix_cache.register(chunk.seq)
+            for seq in finished:
+                self.prefix_cache.register_end(seq)
         for seq in finished:
             self._retire(seq)
         for chunk in plan.chunks:
@@ -411,11 +413,13 @@ class Scheduler:
 
     def _cut_at_block(self, seq: Sequence, num_tokens: int) -> int:
         """With prefix caching, a prefill chunk that crosses a block boundary ends there, so that the state at
-        the boundary can be kept (the prompt's last boundary too: a prompt longer than a block takes at least two
-        chunks)."""
+        the boundary can be kept; except the prompt's last chunk when it is at most a block long (a chat turn
+        after a restored history): one step sooner to the first token, and the request's end is kept anyway."""
         if self.prefix_cache is None or seq.is_decode:
             return num_tokens
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        if end >= seq.num_tokens and num_tokens <= self.prefix_cache.block_tokens:
+            return num_tokens
         boundary = end // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
         return boundary - start if boundary > start else num_tokens
 

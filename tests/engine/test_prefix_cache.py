@@ -73,3 +73,23 @@ def test_prefix_caching_is_refused_with_several_ranks():
 
     with pytest.raises(ConfigError, match="'enable_prefix_caching'"):
         EngineConfig(device="cpu", enable_prefix_caching=True, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("first_length", [90, 200, 333])
+def test_a_chat_turn_continues_exactly_where_the_previous_request_ended(tiny_checkpoint, first_length):
+    """The next turn resends the whole conversation: it restores the previous request's exact end (not a block
+    boundary: the open HCA window and the partly filled window page come back too) and generates what the
+    uncached engine generates."""
+    gen = torch.Generator().manual_seed(first_length)
+    first = torch.randint(2, 500, (first_length,), generator=gen).tolist()
+    message = torch.randint(2, 500, (37,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=9, ignore_eos=True, logprobs=3)
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True)
+    (reply,) = cached.generate([first], params)
+    second = first + reply["output_ids"] + message
+    (got,) = cached.generate([second], params)
+    (expected,) = _engine(tiny_checkpoint).generate([second], params)
+    assert got["output_ids"] == expected["output_ids"]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(got["logprobs"], expected["logprobs"])) <= 1e-5
+    assert cached.kv.prefix_cache.stats.cached_tokens == first_length + 9 - 1  # all but the last reply token
+    cached.kv.check()
