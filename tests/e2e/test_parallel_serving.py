@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from .conftest import _make_repository, _serve
-from .triton_helpers import REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env, wait_for
+from .triton_helpers import REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env, stream_all, wait_for
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Tensor parallel serving", "x" * 40]
 MAX_TOKENS = 8
@@ -60,16 +60,7 @@ def _workers(server) -> list[psutil.Process]:
 def test_two_ranks_stream_the_single_rank_tokens(tp_server, parallel_checkpoint):
     assert len(_workers(tp_server)) == 1
     expected = _offline(parallel_checkpoint, PROMPTS, MAX_TOKENS)
-    streams = GrpcStreams(tp_server.grpc_url)
-    try:
-        ids = [f"tp{i}" for i in range(len(PROMPTS))]
-        for rid, prompt in zip(ids, PROMPTS):
-            streams.send(rid, grpc_inputs(prompt, MAX_TOKENS))
-        results = streams.wait(ids, timeout=180)
-    finally:
-        streams.close()
-    for rid, want in zip(ids, expected):
-        got = results[rid]
+    for got, want in zip(stream_all(tp_server, PROMPTS, MAX_TOKENS), expected):
         assert got.error is None, got.error
         assert (got.ids, got.text, got.num_finals) == (want["output_ids"], want["text"], 1)
 

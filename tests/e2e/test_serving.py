@@ -22,6 +22,7 @@ from .triton_helpers import (
     http_generate,
     http_generate_stream,
     server_env,
+    stream_all,
     wait_for,
 )
 
@@ -59,21 +60,10 @@ def reference(tmp_path_factory):
     return dict(zip(PROMPTS, results))
 
 
-def stream_all(server, prompts, max_tokens=MAX_TOKENS):
-    streams = GrpcStreams(server.grpc_url)
-    try:
-        ids = [f"p{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(ids, prompts):
-            streams.send(rid, grpc_inputs(prompt, max_tokens))
-        results = streams.wait(ids, timeout=180)
-    finally:
-        streams.close()
-    return [results[rid] for rid in ids]
-
 
 def test_grpc_streaming_matches_offline_generation(server, reference):
     prompt = PROMPTS[0]
-    (res,) = stream_all(server, [prompt])
+    (res,) = stream_all(server, [prompt], MAX_TOKENS)
     expected = reference[prompt]
     assert res.error is None
     assert res.ids == expected["output_ids"]
@@ -83,7 +73,7 @@ def test_grpc_streaming_matches_offline_generation(server, reference):
 
 
 def test_sixteen_concurrent_streams_all_complete_correctly(server, reference):
-    results = stream_all(server, PROMPTS)
+    results = stream_all(server, PROMPTS, MAX_TOKENS)
     for prompt, res in zip(PROMPTS, results):
         expected = reference[prompt]
         assert res.error is None, (prompt, res.error)
@@ -185,12 +175,12 @@ def test_bad_inputs_get_errors_while_a_good_stream_completes(server, reference):
     assert not missing, f"no error response for {missing}: {errors}"
     assert "max_tokens" in errors["zero max_tokens"] and "vocabulary" in errors["out-of-vocab ids"]
     assert server.is_ready()
-    (after,) = stream_all(server, [prompt])
+    (after,) = stream_all(server, [prompt], MAX_TOKENS)
     assert after.ids == reference[prompt]["output_ids"]
 
 
 def test_metrics_endpoint(server):
-    stream_all(server, [PROMPTS[4]])
+    stream_all(server, [PROMPTS[4]], MAX_TOKENS)
     text = server.metrics_text()
     for family in ("dsv4_time_to_first_token_seconds", "dsv4_inter_token_latency_seconds",
                    "dsv4_requests_finished_total", "dsv4_engine_steps_total", "dsv4_longest_prefill_streak",

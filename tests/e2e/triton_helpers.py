@@ -278,6 +278,19 @@ class GrpcStreams:
         self.client.close()
 
 
+def stream_all(server: "TritonServer", prompts: list, max_tokens: int) -> list[StreamResult]:
+    """Every prompt's result, all sent greedily on one gRPC stream at once (so they batch)."""
+    streams = GrpcStreams(server.grpc_url)
+    try:
+        ids = [f"p{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            streams.send(rid, grpc_inputs(prompt, max_tokens))
+        results = streams.wait(ids, timeout=180)
+    finally:
+        streams.close()
+    return [results[rid] for rid in ids]
+
+
 # --- HTTP generate ----------------------------------------------------------------------------
 
 
