@@ -122,8 +122,6 @@ class EngineConfig:
                    f"1 or the number of ranks ({world}): tensor and expert parallelism each span every rank or none")
         _check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
                self.collective_timeout_s, "a number of seconds > 0")
-        _check(not (self.enable_prefix_caching and world > 1), "enable_prefix_caching", self.enable_prefix_caching,
-               "false with tensor/expert parallelism (the workers do not mirror the cache's copies yet)")
         _check(not (self.cuda_graphs and world > 1), "cuda_graphs", self.cuda_graphs,
                "unset or false with tensor/expert parallelism (graphs of sharded steps are not supported yet)")
 

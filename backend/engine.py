@@ -71,6 +71,8 @@ class LLMEngine:
         self.kernels = self.model.kernels
         if self.group is not None:
             self.group.wait_ready()
+            if self.kv.prefix_cache is not None:
+                self.kv.prefix_cache.mirror = True  # its copies go to the workers with each step
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
         self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,

@@ -73,6 +73,8 @@ class PrefixCache:
         self._ends: dict[bytes, list[CachedPrefix]] = {}  # anchor digest -> end entries hanging off it
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
+        self.mirror = False  # rank 0 of a group: record the copies for the workers
+        self._pending: list[tuple] = []
 
     # --- lookup -------------------------------------------------------------------------------
     def digests(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
@@ -116,15 +118,13 @@ class PrefixCache:
                 return False
         pages = RequestPages(kv)
         pages.slot = kv.state_pool.acquire()
-        for stream, (kv_snap, gate_snap) in self._snapshots.items():
-            kv.state_pool.kv[stream][:, pages.slot].copy_(kv_snap[:, entry.snapshot])
-            kv.state_pool.gate[stream][:, pages.slot].copy_(gate_snap[:, entry.snapshot])
+        self._do(("load", entry.snapshot, pages.slot))
         window = pages.run("window")
         window.first = entry.window_first
-        window.pages = _share(kv.window_pool, entry.window_pages, copy_last=window_partial)
+        window.pages = self._share(kv.window_pool, entry.window_pages, copy_last=window_partial)
         for name, cached in entry.compressed.items():
             run = pages.run(name)
-            run.first, run.pages = 0, _share(kv.compressed_pools[name], cached, copy_last=partial[name])
+            run.first, run.pages = 0, self._share(kv.compressed_pools[name], cached, copy_last=partial[name])
         seq.pages = pages
         kv.track(pages)
         seq.num_computed_tokens = entry.length
@@ -180,9 +180,7 @@ class PrefixCache:
         compressed = {name: pages.run(name).pages[:pool.pages_for_tokens(length)]
                       for name, pool in kv.compressed_pools.items()}
         snapshot = self._free_snapshots.pop()
-        for stream, (kv_snap, gate_snap) in self._snapshots.items():
-            kv_snap[:, snapshot].copy_(kv.state_pool.kv[stream][:, pages.slot])
-            gate_snap[:, snapshot].copy_(kv.state_pool.gate[stream][:, pages.slot])
+        self._do(("save", pages.slot, snapshot))
         kv.window_pool.allocator.retain(window_pages)
         for name, cached in compressed.items():
             kv.compressed_pools[name].allocator.retain(cached)
@@ -190,6 +188,46 @@ class PrefixCache:
                                                   next(self._clock))
         self.stats.registered += 1
         return entry
+
+    # --- tensor copies (replayed by the other ranks) ----------------------------------------------
+    def _share(self, pool, cached: list[int], copy_last: bool) -> list[int]:
+        """A request's pages in `pool` from an entry's: shared by reference, the last one copied into a page of
+        its own when `copy_last` (partly filled: the request writes its next slots there)."""
+        shared = cached[:-1] if copy_last else cached
+        pool.allocator.retain(shared)
+        if not copy_last:
+            return list(shared)
+        (copy,) = pool.allocator.allocate(1)
+        self._do(("page", pool.name, cached[-1], copy))
+        return [*shared, copy]
+
+    def _do(self, op: tuple) -> None:
+        self.apply([op])
+        if self.mirror:
+            self._pending.append(op)
+
+    def take_pending(self) -> list[tuple]:
+        """The copies made since the last call (rank 0 sends them with the next step's batch)."""
+        ops, self._pending = self._pending, []
+        return ops
+
+    def apply(self, ops: list[tuple]) -> None:
+        """Make these copies in this rank's pools: ("page", pool, src, dst), ("save", slot, snapshot),
+        ("load", snapshot, slot)."""
+        state = self.kv.state_pool
+        for op in ops:
+            if op[0] == "page":
+                _, name, src, dst = op
+                pool = self.kv.window_pool if name == "window" else self.kv.compressed_pools[name]
+                for tensor in pool.tensors.values():
+                    tensor[:, dst].copy_(tensor[:, src])
+                continue
+            for stream, snaps in self._snapshots.items():
+                for rings, snap in zip((state.kv[stream], state.gate[stream]), snaps):
+                    if op[0] == "save":
+                        snap[:, op[2]].copy_(rings[:, op[1]])
+                    else:
+                        rings[:, op[2]].copy_(snap[:, op[1]])
 
     # --- eviction -----------------------------------------------------------------------------
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
@@ -241,19 +279,6 @@ class PrefixCache:
             by_requests = {p for r in kv.live_handles() for p in r.runs.get(pool.name, _EMPTY).pages}
             out[pool.name] = len(held - by_requests)
         return out
-
-
-def _share(pool, cached: list[int], copy_last: bool) -> list[int]:
-    """A request's pages in `pool` from an entry's: shared by reference, the last one copied into a page of its
-    own when `copy_last` (partly filled: the request writes its next slots there)."""
-    shared = cached[:-1] if copy_last else cached
-    pool.allocator.retain(shared)
-    if not copy_last:
-        return list(shared)
-    (copy,) = pool.allocator.allocate(1)
-    for tensor in pool.tensors.values():
-        tensor[:, copy].copy_(tensor[:, cached[-1]])
-    return [*shared, copy]
 
 
 def _like_slots(rings: torch.Tensor, num: int) -> torch.Tensor:

@@ -9,9 +9,10 @@
 Rank 0 is the engine that model.py holds (scheduler, sampler, detokenizer, its own shard). Ranks
 1..N-1 are processes it starts (torch.multiprocessing, spawn, one per device, daemonic so they die
 with it). Each step rank 0 broadcasts the step's ForwardBatch (host tensors: token ids, positions,
-page tables, compression plans; pickled over a gloo group) and every rank runs
-`DeepseekV4Model.forward` on its shard and its own copy of the pools, which every rank keeps
-identical by running the same writes; only rank 0 samples. Tensor collectives run in the default
+page tables, compression plans; pickled over a gloo group), with the tensor copies rank 0's prefix
+cache made since the last step, and every rank replays those copies and runs `DeepseekV4Model.forward`
+on its shard and its own copy of the pools, which every rank keeps identical by running the same
+writes; only rank 0 samples. Tensor collectives run in the default
 group (NCCL on CUDA, gloo on CPU). A worker that dies, or a collective that times out
 (`collective_timeout_s`), raises `RankGroupError` on rank 0: the engine then fails what is in flight
 and stops serving (see backend/engine.py).
@@ -93,7 +94,10 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             break
-        model.forward(_on(message[0], device), kv)
+        copies, batch = message[0]
+        if copies:  # rank 0's prefix cache copied memory since the last step: the same copies here
+            kv.prefix_cache.apply(copies)
+        model.forward(_on(batch, device), kv)
     dist.destroy_process_group()
 
 
@@ -179,7 +183,8 @@ class RankGroup:
             raise RankGroupError(self.broken)
         try:
             self._check_workers()
-            dist.broadcast_object_list([batch], src=0, group=self.control)
+            copies = kv.prefix_cache.take_pending() if kv.prefix_cache is not None else []
+            dist.broadcast_object_list([(copies, batch)], src=0, group=self.control)
             return model.forward(_on(batch, model.device), kv)
         except RankGroupError:
             raise

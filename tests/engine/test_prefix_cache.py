@@ -68,11 +68,25 @@ def test_preempted_requests_resume_from_the_cache_and_eviction_makes_room(tiny_c
     tight.kv.check()
 
 
-def test_prefix_caching_is_refused_with_several_ranks():
-    from backend.config import ConfigError
-
-    with pytest.raises(ConfigError, match="'enable_prefix_caching'"):
-        EngineConfig(device="cpu", enable_prefix_caching=True, tensor_parallel_size=2)
+def test_with_two_ranks_the_workers_replay_the_caches_copies(parallel_checkpoint):
+    """TP=2 + EP=2 with the cache: a chat turn restored from the cache (its pages and rings copied on rank 0
+    and replayed on the worker) gives the single rank's uncached tokens."""
+    gen = torch.Generator().manual_seed(4)
+    first = torch.randint(2, 500, (200,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    (expected_first,) = _engine(parallel_checkpoint).generate([first], params)
+    second = first + expected_first["output_ids"] + torch.randint(2, 500, (30,), generator=gen).tolist()
+    (expected_second,) = _engine(parallel_checkpoint).generate([second], params)
+    sharded = _engine(parallel_checkpoint, enable_prefix_caching=True, tensor_parallel_size=2,
+                      expert_parallel_size=2)
+    try:
+        (got_first,) = sharded.generate([first], params)
+        (got_second,) = sharded.generate([second], params)
+        assert sharded.kv.prefix_cache.stats.cached_tokens == 200 + 7 - 1
+    finally:
+        sharded.shutdown()
+    assert got_first["output_ids"] == expected_first["output_ids"]
+    assert got_second["output_ids"] == expected_second["output_ids"]
 
 
 @pytest.mark.parametrize("first_length", [90, 200, 333])
