@@ -14,7 +14,8 @@ groups, split or sliced experts, the vocabulary-parallel head, everything else r
 pools are not split: DeepSeek-V4 has one K=V head and the compressors are replicated, so every rank
 keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after the rank's
 weights and --reserve-gib of activations, less the sliding windows and compressor state of
---max-running-requests requests, divided by the compressed pools' bytes per position.
+--max-running-requests requests and the ring snapshots of --prefix-cache-entries cached prefixes,
+divided by the compressed pools' bytes per position.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def kv_geometry(config, page_size: int, max_running: int) -> dict:
 
 
 def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: float, utilization: float,
-         reserve_gib: float, max_running: int, page_size: int) -> dict:
+         reserve_gib: float, max_running: int, page_size: int, prefix_cache_entries: int = 0) -> dict:
     """ConfigError (naming the parameter) when the layout cannot split this model."""
     layout.check(config)
     parts = weight_bytes(config, weight_format)
@@ -64,7 +65,9 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     compressed_per_position = sum(v for k, v in per_token.items() if k != "window")
     budget = gpu_memory_gib * GIB * utilization - rank_weights - reserve_gib * GIB
     per_request = geometry["window_bytes_per_request"] + geometry["state_bytes_per_request"]
-    kv_budget = budget - max_running * per_request
+    # Prefix caching keeps a copy of a request's compressor rings per cached entry (backend/memory/prefix_cache.py).
+    snapshot_bytes = prefix_cache_entries * geometry["state_bytes_per_request"]
+    kv_budget = budget - max_running * per_request - snapshot_bytes
     return {
         "weight_format": weight_format, "num_gpus": layout.world_size,
         "tensor_parallel_size": layout.tensor_parallel_size, "expert_parallel_size": layout.expert_parallel_size,
@@ -72,6 +75,7 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
         "weights_per_device_bytes": rank_weights, "weights_per_device_by_part": per_rank,
         "published_on_disk_bytes": on_disk, "published_draft_layer_bytes": published["draft layer (mtp)"],
         "kv_bytes_per_position": per_token, "kv_bytes_per_running_request": per_request,
+        "prefix_cache_entries": prefix_cache_entries, "prefix_cache_snapshot_bytes": snapshot_bytes,
         "fits": kv_budget > 0, "token_capacity_per_device": max(0, int(kv_budget // compressed_per_position)),
     }
 
@@ -89,6 +93,9 @@ def print_plan(row: dict) -> None:
     per_token = ", ".join(f"{k} {v:.1f}" for k, v in row["kv_bytes_per_position"].items())
     print(f"KV bytes per position: {per_token}; per running request (window + compressor state): "
           f"{row['kv_bytes_per_running_request'] / 2**20:.1f} MiB")
+    if row["prefix_cache_entries"]:
+        print(f"prefix cache: {row['prefix_cache_entries']} entries' compressor-ring snapshots take "
+              f"{row['prefix_cache_snapshot_bytes'] / GIB:.2f} GiB per device")
     if row["fits"]:
         print(f"token capacity per device: {row['token_capacity_per_device']:,} positions")
     else:
@@ -108,6 +115,8 @@ def main() -> None:
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="activations and workspace per device")
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--prefix-cache-entries", type=int, default=0,
+                        help="with enable_prefix_caching: prefix_cache_entries (their ring snapshots take memory)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.checkpoint is not None:
@@ -116,7 +125,7 @@ def main() -> None:
         config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
     layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
     row = plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
-               args.max_running_requests, args.page_size)
+               args.max_running_requests, args.page_size, args.prefix_cache_entries)
     print_plan(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
