@@ -39,7 +39,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     # Waiting requests age: one priority level is worth this many seconds of waiting (admission order is
     # priority * priority_aging_s + arrival time), so a request of a worse priority is never overtaken by
-    # requests that arrive more than (its priority - theirs) * priority_aging_s after it. None: strict priority.
+    # requests that arrive more than (its priority - theirs) * priority_aging_s after it. 0 (or None): strict
+    # priority, under which a worse priority can wait for ever.
     priority_aging_s: float | None = 10.0
     # Requests waiting beyond this many are refused at once with UNAVAILABLE instead of queueing without end.
     max_queue_size: int | None = None
@@ -100,8 +101,8 @@ class EngineConfig:
         if self.max_queue_size is not None:
             _check_int(self, "max_queue_size", 1)
         if self.priority_aging_s is not None:
-            _check(is_number(self.priority_aging_s) and self.priority_aging_s > 0, "priority_aging_s",
-                   self.priority_aging_s, "a number of seconds > 0, or unset for strict priority")
+            _check(is_number(self.priority_aging_s) and self.priority_aging_s >= 0, "priority_aging_s",
+                   self.priority_aging_s, "a number of seconds >= 0 (0: strict priority)")
         if self.itl_target_ms is not None:
             _check(is_number(self.itl_target_ms) and self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms,
                    "a number > 0")

@@ -28,7 +28,7 @@ overtaken). The order is by priority with aging: the key is priority * priority_
 time (lower first; ties in arrival order), so one priority level is worth priority_aging_s seconds of
 waiting, and a request is never overtaken by one that arrived more than (its priority - the other's)
 * priority_aging_s later: under any stream of better-priority arrivals its wait is bounded
-(priority_aging_s unset: strict priority, FCFS within a priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most
+(priority_aging_s 0: strict priority, FCFS within a priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most
 recently admitted running sequence (recompute: pages freed, num_computed_tokens = 0, requeued at
 the front of its priority); a prefill continuation takes a smaller chunk or waits. A sequence
 that cannot extend while running alone is failed (FinishReason.ERROR) instead of retried forever.
@@ -285,7 +285,7 @@ class Scheduler:
 
     def _waiting_key(self, seq: Sequence) -> tuple:
         """Admission order: priority aged by waiting time (see the module docstring), then queue rank."""
-        if self.priority_aging_s is None:
+        if not self.priority_aging_s:  # 0 or None: strict priority
             return seq.priority, seq.queue_rank
         return seq.priority * self.priority_aging_s + seq.arrival_s, seq.queue_rank
 

@@ -5,6 +5,7 @@ Time is simulated: one engine step is one second (FakeEngine.step(now=t)).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,9 +47,11 @@ def test_a_low_priority_request_is_admitted_within_the_documented_bound():
     assert overtook and all(arrived[rid] <= arrived["low"] + 30 for rid in overtook)
 
 
-def test_strict_priority_starves_the_same_request():
-    """The failure the aging prevents: with strict priority the stream keeps it waiting for the whole run."""
-    admitted, _ = _stream_with_one_low_priority_request(aging=None)
+@pytest.mark.parametrize("strict", [None, 0.0])
+def test_strict_priority_starves_the_same_request(strict):
+    """The failure the aging prevents: with strict priority (priority_aging_s 0, or None in code) the stream keeps
+    it waiting for the whole run."""
+    admitted, _ = _stream_with_one_low_priority_request(aging=strict)
     assert "low" not in admitted
 
 
