@@ -103,8 +103,6 @@ class KVCacheManager:
         """A handle given memory outside `extend` (a restored prefix) is accounted for like the others."""
         self._live.add(pages)
 
-    def live_handles(self) -> list[RequestPages]:
-        return list(self._live)
 
     def _paged_pools(self) -> list[PagedPool]:
         return [self.window_pool, *self.compressed_pools.values()]

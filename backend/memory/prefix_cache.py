@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -64,13 +65,14 @@ class PrefixCache:
         if block_tokens % 128 or block_tokens % kv.page_size:
             raise ValueError(f"prefix cache blocks of {block_tokens} tokens: must be a multiple of 128 and of the "
                              f"page size {kv.page_size}")
-        self.kv, self.block_tokens, self.max_entries = kv, block_tokens, max_entries
+        self.kv, self.block_tokens = kv, block_tokens
         state = kv.state_pool
         self._snapshots = {stream: tuple(_like_slots(rings[stream], max_entries) for rings in (state.kv, state.gate))
                            for stream in self.STREAMS if stream in state.kv}
         self._free_snapshots = list(range(max_entries - 1, -1, -1))
         self._entries: dict[bytes, CachedPrefix] = {}
         self._ends: dict[bytes, list[CachedPrefix]] = {}  # anchor digest -> end entries hanging off it
+        self._held: dict[str, Counter] = {}  # pool -> page -> entries holding it (the pages gauge, kept current)
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
         self.mirror = False  # rank 0 of a group: record the copies for the workers
@@ -181,13 +183,19 @@ class PrefixCache:
                       for name, pool in kv.compressed_pools.items()}
         snapshot = self._free_snapshots.pop()
         self._do(("save", pages.slot, snapshot))
-        kv.window_pool.allocator.retain(window_pages)
-        for name, cached in compressed.items():
-            kv.compressed_pools[name].allocator.retain(cached)
         entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot,
                                                   next(self._clock))
+        for pool, pages in self._pages_of(entry):
+            pool.allocator.retain(pages)
+            self._held.setdefault(pool.name, Counter()).update(pages)
         self.stats.registered += 1
         return entry
+
+    def _pages_of(self, entry: CachedPrefix):
+        """(pool, the pages `entry` holds in it) for every paged pool."""
+        yield self.kv.window_pool, entry.window_pages
+        for name, pages in entry.compressed.items():
+            yield self.kv.compressed_pools[name], pages
 
     # --- tensor copies (replayed by the other ranks) ----------------------------------------------
     def _share(self, pool, cached: list[int], copy_last: bool) -> list[int]:
@@ -241,9 +249,13 @@ class PrefixCache:
             self._ends[entry.anchor].remove(entry)
             if not self._ends[entry.anchor]:
                 del self._ends[entry.anchor]
-        self.kv.window_pool.allocator.free(entry.window_pages)
-        for name, cached in entry.compressed.items():
-            self.kv.compressed_pools[name].allocator.free(cached)
+        for pool, pages in self._pages_of(entry):
+            pool.allocator.free(pages)
+            held = self._held[pool.name]
+            held.subtract(pages)
+            for page in pages:
+                if not held[page]:
+                    del held[page]
         self._free_snapshots.append(entry.snapshot)
         self.stats.evictions += 1
         return True
@@ -260,9 +272,8 @@ class PrefixCache:
     def snapshot_stats(self) -> dict:
         """For engine.stats(): hits, positions served, evictions, entries, and distinct pages entries hold."""
         pools = [self.kv.window_pool.name, *self.kv.compressed_pools]
-        pages = {pool: len({p for held in self.held_pages(pool) for p in held}) for pool in pools}
-        return {"hits": self.stats.hits, "cached_tokens": self.stats.cached_tokens,
-                "evictions": self.stats.evictions, "entries": len(self._entries), "pages": pages}
+        return {"hits": self.stats.hits, "cached_tokens": self.stats.cached_tokens, "evictions": self.stats.evictions,
+                "entries": len(self._entries), "pages": {pool: len(self._held.get(pool, ())) for pool in pools}}
 
     def held_pages(self, pool: str) -> list[list[int]]:
         """The page lists the entries hold in `pool` (for KVCacheManager.check)."""
@@ -270,26 +281,8 @@ class PrefixCache:
             return [e.window_pages for e in self._entries.values()]
         return [e.compressed[pool] for e in self._entries.values()]
 
-    def pages_only_cached(self) -> dict[str, int]:
-        """Pages per pool that only cache entries hold (what eviction would give back)."""
-        kv = self.kv
-        out = {}
-        for pool in [kv.window_pool, *kv.compressed_pools.values()]:
-            held = {p for pages in self.held_pages(pool.name) for p in pages}
-            by_requests = {p for r in kv.live_handles() for p in r.runs.get(pool.name, _EMPTY).pages}
-            out[pool.name] = len(held - by_requests)
-        return out
-
 
 def _like_slots(rings: torch.Tensor, num: int) -> torch.Tensor:
     """Zeros shaped like the state pool's rings [layers, slots, ring, width], with `num` slots."""
     layers, _, ring, width = rings.shape
     return torch.zeros(layers, num, ring, width, dtype=rings.dtype, device=rings.device)
-
-
-@dataclass
-class _Empty:
-    pages: list = field(default_factory=list)
-
-
-_EMPTY = _Empty()

@@ -61,6 +61,8 @@ def test_any_sequence_of_operations_conserves_pages(operations):
         elif op == "evict":
             cache.evict_one()
         kv.check()  # every page's references are exactly its holders; free + used == total
+        for pool, pages in cache.snapshot_stats()["pages"].items():  # the gauge, kept as entries come and go
+            assert pages == len({p for held in cache.held_pages(pool) for p in held})
     for seq in live:
         seq.release_pages()
     cache.clear()
