@@ -80,7 +80,7 @@ class TritonAdapter:
             inputs = triton_io.to_numpy_inputs(
                 list(triton_io.INPUT_NAMES), lambda name: self.pb.get_input_tensor_by_name(request, name))
             parsed = triton_io.parse_request(inputs, self.engine.tokenizer, request.parameters(),
-                                             getattr(self.engine, "chat_template", None))
+                                             self.engine.chat_template)
             seq = Sequence(request_id, parsed.prompt_ids, parsed.sampling, priority=parsed.priority)
             with self._lock:
                 self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer))
@@ -174,11 +174,8 @@ class TritonAdapter:
         except Exception as exc:
             self.logger.log_warn(f"[dsv4] engine.stats() failed: {exc}")
             return
-        if stats.get("unavailable") and not self._unload_requested and self._unload_when_unavailable():
+        if stats.get("unavailable") and not self._unload_requested and self.engine.config.unload_when_unavailable:
             self._report_not_ready(stats["unavailable"])
-
-    def _unload_when_unavailable(self) -> bool:
-        return bool(getattr(getattr(self.engine, "config", None), "unload_when_unavailable", False))
 
     def _report_not_ready(self, reason: str) -> None:
         """The engine can never serve again: ask Triton to unload this model so that its ready endpoint says

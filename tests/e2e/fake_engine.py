@@ -45,6 +45,7 @@ class LLMEngine:
     def __init__(self, config):
         self.config = config
         self.tokenizer = ByteTokenizer()
+        self.chat_template = None  # no chat template: `messages` requests are refused
         self.limits = RequestLimits(vocab_size=256, max_tokens_limit=config.max_tokens_limit, max_request_positions=1000)
         self._lock = threading.Lock()
         self._running: dict[str, tuple[Sequence, object]] = {}
