@@ -293,19 +293,26 @@ def _max_error(torch, actual, expected, atol, rtol) -> float:
 def run_case(torch, timer, kernel, case, triton_fn, reference_fn, args, kwargs, work, options,
              float_reference=True):
     """Check triton_fn against reference_fn (on fp32 copies of bf16 inputs if float_reference), then time both."""
-    actual = triton_fn(*args, **kwargs)
     if float_reference:
-        expected = reference_fn(*_to_float(torch, args), **_to_float(torch, kwargs))
+        expected_fn = lambda: reference_fn(*_to_float(torch, args), **_to_float(torch, kwargs))  # noqa: E731
     else:
-        expected = reference_fn(*args, **kwargs)
-    error = _max_error(torch, actual, expected, *TOLERANCES[kernel])
-    del actual, expected
+        expected_fn = lambda: reference_fn(*args, **kwargs)  # noqa: E731
+    return check_and_time(torch, timer, kernel, case, lambda: triton_fn(*args, **kwargs),
+                          lambda: reference_fn(*args, **kwargs), expected_fn, work, options)
+
+
+def check_and_time(torch, timer, kernel, case, kernel_fn, reference_fn, expected_fn, work, options) -> "Result":
+    """Compare kernel_fn() with expected_fn() (a tensor, or a tuple of them compared pairwise), then time kernel_fn
+    and reference_fn; work = (GB moved, GFLOP). Prints one line."""
+    actual, expected = kernel_fn(), expected_fn()
+    pairs = zip(actual, expected) if isinstance(actual, tuple) else [(actual, expected)]
+    error = max(_max_error(torch, a, e, *TOLERANCES[kernel]) for a, e in pairs)
+    del actual, expected, pairs
     status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
-    ms = timer(lambda: triton_fn(*args, **kwargs))
-    ref_ms = None if options.skip_reference else timer(lambda: reference_fn(*args, **kwargs))
-    result = Result(kernel, case, ms, ref_ms, *work, error)
+    ms = timer(kernel_fn)
+    ref_ms = None if options.skip_reference else timer(reference_fn)
     print(f"  {kernel:<10} {case:<24} {ms:9.3f} ms  ref {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
-    return result
+    return Result(kernel, case, ms, ref_ms, *work, error)
 
 
 def _to_float(torch, values):
@@ -465,16 +472,9 @@ def bench_mhc(torch, s, device, timer, options, hc_mult=4):
              (t * n * d * 2 + head_fn.numel() * 4 + t * d * 2, 2 * t * head_fn.numel())),
         ]
         for kind, kernel_fn, reference_fn, float_reference_fn, (nbytes, flops) in cases:
-            actual, expected = kernel_fn(), float_reference_fn()
-            pairs = zip(actual, expected) if isinstance(actual, tuple) else [(actual, expected)]
-            error = max(_max_error(torch, a, e, *TOLERANCES["mhc"]) for a, e in pairs)
-            del actual, expected
-            ms = timer(kernel_fn)
-            ref_ms = None if options.skip_reference else timer(reference_fn)
             name = f"{kind} {'prefill' if t == s.prefill_tokens else 'decode'} T={t}"
-            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
-            print(f"  {'mhc':<10} {name:<24} {ms:9.3f} ms  ref {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
-            results.append(Result("mhc", name, ms, ref_ms, nbytes / 1e9, flops / 1e9, error))
+            results.append(check_and_time(torch, timer, "mhc", name, kernel_fn, reference_fn, float_reference_fn,
+                                          (nbytes / 1e9, flops / 1e9), options))
     return results
 
 
@@ -572,13 +572,9 @@ def bench_glue(torch, s, device, timer, options):
     gen = torch.Generator(device=device).manual_seed(0)
     for t in [*s.decode_batches, s.prefill_tokens]:
         for kind, kernel_fn, reference_fn, float_reference_fn, (nbytes, flops) in _glue_cases(torch, s, device, t, gen):
-            error = _max_error(torch, kernel_fn(), float_reference_fn(), *TOLERANCES["glue"])
-            ms = timer(kernel_fn)
-            ref_ms = None if options.skip_reference else timer(reference_fn)
             name = f"{kind} {'prefill' if t == s.prefill_tokens else 'decode'} T={t}"
-            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
-            print(f"  {'glue':<10} {name:<24} {ms:9.3f} ms  ref {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
-            results.append(Result("glue", name, ms, ref_ms, nbytes / 1e9, flops / 1e9, error))
+            results.append(check_and_time(torch, timer, "glue", name, kernel_fn, reference_fn, float_reference_fn,
+                                          (nbytes / 1e9, flops / 1e9), options))
     return results
 
 
