@@ -106,26 +106,26 @@ def counting(model):
         patched.append((owner, name, original))
         setattr(owner, name, wrapper(original))
 
-    def triton_run(original):
-        def run(self, *args, **kwargs):
-            if not kwargs.get("warmup"):  # JITFunction.warmup compiles without launching (kernels/common.py)
-                counter.triton_launch(getattr(self, "__name__", None) or self.fn.__name__)
-            counter.paused += 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                counter.paused -= 1
-        return run
+    def counted_once(record):
+        """A wrapper that calls record(self, original, kwargs), then the original with counting paused (what it
+        does inside is part of the one launch or sync just recorded)."""
+        def wrapper(original):
+            def call(self, *args, **kwargs):
+                record(self, original, kwargs)
+                counter.paused += 1
+                try:
+                    return original(self, *args, **kwargs)
+                finally:
+                    counter.paused -= 1
+            return call
+        return wrapper
 
-    def host_read(original):
-        def read(self, *args, **kwargs):
-            counter.host_sync(f"Tensor.{original.__name__}")
-            counter.paused += 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                counter.paused -= 1
-        return read
+    def triton_launch(self, original, kwargs):
+        if not kwargs.get("warmup"):  # JITFunction.warmup compiles without launching (kernels/common.py)
+            counter.triton_launch(getattr(self, "__name__", None) or self.fn.__name__)
+
+    def host_read(self, original, kwargs):
+        counter.host_sync(f"Tensor.{original.__name__}")
 
     def layer_scope(original):
         def layer(i, *args, **kwargs):
@@ -137,10 +137,10 @@ def counting(model):
         return layer
 
     for cls in (InterpretedFunction, JITFunction):
-        patch(cls, "run", triton_run)
+        patch(cls, "run", counted_once(triton_launch))
     # Python-level reads too: under inference_mode (the model's forward) `.item()` does not reach the mode.
     for name in ("tolist", "numpy", "cpu", "item", "__bool__", "__int__", "__float__", "__index__"):
-        patch(torch.Tensor, name, host_read)
+        patch(torch.Tensor, name, counted_once(host_read))
     patch(model, "_layer", layer_scope)
     try:
         with counter:
