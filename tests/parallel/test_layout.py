@@ -46,15 +46,30 @@ def test_graphs_are_refused_with_several_ranks():
     assert not EngineConfig(device="cpu", tensor_parallel_size=2).resolved_cuda_graphs()
 
 
+@pytest.fixture(scope="module")
+def save_pretrained_checkpoint(tmp_path_factory):
+    """The split-friendly model as a transformers user has it: DeepseekV4ForCausalLM.save_pretrained."""
+    from make_checkpoint import make_config
+    from transformers import DeepseekV4ForCausalLM
+
+    from tests.conftest import PARALLEL_CONFIG
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("dsv4-parallel-save-pretrained")
+    DeepseekV4ForCausalLM(make_config(**PARALLEL_CONFIG)).save_pretrained(out)
+    return out
+
+
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (4, 4), (4, 1)])
-@pytest.mark.parametrize("which", ["dense", "published"])
-def test_every_rank_loads_exactly_its_part(parallel_checkpoint, parallel_checkpoint_published, tp, ep, which,
-                                           monkeypatch):
-    """The ranks' parts put back together are the single-rank tensors, bit for bit, and a rank never reads
-    another rank's experts from the files."""
+@pytest.mark.parametrize("which", ["dense", "published", "save_pretrained"])
+def test_every_rank_loads_exactly_its_part(parallel_checkpoint, parallel_checkpoint_published,
+                                           save_pretrained_checkpoint, tp, ep, which, monkeypatch):
+    """The ranks' parts put back together are the single-rank tensors, bit for bit (our writer's layouts, and
+    what transformers' save_pretrained writes), and a rank never reads another rank's experts from the files."""
     import backend.model.checkpoint as checkpoint_module
 
-    path = parallel_checkpoint if which == "dense" else parallel_checkpoint_published
+    path = {"dense": parallel_checkpoint, "published": parallel_checkpoint_published,
+            "save_pretrained": save_pretrained_checkpoint}[which]
     config = load_model_config(path)
     whole = load_weights(path, config, torch.float32, "cpu")
     world = max(tp, ep)
