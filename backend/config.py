@@ -51,8 +51,9 @@ class EngineConfig:
     # Observability.
     step_log: str | None = None  # path of a JSON-lines file, one record per step
     # Prefix caching (backend/memory/prefix_cache.py): prompts starting with an already-computed prefix (in
-    # blocks of lcm(128, page_size) positions) reuse its memory; up to prefix_cache_entries cached boundaries.
-    enable_prefix_caching: bool = False
+    # blocks of lcm(128, page_size) positions, or a finished request's exact end) reuse its memory; up to
+    # prefix_cache_entries cached states, whose compressor-ring snapshots take memory (plan_memory.py).
+    enable_prefix_caching: bool = True
     prefix_cache_entries: int = 256
     # Limits on requests.
     max_tokens_limit: int = 32768

@@ -219,7 +219,7 @@ class LLMEngine:
             failed = [chunk.seq for chunk in plan.chunks]
             for seq in failed:
                 seq.finish_reason = FinishReason.ERROR
-            self.scheduler.on_step_done(plan, time.perf_counter() - started, failed)
+            self.scheduler.on_step_done(plan, time.perf_counter() - started, failed, forward_failed=True)
             for seq in failed:
                 self._send_final(seq, error=f"internal error: {exc}")
             return
@@ -231,7 +231,8 @@ class LLMEngine:
         """Prepare + forward + sample + postprocess; returns (finished sequence, its last text, its last token's
         log-probabilities) triples."""
         _use_intra_op_threads(1 if plan.num_tokens < self.small_step_tokens else self.cpu_threads)
-        rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples) for c in plan.chunks]
+        rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples,
+                         tuple((s.position, s.slot) for s in c.snapshots)) for c in plan.chunks]
         if self.decode_graphs is not None and self.decode_graphs.accepts(rows):
             logits = self.decode_graphs.forward(rows)  # every decode row samples: logits align with `sampling`
         elif self.group is not None:  # every rank runs this batch (built on the host, broadcast)

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Prefix caching on a multi-turn chat workload: the same conversations with the cache off and on, in one run.
 
-    python scripts/bench_prefix.py --json results/prefix.json --plot results/prefix.png
+    python scripts/bench_prefix.py --json results/prefix.json --plot docs/prefix_cache.png
 
 --conversations conversations of --turns turns run concurrently, each turn submitted when the previous reply
 has finished: turn k's prompt is the whole conversation so far (prompts and replies) plus a new message of
 50-200 tokens (random, seeded), and the reply is --reply-tokens tokens (eos ignored). The real engine runs
-in process on the built-in checkpoint (CPU by default), once with enable_prefix_caching=false and once with
-true, on the same conversations. Reported per mode: time to first token (p50 / p99) per turn, prefill
-tokens the engine computed (from its step records), total wall time, and the hit rate (prompt positions
-served from the cache over all prompt positions). Timestamps are taken as tokens come out of the engine.
+in process on the built-in checkpoint (CPU by default) with enable_prefix_caching=false and =true on the
+same conversations, alternating off, on, off, on, ... for --repeats pairs (a noisy machine drifts; pairs
+run side by side). Reported per mode: time to first token (p50 / p99 over the conversations) per turn,
+prefill tokens the engine computed (from its step records), total wall time, and the hit rate (prompt
+positions served from the cache over all prompt positions); the table gives the median over the repeats
+and the min-max of each pair's off / on ratio. Timestamps are taken as tokens come out of the engine.
 """
 
 from __future__ import annotations
@@ -93,45 +95,75 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--num-tokens", type=int, default=32768, help="the engine's num_tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="off/on pairs, run alternately")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
-    rows = []
-    for caching in (False, True):
-        config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_tokens=args.num_tokens,
-                              max_running_requests=max(16, args.conversations), enable_prefix_caching=caching)
-        rows.append(run(config, args.conversations, args.turns, args.reply_tokens, args.seed))
-    off, on = rows
-    print(f"{'turn':>4} | {'TTFT p50 off (ms)':>17} {'on (ms)':>8} {'ratio':>6} | {'p99 off':>8} {'on':>8}")
-    for a, b in zip(off["per_turn"], on["per_turn"]):
-        print(f"{a['turn']:>4} | {a['ttft_p50_s'] * 1e3:>17.1f} {b['ttft_p50_s'] * 1e3:>8.1f} "
-              f"{a['ttft_p50_s'] / b['ttft_p50_s']:>5.1f}x | {a['ttft_p99_s'] * 1e3:>8.1f} {b['ttft_p99_s'] * 1e3:>8.1f}")
-    print(f"prefill tokens computed: off {off['prefill_tokens_computed']}, on {on['prefill_tokens_computed']} "
-          f"({off['prefill_tokens_computed'] / max(1, on['prefill_tokens_computed']):.1f}x fewer); "
-          f"wall: off {off['wall_s']:.2f} s, on {on['wall_s']:.2f} s; hit rate {on['hit_rate']:.0%} "
-          f"of {on['prompt_tokens']} prompt positions")
+    runs = {False: [], True: []}
+    for _ in range(args.repeats):
+        for caching in (False, True):
+            config = EngineConfig(checkpoint=args.checkpoint, device=args.device, num_tokens=args.num_tokens,
+                                  max_running_requests=max(16, args.conversations), enable_prefix_caching=caching)
+            runs[caching].append(run(config, args.conversations, args.turns, args.reply_tokens, args.seed))
+    summary = summarize(runs[False], runs[True])
+    print_table(summary, runs[False], runs[True])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"summary": summary, "off": runs[False], "on": runs[True]}, indent=2))
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for row, label in ((off, "prefix caching off"), (on, "prefix caching on")):
-            turns = [t["turn"] for t in row["per_turn"]]
-            ax.plot(turns, [t["ttft_p50_s"] * 1e3 for t in row["per_turn"]], marker="o", label=f"{label}, p50")
-            ax.plot(turns, [t["ttft_p99_s"] * 1e3 for t in row["per_turn"]], linestyle="--", label=f"{label}, p99")
-        ax.set_xlabel("turn")
-        ax.set_ylabel("time to first token (ms)")
-        ax.set_title(f"{args.conversations} conversations x {args.turns} turns, replies of {args.reply_tokens} tokens")
-        ax.legend()
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+        plot(summary, args)
     return 0
+
+
+def summarize(off: list[dict], on: list[dict]) -> list[dict]:
+    """Per turn: the median over the repeats of each mode's TTFT p50 / p99, and the spread of the pairs' ratio."""
+    rows = []
+    for turn in range(len(off[0]["per_turn"])):
+        row = {"turn": turn + 1}
+        for name, runs in (("off", off), ("on", on)):
+            for key in ("ttft_p50_s", "ttft_p99_s"):
+                row[f"{name}_{key}"] = statistics.median(r["per_turn"][turn][key] for r in runs)
+        ratios = [a["per_turn"][turn]["ttft_p50_s"] / b["per_turn"][turn]["ttft_p50_s"] for a, b in zip(off, on)]
+        row["p50_ratio_min"], row["p50_ratio_median"], row["p50_ratio_max"] = \
+            min(ratios), statistics.median(ratios), max(ratios)
+        rows.append(row)
+    return rows
+
+
+def print_table(summary: list[dict], off: list[dict], on: list[dict]) -> None:
+    print(f"median of {len(off)} alternating off/on pairs; ratio: off / on TTFT p50, median (min-max over pairs)")
+    print(f"{'turn':>4} | {'TTFT p50 off (ms)':>17} {'on (ms)':>8} | {'ratio':>18} | {'p99 off':>8} {'on':>8}")
+    for row in summary:
+        ratio = f"{row['p50_ratio_median']:.1f}x ({row['p50_ratio_min']:.1f}-{row['p50_ratio_max']:.1f})"
+        print(f"{row['turn']:>4} | {row['off_ttft_p50_s'] * 1e3:>17.1f} {row['on_ttft_p50_s'] * 1e3:>8.1f} | "
+              f"{ratio:>18} | {row['off_ttft_p99_s'] * 1e3:>8.1f} {row['on_ttft_p99_s'] * 1e3:>8.1f}")
+    computed = lambda runs: sorted({r["prefill_tokens_computed"] for r in runs})  # noqa: E731 (deterministic)
+    walls = [a["wall_s"] / b["wall_s"] for a, b in zip(off, on)]
+    print(f"prefill tokens computed: off {computed(off)}, on {computed(on)} "
+          f"({off[0]['prefill_tokens_computed'] / max(1, on[0]['prefill_tokens_computed']):.1f}x fewer); "
+          f"hit rate {statistics.median(r['hit_rate'] for r in on):.0%} of {on[0]['prompt_tokens']} prompt positions; "
+          f"wall off / on {min(walls):.2f}-{max(walls):.2f}")
+
+
+def plot(summary: list[dict], args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    turns = [row["turn"] for row in summary]
+    for name, label in (("off", "prefix caching off"), ("on", "prefix caching on")):
+        ax.plot(turns, [row[f"{name}_ttft_p50_s"] * 1e3 for row in summary], marker="o", label=f"{label}, p50")
+        ax.plot(turns, [row[f"{name}_ttft_p99_s"] * 1e3 for row in summary], linestyle="--", label=f"{label}, p99")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token (ms), median of runs")
+    ax.set_title(f"{args.conversations} conversations x {args.turns} turns, replies of {args.reply_tokens} tokens, "
+                 f"{args.repeats} runs")
+    ax.legend()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=120, bbox_inches="tight")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ def parse_args(argv=None):
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks splitting the attention heads (and, without EP, every expert's columns)")
     parser.add_argument("--expert-parallel-size", type=int, default=1, help="ranks splitting the routed experts")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.enable_prefix_caching,
+                        help="reuse computed prompt prefixes across the prompts (README 'Prefix caching')")
+    parser.add_argument("--prefix-cache-entries", type=int, default=EngineConfig.prefix_cache_entries)
     return parser.parse_args(argv)
 
 
@@ -65,7 +69,9 @@ def main(argv=None) -> None:
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           max_running_requests=args.max_running_requests,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          expert_parallel_size=args.expert_parallel_size)
+                          expert_parallel_size=args.expert_parallel_size,
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          prefix_cache_entries=args.prefix_cache_entries)
     engine = LLMEngine(config)
     try:
         prompts = load_prompts(args, engine.tokenizer)

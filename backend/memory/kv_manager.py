@@ -85,18 +85,26 @@ class KVCacheManager:
             self.compressed_pools["hca"] = CompressedPool(
                 "hca", model.hca_rate, hca_layers, _pages(num_tokens // model.hca_rate, page_size, max_running_requests),
                 page_size, {"kv": model.head_dim}, dtype, device)
-        self.state_pool = CompressorStatePool(max_running_requests, {
+        self._state_rings = {
             "csa": (csa_layers, 2 * model.csa_rate, 2 * model.head_dim),
             "indexer": (csa_layers, 2 * model.csa_rate, 2 * model.index_head_dim),
             "hca": (hca_layers, model.hca_rate, model.head_dim),
-        }, dtype, device)
+        }
+        self.state_pool = CompressorStatePool(max_running_requests, self._state_rings, dtype, device)
         self._layers = [self._layer_memory(i) for i in range(model.num_hidden_layers)]
         self._live: set[RequestPages] = set()  # handles holding anything, for check()
         self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
 
     def enable_prefix_caching(self, block_tokens: int, max_entries: int) -> None:
+        """Before any request: the state pool gets `max_entries` spare slots, where the cache keeps its
+        ring snapshots."""
         from backend.memory.prefix_cache import PrefixCache
 
+        assert not self._live and self.prefix_cache is None, "enable prefix caching before serving"
+        old = self.state_pool
+        self.state_pool = CompressorStatePool(old.allocator.num_pages, self._state_rings, old.dtype, old.device,
+                                              num_spare=max_entries)
+        self._layers = [self._layer_memory(i) for i in range(self.model.num_hidden_layers)]
         self.prefix_cache = PrefixCache(self, block_tokens, max_entries)
 
     def track(self, pages: RequestPages) -> None:
@@ -215,6 +223,14 @@ class KVCacheManager:
 
     def pages_used(self) -> dict[str, int]:
         return {name: used for name, (used, _) in self._page_counts().items()}
+
+    def pages_held_by_requests(self) -> dict[str, int]:
+        """Pool -> pages (state slots) live requests hold, a shared page once: 0 everywhere when nothing runs.
+        The rest of pages_used() is the prefix cache's alone, evicted whenever pages are needed."""
+        held = {pool.name: len({page for pages in self._live for page in pages.runs.get(pool.name, PageRun()).pages})
+                for pool in self._paged_pools()}
+        held[self.state_pool.name] = sum(pages.slot is not None for pages in self._live)
+        return held
 
     def _page_counts(self) -> dict[str, tuple[int, int]]:
         allocators = [p.allocator for p in self._paged_pools()] + [self.state_pool.allocator]

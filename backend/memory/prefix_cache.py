@@ -22,8 +22,20 @@ to every page it needs (backend/memory/page_allocator.py counts them), so entrie
 can be evicted: least recently used first, when pages or snapshot slots run short. A page is free only
 when no request and no entry holds it.
 
-The scheduler registers a request's state whenever a step leaves it exactly at a boundary (prefill chunks
-are cut at boundaries while caching is on), and restores the longest match when it admits a request.
+Where a state is taken: every block boundary a step computes. A boundary inside a prefill chunk is reserved
+when the step is planned (`reserve`: a snapshot slot), the step's compression plan writes the rings as they
+stand there into that slot (backend/model/compressor.py), and `keep_reserved` makes the entry after the step;
+a boundary where a step ends (a chunk cut there, a decode reaching it) is copied from the request's own slot
+(`register`). So prefill chunks need not end at boundaries, and two prompts sharing a system prompt share it
+whatever their chunks were. A boundary fewer than a few positions (the CSA window) after its chunk's start is
+skipped: its snapshot would read the ring the same launch rewrites.
+Eviction is least recently used. Using an entry uses every shorter boundary of the same tokens too, so a
+shared prefix (a system prompt) is as recent as its latest user. Among entries used at the same time the
+shortest goes first: what a chat's next turn needs is its previous request's end, while a boundary inside a
+prefix serves only prompts that leave it exactly there; and each entry holds its own references, so dropping
+a shorter one never breaks a longer one (it frees that entry's window pages and snapshot, and compressed
+pages no other holder has).
+The snapshots live in the compressor-state pool's spare slots (backend/memory/compressor_state.py).
 """
 
 from __future__ import annotations
@@ -34,7 +46,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-import torch
+
+from backend.model.compressor import snapshot_lookback
 
 
 @dataclass
@@ -51,6 +64,16 @@ class CachedPrefix:
 
 
 @dataclass
+class ReservedSnapshot:
+    """A block boundary inside a scheduled chunk, whose state the step writes into `slot`."""
+
+    position: int
+    key: bytes  # the boundary's block digest
+    snapshot: int  # index of the snapshot
+    slot: int  # the state-pool slot that holds it
+
+
+@dataclass
 class PrefixCacheStats:
     hits: int = 0  # requests that started after a cached prefix
     cached_tokens: int = 0  # prompt positions served from the cache
@@ -59,17 +82,16 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    STREAMS = ("csa", "indexer", "hca")  # compressor rings kept (hca: read only after an end entry)
-
     def __init__(self, kv, block_tokens: int, max_entries: int):
         if block_tokens % 128 or block_tokens % kv.page_size:
             raise ValueError(f"prefix cache blocks of {block_tokens} tokens: must be a multiple of 128 and of the "
                              f"page size {kv.page_size}")
+        if kv.state_pool.num_spare < max_entries:
+            raise ValueError(f"{max_entries} cache entries need as many spare compressor-state slots "
+                             f"(KVCacheManager.enable_prefix_caching), the pool has {kv.state_pool.num_spare}")
         self.kv, self.block_tokens = kv, block_tokens
-        state = kv.state_pool
-        self._snapshots = {stream: tuple(_like_slots(rings[stream], max_entries) for rings in (state.kv, state.gate))
-                           for stream in self.STREAMS if stream in state.kv}
         self._free_snapshots = list(range(max_entries - 1, -1, -1))
+        self._reserved: dict[bytes, ReservedSnapshot] = {}  # boundaries the step in flight snapshots
         self._entries: dict[bytes, CachedPrefix] = {}
         self._ends: dict[bytes, list[CachedPrefix]] = {}  # anchor digest -> end entries hanging off it
         self._held: dict[str, Counter] = {}  # pool -> page -> entries holding it (the pages gauge, kept current)
@@ -130,7 +152,7 @@ class PrefixCache:
         seq.pages = pages
         kv.track(pages)
         seq.num_computed_tokens = entry.length
-        entry.last_used = next(self._clock)
+        self._touch(entry, seq.token_ids())
         return True
 
     def record_hit(self, num_tokens: int) -> None:
@@ -143,6 +165,48 @@ class PrefixCache:
         return (length // pool.compress_rate) % pool.page_size != 0
 
     # --- register -----------------------------------------------------------------------------
+    def reserve(self, seq, start: int, end: int) -> list[ReservedSnapshot]:
+        """Planning a step that computes positions [start, end) of `seq`: a snapshot slot for each new block
+        boundary P with start < P < end (the one at `end`, `register` keeps after the step) whose ring positions
+        this step computes; the step writes its state there, `keep_reserved` (or `release_reserved`) follows."""
+        block = self.block_tokens
+        positions = [p for p in range((start // block + 1) * block, end, block) if p - self._lookback(p) >= start]
+        if not positions:
+            return []
+        digests = self.digests(seq.token_ids(), positions[-1] // block)
+        reserved = []
+        for position in positions:
+            key = digests[position // block - 1]
+            if key in self._entries or key in self._reserved:
+                continue
+            if not self._free_snapshots and not self.evict_one():
+                break
+            snapshot = self._free_snapshots.pop()
+            self._reserved[key] = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot))
+            reserved.append(self._reserved[key])
+        return reserved
+
+    def keep_reserved(self, seq, reserved: list[ReservedSnapshot]) -> None:
+        """After the step: the reserved boundaries of `seq` become entries (their rings are in their slots)."""
+        for r in reserved:
+            del self._reserved[r.key]
+            if r.key in self._entries:  # kept meanwhile (another request ended a step there): one is enough
+                self._free_snapshots.append(r.snapshot)
+                continue
+            self._add_entry(seq, r.key, r.position, r.snapshot)
+
+    def release_reserved(self, reserved: list[ReservedSnapshot]) -> None:
+        """The step did not run (it failed): its snapshots are void."""
+        for r in reserved:
+            del self._reserved[r.key]
+            self._free_snapshots.append(r.snapshot)
+
+    def _lookback(self, position: int) -> int:
+        """Positions before `position` whose projections a snapshot there keeps (the CSA compressor and its
+        indexer overlap two windows; HCA does not)."""
+        return max((snapshot_lookback(pool.compress_rate, name == "csa", position)
+                    for name, pool in self.kv.compressed_pools.items()), default=0)
+
     def register(self, seq) -> None:
         """After a step: when `seq` stands exactly at a block boundary, keep its state there (if new)."""
         length = seq.num_computed_tokens
@@ -171,25 +235,37 @@ class PrefixCache:
     def _keep(self, seq, key: bytes) -> CachedPrefix | None:
         """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length."""
         if key in self._entries:
-            self._entries[key].last_used = next(self._clock)
+            self._touch(self._entries[key], seq.token_ids())
             return self._entries[key]
         if not self._free_snapshots and not self.evict_one():
             return None
-        kv, pages, length = self.kv, seq.pages, seq.num_computed_tokens
+        snapshot = self._free_snapshots.pop()
+        self._do(("save", seq.pages.slot, snapshot))
+        return self._add_entry(seq, key, seq.num_computed_tokens, snapshot)
+
+    def _add_entry(self, seq, key: bytes, length: int, snapshot: int) -> CachedPrefix:
+        """An entry for `seq`'s state at `length` (its rings already in `snapshot`), holding its pages."""
+        kv, pages = self.kv, seq.pages
         window_first = kv.window_pool.first_needed_page(length)
         run = pages.run("window")
         window_pages = run.pages[window_first - run.first:-(-length // kv.page_size) - run.first]
         compressed = {name: pages.run(name).pages[:pool.pages_for_tokens(length)]
                       for name, pool in kv.compressed_pools.items()}
-        snapshot = self._free_snapshots.pop()
-        self._do(("save", pages.slot, snapshot))
-        entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot,
-                                                  next(self._clock))
+        entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot)
+        self._touch(entry, seq.token_ids())
         for pool, pages in self._pages_of(entry):
             pool.allocator.retain(pages)
             self._held.setdefault(pool.name, Counter()).update(pages)
         self.stats.registered += 1
         return entry
+
+    def _touch(self, entry: CachedPrefix, tokens: list[int]) -> None:
+        """`entry` was used, and so was every boundary of the same tokens before it (the same time)."""
+        now = next(self._clock)
+        entry.last_used = now
+        for digest in self.digests(tokens, (entry.length - 1) // self.block_tokens):
+            if digest in self._entries:
+                self._entries[digest].last_used = now
 
     def _pages_of(self, entry: CachedPrefix):
         """(pool, the pages `entry` holds in it) for every paged pool."""
@@ -229,21 +305,19 @@ class PrefixCache:
                 pool = self.kv.window_pool if name == "window" else self.kv.compressed_pools[name]
                 for tensor in pool.tensors.values():
                     tensor[:, dst].copy_(tensor[:, src])
-                continue
-            for stream, snaps in self._snapshots.items():
-                for rings, snap in zip((state.kv[stream], state.gate[stream]), snaps):
-                    if op[0] == "save":
-                        snap[:, op[2]].copy_(rings[:, op[1]])
-                    else:
-                        rings[:, op[2]].copy_(snap[:, op[1]])
+            elif op[0] == "save":
+                state.copy_slot(op[1], state.spare_slot(op[2]))
+            else:
+                state.copy_slot(state.spare_slot(op[1]), op[2])
 
     # --- eviction -----------------------------------------------------------------------------
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
-        """Drop the least recently used entry (never `keep`); False when there is none."""
+        """Drop the least recently used entry, the shortest among equals (never `keep`); False when there is
+        none."""
         candidates = [e for e in self._entries.values() if e is not keep]
         if not candidates:
             return False
-        entry = min(candidates, key=lambda e: e.last_used)
+        entry = min(candidates, key=lambda e: (e.last_used, e.length))
         del self._entries[entry.key]
         if entry.anchor is not None:
             self._ends[entry.anchor].remove(entry)
@@ -281,8 +355,3 @@ class PrefixCache:
             return [e.window_pages for e in self._entries.values()]
         return [e.compressed[pool] for e in self._entries.values()]
 
-
-def _like_slots(rings: torch.Tensor, num: int) -> torch.Tensor:
-    """Zeros shaped like the state pool's rings [layers, slots, ring, width], with `num` slots."""
-    layers, _, ring, width = rings.shape
-    return torch.zeros(layers, num, ring, width, dtype=rings.dtype, device=rings.device)

@@ -13,6 +13,9 @@ kernels/compressor.py.
 Per step, a `CompressionPlan` (one per rate/overlap kind, shared by all layers of that kind) says
 which entries close in this batch, where each of their source tokens is (in the request's ring of
 earlier tokens or in this batch), where to store the entry, and which tokens to keep in the ring.
+It may also snapshot a row's ring at a position P inside its chunk (prefix caching keeps the state at
+every block boundary): the positions a continuation from P reads from the ring are written into
+another slot (a spare one, backend/memory/compressor_state.py) like any ring update.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class CompressionPlan:
 
 
 def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[int], row_token_offsets: list[int],
-               row_slots: list[int], device) -> CompressionPlan:
-    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot).
+               row_slots: list[int], device, snapshots: list[tuple[int, int, int]] = ()) -> CompressionPlan:
+    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot);
+    snapshots are (row, position P, slot): the ring as it stands at P, written into that slot.
 
     Vectorised over rows (a constant number of tensor ops whatever the batch size).
     """
@@ -71,6 +75,11 @@ def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[i
     keep_row, keep_rank = _expand(rows, kept)
     keep = (start + length - kept)[keep_row] + keep_rank
     keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(row_starts))
+    keep_slot, keep_pos = slot[keep_row], keep % ring
+    if snapshots:
+        snap_src, snap_slot, snap_pos = _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset)
+        keep_src, keep_slot = torch.cat([keep_src, snap_src]), torch.cat([keep_slot, snap_slot])
+        keep_pos = torch.cat([keep_pos, snap_pos])
 
     def on_device(t):
         return t.to(device)
@@ -81,8 +90,28 @@ def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[i
         ring_order=on_device((start[:, None] - ring + torch.arange(ring)[None, :]) % ring),
         entry_src=on_device(entry_src), entry_valid=on_device(positions >= 0),
         entry_pos=on_device(entry_index * rate), entry_row=on_device(entry_row), entry_index=on_device(entry_index),
-        keep_src=on_device(keep_src), keep_slot=on_device(slot[keep_row]), keep_pos=on_device(keep % ring),
+        keep_src=on_device(keep_src), keep_slot=on_device(keep_slot), keep_pos=on_device(keep_pos),
     )
+
+
+def snapshot_lookback(rate: int, overlap: bool, position: int) -> int:
+    """How many positions before `position` a continuation from there reads from the ring: the open window,
+    and with overlap the window before it (CSA's Ca half)."""
+    return position % rate + (rate if overlap else 0)
+
+
+def _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset):
+    """(source, slot, ring index) of the ring positions each snapshot keeps. Their sources must lie in this batch:
+    the Triton kernel updates the row's own ring in the same launch, so it cannot also read it."""
+    row, position, dest = (torch.tensor(v) for v in zip(*snapshots))
+    lookback = torch.tensor([snapshot_lookback(rate, overlap, int(p)) for p in position])
+    first = position - lookback
+    assert bool(((first >= start[row]) & (position <= start[row] + length[row])).all()), \
+        "a snapshot's positions must be computed in this batch"
+    which, rank = _expand(torch.arange(len(snapshots)), lookback)
+    positions, rows = first[which] + rank, row[which]
+    src = _source_index(positions, rows, start[rows], offset[rows], ring, len(start))
+    return src, dest[which], positions % ring
 
 
 def _expand(rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,9 @@ class BatchRow:
     token_ids: list[int]  # the row's tokens to compute
     start_pos: int
     want_logits: bool  # the chunk reaches the end of the sequence: sample a token
+    # (position P, spare state slot): keep the compressor rings as they stand at P, inside this chunk, in that
+    # slot (prefix caching, backend/memory/prefix_cache.py)
+    snapshots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -72,7 +75,7 @@ def _padded(rows: list[list[int]], device) -> torch.Tensor:
 def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> ForwardBatch:
     ids, positions, token_seq, logits_index, write_index = [], [], [], [], []
     window_rows, first_pages = [], []
-    starts, lens, offsets, slots = [], [], [], []
+    starts, lens, offsets, slots, snapshots = [], [], [], [], []
     page_size = kv.page_size
     for b, row in enumerate(rows):
         n = len(row.token_ids)
@@ -91,14 +94,15 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device) -> For
         lens.append(n)
         offsets.append(offset)
         slots.append(row.pages.slot)
+        snapshots.extend((b, position, slot) for position, slot in row.snapshots)
 
     model = kv.model
     plans = {}
     if kv.has_pool("csa"):
-        plans["csa"] = build_plan(model.csa_rate, True, starts, lens, offsets, slots, device)
+        plans["csa"] = build_plan(model.csa_rate, True, starts, lens, offsets, slots, device, snapshots)
         plans["indexer"] = plans["csa"]
     if kv.has_pool("hca"):
-        plans["hca"] = build_plan(model.hca_rate, False, starts, lens, offsets, slots, device)
+        plans["hca"] = build_plan(model.hca_rate, False, starts, lens, offsets, slots, device, snapshots)
 
     def long(values):
         return torch.tensor(values, dtype=torch.long, device=device)

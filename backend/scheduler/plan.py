@@ -17,6 +17,8 @@ class ScheduledChunk:
     start: int  # seq.num_computed_tokens when the step was scheduled
     is_decode: bool  # the single last-sampled token of a decoding sequence
     samples: bool  # the chunk reaches seq.num_tokens: the engine samples a token for it
+    # block boundaries inside the chunk whose state the step keeps (prefix caching; ReservedSnapshot)
+    snapshots: list = field(default_factory=list)
 
     @property
     def end(self) -> int:

@@ -224,13 +224,15 @@ class Scheduler:
         self._commit(plan, now)
         return plan
 
-    def on_step_done(self, plan: StepPlan, duration_s: float, finished: Iterable[Sequence] = ()) -> None:
+    def on_step_done(self, plan: StepPlan, duration_s: float, finished: Iterable[Sequence] = (),
+                     forward_failed: bool = False) -> None:
         """The engine ran `plan`, advanced num_computed_tokens, and reports the sequences that finished.
 
         Finished sequences leave the running set and their memory is freed (the engine sets
         finish_reason; the scheduler finishes them); the others give back the window pages they
         moved past. `duration_s` feeds the step-cost model and the step record, which is then
-        written to the step log.
+        written to the step log. `forward_failed`: the forward raised (every chunk's request is in
+        `finished`, with an error); nothing it may have half-written is kept by the prefix cache.
         """
         finished = list(finished)
         if plan.step_index is None:  # a report-only plan: nothing ran
@@ -240,11 +242,8 @@ class Scheduler:
         if self._inflight is None or plan is not self._inflight.plan:
             raise RuntimeError(f"on_step_done() for step {plan.step_index}, which is not the step in flight")
         self._check_advanced(plan, finished)
-        if self.prefix_cache is not None:  # states at a block boundary, and where requests end, are kept
-            for chunk in plan.chunks:
-                self.prefix_cache.register(chunk.seq)
-            for seq in finished:
-                self.prefix_cache.register_end(seq)
+        if self.prefix_cache is not None:
+            self._keep_prefixes(plan, finished, forward_failed)
         for seq in finished:
             self._retire(seq)
         for chunk in plan.chunks:
@@ -255,6 +254,20 @@ class Scheduler:
         self.cost_model.observe(inflight.features, duration_s)
         if self._step_log is not None:
             self._step_log.write(inflight.record)
+
+    def _keep_prefixes(self, plan: StepPlan, finished: list[Sequence], forward_failed: bool) -> None:
+        """The states the step reached at block boundaries (inside its chunks and where they end), and where
+        requests ended."""
+        cache = self.prefix_cache
+        if forward_failed:
+            for chunk in plan.chunks:
+                cache.release_reserved(chunk.snapshots)
+            return
+        for chunk in plan.chunks:
+            cache.keep_reserved(chunk.seq, chunk.snapshots)
+            cache.register(chunk.seq)
+        for seq in finished:
+            cache.register_end(seq)
 
     def close(self) -> None:
         """Close the step log."""
@@ -364,7 +377,7 @@ class Scheduler:
             if left <= 0:
                 return
             if seq.is_prefill and not plan.has_chunk(seq):
-                num_tokens = self._fit_chunk(seq, self._cut_at_block(seq, min(seq.num_uncomputed_tokens, left)))
+                num_tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, left))
                 if num_tokens:
                     self._add_chunk(plan, seq, num_tokens)
                     left -= num_tokens
@@ -389,7 +402,7 @@ class Scheduler:
             seq = self._waiting[0]
             restored = self._restore_prefix(seq)
             cached = seq.num_computed_tokens if restored else 0
-            num_tokens = self._cut_at_block(seq, min(seq.num_uncomputed_tokens, left))
+            num_tokens = min(seq.num_uncomputed_tokens, left)
             if not self._fits(seq, num_tokens):
                 if restored:  # it waits holding nothing, like every waiting request
                     seq.release_pages()
@@ -410,18 +423,6 @@ class Scheduler:
             return False
         entry = self.prefix_cache.lookup(seq)
         return entry is not None and self.prefix_cache.restore(seq, entry)
-
-    def _cut_at_block(self, seq: Sequence, num_tokens: int) -> int:
-        """With prefix caching, a prefill chunk that crosses a block boundary ends there, so that the state at
-        the boundary can be kept; except the prompt's last chunk when it is at most a block long (a chat turn
-        after a restored history): one step sooner to the first token, and the request's end is kept anyway."""
-        if self.prefix_cache is None or seq.is_decode:
-            return num_tokens
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
-        if end >= seq.num_tokens and num_tokens <= self.prefix_cache.block_tokens:
-            return num_tokens
-        boundary = end // self.prefix_cache.block_tokens * self.prefix_cache.block_tokens
-        return boundary - start if boundary > start else num_tokens
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
         """can_extend, evicting prefix-cache entries first when they hold the pages it needs."""
@@ -484,6 +485,10 @@ class Scheduler:
     def _commit(self, plan: StepPlan, now: float) -> None:
         plan.step_index = self._next_step_index
         self._next_step_index += 1
+        if self.prefix_cache is not None:  # the block boundaries inside prefill chunks, snapshotted by the step
+            for chunk in plan.chunks:
+                if not chunk.is_decode:
+                    chunk.snapshots = self.prefix_cache.reserve(chunk.seq, chunk.start, chunk.end)
         plan.kind = StepKind.of(plan.num_prefill_tokens, plan.num_decode_tokens)
         features = StepFeatures.of(plan.chunks)
         plan.predicted_s = self.cost_model.predict(features)

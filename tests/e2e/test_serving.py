@@ -103,8 +103,9 @@ def test_http_generate_stream_matches_offline_generation(server, reference):
 
 
 def test_cancelling_a_stream_frees_its_pages(server):
-    def pages_used():
-        return sum(server.metric_values("dsv4_pool_pages_used").values())
+    def pages_used():  # by requests: the pages in use that no prefix-cache entry holds
+        cached = server.metric_values("dsv4_prefix_cache_pages")
+        return sum(used - cached.get(labels, 0) for labels, used in server.metric_values("dsv4_pool_pages_used").items())
 
     def cancelled():
         return server.metric_values("dsv4_requests_finished_total").get('{finish_reason="cancelled",model="dsv4"}', 0)

@@ -72,4 +72,4 @@ def test_the_engine_serves_fp8_weights_and_frees_every_page(published):
     results = engine.generate([_prompt(40, 1), _prompt(7, 2)], SamplingParams(max_tokens=5, ignore_eos=True))
     assert [len(r["output_ids"]) for r in results] == [5, 5]
     engine.kv.check()
-    assert all(used == 0 for used in engine.kv.pages_used().values())
+    assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())

@@ -107,3 +107,45 @@ def test_a_chat_turn_continues_exactly_where_the_previous_request_ended(tiny_che
     assert max(abs(a.logprob - b.logprob) for a, b in zip(got["logprobs"], expected["logprobs"])) <= 1e-5
     assert cached.kv.prefix_cache.stats.cached_tokens == first_length + 9 - 1  # all but the last reply token
     cached.kv.check()
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(prefill_chunk_tokens=300), dict(max_running_requests=2)])
+def test_prompts_sharing_a_system_prompt_share_it_whatever_their_chunks(tiny_checkpoint, settings):
+    """A 700-token system prompt computed in chunks that do not end at block boundaries: its states at the
+    boundaries inside the chunks are kept by the steps themselves (chunks are the uncached engine's), so other
+    prompts starting with it restore 640 positions, and generate exactly what the uncached engine generates."""
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(2, 500, (700,), generator=gen).tolist()
+    prompts = [system + torch.randint(2, 500, (n,), generator=gen).tolist() for n in (20, 45, 3)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)
+    plain = _engine(tiny_checkpoint, **settings)
+    expected = plain.generate(prompts[:1], params) + plain.generate(prompts[1:], params)
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True, **settings)
+    got = cached.generate(prompts[:1], params)
+    chunks = lambda engine: [r.num_prefill_tokens for r in list(engine.scheduler.records)[:4]]  # noqa: E731
+    assert chunks(cached) == chunks(plain)
+    assert {e.length for e in cached.kv.prefix_cache._entries.values()} >= {128, 256, 384, 512, 640}
+    got += cached.generate(prompts[1:], params)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    for mine, theirs in zip(got, expected):
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(mine["logprobs"], theirs["logprobs"])) <= 1e-5
+    assert cached.kv.prefix_cache.stats.cached_tokens == 2 * 640
+    cached.kv.check()
+
+
+def test_a_failed_step_keeps_nothing_it_may_have_half_written(tiny_checkpoint, monkeypatch):
+    """A forward that raises fails its requests; the snapshots it was to write are given back, and no entry
+    is made from its state."""
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True)
+    cache = cached.kv.prefix_cache
+    free_before = len(cache._free_snapshots)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(cached.model, "forward", broken)
+    (result,) = cached.generate([[2 + i % 400 for i in range(598)]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert "injected" in result["error"]
+    assert cache.num_entries == 0 and len(cache._free_snapshots) == free_before and not cache._reserved
+    cached.kv.check()
+    assert all(used == 0 for used in cached.kv.pages_used().values())

@@ -130,3 +130,35 @@ def test_nothing_to_do_launches_nothing():
     assert plan_compress_into_pool(z, z, state, state.clone(), plan, torch.zeros(4, 32), torch.ones(16), 1e-6,
                                    torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(2, 4, 16),
                                    torch.zeros(1, 1, dtype=torch.int32)) == []
+
+
+@pytest.mark.parametrize("rate,overlap,snapshots", [(4, True, (16, 22)), (16, False, (20, 40))])
+@pytest.mark.parametrize("fn", [compress_into_pool_reference, compress_into_pool_triton])
+def test_a_snapshot_inside_a_chunk_keeps_the_ring_as_it_stands_there(rate, overlap, snapshots, fn):
+    """Chunk [3, 45) of slot 0 snapshots its ring at two positions into slots 1 and 2: they hold, of the ring,
+    exactly what a continuation from there reads, as slot 0 holds them after chunks that end there."""
+    head_dim = 8
+    width, ring = (2 * head_dim if overlap else head_dim), (2 * rate if overlap else rate)
+    gen = torch.Generator().manual_seed(5)
+    kv_all, gate_all = torch.randn(45, width, generator=gen), torch.randn(45, width, generator=gen)
+    bias, norm_weight = torch.randn(rate, width, generator=gen), torch.ones(head_dim)
+    table = torch.zeros(1, 8, dtype=torch.int32)
+
+    def run(rings, start, end, snaps=()):
+        plan = build_plan(rate, overlap, [start], [end - start], [0], [0], "cpu",
+                          [(0, p, slot) for slot, p in enumerate(snaps, 1)])
+        trig = torch.zeros(plan.num_entries, 2)
+        fn(kv_all[start:end], gate_all[start:end], *rings, plan, bias, norm_weight, 1e-6, trig.cos(), trig.sin(),
+           torch.zeros(9, 4, head_dim), table)
+
+    one_chunk = (torch.randn(3, ring, width, generator=gen), torch.randn(3, ring, width, generator=gen))
+    stepped = tuple(t.clone() for t in one_chunk)
+    run(one_chunk, 0, 3)
+    run(one_chunk, 3, 45, snapshots)
+    run(stepped, 0, 3)
+    for slot, (previous, position) in enumerate(zip((3, *snapshots), snapshots), 1):
+        run(stepped, previous, position)
+        lookback = position % rate + (rate if overlap else 0)
+        kept = [p % ring for p in range(position - lookback, position)]
+        for snapshot, reference in zip(one_chunk, stepped):
+            torch.testing.assert_close(snapshot[slot, kept], reference[0, kept], rtol=0, atol=0)

@@ -1,6 +1,7 @@
 """Prefix-cache page accounting: any sequence of requests arriving (restoring a cached prefix when one
-matches), computing, registering block boundaries, finishing, aborting, and cache evictions conserves every
-pool's pages, and a page is free only when no request and no cache entry holds it."""
+matches), computing chunks (keeping the block boundaries inside them and where they end), failing a step,
+finishing, aborting, and cache evictions conserves every pool's pages and snapshot slots, and a page is free
+only when no request and no cache entry holds it."""
 
 from __future__ import annotations
 
@@ -45,22 +46,29 @@ def test_any_sequence_of_operations_conserves_pages(operations):
                 assert entry.length < seq.num_tokens and entry.length % 128 == 0
                 cache.restore(seq, entry)
             live.append(seq)
-        elif op == "compute" and live:
+        elif op == "compute" and live:  # one step of one request, as the scheduler and the engine run it
             seq = live[value % len(live)]
-            n = min(seq.num_tokens - seq.num_computed_tokens, 1 + value % 200)
-            boundary = (seq.num_computed_tokens + n) // 128 * 128
-            if boundary > seq.num_computed_tokens and value % 2:
-                n = boundary - seq.num_computed_tokens  # a chunk cut at a block, as the scheduler cuts them
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, 1 + value % 300)
             if n > 0 and kv.evict_cached_until(lambda: kv.can_extend(seq, n)):
                 kv.extend(seq, n)
-                seq.num_computed_tokens += n
-                cache.register(seq)
-                kv.release_slid_out(seq)
+                reserved = cache.reserve(seq, start, start + n)
+                assert all(start < r.position < start + n and r.position % 128 == 0 for r in reserved)
+                if value % 7 == 0:  # the forward failed: nothing kept, the request ends
+                    cache.release_reserved(reserved)
+                    live.remove(seq)
+                    seq.release_pages()
+                else:
+                    seq.num_computed_tokens += n
+                    cache.keep_reserved(seq, reserved)
+                    cache.register(seq)
+                    kv.release_slid_out(seq)
         elif op == "finish" and live:
             live.pop(value % len(live)).release_pages()  # finished or aborted: the same release
         elif op == "evict":
             cache.evict_one()
         kv.check()  # every page's references are exactly its holders; free + used == total
+        assert len(cache._free_snapshots) + cache.num_entries == 6 and not cache._reserved  # snapshot slots
         for pool, pages in cache.snapshot_stats()["pages"].items():  # the gauge, kept as entries come and go
             assert pages == len({p for held in cache.held_pages(pool) for p in held})
     for seq in live:
@@ -96,5 +104,43 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     first.release_pages()
     second.release_pages()
     cache.clear()
+    kv.check()
+    assert all(used == 0 for used in kv.pages_used().values())
+
+
+def test_eviction_takes_the_least_recently_used_and_the_shortest_among_equals():
+    """Using a prefix uses every shorter boundary of it too; of entries used together the shortest goes first
+    (a chat's next turn needs the longest)."""
+    kv = _manager(num_tokens=4096, ratio=1.0, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=8)
+    cache = kv.prefix_cache
+
+    def compute(seq, n):
+        start = seq.num_computed_tokens
+        kv.extend(seq, n)
+        reserved = cache.reserve(seq, start, start + n)
+        seq.num_computed_tokens += n
+        cache.keep_reserved(seq, reserved)
+        cache.register(seq)
+        kv.release_slid_out(seq)
+
+    a, b = Sequence("a", list(range(2, 522))), Sequence("b", list(range(600, 900)))
+    compute(a, 520)  # boundaries 128 .. 512 inside one chunk
+    compute(b, 300)
+    names = {e.key: f"{seq.request_id}{e.length}" for seq in (a, b) for e in cache._entries.values()
+             if e.key in cache.digests(seq.token_ids(), 4)}
+    assert sorted(names.values()) == ["a128", "a256", "a384", "a512", "b128", "b256"]
+    c = Sequence("c", list(range(2, 302)) + [1] * 10)
+    entry = cache.lookup(c)
+    assert names[entry.key] == "a256" and cache.restore(c, entry)  # uses a's 256 and 128 again
+    evicted = []
+    while cache.num_entries:
+        before = set(cache._entries)
+        cache.evict_one()
+        (gone,) = before - set(cache._entries)
+        evicted.append(names[gone])
+    assert evicted == ["a384", "a512", "b128", "b256", "a128", "a256"]
+    for seq in (a, b, c):
+        seq.release_pages()
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())
