@@ -102,6 +102,28 @@ def test_http_generate_stream_matches_offline_generation(server, reference):
 
 
 
+def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
+    """The next turn resends the conversation: the server restores the previous request's end (every position
+    but the last reply token), and streams what offline generation without the cache gives."""
+    def hits():
+        return server.metric_values("dsv4_prefix_cache_hit_tokens_total").get('{model="dsv4"}', 0)
+
+    gen = np.random.default_rng(12)
+    history = gen.integers(2, _vocab_size(), 300).tolist()
+    hits_before = hits()
+    (first,) = stream_all(server, [history], MAX_TOKENS)
+    turn = history + first.ids + gen.integers(2, _vocab_size(), 20).tolist()
+    (second,) = stream_all(server, [turn], MAX_TOKENS)
+    assert wait_for(lambda: hits() - hits_before == len(history) + len(first.ids) - 1), hits() - hits_before
+    ids_file = tmp_path / "turn.json"
+    ids_file.write_text(json.dumps([turn]))
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT),
+           "--input-ids-file", str(ids_file), "--max-tokens", str(MAX_TOKENS), "--device", "cpu",
+           "--no-enable-prefix-caching"]
+    (expected,) = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    assert second.error is None and second.ids == expected["output_ids"]
+
+
 def test_cancelling_a_stream_frees_its_pages(server):
     def pages_used():  # by requests: the pages in use that no prefix-cache entry holds
         cached = server.metric_values("dsv4_prefix_cache_pages")
