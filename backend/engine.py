@@ -79,7 +79,7 @@ class LLMEngine:
                                            capture=self.device == "cuda")
                               if config.resolved_cuda_graphs() else None)
         self.sampler = Sampler()
-        self.cpu_threads = config.cpu_threads or torch.get_num_threads()
+        self.cpu_threads = config.cpu_threads or _default_cpu_threads()
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -288,9 +288,21 @@ class LLMEngine:
 SMALL_STEP_TOKENS = 64
 
 
+_threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them
+
+
 def _use_intra_op_threads(count: int) -> None:
+    global _threads_before_engines
     if torch.get_num_threads() != count:
+        if _threads_before_engines is None:
+            _threads_before_engines = torch.get_num_threads()
         torch.set_num_threads(count)
+
+
+def _default_cpu_threads() -> int:
+    """torch's thread count as the process set it: not what an earlier engine's last small step left (a
+    second engine in one process would otherwise run its prefills on one thread)."""
+    return _threads_before_engines or torch.get_num_threads()
 
 
 def _memory_pools(config: EngineConfig, model_config, dtype, device) -> KVCacheManager:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +183,23 @@ def test_static_decode_steps_generate_the_same_tokens_as_dynamic_ones(tiny_check
     buckets = {key.rows for key in static.decode_graphs.keys}
     assert 4 in buckets and len(buckets) >= 2, buckets
     assert _all_pages_free(static)
+
+
+def test_a_second_engine_in_one_process_prefills_on_the_processs_threads(tiny_checkpoint):
+    """Small steps run on one intra-op thread; the next engine must not take that for the process's count
+    (a fresh process, so that no earlier engine has touched its threads)."""
+    script = f"""
+import torch
+torch.set_num_threads(2)
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+config = EngineConfig(checkpoint={str(tiny_checkpoint)!r}, device="cpu")
+first = LLMEngine(config)
+first.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+assert torch.get_num_threads() == 1, "small steps run on one thread"
+print(first.cpu_threads, LLMEngine(config).cpu_threads)
+"""
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.split() == ["2", "2"]
