@@ -56,7 +56,8 @@ class Trace:
 def engine_config(policy: str, args) -> EngineConfig:
     kwargs = dict(checkpoint=args.checkpoint, device=args.device, prefill_chunk_tokens=args.prefill_chunk_tokens,
                   max_running_requests=4, max_num_batched_tokens=max(8192, args.prefill_chunk_tokens + 4),
-                  num_tokens=2 * (args.attacker_prompt_tokens + args.victim_tokens), swa_full_tokens_ratio=0.25)
+                  num_tokens=2 * (args.attacker_prompt_tokens + args.victim_tokens), swa_full_tokens_ratio=0.25,
+                  enable_prefix_caching=args.enable_prefix_caching)
     if policy.startswith("interleave:"):
         kwargs.update(policy="prefill_first", decode_interleave_every=int(policy.split(":")[1]))
     elif policy.startswith("itl:"):
@@ -180,6 +181,8 @@ def main() -> None:
     parser.add_argument("--attacker-after", type=int, default=20, help="victim tokens before the attacker arrives")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=565)
     parser.add_argument("--gap-thresholds", type=float, nargs="+", default=[0.5, 2.0])
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.enable_prefix_caching, help="the engine default: on")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
