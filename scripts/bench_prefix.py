@@ -73,6 +73,7 @@ def run(config: EngineConfig, conversations: int, turns: int, reply_tokens: int,
                 engine.submit(conv.active, on_output(conv))
         engine.step()
     wall = time.perf_counter() - started
+    engine.shutdown()
     prefill = sum(r.num_prefill_tokens for r in engine.scheduler.records)
     prompt_tokens = sum(c.prompt_tokens for c in convs)
     cache = engine.kv.prefix_cache
