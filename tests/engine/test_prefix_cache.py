@@ -17,7 +17,9 @@ from backend.request import SamplingParams
 
 
 def _engine(checkpoint, **settings) -> LLMEngine:
-    base = dict(checkpoint=str(checkpoint), device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5)
+    """The uncached engine unless `enable_prefix_caching=True` (the reference every test compares with)."""
+    base = dict(checkpoint=str(checkpoint), device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5,
+                enable_prefix_caching=False)
     return LLMEngine(EngineConfig(**{**base, **settings}))
 
 
@@ -70,23 +72,28 @@ def test_preempted_requests_resume_from_the_cache_and_eviction_makes_room(tiny_c
 
 def test_with_two_ranks_the_workers_replay_the_caches_copies(parallel_checkpoint):
     """TP=2 + EP=2 with the cache: a chat turn restored from the cache (its pages and rings copied on rank 0
-    and replayed on the worker) gives the single rank's uncached tokens."""
+    and replayed on the worker), and a prompt sharing the block boundary at 128 (snapshotted inside the first
+    prompt's chunk, on every rank by the step itself), give the single rank's uncached tokens."""
     gen = torch.Generator().manual_seed(4)
     first = torch.randint(2, 500, (200,), generator=gen).tolist()
     params = SamplingParams(max_tokens=7, ignore_eos=True)
-    (expected_first,) = _engine(parallel_checkpoint).generate([first], params)
+    plain = _engine(parallel_checkpoint)
+    (expected_first,) = plain.generate([first], params)
     second = first + expected_first["output_ids"] + torch.randint(2, 500, (30,), generator=gen).tolist()
-    (expected_second,) = _engine(parallel_checkpoint).generate([second], params)
+    third = first[:150] + torch.randint(2, 500, (20,), generator=gen).tolist()
+    expected = plain.generate([second], params) + plain.generate([third], params)
     sharded = _engine(parallel_checkpoint, enable_prefix_caching=True, tensor_parallel_size=2,
                       expert_parallel_size=2)
     try:
         (got_first,) = sharded.generate([first], params)
-        (got_second,) = sharded.generate([second], params)
+        got = sharded.generate([second], params)
         assert sharded.kv.prefix_cache.stats.cached_tokens == 200 + 7 - 1
+        got += sharded.generate([third], params)
+        assert sharded.kv.prefix_cache.stats.cached_tokens == 200 + 7 - 1 + 128
     finally:
         sharded.shutdown()
     assert got_first["output_ids"] == expected_first["output_ids"]
-    assert got_second["output_ids"] == expected_second["output_ids"]
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
 
 
 @pytest.mark.parametrize("first_length", [90, 200, 333])
