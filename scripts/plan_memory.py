@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backend.config import EngineConfig  # noqa: E402
 from backend.memory.kv_manager import KVCacheManager  # noqa: E402
 from backend.model.config import load_model_config, parse_model_config  # noqa: E402
 from backend.model.footprint import weight_bytes  # noqa: E402
@@ -115,8 +116,10 @@ def main() -> None:
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="activations and workspace per device")
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--prefix-cache-entries", type=int, default=0,
-                        help="with enable_prefix_caching: prefix_cache_entries (their ring snapshots take memory)")
+    parser.add_argument("--prefix-cache-entries", type=int,
+                        default=EngineConfig.prefix_cache_entries if EngineConfig.enable_prefix_caching else 0,
+                        help="the engine's prefix_cache_entries, 0 with enable_prefix_caching=false (each entry's "
+                             "ring snapshot takes memory); default: the engine's default")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.checkpoint is not None:
