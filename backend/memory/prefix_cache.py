@@ -152,7 +152,7 @@ class PrefixCache:
         seq.pages = pages
         kv.track(pages)
         seq.num_computed_tokens = entry.length
-        self._touch(entry, seq.token_ids())
+        self._touch(entry, self.digests(seq.token_ids(), (entry.length - 1) // self.block_tokens))
         return True
 
     def record_hit(self, num_tokens: int) -> None:
@@ -188,12 +188,15 @@ class PrefixCache:
 
     def keep_reserved(self, seq, reserved: list[ReservedSnapshot]) -> None:
         """After the step: the reserved boundaries of `seq` become entries (their rings are in their slots)."""
+        if not reserved:
+            return
+        digests = self.digests(seq.token_ids(), reserved[-1].position // self.block_tokens)
         for r in reserved:
             del self._reserved[r.key]
             if r.key in self._entries:  # kept meanwhile (another request ended a step there): one is enough
                 self._free_snapshots.append(r.snapshot)
                 continue
-            self._add_entry(seq, r.key, r.position, r.snapshot)
+            self._add_entry(seq, r.key, r.position, r.snapshot, digests[:r.position // self.block_tokens - 1])
 
     def release_reserved(self, reserved: list[ReservedSnapshot]) -> None:
         """The step did not run (it failed): its snapshots are void."""
@@ -212,8 +215,8 @@ class PrefixCache:
         length = seq.num_computed_tokens
         if length == 0 or length % self.block_tokens or seq.pages is None or seq.pages.slot is None:
             return
-        digest = self.digests(seq.token_ids(), length // self.block_tokens)[-1]
-        self._keep(seq, digest)
+        digests = self.digests(seq.token_ids(), length // self.block_tokens)
+        self._keep(seq, digests[-1], digests[:-1])
 
     def register_end(self, seq) -> None:
         """When `seq` finishes: keep its state at its last computed position (the next turn of a chat resends
@@ -223,27 +226,29 @@ class PrefixCache:
             return
         tokens = seq.token_ids()
         full = length // self.block_tokens
-        anchor = self.digests(tokens, full)[-1] if full else b""
+        digests = self.digests(tokens, full)
+        anchor = digests[-1] if full else b""
         tail = tuple(tokens[full * self.block_tokens:length])
         key = hashlib.blake2b(anchor + np.asarray(tail, dtype=np.int64).tobytes(), digest_size=16,
                               person=b"end").digest()
-        entry = self._keep(seq, key)
+        entry = self._keep(seq, key, digests)
         if entry is not None and entry.anchor is None:
             entry.anchor, entry.tail = anchor, tail
             self._ends.setdefault(anchor, []).append(entry)
 
-    def _keep(self, seq, key: bytes) -> CachedPrefix | None:
-        """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length."""
+    def _keep(self, seq, key: bytes, ancestors: list[bytes]) -> CachedPrefix | None:
+        """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length;
+        `ancestors`: the digests of the block boundaries before it."""
         if key in self._entries:
-            self._touch(self._entries[key], seq.token_ids())
+            self._touch(self._entries[key], ancestors)
             return self._entries[key]
         if not self._free_snapshots and not self.evict_one():
             return None
         snapshot = self._free_snapshots.pop()
         self._do(("save", seq.pages.slot, snapshot))
-        return self._add_entry(seq, key, seq.num_computed_tokens, snapshot)
+        return self._add_entry(seq, key, seq.num_computed_tokens, snapshot, ancestors)
 
-    def _add_entry(self, seq, key: bytes, length: int, snapshot: int) -> CachedPrefix:
+    def _add_entry(self, seq, key: bytes, length: int, snapshot: int, ancestors: list[bytes]) -> CachedPrefix:
         """An entry for `seq`'s state at `length` (its rings already in `snapshot`), holding its pages."""
         kv, pages = self.kv, seq.pages
         window_first = kv.window_pool.first_needed_page(length)
@@ -252,18 +257,19 @@ class PrefixCache:
         compressed = {name: pages.run(name).pages[:pool.pages_for_tokens(length)]
                       for name, pool in kv.compressed_pools.items()}
         entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot)
-        self._touch(entry, seq.token_ids())
+        self._touch(entry, ancestors)
         for pool, pages in self._pages_of(entry):
             pool.allocator.retain(pages)
             self._held.setdefault(pool.name, Counter()).update(pages)
         self.stats.registered += 1
         return entry
 
-    def _touch(self, entry: CachedPrefix, tokens: list[int]) -> None:
-        """`entry` was used, and so was every boundary of the same tokens before it (the same time)."""
+    def _touch(self, entry: CachedPrefix, ancestors: list[bytes]) -> None:
+        """`entry` was used, and so were the boundaries of the same tokens before it (digests `ancestors`):
+        all at the same time."""
         now = next(self._clock)
         entry.last_used = now
-        for digest in self.digests(tokens, (entry.length - 1) // self.block_tokens):
+        for digest in ancestors:
             if digest in self._entries:
                 self._entries[digest].last_used = now
 
