@@ -30,11 +30,14 @@ a boundary where a step ends (a chunk cut there, a decode reaching it) is copied
 whatever their chunks were. A boundary fewer than a few positions (the CSA window) after its chunk's start is
 skipped: its snapshot would read the ring the same launch rewrites.
 Eviction is least recently used. Using an entry uses every shorter boundary of the same tokens too, so a
-shared prefix (a system prompt) is as recent as its latest user. Among entries used at the same time the
-shortest goes first: what a chat's next turn needs is its previous request's end, while a boundary inside a
-prefix serves only prompts that leave it exactly there; and each entry holds its own references, so dropping
-a shorter one never breaks a longer one (it frees that entry's window pages and snapshot, and compressed
-pages no other holder has).
+shared prefix (a system prompt) is as recent as its latest user. Among entries used at the same time,
+boundaries go before requests' ends (a chat's next turn needs its previous request's end, while a boundary
+serves only prompts that leave the prefix exactly there), then the entry holding the most window pages no
+other entry holds (a boundary whose window lies inside a longer entry's costs nothing to keep), then the
+longest (the start of a long prompt is the likelier to be shared: a leaf of the digest tree goes before its
+ancestors). Each
+entry holds its own references, so dropping one never breaks another (it frees that entry's window pages
+and snapshot, and compressed pages no other holder has).
 The snapshots live in the compressor-state pool's spare slots (backend/memory/compressor_state.py).
 """
 
@@ -61,6 +64,7 @@ class CachedPrefix:
     last_used: int = 0
     anchor: bytes | None = None  # an end entry: the digest of its last full block (b"" before the first)
     tail: tuple[int, ...] = ()  # an end entry: its tokens after the anchor
+    request_end: bool = False  # a request ended here (what a chat's next turn continues)
 
 
 @dataclass
@@ -220,20 +224,24 @@ class PrefixCache:
 
     def register_end(self, seq) -> None:
         """When `seq` finishes: keep its state at its last computed position (the next turn of a chat resends
-        all of it), unless that is a block boundary (register() kept it) or nothing."""
+        all of it), marked as a request's end; at a block boundary register() has kept it already."""
         length = seq.num_computed_tokens
-        if length == 0 or length % self.block_tokens == 0 or seq.pages is None or seq.pages.slot is None:
+        if length == 0 or seq.pages is None or seq.pages.slot is None:
             return
         tokens = seq.token_ids()
         full = length // self.block_tokens
         digests = self.digests(tokens, full)
+        if length % self.block_tokens == 0:
+            if digests[-1] in self._entries:
+                self._entries[digests[-1]].request_end = True
+            return
         anchor = digests[-1] if full else b""
         tail = tuple(tokens[full * self.block_tokens:length])
         key = hashlib.blake2b(anchor + np.asarray(tail, dtype=np.int64).tobytes(), digest_size=16,
                               person=b"end").digest()
         entry = self._keep(seq, key, digests)
         if entry is not None and entry.anchor is None:
-            entry.anchor, entry.tail = anchor, tail
+            entry.anchor, entry.tail, entry.request_end = anchor, tail, True
             self._ends.setdefault(anchor, []).append(entry)
 
     def _keep(self, seq, key: bytes, ancestors: list[bytes]) -> CachedPrefix | None:
@@ -318,12 +326,14 @@ class PrefixCache:
 
     # --- eviction -----------------------------------------------------------------------------
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
-        """Drop the least recently used entry, the shortest among equals (never `keep`); False when there is
-        none."""
+        """Drop the least recently used entry (never `keep`); among equals a boundary before a request's end, the
+        one holding the most window pages no other entry holds, then the longest. False when there is none."""
         candidates = [e for e in self._entries.values() if e is not keep]
         if not candidates:
             return False
-        entry = min(candidates, key=lambda e: (e.last_used, e.length))
+        oldest = min(e.last_used for e in candidates)
+        entry = max((e for e in candidates if e.last_used == oldest),
+                    key=lambda e: (not e.request_end, self._own_window_pages(e), e.length))
         del self._entries[entry.key]
         if entry.anchor is not None:
             self._ends[entry.anchor].remove(entry)
@@ -339,6 +349,12 @@ class PrefixCache:
         self._free_snapshots.append(entry.snapshot)
         self.stats.evictions += 1
         return True
+
+    def _own_window_pages(self, entry: CachedPrefix) -> int:
+        """Its window pages no other entry holds (a boundary whose window lies inside a longer entry's costs
+        nothing to keep). Running requests are not counted: they give their window pages back as they advance."""
+        held = self._held.get(self.kv.window_pool.name, Counter())
+        return sum(held[page] == 1 for page in entry.window_pages)
 
     def clear(self) -> None:
         while self.evict_one():

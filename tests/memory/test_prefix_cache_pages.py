@@ -108,28 +108,32 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     assert all(used == 0 for used in kv.pages_used().values())
 
 
-def test_eviction_takes_the_least_recently_used_and_the_shortest_among_equals():
-    """Using a prefix uses every shorter boundary of it too; of entries used together the shortest goes first
-    (a chat's next turn needs the longest)."""
+def test_eviction_takes_the_least_recently_used_and_of_equals_boundaries_then_ends():
+    """Using a prefix uses every shorter boundary of it too; of entries used together, boundaries go before a
+    request's end (a chat's next turn needs it), the one holding the most window pages no other entry holds
+    first, then the longest (a leaf before its ancestors)."""
     kv = _manager(num_tokens=4096, ratio=1.0, page_size=16, max_running=4)
     kv.enable_prefix_caching(128, max_entries=8)
     cache = kv.prefix_cache
+    names = {}
 
-    def compute(seq, n):
+    def compute(seq, n, finish=False):
+        before = set(cache._entries)
         start = seq.num_computed_tokens
         kv.extend(seq, n)
         reserved = cache.reserve(seq, start, start + n)
         seq.num_computed_tokens += n
         cache.keep_reserved(seq, reserved)
         cache.register(seq)
+        if finish:
+            cache.register_end(seq)
         kv.release_slid_out(seq)
+        names.update({key: f"{seq.request_id}{cache._entries[key].length}" for key in set(cache._entries) - before})
 
     a, b = Sequence("a", list(range(2, 522))), Sequence("b", list(range(600, 900)))
     compute(a, 520)  # boundaries 128 .. 512 inside one chunk
-    compute(b, 300)
-    names = {e.key: f"{seq.request_id}{e.length}" for seq in (a, b) for e in cache._entries.values()
-             if e.key in cache.digests(seq.token_ids(), 4)}
-    assert sorted(names.values()) == ["a128", "a256", "a384", "a512", "b128", "b256"]
+    compute(b, 300, finish=True)  # boundaries 128, 256 and its end at 300
+    assert sorted(names.values()) == ["a128", "a256", "a384", "a512", "b128", "b256", "b300"]
     c = Sequence("c", list(range(2, 302)) + [1] * 10)
     entry = cache.lookup(c)
     assert names[entry.key] == "a256" and cache.restore(c, entry)  # uses a's 256 and 128 again
@@ -139,8 +143,32 @@ def test_eviction_takes_the_least_recently_used_and_the_shortest_among_equals():
         cache.evict_one()
         (gone,) = before - set(cache._entries)
         evicted.append(names[gone])
-    assert evicted == ["a384", "a512", "b128", "b256", "a128", "a256"]
+    # boundaries 128 apart hold disjoint windows; b256's overlaps b's end at 300, so b128 goes first
+    assert evicted == ["a512", "a384", "b128", "b256", "b300", "a256", "a128"]
     for seq in (a, b, c):
         seq.release_pages()
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())
+
+
+def test_a_long_prompt_overflowing_the_cache_keeps_its_start():
+    """Four snapshot slots, a prompt with eight boundaries: the later chunks evict the deepest boundaries of the
+    earlier ones, so the first block (the likeliest to be shared: a system prompt) stays."""
+    kv = _manager(num_tokens=4096, ratio=1.0, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=4)
+    cache = kv.prefix_cache
+    seq = Sequence("long", list(range(2, 1102)))
+    for n in (300, 300, 300, 200):
+        start = seq.num_computed_tokens
+        kv.extend(seq, n)
+        reserved = cache.reserve(seq, start, start + n)
+        seq.num_computed_tokens += n
+        cache.keep_reserved(seq, reserved)
+        cache.register(seq)
+        kv.release_slid_out(seq)
+        kv.check()
+    lengths = sorted(e.length for e in cache._entries.values())
+    assert len(lengths) == 4 and lengths[0] == 128 and lengths[-1] == 1024, lengths
+    seq.release_pages()
+    cache.clear()
+    kv.check()
