@@ -17,15 +17,15 @@ filled last window page is copied for the continuing request, like the compresse
 Entries are found by a chain of block digests (blake2b over the previous digest and the block's tokens);
 an end entry hangs off the digest of its last full block with the tokens after it (its tail). A prompt
 matches the longest cached prefix of itself: descending through its blocks, an end entry anchored at
-block k is longer than the boundary entry at k, which is longer than anything anchored before. Each entry holds its own references
-to every page it needs (backend/memory/page_allocator.py counts them), so entries are independent and any
-can be evicted: least recently used first, when pages or snapshot slots run short. A page is free only
-when no request and no entry holds it.
+block k is longer than the boundary entry at k, which is longer than anything anchored before. Each entry
+holds its own references to every page it needs (backend/memory/page_allocator.py counts them), so entries
+are independent and any can be evicted, when pages or snapshot slots run short. A page is free only when no
+request and no entry holds it.
 
 Where a state is taken: every block boundary a step computes. A boundary inside a prefill chunk is reserved
 when the step is planned (`reserve`: a snapshot slot), the step's compression plan writes the rings as they
 stand there into that slot (backend/model/compressor.py), and `keep_reserved` makes the entry after the step;
-a boundary where a step ends (a chunk cut there, a decode reaching it) is copied from the request's own slot
+a boundary where a step ends (a chunk ending there, a decode reaching it) is copied from the request's own slot
 (`register`). So prefill chunks need not end at boundaries, and two prompts sharing a system prompt share it
 whatever their chunks were. A boundary fewer than a few positions (the CSA window) after its chunk's start is
 skipped: its snapshot would read the ring the same launch rewrites.
@@ -35,9 +35,8 @@ boundaries go before requests' ends (a chat's next turn needs its previous reque
 serves only prompts that leave the prefix exactly there), then the entry holding the most window pages no
 other entry holds (a boundary whose window lies inside a longer entry's costs nothing to keep), then the
 longest (the start of a long prompt is the likelier to be shared: a leaf of the digest tree goes before its
-ancestors). Each
-entry holds its own references, so dropping one never breaks another (it frees that entry's window pages
-and snapshot, and compressed pages no other holder has).
+ancestors). Each entry holds its own references, so dropping one never breaks another (it frees that entry's
+window pages and snapshot, and compressed pages no other holder has).
 The snapshots live in the compressor-state pool's spare slots (backend/memory/compressor_state.py).
 """
 
