@@ -156,3 +156,56 @@ def test_a_failed_step_keeps_nothing_it_may_have_half_written(tiny_checkpoint, m
     assert cache.num_entries == 0 and len(cache._free_snapshots) == free_before and not cache._reserved
     cached.kv.check()
     assert all(used == 0 for used in cached.kv.pages_used().values())
+
+
+def test_a_mixed_workload_with_cancels_preemption_and_eviction_stays_exact(tiny_checkpoint):
+    """60 requests arriving over time: prompts on three shared system prompts, chat turns continuing finished
+    requests, every seventh cancelled after its third token, in pools so small that requests are preempted and
+    entries evicted. Every finished request generates what the uncached engine generates for its prompt, a
+    cancelled one a prefix of it, and no page is left held when all are done."""
+    from backend.request import RequestOutput, Sequence
+
+    gen = torch.Generator().manual_seed(11)
+    randoms = lambda n: torch.randint(2, 500, (n,), generator=gen).tolist()  # noqa: E731
+    systems = [randoms(n) for n in (150, 260, 400)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    engine = _engine(tiny_checkpoint, enable_prefix_caching=True, num_tokens=768, swa_full_tokens_ratio=1.0,
+                     max_running_requests=4, prefix_cache_entries=12)
+    outputs, finished, prompts = {}, [], {}
+
+    def on_output(out: RequestOutput):
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if len(outputs[out.request_id]) >= 3 and int(out.request_id[1:]) % 7 == 6:
+            engine.abort(out.request_id)
+        if out.finished:
+            finished.append(out.request_id)
+
+    for i in range(60):
+        done = [r for r in finished if not int(r[1:]) % 7 == 6]
+        if i % 3 == 2 and done:  # a chat turn: a finished conversation and a new message
+            previous = done[int(torch.randint(len(done), (1,), generator=gen))]
+            prompt = prompts[previous] + outputs[previous] + randoms(int(torch.randint(5, 60, (1,), generator=gen)))
+        else:
+            prompt = systems[i % 3] + randoms(int(torch.randint(1, 120, (1,), generator=gen)))
+        prompt = prompt[-600:]  # what the pools can hold with the reply
+        prompts[f"r{i}"] = prompt
+        engine.submit(Sequence(f"r{i}", prompt, params), on_output)
+        for _ in range(int(torch.randint(0, 4, (1,), generator=gen))):
+            engine.step()
+    while len(finished) < 60:
+        engine.step()
+
+    expected = _engine(tiny_checkpoint, num_tokens=16384).generate(list(prompts.values()), params)
+    cancelled = 0
+    for (request_id, prompt), want in zip(prompts.items(), expected):
+        got = outputs.get(request_id, [])
+        if int(request_id[1:]) % 7 == 6:
+            cancelled += 1
+            assert got == want["output_ids"][:len(got)], request_id
+        else:
+            assert got == want["output_ids"], request_id
+    stats = engine.kv.prefix_cache.stats
+    assert cancelled == 8 and stats.hits >= 10 and stats.evictions > 0 and engine.stats()["num_preemptions"] > 0, \
+        (stats, engine.stats()["num_preemptions"])
+    engine.kv.check()
+    assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())
