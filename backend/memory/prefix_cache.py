@@ -80,6 +80,7 @@ class ReservedSnapshot:
 class PrefixCacheStats:
     hits: int = 0  # requests that started after a cached prefix
     cached_tokens: int = 0  # prompt positions served from the cache
+    queried_tokens: int = 0  # prompt positions of every admission (the hit rate's denominator)
     evictions: int = 0
     registered: int = 0
 
@@ -158,10 +159,13 @@ class PrefixCache:
         self._touch(entry, self.digests(seq.token_ids(), (entry.length - 1) // self.block_tokens))
         return True
 
-    def record_hit(self, num_tokens: int) -> None:
-        """A request restored from the cache was admitted (a restore undone before admission is no hit)."""
-        self.stats.hits += 1
-        self.stats.cached_tokens += num_tokens
+    def record_admission(self, num_tokens: int, num_cached: int) -> None:
+        """A request of `num_tokens` positions was admitted, the first `num_cached` restored from the cache (a
+        restore undone before admission is no hit)."""
+        self.stats.queried_tokens += num_tokens
+        if num_cached:
+            self.stats.hits += 1
+            self.stats.cached_tokens += num_cached
 
     def _is_partial(self, name: str, length: int) -> bool:
         pool = self.kv.compressed_pools[name]
@@ -367,7 +371,8 @@ class PrefixCache:
     def snapshot_stats(self) -> dict:
         """For engine.stats(): hits, positions served, evictions, entries, and distinct pages entries hold."""
         pools = [self.kv.window_pool.name, *self.kv.compressed_pools]
-        return {"hits": self.stats.hits, "cached_tokens": self.stats.cached_tokens, "evictions": self.stats.evictions,
+        return {"hits": self.stats.hits, "cached_tokens": self.stats.cached_tokens,
+                "queried_tokens": self.stats.queried_tokens, "evictions": self.stats.evictions,
                 "entries": len(self._entries), "pages": {pool: len(self._held.get(pool, ())) for pool in pools}}
 
     def held_pages(self, pool: str) -> list[list[int]]:

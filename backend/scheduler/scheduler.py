@@ -409,9 +409,9 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                 return
             self._waiting.pop(0)
-            if cached:
+            if self.prefix_cache is not None:
                 plan.num_cached_tokens += cached
-                self.prefix_cache.record_hit(cached)
+                self.prefix_cache.record_admission(seq.num_tokens, cached)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             self._add_chunk(plan, seq, num_tokens)

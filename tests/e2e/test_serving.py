@@ -105,16 +105,17 @@ def test_http_generate_stream_matches_offline_generation(server, reference):
 def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
     """The next turn resends the conversation: the server restores the previous request's end (every position
     but the last reply token), and streams what offline generation without the cache gives."""
-    def hits():
-        return server.metric_values("dsv4_prefix_cache_hit_tokens_total").get('{model="dsv4"}', 0)
+    def counter(name):
+        return server.metric_values(f"dsv4_prefix_cache_{name}_tokens_total").get('{model="dsv4"}', 0)
 
     gen = np.random.default_rng(12)
     history = gen.integers(2, _vocab_size(), 300).tolist()
-    hits_before = hits()
+    hits_before, queried_before = counter("hit"), counter("queried")
     (first,) = stream_all(server, [history], MAX_TOKENS)
     turn = history + first.ids + gen.integers(2, _vocab_size(), 20).tolist()
     (second,) = stream_all(server, [turn], MAX_TOKENS)
-    assert wait_for(lambda: hits() - hits_before == len(history) + len(first.ids) - 1), hits() - hits_before
+    assert wait_for(lambda: counter("hit") - hits_before == len(history) + len(first.ids) - 1)
+    assert counter("queried") - queried_before == len(history) + len(turn)
     ids_file = tmp_path / "turn.json"
     ids_file.write_text(json.dumps([turn]))
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT),

@@ -113,6 +113,7 @@ def test_a_chat_turn_continues_exactly_where_the_previous_request_ended(tiny_che
     assert got["output_ids"] == expected["output_ids"]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(got["logprobs"], expected["logprobs"])) <= 1e-5
     assert cached.kv.prefix_cache.stats.cached_tokens == first_length + 9 - 1  # all but the last reply token
+    assert cached.kv.prefix_cache.stats.queried_tokens == len(first) + len(second)  # the hit rate's denominator
     cached.kv.check()
 
 

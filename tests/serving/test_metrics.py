@@ -67,12 +67,15 @@ def test_finished_requests_by_reason(metrics):
 
 
 def test_rejections_and_prefix_cache_counters(metrics):
-    cache = {"hits": 2, "cached_tokens": 512, "evictions": 1, "entries": 3, "pages": {"window": 16, "csa": 4}}
+    cache = {"hits": 2, "cached_tokens": 512, "queried_tokens": 900, "evictions": 1, "entries": 3,
+             "pages": {"window": 16, "csa": 4}}
     metrics.update({"num_rejected_queue_full": 1, "prefix_cache": cache})
-    metrics.update({"num_rejected_queue_full": 3,
-                    "prefix_cache": {**cache, "cached_tokens": 640, "pages": {"window": 8, "csa": 4}}})
+    metrics.update({"num_rejected_queue_full": 3, "prefix_cache": {**cache, "cached_tokens": 640,
+                                                                   "queried_tokens": 1000,
+                                                                   "pages": {"window": 8, "csa": 4}}})
     assert series("dsv4_requests_rejected_total", reason="queue_full").value == 3
     assert series("dsv4_prefix_cache_hit_tokens_total").value == 640
+    assert series("dsv4_prefix_cache_queried_tokens_total").value == 1000
     assert series("dsv4_prefix_cache_evictions_total").value == 1
     assert series("dsv4_prefix_cache_pages", pool="window").value == 8
     metrics.update({"prefix_cache": None})  # caching off: nothing breaks
