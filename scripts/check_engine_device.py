@@ -4,11 +4,13 @@
     python scripts/check_engine_device.py [--device cuda] [--max-tokens 24] [--checkpoint DIR] [--json FILE]
 
 Generates greedily for prompts of 1..300 tokens (batched, so decode steps have several rows and cross
-CSA/HCA boundaries) with: CPU fp32 (the reference run); the device in fp32 with cuda_graphs off and on
-(must equal the reference token for token); the device in bf16 with graphs on and off (must equal each
-other; their agreement with fp32 is reported, not required: bf16 rounding may flip a near-tie). Prints one
-row per run; exit status 1 when a required equality fails. `--device cpu` checks the script itself (the
-padded static step runs eagerly there).
+CSA/HCA boundaries), then for a second wave of prompts that start like the first wave's (restored from the
+prefix cache: block boundaries snapshotted inside the first wave's chunks, and their exact ends), with: CPU
+fp32 without the prefix cache (the reference run); the device in fp32 with cuda_graphs off and on and the
+cache on (must equal the reference token for token, and must have restored from the cache); the device in
+bf16 with graphs on and off (must equal each other; their agreement with fp32 is reported, not required:
+bf16 rounding may flip a near-tie). Prints one row per run; exit status 1 when a required equality fails.
+`--device cpu` checks the script itself (the padded static step runs eagerly there).
 """
 
 from __future__ import annotations
@@ -30,12 +32,24 @@ from backend.request import SamplingParams  # noqa: E402
 PROMPT_LENGTHS = [1, 7, 60, 127, 130, 255, 300]
 
 
-def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompts, max_tokens: int) -> list[list[int]]:
+def waves(gen: torch.Generator) -> list[list[list[int]]]:
+    """The first wave's prompts, and a second wave sharing their prefixes (at 128 and 256: boundaries inside the
+    first wave's chunks, and whole first-wave prompts)."""
+    first = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    tail = lambda n: torch.randint(2, 512, (n,), generator=gen).tolist()  # noqa: E731
+    return [first, [first[6][:200] + tail(30), first[5] + tail(9), first[4][:129] + tail(12), first[6] + tail(3)]]
+
+
+def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompt_waves, max_tokens: int,
+             prefix_caching: bool) -> tuple[list[list[int]], int]:
+    """Every wave's greedy tokens, and the prompt positions the cache served."""
     engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                     max_running_requests=8, num_tokens=16384, page_size=16,
-                                    swa_full_tokens_ratio=0.5))
-    results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    return [r["output_ids"] for r in results]
+                                    swa_full_tokens_ratio=0.5, enable_prefix_caching=prefix_caching))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens = [r["output_ids"] for prompts in prompt_waves for r in engine.generate(prompts, params)]
+    cache = engine.kv.prefix_cache
+    return tokens, cache.stats.cached_tokens if cache is not None else 0
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -54,24 +68,26 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    reference = generate(options.checkpoint, "cpu", "float32", False, prompts, options.max_tokens)
+    prompt_waves = waves(torch.Generator().manual_seed(0))
+    reference, _ = generate(options.checkpoint, "cpu", "float32", False, prompt_waves, options.max_tokens, False)
     runs = [("float32", False, True), ("float32", True, True), ("bfloat16", False, False), ("bfloat16", True, False)]
     rows, failed, outputs = [], False, {}
     for dtype, graphs, must_equal in runs:
-        tokens = generate(options.checkpoint, options.device, dtype, graphs, prompts, options.max_tokens)
+        tokens, cached = generate(options.checkpoint, options.device, dtype, graphs, prompt_waves,
+                                  options.max_tokens, True)
         outputs[(dtype, graphs)] = tokens
         equal = tokens == reference
-        failed |= must_equal and not equal
+        failed |= (must_equal and not equal) or cached == 0
         rows.append(dict(device=options.device, dtype=dtype, cuda_graphs=graphs, equal_to_cpu_fp32=equal,
-                         agreement_with_cpu_fp32=agreement(tokens, reference), required=must_equal))
+                         agreement_with_cpu_fp32=agreement(tokens, reference), required=must_equal,
+                         cached_tokens=cached))
     bf16_graphs_equal = outputs[("bfloat16", True)] == outputs[("bfloat16", False)]
     failed |= not bf16_graphs_equal
-    print(f"{'device':<7} {'dtype':<9} {'graphs':<6} {'== cpu fp32':<11} {'agreement':>9}  required")
+    print(f"{'device':<7} {'dtype':<9} {'graphs':<6} {'== cpu fp32':<11} {'agreement':>9}  {'required':<8} "
+          f"cached positions")
     for r in rows:
         print(f"{r['device']:<7} {r['dtype']:<9} {str(r['cuda_graphs']):<6} {str(r['equal_to_cpu_fp32']):<11} "
-              f"{r['agreement_with_cpu_fp32']:>9.3f}  {r['required']}")
+              f"{r['agreement_with_cpu_fp32']:>9.3f}  {str(r['required']):<8} {r['cached_tokens']}")
     print(f"bf16 graphs on == off: {bf16_graphs_equal}")
     if options.json:
         options.json.write_text(json.dumps(dict(runs=rows, bf16_graphs_equal=bf16_graphs_equal), indent=2))

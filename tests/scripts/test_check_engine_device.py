@@ -21,3 +21,4 @@ def test_engine_check_passes_on_cpu(tmp_path, tiny_checkpoint):
     required = [r for r in report["runs"] if r["required"]]
     assert [(r["dtype"], r["cuda_graphs"]) for r in required] == [("float32", False), ("float32", True)]
     assert all(r["equal_to_cpu_fp32"] for r in required) and report["bf16_graphs_equal"]
+    assert all(r["cached_tokens"] > 0 for r in report["runs"])  # the second wave came from the prefix cache
