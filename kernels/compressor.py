@@ -11,7 +11,8 @@ slot entry_index % page_size of `pool` [pages, page_size, d]. Entries with entry
 shapes for CUDA graphs): they go to the pool's last page, the scratch page no request owns
 (backend/memory/paged_pool.py), so no mask or data-dependent shape is needed.
 
-Kernel (`compress_into_pool_triton`): one program per closing entry and one per BLOCK_KEEP ring updates.
+Kernel (`compress_into_pool_triton`): one program per closing entry and one per BLOCK_KEEP keep rows (ring updates,
+and the prefix cache's snapshots into spare slots: backend/model/compressor.py).
   entry program   resolves its span's sources (a ring slot of its row, or a token of this batch), and over span
                   chunks of BLOCK_S positions x all head_dim channels: pass 1 an online max / sum of exp of
                   gate + position_bias (rounded to the dtype, as the reference adds them), pass 2 the softmax
@@ -23,7 +24,9 @@ Launches: ONE when every row of the batch advances by one token (decode; also ev
 reads ring positions start - span + 1 .. start - 1 and the ring update writes position start, whose ring index
 is that of start - ring, which no entry reads (span <= ring), so entry and keep programs cannot race. A batch
 with longer rows (prefill chunks) may overwrite ring positions its entries read: TWO launches of the same kernel,
-the entries first, then the ring updates. The launch shapes come from the plan's tensor shapes only.
+the entries first, then the ring updates. Snapshot rows (plan.num_snapshot_keep, first among the keep rows) may read
+ring positions too and write only spare slots, which no entry reads: they go in the first launch. The launch shapes
+come from the plan's tensor shapes and that count only.
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def _span_chunk(s0, e, d, d_mask, entry_src_ptr, entry_valid_ptr, ring_slots_ptr
     return tl.where(mask, logit, float("-inf")), mask, from_ring, state_off, kv_off, cols
 
 
-@triton.jit(do_not_specialize=["num_entry_programs", "num_keep", "num_ring_rows"])
+@triton.jit(do_not_specialize=["num_entry_programs", "keep_begin", "keep_end", "num_ring_rows"])
 def _compress_kernel(
     # this batch's projections and one layer's rings
     kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr,
@@ -136,7 +139,7 @@ def _compress_kernel(
     # weights, rope at each entry, the pool
     bias_ptr, norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, block_table_ptr,
     # sizes
-    num_entry_programs, num_keep, num_ring_rows, scratch_page, eps,
+    num_entry_programs, keep_begin, keep_end, num_ring_rows, scratch_page, eps,
     # strides (last dimensions contiguous)
     stride_kv_t, stride_gate_t, stride_state_slot, stride_state_pos, stride_bias_s, stride_cos, stride_sin,
     stride_pool_page, stride_pool_slot, stride_bt,
@@ -147,9 +150,9 @@ def _compress_kernel(
 ):
     pid = tl.program_id(0)
     dtype = kv_ptr.dtype.element_ty
-    if pid >= num_entry_programs:  # ring update: keep rows (pid - num_entry_programs) * BLOCK_KEEP ...
-        m = (pid - num_entry_programs) * BLOCK_KEEP + tl.arange(0, BLOCK_KEEP)
-        m_mask = m < num_keep
+    if pid >= num_entry_programs:  # keep rows keep_begin + (pid - num_entry_programs) * BLOCK_KEEP ... < keep_end
+        m = keep_begin + (pid - num_entry_programs) * BLOCK_KEEP + tl.arange(0, BLOCK_KEEP)
+        m_mask = m < keep_end
         src = tl.load(keep_src_ptr + m, mask=m_mask, other=0).to(tl.int64)
         from_ring, state_off, kv_off, gate_off = _source_rows(
             src, ring_slots_ptr, ring_order_ptr, num_ring_rows, stride_state_slot, stride_state_pos, stride_kv_t,
@@ -229,7 +232,8 @@ def compress_config(span: int, head_dim: int, width: int) -> dict:
 def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
                             entry_sin, pool, block_table, config: dict | None = None):
     """Check shapes; return the launches (kernel, grid, args, kwargs) of `compress_into_pool_triton`: none when
-    nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries, then the rings)."""
+    nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries and snapshots, then
+    the rings)."""
     width = kv.shape[-1]
     head_dim = norm_weight.shape[0]
     span, ring = plan.entry_src.shape[1], plan.ring
@@ -258,16 +262,17 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
                entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
                   ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], **cfg)
-    keep_programs = triton.cdiv(num_keep, cfg["BLOCK_KEEP"])
     scratch_page = pool.shape[0] - 1
 
-    def launch(num_entry_programs, num_programs):
-        args = (*tensors, num_entry_programs, num_keep, num_rows * ring, scratch_page, float(eps), *strides)
-        return (_compress_kernel, (num_programs,), args, kwargs)
+    def launch(entries, keep_begin, keep_end):  # programs: `entries` entries, then keep rows [keep_begin, keep_end)
+        programs = entries + triton.cdiv(keep_end - keep_begin, cfg["BLOCK_KEEP"])
+        args = (*tensors, entries, keep_begin, keep_end, num_rows * ring, scratch_page, float(eps), *strides)
+        return [(_compress_kernel, (programs,), args, kwargs)] if programs else []
 
-    if num_keep == num_rows:  # every row advances by one token: entries and ring updates cannot race
-        return [launch(num_entries, num_entries + keep_programs)]
-    return [launch(num_entries, num_entries)] * (num_entries > 0) + [launch(0, keep_programs)] * (keep_programs > 0)
+    if num_keep == num_rows:  # every row advances by one token (no snapshots): entries and ring updates cannot race
+        return launch(num_entries, 0, num_keep)
+    snapshots = plan.num_snapshot_keep
+    return launch(num_entries, 0, snapshots) + launch(0, snapshots, num_keep)
 
 
 def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,

@@ -27,8 +27,7 @@ when the step is planned (`reserve`: a snapshot slot), the step's compression pl
 stand there into that slot (backend/model/compressor.py), and `keep_reserved` makes the entry after the step;
 a boundary where a step ends (a chunk ending there, a decode reaching it) is copied from the request's own slot
 (`register`). So prefill chunks need not end at boundaries, and two prompts sharing a system prompt share it
-whatever their chunks were. A boundary fewer than a few positions (the CSA window) after its chunk's start is
-skipped: its snapshot would read the ring the same launch rewrites.
+whatever their chunks were.
 Eviction is least recently used. Using an entry uses every shorter boundary of the same tokens too, so a
 shared prefix (a system prompt) is as recent as its latest user. Among entries used at the same time,
 boundaries go before requests' ends (a chat's next turn needs its previous request's end, while a boundary
@@ -48,8 +47,6 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-
-from backend.model.compressor import snapshot_lookback
 
 
 @dataclass
@@ -174,10 +171,10 @@ class PrefixCache:
     # --- register -----------------------------------------------------------------------------
     def reserve(self, seq, start: int, end: int) -> list[ReservedSnapshot]:
         """Planning a step that computes positions [start, end) of `seq`: a snapshot slot for each new block
-        boundary P with start < P < end (the one at `end`, `register` keeps after the step) whose ring positions
-        this step computes; the step writes its state there, `keep_reserved` (or `release_reserved`) follows."""
+        boundary P with start < P < end (the one at `end`, `register` keeps after the step); the step writes its
+        state there, `keep_reserved` (or `release_reserved`) follows."""
         block = self.block_tokens
-        positions = [p for p in range((start // block + 1) * block, end, block) if p - self._lookback(p) >= start]
+        positions = list(range((start // block + 1) * block, end, block))
         if not positions:
             return []
         digests = self.digests(seq.token_ids(), positions[-1] // block)
@@ -210,12 +207,6 @@ class PrefixCache:
         for r in reserved:
             del self._reserved[r.key]
             self._free_snapshots.append(r.snapshot)
-
-    def _lookback(self, position: int) -> int:
-        """Positions before `position` whose projections a snapshot there keeps (the CSA compressor and its
-        indexer overlap two windows; HCA does not)."""
-        return max((snapshot_lookback(pool.compress_rate, name == "csa", position)
-                    for name, pool in self.kv.compressed_pools.items()), default=0)
 
     def register(self, seq) -> None:
         """After a step: when `seq` stands exactly at a block boundary, keep its state there (if new)."""

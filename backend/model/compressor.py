@@ -15,7 +15,10 @@ which entries close in this batch, where each of their source tokens is (in the 
 earlier tokens or in this batch), where to store the entry, and which tokens to keep in the ring.
 It may also snapshot a row's ring at a position P inside its chunk (prefix caching keeps the state at
 every block boundary): the positions a continuation from P reads from the ring are written into
-another slot (a spare one, backend/memory/compressor_state.py) like any ring update.
+another slot (a spare one, backend/memory/compressor_state.py) like any ring update. These snapshot
+rows come first among the keep rows (`num_snapshot_keep` of them): they may read ring positions
+before the chunk, which the chunk's own ring updates overwrite, so the kernel writes them with the
+entries, before the ring updates (kernels/compressor.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class CompressionPlan:
     keep_src: torch.Tensor  # [M] index into the same source of the tokens the ring keeps
     keep_slot: torch.Tensor  # [M]
     keep_pos: torch.Tensor  # [M] ring index
+    num_snapshot_keep: int = 0  # the first keep rows are snapshots (into spare slots), the rest ring updates
 
     @property
     def num_entries(self) -> int:
@@ -76,10 +80,11 @@ def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[i
     keep = (start + length - kept)[keep_row] + keep_rank
     keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(row_starts))
     keep_slot, keep_pos = slot[keep_row], keep % ring
+    num_snapshot_keep = 0
     if snapshots:
         snap_src, snap_slot, snap_pos = _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset)
-        keep_src, keep_slot = torch.cat([keep_src, snap_src]), torch.cat([keep_slot, snap_slot])
-        keep_pos = torch.cat([keep_pos, snap_pos])
+        keep_src, keep_slot = torch.cat([snap_src, keep_src]), torch.cat([snap_slot, keep_slot])
+        keep_pos, num_snapshot_keep = torch.cat([snap_pos, keep_pos]), int(snap_src.shape[0])
 
     def on_device(t):
         return t.to(device)
@@ -91,23 +96,25 @@ def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[i
         entry_src=on_device(entry_src), entry_valid=on_device(positions >= 0),
         entry_pos=on_device(entry_index * rate), entry_row=on_device(entry_row), entry_index=on_device(entry_index),
         keep_src=on_device(keep_src), keep_slot=on_device(keep_slot), keep_pos=on_device(keep_pos),
+        num_snapshot_keep=num_snapshot_keep,
     )
 
 
-def snapshot_lookback(rate: int, overlap: bool, position: int) -> int:
+def _snapshot_lookback(rate: int, overlap: bool, position: int) -> int:
     """How many positions before `position` a continuation from there reads from the ring: the open window,
     and with overlap the window before it (CSA's Ca half)."""
     return position % rate + (rate if overlap else 0)
 
 
 def _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset):
-    """(source, slot, ring index) of the ring positions each snapshot keeps. Their sources must lie in this batch:
-    the Triton kernel updates the row's own ring in the same launch, so it cannot also read it."""
+    """(source, slot, ring index) of the ring positions each snapshot keeps: computed in this batch, or still in
+    the row's ring (positions just before its chunk)."""
     row, position, dest = (torch.tensor(v) for v in zip(*snapshots))
-    lookback = torch.tensor([snapshot_lookback(rate, overlap, int(p)) for p in position])
+    lookback = torch.tensor([_snapshot_lookback(rate, overlap, int(p)) for p in position])
     first = position - lookback
-    assert bool(((first >= start[row]) & (position <= start[row] + length[row])).all()), \
-        "a snapshot's positions must be computed in this batch"
+    assert bool(((first >= start[row] - ring) & (position > start[row])
+                 & (position <= start[row] + length[row])).all()), \
+        "a snapshot is of a position in its row's chunk, whose ring positions are in the batch or the ring"
     which, rank = _expand(torch.arange(len(snapshots)), lookback)
     positions, rows = first[which] + rank, row[which]
     src = _source_index(positions, rows, start[rows], offset[rows], ring, len(start))

@@ -122,6 +122,7 @@ def _padded_plan(plan: CompressionPlan, num_entries: int) -> CompressionPlan:
         entry_src=pad(plan.entry_src, 0), entry_valid=pad(plan.entry_valid, True), entry_pos=pad(plan.entry_pos, 0),
         entry_row=pad(plan.entry_row, -1), entry_index=pad(plan.entry_index, 0),
         keep_src=plan.keep_src, keep_slot=plan.keep_slot, keep_pos=plan.keep_pos,
+        num_snapshot_keep=plan.num_snapshot_keep,
     )
 
 

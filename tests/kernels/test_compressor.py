@@ -132,11 +132,15 @@ def test_nothing_to_do_launches_nothing():
                                    torch.zeros(1, 1, dtype=torch.int32)) == []
 
 
-@pytest.mark.parametrize("rate,overlap,snapshots", [(4, True, (16, 22)), (16, False, (20, 40))])
+@pytest.mark.parametrize("rate,overlap,split,snapshots", [
+    (4, True, 3, (16, 22)), (16, False, 3, (20, 40)),
+    (4, True, 14, (16, 22)), (16, False, 18, (20, 40)),  # the first snapshot reads ring positions before the chunk
+])
 @pytest.mark.parametrize("fn", [compress_into_pool_reference, compress_into_pool_triton])
-def test_a_snapshot_inside_a_chunk_keeps_the_ring_as_it_stands_there(rate, overlap, snapshots, fn):
-    """Chunk [3, 45) of slot 0 snapshots its ring at two positions into slots 1 and 2: they hold, of the ring,
-    exactly what a continuation from there reads, as slot 0 holds them after chunks that end there."""
+def test_a_snapshot_inside_a_chunk_keeps_the_ring_as_it_stands_there(rate, overlap, split, snapshots, fn):
+    """Chunk [split, 45) of slot 0 snapshots its ring at two positions into slots 1 and 2: they hold, of the ring,
+    exactly what a continuation from there reads, as slot 0 holds them after chunks that end there (also when
+    some of them are ring positions before the chunk, which the chunk's own ring updates overwrite)."""
     head_dim = 8
     width, ring = (2 * head_dim if overlap else head_dim), (2 * rate if overlap else rate)
     gen = torch.Generator().manual_seed(5)
@@ -151,14 +155,31 @@ def test_a_snapshot_inside_a_chunk_keeps_the_ring_as_it_stands_there(rate, overl
         fn(kv_all[start:end], gate_all[start:end], *rings, plan, bias, norm_weight, 1e-6, trig.cos(), trig.sin(),
            torch.zeros(9, 4, head_dim), table)
 
+    first_read = snapshots[0] - (snapshots[0] % rate + (rate if overlap else 0))
+    assert (first_read < split) == (split > 3)  # the cases that read the ring are the ones meant to
     one_chunk = (torch.randn(3, ring, width, generator=gen), torch.randn(3, ring, width, generator=gen))
     stepped = tuple(t.clone() for t in one_chunk)
-    run(one_chunk, 0, 3)
-    run(one_chunk, 3, 45, snapshots)
-    run(stepped, 0, 3)
-    for slot, (previous, position) in enumerate(zip((3, *snapshots), snapshots), 1):
+    run(one_chunk, 0, split)
+    run(one_chunk, split, 45, snapshots)
+    run(stepped, 0, split)
+    for slot, (previous, position) in enumerate(zip((split, *snapshots), snapshots), 1):
         run(stepped, previous, position)
         lookback = position % rate + (rate if overlap else 0)
         kept = [p % ring for p in range(position - lookback, position)]
         for snapshot, reference in zip(one_chunk, stepped):
             torch.testing.assert_close(snapshot[slot, kept], reference[0, kept], rtol=0, atol=0)
+
+
+def test_snapshot_rows_run_with_the_entries_before_the_ring_updates():
+    """On a GPU the programs of a launch run at once: a snapshot reading ring positions that the chunk's ring
+    updates overwrite must be written in the first launch (the interpreter runs programs in order and cannot
+    show the race, so the launch split itself is checked)."""
+    plan = build_plan(4, True, [14], [31], [0], [0], "cpu", [(0, 16, 1), (0, 32, 2)])
+    assert plan.num_snapshot_keep == 8 and plan.keep_src.shape[0] == 8 + 8
+    z = torch.zeros(31, 32)
+    launches = plan_compress_into_pool(z, z, torch.zeros(3, 8, 32), torch.zeros(3, 8, 32), plan, torch.zeros(4, 32),
+                                       torch.ones(16), 1e-6, torch.zeros(plan.num_entries, 4),
+                                       torch.zeros(plan.num_entries, 4), torch.zeros(9, 4, 16),
+                                       torch.zeros(1, 16, dtype=torch.int32))
+    counts = [args[19:22] for _, _, args, _ in launches]  # (entry programs, keep_begin, keep_end)
+    assert counts == [(plan.num_entries, 0, 8), (0, 8, 16)]
