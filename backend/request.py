@@ -269,6 +269,9 @@ class Sequence:
     arrival_s: float = 0.0  # when the scheduler took it in (its clock): the start of its aging and deadline
     last_chunk_tokens: int = 0  # its latest prefill chunk (the ITL budget grows a chunk at most 2x)
     pages: "RequestPages | None" = field(default=None, repr=False)  # set by the memory manager
+    # The prefix cache's digests of its first blocks (backend/memory/prefix_cache.py), kept because its tokens
+    # only ever grow: a long prompt is hashed once, not at every chunk.
+    block_digests: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:

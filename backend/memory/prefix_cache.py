@@ -42,6 +42,7 @@ The snapshots live in the compressor-state pool's spare slots (backend/memory/co
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass
@@ -102,18 +103,26 @@ class PrefixCache:
         self._pending: list[tuple] = []
 
     # --- lookup -------------------------------------------------------------------------------
-    def digests(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
-        out, previous = [], b""
-        for b in range(num_blocks):
+    def digests(self, token_ids: list[int], num_blocks: int, first: int = 0, previous: bytes = b"") -> list[bytes]:
+        """The chain of block digests of blocks first .. num_blocks - 1 (`previous`: the digest of block first - 1)."""
+        out = []
+        for b in range(first, num_blocks):
             block = np.asarray(token_ids[b * self.block_tokens:(b + 1) * self.block_tokens], dtype=np.int64)
             previous = hashlib.blake2b(previous + block.tobytes(), digest_size=16).digest()
             out.append(previous)
         return out
 
+    def _chain(self, seq, num_blocks: int) -> list[bytes]:
+        """The digests of `seq`'s first num_blocks blocks, computed once per sequence (seq.block_digests)."""
+        known = seq.block_digests
+        if len(known) < num_blocks:
+            known.extend(self.digests(seq.token_ids(), num_blocks, len(known), known[-1] if known else b""))
+        return known[:num_blocks]
+
     def lookup(self, seq) -> CachedPrefix | None:
         """The longest cached prefix of `seq`'s tokens that leaves at least one token to compute."""
         tokens, limit = seq.token_ids(), seq.num_tokens - 1
-        digests = [b""] + self.digests(tokens, limit // self.block_tokens)
+        digests = [b""] + self._chain(seq, limit // self.block_tokens)
         for k in range(len(digests) - 1, -1, -1):
             start = k * self.block_tokens
             ends = [e for e in self._ends.get(digests[k], []) if start + len(e.tail) <= limit
@@ -153,7 +162,7 @@ class PrefixCache:
         seq.pages = pages
         kv.track(pages)
         seq.num_computed_tokens = entry.length
-        self._touch(entry, self.digests(seq.token_ids(), (entry.length - 1) // self.block_tokens))
+        self._touch(entry, self._chain(seq, (entry.length - 1) // self.block_tokens))
         return True
 
     def record_admission(self, num_tokens: int, num_cached: int) -> None:
@@ -177,14 +186,13 @@ class PrefixCache:
         positions = list(range((start // block + 1) * block, end, block))
         if not positions:
             return []
-        digests = self.digests(seq.token_ids(), positions[-1] // block)
+        digests = self._chain(seq, positions[-1] // block)
+        new = [(p, digests[p // block - 1]) for p in positions]
+        new = [(p, key) for p, key in new if key not in self._entries and key not in self._reserved]
+        if len(new) > len(self._free_snapshots):
+            self.evict(len(new) - len(self._free_snapshots))
         reserved = []
-        for position in positions:
-            key = digests[position // block - 1]
-            if key in self._entries or key in self._reserved:
-                continue
-            if not self._free_snapshots and not self.evict_one():
-                break
+        for position, key in new[:len(self._free_snapshots)]:  # the shallowest, if slots are short
             snapshot = self._free_snapshots.pop()
             self._reserved[key] = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot))
             reserved.append(self._reserved[key])
@@ -194,7 +202,7 @@ class PrefixCache:
         """After the step: the reserved boundaries of `seq` become entries (their rings are in their slots)."""
         if not reserved:
             return
-        digests = self.digests(seq.token_ids(), reserved[-1].position // self.block_tokens)
+        digests = self._chain(seq, reserved[-1].position // self.block_tokens)
         for r in reserved:
             del self._reserved[r.key]
             if r.key in self._entries:  # kept meanwhile (another request ended a step there): one is enough
@@ -213,7 +221,7 @@ class PrefixCache:
         length = seq.num_computed_tokens
         if length == 0 or length % self.block_tokens or seq.pages is None or seq.pages.slot is None:
             return
-        digests = self.digests(seq.token_ids(), length // self.block_tokens)
+        digests = self._chain(seq, length // self.block_tokens)
         self._keep(seq, digests[-1], digests[:-1])
 
     def register_end(self, seq) -> None:
@@ -224,7 +232,7 @@ class PrefixCache:
             return
         tokens = seq.token_ids()
         full = length // self.block_tokens
-        digests = self.digests(tokens, full)
+        digests = self._chain(seq, full)
         if length % self.block_tokens == 0:
             if digests[-1] in self._entries:
                 self._entries[digests[-1]].request_end = True
@@ -320,14 +328,27 @@ class PrefixCache:
 
     # --- eviction -----------------------------------------------------------------------------
     def evict_one(self, keep: CachedPrefix | None = None) -> bool:
-        """Drop the least recently used entry (never `keep`); among equals a boundary before a request's end, the
-        one holding the most window pages no other entry holds, then the longest. False when there is none."""
-        candidates = [e for e in self._entries.values() if e is not keep]
-        if not candidates:
-            return False
-        oldest = min(e.last_used for e in candidates)
-        entry = max((e for e in candidates if e.last_used == oldest),
-                    key=lambda e: (not e.request_end, self._own_window_pages(e), e.length))
+        """Drop the first entry in eviction order (never `keep`); False when there is none."""
+        return self.evict(1, keep) == 1
+
+    def evict(self, count: int, keep: CachedPrefix | None = None) -> int:
+        """Drop up to `count` entries (never `keep`), in eviction order: least recently used first; among equals a
+        boundary before a request's end, the one holding the most window pages no other entry holds, then the
+        longest. Returns how many went."""
+        held = self._held.get(self.kv.window_pool.name, {})
+
+        def order(e: CachedPrefix) -> tuple:
+            # pages a longer entry holds too cost nothing to keep; running requests are not counted: they give
+            # their window pages back as they advance
+            own_window_pages = sum(held.get(page) == 1 for page in e.window_pages)
+            return e.last_used, e.request_end, -own_window_pages, -e.length
+
+        victims = heapq.nsmallest(count, (e for e in self._entries.values() if e is not keep), key=order)
+        for entry in victims:
+            self._drop(entry)
+        return len(victims)
+
+    def _drop(self, entry: CachedPrefix) -> None:
         del self._entries[entry.key]
         if entry.anchor is not None:
             self._ends[entry.anchor].remove(entry)
@@ -342,13 +363,6 @@ class PrefixCache:
                     del held[page]
         self._free_snapshots.append(entry.snapshot)
         self.stats.evictions += 1
-        return True
-
-    def _own_window_pages(self, entry: CachedPrefix) -> int:
-        """Its window pages no other entry holds (a boundary whose window lies inside a longer entry's costs
-        nothing to keep). Running requests are not counted: they give their window pages back as they advance."""
-        held = self._held.get(self.kv.window_pool.name, Counter())
-        return sum(held[page] == 1 for page in entry.window_pages)
 
     def clear(self) -> None:
         while self.evict_one():
