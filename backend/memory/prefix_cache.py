@@ -34,8 +34,8 @@ boundaries go before requests' ends (a chat's next turn needs its previous reque
 serves only prompts that leave the prefix exactly there), then the entry holding the most window pages no
 other entry holds (a boundary whose window lies inside a longer entry's costs nothing to keep), then the
 longest (the start of a long prompt is the likelier to be shared: a leaf of the digest tree goes before its
-ancestors). Each entry holds its own references, so dropping one never breaks another (it frees that entry's
-window pages and snapshot, and compressed pages no other holder has).
+ancestors). Dropping an entry never breaks another: it frees its window pages and snapshot, and the
+compressed pages no other holder has.
 The snapshots live in the compressor-state pool's spare slots (backend/memory/compressor_state.py).
 """
 
