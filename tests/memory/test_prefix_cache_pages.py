@@ -111,6 +111,19 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     assert all(used == 0 for used in kv.pages_used().values())
 
 
+def _step(kv, seq, n: int, finish: bool = False) -> None:
+    """One step computing n tokens of `seq`, with the cache calls the scheduler makes around it."""
+    cache, start = kv.prefix_cache, seq.num_computed_tokens
+    kv.extend(seq, n)
+    reserved = cache.reserve(seq, start, start + n)
+    seq.num_computed_tokens += n
+    cache.keep_reserved(seq, reserved)
+    cache.register(seq)
+    if finish:
+        cache.register_end(seq)
+    kv.release_slid_out(seq)
+
+
 def test_eviction_takes_the_least_recently_used_and_of_equals_boundaries_then_ends():
     """Using a prefix uses every shorter boundary of it too; of entries used together, boundaries go before a
     request's end (a chat's next turn needs it), the one holding the most window pages no other entry holds
@@ -122,15 +135,7 @@ def test_eviction_takes_the_least_recently_used_and_of_equals_boundaries_then_en
 
     def compute(seq, n, finish=False):
         before = set(cache._entries)
-        start = seq.num_computed_tokens
-        kv.extend(seq, n)
-        reserved = cache.reserve(seq, start, start + n)
-        seq.num_computed_tokens += n
-        cache.keep_reserved(seq, reserved)
-        cache.register(seq)
-        if finish:
-            cache.register_end(seq)
-        kv.release_slid_out(seq)
+        _step(kv, seq, n, finish)
         names.update({key: f"{seq.request_id}{cache._entries[key].length}" for key in set(cache._entries) - before})
 
     a, b = Sequence("a", list(range(2, 522))), Sequence("b", list(range(600, 900)))
@@ -162,13 +167,7 @@ def test_a_long_prompt_overflowing_the_cache_keeps_its_start():
     cache = kv.prefix_cache
     seq = Sequence("long", list(range(2, 1102)))
     for n in (300, 300, 300, 200):
-        start = seq.num_computed_tokens
-        kv.extend(seq, n)
-        reserved = cache.reserve(seq, start, start + n)
-        seq.num_computed_tokens += n
-        cache.keep_reserved(seq, reserved)
-        cache.register(seq)
-        kv.release_slid_out(seq)
+        _step(kv, seq, n)
         kv.check()
     lengths = sorted(e.length for e in cache._entries.values())
     assert len(lengths) == 4 and lengths[0] == 128 and lengths[-1] == 1024, lengths
