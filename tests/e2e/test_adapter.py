@@ -14,7 +14,7 @@ import pytest
 
 from .fake_engine import expected_ids
 from .triton_helpers import (REPO_ROOT, GrpcStreams, as_list, grpc_inputs, http_generate, http_generate_stream,
-                             wait_for)
+                             settled, wait_for)
 
 
 
@@ -91,8 +91,8 @@ def _pages_used(server) -> float:
 
 
 def test_cancel_frees_pages(fake_server):
-    before = fake_server.metric_values("dsv4_requests_finished_total").get(
-        '{finish_reason="cancelled",model="dsv4"}', 0.0)
+    before = settled(lambda: fake_server.metric_values("dsv4_requests_finished_total").get(
+        '{finish_reason="cancelled",model="dsv4"}', 0.0))
     streams = GrpcStreams(fake_server.grpc_url)
     streams.send("long", grpc_inputs("a long one", max_tokens=900))
     deadline = time.monotonic() + 30

@@ -22,6 +22,7 @@ from .triton_helpers import (
     http_generate,
     http_generate_stream,
     server_env,
+    settled,
     stream_all,
     wait_for,
 )
@@ -110,7 +111,7 @@ def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
 
     gen = np.random.default_rng(12)
     history = gen.integers(2, _vocab_size(), 300).tolist()
-    hits_before, queried_before = counter("hit"), counter("queried")
+    hits_before, queried_before = settled(lambda: (counter("hit"), counter("queried")))
     (first,) = stream_all(server, [history], MAX_TOKENS)
     turn = history + first.ids + gen.integers(2, _vocab_size(), 20).tolist()
     (second,) = stream_all(server, [turn], MAX_TOKENS)
@@ -134,7 +135,7 @@ def test_cancelling_a_stream_frees_its_pages(server):
         return server.metric_values("dsv4_requests_finished_total").get('{finish_reason="cancelled",model="dsv4"}', 0)
 
     assert wait_for(lambda: pages_used() == 0), "pages in use before the test"
-    before = cancelled()
+    before = settled(cancelled)
     streams = GrpcStreams(server.grpc_url)
     streams.send("long", grpc_inputs("tell me a very long story", max_tokens=4000,
                                      sampling={"temperature": 0, "ignore_eos": True}))

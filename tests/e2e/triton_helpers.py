@@ -322,6 +322,20 @@ def as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def settled(read, quiet_s: float = 0.5, timeout: float = 20.0):
+    """`read()` once it has stopped changing for `quiet_s` seconds. The backend mirrors engine stats into
+    the metrics every 0.1 s, so a counter read right after a request ends may still miss that request."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = read()
+        if again == value:
+            return value
+        value = again
+    raise AssertionError(f"{read} did not settle within {timeout} s")
+
+
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.1) -> bool:
     """Poll `predicate` until it holds or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout
