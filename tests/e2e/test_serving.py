@@ -116,7 +116,7 @@ def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
     turn = history + first.ids + gen.integers(2, _vocab_size(), 20).tolist()
     (second,) = stream_all(server, [turn], MAX_TOKENS)
     assert wait_for(lambda: counter("hit") - hits_before == len(history) + len(first.ids) - 1)
-    assert counter("queried") - queried_before == len(history) + len(turn)
+    assert wait_for(lambda: counter("queried") - queried_before == len(history) + len(turn)), counter("queried")
     ids_file = tmp_path / "turn.json"
     ids_file.write_text(json.dumps([turn]))
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT),
