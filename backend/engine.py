@@ -31,6 +31,7 @@ from tokenizers import Tokenizer
 from backend.chat import ChatTemplate
 from backend.config import ConfigError, EngineConfig
 from backend.detokenizer import IncrementalDetokenizer
+from backend.host_memory import keep_freed_host_memory
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.checkpoint import load_weights
 from backend.model.config import load_model_config
@@ -54,6 +55,8 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
+        if self.device == "cpu":
+            keep_freed_host_memory()  # a CPU step's temporaries are reused, not faulted in again each step
         checkpoint = Path(config.checkpoint)
         self.model_config, self.weight_format, self.kv, prefill_chunk_tokens = plan_deployment(
             config, self.device, self.dtype)
