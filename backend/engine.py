@@ -177,6 +177,7 @@ class LLMEngine:
                 if out.finished:
                     results[index]["finish_reason"] = out.finish_reason.value
                     results[index]["error"] = out.error
+                    results[index]["num_cached_tokens"] = out.num_cached_tokens
             return on_output
 
         for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -280,7 +281,8 @@ class LLMEngine:
         try:
             seq.on_output(RequestOutput(seq.request_id, token_ids, text, finished,
                                         seq.finish_reason if finished else None, len(seq.prompt_ids),
-                                        len(seq.output_ids), error, None if logprobs is None else [logprobs]))
+                                        len(seq.output_ids), error, None if logprobs is None else [logprobs],
+                                        seq.num_cached_tokens or 0))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
 

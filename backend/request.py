@@ -232,6 +232,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None  # set when finish_reason is ERROR
     logprobs: list["TokenLogprobs"] | None = None  # one per new token, when the request asked for them
+    num_cached_tokens: int = 0  # of the prompt's positions, those restored from the prefix cache
 
 
 @dataclass
@@ -257,6 +258,9 @@ class Sequence:
     priority: int = 0  # lower runs first among waiting requests
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Prompt positions restored from the prefix cache when it was first admitted (None before; a request
+    # readmitted after preemption keeps its first count, as vLLM's num_cached_tokens does)
+    num_cached_tokens: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -409,6 +409,8 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                 return
             self._waiting.pop(0)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = cached
             if self.prefix_cache is not None:
                 plan.num_cached_tokens += cached
                 self.prefix_cache.record_admission(seq.num_tokens, cached)

@@ -43,9 +43,10 @@ INPUT_NAMES = (
     "top_logprobs",
     "return_num_input_tokens",
     "return_num_output_tokens",
+    "return_num_cached_tokens",
 )
 OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
-                "output_logprobs", "output_top_logprob_ids", "output_top_logprobs", "logprobs")
+                "num_cached_tokens", "output_logprobs", "output_top_logprob_ids", "output_top_logprobs", "logprobs")
 
 # INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style): input name -> key; both given, they
 # must agree. `top_logprobs` is the `logprobs` key (vLLM's meaning: how many top log-probabilities per token).
@@ -66,6 +67,7 @@ class ParsedRequest(NamedTuple):
     return_logprobs: bool = False  # the vLLM backend's `logprobs` JSON output (Triton's OpenAI frontend reads it)
     return_num_input_tokens: bool = True  # False only when the client sends the input false
     return_num_output_tokens: bool = True
+    return_num_cached_tokens: bool = False  # opt-in, like the vLLM backend's additional outputs
 
 
 def parse_request(
@@ -109,6 +111,7 @@ def parse_request(
         return_logprobs=bool(_optional_bool(inputs, "return_logprobs")),
         return_num_input_tokens=_optional_bool(inputs, "return_num_input_tokens") is not False,
         return_num_output_tokens=_optional_bool(inputs, "return_num_output_tokens") is not False,
+        return_num_cached_tokens=bool(_optional_bool(inputs, "return_num_cached_tokens")),
     )
 
 
@@ -325,6 +328,8 @@ class ResponseBuilder:
             del arrays["num_input_tokens"]
         if not request.return_num_output_tokens:
             del arrays["num_output_tokens"]
+        if request.return_num_cached_tokens:  # the prompt positions the prefix cache served (OpenAI's cached_tokens)
+            arrays["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.int32)
         if request.sampling.logprobs is not None:
             arrays.update(logprob_arrays(self._pending_logprobs, request.sampling.logprobs))
         if request.return_logprobs:

@@ -105,17 +105,21 @@ def test_http_generate_stream_matches_offline_generation(server, reference):
 
 def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
     """The next turn resends the conversation: the server restores the previous request's end (every position
-    but the last reply token), and streams what offline generation without the cache gives."""
+    but the last reply token), reports it per request (num_cached_tokens), and streams what offline generation
+    without the cache gives."""
     def counter(name):
         return server.metric_values(f"dsv4_prefix_cache_{name}_tokens_total").get('{model="dsv4"}', 0)
 
     gen = np.random.default_rng(12)
     history = gen.integers(2, _vocab_size(), 300).tolist()
     hits_before, queried_before = settled(lambda: (counter("hit"), counter("queried")))
-    (first,) = stream_all(server, [history], MAX_TOKENS)
+    report = {"return_num_cached_tokens": np.array([True])}
+    (first,) = stream_all(server, [history], MAX_TOKENS, extra=report)
     turn = history + first.ids + gen.integers(2, _vocab_size(), 20).tolist()
-    (second,) = stream_all(server, [turn], MAX_TOKENS)
-    assert wait_for(lambda: counter("hit") - hits_before == len(history) + len(first.ids) - 1)
+    (second,) = stream_all(server, [turn], MAX_TOKENS, extra=report)
+    restored = len(history) + len(first.ids) - 1  # every position but the last reply token
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, restored)
+    assert wait_for(lambda: counter("hit") - hits_before == restored)
     assert wait_for(lambda: counter("queried") - queried_before == len(history) + len(turn)), counter("queried")
     ids_file = tmp_path / "turn.json"
     ids_file.write_text(json.dumps([turn]))

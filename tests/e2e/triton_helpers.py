@@ -219,6 +219,7 @@ class StreamResult:
     num_responses: int = 0
     num_finals: int = 0
     error: str | None = None
+    num_cached_tokens: int | None = None  # when the request asked for it (return_num_cached_tokens)
 
     @property
     def text(self) -> str:
@@ -260,6 +261,8 @@ class GrpcStreams:
             res.ids.extend(result.as_numpy("output_ids").tolist())
             reason = result.as_numpy("finish_reason")[0].decode()
             res.finish_reason = reason or res.finish_reason
+            if result.as_numpy("num_cached_tokens") is not None:
+                res.num_cached_tokens = int(result.as_numpy("num_cached_tokens")[0])
         if final:
             res.num_finals += 1
             return response.id
@@ -278,13 +281,14 @@ class GrpcStreams:
         self.client.close()
 
 
-def stream_all(server: "TritonServer", prompts: list, max_tokens: int) -> list[StreamResult]:
-    """Every prompt's result, all sent greedily on one gRPC stream at once (so they batch)."""
+def stream_all(server: "TritonServer", prompts: list, max_tokens: int,
+               extra: dict[str, np.ndarray] | None = None) -> list[StreamResult]:
+    """Every prompt's result, all sent greedily on one gRPC stream at once (so they batch); `extra`: more inputs."""
     streams = GrpcStreams(server.grpc_url)
     try:
         ids = [f"p{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts):
-            streams.send(rid, grpc_inputs(prompt, max_tokens))
+            streams.send(rid, grpc_inputs(prompt, max_tokens, extra=extra))
         results = streams.wait(ids, timeout=180)
     finally:
         streams.close()

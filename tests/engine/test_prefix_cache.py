@@ -113,6 +113,7 @@ def test_a_chat_turn_continues_exactly_where_the_previous_request_ended(tiny_che
     assert got["output_ids"] == expected["output_ids"]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(got["logprobs"], expected["logprobs"])) <= 1e-5
     assert cached.kv.prefix_cache.stats.cached_tokens == first_length + 9 - 1  # all but the last reply token
+    assert (reply["num_cached_tokens"], got["num_cached_tokens"]) == (0, first_length + 9 - 1)  # per request
     assert cached.kv.prefix_cache.stats.queried_tokens == len(first) + len(second)  # the hit rate's denominator
     cached.kv.check()
 
@@ -138,6 +139,7 @@ def test_prompts_sharing_a_system_prompt_share_it_whatever_their_chunks(tiny_che
     for mine, theirs in zip(got, expected):
         assert max(abs(a.logprob - b.logprob) for a, b in zip(mine["logprobs"], theirs["logprobs"])) <= 1e-5
     assert cached.kv.prefix_cache.stats.cached_tokens == 2 * 640
+    assert [r["num_cached_tokens"] for r in got] == [0, 640, 640]
     cached.kv.check()
 
 

@@ -252,10 +252,10 @@ def test_any_json_is_accepted_valid_or_rejected_with_value_error(params):
 # --- responses --------------------------------------------------------------------------------
 
 
-def output(ids, new_text, finished=False, reason=None):
+def output(ids, new_text, finished=False, reason=None, num_cached_tokens=0):
     return SimpleNamespace(
         request_id="r", new_token_ids=ids, new_text=new_text, finished=finished, finish_reason=reason,
-        num_input_tokens=2, num_output_tokens=0, error=None, logprobs=None,
+        num_input_tokens=2, num_output_tokens=0, error=None, logprobs=None, num_cached_tokens=num_cached_tokens,
     )
 
 
@@ -272,6 +272,22 @@ def test_response_arrays_types():
     assert arrays["num_output_tokens"].tolist() == [2]
     assert response_arrays("", [], None, 3)["finish_reason"].tolist() == [b""]
     assert response_arrays("", [], None, 3)["output_ids"].shape == (0,)
+
+
+def test_token_count_outputs_follow_their_return_inputs(tokenizer):
+    """num_input_tokens and num_output_tokens are sent unless switched off; num_cached_tokens only when asked for."""
+    def sent(**flags):
+        builder = ResponseBuilder(parse(tokenizer, text_input=text("hello"), **{
+            k: np.array([v]) for k, v in flags.items()}))
+        return builder.on_output(output([5], "a", finished=True, reason=FinishReason.LENGTH, num_cached_tokens=128))
+
+    default = sent()
+    assert default["num_input_tokens"].tolist() == [2] and default["num_output_tokens"].tolist() == [1]
+    assert "num_cached_tokens" not in default
+    cached = sent(return_num_cached_tokens=True)
+    assert cached["num_cached_tokens"].dtype == np.int32 and cached["num_cached_tokens"].tolist() == [128]
+    assert set(sent(return_num_input_tokens=False, return_num_output_tokens=False)) & {
+        "num_input_tokens", "num_output_tokens"} == set()
 
 
 def test_streaming_holds_ids_until_their_text_is_complete(tokenizer):
