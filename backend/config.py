@@ -52,9 +52,11 @@ class EngineConfig:
     step_log: str | None = None  # path of a JSON-lines file, one record per step
     # Prefix caching (backend/memory/prefix_cache.py): prompts starting with an already-computed prefix (in
     # blocks of lcm(128, page_size) positions, or a finished request's exact end) reuse its memory; up to
-    # prefix_cache_entries cached states, whose compressor-ring snapshots take memory (plan_memory.py).
+    # prefix_cache_entries cached states, whose compressor-ring snapshots take memory (plan_memory.py); of
+    # them at most prefix_cache_end_entries requests' ends, whose snapshots also hold the open HCA window.
     enable_prefix_caching: bool = True
     prefix_cache_entries: int = 256
+    prefix_cache_end_entries: int = 64
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
@@ -116,6 +118,10 @@ class EngineConfig:
         if self.cpu_threads is not None:
             _check_int(self, "cpu_threads", 1)
         _check_int(self, "prefix_cache_entries", 1)
+        _check_int(self, "prefix_cache_end_entries", 0)
+        _check(self.prefix_cache_end_entries <= self.prefix_cache_entries, "prefix_cache_end_entries",
+               self.prefix_cache_end_entries, f"at most prefix_cache_entries ({self.prefix_cache_entries}), of which "
+               "the request ends are a part")
         _check_int(self, "tensor_parallel_size", 1)
         _check_int(self, "expert_parallel_size", 1)
         world = self.world_size

@@ -344,7 +344,8 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     kv = _memory_pools(config, model_config, dtype, device)
     if config.enable_prefix_caching:
-        kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries)
+        kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
+                                 config.prefix_cache_end_entries)
     return model_config, weight_format, kv, resolve_prefill_chunk_tokens(config, kv)
 
 

@@ -46,6 +46,7 @@ def parse_args(argv=None):
                         default=EngineConfig.enable_prefix_caching,
                         help="reuse computed prompt prefixes across the prompts (README 'Prefix caching')")
     parser.add_argument("--prefix-cache-entries", type=int, default=EngineConfig.prefix_cache_entries)
+    parser.add_argument("--prefix-cache-end-entries", type=int, default=EngineConfig.prefix_cache_end_entries)
     return parser.parse_args(argv)
 
 
@@ -71,7 +72,8 @@ def main(argv=None) -> None:
                           tensor_parallel_size=args.tensor_parallel_size,
                           expert_parallel_size=args.expert_parallel_size,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          prefix_cache_entries=args.prefix_cache_entries)
+                          prefix_cache_entries=args.prefix_cache_entries,
+                          prefix_cache_end_entries=args.prefix_cache_end_entries)
     engine = LLMEngine(config)
     try:
         prompts = load_prompts(args, engine.tokenizer)

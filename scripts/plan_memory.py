@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -38,19 +39,26 @@ from backend.parallel.layout import ParallelLayout  # noqa: E402
 GIB = 2**30
 
 
-def kv_geometry(config, page_size: int, max_running: int) -> dict:
-    """Per-position bytes of each pool and per-request bytes of window + compressor state (bf16)."""
+def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: int = 0,
+                prefix_cache_end_entries: int = 0) -> dict:
+    """Per-position bytes of each pool, per-request bytes of window + compressor state, and the prefix cache's
+    ring snapshots (bf16)."""
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
                         max_running_requests=max_running, dtype=torch.bfloat16, device="meta")
+    if prefix_cache_entries:
+        kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries,
+                                 min(prefix_cache_end_entries, prefix_cache_entries))
     per_token = kv.bytes_per_token()
     window_per_request = kv.window_pool.pages_per_running_request() * page_size * per_token["window"]
     state_per_request = kv.state_pool.bytes_per_slot()
     return {"bytes_per_token": per_token, "window_bytes_per_request": window_per_request,
-            "state_bytes_per_request": state_per_request}
+            "state_bytes_per_request": state_per_request, "snapshot_bytes": kv.state_pool.spare_bytes(),
+            "boundary_snapshot_bytes": kv.state_pool.bytes_per_slot(kv.state_pool.light_streams)}
 
 
 def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: float, utilization: float,
-         reserve_gib: float, max_running: int, page_size: int, prefix_cache_entries: int = 0) -> dict:
+         reserve_gib: float, max_running: int, page_size: int, prefix_cache_entries: int = 0,
+         prefix_cache_end_entries: int = 0) -> dict:
     """ConfigError (naming the parameter) when the layout cannot split this model."""
     layout.check(config)
     parts = weight_bytes(config, weight_format)
@@ -61,13 +69,14 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     per_rank = weight_bytes(config, weight_format, layout=layout)
     per_rank.pop("draft layer (mtp)")
     rank_weights = sum(per_rank.values())
-    geometry = kv_geometry(config, page_size, max_running)
+    geometry = kv_geometry(config, page_size, max_running, prefix_cache_entries, prefix_cache_end_entries)
     per_token = geometry["bytes_per_token"]
     compressed_per_position = sum(v for k, v in per_token.items() if k != "window")
     budget = gpu_memory_gib * GIB * utilization - rank_weights - reserve_gib * GIB
     per_request = geometry["window_bytes_per_request"] + geometry["state_bytes_per_request"]
-    # Prefix caching keeps a copy of a request's compressor rings per cached entry (backend/memory/prefix_cache.py).
-    snapshot_bytes = prefix_cache_entries * geometry["state_bytes_per_request"]
+    # Prefix caching keeps a copy of the compressor rings per cached entry (backend/memory/prefix_cache.py): all of
+    # them for a request's end, the CSA and indexer rings for a block boundary.
+    snapshot_bytes = geometry["snapshot_bytes"]
     kv_budget = budget - max_running * per_request - snapshot_bytes
     return {
         "weight_format": weight_format, "num_gpus": layout.world_size,
@@ -76,7 +85,10 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
         "weights_per_device_bytes": rank_weights, "weights_per_device_by_part": per_rank,
         "published_on_disk_bytes": on_disk, "published_draft_layer_bytes": published["draft layer (mtp)"],
         "kv_bytes_per_position": per_token, "kv_bytes_per_running_request": per_request,
-        "prefix_cache_entries": prefix_cache_entries, "prefix_cache_snapshot_bytes": snapshot_bytes,
+        "prefix_cache_entries": prefix_cache_entries, "prefix_cache_end_entries": prefix_cache_end_entries,
+        "prefix_cache_snapshot_bytes": snapshot_bytes,
+        "prefix_cache_bytes_per_entry": {"request end": geometry["state_bytes_per_request"],
+                                         "block boundary": geometry["boundary_snapshot_bytes"]},
         "fits": kv_budget > 0, "token_capacity_per_device": max(0, int(kv_budget // compressed_per_position)),
     }
 
@@ -95,7 +107,10 @@ def print_plan(row: dict) -> None:
     print(f"KV bytes per position: {per_token}; per running request (window + compressor state): "
           f"{row['kv_bytes_per_running_request'] / 2**20:.1f} MiB")
     if row["prefix_cache_entries"]:
-        print(f"prefix cache: {row['prefix_cache_entries']} entries' compressor-ring snapshots take "
+        per_entry = row["prefix_cache_bytes_per_entry"]
+        print(f"prefix cache: {row['prefix_cache_entries']} entries' compressor-ring snapshots "
+              f"({row['prefix_cache_end_entries']} request ends of {per_entry['request end'] / 2**20:.1f} MiB, "
+              f"block boundaries of {per_entry['block boundary'] / 2**20:.1f} MiB) take "
               f"{row['prefix_cache_snapshot_bytes'] / GIB:.2f} GiB per device")
     if row["fits"]:
         print(f"token capacity per device: {row['token_capacity_per_device']:,} positions")
@@ -120,6 +135,9 @@ def main() -> None:
                         default=EngineConfig.prefix_cache_entries if EngineConfig.enable_prefix_caching else 0,
                         help="the engine's prefix_cache_entries, 0 with enable_prefix_caching=false (each entry's "
                              "ring snapshot takes memory); default: the engine's default")
+    parser.add_argument("--prefix-cache-end-entries", type=int, default=EngineConfig.prefix_cache_end_entries,
+                        help="the engine's prefix_cache_end_entries (of the entries, the requests' ends, whose "
+                             "snapshots also hold the HCA ring)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.checkpoint is not None:
@@ -128,7 +146,7 @@ def main() -> None:
         config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
     layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
     row = plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
-               args.max_running_requests, args.page_size, args.prefix_cache_entries)
+               args.max_running_requests, args.page_size, args.prefix_cache_entries, args.prefix_cache_end_entries)
     print_plan(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

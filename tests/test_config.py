@@ -23,6 +23,9 @@ from backend.config import ConfigError, EngineConfig
     ({"device": "tpu"}, "device"),
     ({"dtype": "float64"}, "dtype"),
     ({"max_tokens_limit": 0}, "max_tokens_limit"),
+    ({"prefix_cache_entries": 0}, "prefix_cache_entries"),
+    ({"prefix_cache_end_entries": -1}, "prefix_cache_end_entries"),
+    ({"prefix_cache_entries": 16, "prefix_cache_end_entries": 17}, "prefix_cache_end_entries"),
 ])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):

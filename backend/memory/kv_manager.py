@@ -95,17 +95,29 @@ class KVCacheManager:
         self._live: set[RequestPages] = set()  # handles holding anything, for check()
         self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
 
-    def enable_prefix_caching(self, block_tokens: int, max_entries: int) -> None:
-        """Before any request: the state pool gets `max_entries` spare slots, where the cache keeps its
-        ring snapshots."""
+    def enable_prefix_caching(self, block_tokens: int, max_entries: int, max_end_entries: int | None = None) -> None:
+        """Before any request: the state pool gets `max_entries` spare slots, where the cache keeps its ring
+        snapshots: `max_end_entries` (default: all) full ones, which a request's end needs, and light ones holding
+        only the rings a continuation from a block boundary reads."""
         from backend.memory.prefix_cache import PrefixCache
 
         assert not self._live and self.prefix_cache is None, "enable prefix caching before serving"
+        max_end_entries = max_entries if max_end_entries is None else max_end_entries
+        assert 0 <= max_end_entries <= max_entries, (max_end_entries, max_entries)
         old = self.state_pool
         self.state_pool = CompressorStatePool(old.allocator.num_pages, self._state_rings, old.dtype, old.device,
-                                              num_spare=max_entries)
+                                              num_spare=max_end_entries, num_light_spare=max_entries - max_end_entries,
+                                              light_streams=self._streams_read_at(block_tokens))
         self._layers = [self._layer_memory(i) for i in range(self.model.num_hidden_layers)]
         self.prefix_cache = PrefixCache(self, block_tokens, max_entries)
+
+    def _streams_read_at(self, block_tokens: int) -> frozenset[str]:
+        """The compressor streams whose rings a continuation from a multiple of `block_tokens` reads: CSA and its
+        indexer (overlapping windows: the last closed window), HCA only if its windows do not close there."""
+        streams = {"csa", "indexer"}
+        if block_tokens % self.model.hca_rate:
+            streams.add("hca")
+        return frozenset(streams)
 
     def track(self, pages: RequestPages) -> None:
         """A handle given memory outside `extend` (a restored prefix) is accounted for like the others."""

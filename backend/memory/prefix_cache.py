@@ -10,17 +10,20 @@ from P exactly as if it had computed them:
                 P is a page boundary, so the continuation writes only new pages: shared by reference;
   compressor    the CSA and indexer rings at P (the projections of the last window, which the next CSA
                 entry reads), copied into a snapshot slot and copied back into the continuing request's
-                slot. At a multiple of 128 the HCA ring holds nothing the next HCA entry reads.
+                slot. At a multiple of 128 the HCA ring holds nothing the next HCA entry reads, so a
+                boundary takes a light slot, without the HCA ring (0.9 MB against 6.1 MB at V4-Flash widths).
 Besides block boundaries, the exact end of every finished request is kept (what a chat's next turn
-resends): there P is anywhere, so the HCA ring (the open HCA window) is snapshotted too, and the partly
-filled last window page is copied for the continuing request, like the compressed pages.
+resends): there P is anywhere, so the HCA ring (the open HCA window) is snapshotted too, in one of the
+`max_end_entries` full slots, and the partly filled last window page is copied for the continuing request, like
+the compressed pages.
 Entries are found by a chain of block digests (blake2b over the previous digest and the block's tokens);
 an end entry hangs off the digest of its last full block with the tokens after it (its tail). A prompt
 matches the longest cached prefix of itself: descending through its blocks, an end entry anchored at
 block k is longer than the boundary entry at k, which is longer than anything anchored before. Each entry
 holds its own references to every page it needs (backend/memory/page_allocator.py counts them), so entries
-are independent and any can be evicted, when pages or snapshot slots run short. A page is free only when no
-request and no entry holds it.
+are independent and any can be evicted, when pages or snapshot slots run short (an end needing a full slot
+evicts an entry holding one; a boundary takes a full slot when no light one is free). A page is free only when
+no request and no entry holds it.
 
 Where a state is taken: every block boundary a step computes. A boundary inside a prefill chunk is reserved
 when the step is planned (`reserve`: a snapshot slot), the step's compression plan writes the rings as they
@@ -88,11 +91,14 @@ class PrefixCache:
         if block_tokens % 128 or block_tokens % kv.page_size:
             raise ValueError(f"prefix cache blocks of {block_tokens} tokens: must be a multiple of 128 and of the "
                              f"page size {kv.page_size}")
-        if kv.state_pool.num_spare < max_entries:
+        state = kv.state_pool
+        if state.num_spare + state.num_light_spare != max_entries:
             raise ValueError(f"{max_entries} cache entries need as many spare compressor-state slots "
-                             f"(KVCacheManager.enable_prefix_caching), the pool has {kv.state_pool.num_spare}")
+                             f"(KVCacheManager.enable_prefix_caching), the pool has "
+                             f"{state.num_spare + state.num_light_spare}")
         self.kv, self.block_tokens = kv, block_tokens
-        self._free_snapshots = list(range(max_entries - 1, -1, -1))
+        self._free_full = list(range(state.num_spare - 1, -1, -1))  # snapshot indices, taken from the end
+        self._free_light = list(range(max_entries - 1, state.num_spare - 1, -1))
         self._reserved: dict[bytes, ReservedSnapshot] = {}  # boundaries the step in flight snapshots
         self._entries: dict[bytes, CachedPrefix] = {}
         self._ends: dict[bytes, list[CachedPrefix]] = {}  # anchor digest -> end entries hanging off it
@@ -189,11 +195,11 @@ class PrefixCache:
         digests = self._chain(seq, positions[-1] // block)
         new = [(p, digests[p // block - 1]) for p in positions]
         new = [(p, key) for p, key in new if key not in self._entries and key not in self._reserved]
-        if len(new) > len(self._free_snapshots):
-            self.evict(len(new) - len(self._free_snapshots))
+        if len(new) > self.num_free_snapshots:
+            self.evict(len(new) - self.num_free_snapshots)
         reserved = []
-        for position, key in new[:len(self._free_snapshots)]:  # the shallowest, if slots are short
-            snapshot = self._free_snapshots.pop()
+        for position, key in new[:self.num_free_snapshots]:  # the shallowest, if slots are short
+            snapshot = self._take_snapshot(full=False)
             self._reserved[key] = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot))
             reserved.append(self._reserved[key])
         return reserved
@@ -206,7 +212,7 @@ class PrefixCache:
         for r in reserved:
             del self._reserved[r.key]
             if r.key in self._entries:  # kept meanwhile (another request ended a step there): one is enough
-                self._free_snapshots.append(r.snapshot)
+                self._give_snapshot(r.snapshot)
                 continue
             self._add_entry(seq, r.key, r.position, r.snapshot, digests[:r.position // self.block_tokens - 1])
 
@@ -214,7 +220,7 @@ class PrefixCache:
         """The step did not run (it failed): its snapshots are void."""
         for r in reserved:
             del self._reserved[r.key]
-            self._free_snapshots.append(r.snapshot)
+            self._give_snapshot(r.snapshot)
 
     def register(self, seq) -> None:
         """After a step: when `seq` stands exactly at a block boundary, keep its state there (if new)."""
@@ -222,7 +228,7 @@ class PrefixCache:
         if length == 0 or length % self.block_tokens or seq.pages is None or seq.pages.slot is None:
             return
         digests = self._chain(seq, length // self.block_tokens)
-        self._keep(seq, digests[-1], digests[:-1])
+        self._keep(seq, digests[-1], digests[:-1], full=False)
 
     def register_end(self, seq) -> None:
         """When `seq` finishes: keep its state at its last computed position (the next turn of a chat resends
@@ -241,20 +247,21 @@ class PrefixCache:
         tail = tuple(tokens[full * self.block_tokens:length])
         key = hashlib.blake2b(anchor + np.asarray(tail, dtype=np.int64).tobytes(), digest_size=16,
                               person=b"end").digest()
-        entry = self._keep(seq, key, digests)
+        entry = self._keep(seq, key, digests, full=True)
         if entry is not None and entry.anchor is None:
             entry.anchor, entry.tail, entry.request_end = anchor, tail, True
             self._ends.setdefault(anchor, []).append(entry)
 
-    def _keep(self, seq, key: bytes, ancestors: list[bytes]) -> CachedPrefix | None:
-        """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length;
-        `ancestors`: the digests of the block boundaries before it."""
+    def _keep(self, seq, key: bytes, ancestors: list[bytes], full: bool) -> CachedPrefix | None:
+        """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length in a `full`
+        or light snapshot slot; `ancestors`: the digests of the block boundaries before it."""
         if key in self._entries:
             self._touch(self._entries[key], ancestors)
             return self._entries[key]
-        if not self._free_snapshots and not self.evict_one():
+        has_free = bool(self._free_full) if full else self.num_free_snapshots > 0
+        if not has_free and self.evict(1, full_only=full) == 0:
             return None
-        snapshot = self._free_snapshots.pop()
+        snapshot = self._take_snapshot(full)
         self._do(("save", seq.pages.slot, snapshot))
         return self._add_entry(seq, key, seq.num_computed_tokens, snapshot, ancestors)
 
@@ -288,6 +295,18 @@ class PrefixCache:
         yield self.kv.window_pool, entry.window_pages
         for name, pages in entry.compressed.items():
             yield self.kv.compressed_pools[name], pages
+
+    # --- snapshot slots -------------------------------------------------------------------------
+    @property
+    def num_free_snapshots(self) -> int:
+        return len(self._free_full) + len(self._free_light)
+
+    def _take_snapshot(self, full: bool) -> int:
+        """A free snapshot slot (the caller made sure there is one): full if asked for, else light if any is free."""
+        return self._free_light.pop() if not full and self._free_light else self._free_full.pop()
+
+    def _give_snapshot(self, snapshot: int) -> None:
+        (self._free_light if self.kv.state_pool.is_light(snapshot) else self._free_full).append(snapshot)
 
     # --- tensor copies (replayed by the other ranks) ----------------------------------------------
     def _share(self, pool, cached: list[int], copy_last: bool) -> list[int]:
@@ -331,10 +350,10 @@ class PrefixCache:
         """Drop the first entry in eviction order (never `keep`); False when there is none."""
         return self.evict(1, keep) == 1
 
-    def evict(self, count: int, keep: CachedPrefix | None = None) -> int:
-        """Drop up to `count` entries (never `keep`), in eviction order: least recently used first; among equals a
-        boundary before a request's end, the one holding the most window pages no other entry holds, then the
-        longest. Returns how many went."""
+    def evict(self, count: int, keep: CachedPrefix | None = None, full_only: bool = False) -> int:
+        """Drop up to `count` entries (never `keep`; only those in full snapshot slots if `full_only`), in eviction
+        order: least recently used first; among equals a boundary before a request's end, the one holding the most
+        window pages no other entry holds, then the longest. Returns how many went."""
         held = self._held.get(self.kv.window_pool.name, {})
 
         def order(e: CachedPrefix) -> tuple:
@@ -343,7 +362,10 @@ class PrefixCache:
             own_window_pages = sum(held.get(page) == 1 for page in e.window_pages)
             return e.last_used, e.request_end, -own_window_pages, -e.length
 
-        victims = heapq.nsmallest(count, (e for e in self._entries.values() if e is not keep), key=order)
+        state = self.kv.state_pool
+        candidates = (e for e in self._entries.values()
+                      if e is not keep and not (full_only and state.is_light(e.snapshot)))
+        victims = heapq.nsmallest(count, candidates, key=order)
         for entry in victims:
             self._drop(entry)
         return len(victims)
@@ -361,7 +383,7 @@ class PrefixCache:
             for page in pages:
                 if not held[page]:
                     del held[page]
-        self._free_snapshots.append(entry.snapshot)
+        self._give_snapshot(entry.snapshot)
         self.stats.evictions += 1
 
     def clear(self) -> None:

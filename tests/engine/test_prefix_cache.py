@@ -148,7 +148,7 @@ def test_a_failed_step_keeps_nothing_it_may_have_half_written(tiny_checkpoint, m
     is made from its state."""
     cached = _engine(tiny_checkpoint, enable_prefix_caching=True)
     cache = cached.kv.prefix_cache
-    free_before = len(cache._free_snapshots)
+    free_before = cache.num_free_snapshots
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
@@ -156,7 +156,7 @@ def test_a_failed_step_keeps_nothing_it_may_have_half_written(tiny_checkpoint, m
     monkeypatch.setattr(cached.model, "forward", broken)
     (result,) = cached.generate([[2 + i % 400 for i in range(598)]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert "injected" in result["error"]
-    assert cache.num_entries == 0 and len(cache._free_snapshots) == free_before and not cache._reserved
+    assert cache.num_entries == 0 and cache.num_free_snapshots == free_before and not cache._reserved
     cached.kv.check()
     assert all(used == 0 for used in cached.kv.pages_used().values())
 
@@ -173,7 +173,7 @@ def test_a_mixed_workload_with_cancels_preemption_and_eviction_stays_exact(tiny_
     systems = [randoms(n) for n in (150, 260, 400)]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     engine = _engine(tiny_checkpoint, enable_prefix_caching=True, num_tokens=768, swa_full_tokens_ratio=1.0,
-                     max_running_requests=4, prefix_cache_entries=12)
+                     max_running_requests=4, prefix_cache_entries=12, prefix_cache_end_entries=4)
     outputs, finished, prompts = {}, [], {}
 
     def on_output(out: RequestOutput):
@@ -212,3 +212,28 @@ def test_a_mixed_workload_with_cancels_preemption_and_eviction_stays_exact(tiny_
         (stats, engine.stats()["num_preemptions"])
     engine.kv.check()
     assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())
+
+
+def test_a_block_boundary_is_restored_from_a_light_snapshot_without_the_hca_ring(tiny_checkpoint):
+    """A boundary's snapshot slot holds no HCA ring: at a multiple of 128 every HCA window is closed, so the
+    continuation never reads what its own slot's HCA ring held before. Poisoned with NaN, the outputs are still
+    exactly the uncached engine's."""
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(2, 500, (300,), generator=gen).tolist()
+    prompts = [shared + torch.randint(2, 500, (n,), generator=gen).tolist() for n in (9, 40)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
+    expected = _engine(tiny_checkpoint).generate(prompts, params)
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True, prefix_cache_end_entries=1)
+    cache, state = cached.kv.prefix_cache, cached.kv.state_pool
+    (first,) = cached.generate(prompts[:1], params)
+    boundaries = [e for e in cache._entries.values() if not e.request_end]
+    assert [e.length for e in boundaries] == [128, 256] and all(state.is_light(e.snapshot) for e in boundaries)
+    assert state.kv["hca"].shape[1] < state.kv["csa"].shape[1]  # light slots have no HCA ring at all
+    for rings in (state.kv["hca"], state.gate["hca"]):
+        rings.fill_(float("nan"))
+    (second,) = cached.generate(prompts[1:], params)
+    assert second["num_cached_tokens"] == 256
+    for got, want in zip((first, second), expected):
+        assert got["output_ids"] == want["output_ids"]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-5
+    cached.kv.check()

@@ -1,7 +1,7 @@
 """Prefix-cache page accounting: any sequence of requests arriving (restoring a cached prefix when one
 matches), computing chunks (keeping the block boundaries inside them and where they end), failing a step,
-finishing, aborting, and cache evictions conserves every pool's pages and snapshot slots, and a page is free
-only when no request and no cache entry holds it."""
+finishing, aborting, and cache evictions conserves every pool's pages and snapshot slots (a request's end always
+in a full one), and a page is free only when no request and no cache entry holds it."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ operations = st.lists(st.tuples(st.sampled_from(["arrive", "compute", "finish", 
 @given(operations=operations)
 def test_any_sequence_of_operations_conserves_pages(operations):
     kv = _manager(num_tokens=2048, ratio=0.5, page_size=16, max_running=4)
-    kv.enable_prefix_caching(128, max_entries=6)
+    kv.enable_prefix_caching(128, max_entries=6, max_end_entries=2)  # 2 full snapshot slots, 4 light ones
     cache = kv.prefix_cache
     history = list(range(2, 700))  # requests share prefixes of it
     live: list[Sequence] = []
@@ -71,7 +71,8 @@ def test_any_sequence_of_operations_conserves_pages(operations):
         elif op == "evict":
             cache.evict_one()
         kv.check()  # every page's references are exactly its holders; free + used == total
-        assert len(cache._free_snapshots) + cache.num_entries == 6 and not cache._reserved  # snapshot slots
+        assert cache.num_free_snapshots + cache.num_entries == 6 and not cache._reserved  # snapshot slots
+        assert all(not kv.state_pool.is_light(e.snapshot) for e in cache._entries.values() if e.length % 128)
         for pool, pages in cache.snapshot_stats()["pages"].items():  # the gauge, kept as entries come and go
             assert pages == len({p for held in cache.held_pages(pool) for p in held})
     for seq in live:
@@ -172,5 +173,46 @@ def test_a_long_prompt_overflowing_the_cache_keeps_its_start():
     lengths = sorted(e.length for e in cache._entries.values())
     assert len(lengths) == 4 and lengths[0] == 128 and lengths[-1] == 1024, lengths
     seq.release_pages()
+    cache.clear()
+    kv.check()
+
+
+def test_boundaries_take_light_snapshot_slots_and_ends_full_ones():
+    """Of four snapshot slots one is full (all rings): boundaries go to the light ones (no HCA ring), a request's
+    end to the full one, and a second end evicts the first end, not a boundary, whatever their recency."""
+    kv = _manager(num_tokens=4096, ratio=1.0, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=4, max_end_entries=1)
+    cache, state = kv.prefix_cache, kv.state_pool
+    assert (state.num_spare, state.num_light_spare, state.light_streams) == (1, 3, {"csa", "indexer"})
+    assert state.kv["hca"].shape[1] == state.kv["csa"].shape[1] - 3
+    assert state.spare_bytes() == state.bytes_per_slot() + 3 * state.bytes_per_slot({"csa", "indexer"})
+    a = Sequence("a", list(range(2, 302)))
+    _step(kv, a, 200)  # the boundary at 128 inside the chunk
+    _step(kv, a, 100, finish=True)  # the one at 256 inside it, and the end at 300
+    kinds = {e.length: "light" if state.is_light(e.snapshot) else "full" for e in cache._entries.values()}
+    assert kinds == {128: "light", 256: "light", 300: "full"}
+    b = Sequence("b", list(range(600, 740)))
+    _step(kv, b, 140, finish=True)  # its boundary at 128 takes the last light slot, its end evicts a's end
+    lengths = lambda: sorted(e.length for e in cache._entries.values())  # noqa: E731
+    assert lengths() == [128, 128, 140, 256] and cache.stats.evictions == 1
+    c = Sequence("c", list(range(900, 1030)))
+    _step(kv, c, 130, finish=True)  # its boundary evicts the least recently used entry (a's deepest), its end b's
+    assert lengths() == [128, 128, 128, 130] and cache.stats.evictions == 3 and cache.num_free_snapshots == 0
+    assert [e.length for e in cache._entries.values() if not state.is_light(e.snapshot)] == [130]
+    for seq in (a, b, c):
+        seq.release_pages()
+    cache.clear()
+    kv.check()
+    assert cache.num_free_snapshots == 4
+
+
+def test_with_no_end_slots_ends_are_not_kept_and_boundaries_are():
+    kv = _manager(num_tokens=4096, ratio=1.0, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=3, max_end_entries=0)
+    cache = kv.prefix_cache
+    a = Sequence("a", list(range(2, 302)))
+    _step(kv, a, 300, finish=True)
+    assert sorted(e.length for e in cache._entries.values()) == [128, 256]
+    a.release_pages()
     cache.clear()
     kv.check()
