@@ -8,8 +8,8 @@ has finished: turn k's prompt is the whole conversation so far (prompts and repl
 50-200 tokens (random, seeded), and the reply is --reply-tokens tokens (eos ignored). The real engine runs
 in process on the built-in checkpoint (CPU by default) with enable_prefix_caching=false and =true on the
 same conversations, for --repeats pairs run side by side (a noisy machine drifts), alternating their order
-(off-on, on-off, ...) after a warm-up run of each mode that is not counted. Reported per mode: time to first token (p50 / p99 over the conversations) per turn,
-prefill tokens the engine computed (from its step records), total wall time, and the hit rate (prompt
+(off-on, on-off, ...) after a warm-up run of each mode that is not counted. Reported per mode: time to first
+token (p50 / p99 over the conversations) per turn, prefill tokens the engine computed (from its step records), total wall time, and the hit rate (prompt
 positions served from the cache over all prompt positions); the table gives the median over the repeats
 and the min-max of each pair's off / on ratio. Timestamps are taken as tokens come out of the engine.
 """
@@ -101,6 +101,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+
     def config(caching: bool) -> EngineConfig:
         return EngineConfig(checkpoint=args.checkpoint, device=args.device, num_tokens=args.num_tokens,
                             max_running_requests=max(16, args.conversations), enable_prefix_caching=caching)

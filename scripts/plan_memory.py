@@ -46,8 +46,7 @@ def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: 
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
                         max_running_requests=max_running, dtype=torch.bfloat16, device="meta")
     if prefix_cache_entries:
-        kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries,
-                                 min(prefix_cache_end_entries, prefix_cache_entries))
+        kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries, prefix_cache_end_entries)
     per_token = kv.bytes_per_token()
     window_per_request = kv.window_pool.pages_per_running_request() * page_size * per_token["window"]
     state_per_request = kv.state_pool.bytes_per_slot()
@@ -61,6 +60,7 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
          prefix_cache_end_entries: int = 0) -> dict:
     """ConfigError (naming the parameter) when the layout cannot split this model."""
     layout.check(config)
+    prefix_cache_end_entries = min(prefix_cache_end_entries, prefix_cache_entries)  # none without the cache
     parts = weight_bytes(config, weight_format)
     published = weight_bytes(config, "published")
     on_disk = sum(published.values())
@@ -140,6 +140,8 @@ def main() -> None:
                              "snapshots also hold the HCA ring)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.prefix_cache_entries and args.prefix_cache_end_entries > args.prefix_cache_entries:
+        parser.error("--prefix-cache-end-entries: at most --prefix-cache-entries, of which the ends are a part")
     if args.checkpoint is not None:
         config = load_model_config(args.checkpoint)
     else:

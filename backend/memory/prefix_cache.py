@@ -13,9 +13,9 @@ from P exactly as if it had computed them:
                 slot. At a multiple of 128 the HCA ring holds nothing the next HCA entry reads, so a
                 boundary takes a light slot, without the HCA ring (0.9 MB against 6.1 MB at V4-Flash widths).
 Besides block boundaries, the exact end of every finished request is kept (what a chat's next turn
-resends): there P is anywhere, so the HCA ring (the open HCA window) is snapshotted too, in one of the
-`max_end_entries` full slots, and the partly filled last window page is copied for the continuing request, like
-the compressed pages.
+resends): there P is anywhere, so the HCA ring (the open HCA window) is snapshotted too, in one of the full
+slots (`prefix_cache_end_entries` of them), and the partly filled last window page is copied for the continuing
+request, like the compressed pages.
 Entries are found by a chain of block digests (blake2b over the previous digest and the block's tokens);
 an end entry hangs off the digest of its last full block with the tokens after it (its tail). A prompt
 matches the longest cached prefix of itself: descending through its blocks, an end entry anchored at
