@@ -85,9 +85,12 @@ def main() -> None:
 
     from transformers import DeepseekV4ForCausalLM
 
+    # Each batch runs twice (to 1 token, then to --max-tokens): with prefix caching the second run would restore
+    # what the first computed, which the reference cannot; the comparison is of computing, so the cache is off.
     engine = LLMEngine(EngineConfig(checkpoint=args.checkpoint, device=args.device,
                                     max_running_requests=max(args.concurrency),
-                                    max_num_batched_tokens=max(8192, max(args.concurrency))))
+                                    max_num_batched_tokens=max(8192, max(args.concurrency)),
+                                    enable_prefix_caching=False))
     reference = DeepseekV4ForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval().to(args.device)
     time_engine(engine, prompts(1, 8, engine.vocab_size), 4)  # warm-up
     rows = []

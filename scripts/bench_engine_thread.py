@@ -84,7 +84,8 @@ def main() -> None:
     args = parser.parse_args()
 
     main_threads = torch.get_num_threads()
-    settings = dict(checkpoint=args.checkpoint, device="cpu")
+    # Every repeat runs the same prompts: prefix caching would turn all but the first into restores, so it is off
+    settings = dict(checkpoint=args.checkpoint, device="cpu", enable_prefix_caching=False)
     if args.workload == "prefill":
         settings.update(prefill_chunk_tokens=args.chunk, num_tokens=4 * args.prompt_tokens, max_running_requests=1,
                         max_num_batched_tokens=max(8192, args.chunk))
