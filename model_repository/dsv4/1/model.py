@@ -6,6 +6,7 @@ submits them, streams the responses back (exactly one FINAL per request), turns 
 cancellation into engine aborts and exports the metrics.
 """
 
+import glob
 import json
 import os
 import sys
@@ -27,8 +28,11 @@ def _single_threaded_mkl(params: dict) -> None:
     """MKL's own threads, used from the engine's thread, made CPU prefill steps 1.9x slower than on a main thread;
     single-threaded MKL costs a main thread nothing (README "Threads"). Only the environment, read once when torch
     loads MKL, does it, and torch then defaults to one intra-op thread: `cpu_threads` defaults to the CPUs here.
-    A MKL_NUM_THREADS the server was started with is kept."""
-    if "MKL_NUM_THREADS" in os.environ or "torch" in sys.modules:
+    A MKL_NUM_THREADS the server was started with is kept. Only for CPU deployments (decided before torch is
+    imported: device cpu, or auto on a machine without NVIDIA devices): MKL computes nothing of a GPU step."""
+    device = params.get("device", "").strip() or "auto"
+    on_cpu = device == "cpu" or (device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+    if not on_cpu or "MKL_NUM_THREADS" in os.environ or "torch" in sys.modules:
         return
     os.environ["MKL_NUM_THREADS"] = "1"
     if not params.get("cpu_threads", "").strip():
