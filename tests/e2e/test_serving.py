@@ -5,6 +5,7 @@ At temperature 0 the served tokens must equal the offline engine's, whatever the
 """
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -152,6 +153,16 @@ def test_cancelling_a_stream_frees_its_pages(server):
     assert wait_for(lambda: pages_used() == 0), server.metrics_text()
     assert wait_for(lambda: cancelled() == before + 1)
     assert wait_for(lambda: sum(server.metric_values("dsv4_num_requests_running").values()) == 0)
+
+
+def test_a_cpu_server_runs_single_threaded_mkl_and_steps_on_every_cpu(server):
+    """model.py sets MKL_NUM_THREADS=1 before torch loads (MKL's threads slowed the engine thread's prefill 2x,
+    README "Threads") and, as torch then defaults to one thread, gives the engine the CPUs as cpu_threads."""
+    if "MKL_NUM_THREADS" in os.environ:
+        pytest.skip("the server inherits this run's MKL_NUM_THREADS, which model.py keeps")
+    log = server.log_path.read_text()  # the model logs both as it builds the engine
+    assert "MKL_NUM_THREADS=1;" in log
+    assert f"cpu_threads={len(os.sched_getaffinity(0))}," in log
 
 
 def _vocab_size() -> int:

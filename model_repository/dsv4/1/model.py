@@ -55,7 +55,8 @@ class TritonPythonModel:
         config = EngineConfig.from_parameters(params)  # ConfigError names the bad parameter
         if not os.path.isabs(config.checkpoint):
             config.checkpoint = str(root / config.checkpoint)
-        pb_utils.Logger.log_info(f"[dsv4] repo {root}; engine config {config}")
+        pb_utils.Logger.log_info(f"[dsv4] repo {root}; MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS', '')}; "
+                                 f"engine config {config}")
         self.adapter = TritonAdapter(LLMEngine(config), pb_utils, args["model_name"])
         self.adapter.start()
         self._stop = threading.Event()
