@@ -55,8 +55,6 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
-        if self.device == "cpu":
-            keep_freed_host_memory()  # a CPU step's temporaries are reused, not faulted in again each step
         checkpoint = Path(config.checkpoint)
         self.model_config, self.weight_format, self.kv, prefill_chunk_tokens = plan_deployment(
             config, self.device, self.dtype)
@@ -339,6 +337,8 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
 def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     """Everything decided before a weight is read: (model config, weight format, memory pools on
     `device`, prefill chunk budget). Raises ConfigError / UnsupportedCheckpoint naming what to change."""
+    if str(device) == "cpu":  # every rank plans its pools here: its CPU steps' temporaries are reused from now on
+        keep_freed_host_memory()
     model_config = load_model_config(config.checkpoint)
     ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())

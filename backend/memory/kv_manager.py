@@ -123,7 +123,6 @@ class KVCacheManager:
         """A handle given memory outside `extend` (a restored prefix) is accounted for like the others."""
         self._live.add(pages)
 
-
     def _paged_pools(self) -> list[PagedPool]:
         return [self.window_pool, *self.compressed_pools.values()]
 

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 
 from backend.config import EngineConfig
-from backend.host_memory import keep_freed_host_memory
 from backend.parallel.comm import DistributedCommunicator
 from backend.parallel.layout import ParallelLayout
 
@@ -87,8 +86,6 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     from backend.engine import load_model, plan_deployment  # the engine imports this module
 
     config, dtype = spec.config, spec.config.resolved_dtype()
-    if device == "cpu":
-        keep_freed_host_memory()  # as rank 0's engine does
     model_config, weight_format, kv, _ = plan_deployment(config, device, dtype)  # the same pools as rank 0
     model = load_model(config, model_config, weight_format, device, dtype, layout, comm)
     dist.barrier(group=control)  # loaded
