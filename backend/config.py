@@ -30,13 +30,17 @@ class EngineConfig:
     # Quantized checkpoints: `dequantize` expands FP8/MXFP4 at load (exact); `fp8` keeps them as published
     # and runs them through the FP8 GEMM and quantized MoE kernels; auto: fp8 on CUDA, dequantize on CPU.
     weight_format: str = "auto"
-    # Scheduling.
-    policy: str = "prefill_first"
+    # Scheduling. `mixed` (stall-free batches) is what keeps a long prompt from starving the requests that are
+    # decoding (docs/seed-bug-report.md); `prefill_first` is the historical order, kept for comparison.
+    policy: str = "mixed"
     decode_interleave_every: int | None = None
     prefill_chunk_tokens: int | None = None  # None: derived from the window pool
     itl_target_ms: float | None = None
     max_running_requests: int = 16
     max_num_batched_tokens: int = 8192
+    # Schedule and launch step N+1 while step N runs (backend/engine.py); off: each step is scheduled, run and
+    # reported before the next.
+    overlap_scheduling: bool = True
     # Waiting requests age: one priority level is worth this many seconds of waiting (admission order is
     # priority * priority_aging_s + arrival time), so a request of a worse priority is never overtaken by
     # requests that arrive more than (its priority - theirs) * priority_aging_s after it. 0 (or None): strict

@@ -1,4 +1,4 @@
-"""The engine: one thread that owns the device and runs schedule -> prepare -> forward -> sample -> postprocess.
+"""The engine: schedule -> build -> launch on its thread; the forward and the sampler on the executor's.
 
     engine = LLMEngine(EngineConfig(checkpoint=...))
     engine.start()                                   # the loop thread
@@ -6,9 +6,20 @@
     engine.abort(request_id)                         # from any thread; effective at the next step
     engine.shutdown()
 
-`on_output(RequestOutput)` is called on the engine thread once per step that produced text or
-tokens for the request, and exactly once with `finished=True`. `generate()` runs the same loop on
-the caller's thread for offline use (scripts, tests, benchmarks).
+`on_output(RequestOutput)` is called on the engine thread once per step that produced a token for the
+request, and exactly once with `finished=True`. The outputs carry token ids, not text: detokenization and
+stop strings are the consumer's, off the engine thread (backend/output_processor.py; the Triton adapter
+runs it on its response thread). `generate()` runs the same loop on the caller's thread for offline use
+(scripts, tests, benchmarks), with the output processor inline.
+
+The loop (`step()`), with `overlap_scheduling` (the default):
+
+    schedule step N+1 -> build its batch -> launch it      while step N runs on the executor
+    wait for step N's output -> update the scheduler -> report its tokens
+
+so the host's work for a step hides behind the device's work for the step before (backend/executor.py:
+the tokens step N samples feed step N+1 on the device). Without overlap each step is scheduled, run and
+reported before the next. The engine thread only schedules, builds, launches and reports.
 
 Start-up order: the config was validated when it was built; the checkpoint's config.json is read,
 the memory pools are sized and the chunk budget resolved — so a deployment that cannot work fails
@@ -22,15 +33,15 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
-import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
 from backend.config import ConfigError, EngineConfig
-from backend.detokenizer import IncrementalDetokenizer
+from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
 from backend.host_memory import keep_freed_host_memory
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.checkpoint import load_weights
@@ -38,13 +49,15 @@ from backend.model.config import load_model_config
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
+from backend.model.staging import HostBuffers, stage
+from backend.model.static_batch import static_key
+from backend.output_processor import OutputProcessor
 from backend.parallel.comm import Communicator
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.parallel.layout import ParallelLayout
-from backend.request import (EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence,
-                             TokenLogprobs)
-from backend.sampler import Sampler, apply_penalties
-from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
+from backend.sampler import SamplerState
+from backend.scheduler import Scheduler, SeqUpdate, StepPlan, resolve_prefill_chunk_tokens
 from kernels.dispatch import KernelDispatch, default_mode
 
 logger = logging.getLogger(__name__)
@@ -58,7 +71,9 @@ class LLMEngine:
         checkpoint = Path(config.checkpoint)
         self.model_config, self.weight_format, self.kv, prefill_chunk_tokens = plan_deployment(
             config, self.device, self.dtype)
-        self.scheduler = Scheduler(config, self.kv, prefill_chunk_tokens)
+        self.overlap = config.overlap_scheduling
+        self.scheduler = Scheduler(config, self.kv, prefill_chunk_tokens, prefix_cache=self.kv.prefix_cache,
+                                   max_steps_in_flight=2 if self.overlap else 1)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.chat_template = ChatTemplate.from_checkpoint(checkpoint)  # None: `messages` requests are refused
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
@@ -72,22 +87,21 @@ class LLMEngine:
         self.kernels = self.model.kernels
         if self.group is not None:
             self.group.wait_ready()
-            if self.kv.prefix_cache is not None:
-                self.kv.prefix_cache.mirror = True  # its copies go to the workers with each step
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
         self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
                                            capture=self.device == "cuda")
                               if config.resolved_cuda_graphs() else None)
-        self.sampler = Sampler()
-        self.cpu_threads = config.cpu_threads or _default_cpu_threads()
-        self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
+        self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
+                                     asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
+        self._host_buffers = HostBuffers(self.device, depth=2)
+        self._in_flight: deque[tuple[StepPlan, StepHandle]] = deque()  # launched, output not taken in yet
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
-        logger.info("engine ready: device=%s dtype=%s weights=%s kernels=%s capacity=%s bytes/token=%s "
+        logger.info("engine ready: device=%s dtype=%s weights=%s kernels=%s overlap=%s capacity=%s bytes/token=%s "
                     "prefill_chunk_tokens=%d", self.device, self.dtype, self.weight_format, self.kernels.mode,
-                    self.kv.capacity(), self.kv.bytes_per_token(), self.scheduler.prefill_chunk_tokens)
+                    self.overlap, self.kv.capacity(), self.kv.bytes_per_token(), self.scheduler.prefill_chunk_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -108,9 +122,9 @@ class LLMEngine:
             raise EngineUnavailable(f"the queue is full ({limit} requests waiting, max_queue_size); retry later")
         self.limits.check(seq.prompt_ids, seq.sampling)
         seq.on_output = on_output
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop)
         seq.stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
             () if seq.sampling.ignore_eos else self.eos_token_ids)
+        seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> bool:
@@ -128,6 +142,7 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.executor.close()
         self.scheduler.close()
         if self.group is not None:
             self.group.close()
@@ -165,9 +180,13 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         results = [{"output_ids": [], "text": "", "finish_reason": None} for _ in prompts]
+        processor = OutputProcessor(self.tokenizer, self.abort)
 
         def collect(index):
-            def on_output(out: RequestOutput):
+            def on_output(raw: RequestOutput):
+                out = processor.process(raw)
+                if out is None:
+                    return
                 results[index]["output_ids"].extend(out.new_token_ids)
                 results[index]["text"] += out.new_text
                 if out.logprobs is not None:
@@ -179,11 +198,21 @@ class LLMEngine:
             return on_output
 
         for i, (ids, p) in enumerate(zip(prompts, params)):
-            self.submit(Sequence(f"offline-{i}-{time.monotonic_ns()}", list(ids), p), collect(i))
+            seq = Sequence(f"offline-{i}-{time.monotonic_ns()}", list(ids), p)
+            processor.add(seq.request_id, p)
+            self.submit(seq, collect(i))
         while any(r["finish_reason"] is None for r in results):
             if not self.step():
                 raise RuntimeError("engine idle with unfinished requests")
+        self.drain()
         return results
+
+    def drain(self) -> None:
+        """Take in every step still in flight, and end what stopped at a stop string (offline use: the engine is
+        left with nothing to do)."""
+        while self._in_flight or self.scheduler.has_work():
+            if not self.step():
+                break
 
     # --- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -191,128 +220,83 @@ class LLMEngine:
             try:
                 if not self.step():
                     self.scheduler.wait_for_work(timeout=0.1)
-            except Exception:  # keep serving: step() already failed the requests of the bad step
+            except Exception:  # keep serving: the step's own failures were reported to its requests
                 logger.exception("engine step failed")
 
     def step(self) -> bool:
-        """One scheduler decision and at most one forward; False when there was nothing to do."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return False
-        try:
-            self._execute(plan)
-        finally:
-            self._stats = self._snapshot_stats()
-        return True
-
-    def _execute(self, plan: StepPlan) -> None:
-        for seq in plan.aborted:
-            self._send_final(seq, error=_scheduler_error(seq) or self.unavailable)
-        if not plan.chunks:
-            return
+        """One iteration: schedule and launch a step, and take in the output of the one launched before it (with
+        overlap) or of this one; False when there was nothing to do."""
         started = time.perf_counter()
-        try:
-            finished = self._run(plan)
-        except Exception as exc:
-            logger.exception("forward failed; failing the %d requests of step %s", len(plan.chunks), plan.step_index)
-            if isinstance(exc, RankGroupError):  # no later step can run: end every request, refuse new ones
-                self.unavailable = str(exc)
-                self.scheduler.abort_all()
-            failed = [chunk.seq for chunk in plan.chunks]
-            for seq in failed:
-                seq.finish_reason = FinishReason.ERROR
-            self.scheduler.on_step_done(plan, time.perf_counter() - started, failed, forward_failed=True)
-            for seq in failed:
-                self._send_final(seq, error=f"internal error: {exc}")
-            return
-        self.scheduler.on_step_done(plan, time.perf_counter() - started, [seq for seq, _, _ in finished])
-        for seq, final_text, logprobs in finished:
-            self._send(seq, [seq.output_ids[-1]], final_text, finished=True, logprobs=logprobs)
+        plan = self.scheduler.schedule()
+        launched = None
+        if plan is not None:
+            for seq in plan.aborted:
+                self._report_end(seq, error=_scheduler_error(seq) or self.unavailable)
+            if plan.chunks:
+                launched = (plan, self._launch(plan))
+                plan.host_s = time.perf_counter() - started
+        took_in = bool(self._in_flight)
+        if took_in:
+            self._take_in(*self._in_flight.popleft())
+        if launched is not None:
+            if self.overlap:
+                self._in_flight.append(launched)
+            else:
+                self._take_in(*launched)
+        self._stats = self._snapshot_stats()
+        return plan is not None or took_in
 
-    def _run(self, plan: StepPlan) -> list[tuple[Sequence, str, TokenLogprobs | None]]:
-        """Prepare + forward + sample + postprocess; returns (finished sequence, its last text, its last token's
-        log-probabilities) triples."""
-        _use_intra_op_threads(1 if plan.num_tokens < self.small_step_tokens else self.cpu_threads)
-        rows = [BatchRow(c.seq.pages, c.seq.token_ids()[c.start:c.end], c.start, c.samples,
-                         tuple((s.position, s.slot) for s in c.snapshots)) for c in plan.chunks]
-        if self.decode_graphs is not None and self.decode_graphs.accepts(rows):
-            logits = self.decode_graphs.forward(rows)  # every decode row samples: logits align with `sampling`
-        elif self.group is not None:  # every rank runs this batch (built on the host, broadcast)
-            logits = self.group.forward(self.model, self.kv, build_forward_batch(rows, self.kv, "cpu"))
-        else:
-            logits = self.model.forward(build_forward_batch(rows, self.kv, self.device), self.kv)
-        sampling = [c.seq for c in plan.chunks if c.samples]
-        logits = apply_penalties(logits, sampling)
-        tokens = self.sampler.sample(logits, sampling)
-        logprobs = (self.sampler.logprobs(logits, sampling, tokens)
-                    if any(seq.sampling.logprobs is not None for seq in sampling) else [None] * len(tokens))
+    def _launch(self, plan: StepPlan) -> StepHandle:
+        """Build the step's batch on the host and hand it to the executor (returns at once with overlap)."""
+        rows, samplers, from_device = [], [], False
         for chunk in plan.chunks:
-            chunk.seq.num_computed_tokens = chunk.end
-        finished = []
-        for seq, token, token_logprobs in zip(sampling, tokens, logprobs):
-            final_text = self._append_token(seq, token, token_logprobs)
-            if final_text is not None:
-                finished.append((seq, final_text, token_logprobs))
-        return finished
+            seq = chunk.seq
+            known = chunk.end <= len(seq.token_ids)  # else a decode of the token the step in flight samples
+            from_device |= not known
+            snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.position < chunk.end) \
+                if chunk.snapshots else ()  # (the states where the chunk ends are copied after the forward)
+            rows.append(BatchRow(seq.pages, seq.token_ids[chunk.start:chunk.end] if known else [0], chunk.start,
+                                 chunk.samples, snapshots, not known))
+            if chunk.samples:
+                samplers.append(seq.sampler_state)
+        graphs = self.decode_graphs
+        key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
+        batch = build_forward_batch(rows, self.kv, pad_to=key)
+        cache = self.kv.prefix_cache
+        copies = StepCopies(*cache.take_pending()) if cache is not None else StepCopies()
+        return self.executor.submit(StepJob(batch, stage(batch, self._host_buffers), samplers, copies, key, from_device))
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> str | None:
-        """Record a sampled token; stream it, or return the final text if the request is done."""
-        seq.output_ids.append(token)
-        is_stop_token = token in seq.stop_ids
-        text = "" if is_stop_token else seq.detokenizer.add(token)
-        if is_stop_token or seq.detokenizer.stopped:
-            seq.finish_reason = FinishReason.STOP
-        elif len(seq.output_ids) >= seq.sampling.max_tokens:
-            seq.finish_reason = FinishReason.LENGTH
-        else:
-            self._send(seq, [token], text, finished=False, logprobs=logprobs)
-            return None
-        return text + seq.detokenizer.flush()
+    def _take_in(self, plan: StepPlan, handle: StepHandle) -> None:
+        """A step's output: the scheduler's accounting, then each request's token (or its failure)."""
+        output = handle.result()
+        if output.error is not None:
+            logger.error("step %s failed (%s); failing its %d requests", plan.step_index, output.error,
+                         len(plan.chunks))
+            if isinstance(handle.exception, RankGroupError):  # no later step can run: end every request
+                self.unavailable = str(handle.exception)
+                self.scheduler.abort_all()
+        for update in self.scheduler.update_from_output(plan, output):
+            self._send(update.seq, [] if update.token is None else [update.token], update.finished, update.error,
+                       None if update.logprobs is None else [update.logprobs])
 
-    def _send_final(self, seq: Sequence, error: str | None) -> None:
-        """The final response of a request ended without a last token (cancelled, timed out or failed)."""
-        text = seq.detokenizer.flush() if seq.finish_reason in (FinishReason.CANCELLED, FinishReason.TIMEOUT) else ""
-        self._send(seq, [], text, finished=True, error=error)
+    def _report_end(self, seq: Sequence, error: str | None) -> None:
+        """The final output of a request the scheduler ended (cancelled, timed out or failed)."""
+        self._send(seq, [], True, error, None)
 
-    def _send(self, seq: Sequence, token_ids: list[int], text: str, finished: bool, error: str | None = None,
-              logprobs: TokenLogprobs | None = None):
+    def _send(self, seq: Sequence, token_ids: list[int], finished: bool, error: str | None, logprobs) -> None:
         try:
-            seq.on_output(RequestOutput(seq.request_id, token_ids, text, finished,
+            seq.on_output(RequestOutput(seq.request_id, token_ids, "", finished,
                                         seq.finish_reason if finished else None, len(seq.prompt_ids),
-                                        len(seq.output_ids), error, None if logprobs is None else [logprobs],
-                                        seq.num_cached_tokens or 0))
+                                        len(seq.output_ids), error, logprobs, seq.num_cached_tokens or 0))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
-
-
-# Steps with fewer tokens (decodes, small mixed steps) are thousands of tiny ops: one intra-op thread
-# runs them as fast as two on the main thread, while two in a worker thread (a second OpenMP team)
-# made them 1.2-1.35x slower; prefill chunks gain from the cores (bench_engine_thread.py).
-SMALL_STEP_TOKENS = 64
-
-
-_threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them
-
-
-def _use_intra_op_threads(count: int) -> None:
-    global _threads_before_engines
-    if torch.get_num_threads() != count:
-        if _threads_before_engines is None:
-            _threads_before_engines = torch.get_num_threads()
-        torch.set_num_threads(count)
-
-
-def _default_cpu_threads() -> int:
-    """torch's thread count as the process set it: not what an earlier engine's last small step left (a
-    second engine in one process would otherwise run its prefills on one thread)."""
-    return _threads_before_engines or torch.get_num_threads()
 
 
 def _memory_pools(config: EngineConfig, model_config, dtype, device) -> KVCacheManager:
     """The pools the config asks for; ConfigError when they could not serve a single request."""
     kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
                         page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
-                        device=device)
+                        device=device, max_step_tokens=config.max_num_batched_tokens)
     if kv.max_request_positions() == 0:
         window = kv.window_pool
         raise ConfigError(

@@ -2,15 +2,23 @@
 
 A `Sequence` is one request's whole engine-side state, in one object: its tokens, how many of them
 already have their keys/values in the pools (`num_computed_tokens`), its sampling parameters, its
-status, and what the engine attaches at submit (the output callback, the detokenizer, the stop
-ids, the sampling generator, the queue rank and the handle of its pages). `finish()` ends it and
-releases everything it holds.
+status, and what the engine attaches at submit (the output callback, the stop ids, the sampler's
+state, the queue rank and the handle of its pages). The scheduler ends it (`finish()`) and frees
+its memory.
 
-Token accounting, the one rule the scheduler and engine share:
-- `num_tokens = len(prompt_ids) + len(output_ids)`;
-- the tokens `[num_computed_tokens, num_tokens)` still need a forward;
-- a step that computes the last of them yields logits, and a new token is sampled;
-- a prefill is a sequence with more than one uncomputed token, a decode one with exactly one.
+Token accounting, one owner (the scheduler, backend/scheduler/scheduler.py):
+- `token_ids` is the prompt followed by the outputs known on the host; it only grows (in place), so
+  per-step work never copies a context;
+- `num_placeholders` counts tokens sampled by steps still in flight: their values are on the device
+  (the next step reads them there) and reach the host one step later;
+- `num_tokens = len(token_ids) + num_placeholders`, and the tokens `[num_computed_tokens,
+  num_tokens)` still need a forward;
+- scheduling a step advances `num_computed_tokens` over its chunks and adds a placeholder for each
+  chunk that reaches `num_tokens` (it samples); the step's output replaces the placeholder with the
+  token (`append_output`);
+- a prefill is a sequence with more than one uncomputed token, a decode one with exactly one: the
+  last sampled token. A sequence whose sampled tokens already reach `max_tokens` is neither: it only
+  waits for its last result.
 Preemption (recompute) sets `num_computed_tokens = 0`: the prompt and the outputs already
 streamed are prefilled again, and generation resumes where it stopped.
 
@@ -30,10 +38,8 @@ from typing import TYPE_CHECKING, Any
 from backend.config import is_int, is_number
 
 if TYPE_CHECKING:
-    import torch
-
-    from backend.detokenizer import IncrementalDetokenizer
     from backend.memory.kv_manager import RequestPages
+    from backend.sampler import SamplerState
 
 
 class SequenceStatus(enum.Enum):
@@ -219,7 +225,7 @@ class RequestLimits:
 # --- outputs ----------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What the engine reports for a request after a step: new tokens and text, or the end."""
 
@@ -258,17 +264,19 @@ class Sequence:
     priority: int = 0  # lower runs first among waiting requests
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_placeholders: int = 0  # sampled by steps in flight, not yet on the host
     # Prompt positions restored from the prefix cache when it was first admitted (None before; a request
     # readmitted after preemption keeps its first count, as vLLM's num_cached_tokens does)
     num_cached_tokens: int | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Attached by the engine (submit) and the scheduler; released by finish().
+    # Attached by the engine (submit) and the scheduler.
     on_output: Callable[[RequestOutput], None] | None = field(default=None, repr=False)
-    detokenizer: "IncrementalDetokenizer | None" = field(default=None, repr=False)
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
-    generator: "torch.Generator | None" = field(default=None, repr=False)  # the sampler's, for temperature > 0
+    # The sampler's per-request state (generator, penalty counts): touched only where steps run
+    # (backend/sampler.py), created by the engine at submit.
+    sampler_state: "SamplerState | None" = field(default=None, repr=False)
     queue_rank: int = 0  # position in the waiting queue within its priority; negative: requeued in front
     arrival_s: float = 0.0  # when the scheduler took it in (its clock): the start of its aging and deadline
     last_chunk_tokens: int = 0  # its latest prefill chunk (the ITL budget grows a chunk at most 2x)
@@ -276,43 +284,53 @@ class Sequence:
     # The prefix cache's digests of its first blocks (backend/memory/prefix_cache.py), kept because its tokens
     # only ever grow: a long prompt is hashed once, not at every chunk.
     block_digests: list[bytes] = field(default_factory=list, repr=False)
+    # The prompt and the known outputs, grown in place by append_output (never rebuilt).
+    token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = [*self.prompt_ids, *self.output_ids]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) + self.num_placeholders - self.num_computed_tokens
 
     @property
+    def num_sampled(self) -> int:
+        """Outputs known on the host plus those in flight."""
+        return len(self.output_ids) + self.num_placeholders
+
+    @property
+    def awaits_last_result(self) -> bool:
+        """Its sampled tokens reach max_tokens: nothing more to compute, its last result is in flight."""
+        return len(self.output_ids) + self.num_placeholders >= self.sampling.max_tokens
+
+    # is_decode / is_prefill run for every running request at every step: written out, not through the others.
+    @property
     def is_decode(self) -> bool:
-        """Exactly one token left to compute: the last sampled one."""
-        return self.num_uncomputed_tokens == 1 and len(self.output_ids) > 0
+        """Exactly one token left to compute: the last sampled one (on the host or in flight)."""
+        sampled = len(self.output_ids) + self.num_placeholders
+        return (len(self.token_ids) + self.num_placeholders - self.num_computed_tokens == 1 and sampled > 0
+                and sampled < self.sampling.max_tokens)
 
     @property
     def is_prefill(self) -> bool:
-        return not self.is_decode and self.num_uncomputed_tokens > 0
+        left = len(self.token_ids) + self.num_placeholders - self.num_computed_tokens
+        return left > 1 or (left == 1 and not self.output_ids and not self.num_placeholders)
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def append_output(self, token: int) -> None:
+        """A sampled token reached the host (the scheduler retires its placeholder)."""
+        self.output_ids.append(token)
+        self.token_ids.append(token)
 
-    def finish(self) -> None:
-        """End the request: FINISHED, its pages and slot back to the pools, its generator dropped.
-
-        Idempotent. Whoever ends it sets finish_reason; the final response is the engine's to send
-        (it needs the text the detokenizer still holds).
-        """
+    def finish(self, reason: FinishReason) -> None:
+        """Mark the request ended (the scheduler frees its memory; the engine sends its final response)."""
         self.status = SequenceStatus.FINISHED
-        self.release_pages()
-        self.generator = None
-
-    def release_pages(self) -> None:
-        """Give back every page and the compressor-state slot (preemption and finish; idempotent)."""
-        pages, self.pages = self.pages, None
-        if pages is not None:
-            pages.release()
+        self.finish_reason = reason

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
-"""Decode step time of the engine on the main thread and in its loop thread, side by side.
+"""Decode step time of the engine's forward on the main thread and on a thread of the engine's own, side by side.
 
     python scripts/bench_engine_thread.py --repeats 3 --json results/engine_thread.json
 
-The server runs the engine in a worker thread (LLMEngine.start), benchmarks of the engine alone
-run it on the main thread (LLMEngine.generate). Each repetition times the same workload three
+As served, the engine loop runs in a thread of its own (LLMEngine.start) and the forward in the
+executor's (overlap scheduling, backend/executor.py). Each repetition times the same workload three
 ways, in one process, in turn:
-  main              generate() on the main thread, every step on torch's N intra-op threads
-  loop              the engine's loop thread as it serves: steps under 64 tokens on one thread,
-                    larger ones on cpu_threads (default N)
-  loop@N            the loop thread with every step on N threads (how it served before)
-and reports the median step time of each (from the step records) and the loop/main ratios.
+  main              generate() without overlap: the forward on the main thread, every step on torch's N
+                    intra-op threads
+  loop              the engine as it serves: steps under 64 tokens on one thread, larger ones on
+                    cpu_threads (default N), the forward on the executor's thread
+  loop@N            the same with every step on N threads
+and reports the median step time of each (the step records' device time: forward and sampling) and
+the loop/main ratios.
 --workload decode: --batch requests of --prompt-tokens, --steps decode steps each (decode steps
 timed); --workload prefill: one --prompt-tokens prompt prefilled in chunks of --chunk tokens
 (prefill steps timed), e.g. --prompt-tokens 8192 --chunk 565 for the starvation benchmark's chunks.
@@ -90,10 +92,10 @@ def main() -> None:
         settings.update(prefill_chunk_tokens=args.chunk, num_tokens=4 * args.prompt_tokens, max_running_requests=1,
                         max_num_batched_tokens=max(8192, args.chunk))
         args.batch, args.steps = 1, 1
-    engines = {"main": LLMEngine(EngineConfig(**settings)), "loop": LLMEngine(EngineConfig(**settings)),
-               f"loop@{main_threads}": LLMEngine(EngineConfig(**settings))}
+    engines = {"main": LLMEngine(EngineConfig(**settings, overlap_scheduling=False)),
+               "loop": LLMEngine(EngineConfig(**settings)), f"loop@{main_threads}": LLMEngine(EngineConfig(**settings))}
     for name in ("main", f"loop@{main_threads}"):
-        engines[name].small_step_tokens = 0  # every step on all threads
+        engines[name].executor.small_step_tokens = 0  # every step on all threads
     batch = prompts(args.batch, args.prompt_tokens, engines["main"].vocab_size)
     on_main(engines["main"], [batch[0][:64]], 4, "decode")  # warm-up
     rows = []

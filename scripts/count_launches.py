@@ -184,7 +184,7 @@ def measure(checkpoint: Path, batch: int = 8, steps: int = 4, mode: str = "trito
         for seq, n in rows_of:
             kv.extend(seq, n)
             start = seq.num_computed_tokens
-            tokens = (seq.prompt_ids + seq.output_ids)[start:start + n]
+            tokens = seq.token_ids[start:start + n]
             rows.append(BatchRow(seq.pages, tokens, start, True))
         batch = build_forward_batch(rows, kv, device)  # host-side metadata: not part of the count
         with counter():
@@ -196,7 +196,7 @@ def measure(checkpoint: Path, batch: int = 8, steps: int = 4, mode: str = "trito
 
     model.kernels.mode = "reference"
     for seq in seqs:
-        seq.output_ids.append(int(forward([(seq, len(seq.prompt_ids))]).argmax(-1)[0]))
+        seq.append_output(int(forward([(seq, len(seq.prompt_ids))]).argmax(-1)[0]))
     model.kernels.mode = mode
     totals, syncs, ops = Counter(), Counter(), Counter()
     for _ in range(steps):
@@ -214,7 +214,7 @@ def measure(checkpoint: Path, batch: int = 8, steps: int = 4, mode: str = "trito
         syncs.update(counter.syncs)
         ops.update(counter.ops)
         for seq, token in zip(seqs, logits.argmax(-1).tolist()):
-            seq.output_ids.append(token)
+            seq.append_output(token)
     for seq in seqs:
         kv.free(seq)
     kv.check()

@@ -65,5 +65,5 @@ def test_the_capacity_rule_is_the_memory_managers(tiny_checkpoint):
         seq.num_computed_tokens += n
         kv.release_slid_out(seq)
     assert not kv.can_extend(seq, 1)  # one position more does not fit
-    seq.finish()
+    kv.free(seq)
     kv.check()

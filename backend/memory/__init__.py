@@ -1,4 +1,4 @@
-"""Paged memory for DeepSeek-V4 (the prefix cache will live here too).
+"""Paged memory for DeepSeek-V4, and the prefix cache over it.
 
 - `page_allocator`: a free list of page ids (plain ints), all-or-nothing.
 - `paged_pool`: the base of the paged pools: tensors, an allocator, page runs.
@@ -8,5 +8,8 @@
   paged by entry index; kept for the request's whole life.
 - `compressor_state`: per-request ring buffers of the projections of the last few tokens, from
   which the compressors build each entry when its window closes.
-- `kv_manager`: all of the above behind one interface; a request's memory is its `RequestPages`.
+- `kv_manager`: all of the above behind one interface; a request's memory is its `RequestPages`,
+  released by `KVCacheManager.free`; the block tables, one row per slot, written as pages are added.
+- `prefix_cache`: cached block boundaries and requests' ends: shared pages, ring snapshots, LRU
+  eviction.
 """

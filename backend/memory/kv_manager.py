@@ -9,9 +9,16 @@ per page, and one compressor-state slot per running request. "Tokens" always mea
 the full sequence.
 
 Ownership: a request's pages and its compressor-state slot live in its `RequestPages` handle
-(`seq.pages`), created by the first `extend` and emptied by `free` (preemption, the end of the
-request). The scheduler decides when; this module only does the arithmetic and the bookkeeping.
-The model reads the tensors of one layer through `layer(i)`.
+(`seq.pages`), created by the first `try_extend` (or a prefix-cache restore) and given back by `free`,
+the one way a request's memory is released (preemption, the end of the request). The scheduler
+decides when; this module only does the arithmetic and the bookkeeping. The model reads the tensors
+of one layer through `layer(i)`.
+
+Block tables: every paged pool keeps a host table with one row per compressor-state slot (a running
+request's row, the scratch slot's row for padding) holding the physical page of each logical page.
+A row is written where pages are added (`try_extend`, a restore), never rebuilt, so a step gathers its
+rows (`block_table`) in time that does not grow with the requests' contexts. Compressed pools index a
+row by logical page; the window pool, whose pages slide, by logical page modulo the row's width.
 """
 
 from __future__ import annotations
@@ -30,18 +37,14 @@ from backend.model.config import CSA, HCA, ModelConfig
 
 @dataclass(eq=False)
 class RequestPages:
-    """One request's memory: a page run per paged pool and its compressor-state slot."""
+    """One request's memory: a page run per paged pool and its compressor-state slot (released by
+    KVCacheManager.free)."""
 
-    owner: "KVCacheManager"
     runs: dict[str, PageRun] = field(default_factory=dict)
     slot: int | None = None
 
     def run(self, pool: str) -> PageRun:
         return self.runs.setdefault(pool, PageRun())
-
-    def release(self) -> None:
-        """Every page and the slot back to their pools (idempotent)."""
-        self.owner.release(self)
 
 
 @dataclass
@@ -68,7 +71,10 @@ def _pages(entries: int, page_size: int, partial_pages: int) -> int:
 
 class KVCacheManager:
     def __init__(self, model: ModelConfig, *, num_tokens: int, swa_full_tokens_ratio: float, page_size: int,
-                 max_running_requests: int, dtype: torch.dtype, device: str | torch.device):
+                 max_running_requests: int, dtype: torch.dtype, device: str | torch.device,
+                 max_step_tokens: int | None = None):
+        """`max_step_tokens`: the most tokens one request computes in a step (bounds a window run's length,
+        hence the window table's width; None: the whole window pool)."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
@@ -91,9 +97,23 @@ class KVCacheManager:
             "hca": (hca_layers, model.hca_rate, model.head_dim),
         }
         self.state_pool = CompressorStatePool(max_running_requests, self._state_rings, dtype, device)
+        self._pools: list[PagedPool] = [self.window_pool, *self.compressed_pools.values()]
         self._layers = [self._layer_memory(i) for i in range(model.num_hidden_layers)]
         self._live: set[RequestPages] = set()  # handles holding anything, for check()
         self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
+        rows = max_running_requests + 1  # a row per slot, and the scratch slot's (padding rows)
+        self.tables = {pool.name: torch.zeros(rows, self._table_width(pool, max_step_tokens), dtype=torch.int32)
+                       for pool in self._paged_pools()}
+        for pool in self._paged_pools():
+            self.tables[pool.name][self.state_pool.scratch_slot] = pool.scratch_page
+
+    def _table_width(self, pool: PagedPool, max_step_tokens: int | None) -> int:
+        """Columns of a pool's table: the most logical pages one request's run can span."""
+        if pool is self.window_pool:
+            if max_step_tokens is None:
+                return pool.num_pages
+            return min(pool.num_pages, -(-(max_step_tokens + self.window) // self.page_size) + 1)
+        return min(pool.num_pages, pool.pages_for_tokens(self.model.max_position_embeddings) + 1)
 
     def enable_prefix_caching(self, block_tokens: int, max_entries: int, max_end_entries: int | None = None) -> None:
         """Before any request: the state pool gets `max_entries` spare slots, where the cache keeps its ring
@@ -120,11 +140,14 @@ class KVCacheManager:
         return frozenset(streams)
 
     def track(self, pages: RequestPages) -> None:
-        """A handle given memory outside `extend` (a restored prefix) is accounted for like the others."""
+        """A handle given memory outside `try_extend` (a restored prefix) is accounted for like the others, and its
+        rows of the block tables are written."""
         self._live.add(pages)
+        for name, run in pages.runs.items():
+            self._write_table(name, pages.slot, run, 0)
 
     def _paged_pools(self) -> list[PagedPool]:
-        return [self.window_pool, *self.compressed_pools.values()]
+        return self._pools
 
     # --- the model's interface ---------------------------------------------------------------------
     def _layer_memory(self, i: int) -> LayerMemory:
@@ -149,55 +172,93 @@ class KVCacheManager:
     def has_pool(self, name: str) -> bool:
         return name in self.compressed_pools
 
-    def window_row(self, pages: RequestPages) -> tuple[int, list[int]]:
-        """(first logical page, physical pages in logical order) of a request's window."""
-        run = pages.run("window")
-        return run.first, list(run.pages)
+    def block_table(self, pool: str, slots: torch.Tensor, firsts: torch.Tensor, lengths: torch.Tensor, width: int,
+                    pad: int) -> torch.Tensor:
+        """[B, width] int32: row b holds the pages of logical pages firsts[b] .. firsts[b] + lengths[b] - 1 of the
+        request in slot slots[b] (`pad` after them), gathered from the pool's table (no per-row Python)."""
+        table = self.tables[pool]
+        columns = firsts[:, None] + torch.arange(width)[None, :]
+        if pool == self.window_pool.name:
+            columns = columns % table.shape[1]
+        else:
+            columns = columns.clamp(max=table.shape[1] - 1)
+        rows = table[slots[:, None], columns]
+        return torch.where(torch.arange(width)[None, :] < lengths[:, None], rows, torch.tensor(pad, dtype=torch.int32))
 
-    def compressed_row(self, pages: RequestPages, pool: str) -> list[int]:
-        return list(pages.run(pool).pages)
+    def _write_table(self, pool: str, slot: int, run: PageRun, from_index: int) -> None:
+        """Row `slot` of the pool's table gets the run's pages from index `from_index` on."""
+        table = self.tables[pool]
+        width = table.shape[1]
+        for index in range(from_index, len(run.pages)):
+            table[slot, (run.first + index) % width] = run.pages[index]
 
     # --- the scheduler's interface -------------------------------------------------------------
     def has_free_slot(self) -> bool:
         return self.state_pool.num_free > 0
 
-    def _page_needs(self, seq, num_new_tokens: int):
+    def _page_needs(self, seq, num_new_tokens: int) -> list[int]:
+        """New pages each paged pool must give for positions [num_computed, + num_new_tokens)."""
         start, pages = seq.num_computed_tokens, seq.pages
-        for pool in self._paged_pools():
-            run = pages.runs.get(pool.name) if pages is not None else None
-            yield pool, pool.pages_needed(run, start, num_new_tokens)
+        if pages is None:
+            return [pool.pages_needed(None, start, num_new_tokens) for pool in self._pools]
+        runs = pages.runs
+        return [pool.pages_needed(runs.get(pool.name), start, num_new_tokens) for pool in self._pools]
+
+    def _fits(self, seq, needs: list[int]) -> bool:
+        if (seq.pages is None or seq.pages.slot is None) and self.state_pool.num_free == 0:
+            return False
+        for pool, need in zip(self._pools, needs):
+            if need > pool.num_free:
+                return False
+        return True
 
     def can_extend(self, seq, num_new_tokens: int) -> bool:
-        has_slot = seq.pages is not None and seq.pages.slot is not None
-        if not has_slot and self.state_pool.num_free == 0:
-            return False
-        return all(need <= pool.num_free for pool, need in self._page_needs(seq, num_new_tokens))
+        return self._fits(seq, self._page_needs(seq, num_new_tokens))
 
-    def extend(self, seq, num_new_tokens: int) -> None:
-        """Allocate pages for tokens [num_computed, num_computed + n); all or nothing."""
-        if not self.can_extend(seq, num_new_tokens):
-            short = [(p.name, need, p.num_free) for p, need in self._page_needs(seq, num_new_tokens)
-                     if need > p.num_free]
-            raise OutOfPages(*(short[0] if short else ("compressor_state", 1, 0)))
+    def try_extend(self, seq, num_new_tokens: int) -> bool:
+        """Allocate pages for tokens [num_computed, num_computed + n) (the first call also takes a slot); all or
+        nothing: False, and nothing changed, when a pool (or the slots) is short."""
+        needs = self._page_needs(seq, num_new_tokens)
+        if not self._fits(seq, needs):
+            return False
         if seq.pages is None:
-            seq.pages = RequestPages(self)
+            seq.pages = RequestPages()
         pages = seq.pages
         if pages.slot is None:
             pages.slot = self.state_pool.acquire()
-        self._live.add(pages)
-        for pool in self._paged_pools():
-            pool.extend(pages.run(pool.name), seq.num_computed_tokens, num_new_tokens)
+            self._live.add(pages)
+        start = seq.num_computed_tokens
+        for pool, need in zip(self._pools, needs):
+            if need or pool.name not in pages.runs:  # (a decode mostly needs nothing)
+                run = pages.run(pool.name)
+                held = len(run.pages)
+                pool.extend(run, start, num_new_tokens)
+                self._write_table(pool.name, pages.slot, run, held)
+        return True
 
-    def release_slid_out(self, seq) -> None:
-        """After a forward: drop window pages that no later token can attend to."""
+    def extend(self, seq, num_new_tokens: int) -> None:
+        """try_extend, raising OutOfPages (naming the short pool) when it cannot."""
+        if not self.try_extend(seq, num_new_tokens):
+            short = [(p.name, need, p.num_free) for p, need in zip(self._paged_pools(),
+                                                                   self._page_needs(seq, num_new_tokens))
+                     if need > p.num_free]
+            raise OutOfPages(*(short[0] if short else ("compressor_state", 1, 0)))
+
+    def release_slid_out(self, seq, next_pos: int | None = None) -> None:
+        """After a step computed `seq` up to `next_pos` (default: its computed tokens): drop the window pages no
+        later token can attend to."""
         if seq.pages is not None:
-            self.window_pool.release_slid_out(seq.pages.run("window"), seq.num_computed_tokens)
+            next_pos = seq.num_computed_tokens if next_pos is None else next_pos
+            run = seq.pages.runs.get("window")
+            if run is not None:
+                self.window_pool.release_slid_out(run, next_pos)
 
     def free(self, seq) -> None:
-        """Return every page and the slot of `seq` (idempotent)."""
-        seq.release_pages()
-
-    def release(self, pages: RequestPages) -> None:
+        """Give back every page and the compressor-state slot `seq` holds (preemption, the end of a request);
+        idempotent. The one way a request's memory is released."""
+        pages, seq.pages = seq.pages, None
+        if pages is None:
+            return
         for pool in self._paged_pools():
             if pool.name in pages.runs:
                 pool.free(pages.runs[pool.name])

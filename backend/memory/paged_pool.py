@@ -63,7 +63,7 @@ class PagedPool:
     def pages_needed(self, run: PageRun | None, start_pos: int, num_new_tokens: int) -> int:
         """New pages a chunk [start_pos, start_pos + n) needs beyond those `run` holds."""
         lo, hi = self.needed_span(start_pos, start_pos + num_new_tokens)
-        first_missing = run.end if run is not None and run.pages else lo
+        first_missing = run.first + len(run.pages) if run is not None and run.pages else lo
         return max(0, hi - first_missing)
 
     def extend(self, run: PageRun, start_pos: int, num_new_tokens: int) -> None:

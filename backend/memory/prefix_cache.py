@@ -25,12 +25,20 @@ are independent and any can be evicted, when pages or snapshot slots run short (
 evicts an entry holding one; a boundary takes a full slot when no light one is free). A page is free only when
 no request and no entry holds it.
 
-Where a state is taken: every block boundary a step computes. A boundary inside a prefill chunk is reserved
-when the step is planned (`reserve`: a snapshot slot), the step's compression plan writes the rings as they
-stand there into that slot (backend/model/compressor.py), and `keep_reserved` makes the entry after the step;
-a boundary where a step ends (a chunk ending there, a decode reaching it) is copied from the request's own slot
-(`register`). So prefill chunks need not end at boundaries, and two prompts sharing a system prompt share it
-whatever their chunks were.
+Where a state is taken: every block boundary a step computes, inside a chunk or where it ends (a decode
+reaching one included). It is reserved when the step is planned (`reserve`: a snapshot slot); inside a
+chunk the step's compression plan writes the rings as they stand there into that slot
+(backend/model/compressor.py), where a chunk ends the request's rings are copied there right after the
+step's forward (a copy outside the forward keeps decode steps at static shapes); `keep_reserved` makes the
+entry once the step's output is in. So prefill chunks need not end at boundaries,
+two prompts sharing a system prompt share it whatever their chunks were, and nothing is copied from a
+request's own rings after its step, when the next step (already launched) may have moved them on. A
+boundary that a decode reaches has its last token still in flight when it is reserved: its digest is
+computed when it is kept.
+
+Copies between pages and slots (a restore's, a request end's snapshot) are not made here: they are queued
+(`take_pending`) and made by whoever runs the steps, in order with them (`apply`; the engine's executor and
+every worker rank), so that a copy never races a step in flight.
 Eviction is least recently used. Using an entry uses every shorter boundary of the same tokens too, so a
 shared prefix (a system prompt) is as recent as its latest user. Among entries used at the same time,
 boundaries go before requests' ends (a chat's next turn needs its previous request's end, while a boundary
@@ -69,12 +77,17 @@ class CachedPrefix:
 
 @dataclass
 class ReservedSnapshot:
-    """A block boundary inside a scheduled chunk, whose state the step writes into `slot`."""
+    """A block boundary inside a scheduled chunk, or where it ends, whose state the step writes into `slot`. The
+    pages the entry will hold are pinned (one reference each) from the start: the request may give its own back
+    (its window slides on, it is preempted or ends) before the step's output is in."""
 
     position: int
-    key: bytes  # the boundary's block digest
+    key: bytes | None  # the boundary's block digest (None: its last token was not on the host yet)
     snapshot: int  # index of the snapshot
     slot: int  # the state-pool slot that holds it
+    window_first: int
+    window_pages: list[int]
+    compressed: dict[str, list[int]]
 
 
 @dataclass
@@ -99,14 +112,15 @@ class PrefixCache:
         self.kv, self.block_tokens = kv, block_tokens
         self._free_full = list(range(state.num_spare - 1, -1, -1))  # snapshot indices, taken from the end
         self._free_light = list(range(max_entries - 1, state.num_spare - 1, -1))
-        self._reserved: dict[bytes, ReservedSnapshot] = {}  # boundaries the step in flight snapshots
+        self._reserved_keys: set[bytes] = set()  # boundaries that steps in flight snapshot
         self._entries: dict[bytes, CachedPrefix] = {}
         self._ends: dict[bytes, list[CachedPrefix]] = {}  # anchor digest -> end entries hanging off it
         self._held: dict[str, Counter] = {}  # pool -> page -> entries holding it (the pages gauge, kept current)
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
-        self.mirror = False  # rank 0 of a group: record the copies for the workers
-        self._pending: list[tuple] = []
+        self._pending: list[tuple] = []  # copies not made yet, before the next step's forward (take_pending)
+        self._pending_after: list[tuple] = []  # and right after it
+        self._reserved: dict[int, ReservedSnapshot] = {}  # id -> the reservations of steps in flight
 
     # --- lookup -------------------------------------------------------------------------------
     def digests(self, token_ids: list[int], num_blocks: int, first: int = 0, previous: bytes = b"") -> list[bytes]:
@@ -122,12 +136,12 @@ class PrefixCache:
         """The digests of `seq`'s first num_blocks blocks, computed once per sequence (seq.block_digests)."""
         known = seq.block_digests
         if len(known) < num_blocks:
-            known.extend(self.digests(seq.token_ids(), num_blocks, len(known), known[-1] if known else b""))
+            known.extend(self.digests(seq.token_ids, num_blocks, len(known), known[-1] if known else b""))
         return known[:num_blocks]
 
     def lookup(self, seq) -> CachedPrefix | None:
         """The longest cached prefix of `seq`'s tokens that leaves at least one token to compute."""
-        tokens, limit = seq.token_ids(), seq.num_tokens - 1
+        tokens, limit = seq.token_ids, seq.num_tokens - 1
         digests = [b""] + self._chain(seq, limit // self.block_tokens)
         for k in range(len(digests) - 1, -1, -1):
             start = k * self.block_tokens
@@ -140,6 +154,12 @@ class PrefixCache:
         return None
 
     # --- restore ------------------------------------------------------------------------------
+    def match(self, seq) -> int:
+        """Start `seq` (holding no memory, every token on the host) after the longest cached prefix of its tokens;
+        the positions restored (0: none)."""
+        entry = self.lookup(seq)
+        return entry.length if entry is not None and self.restore(seq, entry) else 0
+
     def restore(self, seq, entry: CachedPrefix) -> bool:
         """Give `seq` (holding no memory) the memory of `entry`; False (nothing changed) when the copies of
         the partly filled pages or the state slot cannot be allocated."""
@@ -156,7 +176,7 @@ class PrefixCache:
         while not room():  # other entries' pages go first (this one is kept: its pages are about to be shared)
             if not self.evict_one(keep=entry):
                 return False
-        pages = RequestPages(kv)
+        pages = RequestPages()
         pages.slot = kv.state_pool.acquire()
         self._do(("load", entry.snapshot, pages.slot))
         window = pages.run("window")
@@ -186,57 +206,94 @@ class PrefixCache:
     # --- register -----------------------------------------------------------------------------
     def reserve(self, seq, start: int, end: int) -> list[ReservedSnapshot]:
         """Planning a step that computes positions [start, end) of `seq`: a snapshot slot for each new block
-        boundary P with start < P < end (the one at `end`, `register` keeps after the step); the step writes its
-        state there, `keep_reserved` (or `release_reserved`) follows."""
+        boundary P with start < P <= end; the step writes its state there, `keep_reserved` (or `release_reserved`)
+        follows once its output is in."""
         block = self.block_tokens
-        positions = list(range((start // block + 1) * block, end, block))
-        if not positions:
+        if end // block == start // block:  # no boundary (every decode but one in `block`)
             return []
-        digests = self._chain(seq, positions[-1] // block)
-        new = [(p, digests[p // block - 1]) for p in positions]
-        new = [(p, key) for p, key in new if key not in self._entries and key not in self._reserved]
+        positions = range((start // block + 1) * block, end + 1, block)
+        known = len(seq.token_ids) // block  # blocks whose tokens are all on the host
+        digests = self._chain(seq, min(known, positions[-1] // block))
+        new = [(p, digests[p // block - 1] if p // block <= known else None) for p in positions]
+        new = [(p, key) for p, key in new if key is None or (key not in self._entries and key not in self._reserved_keys)]
         if len(new) > self.num_free_snapshots:
             self.evict(len(new) - self.num_free_snapshots)
         reserved = []
         for position, key in new[:self.num_free_snapshots]:  # the shallowest, if slots are short
             snapshot = self._take_snapshot(full=False)
-            self._reserved[key] = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot))
-            reserved.append(self._reserved[key])
+            if key is not None:
+                self._reserved_keys.add(key)
+            r = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot),
+                                 *self._pin(seq, position))
+            self._reserved[id(r)] = r
+            reserved.append(r)
+            if position == end:  # where the step ends: its rings as they stand after it, copied right after it
+                self._pending_after.append(("save", seq.pages.slot, snapshot))
         return reserved
 
     def keep_reserved(self, seq, reserved: list[ReservedSnapshot]) -> None:
-        """After the step: the reserved boundaries of `seq` become entries (their rings are in their slots)."""
+        """The step ran, its output is in: the reserved boundaries of `seq` become entries (their rings are in their
+        slots, their pages pinned), whatever became of `seq` since (it may have ended or been preempted). A boundary
+        whose last token never reached the host (its request ended first) is given up."""
         if not reserved:
             return
-        digests = self._chain(seq, reserved[-1].position // self.block_tokens)
+        known = min(reserved[-1].position, len(seq.token_ids)) // self.block_tokens
+        digests = self._chain(seq, known)
         for r in reserved:
-            del self._reserved[r.key]
-            if r.key in self._entries:  # kept meanwhile (another request ended a step there): one is enough
-                self._give_snapshot(r.snapshot)
+            block = r.position // self.block_tokens
+            key = digests[block - 1] if block <= known else None
+            if key is None or key in self._entries or (key != r.key and key in self._reserved_keys):
+                self.release_reserved([r])  # unknown, or kept (or about to be) by another request
                 continue
-            self._add_entry(seq, r.key, r.position, r.snapshot, digests[:r.position // self.block_tokens - 1])
+            self._unreserve(r)
+            self._add_entry(key, r.position, r.snapshot, r.window_first, r.window_pages, r.compressed,
+                            digests[:block - 1])
 
     def release_reserved(self, reserved: list[ReservedSnapshot]) -> None:
-        """The step did not run (it failed): its snapshots are void."""
+        """The reserved states are void (their step failed, or an entry for them exists already)."""
         for r in reserved:
-            del self._reserved[r.key]
+            self._unreserve(r)
             self._give_snapshot(r.snapshot)
+            self._unpin(r.window_pages, r.compressed)
 
-    def register(self, seq) -> None:
-        """After a step: when `seq` stands exactly at a block boundary, keep its state there (if new)."""
-        length = seq.num_computed_tokens
-        if length == 0 or length % self.block_tokens or seq.pages is None or seq.pages.slot is None:
-            return
-        digests = self._chain(seq, length // self.block_tokens)
-        self._keep(seq, digests[-1], digests[:-1], full=False)
+    def _unreserve(self, r: ReservedSnapshot) -> None:
+        del self._reserved[id(r)]
+        if r.key is not None:
+            self._reserved_keys.discard(r.key)
 
-    def register_end(self, seq) -> None:
-        """When `seq` finishes: keep its state at its last computed position (the next turn of a chat resends
-        all of it), marked as a request's end; at a block boundary register() has kept it already."""
-        length = seq.num_computed_tokens
+    def _pin(self, seq, length: int) -> tuple[int, list[int], dict[str, list[int]]]:
+        """(first logical window page, window pages, compressed pages per pool) a state of `seq` at `length` needs,
+        each with one reference more: the window of the next position, and the compressed entries before it."""
+        kv, runs = self.kv, seq.pages.runs
+        window_first = kv.window_pool.first_needed_page(length)
+        run = runs["window"]
+        window_pages = run.pages[window_first - run.first:-(-length // kv.page_size) - run.first]
+        assert window_first >= run.first and len(window_pages) == -(-length // kv.page_size) - window_first, \
+            "the window pages of a prefix state are held"
+        compressed = {name: runs[name].pages[:pool.pages_for_tokens(length)] if name in runs else []
+                      for name, pool in kv.compressed_pools.items()}
+        kv.window_pool.allocator.retain(window_pages)
+        for name, pages in compressed.items():
+            kv.compressed_pools[name].allocator.retain(pages)
+        return window_first, window_pages, compressed
+
+    def _unpin(self, window_pages: list[int], compressed: dict[str, list[int]]) -> None:
+        self.kv.window_pool.allocator.free(window_pages)
+        for name, pages in compressed.items():
+            self.kv.compressed_pools[name].allocator.free(pages)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def register_end(self, seq, length: int) -> None:
+        """When `seq` finishes, its last step having computed `length` positions: keep its state there (the next
+        turn of a chat resends all of it), marked as a request's end; at a block boundary the step kept it
+        already. (A step launched meanwhile may have computed one more position, its last token: a continuation
+        from `length` reads none of what that wrote.)"""
         if length == 0 or seq.pages is None or seq.pages.slot is None:
             return
-        tokens = seq.token_ids()
+        tokens = seq.token_ids
         full = length // self.block_tokens
         digests = self._chain(seq, full)
         if length % self.block_tokens == 0:
@@ -247,36 +304,29 @@ class PrefixCache:
         tail = tuple(tokens[full * self.block_tokens:length])
         key = hashlib.blake2b(anchor + np.asarray(tail, dtype=np.int64).tobytes(), digest_size=16,
                               person=b"end").digest()
-        entry = self._keep(seq, key, digests, full=True)
+        entry = self._keep(seq, key, length, digests)
         if entry is not None and entry.anchor is None:
             entry.anchor, entry.tail, entry.request_end = anchor, tail, True
             self._ends.setdefault(anchor, []).append(entry)
 
-    def _keep(self, seq, key: bytes, ancestors: list[bytes], full: bool) -> CachedPrefix | None:
-        """The entry under `key` (touched), or a new one holding `seq`'s state at its computed length in a `full`
-        or light snapshot slot; `ancestors`: the digests of the block boundaries before it."""
+    def _keep(self, seq, key: bytes, length: int, ancestors: list[bytes]) -> CachedPrefix | None:
+        """The entry under `key` (touched), or a new one holding `seq`'s state at `length` in a full snapshot slot
+        (its rings copied there); `ancestors`: the digests of the block boundaries before it."""
         if key in self._entries:
             self._touch(self._entries[key], ancestors)
             return self._entries[key]
-        has_free = bool(self._free_full) if full else self.num_free_snapshots > 0
-        if not has_free and self.evict(1, full_only=full) == 0:
+        if not self._free_full and self.evict(1, full_only=True) == 0:
             return None
-        snapshot = self._take_snapshot(full)
+        snapshot = self._take_snapshot(full=True)
         self._do(("save", seq.pages.slot, snapshot))
-        return self._add_entry(seq, key, seq.num_computed_tokens, snapshot, ancestors)
+        return self._add_entry(key, length, snapshot, *self._pin(seq, length), ancestors)
 
-    def _add_entry(self, seq, key: bytes, length: int, snapshot: int, ancestors: list[bytes]) -> CachedPrefix:
-        """An entry for `seq`'s state at `length` (its rings already in `snapshot`), holding its pages."""
-        kv, pages = self.kv, seq.pages
-        window_first = kv.window_pool.first_needed_page(length)
-        run = pages.run("window")
-        window_pages = run.pages[window_first - run.first:-(-length // kv.page_size) - run.first]
-        compressed = {name: pages.run(name).pages[:pool.pages_for_tokens(length)]
-                      for name, pool in kv.compressed_pools.items()}
+    def _add_entry(self, key: bytes, length: int, snapshot: int, window_first: int, window_pages: list[int],
+                   compressed: dict[str, list[int]], ancestors: list[bytes]) -> CachedPrefix:
+        """An entry for a state at `length` (its rings in `snapshot`), holding the pages given (pinned for it)."""
         entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot)
         self._touch(entry, ancestors)
         for pool, pages in self._pages_of(entry):
-            pool.allocator.retain(pages)
             self._held.setdefault(pool.name, Counter()).update(pages)
         self.stats.registered += 1
         return entry
@@ -321,14 +371,14 @@ class PrefixCache:
         return [*shared, copy]
 
     def _do(self, op: tuple) -> None:
-        self.apply([op])
-        if self.mirror:
-            self._pending.append(op)
+        self._pending.append(op)
 
-    def take_pending(self) -> list[tuple]:
-        """The copies made since the last call (rank 0 sends them with the next step's batch)."""
-        ops, self._pending = self._pending, []
-        return ops
+    def take_pending(self) -> tuple[list[tuple], list[tuple]]:
+        """The copies asked for since the last call, in order: those the next step makes before its forward, and
+        those it makes right after it (the states where its chunks end), on every rank."""
+        before, after = self._pending, self._pending_after
+        self._pending, self._pending_after = [], []
+        return before, after
 
     def apply(self, ops: list[tuple]) -> None:
         """Make these copies in this rank's pools: ("page", pool, src, dst), ("save", slot, snapshot),
@@ -363,8 +413,11 @@ class PrefixCache:
             return e.last_used, e.request_end, -own_window_pages, -e.length
 
         state = self.kv.state_pool
-        candidates = (e for e in self._entries.values()
-                      if e is not keep and not (full_only and state.is_light(e.snapshot)))
+        candidates = [e for e in self._entries.values()
+                      if e is not keep and not (full_only and state.is_light(e.snapshot))]
+        if len(candidates) > count:  # the full order only among the least recently used (it counts pages)
+            cutoff = heapq.nsmallest(count, (e.last_used for e in candidates))[-1]
+            candidates = [e for e in candidates if e.last_used <= cutoff]
         victims = heapq.nsmallest(count, candidates, key=order)
         for entry in victims:
             self._drop(entry)
@@ -391,10 +444,6 @@ class PrefixCache:
             pass
 
     # --- accounting ---------------------------------------------------------------------------
-    @property
-    def num_entries(self) -> int:
-        return len(self._entries)
-
     def snapshot_stats(self) -> dict:
         """For engine.stats(): hits, positions served, evictions, entries, and distinct pages entries hold."""
         pools = [self.kv.window_pool.name, *self.kv.compressed_pools]
@@ -403,8 +452,10 @@ class PrefixCache:
                 "entries": len(self._entries), "pages": {pool: len(self._held.get(pool, ())) for pool in pools}}
 
     def held_pages(self, pool: str) -> list[list[int]]:
-        """The page lists the entries hold in `pool` (for KVCacheManager.check)."""
+        """The page lists the entries, and the reservations of steps in flight, hold in `pool` (for
+        KVCacheManager.check)."""
+        holders = [*self._entries.values(), *self._reserved.values()]
         if pool == "window":
-            return [e.window_pages for e in self._entries.values()]
-        return [e.compressed[pool] for e in self._entries.values()]
+            return [h.window_pages for h in holders]
+        return [h.compressed[pool] for h in holders]
 

@@ -32,7 +32,9 @@ class WindowPool(PagedPool):
 
     def release_slid_out(self, run: PageRun, next_pos: int) -> None:
         """Free pages whose positions all lie before the window of the next token to compute."""
-        self.release_before(run, self.first_needed_page(next_pos))
+        first = max(0, next_pos - self.window + 1) // self.page_size
+        if first > run.first:  # (at most steps, nothing slid out)
+            self.release_before(run, first)
 
     def pages_per_running_request(self) -> int:
         """Pages a decoding request holds at most: its window may straddle one more page."""

@@ -2,8 +2,14 @@
 
 - `config`: `ModelConfig` from a checkpoint's config.json (the reference's field names and legacy keys).
 - `checkpoint`: the tensors of a checkpoint, checked against the shapes the config implies.
-- `layers`: norms, rotary embeddings, mHC hyper-connections, the shared expert.
-- `compressor`: CSA/HCA (and indexer) compressors over a ragged batch with ring-buffer state.
-- `forward_batch`: one step's metadata (tokens, positions, where their memory is).
+- `rotary`: RoPE / YaRN cos and sin tables (norms, mHC and activations are kernels/).
+- `projections`: the linears that read the same input, as one GEMM.
+- `quantization`: FP8 / MXFP4 weights as published.
+- `compressor`: CSA/HCA (and indexer) compression plans over a ragged batch with ring-buffer state.
+- `forward_batch`: one step's metadata (tokens, positions, where their memory is): the one batch builder.
+- `static_batch`: the static shapes (buckets, padding) of decode steps that CUDA graphs replay.
+- `staging`: a step's metadata packed into one buffer, one copy to the device.
+- `graph_runner`: the static buffers and CUDA graphs of decode steps.
+- `footprint`, `weight_names`: memory arithmetic and checkpoint names.
 - `deepseek_v4`: the forward over a ragged batch and the paged pools of backend/memory.
 """

@@ -23,10 +23,14 @@ entries, before the ring updates (kernels/compressor.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+
+def _per_entry(pad_value):
+    """A field with one row per closing entry; a static-shape step pads it with `pad_value` (static_batch.py)."""
+    return field(metadata={"per_entry": pad_value})
 
 
 @dataclass
@@ -36,11 +40,11 @@ class CompressionPlan:
     ring: int
     ring_slots: torch.Tensor  # [B] state slot of each batch row
     ring_order: torch.Tensor  # [B, ring] ring index of positions start - ring .. start - 1
-    entry_src: torch.Tensor  # [N, span] index into cat(ring rows flattened, batch tokens)
-    entry_valid: torch.Tensor  # [N, span] False for positions before 0
-    entry_pos: torch.Tensor  # [N] rope position w * rate
-    entry_row: torch.Tensor  # [N] batch row
-    entry_index: torch.Tensor  # [N] w
+    entry_src: torch.Tensor = _per_entry(0)  # [N, span] index into cat(ring rows flattened, batch tokens)
+    entry_valid: torch.Tensor = _per_entry(True)  # [N, span] False for positions before 0
+    entry_pos: torch.Tensor = _per_entry(0)  # [N] rope position w * rate
+    entry_row: torch.Tensor = _per_entry(-1)  # [N] batch row (-1: a padding entry, stored to the scratch page)
+    entry_index: torch.Tensor = _per_entry(0)  # [N] w
     keep_src: torch.Tensor  # [M] index into the same source of the tokens the ring keeps
     keep_slot: torch.Tensor  # [M]
     keep_pos: torch.Tensor  # [M] ring index

@@ -2,14 +2,17 @@
 
     graphs = DecodeGraphs(model, kv, max_rows=64, capture=True)   # capture=False: eager, same buffers
     if graphs.accepts(rows):
-        logits = graphs.forward(rows)                               # [len(rows), vocab]
+        key = static_key(rows); staged = stage(build_forward_batch(rows, kv, pad_to=key), ...)
+        logits = graphs.forward(key, staged, prepare)               # [key.rows, vocab]
 
-Per `StaticKey` (row bucket x context bucket, backend/model/static_batch.py) it keeps static device
-buffers for the batch and, when capturing, a graph recorded on the first step of that key: the
-forward runs once on a batch made only of padding rows (every write goes to the pools' scratch page
-and slot, so no request's memory changes; it compiles every Triton kernel for these shapes), then
-is captured on the same buffers. Every step copies its padded batch into the buffers and replays.
-Graphs share one memory pool. Prefill and mixed steps run eagerly (their shapes are not bucketed).
+Per `StaticKey` (row bucket x context bucket, backend/model/static_batch.py) it keeps one device
+buffer holding the batch's metadata (the views the graph reads) and, when capturing, a graph
+recorded on the first step of that key: the forward runs once on a batch made only of padding rows
+(every write goes to the pools' scratch page and slot, so no request's memory changes; it compiles
+every Triton kernel for these shapes), then is captured on the same buffer. Every step copies its
+packed batch into the buffer (one copy), lets `prepare` fill in what only the device knows (the
+tokens the step before sampled), and replays. Graphs share one memory pool. Prefill and mixed steps
+run eagerly (their shapes are not bucketed).
 
 With capture=False (any device; the engine's `cuda_graphs` parameter on CPU) the same padded,
 static-shape step runs eagerly: this is how the logic of the graph path is tested without a GPU.
@@ -18,18 +21,21 @@ static-shape step runs eagerly: this is how the logic of the graph path is teste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from backend.memory.kv_manager import KVCacheManager
-from backend.model.forward_batch import BatchRow, ForwardBatch
-from backend.model.static_batch import StaticKey, copy_batch, is_decode_batch, row_bucket, static_decode_batch, \
-    static_key
+from backend.model.forward_batch import ForwardBatch, build_forward_batch
+from backend.model.staging import HostBuffers, StagedBatch, stage
+from backend.model.static_batch import StaticKey, is_decode_batch, row_bucket
 
 
 @dataclass
 class _StaticStep:
-    batch: ForwardBatch  # device buffers of this key's shapes
+    buffer: torch.Tensor  # the packed metadata, on the device
+    batch: ForwardBatch  # views into `buffer`
+    layout: tuple
     graph: "torch.cuda.CUDAGraph | None" = None
     logits: torch.Tensor | None = None  # the graph's output buffer
 
@@ -40,32 +46,36 @@ class DecodeGraphs:
         self.max_rows = row_bucket(max_rows)
         self._steps: dict[StaticKey, _StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._warm_up_buffers = HostBuffers(model.device, depth=1)
 
     @property
     def keys(self) -> list[StaticKey]:
         return list(self._steps)
 
-    def accepts(self, rows: list[BatchRow]) -> bool:
+    def accepts(self, rows) -> bool:
         return is_decode_batch(rows) and len(rows) <= self.max_rows
 
-    def forward(self, rows: list[BatchRow]) -> torch.Tensor:
-        key = static_key(rows)
-        host = static_decode_batch(rows, self.kv, key, "cpu")
+    def forward(self, key: StaticKey, staged: StagedBatch, prepare: Callable[[ForwardBatch], None]) -> torch.Tensor:
+        """Logits [key.rows, vocab] of the packed static batch `staged` (padded to `key`); `prepare(batch)` runs on
+        the static buffers after the copy, before the forward."""
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._new_step(key, host)
-        copy_batch(step.batch, host)
+            step = self._steps[key] = self._new_step(key, staged)
+        assert staged.layout == step.layout, f"a batch of key {key} with another layout"
+        staged.copy_into(step.buffer)
+        prepare(step.batch)
         if step.graph is None:
-            logits = self.model.forward(step.batch, self.kv)
-        else:
-            step.graph.replay()
-            logits = step.logits
-        return logits[: len(rows)]
+            return self.model.forward(step.batch, self.kv)
+        step.graph.replay()
+        return step.logits
 
-    def _new_step(self, key: StaticKey, host: ForwardBatch) -> _StaticStep:
-        step = _StaticStep(host.to(self.model.device))
+    def _new_step(self, key: StaticKey, staged: StagedBatch) -> _StaticStep:
+        buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
+        step = _StaticStep(buffer, staged.to_device(buffer), staged.layout)
         if self.capture:
-            copy_batch(step.batch, static_decode_batch([], self.kv, key, "cpu"))  # padding only: writes scratch
+            padding = stage(build_forward_batch([], self.kv, pad_to=key), self._warm_up_buffers)
+            assert padding.layout == step.layout
+            padding.copy_into(buffer)  # padding rows only: every write goes to the scratch page and slot
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -3,14 +3,14 @@
     group = RankGroup.start(config, layout)        # spawns ranks 1..N-1, each loads its shard
     model = load_model(config, ..., layout, group.comm)        # rank 0's own shard, meanwhile
     group.wait_ready()
-    logits = group.forward(model, kv, host_batch)  # every rank runs the same forward on its shard
+    logits = group.forward(model, kv, host_batch, copies)  # every rank runs the same forward on its shard
     group.close()                                  # workers exit; the process group is destroyed
 
-Rank 0 is the engine that model.py holds (scheduler, sampler, detokenizer, its own shard). Ranks
+Rank 0 is the engine that model.py holds (scheduler, sampler, its own shard). Ranks
 1..N-1 are processes it starts (torch.multiprocessing, spawn, one per device, daemonic so they die
 with it). Each step rank 0 broadcasts the step's ForwardBatch (host tensors: token ids, positions,
 page tables, compression plans; pickled over a gloo group), with the tensor copies rank 0's prefix
-cache made since the last step, and every rank replays those copies and runs `DeepseekV4Model.forward`
+cache asked for around it, and every rank makes those copies and runs `DeepseekV4Model.forward`
 on its shard and its own copy of the pools, which every rank keeps identical by running the same
 writes; only rank 0 samples. Tensor collectives run in the default
 group (NCCL on CUDA, gloo on CPU). A worker that dies, or a collective that times out
@@ -94,10 +94,12 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             break
-        copies, batch = message[0]
-        if copies:  # rank 0's prefix cache copied memory since the last step: the same copies here
-            kv.prefix_cache.apply(copies)
+        before, batch, after = message[0]
+        if before:  # rank 0's prefix cache asked for copies around this step: the same copies here
+            kv.prefix_cache.apply(before)
         model.forward(_on(batch, device), kv)
+        if after:
+            kv.prefix_cache.apply(after)
     dist.destroy_process_group()
 
 
@@ -177,14 +179,14 @@ class RankGroup:
             raise RankGroupError(self.broken) from exc
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
 
-    def forward(self, model, kv, batch):
-        """Broadcast the host batch, run this rank's forward; RankGroupError if any rank is gone."""
+    def forward(self, model, kv, batch, copies):
+        """Broadcast the host batch and the prefix cache's copies around it (StepCopies, which rank 0's executor
+        makes itself), run this rank's forward; RankGroupError if any rank is gone."""
         if self.broken:
             raise RankGroupError(self.broken)
         try:
             self._check_workers()
-            copies = kv.prefix_cache.take_pending() if kv.prefix_cache is not None else []
-            dist.broadcast_object_list([(copies, batch)], src=0, group=self.control)
+            dist.broadcast_object_list([(copies.before, batch, copies.after)], src=0, group=self.control)
             return model.forward(_on(batch, model.device), kv)
         except RankGroupError:
             raise

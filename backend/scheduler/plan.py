@@ -1,23 +1,30 @@
-"""What the scheduler decides for one step: the chunks of one forward, and who it ended or preempted."""
+"""What the scheduler decides for one step, what the step returns, and what the engine then reports."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backend.request import Sequence
 from backend.scheduler.step_record import StepKind
 
+if TYPE_CHECKING:
+    from backend.request import TokenLogprobs
 
-@dataclass
+
+@dataclass(eq=False, slots=True)
 class ScheduledChunk:
-    """Compute tokens [start, start + num_tokens) of seq.token_ids() in this step."""
+    """Compute tokens [start, start + num_tokens) of the sequence in this step."""
 
     seq: Sequence
     num_tokens: int
     start: int  # seq.num_computed_tokens when the step was scheduled
     is_decode: bool  # the single last-sampled token of a decoding sequence
-    samples: bool  # the chunk reaches seq.num_tokens: the engine samples a token for it
-    # block boundaries inside the chunk whose state the step keeps (prefix caching; ReservedSnapshot)
+    samples: bool  # the chunk reaches seq.num_tokens: the step samples a token for it
+    # Which life of the sequence this chunk belongs to (seq.num_preemptions when scheduled): a preemption while the
+    # step is in flight makes its chunk stale (the memory it computed into is gone).
+    epoch: int = 0
+    # block boundaries in (start, end] whose state the step keeps (prefix caching; ReservedSnapshot)
     snapshots: list = field(default_factory=list)
 
     @property
@@ -31,12 +38,12 @@ class StepPlan:
 
     A plan without chunks (`kind is None`, `step_index is None`) carries no forward: it only
     reports sequences the scheduler ended (`aborted`) while nothing was runnable. The engine sends
-    their final responses and need not call on_step_done (doing so is a no-op).
+    their final responses; no output follows.
     """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     # Sequences the scheduler ended this step; each is FINISHED with finish_reason CANCELLED
-    # (abort) or ERROR (could not fit in the memory); pages are already freed.
+    # (abort), TIMEOUT (past its deadline) or ERROR (could not fit in the memory); memory already freed.
     aborted: list[Sequence] = field(default_factory=list)
     # Sequences sent back to the waiting queue this step (recompute later; outputs kept).
     preempted: list[Sequence] = field(default_factory=list)
@@ -45,19 +52,18 @@ class StepPlan:
     predicted_s: float | None = None  # the step-cost model's prediction, when it has data
     itl_infeasible: bool = False  # the ITL target could not be met even with the minimum prefill chunk
     num_cached_tokens: int = 0  # prompt positions admissions in this step took from the prefix cache
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    host_s: float = 0.0  # the engine's time to schedule, build and launch this step (set by the engine)
     _scheduled: set[Sequence] = field(default_factory=set, init=False, repr=False)  # seqs with a chunk
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if c.is_decode)
-
-    @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def sampling_chunks(self) -> list[ScheduledChunk]:
+        return [c for c in self.chunks if c.samples]
 
     def has_chunk(self, seq: Sequence) -> bool:
         return seq in self._scheduled
@@ -65,3 +71,28 @@ class StepPlan:
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks.append(chunk)
         self._scheduled.add(chunk.seq)
+        if chunk.is_decode:
+            self.num_decode_tokens += chunk.num_tokens
+        else:
+            self.num_prefill_tokens += chunk.num_tokens
+
+
+@dataclass
+class StepOutput:
+    """What a step returned: a token per sampling chunk, in plan order, or the error that failed it."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list["TokenLogprobs | None"] | None = None  # per sampling chunk, when any request asked
+    duration_s: float = 0.0  # the step's device time
+    error: str | None = None
+
+
+@dataclass
+class SeqUpdate:
+    """What a step's output did to one request: a new token (None: it failed), and whether it ended."""
+
+    seq: Sequence
+    token: int | None
+    logprobs: "TokenLogprobs | None"
+    finished: bool
+    error: str | None = None

@@ -1,40 +1,49 @@
-"""The iteration-level scheduler: who gets tokens in the next forward.
+"""The iteration-level scheduler: who gets tokens in the next forward, and the owner of token accounting.
 
 One step is one engine forward over a ragged batch. The engine drives the scheduler like this:
 
-    plan = scheduler.schedule(now=time.monotonic())     # StepPlan, or None: no work at all
-    if plan is None:
-        scheduler.wait_for_work(timeout)                # woken by add() / abort()
-        continue
-    send final responses for plan.aborted               # cancelled or failed by the scheduler
+    plan = scheduler.schedule(now=time.monotonic())     # StepPlan, or None: nothing to schedule now
+    send final responses for plan.aborted               # cancelled, timed out or failed by the scheduler
     if plan.chunks:
-        forward over plan.chunks; for each chunk advance seq.num_computed_tokens by num_tokens,
-        and where chunk.samples, append the sampled token to seq.output_ids
-        scheduler.on_step_done(plan, duration_s=..., finished=[seqs that finished])
+        run the forward and the sampler over plan.chunks (asynchronously)
+    ... later, in step order:
+    updates = scheduler.update_from_output(plan, StepOutput(tokens=..., duration_s=...))
+    stream each update's token; the finished ones get their final response
+
+With overlap (`max_steps_in_flight=2`) the engine schedules step N+1 before step N's output is in:
+the scheduler counts the tokens step N samples as placeholders (`Sequence.num_placeholders`), so a
+request that sampled in step N decodes in step N+1 with a token that only the device knows yet. What
+the output then says (a stop token, max_tokens) is learnt one step late: a request that ended in step N
+may have a decode in step N+1, whose token is dropped (never streamed); a request whose sampled tokens
+already reach max_tokens gets no further step.
 
 Ownership (the token accounting rule itself is in backend/request.py):
-- The scheduler owns the waiting queue, the running set and the decision of each step, and every
-  page decision: it allocates the pages a step needs (`memory.extend`) while building the plan,
-  releases window pages that slid out after the step (`on_step_done`), frees a sequence's pages
-  when it leaves the running set (`seq.finish()`), and on preemption resets
-  `num_computed_tokens` to 0.
-- The ENGINE advances `seq.num_computed_tokens` and appends to `seq.output_ids`, before calling
-  `on_step_done`; the scheduler never touches token lists. `on_step_done` checks the advance.
+- The scheduler owns the waiting queue, the running set, the decision of each step, and every
+  token count: it advances `num_computed_tokens` when it commits a step and appends each sampled
+  token when the step's output comes in (`update_from_output`), where it also decides the stops
+  that need no text (stop token ids, max_tokens; stop strings are the output processor's, which
+  aborts the request).
+- Every page decision is the scheduler's too: it allocates the pages a step needs while building the
+  plan, releases window pages that slid out once a step's output is in, frees a sequence's memory
+  (`memory.free`) when it leaves the running set, and on preemption resets `num_computed_tokens` to 0.
+  Freeing while a later step is in flight is safe: steps run in order on one stream (or the executor's
+  one thread), so a page given to another request is written only after the steps that read it.
 - What a step carries is the policy's choice (backend/scheduler/policies.py), and how many
   prefill tokens it may take the budget's.
 
 Admission is strictly in queue order (a head that does not fit blocks the queue rather than being
-overtaken). The order is by priority with aging: the key is priority * priority_aging_s + arrival
-time (lower first; ties in arrival order), so one priority level is worth priority_aging_s seconds of
-waiting, and a request is never overtaken by one that arrived more than (its priority - the other's)
-* priority_aging_s later: under any stream of better-priority arrivals its wait is bounded
-(priority_aging_s 0: strict priority, FCFS within a priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most
-recently admitted running sequence (recompute: pages freed, num_computed_tokens = 0, requeued at
-the front of its priority); a prefill continuation takes a smaller chunk or waits. A sequence
-that cannot extend while running alone is failed (FinishReason.ERROR) instead of retried forever.
+overtaken; so does a preempted head whose last token is still in flight, for one step). The order is by
+priority with aging: the key is priority * priority_aging_s + arrival time (lower first; ties in arrival
+order), so one priority level is worth priority_aging_s seconds of waiting, and a request is never
+overtaken by one that arrived more than (its priority - the other's) * priority_aging_s later: under any
+stream of better-priority arrivals its wait is bounded (priority_aging_s 0: strict priority, FCFS within a
+priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most recently
+admitted running sequence (recompute: memory freed, num_computed_tokens = 0, requeued at the front of its
+priority); a prefill continuation takes a smaller chunk or waits. A sequence that cannot extend while
+running alone is failed (FinishReason.ERROR) instead of retried forever.
 Deadlines: a request with `timeout_ms` that has not finished that long after it arrived ends, waiting
-or running, at the next schedule() with FinishReason.TIMEOUT (its pages freed).
-Sequences the scheduler ends (cancelled, timed out or failed) come back in `plan.aborted`.
+or running, at the next schedule() with FinishReason.TIMEOUT (its memory freed).
+Sequences the scheduler ends at schedule() (cancelled, timed out or failed) come back in `plan.aborted`.
 Whether a request can ever fit is the engine's admission gate (RequestLimits); the scheduler
 only guards against a memory manager that contradicts it.
 """
@@ -48,11 +57,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from backend.request import FinishReason, Sequence, SequenceStatus
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
-from backend.scheduler.plan import ScheduledChunk, StepPlan
+from backend.scheduler.plan import ScheduledChunk, SeqUpdate, StepOutput, StepPlan
 from backend.scheduler.policies import FixedBudget, ItlTargetBudget, make_policy
 from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord
 
@@ -78,18 +87,67 @@ class MemoryManager(Protocol):
     def can_extend(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Pages exist for positions [seq.num_computed_tokens, + num_new_tokens)."""
 
-    def extend(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Allocate them (the first call also takes a slot); raises page_allocator.OutOfPages.
+    def try_extend(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Allocate them (the first call also takes a slot), all or nothing; False when they do not exist.
 
-        The pages are held by `seq.pages`, a handle whose `release()` gives all of them back: the
-        scheduler frees a request with `seq.release_pages()` (preemption) or `seq.finish()`.
+        The pages are held by `seq.pages`, which `free(seq)` gives back.
         """
 
-    def release_slid_out(self, seq: Sequence) -> None:
-        """After a forward: drop the window pages no later token of `seq` reads."""
+    def free(self, seq: Sequence) -> None:
+        """Give back everything `seq` holds (idempotent)."""
+
+    def release_slid_out(self, seq: Sequence, next_pos: int) -> None:
+        """A step computed `seq` up to `next_pos`: drop the window pages no later token reads."""
+
+    def evict_cached_until(self, fits: Callable[[], bool]) -> bool:
+        """Evict prefix-cache entries until `fits()` (no cache: `fits()`)."""
 
     def usage(self) -> dict[str, float]:
         """Pool name -> fraction of its pages in use."""
+
+
+class PrefixCacheHooks(Protocol):
+    """What the scheduler asks of the prefix cache (backend/memory/prefix_cache.py; `NoPrefixCache` when off)."""
+
+    def match(self, seq: Sequence) -> int:
+        """Restore the longest cached prefix of `seq` (holding nothing) into it; the positions restored."""
+
+    def record_admission(self, num_tokens: int, num_cached: int) -> None:
+        """A request of `num_tokens` positions was admitted, `num_cached` of them restored."""
+
+    def reserve(self, seq: Sequence, start: int, end: int) -> list:
+        """Snapshot slots for the block boundaries in (start, end] a step computes."""
+
+    def keep_reserved(self, seq: Sequence, reserved: list) -> None:
+        """The step's output is in: its reserved boundaries become entries."""
+
+    def release_reserved(self, reserved: list) -> None:
+        """The reserved boundaries are void."""
+
+    def register_end(self, seq: Sequence, length: int) -> None:
+        """`seq` finished having computed `length` positions: keep its state there."""
+
+
+class NoPrefixCache:
+    """Prefix caching off."""
+
+    def match(self, seq: Sequence) -> int:
+        return 0
+
+    def record_admission(self, num_tokens: int, num_cached: int) -> None:
+        pass
+
+    def reserve(self, seq: Sequence, start: int, end: int) -> list:
+        return []
+
+    def keep_reserved(self, seq: Sequence, reserved: list) -> None:
+        pass
+
+    def release_reserved(self, reserved: list) -> None:
+        pass
+
+    def register_end(self, seq: Sequence, length: int) -> None:
+        pass
 
 
 @dataclass
@@ -100,11 +158,12 @@ class _Inflight:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and chunked-prefill progress; plans each step.
+    """Owns the waiting queue, the running set, chunked-prefill progress and token accounting; plans each step.
 
     `config` is a validated EngineConfig (policy, decode_interleave_every, itl_target_ms,
     max_running_requests, max_num_batched_tokens, step_log); `prefill_chunk_tokens` is the resolved
-    chunk budget (policies.resolve_prefill_chunk_tokens).
+    chunk budget (policies.resolve_prefill_chunk_tokens); `max_steps_in_flight` is 2 when the engine
+    schedules a step while the previous one runs (overlap), 1 otherwise.
 
     Threads: `add`, `abort`, `has_work`, `wait_for_work`, `wake` and the `num_*` properties may
     be called from any thread; everything else from the engine thread only. Requests added or
@@ -112,16 +171,18 @@ class Scheduler:
     """
 
     def __init__(self, config: "EngineConfig", memory: MemoryManager, prefill_chunk_tokens: int, *,
+                 prefix_cache: PrefixCacheHooks | None = None, max_steps_in_flight: int = 1,
                  cost_model: StepCostModel | None = None, step_history: int = 10_000,
                  min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS):
         if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be a positive integer, got {prefill_chunk_tokens!r}")
         self.memory = memory
+        self.prefix_cache: PrefixCacheHooks = prefix_cache or NoPrefixCache()
+        self.max_steps_in_flight = max_steps_in_flight
         self.max_running_requests = config.max_running_requests
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.priority_aging_s = config.priority_aging_s
-        self.prefix_cache = getattr(memory, "prefix_cache", None)  # backend/memory/prefix_cache.py, or None
         self.cost_model = cost_model or StepCostModel()
         self.policy = make_policy(config)
         if config.itl_target_ms is None:
@@ -135,9 +196,11 @@ class Scheduler:
         # Engine-thread state.
         self._waiting: list[Sequence] = []  # sorted by (priority, queue_rank)
         self._running: list[Sequence] = []  # in admission order: the last is the preemption victim
+        self._by_id: dict[str, Sequence] = {}  # the waiting and running ones
+        self._with_deadline: set[Sequence] = set()
         self._back_ranks = itertools.count()
         self._front_ranks = itertools.count(-1, -1)
-        self._inflight: _Inflight | None = None
+        self._inflight: deque[_Inflight] = deque()  # committed steps whose output is not in yet, oldest first
         self._next_step_index = 0
         # Shared with other threads, under _lock.
         self._lock = threading.Lock()
@@ -186,6 +249,10 @@ class Scheduler:
         with self._lock:
             return len(self._inbox) + len(self._waiting)
 
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._inflight)
+
     def has_work(self) -> bool:
         """Anything to schedule: queued or running requests, or aborts to report."""
         with self._lock:
@@ -207,14 +274,15 @@ class Scheduler:
     # --- engine thread ------------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> StepPlan | None:
-        """Decide the next step and allocate its pages.
+        """Decide the next step, allocate its pages and advance its requests' token counts.
 
-        Returns None when there is no work at all, a plan without chunks when there is only
-        aborted sequences to report, otherwise a forward plan; the engine must call
-        on_step_done(plan, ...) before the next schedule().
+        Returns None when nothing can be scheduled now (no work, or only requests waiting for the
+        output of a step in flight), a plan without chunks when there are only ended sequences to
+        report, otherwise a forward plan, whose output must come back through update_from_output().
         """
-        if self._inflight is not None:
-            raise RuntimeError(f"schedule() called before on_step_done() for step {self._inflight.plan.step_index}")
+        if len(self._inflight) >= self.max_steps_in_flight:
+            raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight, the most allowed; "
+                               "update_from_output() comes first")
         now = time.monotonic() if now is None else now
         plan = StepPlan()
         self._take_arrivals_and_aborts(plan, now)
@@ -224,50 +292,68 @@ class Scheduler:
         self._commit(plan, now)
         return plan
 
-    def on_step_done(self, plan: StepPlan, duration_s: float, finished: Iterable[Sequence] = (),
-                     forward_failed: bool = False) -> None:
-        """The engine ran `plan`, advanced num_computed_tokens, and reports the sequences that finished.
+    def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
+        """The output of the oldest step in flight: append each sampled token, end the requests it stops, keep the
+        prefix states it reached, give back window pages it slid past; returns what to report, in plan order.
 
-        Finished sequences leave the running set and their memory is freed (the engine sets
-        finish_reason; the scheduler finishes them); the others give back the window pages they
-        moved past. `duration_s` feeds the step-cost model and the step record, which is then
-        written to the step log. `forward_failed`: the forward raised (every chunk's request is in
-        `finished`, with an error); nothing it may have half-written is kept by the prefix cache.
+        A token of a request that ended meanwhile (cancelled, timed out, stopped by the step before) is dropped. A
+        failed step (`output.error`) fails every request it carried; nothing it may have half-written is kept.
         """
-        finished = list(finished)
-        if plan.step_index is None:  # a report-only plan: nothing ran
-            if finished:
-                raise ValueError("a plan without chunks cannot finish sequences")
-            return
-        if self._inflight is None or plan is not self._inflight.plan:
-            raise RuntimeError(f"on_step_done() for step {plan.step_index}, which is not the step in flight")
-        self._check_advanced(plan, finished)
-        if self.prefix_cache is not None:
-            self._keep_prefixes(plan, finished, forward_failed)
-        for seq in finished:
-            self._retire(seq)
-        for chunk in plan.chunks:
-            if not chunk.seq.is_finished:
-                self.memory.release_slid_out(chunk.seq)
-        inflight, self._inflight = self._inflight, None
-        inflight.record.duration_s = duration_s
-        self.cost_model.observe(inflight.features, duration_s)
+        if not self._inflight or plan is not self._inflight[0].plan:
+            raise RuntimeError(f"update_from_output() for step {plan.step_index}, which is not the oldest in flight")
+        inflight = self._inflight.popleft()
+        updates = self._fail_step(plan, output.error) if output.error is not None else self._apply(plan, output)
+        inflight.record.duration_s = output.duration_s
+        inflight.record.host_s = plan.host_s
+        if output.error is None:
+            self.cost_model.observe(inflight.features, output.duration_s)
         if self._step_log is not None:
             self._step_log.write(inflight.record)
+        return updates
 
-    def _keep_prefixes(self, plan: StepPlan, finished: list[Sequence], forward_failed: bool) -> None:
-        """The states the step reached at block boundaries (inside its chunks and where they end), and where
-        requests ended."""
-        cache = self.prefix_cache
-        if forward_failed:
-            for chunk in plan.chunks:
-                cache.release_reserved(chunk.snapshots)
-            return
+    def _apply(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
+        updates, cache, memory = [], self.prefix_cache, self.memory
+        tokens, logprobs, k = output.tokens, output.logprobs, 0
         for chunk in plan.chunks:
-            cache.keep_reserved(chunk.seq, chunk.snapshots)
-            cache.register(chunk.seq)
-        for seq in finished:
-            cache.register_end(seq)
+            seq = chunk.seq
+            token = token_logprobs = None
+            if chunk.samples:
+                token, token_logprobs = tokens[k], (logprobs[k] if logprobs is not None else None)
+                k += 1
+            if chunk.snapshots:  # the step computed these states, whatever became of the request since
+                cache.keep_reserved(seq, chunk.snapshots)
+            if seq.status is SequenceStatus.FINISHED:  # ended while the step ran: its token is dropped
+                continue
+            current = seq.num_preemptions == chunk.epoch  # else preempted meanwhile: its memory is gone
+            if token is None:
+                if current:
+                    memory.release_slid_out(seq, chunk.end)
+                continue
+            seq.num_placeholders -= 1
+            seq.append_output(token)
+            if token in seq.stop_ids:
+                reason = FinishReason.STOP
+            elif len(seq.output_ids) >= seq.sampling.max_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                if current:
+                    memory.release_slid_out(seq, chunk.end)
+                updates.append(SeqUpdate(seq, token, token_logprobs, False))
+                continue
+            if current:
+                cache.register_end(seq, chunk.end)
+            self._retire(seq, reason)
+            updates.append(SeqUpdate(seq, token, token_logprobs, True))
+        return updates
+
+    def _fail_step(self, plan: StepPlan, error: str) -> list[SeqUpdate]:
+        updates = []
+        for chunk in plan.chunks:
+            self.prefix_cache.release_reserved(chunk.snapshots)
+            if chunk.seq.status is not SequenceStatus.FINISHED:
+                self._retire(chunk.seq, FinishReason.ERROR)
+                updates.append(SeqUpdate(chunk.seq, None, None, True, error))
+        return updates
 
     def close(self) -> None:
         """Close the step log."""
@@ -283,12 +369,17 @@ class Scheduler:
             aborts, self._abort_requests = self._abort_requests, set()
         for seq in arrivals:
             seq.arrival_s = now
+            self._by_id[seq.request_id] = seq
+            if seq.sampling.timeout_ms is not None:
+                self._with_deadline.add(seq)
             self._enqueue(seq, front=False)
-        if aborts:
-            for seq in [s for s in self._running + self._waiting if s.request_id in aborts]:
+        for request_id in aborts:
+            seq = self._by_id.get(request_id)
+            if seq is not None:
                 self._end(plan, seq, FinishReason.CANCELLED)
-        for seq in [s for s in self._running + self._waiting if _past_deadline(s, now)]:
-            self._end(plan, seq, FinishReason.TIMEOUT)  # its pages are freed; the tokens it got were streamed
+        if self._with_deadline:
+            for seq in [s for s in self._with_deadline if _past_deadline(s, now)]:
+                self._end(plan, seq, FinishReason.TIMEOUT)  # its memory is freed; the tokens it got were streamed
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
         """Insert into waiting by `_waiting_key`; `front` (a preempted request) goes before its equals."""
@@ -303,54 +394,47 @@ class Scheduler:
         return seq.priority * self.priority_aging_s + seq.arrival_s, seq.queue_rank
 
     def _end(self, plan: StepPlan, seq: Sequence, reason: FinishReason) -> None:
-        """The scheduler finishes `seq` itself (cancelled, or cannot fit); reported in plan.aborted."""
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-        seq.finish_reason = reason
-        self._retire(seq)
+        """The scheduler ends `seq` itself (cancelled, timed out, or cannot fit); reported in plan.aborted."""
+        self._retire(seq, reason)
         plan.aborted.append(seq)
-        if reason is FinishReason.CANCELLED:
-            self.counters.num_cancelled += 1
-        elif reason is FinishReason.TIMEOUT:
+        if reason is FinishReason.TIMEOUT:
             self.counters.num_timed_out += 1
-        else:
-            self.counters.num_failed += 1
 
-    def _retire(self, seq: Sequence) -> None:
-        if seq in self._running:
+    def _retire(self, seq: Sequence, reason: FinishReason) -> None:
+        """`seq` leaves the scheduler, waiting or running: FINISHED with `reason`, its memory freed."""
+        if seq.status is SequenceStatus.RUNNING:
             self._running.remove(seq)
-        elif seq.status is SequenceStatus.RUNNING:
-            raise ValueError(f"request {seq.request_id!r} finished but is not in the running set")
-        seq.finish()
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        seq.finish(reason)
+        self.memory.free(seq)
+        self._by_id.pop(seq.request_id, None)
+        self._with_deadline.discard(seq)
         with self._lock:
             self._live_ids.discard(seq.request_id)
             self._abort_requests.discard(seq.request_id)
 
-    def _check_advanced(self, plan: StepPlan, finished: list[Sequence]) -> None:
-        done = set(finished)
-        for chunk in plan.chunks:
-            if chunk.seq not in done and chunk.seq.num_computed_tokens != chunk.end:
-                raise RuntimeError(
-                    f"request {chunk.seq.request_id!r}: num_computed_tokens is {chunk.seq.num_computed_tokens}, "
-                    f"expected {chunk.end}; the engine advances it before on_step_done()")
-
     # --- building a step ----------------------------------------------------------------------
 
     def _build(self, plan: StepPlan) -> None:
-        """Fill plan.chunks by the policy; if memory blocks every candidate, free memory and retry.
+        """Fill plan.chunks by the policy; if memory blocks every runnable candidate, free memory and retry.
 
-        Each retry preempts or fails at least one sequence, so the loop is bounded.
+        Each retry preempts or fails at least one sequence, so the loop is bounded. Nothing is runnable
+        while every request waits for the output of a step in flight: the plan stays empty.
         """
         for _ in range(len(self._running) + len(self._waiting) + 1):
             self.policy.build(self, plan)
-            if plan.chunks or not (self._running or self._waiting):
+            if plan.chunks:
                 return
-            if self._running:
-                self._make_room(plan, self._running[0], 1)  # the oldest request must progress
-            else:
+            runnable = next((s for s in self._running if s.is_decode or s.is_prefill), None)
+            if runnable is not None:
+                self._allocate_or_preempt(plan, runnable, 1)  # the oldest runnable request must progress
+            elif self._waiting and not self._running and not self._waiting[0].num_placeholders:
                 # Admission failed in an empty engine: the memory contradicts the admission gate.
                 self._end(plan, self._waiting[0], FinishReason.ERROR)
                 logger.warning("request %r failed: it does not fit in an empty engine", plan.aborted[-1].request_id)
+            else:
+                return
 
     # Building blocks of the policies.
 
@@ -359,12 +443,13 @@ class Scheduler:
 
     def schedule_decodes(self, plan: StepPlan) -> None:
         """One token for each running decode, oldest first, preempting the newest on memory shortage."""
-        for seq in list(self._running):
-            if plan.num_tokens >= self.max_num_batched_tokens:
+        running, limit = SequenceStatus.RUNNING, self.max_num_batched_tokens
+        for seq in list(self._running):  # (a copy: preemption changes the list)
+            if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
-            if seq in self._running and seq.is_decode and not plan.has_chunk(seq):
-                if self._make_room(plan, seq, 1):
-                    self._add_chunk(plan, seq, 1)
+            if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
+                if self._allocate_or_preempt(plan, seq, 1):
+                    self._add_chunk(plan, seq, 1, is_decode=True)
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
         """Running prefills in admission order, then admissions from waiting, up to `budget` tokens.
@@ -379,7 +464,7 @@ class Scheduler:
             if seq.is_prefill and not plan.has_chunk(seq):
                 num_tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, left))
                 if num_tokens:
-                    self._add_chunk(plan, seq, num_tokens)
+                    self._add_chunk(plan, seq, num_tokens, is_decode=False)
                     left -= num_tokens
         self._admit(plan, left)
 
@@ -400,59 +485,63 @@ class Scheduler:
         left = budget
         while left > 0 and self._waiting and self._can_admit_another():
             seq = self._waiting[0]
-            restored = self._restore_prefix(seq)
-            cached = seq.num_computed_tokens if restored else 0
+            if seq.num_placeholders:
+                return  # preempted while its last token was in flight: admitted once that token is in
+            cached = 0 if seq.pages is not None else self.prefix_cache.match(seq)
             num_tokens = min(seq.num_uncomputed_tokens, left)
-            if not self._fits(seq, num_tokens):
-                if restored:  # it waits holding nothing, like every waiting request
-                    seq.release_pages()
+            if not self._allocate(seq, num_tokens):
+                if cached:  # it waits holding nothing, like every waiting request
+                    self.memory.free(seq)
                     seq.num_computed_tokens = 0
                 return
             self._waiting.pop(0)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
-            if self.prefix_cache is not None:
-                plan.num_cached_tokens += cached
-                self.prefix_cache.record_admission(seq.num_tokens, cached)
+            plan.num_cached_tokens += cached
+            self.prefix_cache.record_admission(seq.num_tokens, cached)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
-            self._add_chunk(plan, seq, num_tokens)
+            self._add_chunk(plan, seq, num_tokens, is_decode=False)
             left -= num_tokens
 
-    def _restore_prefix(self, seq: Sequence) -> bool:
-        """Start `seq` after the longest cached prefix of its tokens (prefix caching); True when it did."""
-        if self.prefix_cache is None or seq.num_computed_tokens or seq.pages is not None:
-            return False
-        entry = self.prefix_cache.lookup(seq)
-        return entry is not None and self.prefix_cache.restore(seq, entry)
+    def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """try_extend, evicting prefix-cache entries first when they hold the pages it needs."""
+        memory = self.memory
+        if seq.pages is not None:  # its window moved on (a step in flight still reads them: it runs first)
+            memory.release_slid_out(seq, seq.num_computed_tokens)
+        if memory.try_extend(seq, num_tokens):
+            return True
+        return memory.evict_cached_until(lambda: memory.can_extend(seq, num_tokens)) and \
+            memory.try_extend(seq, num_tokens)
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
         """can_extend, evicting prefix-cache entries first when they hold the pages it needs."""
-        if self.memory.can_extend(seq, num_tokens):
-            return True
-        return self.prefix_cache is not None and self.memory.evict_cached_until(
+        return self.memory.can_extend(seq, num_tokens) or self.memory.evict_cached_until(
             lambda: self.memory.can_extend(seq, num_tokens))
 
     def _can_admit_another(self) -> bool:
         return len(self._running) < self.max_running_requests and self.memory.has_free_slot()
 
     def _fit_chunk(self, seq: Sequence, num_tokens: int) -> int:
-        """The largest chunk <= num_tokens whose pages exist (can_extend is monotone); 0 if none."""
-        if self._fits(seq, num_tokens):
-            return num_tokens
-        lo, hi = 0, num_tokens  # invariant: lo fits (0 trivially), hi does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.memory.can_extend(seq, mid) else (lo, mid)
-        return lo
+        """Allocate the largest chunk <= num_tokens whose pages exist (can_extend is monotone); its size, 0 if none."""
+        self.memory.release_slid_out(seq, seq.num_computed_tokens)
+        if not self._fits(seq, num_tokens):
+            lo, hi = 0, num_tokens  # invariant: lo fits (0 trivially), hi does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self.memory.can_extend(seq, mid) else (lo, mid)
+            num_tokens = lo
+        if num_tokens and not self.memory.try_extend(seq, num_tokens):
+            raise RuntimeError(f"request {seq.request_id!r}: {num_tokens} tokens fit but could not be allocated")
+        return num_tokens
 
-    def _make_room(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> bool:
-        """Preempt the newest running sequences without a chunk until `seq` can extend.
+    def _allocate_or_preempt(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> bool:
+        """Allocate `num_tokens` for `seq`, preempting the newest running sequences without a chunk until it can.
 
         Returns False when `seq` itself was the newest (it is preempted) or is alone and still
         cannot extend (it is failed with ERROR rather than retried forever).
         """
-        while not self._fits(seq, num_tokens):  # cached-only pages go before any request is preempted
+        while not self._allocate(seq, num_tokens):  # cached-only pages went first, in _allocate
             victim = next(s for s in reversed(self._running) if not plan.has_chunk(s))
             if victim is seq and len(self._running) == 1:
                 self._end(plan, seq, FinishReason.ERROR)
@@ -467,7 +556,7 @@ class Scheduler:
     def _preempt(self, plan: StepPlan, seq: Sequence) -> None:
         """Recompute preemption: free everything, requeue at the front; outputs stay in seq.output_ids."""
         self._running.remove(seq)
-        seq.release_pages()
+        self.memory.free(seq)
         seq.num_computed_tokens = seq.last_chunk_tokens = 0
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
@@ -475,22 +564,27 @@ class Scheduler:
         plan.preempted.append(seq)
         logger.debug("preempted request %r (%d tokens to recompute)", seq.request_id, seq.num_tokens)
 
-    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> None:
-        self.memory.extend(seq, num_tokens)
-        start, is_decode = seq.num_computed_tokens, seq.is_decode
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_tokens: int, is_decode: bool) -> None:
+        """A chunk of `seq`, its pages allocated; the token counts move when the plan is committed."""
+        start = seq.num_computed_tokens
         if not is_decode:
             seq.last_chunk_tokens = num_tokens
-        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode=is_decode, samples=start + num_tokens == seq.num_tokens))
+        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode, start + num_tokens == seq.num_tokens,
+                                seq.num_preemptions))
 
     # --- bookkeeping --------------------------------------------------------------------------
 
     def _commit(self, plan: StepPlan, now: float) -> None:
         plan.step_index = self._next_step_index
         self._next_step_index += 1
-        if self.prefix_cache is not None:  # the block boundaries inside prefill chunks, snapshotted by the step
-            for chunk in plan.chunks:
-                if not chunk.is_decode:
-                    chunk.snapshots = self.prefix_cache.reserve(chunk.seq, chunk.start, chunk.end)
+        decode_stalled = any(seq.is_decode for seq in self._running if not plan.has_chunk(seq))
+        cache = self.prefix_cache
+        for chunk in plan.chunks:  # the step computes these tokens; the sampling ones add a token in flight
+            seq = chunk.seq
+            chunk.snapshots = cache.reserve(seq, chunk.start, chunk.end)  # block boundaries the step snapshots
+            seq.num_computed_tokens = chunk.end
+            if chunk.samples:
+                seq.num_placeholders += 1
         plan.kind = StepKind.of(plan.num_prefill_tokens, plan.num_decode_tokens)
         features = StepFeatures.of(plan.chunks)
         plan.predicted_s = self.cost_model.predict(features)
@@ -504,7 +598,7 @@ class Scheduler:
             num_waiting=len(self._waiting),
             num_preempted=len(plan.preempted),
             num_aborted=len(plan.aborted),
-            decode_stalled=any(seq.is_decode and not plan.has_chunk(seq) for seq in self._running),
+            decode_stalled=decode_stalled,
             pool_usage=dict(self.memory.usage()),
             predicted_s=plan.predicted_s,
             itl_infeasible=plan.itl_infeasible,
@@ -513,7 +607,7 @@ class Scheduler:
         self.counters.observe(record)
         self.policy.on_step(plan.kind)
         self.records.append(record)
-        self._inflight = _Inflight(plan, record, features)
+        self._inflight.append(_Inflight(plan, record, features))
 
 
 def _past_deadline(seq: Sequence, now: float) -> bool:

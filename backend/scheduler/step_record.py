@@ -29,7 +29,7 @@ class StepKind(str, enum.Enum):
 
 @dataclass
 class StepRecord:
-    """One forward, as scheduled; `duration_s` is filled in when the engine reports the step done."""
+    """One forward, as scheduled; `duration_s` and `host_s` are filled in when its output is in."""
 
     step_index: int
     kind: StepKind
@@ -45,7 +45,8 @@ class StepRecord:
     predicted_s: float | None = None  # the step-cost model's prediction, when it has data
     itl_infeasible: bool = False  # the ITL target was out of reach even with the minimum prefill chunk
     num_cached_tokens: int = 0  # prompt positions this step's admissions took from the prefix cache
-    duration_s: float | None = None
+    duration_s: float | None = None  # the step's device time (filled in when its output is in)
+    host_s: float | None = None  # the engine thread's time to schedule, build and launch it
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -61,11 +62,9 @@ class StepCounters:
     prefill_streak: int = 0  # consecutive PREFILL steps ending at the latest step
     longest_prefill_streak: int = 0
     decode_stalls: int = 0  # steps with decode_stalled set
-    # Counted where they happen (a preemption or a failure can also occur in a step that ends up
+    # Counted where they happen (a preemption or a timeout can also occur in a step that ends up
     # carrying no forward, which has no record).
     num_preemptions: int = 0
-    num_cancelled: int = 0
-    num_failed: int = 0
     num_timed_out: int = 0
     num_itl_infeasible: int = 0  # steps with itl_infeasible set
 

@@ -7,10 +7,12 @@ tritonserver, so the whole contract is unit-tested in-process with a fake pb_uti
 Threads:
 - tritonserver's `execute()` calls `submit()`: parse the request (triton_io), hand it to the
   engine (`engine.submit`, the admission gate) and return at once (decoupled mode);
-- the engine thread calls back with each `RequestOutput`; the callback only queues it;
-- one response thread sends what the queue holds (`triton_io.ResponseBuilder` decides what),
-  polls `is_cancelled()` every `poll_s` over all live requests and turns a cancellation into
-  `engine.abort`, and mirrors `engine.stats()` into the metrics every `stats_s`.
+- the engine thread calls back with each `RequestOutput` (token ids); the callback only queues it;
+- one response thread turns them into text and applies stop strings (backend/output_processor.py),
+  sends what the queue holds (`triton_io.ResponseBuilder` decides what), polls `is_cancelled()`
+  every `poll_s` over all live requests and turns a cancellation into `engine.abort`, and mirrors
+  `engine.stats()` into the metrics every `stats_s`. Detokenization and sending never run on the
+  engine thread.
 Every request gets exactly one FINAL response: an error response (bad request, engine error,
 cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
 response could not carry it.
@@ -26,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.output_processor import OutputProcessor
 from backend.request import EngineUnavailable, FinishReason, Sequence
 from backend.serving import triton_io
 from backend.serving.metrics import RequestTimer, ServingMetrics
@@ -52,6 +55,7 @@ class TritonAdapter:
         self.model_name = model_name
         self._unload_requested = False
         self._live: dict[str, _Live] = {}
+        self.processor = OutputProcessor(engine.tokenizer, engine.abort)
         self._lock = threading.Lock()
         self._outputs: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -84,10 +88,12 @@ class TritonAdapter:
             seq = Sequence(request_id, parsed.prompt_ids, parsed.sampling, priority=parsed.priority)
             with self._lock:
                 self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer))
+            self.processor.add(request_id, parsed.sampling)
             self.engine.submit(seq, self._outputs.put)
         except Exception as exc:  # a bad request, or one the engine refuses: answer it, stay up
             with self._lock:
                 self._live.pop(request_id, None)
+            self.processor.discard(request_id)
             self.metrics.on_finished(FinishReason.ERROR.value)
             code = "UNAVAILABLE" if isinstance(exc, EngineUnavailable) else "INVALID_ARG"  # 503 / 400
             self._send_error(sender, str(exc), getattr(self.pb.TritonError, code, None))
@@ -109,6 +115,9 @@ class TritonAdapter:
                 next_stats = now + self.stats_s
 
     def _handle(self, output) -> None:
+        output = self.processor.process(output)
+        if output is None:
+            return  # the request ended at a stop string: the engine's later outputs are dropped
         with self._lock:
             live = self._live.get(output.request_id)
         if live is None:
@@ -150,6 +159,7 @@ class TritonAdapter:
     def _retire(self, output, live: _Live, final_sent: bool) -> None:
         with self._lock:
             self._live.pop(output.request_id, None)
+        self.processor.discard(output.request_id)
         self.metrics.on_finished((output.finish_reason or FinishReason.ERROR).value)
         if not final_sent:
             self._send_final_flag(live.sender)

@@ -45,8 +45,6 @@ INPUT_NAMES = (
     "return_num_output_tokens",
     "return_num_cached_tokens",
 )
-OUTPUT_NAMES = ("text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
-                "num_cached_tokens", "output_logprobs", "output_top_logprob_ids", "output_top_logprobs", "logprobs")
 
 # INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style): input name -> key; both given, they
 # must agree. `top_logprobs` is the `logprobs` key (vLLM's meaning: how many top log-probabilities per token).

@@ -106,9 +106,8 @@ class LLMEngine:
         if aborted:
             return RequestOutput(seq.request_id, [], "", True, FinishReason.CANCELLED, n_in, len(seq.output_ids))
         token = expected_ids(seq.prompt_ids, len(seq.output_ids) + 1)[-1]
-        seq.output_ids.append(token)
-        before = bytes(seq.output_ids[:-1]).decode("utf-8", errors="ignore")
-        after = bytes(seq.output_ids).decode("utf-8", errors="ignore")
+        seq.append_output(token)
         finished = len(seq.output_ids) >= seq.sampling.max_tokens
         reason = FinishReason.LENGTH if finished else None
-        return RequestOutput(seq.request_id, [token], after[len(before):], finished, reason, n_in, len(seq.output_ids))
+        # Token ids only, as the real engine reports them: the adapter's output processor makes the text.
+        return RequestOutput(seq.request_id, [token], "", finished, reason, n_in, len(seq.output_ids))

@@ -156,7 +156,8 @@ def test_a_failed_step_keeps_nothing_it_may_have_half_written(tiny_checkpoint, m
     monkeypatch.setattr(cached.model, "forward", broken)
     (result,) = cached.generate([[2 + i % 400 for i in range(598)]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert "injected" in result["error"]
-    assert cache.num_entries == 0 and cache.num_free_snapshots == free_before and not cache._reserved
+    assert cache.snapshot_stats()["entries"] == 0 and cache.num_free_snapshots == free_before
+    assert cache.num_reserved == 0
     cached.kv.check()
     assert all(used == 0 for used in cached.kv.pages_used().values())
 

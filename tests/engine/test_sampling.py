@@ -7,44 +7,46 @@ import torch
 from tokenizers import Tokenizer
 
 from backend.detokenizer import IncrementalDetokenizer
-from backend.request import SamplingParams, Sequence
-from backend.sampler import Sampler, filter_logits
+from backend.request import SamplingParams
+from backend.sampler import Sampler, SamplerState, apply_penalties, filter_logits
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def _seqs(params: list[SamplingParams]) -> list[Sequence]:
-    return [Sequence(f"r{i}", [1], p) for i, p in enumerate(params)]
+def _seqs(params: list[SamplingParams]) -> list[SamplerState]:
+    """One request's sampler state per parameter set (prompt [1])."""
+    return [SamplerState(p, [1]) for p in params]
+
+
+def _sample(logits, states) -> list[int]:
+    return Sampler().sample(logits, states).tolist()
 
 
 def test_greedy_is_argmax():
     logits = _logits()
-    assert Sampler().sample(logits, _seqs([SamplingParams()] * 4)) == logits.argmax(-1).tolist()
+    assert _sample(logits, _seqs([SamplingParams()] * 4)) == logits.argmax(-1).tolist()
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch_neighbours():
     logits = _logits()
     seeded = SamplingParams(temperature=1.0, seed=1234)
-    first = [Sampler().sample(logits[1:2], _seqs([seeded]))[0] for _ in range(3)]
+    first = [_sample(logits[1:2], _seqs([seeded]))[0] for _ in range(3)]
     # The same request in a batch with others draws from its own generator.
-    mixed = Sampler().sample(logits, _seqs([SamplingParams(temperature=1.0, seed=9), seeded, SamplingParams(), seeded]))
+    mixed = _sample(logits, _seqs([SamplingParams(temperature=1.0, seed=9), seeded, SamplingParams(), seeded]))
     assert first == [first[0]] * 3 and mixed[1] == first[0]
-    draws = {tuple(Sampler().sample(logits, _seqs([SamplingParams(temperature=1.0, seed=s)] * 4))) for s in range(8)}
+    draws = {tuple(_sample(logits, _seqs([SamplingParams(temperature=1.0, seed=s)] * 4))) for s in range(8)}
     assert len(draws) > 1  # different seeds give different samples
 
 
-def test_a_request_keeps_its_generator_across_steps_and_finish_drops_it():
+def test_a_request_keeps_its_generator_across_steps():
     logits = _logits(rows=1)
     params = SamplingParams(temperature=1.0, seed=7)
-    seq, fresh = _seqs([params, params])
-    sampler = Sampler()
-    draws = [sampler.sample(logits, [seq])[0] for _ in range(6)]
-    assert draws == [sampler.sample(logits, [fresh])[0] for _ in range(6)]  # one stream per request
-    assert seq.generator is not None
-    seq.finish()
-    assert seq.generator is None
+    state, fresh = _seqs([params, params])
+    draws = [_sample(logits, [state])[0] for _ in range(6)]
+    assert draws == [_sample(logits, [fresh])[0] for _ in range(6)]  # one stream per request
+    assert len(set(draws)) > 1 and state.generator is not None
 
 
 def test_top_k_top_p_min_p_restrict_the_candidates():
@@ -55,8 +57,8 @@ def test_top_k_top_p_min_p_restrict_the_candidates():
     assert kept(SamplingParams(temperature=1.0, top_p=0.8)) == [0, 1]
     assert kept(SamplingParams(temperature=1.0, min_p=0.2)) == [0, 1]
     assert kept(SamplingParams(temperature=1.0)) == [0, 1, 2, 3, 4]
-    samples = Sampler().sample(logits.expand(64, -1), _seqs([SamplingParams(temperature=5.0, top_k=2, seed=i)
-                                                             for i in range(64)]))
+    samples = _sample(logits.expand(64, -1).clone(), _seqs([SamplingParams(temperature=5.0, top_k=2, seed=i)
+                                                            for i in range(64)]))
     assert set(samples) == {0, 1}
 
 
@@ -100,7 +102,7 @@ def test_logprobs_come_from_the_distribution_sampled_from():
     sampled = SamplingParams(temperature=0.5, top_k=2, seed=1, logprobs=3)
     seqs = _seqs([sampled, SamplingParams(logprobs=1), SamplingParams()])
     sampler = Sampler()
-    tokens = sampler.sample(logits, seqs)
+    tokens = sampler.sample(logits, seqs).tolist()
     first, second, third = sampler.logprobs(logits, seqs, tokens)
     scaled = torch.log_softmax(torch.tensor([2.0, 1.0]) / 0.5, dim=-1)
     assert tokens[0] in (0, 1) and abs(first.logprob - scaled[tokens[0]].item()) < 1e-6
@@ -110,20 +112,23 @@ def test_logprobs_come_from_the_distribution_sampled_from():
 
 
 def test_penalties_follow_openai_and_vllm_definitions():
-    from backend.sampler import apply_penalties
-
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0]])
-    seq = Sequence("r", [1, 4], SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25))
-    seq.output_ids = [3, 3, 0]
-    out = apply_penalties(logits, [seq])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    state = SamplerState(params, [1, 4])
+    for token in (3, 3, 0):  # the request's outputs so far, as the sampler observes them
+        apply_penalties(logits, [state])  # the first sampling sees the prompt
+        state.observe(torch.tensor([token]))
+    out = apply_penalties(logits, [state])
     # repetition over prompt (1, 4) and output (3, 0): positive / 2, negative * 2; then output counts 3: 2, 0: 1
     expected = torch.tensor([[2.0 / 2 - 0.5 - 0.25, -1.0 * 2, 0.5, 1.0 / 2 - 1.0 - 0.25, 0.0]])
     torch.testing.assert_close(out, expected)
     assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0]]))  # the caller's logits untouched
-    plain = [Sequence("p", [1], SamplingParams())]
+    plain = _seqs([SamplingParams()])
     assert apply_penalties(logits, plain) is logits  # no penalty: no copy
-    # greedy follows the penalised logits: a repeated top token gives way
-    assert Sampler().sample(out, [seq]) == [2]
+    # greedy follows the penalised logits: a repeated top token gives way, and the state observes what it drew
+    tokens, _ = Sampler().step(logits, [state])
+    assert tokens.tolist() == [2]
+    assert apply_penalties(logits, [state])[0, 2] == 0.5 / 2 - 0.5 - 0.25
 
 
 @pytest.mark.parametrize("params,message", [

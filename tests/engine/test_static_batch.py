@@ -15,7 +15,8 @@ import torch
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
-from backend.model.static_batch import StaticKey, row_bucket, static_decode_batch, static_key
+from backend.model.staging import HostBuffers, stage
+from backend.model.static_batch import StaticKey, row_bucket, static_key
 from backend.request import Sequence
 
 from .harness import EngineHarness
@@ -33,20 +34,23 @@ class _Decoder:
 
     def __init__(self, harness: EngineHarness, kv: KVCacheManager, prompts: list[list[int]]):
         self.model, self.kv = harness.model, kv
+        self.buffers = HostBuffers("cpu")
         self.seqs = [Sequence(f"r{i}", p) for i, p in enumerate(prompts)]
         for seq in self.seqs:
-            seq.output_ids.append(int(self._run([(seq, len(seq.prompt_ids))], None)[0].argmax()))
+            seq.append_output(int(self._run([(seq, len(seq.prompt_ids))], None)[0].argmax()))
 
     def _run(self, work, graphs):
         rows = []
         for seq, n in work:
             self.kv.extend(seq, n)
             start = seq.num_computed_tokens
-            rows.append(BatchRow(seq.pages, seq.token_ids()[start:start + n], start, True))
+            rows.append(BatchRow(seq.pages, seq.token_ids[start:start + n], start, True))
         if graphs is None:
             logits = self.model.forward(build_forward_batch(rows, self.kv, "cpu"), self.kv)
-        else:
-            logits = graphs.forward(rows)
+        else:  # what the executor does: pad to the key, pack, one copy into the key's buffers
+            key = static_key(rows)
+            staged = stage(build_forward_batch(rows, self.kv, pad_to=key), self.buffers)
+            logits = graphs.forward(key, staged, lambda batch: None)[:len(rows)]
         for seq, n in work:
             seq.num_computed_tokens += n
             self.kv.release_slid_out(seq)
@@ -55,7 +59,7 @@ class _Decoder:
     def decode(self, seqs, graphs=None) -> torch.Tensor:
         logits = self._run([(seq, 1) for seq in seqs], graphs)
         for seq, token in zip(seqs, logits.argmax(-1).tolist()):
-            seq.output_ids.append(token)
+            seq.append_output(token)
         return logits
 
 
@@ -94,7 +98,7 @@ def test_static_keys_bucket_rows_and_context(tiny_checkpoint):
     rows = [BatchRow(seq.pages, [5], 298, True)]
     key = static_key(rows)
     assert key == StaticKey(rows=1, context=512)
-    batch = static_decode_batch(rows, harness.kv, StaticKey(rows=4, context=512), "cpu")
+    batch = build_forward_batch(rows, harness.kv, pad_to=StaticKey(rows=4, context=512))
     assert batch.num_tokens == 4 and batch.max_entries == {"csa": 128, "hca": 4}
     assert batch.comp_block_tables["csa"].shape == (4, 8)  # 128 entries in pages of 16
     scratch = harness.kv.window_pool.scratch_page

@@ -124,19 +124,19 @@ def test_pages_are_conserved_under_any_sequence_of_operations(ops):
     assert all(v == 0 for v in kv.pages_used().values())
 
 
-def test_finishing_a_request_returns_every_page_and_its_slot():
-    """One handle (seq.pages) holds all of a request's memory; seq.finish() gives all of it back."""
+def test_freeing_a_request_returns_every_page_and_its_slot():
+    """One handle (seq.pages) holds all of a request's memory; kv.free(seq) gives all of it back."""
     kv = _manager()
     seq, other = Sequence("s", [0] * 400), Sequence("o", [0] * 400)
     kv.extend(seq, 300)
     kv.extend(other, 100)
     assert seq.pages is not None and seq.pages.slot is not None
     assert set(seq.pages.runs) == {"window", "csa", "hca"}
-    seq.finish()
-    assert seq.pages is None and seq.is_finished
+    kv.free(seq)
+    assert seq.pages is None
     kv.check()
     assert kv.pages_used() == {"window": 7, "csa": 2, "hca": 0, "compressor_state": 1}  # the other's only
-    seq.finish()  # idempotent
+    kv.free(seq)  # idempotent
     kv.free(other)
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())

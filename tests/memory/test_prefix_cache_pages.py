@@ -53,30 +53,29 @@ def test_any_sequence_of_operations_conserves_pages(operations):
             if n > 0 and kv.evict_cached_until(lambda: kv.can_extend(seq, n)):
                 kv.extend(seq, n)
                 reserved = cache.reserve(seq, start, start + n)
-                assert all(start < r.position < start + n and r.position % 128 == 0 for r in reserved)
+                assert all(start < r.position <= start + n and r.position % 128 == 0 for r in reserved)
                 if value % 7 == 0:  # the forward failed: nothing kept, the request ends
                     cache.release_reserved(reserved)
                     live.remove(seq)
-                    seq.release_pages()
+                    kv.free(seq)
                 else:
                     seq.num_computed_tokens += n
                     cache.keep_reserved(seq, reserved)
-                    cache.register(seq)
                     kv.release_slid_out(seq)
         elif op == "finish" and live:
             seq = live.pop(value % len(live))
             if value % 2:  # finished (an abort keeps nothing)
-                cache.register_end(seq)
-            seq.release_pages()
+                cache.register_end(seq, seq.num_computed_tokens)
+            kv.free(seq)
         elif op == "evict":
             cache.evict_one()
         kv.check()  # every page's references are exactly its holders; free + used == total
-        assert cache.num_free_snapshots + cache.num_entries == 6 and not cache._reserved  # snapshot slots
+        assert cache.num_free_snapshots + _entries(cache) == 6 and cache.num_reserved == 0  # snapshot slots
         assert all(not kv.state_pool.is_light(e.snapshot) for e in cache._entries.values() if e.length % 128)
         for pool, pages in cache.snapshot_stats()["pages"].items():  # the gauge, kept as entries come and go
             assert pages == len({p for held in cache.held_pages(pool) for p in held})
     for seq in live:
-        seq.release_pages()
+        kv.free(seq)
     cache.clear()
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())
@@ -88,11 +87,8 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     cache = kv.prefix_cache
     first = Sequence("a", list(range(2, 400)))
     for n in (128, 128):  # two chunks, each ending at a block boundary
-        kv.extend(first, n)
-        first.num_computed_tokens += n
-        cache.register(first)
-        kv.release_slid_out(first)
-    assert cache.num_entries == 2
+        _step(kv, first, n)
+    assert _entries(cache) == 2
     second = Sequence("b", list(range(2, 300)) + [1, 1])
     entry = cache.lookup(second)
     assert entry.length == 256 and cache.restore(second, entry)
@@ -105,11 +101,15 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     window = second.pages.runs["window"]
     assert window.pages == first.pages.runs["window"].pages[window.first - first.pages.runs["window"].first:][:len(window.pages)]
     kv.check()
-    first.release_pages()
-    second.release_pages()
+    kv.free(first)
+    kv.free(second)
     cache.clear()
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())
+
+
+def _entries(cache) -> int:
+    return cache.snapshot_stats()["entries"]
 
 
 def _step(kv, seq, n: int, finish: bool = False) -> None:
@@ -119,9 +119,8 @@ def _step(kv, seq, n: int, finish: bool = False) -> None:
     reserved = cache.reserve(seq, start, start + n)
     seq.num_computed_tokens += n
     cache.keep_reserved(seq, reserved)
-    cache.register(seq)
     if finish:
-        cache.register_end(seq)
+        cache.register_end(seq, seq.num_computed_tokens)
     kv.release_slid_out(seq)
 
 
@@ -147,7 +146,7 @@ def test_eviction_takes_the_least_recently_used_and_of_equals_boundaries_then_en
     entry = cache.lookup(c)
     assert names[entry.key] == "a256" and cache.restore(c, entry)  # uses a's 256 and 128 again
     evicted = []
-    while cache.num_entries:
+    while _entries(cache):
         before = set(cache._entries)
         cache.evict_one()
         (gone,) = before - set(cache._entries)
@@ -155,7 +154,7 @@ def test_eviction_takes_the_least_recently_used_and_of_equals_boundaries_then_en
     # boundaries 128 apart hold disjoint windows; b256's overlaps b's end at 300, so b128 goes first
     assert evicted == ["a512", "a384", "b128", "b256", "b300", "a256", "a128"]
     for seq in (a, b, c):
-        seq.release_pages()
+        kv.free(seq)
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())
 
@@ -172,7 +171,7 @@ def test_a_long_prompt_overflowing_the_cache_keeps_its_start():
         kv.check()
     lengths = sorted(e.length for e in cache._entries.values())
     assert len(lengths) == 4 and lengths[0] == 128 and lengths[-1] == 1024, lengths
-    seq.release_pages()
+    kv.free(seq)
     cache.clear()
     kv.check()
 
@@ -200,7 +199,7 @@ def test_boundaries_take_light_snapshot_slots_and_ends_full_ones():
     assert lengths() == [128, 128, 128, 130] and cache.stats.evictions == 3 and cache.num_free_snapshots == 0
     assert [e.length for e in cache._entries.values() if not state.is_light(e.snapshot)] == [130]
     for seq in (a, b, c):
-        seq.release_pages()
+        kv.free(seq)
     cache.clear()
     kv.check()
     assert cache.num_free_snapshots == 4
@@ -213,6 +212,6 @@ def test_with_no_end_slots_ends_are_not_kept_and_boundaries_are():
     a = Sequence("a", list(range(2, 302)))
     _step(kv, a, 300, finish=True)
     assert sorted(e.length for e in cache._entries.values()) == [128, 256]
-    a.release_pages()
+    kv.free(a)
     cache.clear()
     kv.check()

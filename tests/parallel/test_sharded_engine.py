@@ -21,6 +21,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
+from backend.executor import StepCopies
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.request import SamplingParams, Sequence
 
@@ -59,20 +60,20 @@ class _Driver:
             seq = self.seqs[r]
             engine.kv.extend(seq, n)
             start = seq.num_computed_tokens
-            ids = seq.token_ids()[start:start + n]
+            ids = seq.token_ids[start:start + n]
             rows.append(BatchRow(seq.pages, ids, start, start + n >= len(seq.prompt_ids)))
         batch = build_forward_batch(rows, engine.kv, "cpu")
         if engine.group is None:
             logits = engine.model.forward(batch, engine.kv)
         else:
-            logits = engine.group.forward(engine.model, engine.kv, batch)
+            logits = engine.group.forward(engine.model, engine.kv, batch, StepCopies())
         sampled = iter(logits.argmax(-1).tolist())
         for (r, n), row in zip(work, rows):
             seq = self.seqs[r]
             seq.num_computed_tokens += n
             engine.kv.release_slid_out(seq)
             if row.want_logits:
-                seq.output_ids.append(next(sampled))
+                seq.append_output(next(sampled))
         return logits
 
 

@@ -1,0 +1,207 @@
+"""Where steps run: the prefix cache's copies, the forward and the sampler, strictly in step order.
+
+    executor = StepExecutor(model, kv, graphs=..., group=..., asynchronous=True)
+    handle = executor.submit(job)       # asynchronous: returns at once; else after running the step
+    output = handle.result()            # StepOutput: one token per sampling row, or the error
+
+Asynchronous (the engine's `overlap_scheduling`), one thread, `dsv4-device`, runs the jobs one after
+another: on CUDA it is the thread that launches the kernels (the host thread never touches the
+device, so it schedules step N+1 while step N runs), on CPU it is the stand-in for the CUDA stream
+(the forward really runs beside the scheduling thread). Otherwise `submit` runs the step on the
+caller's thread.
+
+A job carries the step's host batch packed for one copy (backend/model/staging.py), the sampler state
+of each sampling row, and the copies the prefix cache asked for before and after the forward. Each
+step writes the tokens it samples into `last_tokens[state slot]` on the device; a row of the next step
+whose token the host has not seen yet (`token_source_slot`) reads it from there before the forward: no
+host round trip between two steps. On CUDA the tokens then travel to the host asynchronously (pinned
+memory and an event), and `result()` waits for that copy, not for the executor.
+
+Every job runs in the order it was submitted, on one stream: what a step writes is in place before the
+next step reads it, and a page or slot freed by the scheduler while a step is in flight is written by
+a later step only after that one is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.model.forward_batch import ForwardBatch
+from backend.model.staging import StagedBatch
+from backend.model.static_batch import StaticKey
+from backend.sampler import Sampler, SamplerState
+from backend.scheduler import StepOutput
+
+logger = logging.getLogger(__name__)
+
+# Steps with fewer tokens (decodes, small mixed steps) are thousands of tiny ops: one intra-op thread
+# runs them as fast as two on the main thread, while two in a worker thread (a second OpenMP team)
+# made them 3.0-3.3x slower (README "Threads"); prefill chunks gain from the cores.
+SMALL_STEP_TOKENS = 64
+
+
+@dataclass
+class StepCopies:
+    """The prefix cache's copies (backend/memory/prefix_cache.py `apply`) around a step's forward."""
+
+    before: list[tuple] = field(default_factory=list)
+    after: list[tuple] = field(default_factory=list)
+
+
+@dataclass
+class StepJob:
+    batch: ForwardBatch  # host tensors (what a rank group broadcasts)
+    staged: StagedBatch  # the same, packed into one host buffer
+    samplers: list[SamplerState]  # one per sampling row: the batch's first logits rows
+    copies: StepCopies = field(default_factory=StepCopies)
+    static_key: StaticKey | None = None  # a decode step at static shapes (CUDA graphs)
+    has_tokens_from_device: bool = False  # some token_source_slot >= 0
+
+
+class StepHandle:
+    """A submitted step; `result()` blocks until its output is on the host."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._output: StepOutput | None = None
+        self._finish = None  # CUDA: waits for the token copy and reads the timing events
+        self.exception: BaseException | None = None
+
+    def _set(self, output: StepOutput | None, finish=None, exception: BaseException | None = None) -> None:
+        self._output, self._finish, self.exception = output, finish, exception
+        self._done.set()
+
+    def result(self) -> StepOutput:
+        self._done.wait()
+        if self._finish is not None:
+            self._output, self._finish = self._finish(), None
+        return self._output
+
+
+class StepExecutor:
+    def __init__(self, model, kv, *, graphs=None, group=None, asynchronous: bool, cpu_threads: int):
+        self.model, self.kv, self.graphs, self.group = model, kv, graphs, group
+        self.device = torch.device(model.device)
+        self.cpu_threads = cpu_threads
+        self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
+        self.sampler = Sampler()
+        self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
+        self._device_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if asynchronous:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._loop, name="dsv4-device", daemon=True)
+            self._thread.start()
+
+    @property
+    def asynchronous(self) -> bool:
+        return self._thread is not None
+
+    def submit(self, job: StepJob) -> StepHandle:
+        handle = StepHandle()
+        if self._queue is None:
+            self._run(job, handle)
+        else:
+            self._queue.put((job, handle))
+        return handle
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the steps submitted, then stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run(*item)
+
+    def _run(self, job: StepJob, handle: StepHandle) -> None:
+        try:
+            handle._set(*self._step(job))
+        except Exception as exc:  # noqa: BLE001 (the engine fails the step's requests and keeps serving)
+            logger.exception("step failed")
+            handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
+
+    def _step(self, job: StepJob):
+        cuda = self.device.type == "cuda"
+        started = time.perf_counter()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        _use_intra_op_threads(1 if job.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
+        self._apply(job.copies.before)
+        logits = self._forward(job)
+        num_rows = len(job.samplers)
+        tokens, logprobs = self.sampler.step(logits[:num_rows], job.samplers)
+        self.last_tokens[job.batch.logits_slot[:num_rows].to(self.device)] = tokens
+        self._apply(job.copies.after)
+        if not cuda:
+            return StepOutput(tokens.tolist(), logprobs, time.perf_counter() - started), None
+        end.record()
+        host = torch.empty(num_rows, dtype=torch.long, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def finish() -> StepOutput:
+            copied.synchronize()
+            return StepOutput(host.tolist(), logprobs, begin.elapsed_time(end) / 1e3)
+
+        return None, finish
+
+    def _forward(self, job: StepJob) -> torch.Tensor:
+        if self.group is not None:  # every rank runs this batch: broadcast on the host, tokens resolved there
+            batch = job.batch
+            if job.has_tokens_from_device:
+                self._take_tokens_from_device(batch, self.last_tokens.cpu())
+            return self.group.forward(self.model, self.kv, batch, job.copies)
+        prepare = self._take_tokens_from_device if job.has_tokens_from_device else _nothing
+        if job.static_key is not None:
+            return self.graphs.forward(job.static_key, job.staged, lambda batch: prepare(batch, self.last_tokens))
+        if self._device_buffer.numel() < job.staged.num_bytes:
+            self._device_buffer = torch.empty(2 * job.staged.num_bytes, dtype=torch.uint8, device=self.device)
+        batch = job.staged.to_device(self._device_buffer)
+        prepare(batch, self.last_tokens)
+        return self.model.forward(batch, self.kv)
+
+    @staticmethod
+    def _take_tokens_from_device(batch: ForwardBatch, last_tokens: torch.Tensor) -> None:
+        """Tokens whose id the previous step sampled: read from `last_tokens` by state slot (in place)."""
+        source = batch.token_source_slot
+        batch.input_ids.copy_(torch.where(source >= 0, last_tokens[source.clamp(min=0)], batch.input_ids))
+
+    def _apply(self, copies: list[tuple]) -> None:
+        if copies:
+            self.kv.prefix_cache.apply(copies)
+
+
+def _nothing(batch, last_tokens) -> None:
+    pass
+
+
+_threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them
+
+
+def _use_intra_op_threads(count: int) -> None:
+    global _threads_before_engines
+    if torch.get_num_threads() != count:
+        if _threads_before_engines is None:
+            _threads_before_engines = torch.get_num_threads()
+        torch.set_num_threads(count)
+
+
+def default_cpu_threads() -> int:
+    """torch's thread count as the process set it: not what an earlier engine's last small step left (a
+    second engine in one process would otherwise run its prefills on one thread)."""
+    return _threads_before_engines or torch.get_num_threads()

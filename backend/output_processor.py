@@ -1,0 +1,64 @@
+"""Text and stop strings, off the engine thread: the engine's token outputs become the outputs clients see.
+
+    processor = OutputProcessor(tokenizer, abort=engine.abort)
+    processor.add(request_id, sampling)             # before the request is submitted
+    out = processor.process(raw_output)             # RequestOutput with its text, or None: nothing to send
+
+The engine reports token ids (and decides the stops that need no text: stop token ids, max_tokens).
+Here each request's incremental detokenizer turns them into text, never splitting a UTF-8 character
+nor streaming the start of a possible stop string (backend/detokenizer.py). When a stop string appears,
+the output that completed it is the request's last (finish_reason "stop", text cut before the stop
+string), the engine is asked to abort the request, and whatever the engine still reports for it is
+dropped: nothing past a stop is ever sent. The Triton adapter runs this on its response thread, offline
+generation inline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from backend.detokenizer import IncrementalDetokenizer
+from backend.request import FinishReason, RequestOutput, SamplingParams
+
+
+@dataclass
+class _Stream:
+    detokenizer: IncrementalDetokenizer
+    num_tokens: int = 0  # tokens passed on
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, abort: Callable[[str], object]):
+        self.tokenizer = tokenizer
+        self.abort = abort
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, request_id: str, sampling: SamplingParams) -> None:
+        self._streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer, sampling.stop))
+
+    def discard(self, request_id: str) -> None:
+        """The consumer no longer wants this request's outputs."""
+        self._streams.pop(request_id, None)
+
+    def process(self, output: RequestOutput) -> RequestOutput | None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return None  # ended already (a stop string): what the engine still reports is dropped
+        detokenizer = stream.detokenizer
+        finished, reason = output.finished, output.finish_reason
+        text = ""
+        if not (finished and reason is FinishReason.STOP):  # a stop token's own text is never sent
+            for token in output.new_token_ids:
+                text += detokenizer.add(token)
+        stream.num_tokens += len(output.new_token_ids)
+        if detokenizer.stopped and reason is not FinishReason.STOP:  # a stop string: the request's last output
+            if not finished:
+                self.abort(output.request_id)
+            finished, reason = True, FinishReason.STOP
+        if finished:
+            if output.error is None:
+                text += detokenizer.flush()
+            del self._streams[output.request_id]
+        return replace(output, new_text=text, finished=finished, finish_reason=reason,
+                       num_output_tokens=stream.num_tokens)

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The engine's host work per decode step, with the device taken out: what a GPU would leave the host to do.
+
+    python scripts/bench_host_overhead.py --repeats 3 --json results/host_overhead.json
+
+Two measurements, each repeated (--repeats) in one process, the spread reported:
+
+1. Host time per decode step. The tiny checkpoint's forward is replaced by a stub that returns logits at
+   once, so a step's time is the engine's own work: schedule, build and pack the batch, launch, sample,
+   take the output in, report every token (to a queue, as the Triton adapter's callback does). For each
+   running requests x context in --rows x --contexts the requests are prefilled (through the engine, with
+   the stub), then --steps decode steps are timed one by one; the table gives the median and the
+   min-max over repetitions of each configuration's median. Overlap off: every step's work on one thread.
+   Overlap on: the same work, the forward side on the executor thread.
+2. Steps per second with a device stand-in: the forward sleeps --device-ms (the GIL released, as on a GPU
+   stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
+   host; with it, max(device, host).
+
+Prefix caching is on, as by default (decodes reaching block boundaries are snapshotted). The pools are
+sized for the largest configuration (--dtype bfloat16 halves them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.engine import LLMEngine  # noqa: E402
+from backend.request import SamplingParams, Sequence  # noqa: E402
+
+PREFILL_CHUNK = 65536
+
+
+def stub_forward(vocab: int, device_s: float = 0.0):
+    """A forward that returns zero logits for the rows that want them, after `device_s` of sleep."""
+
+    def forward(batch, kv):
+        if device_s:
+            time.sleep(device_s)
+        return torch.zeros(batch.logits_token_index.shape[0], vocab)
+
+    return forward
+
+
+def make_engine(options, rows: int, context: int, overlap: bool, device_s: float = 0.0) -> LLMEngine:
+    window = 4 * (PREFILL_CHUNK + 256)  # the window pool: one chunk in flight and its window, and the decodes'
+    num_tokens = rows * (context + 2 * rows + options.steps + 64) + 4096  # prefill steps decode the earlier ones
+    config = EngineConfig(checkpoint=options.checkpoint, device="cpu", dtype=options.dtype,
+                          max_running_requests=rows, max_num_batched_tokens=PREFILL_CHUNK,
+                          prefill_chunk_tokens=PREFILL_CHUNK, num_tokens=num_tokens,
+                          swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
+                          overlap_scheduling=overlap, cpu_threads=1)
+    engine = LLMEngine(config)
+    engine.model.forward = stub_forward(engine.vocab_size, device_s)
+    return engine
+
+
+def decoding(engine: LLMEngine, rows: int, context: int, steps: int) -> queue.SimpleQueue:
+    """`rows` requests of `context` prompt tokens, prefilled; returns the queue their outputs go to."""
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    prompt = [2 + i % 250 for i in range(context)]
+    for r in range(rows):  # distinct prompts: nothing is restored from the prefix cache
+        engine.submit(Sequence(f"r{r}-{time.monotonic_ns()}", [2 + r % 250] + prompt[1:],
+                               SamplingParams(max_tokens=min(engine.limits.max_request_positions - context,
+                                                             engine.limits.max_tokens_limit),
+                                              ignore_eos=True)), outputs.put)
+    while engine.scheduler.num_waiting or any(s.is_prefill for s in engine.scheduler._running):
+        engine.step()
+    for _ in range(3):  # every request decoding, overlap's pipeline full
+        engine.step()
+    assert engine.scheduler.num_running == rows and rows * (context + steps + 8) <= engine.config.num_tokens
+    return outputs
+
+
+def time_steps(engine: LLMEngine, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def host_per_step(options, rows: int, context: int, overlap: bool) -> float:
+    engine = make_engine(options, rows, context, overlap)
+    try:
+        decoding(engine, rows, context, options.steps)
+        times = time_steps(engine, options.steps)
+        assert all(r.kind.value == "decode" for r in list(engine.scheduler.records)[-options.steps:])
+        return statistics.median(times)
+    finally:
+        engine.shutdown()
+
+
+def steps_per_second(options, overlap: bool) -> float:
+    engine = make_engine(options, options.sleep_rows, options.sleep_context, overlap, options.device_ms / 1e3)
+    try:
+        decoding(engine, options.sleep_rows, options.sleep_context, options.steps)
+        started = time.perf_counter()
+        time_steps(engine, options.steps)
+        return options.steps / (time.perf_counter() - started)
+    finally:
+        engine.shutdown()
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384, 65000])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device-ms", type=float, default=10.0)
+    parser.add_argument("--sleep-rows", type=int, default=64)
+    parser.add_argument("--sleep-context", type=int, default=16384)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--skip-host", action="store_true", help="only the device stand-in")
+    parser.add_argument("--json", type=Path)
+    options = parser.parse_args()
+    torch.set_num_threads(1)
+
+    results = {"host_ms": [], "device_stand_in": None, "settings": vars(options) | {"json": str(options.json)}}
+    if not options.skip_host:
+        print(f"{'rows':>5} {'context':>8} {'overlap':>8} {'host ms/step (median, min-max over runs)':>44}")
+        for rows in options.rows:
+            for context in options.contexts:
+                for overlap in (False, True):
+                    runs = [1e3 * host_per_step(options, rows, context, overlap) for _ in range(options.repeats)]
+                    row = dict(rows=rows, context=context, overlap=overlap, **spread(runs))
+                    results["host_ms"].append(row)
+                    print(f"{rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} "
+                          f"({row['min']:.2f}-{row['max']:.2f})", flush=True)
+    runs = {overlap: [steps_per_second(options, overlap) for _ in range(options.repeats)] for overlap in (False, True)}
+    results["device_stand_in"] = {str(k): spread(v) for k, v in runs.items()}
+    print(f"\nforward = sleep {options.device_ms:g} ms, {options.sleep_rows} x {options.sleep_context}: steps/s "
+          f"(median, min-max over {options.repeats} runs; ideal {1e3 / options.device_ms:.0f})")
+    for overlap, values in runs.items():
+        s = spread(values)
+        print(f"  overlap {'on ' if overlap else 'off'}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})")
+    if options.json:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The overlap loop: step N+1 is scheduled and launched while step N runs, and nothing a client sees changes.
+
+With `overlap_scheduling` the engine learns what a step sampled one step late: a request that stopped in
+step N may already have a decode in step N+1 (its token is dropped), a cancel or a deadline lands while a
+step of the request is in flight. These tests compare the two loops token for token (greedy and seeded
+sampling, log-probabilities, preemption, the prefix cache, static decode steps, prefill_first), check that
+nothing is ever reported after a request's final output, that every page is freed exactly once, and that
+on CPU the forward really runs on the executor's thread beside the scheduling one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.request import FinishReason, RequestOutput, SamplingParams, Sequence
+
+
+def _engine(checkpoint, **settings) -> LLMEngine:
+    base = dict(checkpoint=str(checkpoint), device="cpu", page_size=16, max_running_requests=4,
+                prefill_chunk_tokens=64)
+    return LLMEngine(EngineConfig(**{**base, **settings}))
+
+
+def _prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    return torch.randint(2, 512, (count, length), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _shared_prefixes() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    history = torch.randint(2, 500, (300,), generator=gen).tolist()
+    return [history[:n] + torch.randint(2, 500, (k,), generator=gen).tolist() for n, k in
+            ((300, 5), (256, 1), (129, 70), (100, 40))]
+
+
+def _all_pages_free(engine: LLMEngine) -> bool:
+    engine.kv.check()
+    return all(held == 0 for held in engine.kv.pages_held_by_requests().values())
+
+
+GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
+SAMPLED = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, top_k=50, seed=s, logprobs=2,
+                          repetition_penalty=1.2, frequency_penalty=0.3) for s in range(4)]
+
+CASES = {
+    "preemption": (dict(num_tokens=512, swa_full_tokens_ratio=1.0), lambda: _prompts(4, 100), GREEDY),
+    "prefix cache": (dict(prefill_chunk_tokens=48, num_tokens=4096), _shared_prefixes, GREEDY),
+    "static decode steps": (dict(cuda_graphs=True, num_tokens=512, swa_full_tokens_ratio=1.0),
+                            lambda: _prompts(4, 90, seed=3), GREEDY),
+    "prefill_first": (dict(policy="prefill_first", decode_interleave_every=2), lambda: _prompts(4, 150, 1), GREEDY),
+    "sampled, penalties, logprobs": (dict(), lambda: _prompts(4, 70, seed=2), SAMPLED),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_outputs_are_the_same_with_overlap_on_and_off(tiny_checkpoint, case):
+    settings, prompts, params = CASES[case]
+    prompts = prompts()
+    off = _engine(tiny_checkpoint, overlap_scheduling=False, **settings)
+    on = _engine(tiny_checkpoint, **settings)
+    assert on.overlap and not off.overlap
+    expected, got = off.generate(prompts, params), on.generate(prompts, params)
+    for key in ("output_ids", "finish_reason", "logprobs"):
+        assert [r.get(key) for r in got] == [r.get(key) for r in expected], key
+    if case == "preemption":
+        assert on.stats()["num_preemptions"] > 0
+    if case == "prefix cache":  # (how much is restored may differ: with overlap an entry is kept a step later)
+        assert sum(r["num_cached_tokens"] for r in got) > 0
+    for engine in (on, off):
+        assert _all_pages_free(engine)
+        engine.shutdown()
+
+
+def _collect(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    """Every output the engine reports for one request, the engine running its own loop thread."""
+    outputs: list[RequestOutput] = []
+    done = threading.Event()
+
+    def on_output(out: RequestOutput) -> None:
+        outputs.append(out)
+        if out.finished:
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Sequence(f"r-{time.monotonic_ns()}", prompt, params), on_output)
+        assert done.wait(60)
+        time.sleep(0.2)  # anything reported after the final would arrive now
+    finally:
+        engine.shutdown()
+    return outputs
+
+
+def test_nothing_is_reported_after_a_stop_token(tiny_checkpoint):
+    """The stop token is learnt one step late, when the next decode is already launched: its token is dropped."""
+    prompt = _prompts(1, 40)[0]
+    free_run = _engine(tiny_checkpoint).generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    tokens = free_run[0]["output_ids"]
+    stop_at = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
+    engine = _engine(tiny_checkpoint)
+    outputs = _collect(engine, prompt, SamplingParams(max_tokens=20, stop_token_ids=[tokens[stop_at]]))
+    assert [t for o in outputs for t in o.new_token_ids] == tokens[:stop_at + 1]
+    assert [o.finished for o in outputs] == [False] * stop_at + [True]
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert _all_pages_free(engine)
+
+
+def test_a_stop_string_ends_the_request_and_nothing_past_it_is_reported(tiny_checkpoint):
+    """Stop strings are the output processor's: it cuts the text, ends the request and aborts it in the engine,
+    whose later outputs for it are dropped."""
+    prompt = _prompts(1, 40, seed=5)[0]
+    free = _engine(tiny_checkpoint).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    text = free["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip() and text.index(stop) > 0
+    engine = _engine(tiny_checkpoint)
+    (result,) = engine.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))
+    assert result["finish_reason"] == "stop" and result["text"] == text[:text.index(stop)]
+    assert result["output_ids"] == free["output_ids"][:len(result["output_ids"])]
+    assert len(result["output_ids"]) < 24 and not engine.scheduler.has_work()
+    assert _all_pages_free(engine)
+
+
+def test_a_deadline_while_a_step_is_in_flight_ends_the_request_cleanly(tiny_checkpoint):
+    prompt = _prompts(1, 50, seed=6)[0]
+    expected = _engine(tiny_checkpoint).generate([prompt], SamplingParams(max_tokens=300, ignore_eos=True))[0]
+    engine = _engine(tiny_checkpoint)
+    outputs = _collect(engine, prompt, SamplingParams(max_tokens=300, ignore_eos=True, timeout_ms=300))
+    tokens = [t for o in outputs for t in o.new_token_ids]
+    assert outputs[-1].finish_reason is FinishReason.TIMEOUT and sum(o.finished for o in outputs) == 1
+    assert 0 < len(tokens) < 300 and tokens == expected["output_ids"][:len(tokens)]
+    assert _all_pages_free(engine)
+
+
+def test_a_step_failing_while_the_next_is_in_flight_fails_only_its_requests(tiny_checkpoint, monkeypatch):
+    """The fourth forward raises: its requests fail (the step launched after it is dropped for them), a request
+    submitted later is served, and no page stays held."""
+    engine = _engine(tiny_checkpoint)
+    real_forward, calls = engine.model.forward, []
+
+    def flaky_forward(batch, kv):
+        calls.append(batch.num_tokens)
+        if len(calls) == 4:
+            raise RuntimeError("injected fault")
+        return real_forward(batch, kv)
+
+    monkeypatch.setattr(engine.model, "forward", flaky_forward)
+    results = engine.generate(_prompts(2, 30), SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [r["finish_reason"] for r in results] == ["error", "error"]
+    assert all("injected fault" in r["error"] and 0 < len(r["output_ids"]) < 10 for r in results)
+    assert _all_pages_free(engine)
+    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_forward_runs_beside_the_scheduling_thread(tiny_checkpoint, monkeypatch, overlap):
+    """A forward replaced by a 20 ms sleep: with overlap it runs on the executor's thread, and the engine thread
+    schedules the next step while it sleeps; without overlap nothing is scheduled during a forward."""
+    engine = _engine(tiny_checkpoint, overlap_scheduling=overlap)
+    forwards, schedules = [], []
+    real_forward, real_schedule = engine.model.forward, engine.scheduler.schedule
+
+    def slow_forward(batch, kv):
+        started = time.perf_counter()
+        time.sleep(0.02)
+        logits = real_forward(batch, kv)
+        forwards.append((threading.current_thread().name, started, time.perf_counter()))
+        return logits
+
+    def timed_schedule(*args, **kwargs):
+        schedules.append(time.perf_counter())
+        return real_schedule(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", slow_forward)
+    monkeypatch.setattr(engine.scheduler, "schedule", timed_schedule)
+    engine.generate(_prompts(2, 20), SamplingParams(max_tokens=12, ignore_eos=True))
+    during = sum(any(start < t < end for _, start, end in forwards) for t in schedules)
+    assert {name for name, _, _ in forwards} == ({"dsv4-device"} if overlap else {threading.current_thread().name})
+    if overlap:
+        assert during >= len(forwards) // 2, (during, len(forwards))  # (not the pipeline's fill: thread wake-up)
+    else:
+        assert during == 0

@@ -1,0 +1,83 @@
+"""The block tables kept as pages are added (one row per state slot) gather exactly what rebuilding them from
+the requests' page runs gives, through any sequence of extending, sliding, freeing and prefix restores; and a
+step's batch reads only its rows (no per-row walk over a request's pages)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.request import Sequence
+
+from test_pools import _manager  # tests/memory is on sys.path
+
+
+def _rebuilt(kv, pool: str, seqs, width: int) -> torch.Tensor:
+    """The table as the old builder made it: each row's pages from its run, page 0 after them."""
+    rows = []
+    for seq in seqs:
+        pages = list(seq.pages.runs[pool].pages)
+        rows.append(pages + [0] * (width - len(pages)))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _gathered(kv, pool: str, seqs, width: int) -> torch.Tensor:
+    runs = [seq.pages.runs[pool] for seq in seqs]
+    return kv.block_table(pool, torch.tensor([s.pages.slot for s in seqs]), torch.tensor([r.first for r in runs]),
+                          torch.tensor([len(r.pages) for r in runs]), width, 0)
+
+
+operations = st.lists(st.tuples(st.sampled_from(["arrive", "extend", "free", "evict"]), st.integers(0, 10 ** 6)),
+                      min_size=1, max_size=50)
+
+
+@settings(max_examples=60, deadline=None)
+@given(operations=operations)
+def test_kept_tables_equal_tables_rebuilt_from_the_runs(operations):
+    kv = _manager(num_tokens=2048, ratio=0.5, page_size=16, max_running=4)
+    kv.enable_prefix_caching(128, max_entries=6, max_end_entries=2)
+    cache = kv.prefix_cache
+    history = list(range(2, 900))
+    live: list[Sequence] = []
+    for step, (op, value) in enumerate(operations):
+        if op == "arrive" and len(live) < 4 and kv.has_free_slot():
+            seq = Sequence(f"r{step}", history[:1 + value % 700])
+            cache.match(seq)  # a restore writes the whole rows
+            live.append(seq)
+        elif op == "extend" and live:
+            seq = live[value % len(live)]
+            n = min(seq.num_tokens - seq.num_computed_tokens, 1 + value % 200)
+            if n > 0 and kv.try_extend(seq, n):
+                reserved = cache.reserve(seq, seq.num_computed_tokens, seq.num_computed_tokens + n)
+                seq.num_computed_tokens += n
+                cache.keep_reserved(seq, reserved)
+                kv.release_slid_out(seq)  # the window slides: its row's start moves on
+        elif op == "free" and live:
+            seq = live.pop(value % len(live))
+            if value % 2:
+                cache.register_end(seq, seq.num_computed_tokens)
+            kv.free(seq)
+        elif op == "evict":
+            cache.evict_one()
+        holding = [s for s in live if s.pages is not None]
+        for pool in ("window", "csa", "hca"):
+            if holding:
+                width = max(1, max(len(s.pages.runs[pool].pages) for s in holding))
+                assert torch.equal(_gathered(kv, pool, holding, width), _rebuilt(kv, pool, holding, width)), pool
+        kv.check()
+    for seq in live:
+        kv.free(seq)
+
+
+def test_a_decode_step_writes_no_table_cell():
+    """Tables are written where pages are added: a decode inside a page adds none."""
+    kv = _manager(num_tokens=4096, ratio=0.5, page_size=16, max_running=2)
+    seq = Sequence("a", list(range(2, 403)))
+    kv.extend(seq, 401)
+    seq.num_computed_tokens = 401
+    kv.release_slid_out(seq)
+    seq.append_output(7)
+    before = {name: table.clone() for name, table in kv.tables.items()}
+    assert kv.try_extend(seq, 1)  # position 401: inside the window's last page, no new CSA/HCA page
+    assert all(torch.equal(before[name], kv.tables[name]) for name in kv.tables)

@@ -1,0 +1,53 @@
+"""Text and stop strings off the engine thread: the output processor between the engine's token outputs and
+the responses."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer
+
+from backend.output_processor import OutputProcessor
+from backend.request import FinishReason, RequestOutput, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+
+
+def _raw(token=None, finished=False, reason=None, count=0, error=None) -> RequestOutput:
+    return RequestOutput("r", [] if token is None else [token], "", finished, reason, 3, count, error)
+
+
+def test_a_stop_string_ends_the_request_once_and_drops_what_the_engine_still_reports(tokenizer):
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
+    aborted = []
+    processor = OutputProcessor(tokenizer, aborted.append)
+    processor.add("r", SamplingParams(stop=["fox jumps"]))
+    sent = [processor.process(_raw(t, count=i + 1)) for i, t in enumerate(ids)]
+    last = next(i for i, out in enumerate(sent) if out is not None and out.finished)
+    assert all(out is None for out in sent[last + 1:])  # nothing past the stop
+    assert "".join(out.new_text for out in sent[:last + 1]) == "The quick brown "
+    assert sent[last].finish_reason is FinishReason.STOP and sent[last].num_output_tokens == last + 1
+    assert aborted == ["r"]  # the engine is asked once to stop computing it
+    assert processor.process(_raw(finished=True, reason=FinishReason.CANCELLED)) is None  # its abort's final
+
+
+def test_a_stop_token_sends_no_text_of_its_own_and_flushes_the_rest(tokenizer):
+    processor = OutputProcessor(tokenizer, lambda rid: pytest.fail("nothing to abort"))
+    processor.add("r", SamplingParams())
+    ids = tokenizer.encode("Hello world").ids
+    text = "".join(processor.process(_raw(t, count=i + 1)).new_text for i, t in enumerate(ids))
+    final = processor.process(_raw(1, finished=True, reason=FinishReason.STOP, count=len(ids) + 1))
+    assert text + final.new_text == "Hello world" and final.finished and final.new_token_ids == [1]
+
+
+def test_a_failed_request_gets_no_held_back_text_and_a_cancelled_one_does(tokenizer):
+    ids = tokenizer.encode("Привет").ids
+    for reason, error, flushed in ((FinishReason.ERROR, "internal error: x", False),
+                                   (FinishReason.CANCELLED, None, True)):
+        processor = OutputProcessor(tokenizer, lambda rid: None)
+        processor.add("r", SamplingParams(stop=["zzz"]))  # a stop string holds the tail back
+        text = "".join(processor.process(_raw(t)).new_text for t in ids)
+        final = processor.process(_raw(finished=True, reason=reason, error=error))
+        assert (text + final.new_text == "Привет") is flushed and final.finish_reason is reason
