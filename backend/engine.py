@@ -49,7 +49,7 @@ from backend.model.config import load_model_config
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
-from backend.model.staging import HostBuffers, stage
+from backend.model.staging import BatchStager
 from backend.model.static_batch import static_key
 from backend.output_processor import OutputProcessor
 from backend.parallel.comm import Communicator
@@ -94,7 +94,7 @@ class LLMEngine:
                               if config.resolved_cuda_graphs() else None)
         self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
                                      asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
-        self._host_buffers = HostBuffers(self.device, depth=2)
+        self._stager = BatchStager(self.device, depth=2)
         self._in_flight: deque[tuple[StepPlan, StepHandle]] = deque()  # launched, output not taken in yet
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -248,7 +248,7 @@ class LLMEngine:
 
     def _launch(self, plan: StepPlan) -> StepHandle:
         """Build the step's batch on the host and hand it to the executor (returns at once with overlap)."""
-        rows, samplers, from_device = [], [], False
+        rows, samplers, from_device, plain = [], [], False, True
         for chunk in plan.chunks:
             seq = chunk.seq
             known = chunk.end <= len(seq.token_ids)  # else a decode of the token the step in flight samples
@@ -259,12 +259,17 @@ class LLMEngine:
                                  chunk.samples, snapshots, not known))
             if chunk.samples:
                 samplers.append(seq.sampler_state)
+                plain &= seq.sampler_state.plain
         graphs = self.decode_graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         batch = build_forward_batch(rows, self.kv, pad_to=key)
+        staged = self._stager.stage(batch)
+        # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);
+        # a static one into its graph's buffers by the executor, in step order.
+        device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
         cache = self.kv.prefix_cache
         copies = StepCopies(*cache.take_pending()) if cache is not None else StepCopies()
-        return self.executor.submit(StepJob(batch, stage(batch, self._host_buffers), samplers, copies, key, from_device))
+        return self.executor.submit(StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device))
 
     def _take_in(self, plan: StepPlan, handle: StepHandle) -> None:
         """A step's output: the scheduler's accounting, then each request's token (or its failure)."""

@@ -5,13 +5,16 @@
     output = handle.result()            # StepOutput: one token per sampling row, or the error
 
 Asynchronous (the engine's `overlap_scheduling`), one thread, `dsv4-device`, runs the jobs one after
-another: on CUDA it is the thread that launches the kernels (the host thread never touches the
-device, so it schedules step N+1 while step N runs), on CPU it is the stand-in for the CUDA stream
-(the forward really runs beside the scheduling thread). Otherwise `submit` runs the step on the
-caller's thread.
+another: on CUDA it is the thread that launches the kernels (the host thread only enqueues the next
+step's metadata copy, so it schedules step N+1 while step N runs), on CPU it is the stand-in for the
+CUDA stream (the forward really runs beside the scheduling thread). Otherwise `submit` runs the step
+on the caller's thread.
 
-A job carries the step's host batch packed for one copy (backend/model/staging.py), the sampler state
-of each sampling row, and the copies the prefix cache asked for before and after the forward. Each
+A job carries the step's batch, already copied to the device by the host thread (one copy of one packed
+buffer, backend/model/staging.py; a static-shape step's is copied here, into its graph's buffers, in
+step order), the sampler state of each sampling row, and the copies the prefix cache asked for before
+and after the forward. What runs here is what a GPU step costs the host beside the kernels, so it is
+kept small: a step whose rows all decode greedily samples with one argmax. Each
 step writes the tokens it samples into `last_tokens[state slot]` on the device; a row of the next step
 whose token the host has not seen yet (`token_source_slot`) reads it from there before the forward: no
 host round trip between two steps. On CUDA the tokens then travel to the host asynchronously (pinned
@@ -58,7 +61,9 @@ class StepCopies:
 class StepJob:
     batch: ForwardBatch  # host tensors (what a rank group broadcasts)
     staged: StagedBatch  # the same, packed into one host buffer
+    device_batch: ForwardBatch | None  # the same on the device (a dynamic step's; static ones: copied here)
     samplers: list[SamplerState]  # one per sampling row: the batch's first logits rows
+    plain_sampling: bool = False  # every row greedy, without penalties or log-probabilities: one argmax
     copies: StepCopies = field(default_factory=StepCopies)
     static_key: StaticKey | None = None  # a decode step at static shapes (CUDA graphs)
     has_tokens_from_device: bool = False  # some token_source_slot >= 0
@@ -92,7 +97,6 @@ class StepExecutor:
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self.sampler = Sampler()
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
-        self._device_buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if asynchronous:
@@ -141,10 +145,10 @@ class StepExecutor:
             begin.record()
         _use_intra_op_threads(1 if job.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
         self._apply(job.copies.before)
-        logits = self._forward(job)
+        logits, batch = self._forward(job)
         num_rows = len(job.samplers)
-        tokens, logprobs = self.sampler.step(logits[:num_rows], job.samplers)
-        self.last_tokens[job.batch.logits_slot[:num_rows].to(self.device)] = tokens
+        tokens, logprobs = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling)
+        self.last_tokens[batch.logits_slot[:num_rows].to(self.device)] = tokens  # (a group's batch is on the host)
         self._apply(job.copies.after)
         if not cuda:
             return StepOutput(tokens.tolist(), logprobs, time.perf_counter() - started), None
@@ -160,20 +164,18 @@ class StepExecutor:
 
         return None, finish
 
-    def _forward(self, job: StepJob) -> torch.Tensor:
+    def _forward(self, job: StepJob) -> tuple[torch.Tensor, ForwardBatch]:
+        """The step's logits, and the batch they came from (on the device but for a group's)."""
         if self.group is not None:  # every rank runs this batch: broadcast on the host, tokens resolved there
             batch = job.batch
             if job.has_tokens_from_device:
                 self._take_tokens_from_device(batch, self.last_tokens.cpu())
-            return self.group.forward(self.model, self.kv, batch, job.copies)
+            return self.group.forward(self.model, self.kv, batch, job.copies), batch
         prepare = self._take_tokens_from_device if job.has_tokens_from_device else _nothing
         if job.static_key is not None:
             return self.graphs.forward(job.static_key, job.staged, lambda batch: prepare(batch, self.last_tokens))
-        if self._device_buffer.numel() < job.staged.num_bytes:
-            self._device_buffer = torch.empty(2 * job.staged.num_bytes, dtype=torch.uint8, device=self.device)
-        batch = job.staged.to_device(self._device_buffer)
-        prepare(batch, self.last_tokens)
-        return self.model.forward(batch, self.kv)
+        prepare(job.device_batch, self.last_tokens)
+        return self.model.forward(job.device_batch, self.kv), job.device_batch
 
     @staticmethod
     def _take_tokens_from_device(batch: ForwardBatch, last_tokens: torch.Tensor) -> None:

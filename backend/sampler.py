@@ -39,6 +39,8 @@ class SamplerState:
         self.prompt_ids = prompt_ids
         self.has_penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                               or params.presence_penalty != 0.0)
+        # Greedy, no penalties, no log-probabilities: its token is the argmax of its logits, nothing more.
+        self.plain = params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
         self.generator: torch.Generator | None = None
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
@@ -110,9 +112,13 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
 class Sampler:
     """Draws one token per row; row r belongs to states[r]."""
 
-    def step(self, logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.Tensor, list | None]:
+    def step(self, logits: torch.Tensor, states: list[SamplerState],
+             plain: bool = False) -> tuple[torch.Tensor, list | None]:
         """Penalties, one token per row (a [R] long tensor on the logits' device, already observed by the
-        states), and the log-probabilities of the rows that asked (None when none did)."""
+        states), and the log-probabilities of the rows that asked (None when none did). `plain`: every state is
+        (SamplerState.plain), so the tokens are the argmax."""
+        if plain:
+            return torch.argmax(logits, dim=-1), None
         logits = apply_penalties(logits, states)
         tokens = self.sample(logits, states)
         logprobs = None

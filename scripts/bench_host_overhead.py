@@ -9,15 +9,21 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    once, so a step's time is the engine's own work: schedule, build and pack the batch, launch, sample,
    take the output in, report every token (to a queue, as the Triton adapter's callback does). For each
    running requests x context in --rows x --contexts the requests are prefilled (through the engine, with
-   the stub), then --steps decode steps are timed one by one; the table gives the median and the
-   min-max over repetitions of each configuration's median. Overlap off: every step's work on one thread.
-   Overlap on: the same work, the forward side on the executor thread.
+   the stub), then --steps decode steps are timed one by one; the table gives the median over
+   repetitions of each configuration's median step, and the min-max. Each repetition measures every
+   configuration in turn (the machine's drift hits them alike), and the growth with context is the ratio
+   of the largest to the smallest context in the same repetition. Overlap off: every step's work on one
+   thread. Overlap on: the same work, the forward side on the executor thread (with a stub forward the
+   hand-over between the two threads is all overlap adds).
 2. Steps per second with a device stand-in: the forward sleeps --device-ms (the GIL released, as on a GPU
    stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
-   host; with it, max(device, host).
+   host; with it, max(device, host). With --real-forward the model's own forward runs instead (on a GPU:
+   what overlap gains for real).
 
-Prefix caching is on, as by default (decodes reaching block boundaries are snapshotted). The pools are
-sized for the largest configuration (--dtype bfloat16 halves them).
+Prefix caching is on, as by default (decodes reaching block boundaries are snapshotted; each snapshot
+references the request's compressed pages, a cost that grows with the context: --no-enable-prefix-caching
+shows it). Each configuration's
+pools are sized for it (--dtype bfloat16 halves them). --device cuda runs the same on a GPU (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -39,29 +45,35 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams, Sequence  # noqa: E402
 
 PREFILL_CHUNK = 65536
+WARM_UP_STEPS = 64
 
 
-def stub_forward(vocab: int, device_s: float = 0.0):
+def stub_forward(vocab: int, device, device_s: float = 0.0):
     """A forward that returns zero logits for the rows that want them, after `device_s` of sleep."""
 
     def forward(batch, kv):
         if device_s:
             time.sleep(device_s)
-        return torch.zeros(batch.logits_token_index.shape[0], vocab)
+        return torch.zeros(batch.logits_token_index.shape[0], vocab, device=device)
 
     return forward
 
 
-def make_engine(options, rows: int, context: int, overlap: bool, device_s: float = 0.0) -> LLMEngine:
+def make_engine(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0) -> LLMEngine:
+    """An engine for `rows` requests of `context` tokens; its forward a stub sleeping `device_s` (None: the
+    model's own)."""
     window = 4 * (PREFILL_CHUNK + 256)  # the window pool: one chunk in flight and its window, and the decodes'
-    num_tokens = rows * (context + 2 * rows + options.steps + 64) + 4096  # prefill steps decode the earlier ones
-    config = EngineConfig(checkpoint=options.checkpoint, device="cpu", dtype=options.dtype,
+    # the prompts, what prefill steps decode meanwhile, the warm-up and the timed steps
+    num_tokens = rows * (context + 2 * rows + WARM_UP_STEPS + options.steps + 64) + 4096
+    config = EngineConfig(checkpoint=options.checkpoint, device=options.device, dtype=options.dtype,
                           max_running_requests=rows, max_num_batched_tokens=PREFILL_CHUNK,
                           prefill_chunk_tokens=PREFILL_CHUNK, num_tokens=num_tokens,
                           swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
-                          overlap_scheduling=overlap, cpu_threads=1)
+                          overlap_scheduling=overlap, cpu_threads=1,
+                          enable_prefix_caching=options.enable_prefix_caching)
     engine = LLMEngine(config)
-    engine.model.forward = stub_forward(engine.vocab_size, device_s)
+    if device_s is not None:
+        engine.model.forward = stub_forward(engine.vocab_size, engine.device, device_s)
     return engine
 
 
@@ -69,16 +81,17 @@ def decoding(engine: LLMEngine, rows: int, context: int, steps: int) -> queue.Si
     """`rows` requests of `context` prompt tokens, prefilled; returns the queue their outputs go to."""
     outputs: queue.SimpleQueue = queue.SimpleQueue()
     prompt = [2 + i % 250 for i in range(context)]
-    for r in range(rows):  # distinct prompts: nothing is restored from the prefix cache
-        engine.submit(Sequence(f"r{r}-{time.monotonic_ns()}", [2 + r % 250] + prompt[1:],
+    for r in range(rows):  # distinct prompts (nothing restored from the prefix cache), their lengths staggered so
+        # that decodes reach the cache's block boundaries at the same rate (rows / 128 a step) at every context
+        engine.submit(Sequence(f"r{r}-{time.monotonic_ns()}", [2 + r % 250] + prompt[1:context - r % 128],
                                SamplingParams(max_tokens=min(engine.limits.max_request_positions - context,
                                                              engine.limits.max_tokens_limit),
                                               ignore_eos=True)), outputs.put)
     while engine.scheduler.num_waiting or any(s.is_prefill for s in engine.scheduler._running):
         engine.step()
-    for _ in range(3):  # every request decoding, overlap's pipeline full
+    for _ in range(WARM_UP_STEPS):  # every request decoding, overlap's pipeline full, the prefill's cache churn past
         engine.step()
-    assert engine.scheduler.num_running == rows and rows * (context + steps + 8) <= engine.config.num_tokens
+    assert engine.scheduler.num_running == rows
     return outputs
 
 
@@ -103,7 +116,8 @@ def host_per_step(options, rows: int, context: int, overlap: bool) -> float:
 
 
 def steps_per_second(options, overlap: bool) -> float:
-    engine = make_engine(options, options.sleep_rows, options.sleep_context, overlap, options.device_ms / 1e3)
+    device_s = None if options.real_forward else options.device_ms / 1e3
+    engine = make_engine(options, options.sleep_rows, options.sleep_context, overlap, device_s)
     try:
         decoding(engine, options.sleep_rows, options.sleep_context, options.steps)
         started = time.perf_counter()
@@ -120,6 +134,7 @@ def spread(values: list[float]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384, 65000])
     parser.add_argument("--steps", type=int, default=50)
@@ -127,27 +142,44 @@ def main() -> int:
     parser.add_argument("--device-ms", type=float, default=10.0)
     parser.add_argument("--sleep-rows", type=int, default=64)
     parser.add_argument("--sleep-context", type=int, default=16384)
+    parser.add_argument("--real-forward", action="store_true", help="part 2 with the model's forward, not a sleep")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--skip-host", action="store_true", help="only the device stand-in")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(1)
 
-    results = {"host_ms": [], "device_stand_in": None, "settings": vars(options) | {"json": str(options.json)}}
+    results = {"host_ms": [], "growth": [], "device_stand_in": None,
+               "settings": vars(options) | {"json": str(options.json)}}
     if not options.skip_host:
-        print(f"{'rows':>5} {'context':>8} {'overlap':>8} {'host ms/step (median, min-max over runs)':>44}")
+        configs = [(rows, context, overlap) for rows in options.rows for context in options.contexts
+                   for overlap in (False, True)]
+        runs: dict[tuple, list[float]] = {config: [] for config in configs}
+        for repeat in range(options.repeats):
+            for config in configs:
+                runs[config].append(1e3 * host_per_step(options, *config))
+            print(f"repetition {repeat + 1} of {options.repeats} done", flush=True)
+        print(f"\n{'rows':>5} {'context':>8} {'overlap':>8} {'host ms/step (median, min-max over runs)':>44}")
+        for (rows, context, overlap), values in runs.items():
+            row = dict(rows=rows, context=context, overlap=overlap, **spread(values))
+            results["host_ms"].append(row)
+            print(f"{rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} ({row['min']:.2f}-{row['max']:.2f})")
+        low, high = min(options.contexts), max(options.contexts)
+        print(f"\ngrowth from context {low} to {high} (paired in each repetition: median, min-max)")
         for rows in options.rows:
-            for context in options.contexts:
-                for overlap in (False, True):
-                    runs = [1e3 * host_per_step(options, rows, context, overlap) for _ in range(options.repeats)]
-                    row = dict(rows=rows, context=context, overlap=overlap, **spread(runs))
-                    results["host_ms"].append(row)
-                    print(f"{rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} "
-                          f"({row['min']:.2f}-{row['max']:.2f})", flush=True)
+            for overlap in (False, True):
+                ratios = [b / a for a, b in zip(runs[(rows, low, overlap)], runs[(rows, high, overlap)])]
+                growth = dict(rows=rows, overlap=overlap, **spread(ratios))
+                results["growth"].append(growth)
+                print(f"{rows:>5} overlap {'on ' if overlap else 'off'}: {growth['median']:.2f}x "
+                      f"({growth['min']:.2f}-{growth['max']:.2f})")
     runs = {overlap: [steps_per_second(options, overlap) for _ in range(options.repeats)] for overlap in (False, True)}
     results["device_stand_in"] = {str(k): spread(v) for k, v in runs.items()}
-    print(f"\nforward = sleep {options.device_ms:g} ms, {options.sleep_rows} x {options.sleep_context}: steps/s "
-          f"(median, min-max over {options.repeats} runs; ideal {1e3 / options.device_ms:.0f})")
+    forward = "the model's forward" if options.real_forward else \
+        f"sleep {options.device_ms:g} ms (ideal {1e3 / options.device_ms:.0f})"
+    print(f"\nforward = {forward}, {options.sleep_rows} x {options.sleep_context} on {options.device}: steps/s "
+          f"(median, min-max over {options.repeats} runs)")
     for overlap, values in runs.items():
         s = spread(values)
         print(f"  overlap {'on ' if overlap else 'off'}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})")

@@ -47,6 +47,10 @@ def parse_args(argv=None):
                         help="reuse computed prompt prefixes across the prompts (README 'Prefix caching')")
     parser.add_argument("--prefix-cache-entries", type=int, default=EngineConfig.prefix_cache_entries)
     parser.add_argument("--prefix-cache-end-entries", type=int, default=EngineConfig.prefix_cache_end_entries)
+    parser.add_argument("--policy", choices=["mixed", "prefill_first"], default=EngineConfig.policy)
+    parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.overlap_scheduling,
+                        help="schedule step N+1 while step N runs (README 'The host loop')")
     return parser.parse_args(argv)
 
 
@@ -73,6 +77,7 @@ def main(argv=None) -> None:
                           expert_parallel_size=args.expert_parallel_size,
                           enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_entries=args.prefix_cache_entries,
+                          policy=args.policy, overlap_scheduling=args.overlap_scheduling,
                           prefix_cache_end_entries=args.prefix_cache_end_entries)
     engine = LLMEngine(config)
     try:

@@ -3,7 +3,9 @@
 #   1. the kernel tests with CUDA tensors (DSV4_TEST_DEVICE=cuda: no interpreter),
 #   2. the engine on CUDA against CPU fp32, CUDA graphs on and off (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
-#   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py).
+#   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
+#   5. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
+#      steps/s of the tiny model's real forward with overlap scheduling on and off.
 # Results go to ${OUT:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
@@ -28,11 +30,13 @@ run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -x -
 run engine "$PY" scripts/check_engine_device.py --device cuda --json "$OUT/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$OUT/launches.json"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json" --csv "$OUT/kernels.csv"
+run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
+  --repeats 3 --steps 50 --real-forward --json "$OUT/host_loop.json"
 
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches bench_kernels; do
+for name in kernel_tests engine launches bench_kernels host_loop; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done

@@ -42,6 +42,9 @@ class RequestPages:
 
     runs: dict[str, PageRun] = field(default_factory=dict)
     slot: int | None = None
+    # Positions below this compute into pages the runs hold, and leave the window's first page needed: a decode
+    # there allocates and releases nothing (KVCacheManager.try_extend's fast path). 0: not known.
+    quiet_until: int = 0
 
     def run(self, pool: str) -> PageRun:
         return self.runs.setdefault(pool, PageRun())
@@ -143,6 +146,7 @@ class KVCacheManager:
         """A handle given memory outside `try_extend` (a restored prefix) is accounted for like the others, and its
         rows of the block tables are written."""
         self._live.add(pages)
+        pages.quiet_until = 0
         for name, run in pages.runs.items():
             self._write_table(name, pages.slot, run, 0)
 
@@ -177,13 +181,13 @@ class KVCacheManager:
         """[B, width] int32: row b holds the pages of logical pages firsts[b] .. firsts[b] + lengths[b] - 1 of the
         request in slot slots[b] (`pad` after them), gathered from the pool's table (no per-row Python)."""
         table = self.tables[pool]
-        columns = firsts[:, None] + torch.arange(width)[None, :]
-        if pool == self.window_pool.name:
-            columns = columns % table.shape[1]
-        else:
-            columns = columns.clamp(max=table.shape[1] - 1)
-        rows = table[slots[:, None], columns]
-        return torch.where(torch.arange(width)[None, :] < lengths[:, None], rows, torch.tensor(pad, dtype=torch.int32))
+        if pool == self.window_pool.name:  # a ring: logical page j in column j % width
+            rows = table[slots[:, None], (firsts[:, None] + torch.arange(width)[None, :]) % table.shape[1]]
+        else:  # logical page j in column j: the rows' first columns, one copy
+            rows = table.index_select(0, slots)[:, :width]
+            if width > table.shape[1]:  # (a static shape may address more pages than a request can hold)
+                rows = torch.cat([rows, rows.new_full((len(slots), width - table.shape[1]), pad)], dim=1)
+        return rows.masked_fill_(torch.arange(width)[None, :] >= lengths[:, None], pad)
 
     def _write_table(self, pool: str, slot: int, run: PageRun, from_index: int) -> None:
         """Row `slot` of the pool's table gets the run's pages from index `from_index` on."""
@@ -217,24 +221,39 @@ class KVCacheManager:
 
     def try_extend(self, seq, num_new_tokens: int) -> bool:
         """Allocate pages for tokens [num_computed, num_computed + n) (the first call also takes a slot); all or
-        nothing: False, and nothing changed, when a pool (or the slots) is short."""
+        nothing: False, and nothing changed, when a pool (or the slots) is short. The window pages before the
+        window of num_computed are released first: no step scheduled from now on reads them (a step in flight may,
+        but it runs before any step that could write them again)."""
+        pages, start = seq.pages, seq.num_computed_tokens
+        if pages is not None and start + num_new_tokens <= pages.quiet_until:  # most decodes: nothing changes
+            return True
+        self.release_slid_out(seq, start)
         needs = self._page_needs(seq, num_new_tokens)
         if not self._fits(seq, needs):
             return False
-        if seq.pages is None:
-            seq.pages = RequestPages()
-        pages = seq.pages
+        if pages is None:
+            pages = seq.pages = RequestPages()
         if pages.slot is None:
             pages.slot = self.state_pool.acquire()
             self._live.add(pages)
-        start = seq.num_computed_tokens
         for pool, need in zip(self._pools, needs):
-            if need or pool.name not in pages.runs:  # (a decode mostly needs nothing)
+            if need or pool.name not in pages.runs:
                 run = pages.run(pool.name)
                 held = len(run.pages)
                 pool.extend(run, start, num_new_tokens)
                 self._write_table(pool.name, pages.slot, run, held)
+        pages.quiet_until = self._quiet_until(pages)
         return True
+
+    def _quiet_until(self, pages: RequestPages) -> int:
+        """The first position whose computation changes the runs: a new page in some pool, or the window sliding off
+        its first page."""
+        page_size, window = self.page_size, pages.runs["window"]
+        limit = min(window.end * page_size, (window.first + 1) * page_size + self.window - 1)
+        for name, pool in self.compressed_pools.items():
+            run = pages.runs.get(name)  # entry e is in page e // page_size; position p completes entry (p + 1) // r - 1
+            limit = min(limit, ((len(run.pages) if run is not None else 0) * page_size + 1) * pool.compress_rate - 1)
+        return limit
 
     def extend(self, seq, num_new_tokens: int) -> None:
         """try_extend, raising OutOfPages (naming the short pool) when it cannot."""
@@ -245,13 +264,14 @@ class KVCacheManager:
             raise OutOfPages(*(short[0] if short else ("compressor_state", 1, 0)))
 
     def release_slid_out(self, seq, next_pos: int | None = None) -> None:
-        """After a step computed `seq` up to `next_pos` (default: its computed tokens): drop the window pages no
-        later token can attend to."""
+        """`seq` computes from `next_pos` on (default: its computed tokens): drop the window pages no later token
+        can attend to (a step in flight may still read them: it runs before any step that could write them)."""
         if seq.pages is not None:
             next_pos = seq.num_computed_tokens if next_pos is None else next_pos
             run = seq.pages.runs.get("window")
             if run is not None:
                 self.window_pool.release_slid_out(run, next_pos)
+                seq.pages.quiet_until = 0
 
     def free(self, seq) -> None:
         """Give back every page and the compressor-state slot `seq` holds (preemption, the end of a request);

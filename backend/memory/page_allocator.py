@@ -8,6 +8,8 @@ the free list only when its last reference goes, so a page in use is never freed
 
 from __future__ import annotations
 
+from collections import Counter
+
 
 class OutOfPages(RuntimeError):
     """A pool has fewer free pages than an allocation needs; nothing was allocated."""
@@ -29,7 +31,7 @@ class PageAllocator:
         self.num_pages = num_pages
         # Pop from the end: low page ids are handed out first, which keeps tests readable.
         self._free = list(range(num_pages - 1, -1, -1))
-        self._refs: dict[int, int] = {}  # used page -> references
+        self._refs: Counter[int] = Counter()  # used page -> references
 
     @property
     def num_free(self) -> int:
@@ -46,18 +48,31 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPages(self.name, n, len(self._free))
         pages = [self._free.pop() for _ in range(n)]
-        self._refs.update((page, 1) for page in pages)
+        self._refs.update(dict.fromkeys(pages, 1))
         return pages
 
     def retain(self, pages: list[int]) -> None:
-        """One more reference to each of these used pages (a sharer)."""
-        for page in pages:
-            if page not in self._refs:
-                raise ValueError(f"pool {self.name!r}: page {page} retained but not in use")
-            self._refs[page] += 1
+        """One more reference to each of these used pages (a sharer). A prefix-cache entry retains all of a request's
+        compressed pages, so this runs in C-level loops (the check too)."""
+        if not self._refs.keys() >= set(pages):
+            unused = sorted(set(pages) - self._refs.keys())
+            raise ValueError(f"pool {self.name!r}: page {unused[0]} retained but not in use")
+        self._refs.update(pages)
 
     def free(self, pages: list[int]) -> None:
         """Drop one reference to each page; a page without references is free again."""
+        refs = self._refs
+        if len(set(pages)) != len(pages) or not refs.keys() >= set(pages):
+            self._free_one_by_one(pages)
+            return
+        refs.subtract(pages)
+        released = [page for page in pages if not refs[page]]
+        for page in released:
+            del refs[page]
+        self._free.extend(released)
+
+    def _free_one_by_one(self, pages: list[int]) -> None:
+        """free() of a list with repeats, or with a page not in use (which it names)."""
         for page in pages:
             if page not in self._refs:
                 raise ValueError(f"pool {self.name!r}: page {page} freed twice or never allocated")

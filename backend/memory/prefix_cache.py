@@ -406,10 +406,14 @@ class PrefixCache:
         window pages no other entry holds, then the longest. Returns how many went."""
         held = self._held.get(self.kv.window_pool.name, {})
 
+        held_count = held.get
+
         def order(e: CachedPrefix) -> tuple:
             # pages a longer entry holds too cost nothing to keep; running requests are not counted: they give
             # their window pages back as they advance
-            own_window_pages = sum(held.get(page) == 1 for page in e.window_pages)
+            own_window_pages = 0
+            for page in e.window_pages:  # (a loop, not a generator: ties can be the whole cache)
+                own_window_pages += held_count(page) == 1
             return e.last_used, e.request_end, -own_window_pages, -e.length
 
         state = self.kv.state_pool
@@ -433,9 +437,8 @@ class PrefixCache:
             pool.allocator.free(pages)
             held = self._held[pool.name]
             held.subtract(pages)
-            for page in pages:
-                if not held[page]:
-                    del held[page]
+            for page in [page for page in pages if not held[page]]:
+                del held[page]
         self._give_snapshot(entry.snapshot)
         self.stats.evictions += 1
 

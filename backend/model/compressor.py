@@ -55,18 +55,18 @@ class CompressionPlan:
         return int(self.entry_src.shape[0])
 
 
-def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[int], row_token_offsets: list[int],
-               row_slots: list[int], device, snapshots: list[tuple[int, int, int]] = ()) -> CompressionPlan:
-    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot);
-    snapshots are (row, position P, slot): the ring as it stands at P, written into that slot.
+def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets, row_slots, device,
+               snapshots: list[tuple[int, int, int]] = ()) -> CompressionPlan:
+    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot), as lists or
+    long tensors; snapshots are (row, position P, slot): the ring as it stands at P, written into that slot.
 
     Vectorised over rows (a constant number of tensor ops whatever the batch size).
     """
     ring = 2 * rate if overlap else rate
     span = ring
-    start, length = torch.tensor(row_starts), torch.tensor(row_lens)
-    offset, slot = torch.tensor(row_token_offsets), torch.tensor(row_slots)
-    rows = torch.arange(len(row_starts))
+    start, length = torch.as_tensor(row_starts), torch.as_tensor(row_lens)
+    offset, slot = torch.as_tensor(row_token_offsets), torch.as_tensor(row_slots)
+    rows = torch.arange(len(start))
 
     # Entries: window w closes in this chunk when its last token (w + 1) * rate - 1 is in [start, start + len).
     first_w = (-(-(start + 1) // rate) - 1).clamp(min=0)
@@ -76,13 +76,13 @@ def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[i
     lo = (entry_index - 1) * rate if overlap else entry_index * rate
     positions = lo[:, None] + torch.arange(span)[None, :]  # [N, span]
     entry_src = _source_index(positions.clamp(min=0), entry_row[:, None], start[entry_row, None],
-                              offset[entry_row, None], ring, len(row_starts))
+                              offset[entry_row, None], ring, len(start))
 
     # The ring keeps the row's last `ring` positions; only those inside this chunk are new.
     kept = torch.minimum(length, torch.tensor(ring))
     keep_row, keep_rank = _expand(rows, kept)
     keep = (start + length - kept)[keep_row] + keep_rank
-    keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(row_starts))
+    keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(start))
     keep_slot, keep_pos = slot[keep_row], keep % ring
     num_snapshot_keep = 0
     if snapshots:
@@ -101,6 +101,29 @@ def build_plan(rate: int, overlap: bool, row_starts: list[int], row_lens: list[i
         entry_pos=on_device(entry_index * rate), entry_row=on_device(entry_row), entry_index=on_device(entry_index),
         keep_src=on_device(keep_src), keep_slot=on_device(keep_slot), keep_pos=on_device(keep_pos),
         num_snapshot_keep=num_snapshot_keep,
+    )
+
+
+def build_decode_plan(rate: int, overlap: bool, row_starts: torch.Tensor, row_slots: torch.Tensor) -> CompressionPlan:
+    """build_plan for a batch of single-token rows (row b's token at batch offset b, no snapshots): the same plan,
+    in a third of the tensor ops (a decode step's host time does not grow with its batch's Python)."""
+    ring = 2 * rate if overlap else rate
+    start, slot = row_starts, row_slots
+    num_rows = len(start)
+    rows = torch.arange(num_rows)
+    closes = (start + 1) % rate == 0  # the row's token is the last of window (start + 1) / rate - 1
+    entry_row = rows[closes]
+    entry_index = (start[closes] + 1) // rate - 1
+    lo = (entry_index - 1) * rate if overlap else entry_index * rate
+    positions = lo[:, None] + torch.arange(ring)[None, :]  # [N, span]: the window's last is the row's token
+    source = positions.clamp(min=0)  # (positions before 0 are invalid, read from anywhere)
+    from_ring = entry_row[:, None] * ring + (source - (start[closes, None] - ring))
+    entry_src = torch.where(source < start[closes, None], from_ring, num_rows * ring + entry_row[:, None])
+    return CompressionPlan(
+        rate=rate, overlap=overlap, ring=ring, ring_slots=slot,
+        ring_order=(start[:, None] - ring + torch.arange(ring)[None, :]) % ring,
+        entry_src=entry_src, entry_valid=positions >= 0, entry_pos=entry_index * rate, entry_row=entry_row,
+        entry_index=entry_index, keep_src=num_rows * ring + rows, keep_slot=slot, keep_pos=start % ring,
     )
 
 

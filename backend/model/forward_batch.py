@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.memory.kv_manager import KVCacheManager, RequestPages
-from backend.model.compressor import CompressionPlan, build_plan
+from backend.model.compressor import CompressionPlan, build_decode_plan, build_plan
 from backend.model.staging import map_leaves
 from backend.model.static_batch import StaticKey, pad_plan
 
@@ -69,103 +69,81 @@ class ForwardBatch:
 def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
                         pad_to: StaticKey | None = None) -> ForwardBatch:
     """The batch of `rows`, built on the host (then moved to `device` if that is not the host); with `pad_to`, padded
-    to that static shape (decode rows only): logits for every row, padding rows included."""
+    to that static shape (decode rows only): logits for every row, padding rows included.
+
+    The rows are read once, a few fields each; everything else is tensor arithmetic over them. A row's page runs
+    are not walked: its window spans the logical pages from its start's window to its end, its compressed runs
+    the pages of the entries before its end, and their page ids come from the persistent block tables.
+    """
     assert pad_to is None or (len(rows) <= pad_to.rows and all(len(r.token_ids) == 1 and r.want_logits
                                                                  for r in rows)), \
         "a static batch holds up to key.rows decode rows"
-    ids, token_source_slot, logits_index, logits_slot = [], [], [], []
-    starts, lens, offsets, slots, snapshots = [], [], [], [], []
-    window_firsts, window_lens = [], []
-    comp_lens = {name: [] for name in kv.compressed_pools}
-    page_size, sliding_window = kv.page_size, kv.window
-    for b, row in enumerate(rows):
-        n, offset, slot = len(row.token_ids), len(ids), row.pages.slot
-        ids.extend(row.token_ids)
-        if row.from_previous_step:
-            token_source_slot.append(slot)
-        else:
-            token_source_slot.extend([-1] * n)
-        if row.want_logits:
-            logits_index.append(offset + n - 1)
-            logits_slot.append(slot)
-        runs = row.pages.runs
-        window = runs["window"]  # its pages before the window of start_pos may not be released yet
-        first = max(window.first, max(0, row.start_pos - sliding_window + 1) // page_size)
-        window_firsts.append(first)
-        window_lens.append(window.end - first)
-        for name, lengths in comp_lens.items():
-            run = runs.get(name)
-            lengths.append(len(run.pages) if run is not None else 0)
-        starts.append(row.start_pos)
-        lens.append(n)
-        offsets.append(offset)
-        slots.append(slot)
-        snapshots.extend((b, position, snapshot_slot) for position, snapshot_slot in row.snapshots)
+    static = pad_to is not None
+    num_pad = pad_to.rows - len(rows) if static else 0
+    scratch_slot = kv.state_pool.scratch_slot
+    ids = [token for row in rows for token in row.token_ids] + [0] * num_pad
+    slots = torch.tensor([row.pages.slot for row in rows] + [scratch_slot] * num_pad)
+    starts = torch.tensor([row.start_pos for row in rows] + [0] * num_pad)
+    lens = torch.tensor([len(row.token_ids) for row in rows] + [1] * num_pad)
+    want_logits = torch.tensor([row.want_logits for row in rows] + [True] * num_pad)
+    from_previous = torch.tensor([row.from_previous_step for row in rows] + [False] * num_pad)
+    snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
+                 for position, slot in row.snapshots]
+    ends = starts + lens
+    offsets = torch.cumsum(lens, 0) - lens
+    token_seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    positions = starts[token_seq] + torch.arange(len(ids)) - offsets[token_seq]
+    real = torch.arange(len(lens)) < len(rows)  # padding rows hold no pages: their tables are the scratch page's
 
-    if pad_to is not None:  # padding rows: token 0 at position 0 of the scratch slot and pages
-        for b in range(len(rows), pad_to.rows):
-            scratch = kv.state_pool.scratch_slot
-            logits_index.append(len(ids))
-            logits_slot.append(scratch)
-            ids.append(0)
-            token_source_slot.append(-1)
-            window_firsts.append(0)
-            window_lens.append(0)
-            for lengths in comp_lens.values():
-                lengths.append(0)
-            starts.append(0)
-            lens.append(1)
-            offsets.append(b)
-            slots.append(scratch)
-
-    def long(values):
-        return torch.tensor(values, dtype=torch.long)
-
-    slots_t, starts_t, lens_t = long(slots), long(starts), long(lens)
-    token_seq = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
-    positions = starts_t[token_seq] + torch.arange(len(ids)) - long(offsets)[token_seq]
-    window_pool = kv.window_pool
-    window_firsts_t, window_lens_t = long(window_firsts), long(window_lens)
-    window_width = window_pool.pages_per_running_request() if pad_to is not None else max(1, max(window_lens))
-    window_table = kv.block_table("window", slots_t, window_firsts_t, window_lens_t, window_width,
-                                  window_pool.scratch_page if pad_to is not None else 0)
+    page_size, window_pool = kv.page_size, kv.window_pool
+    window_first = (starts - kv.window + 1).clamp(min=0) // page_size
+    window_lens = torch.where(real, (ends + page_size - 1) // page_size - window_first, 0)
+    window_width = window_pool.pages_per_running_request() if static else max(1, int(window_lens.max()))
+    window_table = kv.block_table("window", slots, window_first, window_lens, window_width,
+                                  window_pool.scratch_page if static else 0)
     # Each token's slot in the window pool: its page in its row's table (padding rows: the scratch page).
-    write_page = window_table[token_seq, (positions // page_size - window_firsts_t[token_seq]).clamp(min=0)]
+    write_page = window_table[token_seq, (positions // page_size - window_first[token_seq]).clamp(min=0)]
     write_index = write_page.long() * page_size + positions % page_size
 
     comp_tables, max_entries = {}, {}
     for name, pool in kv.compressed_pools.items():
-        if pad_to is not None:
-            entries = pad_to.context // pool.compress_rate
-            width = max(1, -(-entries // page_size))
+        entries = ends // pool.compress_rate
+        comp_lens = torch.where(real, (entries + page_size - 1) // page_size, 0)
+        if static:
+            max_entries[name] = pad_to.context // pool.compress_rate
+            width = max(1, -(-max_entries[name] // page_size))
         else:
-            entries = max((s + n) // pool.compress_rate for s, n in zip(starts, lens)) if rows else 0
-            width = max(1, max(comp_lens[name]))
-        comp_tables[name] = kv.block_table(name, slots_t, torch.zeros_like(slots_t), long(comp_lens[name]), width,
-                                           pool.scratch_page if pad_to is not None else 0)
-        max_entries[name] = entries
+            max_entries[name] = int(entries.max()) if rows else 0
+            width = max(1, int(comp_lens.max()))
+        comp_tables[name] = kv.block_table(name, slots, torch.zeros_like(slots), comp_lens, width,
+                                           pool.scratch_page if static else 0)
 
     plans = {}
     model = kv.model
+    if len(ids) == len(lens):  # one token a row (decodes): no snapshot is inside a chunk
+        plan = lambda rate, overlap: build_decode_plan(rate, overlap, starts, slots)  # noqa: E731
+    else:
+        plan = lambda rate, overlap: build_plan(rate, overlap, starts, lens, offsets, slots, "cpu",  # noqa: E731
+                                                snapshots)
     if kv.has_pool("csa"):
-        plans["csa"] = plans["indexer"] = build_plan(model.csa_rate, True, starts, lens, offsets, slots, "cpu",
-                                                     snapshots)
+        plans["csa"] = plans["indexer"] = plan(model.csa_rate, True)
     if kv.has_pool("hca"):
-        plans["hca"] = build_plan(model.hca_rate, False, starts, lens, offsets, slots, "cpu", snapshots)
-    if pad_to is not None:  # a decode row closes at most one window per compressor: exactly `rows` entries
+        plans["hca"] = plan(model.hca_rate, False)
+    if static:  # a decode row closes at most one window per compressor: exactly `rows` entries
         padded = {id(plan): pad_plan(plan, pad_to.rows) for plan in plans.values()}
         plans = {stream: padded[id(plan)] for stream, plan in plans.items()}
 
     batch = ForwardBatch(
-        input_ids=long(ids),
+        input_ids=torch.tensor(ids, dtype=torch.long),
         positions=positions,
         token_seq=token_seq,
-        token_source_slot=long(token_source_slot),
-        logits_token_index=long(logits_index),
-        logits_slot=long(logits_slot),
+        # a row whose token the step before samples (one token): read from the device by its slot
+        token_source_slot=torch.where(from_previous, slots, -1)[token_seq],
+        logits_token_index=(offsets + lens - 1)[want_logits],
+        logits_slot=slots[want_logits],
         window_write_index=write_index,
         window_block_table=window_table,
-        window_first_page=window_firsts_t,
+        window_first_page=window_first,
         comp_block_tables=comp_tables,
         plans=plans,
         max_entries=max_entries,

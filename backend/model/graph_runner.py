@@ -2,8 +2,8 @@
 
     graphs = DecodeGraphs(model, kv, max_rows=64, capture=True)   # capture=False: eager, same buffers
     if graphs.accepts(rows):
-        key = static_key(rows); staged = stage(build_forward_batch(rows, kv, pad_to=key), ...)
-        logits = graphs.forward(key, staged, prepare)               # [key.rows, vocab]
+        key = static_key(rows); staged = stager.stage(build_forward_batch(rows, kv, pad_to=key))
+        logits, batch = graphs.forward(key, staged, prepare)        # [key.rows, vocab], its static batch
 
 Per `StaticKey` (row bucket x context bucket, backend/model/static_batch.py) it keeps one device
 buffer holding the batch's metadata (the views the graph reads) and, when capturing, a graph
@@ -27,7 +27,7 @@ import torch
 
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.forward_batch import ForwardBatch, build_forward_batch
-from backend.model.staging import HostBuffers, StagedBatch, stage
+from backend.model.staging import BatchStager, StagedBatch
 from backend.model.static_batch import StaticKey, is_decode_batch, row_bucket
 
 
@@ -46,7 +46,7 @@ class DecodeGraphs:
         self.max_rows = row_bucket(max_rows)
         self._steps: dict[StaticKey, _StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._warm_up_buffers = HostBuffers(model.device, depth=1)
+        self._warm_up = BatchStager(model.device, depth=1)
 
     @property
     def keys(self) -> list[StaticKey]:
@@ -55,9 +55,10 @@ class DecodeGraphs:
     def accepts(self, rows) -> bool:
         return is_decode_batch(rows) and len(rows) <= self.max_rows
 
-    def forward(self, key: StaticKey, staged: StagedBatch, prepare: Callable[[ForwardBatch], None]) -> torch.Tensor:
-        """Logits [key.rows, vocab] of the packed static batch `staged` (padded to `key`); `prepare(batch)` runs on
-        the static buffers after the copy, before the forward."""
+    def forward(self, key: StaticKey, staged: StagedBatch,
+                prepare: Callable[[ForwardBatch], None]) -> tuple[torch.Tensor, ForwardBatch]:
+        """Logits [key.rows, vocab] of the packed static batch `staged` (padded to `key`), and the static batch they
+        came from; `prepare(batch)` runs on the static buffers after the copy, before the forward."""
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = self._new_step(key, staged)
@@ -65,15 +66,15 @@ class DecodeGraphs:
         staged.copy_into(step.buffer)
         prepare(step.batch)
         if step.graph is None:
-            return self.model.forward(step.batch, self.kv)
+            return self.model.forward(step.batch, self.kv), step.batch
         step.graph.replay()
-        return step.logits
+        return step.logits, step.batch
 
     def _new_step(self, key: StaticKey, staged: StagedBatch) -> _StaticStep:
         buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
         step = _StaticStep(buffer, staged.to_device(buffer), staged.layout)
         if self.capture:
-            padding = stage(build_forward_batch([], self.kv, pad_to=key), self._warm_up_buffers)
+            padding = self._warm_up.stage(build_forward_batch([], self.kv, pad_to=key))
             assert padding.layout == step.layout
             padding.copy_into(buffer)  # padding rows only: every write goes to the scratch page and slot
             side = torch.cuda.Stream()

@@ -1,22 +1,24 @@
 """A step's host metadata in one buffer, so that it reaches the device in one non-blocking copy.
 
-    staged = stage(batch, host_buffers.next())     # on the host thread: pack every tensor of the batch
-    device_batch = staged.to_device(device_buffer)  # where the step runs: one copy, then views
+    stager = BatchStager(device)
+    staged = stager.stage(batch)                # pack every tensor of the host batch into one buffer
+    device_batch = stager.to_device(staged)     # one copy into a device buffer, the batch as views into it
 
 `stage` walks a ForwardBatch (its tensors, dicts and plans; a plan shared by two streams once) and
 writes every tensor into one byte buffer at aligned offsets; `to_device` copies the used bytes into a
 device buffer with one `copy_(non_blocking=True)` and rebuilds the batch as views into it. On CUDA the
 host buffers are pinned, so the copy is asynchronous. A static-shape (CUDA-graph) step copies into the
-same device buffer every time, whose views its graph captured (`copy_into`).
+same device buffer every time, whose views its graph captured (`StagedBatch.copy_into`).
 
-Host buffers rotate (`HostBuffers`): the one a step was packed into is not written again until two
-steps later, when that step's copy has long completed (the engine waits for a step's output before it
-schedules the step after the next).
+The buffers rotate (`depth` of each): the ones step N was packed and copied into are not written again
+until step N + depth is built, and the engine takes step N's output in before it schedules step N + 2,
+so depth 2 never overwrites what a step in flight reads. The host thread may issue the copy itself: on
+one stream it is ordered after the steps launched before it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -27,20 +29,35 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class HostBuffers:
-    """`depth` growable byte buffers on the host, handed out in turn (pinned when the device is CUDA)."""
+class _Buffers:
+    """`depth` growable byte buffers on `device`, handed out in turn (pinned on the host for a CUDA device)."""
 
-    def __init__(self, device, depth: int = 2):
-        self.pin = torch.device(device).type == "cuda"
-        self._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(depth)]
+    def __init__(self, device, depth: int, pin: bool = False):
+        self.device, self.pin = torch.device(device), pin
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(depth)]
         self._next = 0
 
     def next(self, num_bytes: int) -> torch.Tensor:
         i, self._next = self._next, (self._next + 1) % len(self._buffers)
         if self._buffers[i].numel() < num_bytes:
             self._buffers[i] = torch.empty(max(num_bytes, 2 * self._buffers[i].numel()), dtype=torch.uint8,
-                                           pin_memory=self.pin)
+                                           device=self.device, pin_memory=self.pin)
         return self._buffers[i]
+
+
+class BatchStager:
+    """Packs host batches into rotating host buffers and copies them into rotating device buffers."""
+
+    def __init__(self, device, depth: int = 2):
+        cuda = torch.device(device).type == "cuda"
+        self._host = _Buffers("cpu", depth, pin=cuda)
+        self._device = _Buffers(device, depth)
+
+    def stage(self, batch) -> "StagedBatch":
+        return stage(batch, self._host)
+
+    def to_device(self, staged: "StagedBatch"):
+        return staged.to_device(self._device.next(staged.num_bytes))
 
 
 @dataclass
@@ -80,7 +97,7 @@ class StagedBatch:
         device_buffer[:self.num_bytes].copy_(self.host[:self.num_bytes], non_blocking=True)
 
 
-def stage(batch, buffers: HostBuffers) -> StagedBatch:
+def stage(batch, buffers: _Buffers) -> StagedBatch:
     """Pack every tensor of `batch` into the next host buffer."""
     leaves: list[tuple[_Leaf, torch.Tensor]] = []
     cursor = [0]
@@ -102,17 +119,20 @@ def stage(batch, buffers: HostBuffers) -> StagedBatch:
 
 def map_leaves(value, fn, leaf_type=torch.Tensor, memo: dict | None = None):
     """`value` (a batch, a plan, a dict of them) with every `leaf_type` object replaced by fn(leaf); an object reached
-    twice (the CSA plan is also the indexer's) is mapped once and stays shared."""
+    twice (the CSA plan is also the indexer's) is mapped once and stays shared. Dataclasses are copied field by field
+    through their __dict__ (no __init__: this runs for every step)."""
     memo = {} if memo is None else memo
-    if id(value) in memo:
-        return memo[id(value)]
+    key = id(value)
+    if key in memo:
+        return memo[key]
     if isinstance(value, leaf_type):
         out = fn(value)
     elif isinstance(value, dict):
         out = {k: map_leaves(v, fn, leaf_type, memo) for k, v in value.items()}
     elif hasattr(value, "__dataclass_fields__"):
-        out = replace(value, **{f.name: map_leaves(getattr(value, f.name), fn, leaf_type, memo) for f in fields(value)})
+        out = object.__new__(type(value))
+        out.__dict__.update({k: map_leaves(v, fn, leaf_type, memo) for k, v in value.__dict__.items()})
     else:
         out = value
-    memo[id(value)] = out
+    memo[key] = out
     return out

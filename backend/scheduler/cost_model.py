@@ -73,8 +73,12 @@ class StepCostModel:
 
     def __init__(self, decay: float = 0.99, ridge: float = 1e-6, cusum_slack: float = 0.15,
                  cusum_threshold: float = 1.0, quantile: float = 0.9, quantile_window: int = 64,
-                 min_ratios: int = 8, default_upper_ratio: float = 1.3, warm_up: int = 20):
+                 min_ratios: int = 8, default_upper_ratio: float = 1.3, warm_up: int = 20, refit_every: int = 1):
+        """`refit_every`: observations between two fits of the shape. 1 (an ITL target sizes every step by the
+        model); more when the predictions are only recorded (a fit is a few small solves: host time each step)."""
         self.decay = decay
+        self.refit_every = refit_every
+        self._observations_at_fit = 0
         self.ridge = ridge
         self.cusum_slack = cusum_slack
         self.cusum_threshold = cusum_threshold
@@ -103,7 +107,6 @@ class StepCostModel:
         self._gram = self.decay * self._gram + np.outer(x, x)
         ratio = duration_s / predicted if predicted is not None and duration_s > 0 else None
         self._recent.append(_Observation(x, normalised, ratio))
-        self._coef = None
         self.num_observations += 1
         self.max_prefill_seen = max(self.max_prefill_seen, features.prefill_tokens)
         if ratio is not None and self.num_observations > self.warm_up:
@@ -137,8 +140,8 @@ class StepCostModel:
         """Point prediction of the step time in seconds, or None before the first observation."""
         if self.num_observations == 0:
             return None
-        if self._coef is None:
-            self._coef = self._solve()
+        if self._coef is None or self.num_observations - self._observations_at_fit >= self.refit_every:
+            self._coef, self._observations_at_fit = self._solve(), self.num_observations
         return self.level * max(float(self._coef @ np.asarray(features.vector())), 1e-6)
 
     def upper_ratio(self) -> float:

@@ -24,8 +24,9 @@ Ownership (the token accounting rule itself is in backend/request.py):
   that need no text (stop token ids, max_tokens; stop strings are the output processor's, which
   aborts the request).
 - Every page decision is the scheduler's too: it allocates the pages a step needs while building the
-  plan, releases window pages that slid out once a step's output is in, frees a sequence's memory
-  (`memory.free`) when it leaves the running set, and on preemption resets `num_computed_tokens` to 0.
+  plan (which first releases the window pages the request's window slid past), frees a sequence's
+  memory (`memory.free`) when it leaves the running set, and on preemption resets `num_computed_tokens`
+  to 0.
   Freeing while a later step is in flight is safe: steps run in order on one stream (or the executor's
   one thread), so a page given to another request is written only after the steps that read it.
 - What a step carries is the policy's choice (backend/scheduler/policies.py), and how many
@@ -89,6 +90,7 @@ class MemoryManager(Protocol):
 
     def try_extend(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate them (the first call also takes a slot), all or nothing; False when they do not exist.
+        Window pages before the window of seq.num_computed_tokens are released first.
 
         The pages are held by `seq.pages`, which `free(seq)` gives back.
         """
@@ -97,7 +99,7 @@ class MemoryManager(Protocol):
         """Give back everything `seq` holds (idempotent)."""
 
     def release_slid_out(self, seq: Sequence, next_pos: int) -> None:
-        """A step computed `seq` up to `next_pos`: drop the window pages no later token reads."""
+        """`seq` computes from `next_pos` on: drop the window pages no later token reads (try_extend does it too)."""
 
     def evict_cached_until(self, fits: Callable[[], bool]) -> bool:
         """Evict prefix-cache entries until `fits()` (no cache: `fits()`)."""
@@ -183,7 +185,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.priority_aging_s = config.priority_aging_s
-        self.cost_model = cost_model or StepCostModel()
+        # Without an ITL target the model's predictions are only recorded: it refits every 16 steps, not each.
+        self.cost_model = cost_model or StepCostModel(refit_every=1 if config.itl_target_ms is not None else 16)
         self.policy = make_policy(config)
         if config.itl_target_ms is None:
             self.budget = FixedBudget(prefill_chunk_tokens)
@@ -294,7 +297,7 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
         """The output of the oldest step in flight: append each sampled token, end the requests it stops, keep the
-        prefix states it reached, give back window pages it slid past; returns what to report, in plan order.
+        prefix states it reached; returns what to report, in plan order.
 
         A token of a request that ended meanwhile (cancelled, timed out, stopped by the step before) is dropped. A
         failed step (`output.error`) fails every request it carried; nothing it may have half-written is kept.
@@ -312,7 +315,7 @@ class Scheduler:
         return updates
 
     def _apply(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
-        updates, cache, memory = [], self.prefix_cache, self.memory
+        updates, cache = [], self.prefix_cache
         tokens, logprobs, k = output.tokens, output.logprobs, 0
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -322,12 +325,7 @@ class Scheduler:
                 k += 1
             if chunk.snapshots:  # the step computed these states, whatever became of the request since
                 cache.keep_reserved(seq, chunk.snapshots)
-            if seq.status is SequenceStatus.FINISHED:  # ended while the step ran: its token is dropped
-                continue
-            current = seq.num_preemptions == chunk.epoch  # else preempted meanwhile: its memory is gone
-            if token is None:
-                if current:
-                    memory.release_slid_out(seq, chunk.end)
+            if seq.status is SequenceStatus.FINISHED or token is None:  # (ended while the step ran: token dropped)
                 continue
             seq.num_placeholders -= 1
             seq.append_output(token)
@@ -336,11 +334,9 @@ class Scheduler:
             elif len(seq.output_ids) >= seq.sampling.max_tokens:
                 reason = FinishReason.LENGTH
             else:
-                if current:
-                    memory.release_slid_out(seq, chunk.end)
                 updates.append(SeqUpdate(seq, token, token_logprobs, False))
                 continue
-            if current:
+            if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
                 cache.register_end(seq, chunk.end)
             self._retire(seq, reason)
             updates.append(SeqUpdate(seq, token, token_logprobs, True))
@@ -507,8 +503,6 @@ class Scheduler:
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """try_extend, evicting prefix-cache entries first when they hold the pages it needs."""
         memory = self.memory
-        if seq.pages is not None:  # its window moved on (a step in flight still reads them: it runs first)
-            memory.release_slid_out(seq, seq.num_computed_tokens)
         if memory.try_extend(seq, num_tokens):
             return True
         return memory.evict_cached_until(lambda: memory.can_extend(seq, num_tokens)) and \

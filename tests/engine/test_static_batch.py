@@ -15,7 +15,7 @@ import torch
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
-from backend.model.staging import HostBuffers, stage
+from backend.model.staging import BatchStager
 from backend.model.static_batch import StaticKey, row_bucket, static_key
 from backend.request import Sequence
 
@@ -34,7 +34,7 @@ class _Decoder:
 
     def __init__(self, harness: EngineHarness, kv: KVCacheManager, prompts: list[list[int]]):
         self.model, self.kv = harness.model, kv
-        self.buffers = HostBuffers("cpu")
+        self.stager = BatchStager("cpu")
         self.seqs = [Sequence(f"r{i}", p) for i, p in enumerate(prompts)]
         for seq in self.seqs:
             seq.append_output(int(self._run([(seq, len(seq.prompt_ids))], None)[0].argmax()))
@@ -49,8 +49,8 @@ class _Decoder:
             logits = self.model.forward(build_forward_batch(rows, self.kv, "cpu"), self.kv)
         else:  # what the executor does: pad to the key, pack, one copy into the key's buffers
             key = static_key(rows)
-            staged = stage(build_forward_batch(rows, self.kv, pad_to=key), self.buffers)
-            logits = graphs.forward(key, staged, lambda batch: None)[:len(rows)]
+            staged = self.stager.stage(build_forward_batch(rows, self.kv, pad_to=key))
+            logits = graphs.forward(key, staged, lambda batch: None)[0][:len(rows)]
         for seq, n in work:
             seq.num_computed_tokens += n
             self.kv.release_slid_out(seq)

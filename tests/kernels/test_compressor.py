@@ -183,3 +183,25 @@ def test_snapshot_rows_run_with_the_entries_before_the_ring_updates():
                                        torch.zeros(1, 16, dtype=torch.int32))
     counts = [args[19:22] for _, _, args, _ in launches]  # (entry programs, keep_begin, keep_end)
     assert counts == [(plan.num_entries, 0, 8), (0, 8, 16)]
+
+
+@pytest.mark.parametrize("rate,overlap", [(4, True), (128, False), (2, True), (8, False)])
+def test_the_decode_plan_is_the_general_plan_of_single_token_rows(rate, overlap):
+    """build_decode_plan (a decode step's fast path) gives exactly build_plan's tensors for one-token rows at any
+    positions: windows closing or not, before the first window is whole, rings wrapping."""
+    from dataclasses import fields
+
+    from backend.model.compressor import build_decode_plan
+
+    gen = torch.Generator().manual_seed(rate)
+    for num_rows in (1, 3, 17, 40):
+        starts = torch.randint(0, 700, (num_rows,), generator=gen)
+        starts[0] = rate - 1  # the first window closes at the row's first possible position
+        slots = torch.randperm(64, generator=gen)[:num_rows]
+        general = build_plan(rate, overlap, starts, torch.ones(num_rows, dtype=torch.long), torch.arange(num_rows),
+                             slots, "cpu")
+        fast = build_decode_plan(rate, overlap, starts, slots)
+        assert general.num_entries >= 1
+        for f in fields(general):
+            a, b = getattr(general, f.name), getattr(fast, f.name)
+            assert (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b, f.name

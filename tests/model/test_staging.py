@@ -9,7 +9,7 @@ import torch
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.config import load_model_config
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
-from backend.model.staging import HostBuffers, stage
+from backend.model.staging import BatchStager
 from backend.model.static_batch import StaticKey
 from backend.request import Sequence
 
@@ -47,9 +47,10 @@ def _tensors(batch: ForwardBatch) -> dict[str, torch.Tensor]:
 def test_a_staged_batch_unpacks_to_the_same_batch_in_one_buffer(tiny_checkpoint):
     for pad_to in (None, StaticKey(rows=4, context=512)):
         batch = _batch(tiny_checkpoint, pad_to)
-        staged = stage(batch, HostBuffers("cpu"))
-        device_buffer = torch.full((staged.num_bytes + 64,), 255, dtype=torch.uint8)
-        unpacked = staged.to_device(device_buffer)
+        stager = BatchStager("cpu", depth=1)
+        staged = stager.stage(batch)
+        unpacked = stager.to_device(staged)
+        device_buffer = stager._device._buffers[0]
         expected, got = _tensors(batch), _tensors(unpacked)
         assert expected.keys() == got.keys()
         for name, tensor in expected.items():
@@ -61,10 +62,12 @@ def test_a_staged_batch_unpacks_to_the_same_batch_in_one_buffer(tiny_checkpoint)
         assert (unpacked.token_source_slot >= 0).sum() == 2  # the decodes read their token on the device
 
 
-def test_host_buffers_rotate_so_a_step_in_flight_keeps_its_own(tiny_checkpoint):
-    buffers = HostBuffers("cpu", depth=2)
+def test_buffers_rotate_so_a_step_in_flight_keeps_its_own(tiny_checkpoint):
+    stager = BatchStager("cpu", depth=2)
     batch = _batch(tiny_checkpoint)
-    first, second, third = (stage(batch, buffers) for _ in range(3))
+    first, second, third = (stager.stage(batch) for _ in range(3))
     assert first.host.data_ptr() != second.host.data_ptr()
     assert third.host.data_ptr() == first.host.data_ptr()
     assert first.layout == second.layout == third.layout
+    on_device = [stager.to_device(staged).input_ids.data_ptr() for staged in (first, second, third)]
+    assert on_device[0] != on_device[1] and on_device[2] == on_device[0]
