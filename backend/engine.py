@@ -208,8 +208,8 @@ class LLMEngine:
         return results
 
     def drain(self) -> None:
-        """Take in every step still in flight, and end what stopped at a stop string (offline use: the engine is
-        left with nothing to do)."""
+        """Run until nothing is in flight or left to do: the step launched for requests that have ended, the aborts
+        of requests that stopped at a stop string (offline use, on the caller's thread)."""
         while self._in_flight or self.scheduler.has_work():
             if not self.step():
                 break

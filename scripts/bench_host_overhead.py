@@ -164,7 +164,8 @@ def main() -> int:
         for (rows, context, overlap), values in runs.items():
             row = dict(rows=rows, context=context, overlap=overlap, **spread(values))
             results["host_ms"].append(row)
-            print(f"{rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} ({row['min']:.2f}-{row['max']:.2f})")
+            print(f"{rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} "
+                  f"({row['min']:.2f}-{row['max']:.2f})")
         low, high = min(options.contexts), max(options.contexts)
         print(f"\ngrowth from context {low} to {high} (paired in each repetition: median, min-max)")
         for rows in options.rows:

@@ -215,7 +215,8 @@ class PrefixCache:
         known = len(seq.token_ids) // block  # blocks whose tokens are all on the host
         digests = self._chain(seq, min(known, positions[-1] // block))
         new = [(p, digests[p // block - 1] if p // block <= known else None) for p in positions]
-        new = [(p, key) for p, key in new if key is None or (key not in self._entries and key not in self._reserved_keys)]
+        new = [(p, key) for p, key in new
+               if key is None or (key not in self._entries and key not in self._reserved_keys)]
         if len(new) > self.num_free_snapshots:
             self.evict(len(new) - self.num_free_snapshots)
         reserved = []

@@ -25,10 +25,6 @@ import torch
 ALIGN = 64  # bytes: every view starts aligned for any dtype (and for vectorised kernels)
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 class _Buffers:
     """`depth` growable byte buffers on `device`, handed out in turn (pinned on the host for a CUDA device)."""
 
@@ -62,59 +58,55 @@ class BatchStager:
 
 @dataclass
 class _Leaf:
-    offset: int
+    index: int  # its place among the batch's tensors (its segment of the packed buffer)
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass
 class StagedBatch:
-    """A batch packed into `host[:num_bytes]`; `skeleton` is the batch with a _Leaf where each tensor was."""
+    """A batch packed into `host[:num_bytes]`: its i-th tensor's bytes are segment 2i (`sizes`), then padding to the
+    next aligned offset; `skeleton` is the batch with a _Leaf where each tensor was."""
 
     host: torch.Tensor
     num_bytes: int
     skeleton: object
-    layout: tuple  # (offset, dtype, shape) of every leaf: equal layouts can share a device buffer's views
+    sizes: list[int]
+    layout: tuple  # (dtype, shape) of every leaf: equal layouts can share a device buffer's views
 
     def to_device(self, device_buffer: torch.Tensor):
         """Copy into `device_buffer` (at least num_bytes long) and return the batch as views into it."""
         self.copy_into(device_buffer)
-        return map_leaves(self.skeleton, lambda node: device_buffer[node.offset:node.offset + node.num_bytes]
-                          .view(node.dtype).view(node.shape), _Leaf)
+        segments = device_buffer[:self.num_bytes].split(self.sizes)  # one op for every view
+        return map_leaves(self.skeleton, lambda node: segments[2 * node.index].view(node.dtype).view(node.shape),
+                          _Leaf)
 
     def copy_into(self, device_buffer: torch.Tensor) -> None:
         device_buffer[:self.num_bytes].copy_(self.host[:self.num_bytes], non_blocking=True)
 
 
+_ZEROS = torch.zeros(ALIGN, dtype=torch.uint8)
+
+
 def stage(batch, buffers: _Buffers) -> StagedBatch:
-    """Pack every tensor of `batch` into the next host buffer."""
-    leaves: list[tuple[_Leaf, torch.Tensor]] = []
-    cursor = [0]
+    """Pack every tensor of `batch` into the next host buffer: their bytes and the padding between them, one cat."""
+    parts: list[torch.Tensor] = []
+    layout = []
 
     def leaf(t: torch.Tensor) -> _Leaf:
-        node = _Leaf(cursor[0], t.dtype, tuple(t.shape))
-        cursor[0] = _aligned(cursor[0] + node.num_bytes)
-        leaves.append((node, t))
+        node = _Leaf(len(layout), t.dtype, tuple(t.shape))
+        layout.append((t.dtype, node.shape))
+        flat = t.contiguous().view(-1).view(torch.uint8)
+        parts.append(flat)
+        parts.append(_ZEROS[:-flat.numel() % ALIGN])  # each segment's padding (possibly empty): aligned views
         return node
 
     skeleton = map_leaves(batch, leaf)
-    host = buffers.next(max(cursor[0], ALIGN))
-    for node, t in leaves:
-        if node.num_bytes:
-            host[node.offset:node.offset + node.num_bytes].view(t.dtype).view(t.shape).copy_(t)
-    layout = tuple((node.offset, node.dtype, node.shape) for node, _ in leaves)
-    return StagedBatch(host, cursor[0], skeleton, layout)
+    sizes = [part.numel() for part in parts]
+    num_bytes = sum(sizes)
+    host = buffers.next(max(num_bytes, ALIGN))
+    torch.cat(parts, out=host[:num_bytes])
+    return StagedBatch(host, num_bytes, skeleton, sizes, tuple(layout))
 
 
 def map_leaves(value, fn, leaf_type=torch.Tensor, memo: dict | None = None):

@@ -104,6 +104,21 @@ def test_http_generate_stream_matches_offline_generation(server, reference):
 
 
 
+def test_a_stop_string_ends_the_stream_and_nothing_past_it_is_sent(server, reference):
+    """Stop strings are applied on the adapter's response thread (the engine reports token ids): the text is cut
+    before the stop string, the finish reason is "stop", and the engine's outputs after it never reach the client."""
+    prompt = max(PROMPTS, key=lambda p: len(reference[p]["text"]))
+    text = reference[prompt]["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip() and len(text) >= 6
+    events = http_generate_stream(server, {"text_input": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+                                           "sampling_parameters": json.dumps({"temperature": 0, "stop": [stop]})})
+    assert "".join(e["text_output"] for e in events) == text[:text.index(stop)]
+    assert [e["finish_reason"] for e in events] == [""] * (len(events) - 1) + ["stop"]
+    streamed = [t for e in events for t in as_list(e["output_ids"])]
+    assert streamed == reference[prompt]["output_ids"][:len(streamed)] and len(streamed) < MAX_TOKENS
+
+
 def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
     """The next turn resends the conversation: the server restores the previous request's end (every position
     but the last reply token), reports it per request (num_cached_tokens), and streams what offline generation

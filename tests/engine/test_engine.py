@@ -195,7 +195,8 @@ torch.set_num_threads(2)
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams
-config = EngineConfig(checkpoint={str(tiny_checkpoint)!r}, device="cpu", overlap_scheduling=False)  # steps on this thread
+# without overlap the steps run on this thread
+config = EngineConfig(checkpoint={str(tiny_checkpoint)!r}, device="cpu", overlap_scheduling=False)
 first = LLMEngine(config)
 first.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 assert torch.get_num_threads() == 1, "small steps run on one thread"

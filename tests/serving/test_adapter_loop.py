@@ -155,3 +155,22 @@ def test_many_requests_with_random_cancels_and_send_failures_each_end_exactly_on
     while adapter.engine._running and time.monotonic() < deadline:
         time.sleep(0.005)
     assert adapter._live == {} and adapter.engine._running == {}
+
+
+def test_a_stop_string_ends_the_stream_on_the_response_thread_and_aborts_the_engine(adapter):
+    """The fake engine reports token ids only; the adapter's output processor finds the stop string, sends the
+    text before it with finish_reason stop as the one FINAL, and asks the engine to abort the request."""
+    prompt = "hello"
+    full = bytes(expected_ids(list(prompt.encode()), 40)).decode()
+    stop = full[10:12]
+    req = request(prompt, max_tokens=40, sampling_parameters=text(json.dumps({"stop": [stop]})))
+    adapter.submit(req)
+    wait_final(req)
+    sent = [response for response, _ in req.sender.sent if response is not None]
+    assert "".join(r.outputs["text_output"][0].decode() for r in sent) == full[:full.index(stop)]
+    assert req.sender.num_finals == 1 and sent[-1].outputs["finish_reason"].tolist() == [b"stop"]
+    deadline = time.monotonic() + 5
+    while adapter.engine._running and time.monotonic() < deadline:  # the abort lands at the engine's next step
+        time.sleep(0.01)
+    assert adapter.engine._running == {} and adapter._live == {}
+    assert len(tokens_of(req)) < 40
