@@ -51,8 +51,11 @@ def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> f
 
 
 def time_reference(model, batch: list[list[int]], max_tokens: int) -> float:
-    """One batched generate() when the prompts have equal lengths, else one generate() per prompt."""
+    """One batched generate() when the prompts have equal lengths, else one generate() per prompt; on one intra-op
+    thread, as the engine runs decode steps (README "Threads"; it sets the count of the thread its steps run on,
+    which with overlap scheduling is not this one)."""
     groups = [batch] if len({len(p) for p in batch}) == 1 else [[p] for p in batch]
+    torch.set_num_threads(1)
     start = time.perf_counter()
     for group in groups:
         ids = torch.tensor(group)
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--mixed-lengths", action="store_true",
                         help="prompts of different lengths (the reference then runs them one by one)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.overlap_scheduling)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
 
@@ -90,7 +95,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(checkpoint=args.checkpoint, device=args.device,
                                     max_running_requests=max(args.concurrency),
                                     max_num_batched_tokens=max(8192, max(args.concurrency)),
-                                    enable_prefix_caching=False))
+                                    enable_prefix_caching=False, overlap_scheduling=args.overlap_scheduling))
     reference = DeepseekV4ForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval().to(args.device)
     time_engine(engine, prompts(1, 8, engine.vocab_size), 4)  # warm-up
     rows = []
