@@ -165,11 +165,14 @@ class TritonAdapter:
             self._send_final_flag(live.sender)
 
     def _poll_cancelled(self) -> None:
+        # Asked under the lock: a request refused in submit() leaves the table (under it) before its error FINAL
+        # goes out from that thread, and tritonserver frees a sender once its FINAL is out (asking it then crashed
+        # the server, in TRITONBACKEND_ResponseFactoryIsCancelled).
         with self._lock:
-            live_items = list(self._live.items())
-        for request_id, live in live_items:
-            if not live.cancelling and live.sender.is_cancelled():
-                self._cancel(request_id, live)
+            cancelled = [(request_id, live) for request_id, live in self._live.items()
+                         if not live.cancelling and live.sender.is_cancelled()]
+        for request_id, live in cancelled:
+            self._cancel(request_id, live)
 
     def _cancel(self, request_id: str, live: _Live) -> None:
         """The client cancelled: the engine aborts at its next step and answers CANCELLED."""

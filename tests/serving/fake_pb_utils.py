@@ -4,6 +4,7 @@ the metrics use, recording what they send instead of talking to a server."""
 from __future__ import annotations
 
 import threading
+import time
 
 
 class FakeMetric:
@@ -83,13 +84,21 @@ class FakePbUtils:
 
 
 class Sender:
-    """A response sender: records (response, flags); `fail_sends` makes the next sends raise."""
+    """A response sender: records (response, flags); `fail_sends` makes the next sends raise.
+
+    Once a FINAL has gone out, tritonserver frees the request's response factory: asking is_cancelled() then
+    crashes the real server (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled). The fake records it
+    (`asked_after_final`), and every sender made is listed in `Sender.made`, for tests to check."""
+
+    made: list["Sender"] = []
 
     def __init__(self):
         self.sent: list[tuple[InferenceResponse | None, int]] = []
         self.cancelled = False
         self.fail_sends = 0
+        self.asked_after_final = False
         self.lock = threading.Lock()
+        Sender.made.append(self)
 
     def send(self, response=None, flags=0):
         with self.lock:
@@ -99,7 +108,11 @@ class Sender:
             self.sent.append((response, flags))
 
     def is_cancelled(self):
-        return self.cancelled
+        time.sleep(0.0002)  # the real call is a round trip to the server (the GIL is released meanwhile)
+        with self.lock:
+            if self.num_finals:
+                self.asked_after_final = True
+            return self.cancelled
 
     @property
     def num_finals(self) -> int:

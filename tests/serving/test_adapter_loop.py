@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_pb_utils import FakePbUtils, Request
+from fake_pb_utils import FakePbUtils, Request, Sender
 
 from backend.config import EngineConfig
 from backend.serving.adapter import TritonAdapter
@@ -38,8 +38,10 @@ def adapter():
     engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
     adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.005, stats_s=0.01)
     adapter.start()
+    Sender.made.clear()
     yield adapter
     adapter.shutdown()
+    assert not any(sender.asked_after_final for sender in Sender.made), "is_cancelled() after a FINAL"
 
 
 def wait_final(*requests: Request, timeout: float = 10.0) -> None:
@@ -174,3 +176,26 @@ def test_a_stop_string_ends_the_stream_on_the_response_thread_and_aborts_the_eng
         time.sleep(0.01)
     assert adapter.engine._running == {} and adapter._live == {}
     assert len(tokens_of(req)) < 40
+
+
+def test_refused_requests_are_never_asked_about_cancellation_after_their_final(adapter):
+    """A request the engine refuses is in the adapter's table while the engine checks it (a 200,000-token prompt:
+    milliseconds) and its error FINAL goes out from the submitting thread; the response thread, polling
+    cancellation meanwhile, must not ask a sender whose FINAL is out (the real server frees it and crashes).
+    Refusals from several threads while polling every 0.1 ms."""
+    import threading
+
+    adapter.poll_s = 0.0001
+    refused = [[request("x" * 200_000) for _ in range(10)] for _ in range(3)]
+
+    def submit_all(reqs):
+        for req in reqs:
+            adapter.submit(req)
+
+    threads = [threading.Thread(target=submit_all, args=(reqs,)) for reqs in refused]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(req.sender.num_finals == 1 for reqs in refused for req in reqs)
+    assert not any(req.sender.asked_after_final for reqs in refused for req in reqs)
