@@ -104,10 +104,6 @@ class StepExecutor:
             self._thread = threading.Thread(target=self._loop, name="dsv4-device", daemon=True)
             self._thread.start()
 
-    @property
-    def asynchronous(self) -> bool:
-        return self._thread is not None
-
     def submit(self, job: StepJob) -> StepHandle:
         handle = StepHandle()
         if self._queue is None:

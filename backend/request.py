@@ -298,20 +298,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_placeholders - self.num_computed_tokens
 
-    @property
-    def num_sampled(self) -> int:
-        """Outputs known on the host plus those in flight."""
-        return len(self.output_ids) + self.num_placeholders
-
-    @property
-    def awaits_last_result(self) -> bool:
-        """Its sampled tokens reach max_tokens: nothing more to compute, its last result is in flight."""
-        return len(self.output_ids) + self.num_placeholders >= self.sampling.max_tokens
-
     # is_decode / is_prefill run for every running request at every step: written out, not through the others.
     @property
     def is_decode(self) -> bool:
-        """Exactly one token left to compute: the last sampled one (on the host or in flight)."""
+        """Exactly one token left to compute: the last sampled one (on the host or in flight); unless the tokens
+        sampled so far reach max_tokens: then there is nothing more to compute, the last result is awaited."""
         sampled = len(self.output_ids) + self.num_placeholders
         return (len(self.token_ids) + self.num_placeholders - self.num_computed_tokens == 1 and sampled > 0
                 and sampled < self.sampling.max_tokens)

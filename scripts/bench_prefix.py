@@ -98,13 +98,16 @@ def main() -> int:
     parser.add_argument("--num-tokens", type=int, default=32768, help="the engine's num_tokens")
     parser.add_argument("--repeats", type=int, default=4, help="off/on pairs (an even count balances their order)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.overlap_scheduling)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
 
     def config(caching: bool) -> EngineConfig:
         return EngineConfig(checkpoint=args.checkpoint, device=args.device, num_tokens=args.num_tokens,
-                            max_running_requests=max(16, args.conversations), enable_prefix_caching=caching)
+                            max_running_requests=max(16, args.conversations), enable_prefix_caching=caching,
+                            overlap_scheduling=args.overlap_scheduling)
 
     # The first engine of a process is slower (first calls of every op, the allocator growing): a warm-up run
     # of both modes, not counted, and the pairs alternate their order (off-on, on-off, ...)

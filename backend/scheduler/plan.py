@@ -61,10 +61,6 @@ class StepPlan:
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
-    @property
-    def sampling_chunks(self) -> list[ScheduledChunk]:
-        return [c for c in self.chunks if c.samples]
-
     def has_chunk(self, seq: Sequence) -> bool:
         return seq in self._scheduled
 

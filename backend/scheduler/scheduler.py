@@ -252,10 +252,6 @@ class Scheduler:
         with self._lock:
             return len(self._inbox) + len(self._waiting)
 
-    @property
-    def num_steps_in_flight(self) -> int:
-        return len(self._inflight)
-
     def has_work(self) -> bool:
         """Anything to schedule: queued or running requests, or aborts to report."""
         with self._lock:
