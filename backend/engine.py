@@ -233,7 +233,12 @@ class LLMEngine:
             for seq in plan.aborted:
                 self._report_end(seq, error=_scheduler_error(seq) or self.unavailable)
             if plan.chunks:
-                launched = (plan, self._launch(plan))
+                try:
+                    handle = self._launch(plan)
+                except Exception as exc:  # the step is committed: its requests fail when it is taken in
+                    logger.exception("building step %s failed", plan.step_index)
+                    handle = StepHandle.failed(exc)
+                launched = (plan, handle)
                 plan.host_s = time.perf_counter() - started
         took_in = bool(self._in_flight)
         if took_in:
@@ -248,13 +253,15 @@ class LLMEngine:
 
     def _launch(self, plan: StepPlan) -> StepHandle:
         """Build the step's batch on the host and hand it to the executor (returns at once with overlap)."""
-        rows, samplers, from_device, plain = [], [], False, True
+        rows, samplers, from_device, plain, copies_after = [], [], False, True, []
         for chunk in plan.chunks:
             seq = chunk.seq
             known = chunk.end <= len(seq.token_ids)  # else a decode of the token the step in flight samples
             from_device |= not known
-            snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.position < chunk.end) \
-                if chunk.snapshots else ()  # (the states where the chunk ends are copied after the forward)
+            snapshots = ()
+            if chunk.snapshots:  # inside the chunk: written by its plan; where it ends: copied after the forward
+                snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.copy_after is None)
+                copies_after += [r.copy_after for r in chunk.snapshots if r.copy_after is not None]
             rows.append(BatchRow(seq.pages, seq.token_ids[chunk.start:chunk.end] if known else [0], chunk.start,
                                  chunk.samples, snapshots, not known))
             if chunk.samples:
@@ -268,7 +275,7 @@ class LLMEngine:
         # a static one into its graph's buffers by the executor, in step order.
         device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
         cache = self.kv.prefix_cache
-        copies = StepCopies(*cache.take_pending()) if cache is not None else StepCopies()
+        copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
         return self.executor.submit(StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device))
 
     def _take_in(self, plan: StepPlan, handle: StepHandle) -> None:

@@ -78,6 +78,13 @@ class StepHandle:
         self._finish = None  # CUDA: waits for the token copy and reads the timing events
         self.exception: BaseException | None = None
 
+    @classmethod
+    def failed(cls, exception: BaseException) -> "StepHandle":
+        """The handle of a step that could not even be launched (its requests fail like a failed forward's)."""
+        handle = cls()
+        handle._set(StepOutput(error=f"internal error: {exception}"), exception=exception)
+        return handle
+
     def _set(self, output: StepOutput | None, finish=None, exception: BaseException | None = None) -> None:
         self._output, self._finish, self.exception = output, finish, exception
         self._done.set()

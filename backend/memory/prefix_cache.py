@@ -88,6 +88,9 @@ class ReservedSnapshot:
     window_first: int
     window_pages: list[int]
     compressed: dict[str, list[int]]
+    # Where the chunk ends: the copy of the request's rings into the slot, made right after the step's forward
+    # (the step's own copy, so a step that never runs makes none).
+    copy_after: tuple | None = None
 
 
 @dataclass
@@ -119,7 +122,6 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
         self._pending: list[tuple] = []  # copies not made yet, before the next step's forward (take_pending)
-        self._pending_after: list[tuple] = []  # and right after it
         self._reserved: dict[int, ReservedSnapshot] = {}  # id -> the reservations of steps in flight
 
     # --- lookup -------------------------------------------------------------------------------
@@ -226,10 +228,10 @@ class PrefixCache:
                 self._reserved_keys.add(key)
             r = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot),
                                  *self._pin(seq, position))
+            if position == end:  # where the step ends: its rings as they stand after it, copied right after it
+                r.copy_after = ("save", seq.pages.slot, snapshot)
             self._reserved[id(r)] = r
             reserved.append(r)
-            if position == end:  # where the step ends: its rings as they stand after it, copied right after it
-                self._pending_after.append(("save", seq.pages.slot, snapshot))
         return reserved
 
     def keep_reserved(self, seq, reserved: list[ReservedSnapshot]) -> None:
@@ -374,12 +376,11 @@ class PrefixCache:
     def _do(self, op: tuple) -> None:
         self._pending.append(op)
 
-    def take_pending(self) -> tuple[list[tuple], list[tuple]]:
-        """The copies asked for since the last call, in order: those the next step makes before its forward, and
-        those it makes right after it (the states where its chunks end), on every rank."""
-        before, after = self._pending, self._pending_after
-        self._pending, self._pending_after = [], []
-        return before, after
+    def take_pending(self) -> list[tuple]:
+        """The copies asked for since the last call, in order: the next step makes them before its forward, on
+        every rank (the states where its chunks end it copies after it: ReservedSnapshot.copy_after)."""
+        ops, self._pending = self._pending, []
+        return ops
 
     def apply(self, ops: list[tuple]) -> None:
         """Make these copies in this rank's pools: ("page", pool, src, dst), ("save", slot, snapshot),

@@ -186,3 +186,25 @@ def test_the_forward_runs_beside_the_scheduling_thread(tiny_checkpoint, monkeypa
         assert during >= len(forwards) // 2, (during, len(forwards))  # (not the pipeline's fill: thread wake-up)
     else:
         assert during == 0
+
+
+def test_a_step_that_cannot_even_be_built_fails_its_requests_and_the_engine_goes_on(tiny_checkpoint, monkeypatch):
+    """An exception while building a step's batch (after the scheduler committed it) fails that step's requests
+    like a failed forward; the scheduler is not left waiting for an output that never comes."""
+    import backend.engine
+
+    engine = _engine(tiny_checkpoint)
+    real_build, calls = backend.engine.build_forward_batch, []
+
+    def flaky_build(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected build fault")
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(backend.engine, "build_forward_batch", flaky_build)
+    (failed,) = engine.generate(_prompts(1, 30), SamplingParams(max_tokens=10, ignore_eos=True))
+    assert failed["finish_reason"] == "error" and "injected build fault" in failed["error"]
+    assert _all_pages_free(engine)
+    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
