@@ -159,33 +159,35 @@ def test_a_step_failing_while_the_next_is_in_flight_fails_only_its_requests(tiny
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_the_forward_runs_beside_the_scheduling_thread(tiny_checkpoint, monkeypatch, overlap):
-    """A forward replaced by a 20 ms sleep: with overlap it runs on the executor's thread, and the engine thread
-    schedules the next step while it sleeps; without overlap nothing is scheduled during a forward."""
+def test_the_next_step_is_launched_while_a_step_runs(tiny_checkpoint, monkeypatch, overlap):
+    """A forward slowed by a 20 ms sleep. With overlap the steps run on the executor's thread, and the engine
+    thread has scheduled, built and launched step N+1 before step N ends; without overlap each step ends before
+    the next is launched."""
     engine = _engine(tiny_checkpoint, overlap_scheduling=overlap)
-    forwards, schedules = [], []
-    real_forward, real_schedule = engine.model.forward, engine.scheduler.schedule
+    launches, steps = [], []
+    real_forward, real_step, real_submit = engine.model.forward, engine.executor._step, engine.executor.submit
 
     def slow_forward(batch, kv):
-        started = time.perf_counter()
         time.sleep(0.02)
-        logits = real_forward(batch, kv)
-        forwards.append((threading.current_thread().name, started, time.perf_counter()))
-        return logits
+        return real_forward(batch, kv)
 
-    def timed_schedule(*args, **kwargs):
-        schedules.append(time.perf_counter())
-        return real_schedule(*args, **kwargs)
+    def timed_step(job):  # the whole device-side step: copies, forward, sampling
+        result = real_step(job)
+        steps.append((threading.current_thread().name, time.perf_counter()))
+        return result
+
+    def timed_submit(job):
+        launches.append(time.perf_counter())
+        return real_submit(job)
 
     monkeypatch.setattr(engine.model, "forward", slow_forward)
-    monkeypatch.setattr(engine.scheduler, "schedule", timed_schedule)
+    monkeypatch.setattr(engine.executor, "_step", timed_step)
+    monkeypatch.setattr(engine.executor, "submit", timed_submit)
     engine.generate(_prompts(2, 20), SamplingParams(max_tokens=12, ignore_eos=True))
-    during = sum(any(start < t < end for _, start, end in forwards) for t in schedules)
-    assert {name for name, _, _ in forwards} == ({"dsv4-device"} if overlap else {threading.current_thread().name})
-    if overlap:
-        assert during >= len(forwards) // 2, (during, len(forwards))  # (not the pipeline's fill: thread wake-up)
-    else:
-        assert during == 0
+    assert len(launches) == len(steps) == 12
+    ahead = sum(launch < end for launch, (_, end) in zip(launches[1:], steps))  # N+1 launched before N ended
+    assert {name for name, _ in steps} == ({"dsv4-device"} if overlap else {threading.current_thread().name})
+    assert ahead == (11 if overlap else 0), ahead
 
 
 def test_a_step_that_cannot_even_be_built_fails_its_requests_and_the_engine_goes_on(tiny_checkpoint, monkeypatch):
