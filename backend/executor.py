@@ -174,10 +174,14 @@ class StepExecutor:
             if job.has_tokens_from_device:
                 self._take_tokens_from_device(batch, self.last_tokens.cpu())
             return self.group.forward(self.model, self.kv, batch, job.copies), batch
-        prepare = self._take_tokens_from_device if job.has_tokens_from_device else _nothing
+
+        def prepare(batch: ForwardBatch) -> None:
+            if job.has_tokens_from_device:
+                self._take_tokens_from_device(batch, self.last_tokens)
+
         if job.static_key is not None:
-            return self.graphs.forward(job.static_key, job.staged, lambda batch: prepare(batch, self.last_tokens))
-        prepare(job.device_batch, self.last_tokens)
+            return self.graphs.forward(job.static_key, job.staged, prepare)
+        prepare(job.device_batch)
         return self.model.forward(job.device_batch, self.kv), job.device_batch
 
     @staticmethod
@@ -189,10 +193,6 @@ class StepExecutor:
     def _apply(self, copies: list[tuple]) -> None:
         if copies:
             self.kv.prefix_cache.apply(copies)
-
-
-def _nothing(batch, last_tokens) -> None:
-    pass
 
 
 _threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them

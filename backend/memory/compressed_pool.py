@@ -19,7 +19,8 @@ class CompressedPool(PagedPool):
         super().__init__(name, num_layers, num_pages, page_size, widths, dtype, device)
         self.compress_rate = compress_rate
 
-    def pages_for_tokens(self, num_tokens: int) -> int:
+    def pages_for_tokens(self, num_tokens):
+        """Pages holding the entries of `num_tokens` positions (an int, or a tensor of them: a batch's rows)."""
         entries = num_tokens // self.compress_rate
         return -(-entries // self.page_size)
 

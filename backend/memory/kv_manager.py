@@ -106,8 +106,8 @@ class KVCacheManager:
         self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
         rows = max_running_requests + 1  # a row per slot, and the scratch slot's (padding rows)
         self.tables = {pool.name: torch.zeros(rows, self._table_width(pool, max_step_tokens), dtype=torch.int32)
-                       for pool in self._paged_pools()}
-        for pool in self._paged_pools():
+                       for pool in self._pools}
+        for pool in self._pools:
             self.tables[pool.name][self.state_pool.scratch_slot] = pool.scratch_page
 
     def _table_width(self, pool: PagedPool, max_step_tokens: int | None) -> int:
@@ -149,9 +149,6 @@ class KVCacheManager:
         pages.quiet_until = 0
         for name, run in pages.runs.items():
             self._write_table(name, pages.slot, run, 0)
-
-    def _paged_pools(self) -> list[PagedPool]:
-        return self._pools
 
     # --- the model's interface ---------------------------------------------------------------------
     def _layer_memory(self, i: int) -> LayerMemory:
@@ -258,7 +255,7 @@ class KVCacheManager:
     def extend(self, seq, num_new_tokens: int) -> None:
         """try_extend, raising OutOfPages (naming the short pool) when it cannot."""
         if not self.try_extend(seq, num_new_tokens):
-            short = [(p.name, need, p.num_free) for p, need in zip(self._paged_pools(),
+            short = [(p.name, need, p.num_free) for p, need in zip(self._pools,
                                                                    self._page_needs(seq, num_new_tokens))
                      if need > p.num_free]
             raise OutOfPages(*(short[0] if short else ("compressor_state", 1, 0)))
@@ -279,7 +276,7 @@ class KVCacheManager:
         pages, seq.pages = seq.pages, None
         if pages is None:
             return
-        for pool in self._paged_pools():
+        for pool in self._pools:
             if pool.name in pages.runs:
                 pool.free(pages.runs[pool.name])
         if pages.slot is not None:
@@ -320,12 +317,12 @@ class KVCacheManager:
         """Pool -> pages (state slots) live requests hold, a shared page once: 0 everywhere when nothing runs.
         The rest of pages_used() is the prefix cache's alone, evicted whenever pages are needed."""
         held = {pool.name: len({page for pages in self._live for page in pages.runs.get(pool.name, PageRun()).pages})
-                for pool in self._paged_pools()}
+                for pool in self._pools}
         held[self.state_pool.name] = sum(pages.slot is not None for pages in self._live)
         return held
 
     def _page_counts(self) -> dict[str, tuple[int, int]]:
-        allocators = [p.allocator for p in self._paged_pools()] + [self.state_pool.allocator]
+        allocators = [p.allocator for p in self._pools] + [self.state_pool.allocator]
         return {a.name: (a.num_used, a.num_pages) for a in allocators}
 
     # --- capacity report -----------------------------------------------------------------------
@@ -354,7 +351,7 @@ class KVCacheManager:
     def check(self) -> None:
         """free + used == total in every pool, and every page's references are exactly its holders: live
         requests and prefix-cache entries."""
-        for pool in self._paged_pools():
+        for pool in self._pools:
             cached = self.prefix_cache.held_pages(pool.name) if self.prefix_cache is not None else []
             pool.check([pages.runs[pool.name] for pages in self._live if pool.name in pages.runs], cached)
         self.state_pool.check(sum(pages.slot is not None for pages in self._live))

@@ -107,13 +107,12 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
 
     comp_tables, max_entries = {}, {}
     for name, pool in kv.compressed_pools.items():
-        entries = ends // pool.compress_rate
-        comp_lens = torch.where(real, (entries + page_size - 1) // page_size, 0)
+        comp_lens = torch.where(real, pool.pages_for_tokens(ends), 0)
         if static:
             max_entries[name] = pad_to.context // pool.compress_rate
             width = max(1, -(-max_entries[name] // page_size))
         else:
-            max_entries[name] = int(entries.max()) if rows else 0
+            max_entries[name] = int(ends.max()) // pool.compress_rate if rows else 0
             width = max(1, int(comp_lens.max()))
         comp_tables[name] = kv.block_table(name, slots, torch.zeros_like(slots), comp_lens, width,
                                            pool.scratch_page if static else 0)
@@ -121,14 +120,14 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     plans = {}
     model = kv.model
     if len(ids) == len(lens):  # one token a row (decodes): no snapshot is inside a chunk
-        plan = lambda rate, overlap: build_decode_plan(rate, overlap, starts, slots)  # noqa: E731
+        make_plan = lambda rate, overlap: build_decode_plan(rate, overlap, starts, slots)  # noqa: E731
     else:
-        plan = lambda rate, overlap: build_plan(rate, overlap, starts, lens, offsets, slots, "cpu",  # noqa: E731
-                                                snapshots)
+        make_plan = lambda rate, overlap: build_plan(rate, overlap, starts, lens, offsets, slots,  # noqa: E731
+                                                     "cpu", snapshots)
     if kv.has_pool("csa"):
-        plans["csa"] = plans["indexer"] = plan(model.csa_rate, True)
+        plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True)
     if kv.has_pool("hca"):
-        plans["hca"] = plan(model.hca_rate, False)
+        plans["hca"] = make_plan(model.hca_rate, False)
     if static:  # a decode row closes at most one window per compressor: exactly `rows` entries
         padded = {id(plan): pad_plan(plan, pad_to.rows) for plan in plans.values()}
         plans = {stream: padded[id(plan)] for stream, plan in plans.items()}

@@ -48,7 +48,7 @@ class StepFeatures:
         pairs = 0.0
         for chunk in chunks:  # plus() for each chunk, without a new object each time
             n = chunk.num_tokens
-            pairs += n * (chunk.start + (n + 1) / 2)
+            pairs += _attention_pairs(n, chunk.start)
             if chunk.is_decode:
                 decode += n
             else:
@@ -56,7 +56,7 @@ class StepFeatures:
         return cls(prefill, decode, pairs)
 
     def plus(self, num_tokens: int, context: int, *, is_decode: bool = False) -> "StepFeatures":
-        pairs = self.attention_pairs + num_tokens * (context + (num_tokens + 1) / 2)
+        pairs = self.attention_pairs + _attention_pairs(num_tokens, context)
         if is_decode:
             return StepFeatures(self.prefill_tokens, self.decode_tokens + num_tokens, pairs)
         return StepFeatures(self.prefill_tokens + num_tokens, self.decode_tokens, pairs)
@@ -64,6 +64,11 @@ class StepFeatures:
     def vector(self) -> list[float]:
         # Scaled so that typical values are O(1..100): keeps the normal equations well conditioned.
         return [1.0, self.prefill_tokens / 1e3, self.decode_tokens / 1e2, self.attention_pairs / 1e8]
+
+
+def _attention_pairs(num_tokens: int, context: int) -> float:
+    """(query, key) pairs of `num_tokens` tokens after `context` computed ones (see StepFeatures)."""
+    return num_tokens * (context + (num_tokens + 1) / 2)
 
 
 class StepCostModel:

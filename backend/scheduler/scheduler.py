@@ -498,11 +498,8 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """try_extend, evicting prefix-cache entries first when they hold the pages it needs."""
-        memory = self.memory
-        if memory.try_extend(seq, num_tokens):
-            return True
-        return memory.evict_cached_until(lambda: memory.can_extend(seq, num_tokens)) and \
-            memory.try_extend(seq, num_tokens)
+        return self.memory.try_extend(seq, num_tokens) or (self._fits(seq, num_tokens)
+                                                           and self.memory.try_extend(seq, num_tokens))
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
         """can_extend, evicting prefix-cache entries first when they hold the pages it needs."""
