@@ -116,16 +116,15 @@ class LLMEngine:
         """
         if self.unavailable:
             raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
-        limit = self.config.max_queue_size
-        if limit is not None and self.scheduler.num_waiting >= limit:
-            self.num_rejected_queue_full += 1
-            raise EngineUnavailable(f"the queue is full ({limit} requests waiting, max_queue_size); retry later")
         self.limits.check(seq.prompt_ids, seq.sampling)
         seq.on_output = on_output
         seq.stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
             () if seq.sampling.ignore_eos else self.eos_token_ids)
         seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids)
-        self.scheduler.add(seq)
+        limit = self.config.max_queue_size
+        if not self.scheduler.add(seq, max_waiting=limit):
+            self.num_rejected_queue_full += 1
+            raise EngineUnavailable(f"the queue is full ({limit} requests waiting, max_queue_size); retry later")
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)

@@ -214,16 +214,23 @@ class Scheduler:
 
     # --- any thread ---------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new request. Raises ValueError if it is not fresh or its id is in use."""
+    def add(self, seq: Sequence, max_waiting: int | None = None) -> bool:
+        """Queue a new request. Raises ValueError if it is not fresh or its id is in use.
+
+        Returns False, queueing nothing, when `max_waiting` requests already wait: the count and the
+        enqueue are one step under the lock, so concurrent arrivals cannot both take the last place.
+        """
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.output_ids:
             raise ValueError(f"request {seq.request_id!r}: only fresh sequences can be added")
         with self._lock:
             if seq.request_id in self._live_ids:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
+            if max_waiting is not None and len(self._inbox) + len(self._waiting) >= max_waiting:
+                return False
             self._live_ids.add(seq.request_id)
             self._inbox.append(seq)
             self._work_changed.notify_all()
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Ask to cancel a request; takes effect at the next schedule(), which reports it in plan.aborted.

@@ -46,6 +46,9 @@ def test_arrivals_beyond_the_queue_limit_are_refused_at_once(limited_server):
         while not streams.results["running"].ids:  # admitted and decoding
             streams._take(timeout=60)
         streams.send("waiting", grpc_inputs("b", 5, sampling=LONG))
+        # Requests on two streams reach the model in no set order: send the third once the second is queued.
+        assert wait_for(lambda: limited_server.metric_values("dsv4_num_requests_waiting").get(
+            '{model="dsv4"}', 0) == 1)
         third = GrpcStreams(limited_server.grpc_url)  # its own stream: errors carry no request id
         try:
             third.send("refused", grpc_inputs("c", 5, sampling=LONG))

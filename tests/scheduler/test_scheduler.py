@@ -971,3 +971,25 @@ def test_the_scheduler_takes_the_resolved_budget_as_a_positive_int():
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         make_scheduler(prefill_chunk_tokens=0)
     assert make_scheduler(prefill_chunk_tokens=77).prefill_chunk_tokens == 77
+
+
+def test_concurrent_arrivals_never_overfill_the_queue():
+    """max_waiting is checked and taken in one step: of many threads racing for 3 places, exactly 3 win."""
+    scheduler = make_scheduler()
+    start = threading.Barrier(16)
+    admitted = []
+
+    def arrive(i: int) -> None:
+        start.wait()
+        admitted.append(scheduler.add(make_seq(f"r{i}", 4, max_tokens=1), max_waiting=3))
+
+    threads = [threading.Thread(target=arrive, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(admitted) == [False] * 13 + [True] * 3
+    assert scheduler.num_waiting == 3
+    engine = FakeEngine(scheduler)
+    engine.run_until_idle()  # the refused ones left nothing behind: only the 3 queued ones run
+    assert scheduler.num_waiting == 0 and scheduler.num_running == 0
