@@ -106,6 +106,10 @@ class KernelDispatch:
     def route_hash(self, logits, *args, **kwargs):
         return self._fused("moe", "route_hash", logits, logits, *args, **kwargs)
 
+    def apply_token_bitmask(self, logits, bitmask, rows) -> None:
+        """Structured outputs: -inf, in place, at the tokens each masked row's grammar does not allow."""
+        self._fused("token_bitmask", "apply_token_bitmask", logits, logits, bitmask, rows)
+
     def swiglu(self, gate_up, limit: float):
         """The shared expert's clamped SwiGLU on its fused gate|up product."""
         return self._fused("moe", "swiglu", gate_up, gate_up, limit)

@@ -65,6 +65,7 @@ class Shapes:
     fp8_tokens: list = field(default_factory=list)
     q_lora_rank: int = 0
     rope_dim: int = 0
+    vocab: int = 0
 
 
 FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512, hidden=4096,
@@ -73,11 +74,11 @@ FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, in
               moe_decode_tokens=[1, 8, 32, 64, 128, 256],
               fp8_linears={"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                            "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)},
-              fp8_tokens=[1, 64, 4096], q_lora_rank=1024, rope_dim=64)
+              fp8_tokens=[1, 64, 4096], q_lora_rank=1024, rope_dim=64, vocab=129280)
 DRY = Shapes(head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8, hidden=64, moe_inter=32,
              num_experts=8, top_k=2, window=16, csa_rate=4, hca_rate=16, page_size=8, context=72,
              decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5],
-             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5], q_lora_rank=48, rope_dim=16)
+             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5], q_lora_rank=48, rope_dim=16, vocab=1000)
 
 
 @dataclass
@@ -486,6 +487,7 @@ def _glue_cases(torch, s, device, t, gen):
     from kernels.moe import (clamped_swiglu, moe_align, moe_align_triton, route_hash, route_hash_triton, route_topk,
                              route_topk_triton, swiglu_triton)
     from kernels.norm_rope import norm_rope_reference, norm_rope_triton
+    from kernels.token_bitmask import apply_token_bitmask_reference, apply_token_bitmask_triton
 
     bf16, f32 = torch.bfloat16, torch.float32
     rand = lambda *shape, dtype=bf16: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa: E731
@@ -501,6 +503,16 @@ def _glue_cases(torch, s, device, t, gen):
     topk_ids = route_topk(logits, bias, s.top_k, 1.0)[0]
     gate_up = rand(t, 2 * s.moe_inter) * 4
     fl = lambda v: v.float()  # noqa: E731
+    step_logits = rand(t, s.vocab, dtype=f32)  # structured outputs: every row of a decode batch constrained
+    bitmask = torch.randint(-2**31, 2**31 - 1, (t, (s.vocab + 31) // 32), generator=gen, device=device,
+                            dtype=torch.int64).to(torch.int32)
+    masked_rows = torch.arange(t, device=device)
+
+    def masked(fn):
+        out = step_logits.clone()
+        fn(out, bitmask, masked_rows)
+        return out
+
     cases = [
         ("norm q_a", lambda: norm_rope_triton(q_a, w_q_a, 1e-6), lambda: norm_rope_reference(q_a, w_q_a, 1e-6),
          lambda: norm_rope_reference(fl(q_a), fl(w_q_a), 1e-6), (4 * t * s.q_lora_rank, 0)),
@@ -523,6 +535,8 @@ def _glue_cases(torch, s, device, t, gen):
          lambda: moe_align(topk_ids, s.num_experts, 16)[0].float(), (3 * t * s.top_k * 8, 0)),
         ("swiglu", lambda: swiglu_triton(gate_up, 10.0), lambda: clamped_swiglu(gate_up, 10.0),
          lambda: clamped_swiglu(fl(gate_up), 10.0), (6 * t * s.moe_inter, 0)),
+        ("token bitmask", lambda: masked(apply_token_bitmask_triton), lambda: masked(apply_token_bitmask_reference),
+         lambda: masked(apply_token_bitmask_reference), (t * s.vocab * (2 * 4 + 4 / 32), 0)),  # (clone included)
     ]
     for kind, rate, overlap, head_dim in (("csa", s.csa_rate, True, dh), ("hca", s.hca_rate, False, dh),
                                           ("indexer", s.csa_rate, True, s.index_head_dim)):

@@ -2,9 +2,9 @@
 """Compile every Triton kernel, in every configuration the engine launches, for Hopper (sm_90), without a GPU.
 
 The launches come from the kernels' own plan functions (`plan_sparse_paged_attention`, `plan_indexer_scores`,
-`plan_fused_moe` with its alignment, `plan_fp8_gemm`, the mHC, norm+rope, routing, swiglu and compressor plans) called
-on meta tensors of each model's shapes, so the tiles, constexprs and argument
-specialisation are exactly what the wrappers would launch. Each is compiled with triton.compile for
+`plan_fused_moe` with its alignment, `plan_fp8_gemm`, the mHC, norm+rope, routing, swiglu, compressor and token-bitmask
+plans) called on meta tensors of each model's shapes, so the tiles, constexprs and argument specialisation are
+exactly what the wrappers would launch. Each is compiled with triton.compile for
 GPUTarget("cuda", 90, 32); registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, shared
 memory from the compiled metadata, wgmma from the PTX.
 
@@ -48,6 +48,7 @@ from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
+from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -59,19 +60,19 @@ MODELS = [
          q_lora_rank=1024, rope_dim=64,
          hidden=4096, moe_inter=2048, num_experts=256, top_k=6, window=128, csa_rate=4, hca_rate=128,
          page_size=64, max_context=65536, decode_batches=[1, 8, 32, 64, 128, 256], prefill_tokens=4096,
-         moe_tokens=[1, 256, 1024, 4096]),
+         moe_tokens=[1, 256, 1024, 4096], vocab=129280),
     dict(name="tiny", head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8,
          q_lora_rank=48, rope_dim=16,
          hidden=64, moe_inter=32, num_experts=8, top_k=2, window=128, csa_rate=4, hca_rate=128,
          page_size=64, max_context=65536, decode_batches=[1, 8, 64], prefill_tokens=512,
-         moe_tokens=[1, 128, 512]),
+         moe_tokens=[1, 128, 512], vocab=512),
 ]
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
          ("v4-flash", "indexer T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
          ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
          ("v4-flash", "route topk T=64"), ("v4-flash", "swiglu T=64"), ("v4-flash", "compressor hca 64x1"),
-         ("v4-flash", "compressor csa 1x4096")}
+         ("v4-flash", "compressor csa 1x4096"), ("v4-flash", "token bitmask R=256")}
 # The FP8 linears of V4-Flash (N, K), as DeepSeek publishes them.
 FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}
@@ -241,6 +242,10 @@ def cases() -> list[tuple[str, str, list]]:
             for kind in ("topk", "hash"):
                 out.append((m["name"], f"route {kind} T={t}", routing_launches(m, t, kind)))
             out.append((m["name"], f"swiglu T={t}", plan_swiglu(_meta(t, 2 * m["moe_inter"]), 10.0)[1]))
+        for rows in (1, m["decode_batches"][-1]):  # constrained rows of a step: fp32 logits over the vocabulary
+            out.append((m["name"], f"token bitmask R={rows}", plan_apply_token_bitmask(
+                _meta(rows, m["vocab"], dtype=torch.float32), _meta(rows, (m["vocab"] + 31) // 32, dtype=torch.int32),
+                _meta(rows, dtype=torch.long))))
         for kind in ("csa", "hca", "indexer"):
             for rows, tokens in ((1, 1), (64, 1), (1, m["prefill_tokens"])):
                 out.append((m["name"], f"compressor {kind} {rows}x{tokens}",
