@@ -57,7 +57,8 @@ from backend.parallel.group import RankGroup, RankGroupError
 from backend.parallel.layout import ParallelLayout
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import SamplerState
-from backend.scheduler import Scheduler, SeqUpdate, StepPlan, resolve_prefill_chunk_tokens
+from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.structured.grammar import GrammarService
 from kernels.dispatch import KernelDispatch, default_mode
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.chat_template = ChatTemplate.from_checkpoint(checkpoint)  # None: `messages` requests are refused
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
+        # Structured outputs: the grammars of constrained requests, compiled on their own thread.
+        self.grammars = GrammarService(checkpoint / "tokenizer.json", vocab_size=self.model_config.vocab_size,
+                                       stop_token_ids=self.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
         self.layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
@@ -120,7 +124,9 @@ class LLMEngine:
         seq.on_output = on_output
         seq.stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
             () if seq.sampling.ignore_eos else self.eos_token_ids)
-        seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids)
+        if seq.sampling.guided_decoding is not None:  # parsed here (a bad grammar is refused), compiled later
+            seq.grammar = self.grammars.prepare(seq.sampling.guided_decoding)
+        seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids, seq.grammar)
         limit = self.config.max_queue_size
         if not self.scheduler.add(seq, max_waiting=limit):
             self.num_rejected_queue_full += 1
@@ -143,6 +149,7 @@ class LLMEngine:
             self._thread = None
         self.executor.close()
         self.scheduler.close()
+        self.grammars.close()
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -171,6 +178,7 @@ class LLMEngine:
             "pages_used": self.kv.pages_used(),
             "unavailable": self.unavailable,
             "prefix_cache": self.kv.prefix_cache.snapshot_stats() if self.kv.prefix_cache is not None else None,
+            "grammars": self.grammars.stats(),
         }
 
     # --- offline use --------------------------------------------------------------------------------
@@ -202,7 +210,9 @@ class LLMEngine:
             self.submit(seq, collect(i))
         while any(r["finish_reason"] is None for r in results):
             if not self.step():
-                raise RuntimeError("engine idle with unfinished requests")
+                if not self.scheduler.num_awaiting_grammar:
+                    raise RuntimeError("engine idle with unfinished requests")
+                self.scheduler.wait_for_work(timeout=1.0)  # a grammar being compiled
         self.drain()
         return results
 
@@ -360,7 +370,7 @@ def check_deployment(config: EngineConfig) -> int:
 
 def _scheduler_error(seq: Sequence) -> str | None:
     if seq.finish_reason is FinishReason.ERROR:
-        return "the request no longer fits in the memory pools"
+        return seq.error or "the request no longer fits in the memory pools"
     return None
 
 

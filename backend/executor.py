@@ -102,7 +102,7 @@ class StepExecutor:
         self.device = torch.device(model.device)
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.kernels)
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -150,11 +150,17 @@ class StepExecutor:
         self._apply(job.copies.before)
         logits, batch = self._forward(job)
         num_rows = len(job.samplers)
-        tokens, logprobs = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling)
+        sampled = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling)
+        tokens = sampled.tokens
         self.last_tokens[batch.logits_slot[:num_rows].to(self.device)] = tokens  # (a group's batch is on the host)
         self._apply(job.copies.after)
+
+        def output(token_ids: list[int], duration_s: float) -> StepOutput:
+            return StepOutput(token_ids, sampled.logprobs, duration_s, row_ends=sampled.row_ends,
+                              mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s)
+
         if not cuda:
-            return StepOutput(tokens.tolist(), logprobs, time.perf_counter() - started), None
+            return output(tokens.tolist(), time.perf_counter() - started), None
         end.record()
         host = torch.empty(num_rows, dtype=torch.long, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -163,7 +169,7 @@ class StepExecutor:
 
         def finish() -> StepOutput:
             copied.synchronize()
-            return StepOutput(host.tolist(), logprobs, begin.elapsed_time(end) / 1e3)
+            return output(host.tolist(), begin.elapsed_time(end) / 1e3)
 
         return None, finish
 

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from backend.config import is_int, is_number
+from backend.structured.params import GUIDED_KEYS, GuidedDecoding, guided_decoding_from_sampling
 
 if TYPE_CHECKING:
     from backend.memory.kv_manager import RequestPages
     from backend.sampler import SamplerState
+    from backend.structured.grammar import RequestGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -89,6 +91,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1  # completions per request: only 1 (accepted because OpenAI clients send it)
+    # The output constraint (backend/structured/params.py): from `guided_decoding`, `structured_outputs` or
+    # `response_format` in what clients send.
+    guided_decoding: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
@@ -113,6 +118,8 @@ class SamplingParams:
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, "(0, 10]", low_open=True)
         if not is_int(self.n) or self.n != 1:
             raise ValueError(f"n must be 1: one completion per request (send the request again for more), got {self.n!r}")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecoding):
+            raise ValueError(f"guided_decoding must be a GuidedDecoding, got {type(self.guided_decoding).__name__}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs (top log-probabilities per token) must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {self.logprobs!r}")
@@ -124,8 +131,10 @@ class SamplingParams:
         unknown = sorted(set(params) - SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"guided_decoding": guided_decoding_from_sampling(params, where)}
         for key, value in params.items():
+            if key in GUIDED_KEYS:
+                continue
             if key in _INT_KEYS:
                 kwargs[key] = _as_int(value, key)
             elif key in _FLOAT_KEYS:
@@ -140,7 +149,7 @@ class SamplingParams:
 
 _INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprobs", "n")
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens"])
+SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens", *GUIDED_KEYS])
 
 
 def _apply_min_tokens(kwargs: dict[str, Any]) -> None:
@@ -281,6 +290,10 @@ class Sequence:
     arrival_s: float = 0.0  # when the scheduler took it in (its clock): the start of its aging and deadline
     last_chunk_tokens: int = 0  # its latest prefill chunk (the ITL budget grows a chunk at most 2x)
     pages: "RequestPages | None" = field(default=None, repr=False)  # set by the memory manager
+    # Its output constraint's grammar (backend/structured/grammar.py), set at submit; the scheduler admits the
+    # request once it is compiled.
+    grammar: "RequestGrammar | None" = field(default=None, repr=False)
+    error: str | None = None  # why it ended with finish_reason "error", for the client
     # The prefix cache's digests of its first blocks (backend/memory/prefix_cache.py), kept because its tokens
     # only ever grow: a long prompt is hashed once, not at every chunk.
     block_digests: list[bytes] = field(default_factory=list, repr=False)

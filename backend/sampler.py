@@ -17,6 +17,14 @@ Penalties (`apply_penalties`, rows whose request sets them; the others are not t
       the output].
 Greedy rows take the argmax of the penalised logits, sampled rows sample from them.
 
+Structured outputs (rows whose request has a grammar, backend/structured/grammar.py): before anything else, the
+grammars of those rows fill their next-token bitmasks on the host, all rows in one call on XGrammar's threads (on
+CUDA while the forward's kernels run); the masks go to the device in one copy from pinned memory and one kernel
+sets the disallowed logits to -inf (kernels/token_bitmask.py): penalties, sampling and log-probabilities all see
+the masked logits. After sampling the grammars accept their tokens, again in one call (that reads the tokens on the
+host: on CUDA the one sync a step with constrained rows adds, on this thread). A row whose grammar reaches its
+end, or allows no token at all, is reported in `Sampled.row_ends`.
+
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set) are those of the distribution
 the token was drawn from: with temperature > 0, log_softmax of the penalised, temperature-scaled logits
 after the top-k / top-p / min-p cut (tokens cut away have -inf); greedy, log_softmax of the (penalised)
@@ -25,22 +33,35 @@ logits themselves (temperature 1, nothing cut): without penalties, the model's o
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 
 from backend.request import SamplingParams, TokenLogprobs
+from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarBatch
+from kernels.dispatch import KernelDispatch
+
+if TYPE_CHECKING:
+    from backend.structured.grammar import RequestGrammar
+
+NO_TOKEN_FITS = "the sampled token does not fit the output constraint"
 
 
 class SamplerState:
     """One request's sampling state: its generator (seeded on first use) and, with penalties, the tokens seen
     (prompt and outputs, for the repetition penalty) and the output counts (frequency / presence)."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], grammar: "RequestGrammar | None" = None):
         self.params = params
         self.prompt_ids = prompt_ids
+        self.grammar = grammar
         self.has_penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                               or params.presence_penalty != 0.0)
-        # Greedy, no penalties, no log-probabilities: its token is the argmax of its logits, nothing more.
-        self.plain = params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
+        # Greedy, no penalties, no log-probabilities, no grammar: its token is the argmax of its logits.
+        self.plain = (params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
+                      and grammar is None)
         self.generator: torch.Generator | None = None
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
@@ -109,16 +130,37 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
     return logits
 
 
-class Sampler:
-    """Draws one token per row; row r belongs to states[r]."""
+@dataclass
+class Sampled:
+    """A step's draw: one token per row (a [R] long tensor on the logits' device), the log-probabilities of the
+    rows that asked (None when none did), the rows a grammar ended (row -> None: its end, or an error message),
+    and the host time spent filling token masks and accepting the tokens into the grammars."""
 
-    def step(self, logits: torch.Tensor, states: list[SamplerState],
-             plain: bool = False) -> tuple[torch.Tensor, list | None]:
-        """Penalties, one token per row (a [R] long tensor on the logits' device, already observed by the
-        states), and the log-probabilities of the rows that asked (None when none did). `plain`: every state is
-        (SamplerState.plain), so the tokens are the argmax."""
+    tokens: torch.Tensor
+    logprobs: list | None = None
+    row_ends: dict[int, str | None] = field(default_factory=dict)
+    mask_fill_s: float = 0.0
+    grammar_accept_s: float = 0.0
+
+
+class Sampler:
+    """Draws one token per row; row r belongs to states[r]. `kernels` (kernels/dispatch.py) applies token masks."""
+
+    def __init__(self, kernels: KernelDispatch | None = None):
+        self.kernels = kernels or KernelDispatch()
+        self.grammars = GrammarBatch()
+        self._host_masks: torch.Tensor | None = None  # int32 [rows, words], reused (pinned for CUDA logits)
+        self._host_rows: torch.Tensor | None = None  # long [rows]
+
+    @torch.inference_mode()  # (the logits are the forward's inference tensors; masks change them in place)
+    def step(self, logits: torch.Tensor, states: list[SamplerState], plain: bool = False) -> Sampled:
+        """Masks, penalties, one token per row (already observed by the states), log-probabilities. `plain`: every
+        state is (SamplerState.plain), so the tokens are the argmax."""
         if plain:
-            return torch.argmax(logits, dim=-1), None
+            return Sampled(torch.argmax(logits, dim=-1))
+        constrained = [row for row, state in enumerate(states) if state.grammar is not None and not state.grammar.done]
+        row_ends: dict[int, str | None] = {}
+        mask_fill_s = self._mask(logits, states, constrained, row_ends) if constrained else 0.0
         logits = apply_penalties(logits, states)
         tokens = self.sample(logits, states)
         logprobs = None
@@ -127,7 +169,49 @@ class Sampler:
         for row, state in enumerate(states):
             if state.has_penalties:
                 state.observe(tokens[row:row + 1])
-        return tokens, logprobs
+        accept_s = self._accept(tokens, states, constrained, row_ends) if constrained else 0.0
+        return Sampled(tokens, logprobs, row_ends, mask_fill_s, accept_s)
+
+    def _mask(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
+              row_ends: dict[int, str | None]) -> float:
+        """The constrained rows' grammars fill their masks (one call); one copy and one kernel apply them (in place).
+        A row whose mask allows nothing is left unmasked (its token is not kept) and reported. Returns the host time
+        the masks took to fill."""
+        started = time.perf_counter()
+        masks, indices = self._host_buffers(len(rows), (logits.shape[1] + 31) // 32, logits.is_cuda)
+        indices.copy_(torch.tensor(rows))
+        for i in self.grammars.fill([states[row].grammar for row in rows], masks):
+            row_ends[rows[i]] = NO_TOKEN_CAN_FOLLOW
+            masks[i].fill_(-1)
+        fill_s = time.perf_counter() - started
+        # (the host buffers are refilled at the next step only after _accept has read this step's tokens)
+        device_masks = masks.to(logits.device, non_blocking=True)
+        device_rows = indices.to(logits.device, non_blocking=True)
+        self.kernels.apply_token_bitmask(logits, device_masks, device_rows)
+        return fill_s
+
+    def _host_buffers(self, num_rows: int, words: int, pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._host_masks is None or self._host_masks.shape[0] < num_rows or self._host_masks.shape[1] != words:
+            self._host_masks = torch.empty(max(num_rows, 8), words, dtype=torch.int32, pin_memory=pinned)
+            self._host_rows = torch.empty(max(num_rows, 8), dtype=torch.long, pin_memory=pinned)
+        return self._host_masks[:num_rows], self._host_rows[:num_rows]
+
+    def _accept(self, tokens: torch.Tensor, states: list[SamplerState], rows: list[int],
+                row_ends: dict[int, str | None]) -> float:
+        """The constrained rows' grammars accept their tokens (one call); a grammar that ends, or rejects its token,
+        ends its row. Returns the host time it took."""
+        started = time.perf_counter()
+        host = tokens.tolist()
+        for row in rows:
+            if row in row_ends:  # no token could follow: the request fails
+                states[row].grammar.done = True
+        live = [row for row in rows if row not in row_ends]
+        rejected, ended = self.grammars.accept([states[row].grammar for row in live], [host[row] for row in live])
+        for i in rejected:
+            row_ends[live[i]] = NO_TOKEN_FITS
+        for i in ended:
+            row_ends[live[i]] = None
+        return time.perf_counter() - started
 
     def sample(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
         """One token per row of the (penalised) logits [R, V]: greedy on the device, sampled rows on the host."""

@@ -5,7 +5,9 @@
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
 #   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
 #   5. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
-#      steps/s of the tiny model's real forward with overlap scheduling on and off.
+#      steps/s of the tiny model's real forward with overlap scheduling on and off,
+#   6. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
+#      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt).
 # Results go to ${OUT:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
@@ -32,11 +34,17 @@ run launches "$PY" scripts/count_launches.py --device cuda --json "$OUT/launches
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json" --csv "$OUT/kernels.csv"
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
   --repeats 3 --steps 50 --real-forward --json "$OUT/host_loop.json"
+if "$PY" -c "import xgrammar" 2>/dev/null; then
+  run structured "$PY" scripts/bench_structured.py --device cuda --skip-compile --repeats 3 \
+    --json "$OUT/structured.json" --csv "$OUT/structured.csv" --plot "$OUT/structured.png"
+else
+  status[structured]="not run (xgrammar not installed)"
+fi
 
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches bench_kernels host_loop; do
+for name in kernel_tests engine launches bench_kernels host_loop structured; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done

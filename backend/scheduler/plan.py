@@ -81,6 +81,11 @@ class StepOutput:
     logprobs: list["TokenLogprobs | None"] | None = None  # per sampling chunk, when any request asked
     duration_s: float = 0.0  # the step's device time
     error: str | None = None
+    # Sampling rows (by index in `tokens`) whose request the step ended by its output constraint: None, the
+    # grammar's end was reached (finish_reason "stop"); a message, it could not go on (finish_reason "error").
+    row_ends: dict[int, str | None] = field(default_factory=dict)
+    mask_fill_s: float = 0.0  # filling the constrained rows' token masks (host time, beside the forward)
+    grammar_accept_s: float = 0.0  # advancing their grammars by the sampled tokens (host time, after sampling)
 
 
 @dataclass

@@ -47,6 +47,10 @@ or running, at the next schedule() with FinishReason.TIMEOUT (its memory freed).
 Sequences the scheduler ends at schedule() (cancelled, timed out or failed) come back in `plan.aborted`.
 Whether a request can ever fit is the engine's admission gate (RequestLimits); the scheduler
 only guards against a memory manager that contradicts it.
+
+Structured outputs: an arrival with a grammar (`seq.grammar`) waits aside until it is compiled (off the engine
+thread), then joins the waiting queue; a grammar that failed to compile ends it with its message (`seq.error`).
+Requests without one never wait for it. A step's output may end a request by its grammar (`output.row_ends`).
 """
 
 from __future__ import annotations
@@ -198,6 +202,7 @@ class Scheduler:
         self._step_log = StepLog(config.step_log) if config.step_log else None
         # Engine-thread state.
         self._waiting: list[Sequence] = []  # sorted by (priority, queue_rank)
+        self._awaiting_grammar: list[Sequence] = []  # arrived, queued once their grammar is compiled
         self._running: list[Sequence] = []  # in admission order: the last is the preemption victim
         self._by_id: dict[str, Sequence] = {}  # the waiting and running ones
         self._with_deadline: set[Sequence] = set()
@@ -210,6 +215,7 @@ class Scheduler:
         self._work_changed = threading.Condition(self._lock)
         self._inbox: list[Sequence] = []
         self._abort_requests: set[str] = set()
+        self._grammar_compiled = False  # a grammar some arrival awaits is ready: schedule() queues it
         self._live_ids: set[str] = set()  # every request added and not finished: ids are unique among them
 
     # --- any thread ---------------------------------------------------------------------------
@@ -225,12 +231,19 @@ class Scheduler:
         with self._lock:
             if seq.request_id in self._live_ids:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
-            if max_waiting is not None and len(self._inbox) + len(self._waiting) >= max_waiting:
+            if max_waiting is not None and self._num_waiting_locked() >= max_waiting:
                 return False
             self._live_ids.add(seq.request_id)
             self._inbox.append(seq)
             self._work_changed.notify_all()
+        if seq.grammar is not None:
+            seq.grammar.future.add_done_callback(lambda _: self._on_grammar_compiled())
         return True
+
+    def _on_grammar_compiled(self) -> None:
+        with self._work_changed:
+            self._grammar_compiled = True
+            self._work_changed.notify_all()
 
     def abort(self, request_id: str) -> bool:
         """Ask to cancel a request; takes effect at the next schedule(), which reports it in plan.aborted.
@@ -256,8 +269,16 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued: arrived, awaiting their grammar, or waiting for admission."""
         with self._lock:
-            return len(self._inbox) + len(self._waiting)
+            return self._num_waiting_locked()
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        return len(self._awaiting_grammar)
+
+    def _num_waiting_locked(self) -> int:
+        return len(self._inbox) + len(self._awaiting_grammar) + len(self._waiting)
 
     def has_work(self) -> bool:
         """Anything to schedule: queued or running requests, or aborts to report."""
@@ -275,7 +296,7 @@ class Scheduler:
             self._work_changed.notify_all()
 
     def _has_work_locked(self) -> bool:
-        return bool(self._inbox or self._abort_requests or self._waiting or self._running)
+        return bool(self._inbox or self._abort_requests or self._grammar_compiled or self._waiting or self._running)
 
     # --- engine thread ------------------------------------------------------------------------
 
@@ -310,6 +331,7 @@ class Scheduler:
         inflight = self._inflight.popleft()
         updates = self._fail_step(plan, output.error) if output.error is not None else self._apply(plan, output)
         inflight.record.duration_s = output.duration_s
+        inflight.record.mask_fill_s, inflight.record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
         inflight.record.host_s = plan.host_s
         if output.error is None:
             self.cost_model.observe(inflight.features, output.duration_s)
@@ -322,17 +344,22 @@ class Scheduler:
         tokens, logprobs, k = output.tokens, output.logprobs, 0
         for chunk in plan.chunks:
             seq = chunk.seq
-            token = token_logprobs = None
+            token = token_logprobs = row = None
             if chunk.samples:
-                token, token_logprobs = tokens[k], (logprobs[k] if logprobs is not None else None)
+                row, token, token_logprobs = k, tokens[k], (logprobs[k] if logprobs is not None else None)
                 k += 1
             if chunk.snapshots:  # the step computed these states, whatever became of the request since
                 cache.keep_reserved(seq, chunk.snapshots)
             if seq.status is SequenceStatus.FINISHED or token is None:  # (ended while the step ran: token dropped)
                 continue
             seq.num_placeholders -= 1
+            if output.row_ends.get(row) is not None:
+                seq.error = output.row_ends[row]  # the constraint cannot go on: the token is not kept
+                self._retire(seq, FinishReason.ERROR)
+                updates.append(SeqUpdate(seq, None, None, True, seq.error))
+                continue
             seq.append_output(token)
-            if token in seq.stop_ids:
+            if token in seq.stop_ids or row in output.row_ends:  # (a grammar ends on a stop token)
                 reason = FinishReason.STOP
             elif len(seq.output_ids) >= seq.sampling.max_tokens:
                 reason = FinishReason.LENGTH
@@ -366,12 +393,18 @@ class Scheduler:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_requests = self._abort_requests, set()
+            self._grammar_compiled = False
         for seq in arrivals:
             seq.arrival_s = now
             self._by_id[seq.request_id] = seq
             if seq.sampling.timeout_ms is not None:
                 self._with_deadline.add(seq)
-            self._enqueue(seq, front=False)
+            if seq.grammar is not None:
+                self._awaiting_grammar.append(seq)
+            else:
+                self._enqueue(seq, front=False)
+        if self._awaiting_grammar:
+            self._queue_compiled(plan)
         for request_id in aborts:
             seq = self._by_id.get(request_id)
             if seq is not None:
@@ -379,6 +412,16 @@ class Scheduler:
         if self._with_deadline:
             for seq in [s for s in self._with_deadline if _past_deadline(s, now)]:
                 self._end(plan, seq, FinishReason.TIMEOUT)  # its memory is freed; the tokens it got were streamed
+
+    def _queue_compiled(self, plan: StepPlan) -> None:
+        """Arrivals whose grammar is compiled join the waiting queue (in arrival order); one that failed ends."""
+        for seq in [s for s in self._awaiting_grammar if s.grammar.ready]:
+            self._awaiting_grammar.remove(seq)
+            if seq.grammar.error is not None:
+                seq.error = seq.grammar.error
+                self._end(plan, seq, FinishReason.ERROR)
+            else:
+                self._enqueue(seq, front=False)
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
         """Insert into waiting by `_waiting_key`; `front` (a preempted request) goes before its equals."""
@@ -405,6 +448,8 @@ class Scheduler:
             self._running.remove(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)
+        elif seq in self._awaiting_grammar:
+            self._awaiting_grammar.remove(seq)
         seq.finish(reason)
         self.memory.free(seq)
         self._by_id.pop(seq.request_id, None)

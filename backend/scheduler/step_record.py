@@ -47,6 +47,10 @@ class StepRecord:
     num_cached_tokens: int = 0  # prompt positions this step's admissions took from the prefix cache
     duration_s: float | None = None  # the step's device time (filled in when its output is in)
     host_s: float | None = None  # the engine thread's time to schedule, build and launch it
+    # Structured outputs (filled in with the output): host time filling its constrained rows' token masks, and
+    # advancing their grammars by the tokens sampled.
+    mask_fill_s: float = 0.0
+    grammar_accept_s: float = 0.0
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -50,6 +50,7 @@ class TritonAdapter:
         self.pb = pb_utils
         self.final_flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.metrics = ServingMetrics(pb_utils, model_name)
+        engine.grammars.on_compiled = self.metrics.grammar_compile.observe
         self.logger = pb_utils.Logger
         self.poll_s, self.stats_s = poll_s, stats_s
         self.model_name = model_name

@@ -20,6 +20,9 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
     dsv4_num_requests_waiting          gauge
     dsv4_pool_usage_ratio              gauge      by pool, fraction of its pages in use
     dsv4_pool_pages_used               gauge      by pool
+    dsv4_grammar_compile_seconds       histogram  structured outputs: compiling a grammar (cache misses)
+    dsv4_grammar_compiles_total        counter    grammars compiled
+    dsv4_grammar_cache_hits_total      counter    constrained requests whose grammar was cached (or being compiled)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+GRAMMAR_COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 @dataclass
@@ -73,12 +77,18 @@ class ServingMetrics:
                 ("dsv4_num_requests_waiting", "Requests waiting in the engine", "GAUGE"),
                 ("dsv4_pool_usage_ratio", "Fraction of a memory pool's pages in use", "GAUGE"),
                 ("dsv4_pool_pages_used", "Pages in use in a memory pool", "GAUGE"),
+                ("dsv4_grammar_compile_seconds", "Time to compile a structured-output grammar", "HISTOGRAM"),
+                ("dsv4_grammar_compiles_total", "Structured-output grammars compiled", "COUNTER"),
+                ("dsv4_grammar_cache_hits_total", "Constrained requests whose grammar came from the cache",
+                 "COUNTER"),
             )
         }
         self._metrics: dict[tuple, object] = {}
         self._counted: dict[tuple, float] = {}  # last cumulative value seen, per counter series
         self.ttft = self._metric("dsv4_time_to_first_token_seconds", buckets=TTFT_BUCKETS)
         self.itl = self._metric("dsv4_inter_token_latency_seconds", buckets=ITL_BUCKETS)
+        # Observed by the engine's grammar service as each compilation ends (on its thread).
+        self.grammar_compile = self._metric("dsv4_grammar_compile_seconds", buckets=GRAMMAR_COMPILE_BUCKETS)
 
     def _metric(self, family: str, buckets: list[float] | None = None, **labels: str):
         key = (family, tuple(sorted(labels.items())))
@@ -113,6 +123,10 @@ class ServingMetrics:
             self._advance("dsv4_prefix_cache_evictions_total", cache["evictions"])
             for pool, pages in cache["pages"].items():
                 self._metric("dsv4_prefix_cache_pages", pool=str(pool)).set(float(pages))
+        grammars = stats.get("grammars")
+        if grammars:
+            self._advance("dsv4_grammar_compiles_total", grammars["compiled"])
+            self._advance("dsv4_grammar_cache_hits_total", grammars["cache_hits"])
         gauges = (
             ("dsv4_longest_prefill_streak", "longest_prefill_streak"),
             ("dsv4_num_requests_running", "num_running"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from backend.request import FinishReason, RequestLimits, RequestOutput, Sequence
 
@@ -53,6 +54,7 @@ class LLMEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._steps = 0
+        self.grammars = SimpleNamespace(on_compiled=None)  # no structured outputs (the adapter hooks its metric)
 
     def start(self):
         self._thread.start()
@@ -64,6 +66,8 @@ class LLMEngine:
 
     def submit(self, seq: Sequence, on_output) -> None:
         self.limits.check(seq.prompt_ids, seq.sampling)
+        if seq.sampling.guided_decoding is not None:
+            raise ValueError("this fake engine has no structured outputs")
         if b"NOFIT" in bytes(seq.prompt_ids):
             raise ValueError("request can never fit: prompt asks for NOFIT")
         with self._lock:

@@ -126,7 +126,7 @@ def test_penalties_follow_openai_and_vllm_definitions():
     plain = _seqs([SamplingParams()])
     assert apply_penalties(logits, plain) is logits  # no penalty: no copy
     # greedy follows the penalised logits: a repeated top token gives way, and the state observes what it drew
-    tokens, _ = Sampler().step(logits, [state])
+    tokens = Sampler().step(logits, [state]).tokens
     assert tokens.tolist() == [2]
     assert apply_penalties(logits, [state])[0, 2] == 0.5 / 2 - 0.5 - 0.25
 
@@ -139,3 +139,54 @@ def test_penalties_follow_openai_and_vllm_definitions():
 def test_out_of_range_serving_parameters_are_refused(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)
+
+
+def _grammar(constraint: dict, tokenizer, vocab_size: int, eos: int):
+    from backend.structured.grammar import GrammarService
+
+    service = GrammarService(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
+    grammar = service.prepare(SamplingParams.from_dict({"guided_decoding": constraint}).guided_decoding)
+    grammar.future.result(timeout=30)
+    service.close()
+    return grammar
+
+
+def test_grammar_masks_come_before_sampling_and_end_the_row_on_its_stop_token(tiny_checkpoint):
+    """Row 0 may only say "no" or "yes" (its best logit is never allowed); row 1 has no grammar and is untouched."""
+    grammar = _grammar({"choice": ["no", "yes"]}, tiny_checkpoint / "tokenizer.json", 512, eos=1)
+    states = [SamplerState(SamplingParams(), [1], grammar), SamplerState(SamplingParams(), [1])]
+    assert not states[0].plain and states[1].plain
+    sampler, text, generator = Sampler(), [], torch.Generator().manual_seed(0)
+    for _ in range(8):
+        logits = torch.randn(2, 512, generator=generator)
+        logits[0, ord("x") - 29] = 100.0  # (some token the grammar never allows is the best one)
+        sampled = sampler.step(logits.clone(), states)
+        assert sampled.tokens[1] == logits[1].argmax() and sampled.mask_fill_s > 0
+        text.append(int(sampled.tokens[0]))
+        if sampled.row_ends:
+            break
+    assert sampled.row_ends == {0: None} and text[-1] == 1 and grammar.done  # ended on the stop token
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")).decode(text[:-1]) in ("no", "yes")
+    again = sampler.step(logits.clone(), states)  # a step already in flight for the ended request: left alone
+    assert again.tokens[0] == logits[0].argmax() and not again.row_ends
+
+
+def test_a_row_that_no_token_can_continue_is_left_unmasked_and_reported(tmp_path):
+    """A word-level vocabulary "a", "b", "</s>" and the regex "ac": after "a" nothing fits."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="</s>")).save(str(path))
+    grammar = _grammar({"regex": "ac"}, path, 3, eos=2)
+    state = SamplerState(SamplingParams(), [0], grammar)
+    sampler = Sampler()
+    first = sampler.step(torch.tensor([[0.0, 5.0, 1.0]]), [state])
+    assert first.tokens.tolist() == [0] and not first.row_ends  # only "a" fits
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    second = sampler.step(logits.clone(), [state])
+    assert second.row_ends == {0: "the output constraint cannot be continued: no token of this model's vocabulary "
+                                   "fits it"}
+    assert second.tokens.tolist() == [1] and grammar.done  # unmasked (its token is not kept)

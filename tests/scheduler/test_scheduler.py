@@ -993,3 +993,102 @@ def test_concurrent_arrivals_never_overfill_the_queue():
     engine = FakeEngine(scheduler)
     engine.run_until_idle()  # the refused ones left nothing behind: only the 3 queued ones run
     assert scheduler.num_waiting == 0 and scheduler.num_running == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Structured outputs: arrivals that await their grammar, and steps that end a request by it
+# --------------------------------------------------------------------------------------------
+
+
+class FakeGrammar:
+    """What the scheduler reads of a request's grammar (backend/structured/grammar.py RequestGrammar)."""
+
+    def __init__(self):
+        from concurrent.futures import Future
+
+        self.future = Future()
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done()
+
+    @property
+    def error(self) -> str | None:
+        return str(self.future.exception()) if self.future.done() and self.future.exception() else None
+
+
+def _constrained(rid: str, grammar: FakeGrammar, **kwargs) -> Sequence:
+    seq = make_seq(rid, 8, **kwargs)
+    seq.grammar = grammar
+    return seq
+
+
+def test_an_arrival_waits_aside_for_its_grammar_while_others_run():
+    scheduler = make_scheduler(policy="mixed")
+    engine = FakeEngine(scheduler)
+    grammar = FakeGrammar()
+    scheduler.add(_constrained("g", grammar, max_tokens=3))
+    scheduler.add(make_seq("free", 8, max_tokens=3))
+    engine.run_until_idle()
+    assert engine.finals == {"free": [FinishReason.LENGTH]}
+    assert scheduler.num_waiting == 1 and scheduler.num_awaiting_grammar == 1
+    assert not scheduler.has_work() and not scheduler.wait_for_work(timeout=0.01)  # nothing to do but wait
+    threading.Timer(0.05, grammar.future.set_result, ("compiled",)).start()
+    assert scheduler.wait_for_work(timeout=5)  # the compilation wakes the loop
+    engine.run_until_idle()
+    assert engine.finals["g"] == [FinishReason.LENGTH] and engine.sampled["g"] == 3
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_request_with_the_message():
+    scheduler = make_scheduler()
+    engine = FakeEngine(scheduler)
+    seq = _constrained("g", FakeGrammar())
+    scheduler.add(seq)
+    engine.step()
+    seq.grammar.future.set_exception(ValueError("invalid regex: no"))
+    engine.run_until_idle()
+    assert engine.finals == {"g": [FinishReason.ERROR]} and seq.error == "invalid regex: no"
+    assert engine.sampled["g"] == 0
+
+
+@pytest.mark.parametrize("end", ["abort", "deadline"])
+def test_a_request_awaiting_its_grammar_can_be_cancelled_or_time_out(end):
+    scheduler = make_scheduler()
+    engine = FakeEngine(scheduler)
+    seq = _constrained("g", FakeGrammar())
+    seq.sampling.timeout_ms = 100 if end == "deadline" else None
+    scheduler.add(seq)
+    engine.step(now=0.0)
+    if end == "abort":
+        scheduler.abort("g")
+    engine.step(now=1.0)
+    assert engine.finals == {"g": [FinishReason.CANCELLED if end == "abort" else FinishReason.TIMEOUT]}
+    assert scheduler.num_waiting == 0 and scheduler.num_awaiting_grammar == 0
+
+
+class GrammarEndingEngine(FakeEngine):
+    """Ends request "done" by its grammar at its 3rd token, and fails request "stuck" at its 2nd."""
+
+    def _run(self, plan) -> StepOutput:
+        output = super()._run(plan)
+        sampling = [chunk.seq.request_id for chunk in plan.chunks if chunk.samples]
+        for row, rid in enumerate(sampling):
+            if (rid, self.sampled[rid]) == ("done", 3):
+                output.row_ends[row] = None
+            elif (rid, self.sampled[rid]) == ("stuck", 2):
+                output.row_ends[row] = "no token can follow"
+        return output
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_ends_requests_by_their_grammar(overlap):
+    scheduler = make_scheduler(policy="mixed")
+    engine = GrammarEndingEngine(scheduler, overlap=overlap)
+    done, stuck, other = make_seq("done", 8, 10), make_seq("stuck", 8, 10), make_seq("other", 8, 10)
+    for seq in (done, stuck, other):
+        scheduler.add(seq)
+    engine.run_until_idle()
+    assert engine.finals == {"done": [FinishReason.STOP], "stuck": [FinishReason.ERROR], "other": [FinishReason.LENGTH]}
+    assert done.output_ids == [FIRST_TOKEN, FIRST_TOKEN + 1, FIRST_TOKEN + 2]
+    assert stuck.output_ids == [FIRST_TOKEN] and stuck.error == "no token can follow"  # its last token is not kept
+    assert other.output_ids == [FIRST_TOKEN + i for i in range(10)]

@@ -79,3 +79,12 @@ def test_rejections_and_prefix_cache_counters(metrics):
     assert series("dsv4_prefix_cache_evictions_total").value == 1
     assert series("dsv4_prefix_cache_pages", pool="window").value == 8
     metrics.update({"prefix_cache": None})  # caching off: nothing breaks
+
+
+def test_grammar_counters_and_compile_times(metrics):
+    metrics.update({"grammars": {"compiled": 2, "cache_hits": 5, "cached": 2}})
+    metrics.update({"grammars": {"compiled": 3, "cache_hits": 9, "cached": 3}})
+    metrics.grammar_compile.observe(0.004)
+    assert series("dsv4_grammar_compiles_total").value == 3
+    assert series("dsv4_grammar_cache_hits_total").value == 9
+    assert series("dsv4_grammar_compile_seconds").observed == [0.004]

@@ -1,0 +1,278 @@
+"""Grammars with XGrammar: compiled off the engine thread, cached by key, matched where steps run.
+
+    grammars = GrammarService(tokenizer_file, vocab_size=V, stop_token_ids=eos_ids)
+    grammar = grammars.prepare(guided)   # any thread: parses now (a bad grammar raises ValueError), compiles
+                                         # in the background; `grammar.ready` once compiled
+    batch = GrammarBatch()               # the executor, per step, for all its constrained rows at once:
+    batch.fill(grammars, masks)          #   the next tokens' masks (returns the rows no token can follow)
+    batch.accept(grammars, tokens)       #   advance the matchers by the sampled tokens
+
+Admission parses the grammar on the caller's thread (the Triton adapter's, never the engine's), so an invalid
+schema, regex or EBNF is refused at once with XGrammar's message. Compiling (the per-token tables over the
+vocabulary, the expensive part) runs on the service's own thread; the scheduler keeps the request aside until
+its grammar is ready, so a slow schema delays only its own request. Compiled grammars are cached by the
+constraint's key (kind, canonical text, whitespace): a repeated schema compiles once, and concurrent requests
+with the same schema wait for the same compilation. A compiled grammar whose first mask allows no token (the
+tokenizer cannot produce its output) fails every request that uses it, with a message saying so.
+
+A request's matcher (`RequestGrammar.matcher`) is created and used only on the thread that runs the steps
+(backend/executor.py), like its sampler state: it accepts each token that thread samples for the request, so it
+is never behind the step being prepared. Tokens of a live request are never dropped (preemption keeps them and
+recomputes), so the matcher needs no rollback; a request that ended meanwhile is skipped (`done`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from backend.structured.params import GuidedDecoding
+
+# JSON's free whitespace comes in runs of at most this many characters: a weak (or random) model otherwise fills
+# max_tokens with newlines, while pretty-printing to depth 7 at indent 2 still fits.
+MAX_WHITESPACE_RUN = 16
+NO_TOKEN_CAN_FOLLOW = "the output constraint cannot be continued: no token of this model's vocabulary fits it"
+_XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[02:21:10] /project/cpp/regex_converter.cc:83: "
+
+
+class GrammarService:
+    """Parses, compiles and caches the grammars of one engine's requests (see the module docstring)."""
+
+    def __init__(self, tokenizer_file: str | Path, *, vocab_size: int, stop_token_ids: list[int],
+                 cache_entries: int = 256, workers: int = 2):
+        self.tokenizer_file = Path(tokenizer_file)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.cache_entries = cache_entries
+        # Two compilations at a time (a slow schema does not hold up the next one), each on up to half the cores.
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dsv4-grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()  # key -> Future[compiled grammar], LRU
+        self._compiler = None  # built on first use: the tokenizer's tables take ~0.7 s at a 129K vocabulary
+        self._compiler_lock = threading.Lock()
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+        self.on_compiled: Callable[[float], None] | None = None  # seconds per compilation (a metrics histogram)
+
+    def prepare(self, guided: GuidedDecoding) -> "RequestGrammar":
+        """A request's grammar: its compilation shared through the cache. Raises ValueError for an invalid
+        constraint (or one whose cached compilation already failed)."""
+        with self._lock:
+            future = self._cache.get(guided.key)
+            if future is not None:
+                self._cache.move_to_end(guided.key)
+                self.num_cache_hits += 1
+        if future is None:
+            future = self._compile_later(guided)
+        if future.done() and future.exception() is not None:
+            raise ValueError(str(future.exception()))
+        return RequestGrammar(future, guided)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- compilation ----------------------------------------------------------------------------------------
+    def _compile_later(self, guided: GuidedDecoding) -> Future:
+        grammar = self._parse(guided)  # on the caller's thread: a bad grammar is refused now
+        with self._lock:
+            future = self._cache.get(guided.key)  # another thread may have started it meanwhile: shared, a hit
+            if future is not None:
+                self.num_cache_hits += 1
+            else:
+                future = self._pool.submit(self._compile, grammar)
+                self._cache[guided.key] = future
+                while len(self._cache) > self.cache_entries:
+                    self._cache.popitem(last=False)
+        return future
+
+    def _parse(self, guided: GuidedDecoding):
+        import xgrammar as xgr
+
+        try:
+            if guided.kind in ("json", "json_object"):  # json_object: any JSON object, as vLLM compiles it
+                schema = guided.spec if guided.kind == "json" else '{"type": "object"}'
+                grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=guided.any_whitespace,
+                                                       max_whitespace_cnt=MAX_WHITESPACE_RUN if guided.any_whitespace
+                                                       else None)
+                return _narrowed(grammar, json=True)
+            if guided.kind == "regex":
+                return _narrowed(xgr.Grammar.from_regex(guided.spec))
+            if guided.kind == "choice":
+                return xgr.Grammar.from_ebnf(choice_grammar(guided.choices))
+            return _narrowed(xgr.Grammar.from_ebnf(guided.spec))
+        except RuntimeError as exc:
+            raise ValueError(f"invalid {_KIND_NAMES[guided.kind]}: {_xgrammar_message(exc)}") from None
+
+    def _compile(self, grammar):
+        import xgrammar as xgr
+
+        started = time.perf_counter()
+        compiled = self._get_compiler().compile_grammar(grammar)
+        first = xgr.allocate_token_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self.num_compiled += 1
+        if self.on_compiled is not None:
+            self.on_compiled(seconds)
+        if not first.any():
+            raise ValueError(NO_TOKEN_CAN_FOLLOW)
+        return compiled
+
+    def _get_compiler(self):
+        with self._compiler_lock:  # (the first two compilations may ask at once)
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+            return self._compiler
+
+    def _build_compiler(self):
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.tokenizer_file))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop_token_ids)
+        # Our cache holds the compiled grammars (shared futures); XGrammar's own would hold them twice.
+        threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        return xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"compiled": self.num_compiled, "cache_hits": self.num_cache_hits, "cached": len(self._cache)}
+
+
+class RequestGrammar:
+    """One request's grammar: the shared compilation (`ready`, `error`: for the scheduler, any thread) and, on the
+    thread that runs the steps, its own matcher."""
+
+    def __init__(self, future: Future, guided: GuidedDecoding):
+        self.future = future
+        self.guided = guided
+        self._matcher = None
+        self.done = False  # terminated (the grammar's end and a stop token accepted), or failed
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done()
+
+    @property
+    def error(self) -> str | None:
+        """Why the compilation failed (a client-facing message), None when it did not (or has not finished)."""
+        if not self.future.done() or self.future.exception() is None:
+            return None
+        exc = self.future.exception()
+        return str(exc) if isinstance(exc, ValueError) else f"the output constraint failed to compile: {exc}"
+
+    @property
+    def matcher(self):
+        """Its matcher (created on first use, on the thread that runs the steps)."""
+        if self._matcher is None:
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(self.future.result())
+        return self._matcher
+
+
+class GrammarBatch:
+    """The executor's side: fills the next-token masks of a step's constrained rows, and advances their matchers by
+    the tokens sampled, each for all rows in one call (XGrammar's BatchGrammarMatcher: its own threads, no per-row
+    Python; "auto" threads: half the cores)."""
+
+    def __init__(self, threads: int | str = "auto"):
+        self.threads = threads
+        self._batch = None
+
+    def fill(self, grammars: list[RequestGrammar], masks: torch.Tensor) -> list[int]:
+        """masks[i] (int32 [n, W] on the host) := grammars[i]'s next-token mask; returns the i whose mask allows no
+        token at all."""
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], masks)
+        return (~masks.any(dim=1)).nonzero().flatten().tolist()
+
+    @staticmethod
+    def accept(grammars: list[RequestGrammar], tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Advance each grammar by its token; returns (the i whose grammar rejected its token, the i whose grammar
+        reached its end: a stop token accepted). Both are `done`."""
+        import xgrammar as xgr
+
+        accepted = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
+        rejected, ended = [], []
+        for i, (grammar, ok) in enumerate(zip(grammars, accepted)):
+            if not ok:
+                rejected.append(i)
+            elif grammar.matcher.is_terminated():
+                ended.append(i)
+            else:
+                continue
+            grammar.done = True
+        return rejected, ended
+
+
+_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
+               "choice": "choice", "grammar": "grammar"}
+
+
+def _xgrammar_message(exc: BaseException) -> str:
+    return _XGRAMMAR_LOCATION.sub("", str(exc).strip()) or repr(exc)
+
+
+# Two narrowings of what XGrammar 0.2.8 converts, so that every output is valid UTF-8 and valid JSON:
+# - its negated character classes ([^...], e.g. a JSON string's characters) and a regex's "." admit the UTF-8
+#   encodings of the surrogates U+D800..U+DFFF, which are not valid UTF-8 (a byte-level tokenizer can produce
+#   them byte by byte);
+# - it writes the characters of a length-bounded JSON string (minLength / maxLength) as [^\"\\\r\n], which admits
+#   raw control characters; JSON forbids them (its unbounded strings exclude \0-\x1f).
+# The grammar is printed, its classes narrowed, and the text parsed again.
+_BOUNDED_STRING_CHARACTERS = r'[^\"\\\r\n]'
+_SURROGATES = r"\ud800-\udfff"
+_ANY_CHARACTER = r"[\0-\U0010ffff]"  # a regex's "."
+
+
+def _narrowed(grammar, json: bool = False):
+    import xgrammar as xgr
+
+    text = str(grammar)
+    if json:
+        text = text.replace(_BOUNDED_STRING_CHARACTERS, r'[^\0-\x1f\"\\\r\n]')
+    narrowed = _exclude_surrogates(text).replace(_ANY_CHARACTER, "[^" + _SURROGATES + "]")
+    return grammar if narrowed == str(grammar) else xgr.Grammar.from_ebnf(narrowed)
+
+
+def _exclude_surrogates(ebnf: str) -> str:
+    """The printed grammar with the surrogates added to every negated character class (string literals and other
+    classes copied as they are)."""
+    out, i = [], 0
+    while i < len(ebnf):
+        c = ebnf[i]
+        if c in '"[':  # a literal or a class, up to its unescaped end
+            end = i + 1
+            while ebnf[end] != ('"' if c == '"' else "]"):
+                end += 2 if ebnf[end] == "\\" else 1
+            body = ebnf[i:end + 1]
+            out.append("[^" + _SURROGATES + body[2:] if body.startswith("[^") else body)
+            i = end + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly `choices` (vLLM's choice_as_grammar: each a quoted literal)."""
+    return "root ::= " + " | ".join(f'"{_ebnf_literal(choice)}"' for choice in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return "".join(escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)

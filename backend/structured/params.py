@@ -1,0 +1,144 @@
+"""What a request asks its output to follow: the request format, checked here, without XGrammar.
+
+A request constrains its output with one of three keys of its sampling parameters:
+
+- `guided_decoding` (vLLM's `GuidedDecodingParams`, what Triton's vLLM backend took until 25.11) or
+  `structured_outputs` (vLLM's newer name for the same, what Triton's OpenAI frontend sends since 25.11 for a
+  named or `required` tool choice), each an object or a JSON string of one (the frontend double-encodes it), with
+  exactly one of:
+      json          a JSON schema (an object, or a string of one)
+      json_object   true: any JSON object
+      regex         a regular expression the whole output matches
+      choice        a non-empty list of strings: the output is one of them
+      grammar       an EBNF grammar (XGrammar's dialect, GBNF-like; the root rule is `root`)
+  and optionally `disable_any_whitespace` (JSON without free whitespace: `{"a": 1, "b": [1, 2]}`). vLLM's other
+  fields are accepted when they ask nothing this engine does not do: `backend` / `_backend` (None, "auto" or
+  "xgrammar"), `disable_additional_properties` (JSON schemas are compiled strictly: properties not in the schema
+  are never generated), `disable_fallback`, `_backend_was_auto`, and `whitespace_pattern` / `structural_tag` only
+  when null.
+- `response_format`, OpenAI's: {"type": "text"} (no constraint), {"type": "json_object"}, or
+  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
+
+A malformed value raises ValueError naming what is wrong; the grammar itself (schema, regex, EBNF) is checked
+when it is parsed at admission (backend/structured/grammar.py), before the request is queued.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+GUIDED_KEYS = ("guided_decoding", "structured_outputs", "response_format")
+_BACKENDS = (None, "", "auto", "xgrammar")
+_BACKEND_KEYS = ("backend", "_backend")
+_IGNORED_WHEN_FALSE = ("disable_additional_properties", "disable_fallback", "_backend_was_auto", "backend_was_auto")
+_UNSUPPORTED_UNLESS_NULL = ("whitespace_pattern", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """One request's output constraint. `spec` is canonical text (a schema serialised with sorted keys, the choices
+    as a JSON list) so that equal constraints share one compiled grammar (`key`)."""
+
+    kind: str  # one of KINDS
+    spec: str
+    any_whitespace: bool = True
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.any_whitespace
+
+    @property
+    def choices(self) -> list[str]:
+        return json.loads(self.spec)
+
+
+def guided_decoding_from_sampling(params: Mapping[str, Any], where: str) -> GuidedDecoding | None:
+    """The constraint among a request's sampling parameters (the keys GUIDED_KEYS), None when it has none."""
+    given = [key for key in GUIDED_KEYS if params.get(key) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{where} gives {given}: send one output constraint")
+    if not given:
+        return None
+    key = given[0]
+    value = _json_value(params[key], f"{key} in {where}")
+    if key == "response_format":
+        return _from_response_format(value)
+    return _from_guided(value, key)
+
+
+def _json_value(value: Any, where: str) -> Any:
+    """An object, or a JSON string of one (Triton's OpenAI frontend and vLLM backend send strings)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _from_guided(value: dict, where: str) -> GuidedDecoding:
+    known = set(KINDS) | {"disable_any_whitespace", *_BACKEND_KEYS, *_IGNORED_WHEN_FALSE, *_UNSUPPORTED_UNLESS_NULL}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
+    for name in _UNSUPPORTED_UNLESS_NULL:
+        if value.get(name) is not None:
+            raise ValueError(f"{where}: {name} is not supported (use disable_any_whitespace for compact JSON)")
+    for name in _BACKEND_KEYS:
+        if value.get(name) not in _BACKENDS:
+            raise ValueError(f"{where}: {name} must be 'xgrammar' or 'auto' (XGrammar is the one here), "
+                             f"got {value[name]!r}")
+    disable_whitespace = value.get("disable_any_whitespace") or False
+    if not isinstance(disable_whitespace, bool):
+        raise ValueError(f"{where}: disable_any_whitespace must be a boolean, got {disable_whitespace!r}")
+    kinds = [kind for kind in KINDS if value.get(kind) is not None and value.get(kind) is not False]
+    if len(kinds) != 1:
+        raise ValueError(f"{where} must give exactly one of {list(KINDS)}, got "
+                         f"{kinds if kinds else 'none'}")
+    kind = kinds[0]
+    return GuidedDecoding(kind, _spec(kind, value[kind], where), any_whitespace=not disable_whitespace)
+
+
+def _spec(kind: str, value: Any, where: str) -> str:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: json is not a valid JSON schema text: {exc}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError(f"{where}: json must be a JSON schema (an object), got {type(value).__name__}")
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    if kind == "json_object":
+        if value is not True:
+            raise ValueError(f"{where}: json_object must be true, got {value!r}")
+        return ""
+    if kind == "choice":
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"{where}: choice must be a non-empty list of strings, got {value!r}")
+        if not all(isinstance(c, str) and c for c in value):
+            raise ValueError(f"{where}: every choice must be a non-empty string, got {value!r}")
+        return json.dumps(value)
+    if not isinstance(value, str) or not value:  # regex, grammar
+        raise ValueError(f"{where}: {kind} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _from_response_format(value: dict) -> GuidedDecoding | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedDecoding("json_object", "")
+    if kind == "json_schema":
+        body = value.get("json_schema")
+        if not isinstance(body, dict) or body.get("schema") is None:
+            raise ValueError("response_format of type json_schema needs json_schema.schema (the JSON schema)")
+        return GuidedDecoding("json", _spec("json", body["schema"], "response_format.json_schema"))
+    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")

@@ -1,0 +1,118 @@
+"""The grammar service (backend/structured/grammar.py) with real XGrammar: parsing refuses bad grammars with
+XGrammar's message, compilation is cached and shared, a constraint the tokenizer cannot produce is refused, and
+the compiled grammars never admit invalid UTF-8 or raw control characters in JSON strings."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import xgrammar as xgr
+
+from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarService, choice_grammar
+from backend.structured.params import GuidedDecoding
+
+from .conftest import TINY_TOKENIZER, guided
+
+
+@pytest.fixture
+def service():
+    grammars = GrammarService(TINY_TOKENIZER, vocab_size=512, stop_token_ids=[1])
+    yield grammars
+    grammars.close()
+
+
+@pytest.mark.parametrize("constraint,message", [
+    ({"json": {"type": "foo"}}, 'invalid JSON schema: Unsupported type "foo"'),
+    ({"json": {"$ref": "#/nowhere"}}, "invalid JSON schema"),
+    ({"regex": "a(b"}, "invalid regex: Regex parsing error at position"),
+    ({"grammar": "root ::= missing"}, 'invalid grammar: EBNF parser error at line 1, column 10: Rule "missing"'),
+    ({"grammar": 'start ::= "a"'}, "invalid grammar"),
+])
+def test_an_invalid_grammar_is_refused_at_once_with_xgrammars_message(service, constraint, message):
+    with pytest.raises(ValueError) as error:
+        service.prepare(guided(constraint))
+    assert str(error.value).startswith(message) and ".cc:" not in str(error.value)
+    assert service.stats()["compiled"] == 0
+
+
+def test_a_repeated_constraint_compiles_once_and_concurrent_requests_share_it(service):
+    schema = guided({"json": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}})
+    start = threading.Barrier(8)
+    grammars = []
+
+    def arrive():
+        start.wait()
+        grammars.append(service.prepare(schema))
+
+    threads = [threading.Thread(target=arrive) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(g.future) for g in grammars}) == 1
+    grammars[0].future.result(timeout=30)
+    assert service.stats() == {"compiled": 1, "cache_hits": 7, "cached": 1}  # one compiles, seven share it
+    assert service.prepare(schema).ready  # a hit on a finished compilation is ready at once
+
+
+def test_the_cache_keeps_the_most_recently_used_entries(tmp_path):
+    service = GrammarService(TINY_TOKENIZER, vocab_size=512, stop_token_ids=[1], cache_entries=2)
+    try:
+        first, second, third = (guided({"regex": r}) for r in ("a+", "b+", "c+"))
+        for constraint in (first, second, first, third):  # `second` is the least recently used when `third` comes
+            service.prepare(constraint).future.result(timeout=30)
+        service.prepare(first)
+        assert service.stats() == {"compiled": 3, "cache_hits": 2, "cached": 2}
+        service.prepare(second).future.result(timeout=30)  # evicted: compiled again
+        assert service.stats()["compiled"] == 4
+    finally:
+        service.close()
+
+
+def test_a_constraint_the_tokenizer_cannot_produce_fails_and_is_then_refused_at_once(tmp_path):
+    """A word-level tokenizer with the tokens "a", "b": nothing can start "c"."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    path = tmp_path / "tokenizer.json"
+    Tokenizer(WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="</s>")).save(str(path))
+    service = GrammarService(path, vocab_size=3, stop_token_ids=[2])
+    try:
+        grammar = service.prepare(guided({"regex": "c"}))
+        with pytest.raises(ValueError, match=NO_TOKEN_CAN_FOLLOW):
+            grammar.future.result(timeout=30)
+        assert grammar.error == NO_TOKEN_CAN_FOLLOW
+        with pytest.raises(ValueError, match=NO_TOKEN_CAN_FOLLOW):
+            service.prepare(guided({"regex": "c"}))
+        assert service.prepare(guided({"regex": "ab"})).future.result(timeout=30) is not None
+    finally:
+        service.close()
+
+
+def _matches(service, constraint: GuidedDecoding, text: bytes) -> bool:
+    matcher = xgr.GrammarMatcher(service.prepare(constraint).future.result(timeout=30))
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_json_strings_never_hold_surrogates_or_raw_control_characters(service):
+    """XGrammar 0.2.8 admits both (surrogates in every string, control characters in length-bounded ones); the
+    service narrows its grammars so that outputs are valid UTF-8 and valid JSON."""
+    for schema in ({"type": "string"}, {"type": "string", "maxLength": 5}, {"type": "string", "minLength": 1}):
+        constraint = guided({"json": schema})
+        assert _matches(service, constraint, '"ok é"'.encode())
+        assert not _matches(service, constraint, b'"\xed\xa1\xad"')  # U+D86D, a surrogate
+        assert not _matches(service, constraint, b'"a\x01"')
+    assert _matches(service, guided({"json": {"type": "string"}}), b'"\\n"')  # escapes stay allowed
+    for regex in ("[^a]+", ".+"):
+        constraint = guided({"regex": regex})
+        assert _matches(service, constraint, "xé".encode()) and not _matches(service, constraint, b"\xed\xa1\xad")
+
+
+def test_choice_grammar_matches_exactly_the_choices_escapes_included(service):
+    choices = ['say "hi"', "back\\slash", "two\nlines", "tab\t", "plain"]
+    assert choice_grammar(["a", 'b"c']) == 'root ::= "a" | "b\\"c"'
+    constraint = guided({"choice": choices})
+    for choice in choices:
+        assert _matches(service, constraint, choice.encode())
+    assert not _matches(service, constraint, b"plai") and not _matches(service, constraint, b"plainer")

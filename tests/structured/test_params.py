@@ -1,0 +1,85 @@
+"""The output-constraint request format (backend/structured/params.py): vLLM's guided_decoding /
+structured_outputs as objects and as the JSON strings Triton's OpenAI frontend and vLLM backend send, OpenAI's
+response_format, and a clear error for each malformed form."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.request import SamplingParams
+from backend.structured.params import GuidedDecoding
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _guided(params: dict) -> GuidedDecoding | None:
+    return SamplingParams.from_dict(params).guided_decoding
+
+
+@pytest.mark.parametrize("key", ["guided_decoding", "structured_outputs"])
+def test_each_kind_as_an_object_and_as_a_json_string(key):
+    cases = {"json": SCHEMA, "regex": "[a-z]+", "choice": ["yes", "no"], "grammar": 'root ::= "a"', "json_object": True}
+    for kind, value in cases.items():
+        as_object = _guided({key: {kind: value}})
+        as_string = _guided({key: json.dumps({kind: value})})
+        assert as_object == as_string and as_object.kind == kind
+
+
+def test_the_openai_frontends_double_encoded_structured_outputs():
+    """What Triton's OpenAI frontend sends for a named tool choice (vLLM path, 25.11 on): the schema as a string
+    inside asdict(StructuredOutputsParams(json=...)) as a string inside sampling_parameters."""
+    params = {"json": json.dumps(SCHEMA), "regex": None, "choice": None, "grammar": None, "json_object": None,
+              "disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None,
+              "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+    sampling = json.loads(json.dumps({"temperature": 0, "max_tokens": 16, "structured_outputs": json.dumps(params)}))
+    guided = SamplingParams.from_dict(sampling).guided_decoding
+    assert guided == GuidedDecoding("json", json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")))
+
+
+def test_equal_schemas_share_a_key_whatever_their_key_order_or_form():
+    reordered = {"required": ["a"], "properties": {"a": {"type": "integer"}}, "type": "object"}
+    assert _guided({"guided_decoding": {"json": SCHEMA}}).key == _guided(
+        {"guided_decoding": {"json": json.dumps(reordered)}}).key
+    compact = _guided({"guided_decoding": {"json": SCHEMA, "disable_any_whitespace": True}})
+    assert compact.key != _guided({"guided_decoding": {"json": SCHEMA}}).key and not compact.any_whitespace
+
+
+def test_response_format():
+    assert _guided({"response_format": {"type": "text"}}) is None
+    assert _guided({"response_format": {"type": "json_object"}}).kind == "json_object"
+    schema = _guided({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                                  "strict": True}}})
+    assert schema == _guided({"guided_decoding": {"json": SCHEMA}})
+
+
+def test_no_constraint_is_none():
+    assert SamplingParams.from_dict({"max_tokens": 4}).guided_decoding is None
+    assert _guided({"guided_decoding": None}) is None
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"guided_decoding": {"json": SCHEMA, "regex": "a"}}, "exactly one of"),
+    ({"guided_decoding": {}}, "exactly one of"),
+    ({"guided_decoding": {"choice": []}}, "non-empty list"),
+    ({"guided_decoding": {"choice": ["a", ""]}}, "non-empty string"),
+    ({"guided_decoding": {"choice": "a"}}, "non-empty list"),
+    ({"guided_decoding": {"regex": ""}}, "non-empty string"),
+    ({"guided_decoding": {"json": "{not json"}}, "not a valid JSON schema text"),
+    ({"guided_decoding": {"json": [1]}}, "must be a JSON schema"),
+    ({"guided_decoding": {"json_object": "yes"}}, "json_object must be true"),
+    ({"guided_decoding": "{oops"}, "not valid JSON"),
+    ({"guided_decoding": [1]}, "must be a JSON object"),
+    ({"guided_decoding": {"regex": "a", "whitespace_pattern": " *"}}, "whitespace_pattern is not supported"),
+    ({"guided_decoding": {"regex": "a", "structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "backend must be"),
+    ({"guided_decoding": {"regex": "a", "disable_any_whitespace": "no"}}, "must be a boolean"),
+    ({"guided_decoding": {"regex": "a", "colour": 1}}, "unknown key"),
+    ({"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}, "send one output constraint"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+])
+def test_malformed_constraints_are_refused_with_a_message_naming_the_problem(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.from_dict(params)
