@@ -71,6 +71,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 from backend.structured.grammar import GrammarService  # noqa: E402
 from backend.structured.params import guided_decoding_from_sampling  # noqa: E402
+from scripts.bench_host_overhead import spread  # noqa: E402
 from scripts.structured_schemas import LONG_TEXT, SCHEMAS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "structured"
@@ -89,10 +90,6 @@ def params(max_tokens: int, constrained: bool) -> SamplingParams:
     if constrained:
         values["guided_decoding"] = {"json": LONG_TEXT}
     return SamplingParams.from_dict(values)
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 def p90(values: list[float]) -> float:
