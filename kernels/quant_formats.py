@@ -52,3 +52,73 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
     values = torch.stack((table[low], table[high]), dim=-1).flatten(-2)  # [N, K]: low nibble = even k
     return values * scale_to_float(scale).repeat_interleave(MXFP4_BLOCK, -1)
+
+
+# --- DeepSeek's activation quantizers (the semantics of its inference/kernel.py) -----------------------------------
+# What DeepSeek's own inference rounds activations to, as quantization-aware training saw it (facts and sources:
+# shared docs, deepseek-v4-reference-numerics.md). Each group of `block` values along the last dimension gets a
+# power-of-two scale s = 2^ceil(log2(amax * (1 / MAX))), computed from the float32 bits as DeepSeek's
+# fast_round_scale does (the float32 product by the float32 constant 1 / MAX, then exponent - 127 + (mantissa != 0)),
+# with amax floored (1e-4 for e4m3, 6 * 2^-126 for e2m1); the values are clamp(x / s, -MAX, MAX) rounded to the
+# format with round-to-nearest-even. "Simulated" (DeepSeek's inplace=True) returns the rounded value times s in x's
+# dtype; every such value is exact in bf16.
+
+FP8_ACT_BLOCK = 128  # linears' inputs
+KV_FP8_BLOCK = 64  # the attention entries' non-rotary dims
+FP4_MAX = 6.0
+_AMAX_FLOOR = {"e4m3": 1e-4, "e2m1": 6.0 * 2.0 ** -126}
+_MAX = {"e4m3": E4M3_MAX, "e2m1": FP4_MAX}
+
+
+def power_of_two_scale(amax: torch.Tensor, max_value: float) -> torch.Tensor:
+    """2^ceil(log2(amax * fl32(1 / max_value))) from the float32 bits (DeepSeek's fast_round_scale), float32. Exact
+    for a normal product, which the amax floors guarantee (a subnormal one would give 2^-126)."""
+    product = (amax.to(torch.float32) * torch.tensor(1.0 / max_value, dtype=torch.float32)).contiguous()
+    bits = product.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return ((exponent + 127) << 23).view(torch.float32)
+
+
+def round_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """float32 values in [-6, 6] rounded to the nearest e2m1 value {0, 0.5, 1, 1.5, 2, 3, 4, 6} (ties to the even
+    code, as the hardware's cvt.rn): within each binade the grid is evenly spaced, and an even multiple of its
+    spacing is an even code."""
+    magnitude = values.abs()
+    step = torch.where(magnitude < 2.0, 0.5, torch.where(magnitude < 4.0, 1.0, 2.0))
+    return torch.copysign(torch.round(magnitude / step) * step, values)  # torch.round: half to even
+
+
+def quantize_groups(x: torch.Tensor, block: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values on the format's grid as float32 [..., N], power-of-two scales float32 [..., N / block]): DeepSeek's
+    act_quant (fmt "e4m3", scale_fmt ue8m0) or fp4_act_quant (fmt "e2m1") of x [..., N]."""
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dimension ({x.shape[-1]}) must be a multiple of the block ({block})")
+    groups = x.to(torch.float32).unflatten(-1, (-1, block))
+    amax = groups.abs().amax(-1).clamp(min=_AMAX_FLOOR[fmt])
+    scale = power_of_two_scale(amax, _MAX[fmt])
+    limit = _MAX[fmt]
+    scaled = (groups / scale.unsqueeze(-1)).clamp(-limit, limit)
+    grid = scaled.to(torch.float8_e4m3fn).to(torch.float32) if fmt == "e4m3" else round_e2m1(scaled)
+    return grid.flatten(-2), scale
+
+
+def simulate_quantization(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor:
+    """x rounded as DeepSeek's inference rounds it in place (act_quant / fp4_act_quant with inplace=True): each
+    value replaced by its quantized value times its group's scale, in x's dtype."""
+    grid, scale = quantize_groups(x, block, fmt)
+    return (grid.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's rotate_activation: the Sylvester-ordered Hadamard transform of the last dimension (a power of
+    two) scaled by its size^-1/2, computed in float32 and rounded once to x's dtype (fast_hadamard_transform)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"the Hadamard rotation needs a power-of-two width, got {n}")
+    y = x.to(torch.float32).reshape(-1, n)
+    h = 1
+    while h < n:  # butterflies: pairs (i, i + h) within blocks of 2h
+        pairs = y.view(-1, n // (2 * h), 2, h)
+        y = torch.cat((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=-1).view(-1, n)
+        h *= 2
+    return (y * n ** -0.5).view(x.shape).to(x.dtype)

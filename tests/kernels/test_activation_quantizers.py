@@ -1,0 +1,101 @@
+"""DeepSeek's activation quantizers (kernels/quant_formats.py: act_quant and fp4_act_quant semantics, the Hadamard
+rotation) against the formulas of DeepSeek's inference, written out independently here, at the edges: zero
+blocks, amax at exact powers of two, ties, values in e4m3's subnormal range, and the amax floors that keep every
+scale a normal float."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.quant_formats import (FP4_MAX, FP4_VALUES, hadamard_rotate, power_of_two_scale, quantize_groups,
+                                   round_e2m1, simulate_quantization)
+
+INV = {m: float(torch.tensor(1 / m, dtype=torch.float32)) for m in (448.0, 6.0)}  # the kernel's float32 constants
+
+
+def _scale_by_formula(amax: float, max_value: float) -> float:
+    """2^ceil(log2(fl32(amax * fl32(1/max)))) with Python's exact arithmetic on the float32 product."""
+    product = float(torch.tensor(amax, dtype=torch.float32) * torch.tensor(INV[max_value], dtype=torch.float32))
+    mantissa, exponent = math.frexp(product)  # product = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return 2.0 ** (exponent - 1 if mantissa == 0.5 else exponent)
+
+
+@pytest.mark.parametrize("max_value", [448.0, 6.0])
+def test_power_of_two_scale_is_the_ceiling_power_of_two_of_the_float32_product(max_value):
+    """Over the amaxes the quantizers pass (at or above their floors, so the product is a normal float)."""
+    generator = torch.Generator().manual_seed(0)
+    lowest = math.log2(1e-4) if max_value == 448.0 else math.log2(6.0) - 126
+    magnitudes = torch.exp2(torch.empty(2000).uniform_(lowest, 100, generator=generator))
+    exact = torch.tensor([max_value * 2.0 ** k for k in range(-20, 20)])  # amax at exact powers of two of MAX
+    neighbours = torch.cat([exact.nextafter(torch.tensor(0.0)), exact.nextafter(torch.tensor(math.inf))])
+    for amax in torch.cat([magnitudes, exact, neighbours]).tolist():
+        assert power_of_two_scale(torch.tensor([amax]), max_value).item() == _scale_by_formula(amax, max_value), amax
+    assert power_of_two_scale(exact, max_value).tolist() == [2.0 ** k for k in range(-20, 20)]
+
+
+def test_e2m1_rounds_to_the_nearest_value_ties_to_the_even_code():
+    grid = torch.tensor(FP4_VALUES[:8])
+    ties = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0}
+    for value, expected in ties.items():
+        assert round_e2m1(torch.tensor([value, -value])).tolist() == [expected, -expected]
+    values = torch.linspace(-FP4_MAX, FP4_MAX, 4801)
+    got = round_e2m1(values)
+    distance = (values.abs()[:, None] - grid).abs()
+    nearest = grid[distance.argmin(-1)]
+    is_tie = (distance.sort(-1).values[:, :2].diff(dim=-1).squeeze(-1) == 0)
+    assert torch.equal(got.abs()[~is_tie], nearest[~is_tie]) and torch.equal(got.sign(), values.sign() * (got != 0))
+
+
+def test_e4m3_rounding_is_round_to_nearest_even_including_its_subnormals():
+    """A group whose amax is 448 has scale 1: the other values round on e4m3's own grid (2^-9 steps below 2^-6)."""
+    values = torch.tensor([448.0, 0.5 + 2**-5, 0.5 + 3 * 2**-5, 3 * 2**-10, 5 * 2**-10, 2**-10, 2**-11] + [0.0] * 57)
+    grid, scale = quantize_groups(values[None], 64, "e4m3")
+    assert scale.tolist() == [[1.0]]
+    assert grid[0, :7].tolist() == [448.0, 0.5, 0.625, 2 * 2**-9, 2 * 2**-9, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("fmt,block", [("e4m3", 64), ("e4m3", 128), ("e2m1", 32)])
+def test_zero_blocks_and_the_floors_keep_scales_normal(fmt, block):
+    zeros = torch.zeros(2, block)
+    grid, scale = quantize_groups(zeros, block, fmt)
+    floor_scale = 2.0 ** -22 if fmt == "e4m3" else 2.0 ** -126  # 1e-4 / 448 -> 2^-22; 6 * 2^-126 / 6 -> 2^-126
+    assert torch.equal(grid, zeros) and scale.tolist() == [[floor_scale]] * 2
+    tiny = torch.full((1, block), 1e-38)  # below the floor: the floor's scale, a normal float
+    assert quantize_groups(tiny, block, fmt)[1].item() == floor_scale and floor_scale >= torch.finfo(torch.float32).tiny
+
+
+@pytest.mark.parametrize("fmt,block,max_value", [("e4m3", 64, 448.0), ("e2m1", 32, 6.0)])
+def test_a_group_whose_amax_is_max_times_a_power_of_two_keeps_it_exactly(fmt, block, max_value):
+    for k in (-8, 0, 5):
+        x = torch.zeros(1, block)
+        x[0, 3], x[0, 7] = max_value * 2.0**k, -max_value * 2.0**k / 2
+        grid, scale = quantize_groups(x, block, fmt)
+        assert scale.item() == 2.0**k and grid[0, 3].item() == max_value and grid[0, 7].item() == -max_value / 2
+        assert torch.equal(simulate_quantization(x, block, fmt), x)
+
+
+@pytest.mark.parametrize("fmt,block", [("e4m3", 64), ("e2m1", 32)])
+def test_simulated_values_are_exact_in_bf16_and_requantize_to_themselves(fmt, block):
+    x = (torch.randn(16, 4 * block, generator=torch.Generator().manual_seed(1)) *
+         torch.exp2(torch.randint(-20, 20, (16, 1)).float())).to(torch.bfloat16)
+    once = simulate_quantization(x, block, fmt)
+    assert once.dtype == torch.bfloat16
+    assert torch.equal(simulate_quantization(x.float(), block, fmt), once.float())  # exact: the same in fp32
+    assert torch.equal(simulate_quantization(once, block, fmt), once)
+
+
+def test_hadamard_rotation_is_the_scaled_sylvester_matrix_and_its_own_inverse():
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < 128:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(2), dtype=torch.float64).float()
+    torch.testing.assert_close(hadamard_rotate(x), (x.double() @ hadamard.double().T * 128**-0.5).float(),
+                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(hadamard_rotate(hadamard_rotate(x)), x, rtol=1e-5, atol=1e-5)
+    bf16 = x.to(torch.bfloat16)
+    assert torch.equal(hadamard_rotate(bf16), hadamard_rotate(bf16.float()).to(torch.bfloat16))  # one rounding
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_rotate(torch.zeros(2, 96))
