@@ -122,3 +122,82 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
         y = torch.cat((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=-1).view(-1, n)
         h *= 2
     return (y * n ** -0.5).view(x.shape).to(x.dtype)
+
+
+# --- the KV cache as DeepSeek's model was trained for it (kv_cache_dtype fp8) ---------------------------------------
+# An attention entry (window, CSA, HCA) of D = nope + rope values, rope the trailing rope_dim: the nope values as
+# e4m3 bytes with one ue8m0 scale per 64 (DeepSeek's act_quant on kv[..., :-rope_dim], block 64), the rope values
+# kept as bf16, the scales last, padded to 8 bytes. V4 (D 512, rope 64): 448 + 128 + 7 + 1 = 584 bytes, as vLLM
+# stores it, against 1,024 in bf16. An indexer key of Di values: Di / 2 bytes of e2m1 pairs (low nibble = even
+# index, as the MXFP4 weights) after the Hadamard rotation, then one ue8m0 scale per 32: V4 (Di 128) 68 bytes
+# against 256. A ue8m0 byte b means 2^(b - 127).
+
+def kv_fp8_entry_bytes(head_dim: int, rope_dim: int) -> int:
+    nope = _check_nope(head_dim, rope_dim)
+    return nope + 2 * rope_dim + _padded8(nope // KV_FP8_BLOCK)
+
+
+def indexer_fp4_entry_bytes(head_dim: int) -> int:
+    if head_dim % MXFP4_BLOCK:
+        raise ValueError(f"an FP4 indexer key needs a width divisible by {MXFP4_BLOCK}, got {head_dim}")
+    return head_dim // 2 + head_dim // MXFP4_BLOCK
+
+
+def pack_kv_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """uint8 entries [..., kv_fp8_entry_bytes] from entries kv [..., D] (bf16 or fp32; the rope values must be
+    bf16-exact). The nope values are quantized here; storing values DeepSeek's simulation already rounded is exact."""
+    nope = _check_nope(kv.shape[-1], rope_dim)
+    grid, scale = quantize_groups(kv[..., :nope], KV_FP8_BLOCK, "e4m3")
+    scales = torch.zeros(*kv.shape[:-1], _padded8(nope // KV_FP8_BLOCK), dtype=torch.uint8, device=kv.device)
+    scales[..., :scale.shape[-1]] = _e8m0_bytes(scale)
+    rope = kv[..., nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return torch.cat([grid.to(torch.float8_e4m3fn).view(torch.uint8), rope, scales], dim=-1)
+
+
+def unpack_kv_fp8(entries: torch.Tensor, head_dim: int, rope_dim: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Entries [..., D] in `dtype` from pack_kv_fp8's bytes."""
+    nope = _check_nope(head_dim, rope_dim)
+    values = entries[..., :nope].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    rope = entries[..., nope:nope + 2 * rope_dim].contiguous().view(torch.bfloat16).to(torch.float32)
+    scale = _from_e8m0(entries[..., nope + 2 * rope_dim:nope + 2 * rope_dim + nope // KV_FP8_BLOCK])
+    scaled = (values.unflatten(-1, (-1, KV_FP8_BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
+    return torch.cat([scaled, rope], dim=-1).to(dtype)
+
+
+def pack_indexer_fp4(keys: torch.Tensor) -> torch.Tensor:
+    """uint8 entries [..., Di / 2 + Di / 32] from indexer keys [..., Di] already rotated (hadamard_rotate)."""
+    width = keys.shape[-1]
+    indexer_fp4_entry_bytes(width)
+    grid, scale = quantize_groups(keys, MXFP4_BLOCK, "e2m1")
+    magnitude = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=keys.device)
+    codes = (grid.abs().unsqueeze(-1) == magnitude).to(torch.uint8).argmax(-1).to(torch.uint8)
+    codes |= (torch.signbit(grid).to(torch.uint8) << 3)
+    return torch.cat([codes[..., 0::2] | (codes[..., 1::2] << 4), _e8m0_bytes(scale)], dim=-1)
+
+
+def unpack_indexer_fp4(entries: torch.Tensor, head_dim: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Indexer keys [..., Di] in `dtype` from pack_indexer_fp4's bytes."""
+    half = head_dim // 2
+    values = dequantize_mxfp4(entries[..., :half].reshape(-1, half), entries[..., half:].reshape(-1, head_dim // 32))
+    return values.view(*entries.shape[:-1], head_dim).to(dtype)
+
+
+def _check_nope(head_dim: int, rope_dim: int) -> int:
+    nope = head_dim - rope_dim
+    if nope <= 0 or nope % KV_FP8_BLOCK:
+        raise ValueError(f"the fp8 KV layout needs head_dim - rope_dim to be a positive multiple of {KV_FP8_BLOCK} "
+                         f"(DeepSeek-V4: 512 - 64), got {head_dim} - {rope_dim}")
+    return nope
+
+
+def _padded8(count: int) -> int:
+    return -(-count // 8) * 8
+
+
+def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales as ue8m0 bytes (the biased exponent)."""
+    return ((scale.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+
+
+def _from_e8m0(codes: torch.Tensor) -> torch.Tensor:
+    return (codes.to(torch.int32) << 23).view(torch.float32)

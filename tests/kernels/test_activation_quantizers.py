@@ -1,7 +1,7 @@
 """DeepSeek's activation quantizers (kernels/quant_formats.py: act_quant and fp4_act_quant semantics, the Hadamard
 rotation) against the formulas of DeepSeek's inference, written out independently here, at the edges: zero
 blocks, amax at exact powers of two, ties, values in e4m3's subnormal range, and the amax floors that keep every
-scale a normal float."""
+scale a normal float; and the fp8 KV entry / FP4 indexer key byte layouts (what they store, exactly)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,45 @@ def test_hadamard_rotation_is_the_scaled_sylvester_matrix_and_its_own_inverse():
     assert torch.equal(hadamard_rotate(bf16), hadamard_rotate(bf16.float()).to(torch.bfloat16))  # one rounding
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_rotate(torch.zeros(2, 96))
+
+
+def test_the_fp8_kv_entry_is_584_bytes_and_stores_deepseeks_rounded_values_exactly():
+    from kernels.quant_formats import kv_fp8_entry_bytes, pack_kv_fp8, unpack_kv_fp8
+
+    assert kv_fp8_entry_bytes(512, 64) == 584  # 448 e4m3 + 64 bf16 + 7 scales + 1 pad, as vLLM stores V4's
+    kv = (torch.randn(3, 4, 512, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    rounded = torch.cat([simulate_quantization(kv[..., :448], 64, "e4m3"), kv[..., 448:]], dim=-1)
+    entries = pack_kv_fp8(rounded, rope_dim=64)
+    assert entries.shape == (3, 4, 584) and entries.dtype == torch.uint8
+    assert torch.equal(unpack_kv_fp8(entries, 512, 64), rounded)  # DeepSeek's values: stored without loss
+    assert torch.equal(unpack_kv_fp8(pack_kv_fp8(kv, 64), 512, 64), rounded)  # quantized on write, the same
+    assert torch.equal(entries[..., 448:576].contiguous().view(torch.bfloat16), kv[..., 448:])  # rope: bf16 as is
+    assert entries[..., 583].eq(0).all()  # the pad byte
+    unit = torch.zeros(1, 512)
+    unit[0, :448] = 448.0  # every group's scale is 2^0: ue8m0 byte 127
+    assert pack_kv_fp8(unit, 64)[0, 576:583].tolist() == [127] * 7
+
+
+def test_the_fp4_indexer_key_is_68_bytes_and_stores_rotated_rounded_keys_exactly():
+    from kernels.quant_formats import dequantize_mxfp4, indexer_fp4_entry_bytes, pack_indexer_fp4, unpack_indexer_fp4
+
+    assert indexer_fp4_entry_bytes(128) == 68  # 64 bytes of e2m1 pairs + 4 ue8m0 scales, against 256 in bf16
+    keys = hadamard_rotate(torch.randn(6, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
+    rounded = simulate_quantization(keys, 32, "e2m1")
+    entries = pack_indexer_fp4(rounded)
+    assert entries.shape == (6, 68) and torch.equal(unpack_indexer_fp4(entries, 128), rounded)
+    assert torch.equal(unpack_indexer_fp4(pack_indexer_fp4(keys), 128), rounded)
+    # The same nibble order and scales as the MXFP4 weights (low nibble: the even index).
+    assert torch.equal(dequantize_mxfp4(entries[:, :64], entries[:, 64:]), rounded.float())
+    pair = torch.zeros(1, 32)
+    pair[0, 0], pair[0, 1] = 0.5, -6.0  # codes 1 and 8 | 7, scale 2^0
+    assert pack_indexer_fp4(pair)[0, 0].item() == 1 | (15 << 4)
+
+
+def test_layouts_that_cannot_apply_are_refused_with_the_widths():
+    from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
+
+    with pytest.raises(ValueError, match="multiple of 64.*64 - 16"):
+        kv_fp8_entry_bytes(64, 16)  # the built-in checkpoint's widths
+    with pytest.raises(ValueError, match="divisible by 32"):
+        indexer_fp4_entry_bytes(48)
