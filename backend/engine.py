@@ -181,6 +181,10 @@ class LLMEngine:
             "grammars": self.grammars.stats(),
         }
 
+    def take_grammar_compile_seconds(self) -> list[float]:
+        """Structured outputs: the grammar compile times recorded since the last call (any thread)."""
+        return self.grammars.take_compile_seconds()
+
     # --- offline use --------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[dict]:
         """Submit every prompt at once (so they batch), run to completion on this thread."""

@@ -50,7 +50,6 @@ class TritonAdapter:
         self.pb = pb_utils
         self.final_flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         self.metrics = ServingMetrics(pb_utils, model_name)
-        engine.grammars.on_compiled = self.metrics.grammar_compile.observe
         self.logger = pb_utils.Logger
         self.poll_s, self.stats_s = poll_s, stats_s
         self.model_name = model_name
@@ -185,6 +184,7 @@ class TritonAdapter:
         try:
             stats = self.engine.stats()
             self.metrics.update(stats)
+            self.metrics.on_grammar_compiles(self.engine.take_grammar_compile_seconds())
         except Exception as exc:
             self.logger.log_warn(f"[dsv4] engine.stats() failed: {exc}")
             return

@@ -87,7 +87,6 @@ class ServingMetrics:
         self._counted: dict[tuple, float] = {}  # last cumulative value seen, per counter series
         self.ttft = self._metric("dsv4_time_to_first_token_seconds", buckets=TTFT_BUCKETS)
         self.itl = self._metric("dsv4_inter_token_latency_seconds", buckets=ITL_BUCKETS)
-        # Observed by the engine's grammar service as each compilation ends (on its thread).
         self.grammar_compile = self._metric("dsv4_grammar_compile_seconds", buckets=GRAMMAR_COMPILE_BUCKETS)
 
     def _metric(self, family: str, buckets: list[float] | None = None, **labels: str):
@@ -101,6 +100,11 @@ class ServingMetrics:
     def on_tokens(self, timer: RequestTimer) -> None:
         kind, seconds = timer.tick()
         (self.ttft if kind == "ttft" else self.itl).observe(seconds)
+
+    def on_grammar_compiles(self, seconds: list[float]) -> None:
+        """The compilations that ended since the last call (LLMEngine.take_grammar_compile_seconds)."""
+        for value in seconds:
+            self.grammar_compile.observe(value)
 
     def on_finished(self, finish_reason: str) -> None:
         self._metric("dsv4_requests_finished_total", finish_reason=str(finish_reason)).increment(1)

@@ -265,14 +265,23 @@ def response_arrays(
     }
 
 
+# JSON has no -Infinity (and Triton's HTTP endpoints write tensors as JSON): a token the distribution excludes (cut by
+# top-k / top-p / min-p, or not allowed by an output constraint) is reported as vLLM's OpenAI server reports it.
+MIN_REPORTED_LOGPROB = -9999.0
+
+
+def _reported_logprob(value: float) -> float:
+    return max(value, MIN_REPORTED_LOGPROB)
+
+
 def logprob_arrays(logprobs: list, top_logprobs: int) -> dict[str, np.ndarray]:
     """output_logprobs FP32 [n] (one per token id), and with top_logprobs = k > 0 output_top_logprob_ids INT32 [n, k]
     and output_top_logprobs FP32 [n, k] (best first); `logprobs` holds a TokenLogprobs per token."""
-    arrays = {"output_logprobs": np.array([lp.logprob for lp in logprobs], dtype=np.float32)}
+    arrays = {"output_logprobs": np.array([_reported_logprob(lp.logprob) for lp in logprobs], dtype=np.float32)}
     if top_logprobs:
         arrays["output_top_logprob_ids"] = np.array([[t for t, _ in lp.top] for lp in logprobs],
                                                     dtype=np.int32).reshape(-1, top_logprobs)
-        arrays["output_top_logprobs"] = np.array([[v for _, v in lp.top] for lp in logprobs],
+        arrays["output_top_logprobs"] = np.array([[_reported_logprob(v) for _, v in lp.top] for lp in logprobs],
                                                  dtype=np.float32).reshape(-1, top_logprobs)
     return arrays
 
@@ -283,9 +292,10 @@ def vllm_logprobs_json(token_ids: list[int], logprobs: list, tokenizer) -> np.nd
     (rank 1 = most likely)."""
     entries = []
     for token, lp in zip(token_ids, logprobs):
-        entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": tokenizer.decode([t])}
+        entry = {str(t): {"logprob": _reported_logprob(v), "rank": rank, "decoded_token": tokenizer.decode([t])}
                  for rank, (t, v) in enumerate(lp.top, start=1)}
-        entry[str(token)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": tokenizer.decode([token])}
+        entry[str(token)] = {"logprob": _reported_logprob(lp.logprob), "rank": lp.rank,
+                             "decoded_token": tokenizer.decode([token])}
         entries.append(entry)
     return np.array([json.dumps(entries).encode("utf-8")], dtype=np.object_)
 

@@ -28,7 +28,6 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +59,7 @@ class GrammarService:
         self._compiler_lock = threading.Lock()
         self.num_compiled = 0
         self.num_cache_hits = 0
-        self.on_compiled: Callable[[float], None] | None = None  # seconds per compilation (a metrics histogram)
+        self._compile_seconds: list[float] = []  # not yet taken (take_compile_seconds: a metrics histogram)
 
     def prepare(self, guided: GuidedDecoding) -> "RequestGrammar":
         """A request's grammar: its compilation shared through the cache. Raises ValueError for an invalid
@@ -72,11 +71,19 @@ class GrammarService:
                 self.num_cache_hits += 1
         if future is None:
             future = self._compile_later(guided)
-        if future.done() and future.exception() is not None:
-            raise ValueError(str(future.exception()))
-        return RequestGrammar(future, guided)
+        grammar = RequestGrammar(future, guided)
+        if grammar.error is not None:
+            raise ValueError(grammar.error)
+        return grammar
+
+    def take_compile_seconds(self) -> list[float]:
+        """The compile times recorded since the last call (each compilation's, once)."""
+        with self._lock:
+            taken, self._compile_seconds = self._compile_seconds, []
+        return taken
 
     def close(self) -> None:
+        """Stop compiling: pending compilations are cancelled (their requests end with an error)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- compilation ----------------------------------------------------------------------------------------
@@ -87,7 +94,7 @@ class GrammarService:
             if future is not None:
                 self.num_cache_hits += 1
             else:
-                future = self._pool.submit(self._compile, grammar)
+                future = self._pool.submit(self._compile, grammar, guided.key)
                 self._cache[guided.key] = future
                 while len(self._cache) > self.cache_entries:
                     self._cache.popitem(last=False)
@@ -111,18 +118,23 @@ class GrammarService:
         except RuntimeError as exc:
             raise ValueError(f"invalid {_KIND_NAMES[guided.kind]}: {_xgrammar_message(exc)}") from None
 
-    def _compile(self, grammar):
+    def _compile(self, grammar, key: tuple):
+        """The compiled grammar; ValueError (cached: the constraint is at fault) when its first mask allows no
+        token. Any other failure is not cached: the next request with the constraint compiles it again."""
         import xgrammar as xgr
 
-        started = time.perf_counter()
-        compiled = self._get_compiler().compile_grammar(grammar)
-        first = xgr.allocate_token_bitmask(1, self.vocab_size)
-        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
-        seconds = time.perf_counter() - started
+        try:
+            started = time.perf_counter()
+            compiled = self._get_compiler().compile_grammar(grammar)
+            first = xgr.allocate_token_bitmask(1, self.vocab_size)
+            xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
+        except Exception:
+            with self._lock:
+                self._cache.pop(key, None)
+            raise
         with self._lock:
             self.num_compiled += 1
-        if self.on_compiled is not None:
-            self.on_compiled(seconds)
+            self._compile_seconds.append(time.perf_counter() - started)
         if not first.any():
             raise ValueError(NO_TOKEN_CAN_FOLLOW)
         return compiled
@@ -166,9 +178,13 @@ class RequestGrammar:
     @property
     def error(self) -> str | None:
         """Why the compilation failed (a client-facing message), None when it did not (or has not finished)."""
-        if not self.future.done() or self.future.exception() is None:
+        if not self.future.done():
             return None
+        if self.future.cancelled():
+            return "the engine is shutting down: the output constraint was not compiled"
         exc = self.future.exception()
+        if exc is None:
+            return None
         return str(exc) if isinstance(exc, ValueError) else f"the output constraint failed to compile: {exc}"
 
     @property

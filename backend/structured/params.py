@@ -11,13 +11,15 @@ A request constrains its output with one of three keys of its sampling parameter
       regex         a regular expression the whole output matches
       choice        a non-empty list of strings: the output is one of them
       grammar       an EBNF grammar (XGrammar's dialect, GBNF-like; the root rule is `root`)
-  and optionally `disable_any_whitespace` (JSON without free whitespace: `{"a": 1, "b": [1, 2]}`). vLLM's other
-  fields are accepted when they ask nothing this engine does not do: `backend` / `_backend` (None, "auto" or
-  "xgrammar"), `disable_additional_properties` (JSON schemas are compiled strictly: properties not in the schema
-  are never generated), `disable_fallback`, `_backend_was_auto`, and `whitespace_pattern` / `structural_tag` only
-  when null.
-- `response_format`, OpenAI's: {"type": "text"} (no constraint), {"type": "json_object"}, or
-  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}.
+  and optionally `disable_any_whitespace` (JSON without free whitespace: `{"a": 1, "b": [1, 2]}`) and
+  `disable_additional_properties` (every object of the schema closed: `additionalProperties: false`; without it
+  XGrammar's strict mode already generates no property the schema does not name, unless the schema allows them
+  itself). A schema's properties are generated in the order it lists them. vLLM's other fields are accepted when
+  they ask nothing this engine does not do: `backend` / `_backend` (None, "auto" or "xgrammar"),
+  `disable_fallback` (there is nothing to fall back to), `_backend_was_auto`, and `whitespace_pattern` /
+  `structural_tag` only when null.
+- `response_format`, OpenAI's: {"type": "text"} (no constraint, so it may come beside another key),
+  {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, ...}}.
 
 A malformed value raises ValueError naming what is wrong; the grammar itself (schema, regex, EBNF) is checked
 when it is parsed at admission (backend/structured/grammar.py), before the request is queued.
@@ -34,14 +36,16 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 GUIDED_KEYS = ("guided_decoding", "structured_outputs", "response_format")
 _BACKENDS = (None, "", "auto", "xgrammar")
 _BACKEND_KEYS = ("backend", "_backend")
-_IGNORED_WHEN_FALSE = ("disable_additional_properties", "disable_fallback", "_backend_was_auto", "backend_was_auto")
+_FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "_backend_was_auto",
+          "backend_was_auto")
 _UNSUPPORTED_UNLESS_NULL = ("whitespace_pattern", "structural_tag")
 
 
 @dataclass(frozen=True)
 class GuidedDecoding:
-    """One request's output constraint. `spec` is canonical text (a schema serialised with sorted keys, the choices
-    as a JSON list) so that equal constraints share one compiled grammar (`key`)."""
+    """One request's output constraint. `spec` is its text (a schema serialised compactly, its keys in the order
+    given: properties are generated in that order; the choices as a JSON list), so that equal constraints share one
+    compiled grammar (`key`)."""
 
     kind: str  # one of KINDS
     spec: str
@@ -58,7 +62,7 @@ class GuidedDecoding:
 
 def guided_decoding_from_sampling(params: Mapping[str, Any], where: str) -> GuidedDecoding | None:
     """The constraint among a request's sampling parameters (the keys GUIDED_KEYS), None when it has none."""
-    given = [key for key in GUIDED_KEYS if params.get(key) is not None]
+    given = [key for key in GUIDED_KEYS if params.get(key) is not None and not _is_text_format(key, params[key])]
     if len(given) > 1:
         raise ValueError(f"{where} gives {given}: send one output constraint")
     if not given:
@@ -68,6 +72,11 @@ def guided_decoding_from_sampling(params: Mapping[str, Any], where: str) -> Guid
     if key == "response_format":
         return _from_response_format(value)
     return _from_guided(value, key)
+
+
+def _is_text_format(key: str, value: Any) -> bool:
+    """response_format {"type": "text"}: no constraint (so it may come beside one)."""
+    return key == "response_format" and isinstance(value, dict) and value.get("type") == "text"
 
 
 def _json_value(value: Any, where: str) -> Any:
@@ -83,7 +92,7 @@ def _json_value(value: Any, where: str) -> Any:
 
 
 def _from_guided(value: dict, where: str) -> GuidedDecoding:
-    known = set(KINDS) | {"disable_any_whitespace", *_BACKEND_KEYS, *_IGNORED_WHEN_FALSE, *_UNSUPPORTED_UNLESS_NULL}
+    known = set(KINDS) | {*_FLAGS, *_BACKEND_KEYS, *_UNSUPPORTED_UNLESS_NULL}
     unknown = sorted(set(value) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(known)}")
@@ -94,15 +103,32 @@ def _from_guided(value: dict, where: str) -> GuidedDecoding:
         if value.get(name) not in _BACKENDS:
             raise ValueError(f"{where}: {name} must be 'xgrammar' or 'auto' (XGrammar is the one here), "
                              f"got {value[name]!r}")
-    disable_whitespace = value.get("disable_any_whitespace") or False
-    if not isinstance(disable_whitespace, bool):
-        raise ValueError(f"{where}: disable_any_whitespace must be a boolean, got {disable_whitespace!r}")
+    for flag in _FLAGS:
+        if value.get(flag) is not None and not isinstance(value[flag], bool):
+            raise ValueError(f"{where}: {flag} must be a boolean, got {value[flag]!r}")
     kinds = [kind for kind in KINDS if value.get(kind) is not None and value.get(kind) is not False]
     if len(kinds) != 1:
         raise ValueError(f"{where} must give exactly one of {list(KINDS)}, got "
                          f"{kinds if kinds else 'none'}")
     kind = kinds[0]
-    return GuidedDecoding(kind, _spec(kind, value[kind], where), any_whitespace=not disable_whitespace)
+    spec = value[kind]
+    if kind == "json" and value.get("disable_additional_properties"):
+        spec = _without_additional_properties(_spec(kind, spec, where))
+    return GuidedDecoding(kind, _spec(kind, spec, where), any_whitespace=not value.get("disable_any_whitespace"))
+
+
+def _without_additional_properties(schema_text: str) -> dict:
+    """The schema with `additionalProperties: false` on every object in it (vLLM's disable_additional_properties)."""
+    def close(node):
+        if isinstance(node, dict):
+            node = {key: close(value) for key, value in node.items()}
+            if node.get("type") == "object" or "properties" in node:
+                node["additionalProperties"] = False
+        elif isinstance(node, list):
+            node = [close(item) for item in node]
+        return node
+
+    return close(json.loads(schema_text))
 
 
 def _spec(kind: str, value: Any, where: str) -> str:
@@ -114,7 +140,7 @@ def _spec(kind: str, value: Any, where: str) -> str:
                 raise ValueError(f"{where}: json is not a valid JSON schema text: {exc}") from None
         if not isinstance(value, (dict, bool)):
             raise ValueError(f"{where}: json must be a JSON schema (an object), got {type(value).__name__}")
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return json.dumps(value, separators=(",", ":"))  # (key order kept: it is the output's property order)
     if kind == "json_object":
         if value is not True:
             raise ValueError(f"{where}: json_object must be true, got {value!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 from backend.request import FinishReason, RequestLimits, RequestOutput, Sequence
 
@@ -54,7 +53,6 @@ class LLMEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
         self._steps = 0
-        self.grammars = SimpleNamespace(on_compiled=None)  # no structured outputs (the adapter hooks its metric)
 
     def start(self):
         self._thread.start()
@@ -72,6 +70,9 @@ class LLMEngine:
             raise ValueError("request can never fit: prompt asks for NOFIT")
         with self._lock:
             self._running[seq.request_id] = (seq, on_output)
+
+    def take_grammar_compile_seconds(self) -> list[float]:
+        return []  # no structured outputs here
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -13,7 +13,8 @@ import numpy as np
 
 from structured_schemas import SCHEMAS
 
-from .triton_helpers import GrpcStreams, as_list, grpc_inputs, http_generate, http_generate_stream, settled
+from .triton_helpers import (GrpcStreams, as_list, grpc_inputs, http_generate, http_generate_stream, http_post,
+                             settled)
 
 REGEX = r"[a-z]{3,8}@[a-z]{2,6}\.(com|org)"
 CHOICES = ["approve", "reject", "escalate"]
@@ -88,6 +89,22 @@ def test_http_generate_and_generate_stream(server):
     assert as_list(events[-1]["finish_reason"]) == ["stop"]
 
 
+def test_log_probabilities_of_masked_tokens_stay_valid_json(server):
+    """With a grammar most top tokens are excluded (log-probability -inf): the HTTP answer is still strict JSON."""
+    body = {"text_input": "Pick:", "max_tokens": 16, "exclude_input_in_output": True, "return_logprobs": True,
+            "top_logprobs": 4, "sampling_parameters": json.dumps(_sampling({"choice": CHOICES}))}
+    status, raw = http_post(f"http://{server.http_url}/v2/models/dsv4/generate", body)
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    answer = json.loads(raw, parse_constant=refuse)
+    assert status == 200, answer
+    assert as_list(answer["text_output"])[0] in CHOICES
+    per_token = json.loads(as_list(answer["logprobs"])[0], parse_constant=refuse)
+    assert any(entry["logprob"] == -9999.0 for token in per_token for entry in token.values())
+
+
 def test_a_bad_constraint_is_refused_and_harms_nothing(server):
     streams = GrpcStreams(server.grpc_url)
     try:
@@ -111,8 +128,10 @@ def test_a_bad_constraint_is_refused_and_harms_nothing(server):
 
 
 def test_grammar_metrics(server):
-    constraint = {"json": SCHEMAS["date_like"], "disable_any_whitespace": True}
-    hits_before = settled(lambda: server.metric_values("dsv4_grammar_cache_hits_total").get('{model="dsv4"}', 0))
+    constraint = {"json": {**SCHEMAS["date_like"], "title": "only this test's"}, "disable_any_whitespace": True}
+    before = {name: settled(lambda: server.metric_values(name).get('{model="dsv4"}', 0))
+              for name in ("dsv4_grammar_cache_hits_total", "dsv4_grammar_compiles_total",
+                           "dsv4_grammar_compile_seconds_count")}
     for rid in ("first", "again"):  # the second finds the first's grammar in the cache
         streams = GrpcStreams(server.grpc_url)
         try:
@@ -120,7 +139,7 @@ def test_grammar_metrics(server):
             assert streams.wait([rid], timeout=120)[rid].finish_reason == "stop"
         finally:
             streams.close()
-    assert settled(lambda: server.metric_values("dsv4_grammar_cache_hits_total")['{model="dsv4"}']) >= hits_before + 1
-    assert server.metric_values("dsv4_grammar_compiles_total")['{model="dsv4"}'] >= 1
-    assert server.metric_values("dsv4_grammar_compile_seconds_count")['{model="dsv4"}'] >= 1
+    after = {name: settled(lambda: server.metric_values(name)['{model="dsv4"}']) for name in before}
+    assert {name: after[name] - before[name] for name in before} == {
+        "dsv4_grammar_cache_hits_total": 1, "dsv4_grammar_compiles_total": 1, "dsv4_grammar_compile_seconds_count": 1}
     np.testing.assert_array_less(0, server.metric_values("dsv4_grammar_compile_seconds_sum")['{model="dsv4"}'])

@@ -84,7 +84,8 @@ def test_rejections_and_prefix_cache_counters(metrics):
 def test_grammar_counters_and_compile_times(metrics):
     metrics.update({"grammars": {"compiled": 2, "cache_hits": 5, "cached": 2}})
     metrics.update({"grammars": {"compiled": 3, "cache_hits": 9, "cached": 3}})
-    metrics.grammar_compile.observe(0.004)
+    metrics.on_grammar_compiles([0.004])
+    metrics.on_grammar_compiles([])
     assert series("dsv4_grammar_compiles_total").value == 3
     assert series("dsv4_grammar_cache_hits_total").value == 9
     assert series("dsv4_grammar_compile_seconds").observed == [0.004]

@@ -323,3 +323,23 @@ def test_non_streaming_excluding_the_prompt(tokenizer):
     builder = ResponseBuilder(req)
     builder.on_output(output([5], "a"))
     assert decoded(builder.on_output(output([6], "b", True, FinishReason.STOP))) == ("ab", [5, 6], "stop")
+
+
+def test_vllm_logprobs_json_is_strict_json_with_excluded_tokens_at_minus_9999():
+    """A masked or cut token's log-probability is -inf: JSON cannot hold it, so it is written as vLLM writes it."""
+    from backend.request import TokenLogprobs
+    from backend.serving.triton_io import vllm_logprobs_json
+
+    class Tokens:
+        def decode(self, ids):
+            return "".join(chr(97 + i) for i in ids)
+
+    logprobs = [TokenLogprobs(-0.25, 1, [(0, -0.25), (3, float("-inf"))])]
+    raw = vllm_logprobs_json([0], logprobs, Tokens())[0].decode()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    (entry,) = json.loads(raw, parse_constant=refuse)
+    assert entry == {"0": {"logprob": -0.25, "rank": 1, "decoded_token": "a"},
+                     "3": {"logprob": -9999.0, "rank": 2, "decoded_token": "d"}}

@@ -116,3 +116,37 @@ def test_choice_grammar_matches_exactly_the_choices_escapes_included(service):
     for choice in choices:
         assert _matches(service, constraint, choice.encode())
     assert not _matches(service, constraint, b"plai") and not _matches(service, constraint, b"plainer")
+
+
+def test_a_failure_that_is_not_the_constraints_is_not_cached(service, monkeypatch):
+    """A compilation that fails for another reason than the constraint (here: the compiler itself) fails its
+    requests, and the next request with the constraint compiles it again."""
+    constraint = guided({"regex": "[0-9]{3}"})
+    real = service._build_compiler
+    monkeypatch.setattr(service, "_build_compiler", lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    failed = service.prepare(constraint)
+    with pytest.raises(RuntimeError):
+        failed.future.result(timeout=30)
+    assert failed.error == "the output constraint failed to compile: out of memory"
+    monkeypatch.setattr(service, "_build_compiler", real)
+    again = service.prepare(constraint)  # not the cached failure: compiled anew
+    assert again.future.result(timeout=30) is not None and service.stats()["compiled"] == 1
+    assert len(service.take_compile_seconds()) == 1 and service.take_compile_seconds() == []
+
+
+def test_requests_whose_compilation_was_cancelled_at_shutdown_get_a_message(service):
+    blocker = threading.Event()
+    service._pool.submit(blocker.wait, 30)  # both compile threads busy: the next compilations wait in the queue
+    service._pool.submit(blocker.wait, 30)
+    waiting = service.prepare(guided({"regex": "[a-f]{2}"}))
+    service.close()
+    blocker.set()
+    assert waiting.future.cancelled() and waiting.error.startswith("the engine is shutting down")
+
+
+def test_properties_are_generated_in_the_schemas_order(service):
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"]}
+    constraint = guided({"json": schema})
+    assert _matches(service, constraint, b'{"reasoning": "because", "answer": 42}')
+    assert not _matches(service, constraint, b'{"answer": 42, "reasoning": "because"}')

@@ -35,15 +35,36 @@ def test_the_openai_frontends_double_encoded_structured_outputs():
               "structural_tag": None, "_backend": None, "_backend_was_auto": False}
     sampling = json.loads(json.dumps({"temperature": 0, "max_tokens": 16, "structured_outputs": json.dumps(params)}))
     guided = SamplingParams.from_dict(sampling).guided_decoding
-    assert guided == GuidedDecoding("json", json.dumps(SCHEMA, sort_keys=True, separators=(",", ":")))
+    assert guided == GuidedDecoding("json", json.dumps(SCHEMA, separators=(",", ":")))
 
 
-def test_equal_schemas_share_a_key_whatever_their_key_order_or_form():
-    reordered = {"required": ["a"], "properties": {"a": {"type": "integer"}}, "type": "object"}
-    assert _guided({"guided_decoding": {"json": SCHEMA}}).key == _guided(
-        {"guided_decoding": {"json": json.dumps(reordered)}}).key
+def test_equal_schemas_share_a_key_whatever_their_form_but_property_order_counts():
+    """The order of a schema's properties is the order they are generated in (a reasoning field before the answer):
+    it is kept, and so a reordered schema is another constraint."""
+    spaced = json.dumps(SCHEMA, indent=4)
+    assert _guided({"guided_decoding": {"json": SCHEMA}}).key == _guided({"guided_decoding": {"json": spaced}}).key
+    two = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}}}
+    swapped = {"type": "object", "properties": {"answer": {"type": "integer"}, "reasoning": {"type": "string"}}}
+    first, second = (_guided({"guided_decoding": {"json": s}}) for s in (two, swapped))
+    assert first.key != second.key and list(json.loads(first.spec)["properties"]) == ["reasoning", "answer"]
     compact = _guided({"guided_decoding": {"json": SCHEMA, "disable_any_whitespace": True}})
     assert compact.key != _guided({"guided_decoding": {"json": SCHEMA}}).key and not compact.any_whitespace
+
+
+def test_disable_additional_properties_closes_every_object_of_the_schema():
+    open_schema = {"type": "object", "properties": {"inner": {"type": "object", "additionalProperties": True},
+                                                    "items": {"type": "array", "items": {"properties": {}}}}}
+    closed = json.loads(_guided({"guided_decoding": {"json": open_schema,
+                                                     "disable_additional_properties": True}}).spec)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert closed["properties"]["items"]["items"]["additionalProperties"] is False
+    assert _guided({"guided_decoding": {"json": open_schema}}).spec == json.dumps(open_schema, separators=(",", ":"))
+
+
+def test_a_text_response_format_beside_a_constraint_is_no_second_constraint():
+    guided = _guided({"response_format": {"type": "text"}, "guided_decoding": {"regex": "a+"}})
+    assert guided.kind == "regex"
 
 
 def test_response_format():
@@ -75,6 +96,7 @@ def test_no_constraint_is_none():
     ({"guided_decoding": {"regex": "a", "structural_tag": "{}"}}, "structural_tag is not supported"),
     ({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "backend must be"),
     ({"guided_decoding": {"regex": "a", "disable_any_whitespace": "no"}}, "must be a boolean"),
+    ({"guided_decoding": {"regex": "a", "disable_fallback": 1}}, "disable_fallback must be a boolean"),
     ({"guided_decoding": {"regex": "a", "colour": 1}}, "unknown key"),
     ({"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}, "send one output constraint"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
