@@ -18,6 +18,9 @@ DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
 POLICIES = ("prefill_first", "mixed")
 
 
+NUMERICS = ("transformers", "deepseek")
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the parameter."""
 
@@ -30,6 +33,13 @@ class EngineConfig:
     # Quantized checkpoints: `dequantize` expands FP8/MXFP4 at load (exact); `fp8` keeps them as published
     # and runs them through the FP8 GEMM and quantized MoE kernels; auto: fp8 on CUDA, dequantize on CPU.
     weight_format: str = "auto"
+    # What the forward computes: `transformers` (the default) what transformers' DeepseekV4ForCausalLM computes;
+    # `deepseek` also the roundings DeepSeek's own inference applies and its model was trained with: each
+    # attention entry's nope values to e4m3 per 64 and the indexer's keys and queries rotated and to e2m1 per 32
+    # (kernels/quant_formats.py), the router's logits and the LM head in fp32. Not yet with weight_format=fp8
+    # (DeepSeek also quantizes the FP8 linears' inputs), and in bf16 the compressor and the mHC mix still follow
+    # transformers' dtypes (README "Numerics").
+    numerics: str = "transformers"
     # Scheduling. `mixed` (stall-free batches) is what keeps a long prompt from starving the requests that are
     # decoding (docs/seed-bug-report.md); `prefill_first` is the historical order, kept for comparison.
     policy: str = "mixed"
@@ -92,6 +102,10 @@ class EngineConfig:
         _check(self.policy in POLICIES, "policy", self.policy, " or ".join(POLICIES))
         _check(self.weight_format in ("auto", "dequantize", "fp8"), "weight_format", self.weight_format,
                "auto, dequantize or fp8")
+        _check(self.numerics in NUMERICS, "numerics", self.numerics, " or ".join(NUMERICS))
+        _check(not (self.numerics == "deepseek" and self.weight_format == "fp8"), "numerics", self.numerics,
+               "transformers with weight_format=fp8 (DeepSeek's quantization of the FP8 linears' inputs is not "
+               "implemented yet)")
         _check_int(self, "max_running_requests", 1)
         # Every running request's decode must fit one step, and with one request still in prefill
         # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.

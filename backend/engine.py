@@ -336,11 +336,26 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
     dequantize on CPU; `fp8` needs a quantized checkpoint."""
     quantized = model_config.quantization_config is not None
     if config.weight_format == "auto":
-        return "fp8" if quantized and device == "cuda" else "dequantize"
+        resolved = "fp8" if quantized and device == "cuda" else "dequantize"
+        if resolved == "fp8" and config.numerics == "deepseek":
+            raise ConfigError("parameter 'numerics': 'deepseek' is not implemented with FP8 weights yet, which "
+                              "weight_format=auto picks on CUDA; set weight_format=dequantize")
+        return resolved
     if config.weight_format == "fp8" and not quantized:
         raise ConfigError("parameter 'weight_format': 'fp8' needs a quantized (FP8) checkpoint; this one has no "
                           "quantization_config")
     return config.weight_format
+
+
+def check_numerics(config: EngineConfig, model_config) -> None:
+    """numerics=deepseek rounds in groups: the entries' nope values by 64, the indexer's rotated keys by 32."""
+    if config.numerics != "deepseek":
+        return
+    nope, index_dim = model_config.head_dim - model_config.qk_rope_head_dim, model_config.index_head_dim
+    if nope <= 0 or nope % 64 or index_dim % 32 or index_dim & (index_dim - 1):
+        raise ConfigError(
+            f"parameter 'numerics': 'deepseek' needs head_dim - rope dims a multiple of 64 and index_head_dim a "
+            f"power of two of at least 32 (DeepSeek-V4: 448 and 128); this checkpoint has {nope} and {index_dim}")
 
 
 def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
@@ -351,6 +366,7 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     model_config = load_model_config(config.checkpoint)
     ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
+    check_numerics(config, model_config)
     kv = _memory_pools(config, model_config, dtype, device)
     if config.enable_prefix_caching:
         kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
@@ -363,7 +379,8 @@ def load_model(config: EngineConfig, model_config, weight_format: str, device, d
     """This rank's shard of the model (all of it on one rank), with its kernel dispatch."""
     weights = load_weights(config.checkpoint, model_config, dtype, device, weight_format, layout=layout)
     kernels = KernelDispatch(default_mode(config.use_reference_kernels))
-    return DeepseekV4Model(model_config, weights, device, dtype, kernels, layout=layout, comm=comm)
+    return DeepseekV4Model(model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
+                           numerics=config.numerics)
 
 
 def check_deployment(config: EngineConfig) -> int:

@@ -47,10 +47,23 @@ def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv:
     entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
     if plan.num_entries == 0:
         return
+    pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = entries
+
+
+def entry_destinations(plan, pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """The row of pool.view(-1, width) each entry the plan closes is stored at (a padding row: the scratch page's)."""
     page_size, index = pool.shape[1], plan.entry_index
     pages = block_table[plan.entry_row.clamp(min=0), index // page_size].long()
-    dest = torch.where(plan.entry_row >= 0, pages * page_size + index % page_size, (pool.shape[0] - 1) * page_size)
-    pool.view(-1, pool.shape[-1])[dest] = entries
+    return torch.where(plan.entry_row >= 0, pages * page_size + index % page_size, (pool.shape[0] - 1) * page_size)
+
+
+def round_stored_entries(pool: torch.Tensor, plan, block_table: torch.Tensor, rounding) -> None:
+    """Replace the entries the plan closed (just stored, by either implementation) by rounding(entries)."""
+    if plan.num_entries == 0:
+        return
+    rows = pool.view(-1, pool.shape[-1])
+    dest = entry_destinations(plan, pool, block_table)
+    rows[dest] = rounding(rows[dest])
 
 
 def _compress(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor, state_gate: torch.Tensor,

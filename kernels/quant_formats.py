@@ -109,6 +109,19 @@ def simulate_quantization(x: torch.Tensor, block: int, fmt: str) -> torch.Tensor
     return (grid.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(x.dtype)
 
 
+def simulate_kv_fp8(entries: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """An attention entry [..., D] as DeepSeek's inference rounds it after its norm and rope: the nope values
+    act_quant'ed in groups of 64 (e4m3, ue8m0 scales), the trailing rope_dim values kept."""
+    nope = _check_nope(entries.shape[-1], rope_dim)
+    return torch.cat([simulate_quantization(entries[..., :nope], KV_FP8_BLOCK, "e4m3"), entries[..., nope:]], dim=-1)
+
+
+def simulate_indexer_fp4(x: torch.Tensor) -> torch.Tensor:
+    """An indexer key or query [..., Di] as DeepSeek's inference rounds it: rotated, then fp4_act_quant'ed in groups
+    of 32 (e2m1, ue8m0 scales). Scores of rotated queries against rotated keys are those of the originals."""
+    return simulate_quantization(hadamard_rotate(x), MXFP4_BLOCK, "e2m1")
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """DeepSeek's rotate_activation: the Sylvester-ordered Hadamard transform of the last dimension (a power of
     two) scaled by its size^-1/2, computed in float32 and rounded once to x's dtype (fast_hadamard_transform)."""

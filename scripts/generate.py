@@ -38,6 +38,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--weight-format", choices=["auto", "dequantize", "fp8"], default="auto",
                         help="quantized checkpoints: dequantize at load, or keep FP8/MXFP4 (auto: fp8 on CUDA)")
+    parser.add_argument("--numerics", choices=["transformers", "deepseek"], default=EngineConfig.numerics,
+                        help="deepseek: also DeepSeek's roundings of the KV entries and indexer (README Numerics)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks splitting the attention heads (and, without EP, every expert's columns)")
@@ -70,7 +72,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
-                          weight_format=args.weight_format,
+                          weight_format=args.weight_format, numerics=args.numerics,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           max_running_requests=args.max_running_requests,
                           tensor_parallel_size=args.tensor_parallel_size,

@@ -104,6 +104,18 @@ def parallel_checkpoint_published(tmp_path_factory) -> Path:
     return out
 
 
+# The tiny model at widths DeepSeek's roundings apply to (numerics=deepseek): head_dim - rope dims a multiple of 64
+# (128 - 64), the indexer's 64 a power of two (and wide enough for the 64 rope dims).
+DEEPSEEK_SHAPED_CONFIG = dict(head_dim=128, partial_rotary_factor=0.5, index_head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def deepseek_shaped_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dsv4-deepseek-shaped")
+    write_checkpoint(out, seed=5, **DEEPSEEK_SHAPED_CONFIG)
+    return out
+
+
 @pytest.fixture(scope="session", params=["tiny", "alt"])
 def checkpoint(request, tiny_checkpoint, alt_checkpoint) -> Path:
     return tiny_checkpoint if request.param == "tiny" else alt_checkpoint

@@ -14,6 +14,11 @@ reference: the same math), and the linears that read the same input are one GEMM
 (scripts/count_launches.py) and no host synchronisation: every shape comes from the batch's host-side
 metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i)`.
 
+`numerics="deepseek"` adds the roundings DeepSeek's own inference applies (its model was trained with them):
+each attention entry, window and compressed, is rounded where it is stored (the nope values to e4m3 per 64), the
+indexer's keys and queries are rotated and rounded to e2m1 per 32, and the router's logits and the LM head are
+fp32 (kernels/quant_formats.py has the roundings; the attention and indexer then read what DeepSeek's would).
+
 Under a `ParallelLayout` of several ranks (backend/parallel/layout.py) the weights are this rank's parts:
 the attention runs its share of the heads and groups and all-reduces the output projection, the MoE
 its experts (or its slice of every expert) plus its slice of the shared expert, summed in one
@@ -33,14 +38,17 @@ from backend.model.rotary import Rotary
 from backend.model.projections import ATTENTION_INPUT, SHARED_EXPERT_INPUT, fuse_projections
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
+from kernels.compressor import round_stored_entries
 from kernels.dispatch import KernelDispatch
+from kernels.quant_formats import simulate_indexer_fp4, simulate_kv_fp8
 
 
 class DeepseekV4Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
                  kernels: KernelDispatch | None = None, layout: ParallelLayout = ParallelLayout(),
-                 comm: Communicator = Communicator()):
+                 comm: Communicator = Communicator(), numerics: str = "transformers"):
         self.config = config
+        self.deepseek_numerics = numerics == "deepseek"
         self.layout, self.comm = layout, comm
         split = layout.tensor_parallel_size if layout.attention_split else 1
         self.local_heads, self.local_groups = config.num_attention_heads // split, config.o_groups // split
@@ -77,7 +85,8 @@ class DeepseekV4Model:
         last = streams[batch.logits_token_index]
         last = k.hc_head(last, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
                          eps=c.rms_norm_eps, hc_eps=c.hc_eps, norm_weight=w["model.norm.weight"])
-        logits = F.linear(last, w["lm_head.weight"]).float()
+        head = w["lm_head.weight"]
+        logits = (F.linear(last.float(), head.float()) if self.deepseek_numerics else F.linear(last, head).float())
         return self.comm.all_gather_last(logits) if self.layout.world_size > 1 else logits  # vocabulary-parallel
 
     def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
@@ -110,6 +119,9 @@ class DeepseekV4Model:
         memory = kv.layer(i)
         k.norm_rope(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], eps, cos=cos, sin=sin,
                     out=memory.window_kv, out_index=batch.window_write_index)  # K=V straight into the window pool
+        if self.deepseek_numerics:  # the entries as DeepSeek stores them, before anything reads them
+            window = memory.window_kv.view(-1, c.head_dim)
+            window[batch.window_write_index] = simulate_kv_fp8(window[batch.window_write_index], c.qk_rope_head_dim)
 
         comp_table, topk = None, None
         if memory.pool is not None:
@@ -144,6 +156,10 @@ class DeepseekV4Model:
             proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
             batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps, *entry_rope[stream],
             pool_tensor, block_table)
+        if self.deepseek_numerics:
+            rounding = (simulate_indexer_fp4 if stream == "indexer"
+                        else lambda entries: simulate_kv_fp8(entries, c.qk_rope_head_dim))
+            round_stored_entries(pool_tensor, batch.plans[stream], block_table, rounding)
 
     def _indexer_topk(self, i, proj, q_residual, batch, memory: LayerMemory, compress_cos_sin,
                       entry_rope) -> torch.Tensor:
@@ -156,6 +172,8 @@ class DeepseekV4Model:
         q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(q_residual.shape[0], c.index_n_heads, c.index_head_dim)
         # the indexer's queries use the compress rope, as its keys do
         q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1])
+        if self.deepseek_numerics:
+            q = simulate_indexer_fp4(q)
         weights = proj["self_attn.compressor.indexer.scorer.weights_proj"]  # the head scaling goes with the softmax's
         scale = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
         scores = k.indexer_scores(q, weights, scale, batch.token_seq, batch.positions, index_k,
@@ -171,7 +189,8 @@ class DeepseekV4Model:
     def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
         c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.mlp."
-        router_logits = k.linear(x, w[p + "gate.weight"])
+        gate = w[p + "gate.weight"]
+        router_logits = F.linear(x.float(), gate.float()) if self.deepseek_numerics else k.linear(x, gate)
         if c.mlp_layer_types[i] == "hash_moe":
             ids, weights = k.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
         else:

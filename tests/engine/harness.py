@@ -25,20 +25,52 @@ NEAR_TIE_REL = 1e-4  # a selection difference counts as a near-tie below this re
 
 
 class Reference:
-    """The transformers model with hooks that record each CSA indexer's scores and selection."""
+    """The transformers model with hooks that record each CSA indexer's scores and selection.
 
-    def __init__(self, checkpoint):
+    numerics="deepseek": DeepSeek's inference semantics, the numerical oracle of the engine's numerics=deepseek
+    (fp32 deployments): transformers' model with the roundings DeepSeek's inference/model.py applies, at the
+    same places, as hooks: each attention's K=V right after its kv_norm (the rope then turns only the trailing
+    rope dims, which stay unrounded), each CSA/HCA compressor's entries right after theirs, and the indexer's
+    keys and queries where they are scored (rotated, then e2m1). In fp32 the fp32 router and head change
+    nothing. The roundings themselves are kernels/quant_formats.py's, checked against the formulas in
+    tests/kernels/test_activation_quantizers.py. `noise` (with `seed`) multiplies every value about to be rounded by
+    1 + noise * N(0, 1): how far another implementation's fp32 differences of that size can move the outputs
+    (a value at a rounding boundary rounds the other way).
+    """
+
+    def __init__(self, checkpoint, numerics: str = "transformers", noise: float = 0.0, seed: int = 0):
         from transformers import DeepseekV4ForCausalLM
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 
         self.model = DeepseekV4ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
         self.config = self.model.config
         self._records: dict[int, dict] = {}
+        if numerics == "deepseek":
+            self._round_as_deepseek(noise, torch.Generator().manual_seed(seed))
         for i, layer in enumerate(self.model.model.layers):
             for module in layer.modules():
                 if isinstance(module, DeepseekV4Indexer):
                     module.register_forward_hook(self._indexer_hook(i))
                     module.scorer.register_forward_hook(self._scorer_hook(i))
+
+    def _round_as_deepseek(self, noise: float, generator: torch.Generator) -> None:
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention,
+                                                                          DeepseekV4CSACompressor,
+                                                                          DeepseekV4HCACompressor,
+                                                                          DeepseekV4IndexerScorer)
+
+        from kernels.quant_formats import simulate_indexer_fp4, simulate_kv_fp8
+
+        def nudged(x: torch.Tensor) -> torch.Tensor:
+            return x * (1 + noise * torch.randn(x.shape, generator=generator)) if noise else x
+
+        rope_dim = int(self.config.head_dim * self.config.partial_rotary_factor)
+        for module in self.model.modules():
+            if isinstance(module, (DeepseekV4Attention, DeepseekV4CSACompressor, DeepseekV4HCACompressor)):
+                module.kv_norm.register_forward_hook(lambda m, args, out: simulate_kv_fp8(nudged(out), rope_dim))
+            elif isinstance(module, DeepseekV4IndexerScorer):
+                module.register_forward_pre_hook(lambda m, args: (
+                    simulate_indexer_fp4(nudged(args[0])), simulate_indexer_fp4(nudged(args[1])), *args[2:]))
 
     def _indexer_hook(self, layer):
         def hook(module, args, output):
@@ -58,9 +90,10 @@ class Reference:
         return logits, self._records
 
     @torch.no_grad()
-    def greedy(self, ids: list[int], max_new_tokens: int) -> list[int]:
+    def greedy(self, ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[int]:
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                  eos_token_id=self.config.eos_token_id, pad_token_id=self.config.eos_token_id)
+                                  min_new_tokens=min_new_tokens, eos_token_id=self.config.eos_token_id,
+                                  pad_token_id=self.config.eos_token_id)
         return out[0, len(ids):].tolist()
 
 
@@ -75,10 +108,12 @@ class EngineHarness:
     """The engine's model and pools without the scheduler: the test chooses every batch."""
 
     def __init__(self, checkpoint, page_size: int = 16, num_tokens: int = 16384, max_running_requests: int = 8,
-                 swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto", weight_format: str = "dequantize"):
+                 swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto", weight_format: str = "dequantize",
+                 numerics: str = "transformers"):
         self.config = load_model_config(checkpoint)
         weights = load_weights(checkpoint, self.config, torch.float32, "cpu", weight_format)
-        self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32, KernelDispatch(kernel_mode))
+        self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32, KernelDispatch(kernel_mode),
+                                     numerics=numerics)
         self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
                                  page_size=page_size, max_running_requests=max_running_requests,
                                  dtype=torch.float32, device="cpu")

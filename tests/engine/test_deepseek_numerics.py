@@ -1,0 +1,132 @@
+"""numerics=deepseek: the engine against DeepSeek's inference semantics (tests/engine/harness.py Reference with
+numerics="deepseek": transformers' model with DeepSeek's roundings where its inference applies them), fp32, on the
+tiny model at widths the roundings apply to.
+
+What agreement to expect: both sides round the same values, computed by different code, so before the roundings
+they differ by fp32 rounding (~1e-7 relative); a value that close to an e4m3 / e2m1 rounding boundary rounds to
+neighbouring grid points on the two sides (a step of 1/8 to 1/2 of its group's scale), and every later position
+that reads it moves too: a few 1e-3 to 1e-2 in the logits from there on. The oracle itself shows this: nudging
+the inputs of its roundings by 1e-6 relative noise moves its own logits the same way (`NOISE`). So the engine
+agrees with the oracle to 1e-4 up to the first position where they part (as the transformers comparisons stop at
+the first near-tie of an indexer selection), from there on by no more than twice what the nudged oracle moves,
+and the greedy tokens are the same. The roundings are on: the same engine without them
+differs from this oracle by orders of magnitude more.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from backend.config import ConfigError, EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams, Sequence
+
+from .harness import LOGITS_TOL, EngineHarness, Reference, Tracked
+
+NOISE = 1e-6  # relative: about ten times the fp32 differences between two implementations of the same math
+NOISE_SEEDS = 3
+
+
+@pytest.fixture(scope="module")
+def oracle(deepseek_shaped_checkpoint):
+    return Reference(deepseek_shaped_checkpoint, numerics="deepseek")
+
+
+@pytest.fixture(scope="module")
+def nudged_oracles(deepseek_shaped_checkpoint):
+    return [Reference(deepseek_shaped_checkpoint, numerics="deepseek", noise=NOISE, seed=s) for s in range(NOISE_SEEDS)]
+
+
+@pytest.fixture(scope="module")
+def harness(deepseek_shaped_checkpoint):
+    return EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek")
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check(harness, oracle, nudged_oracles, tracked: Tracked) -> None:
+    """Up to the first position where the engine and the oracle part (a rounding boundary straddled), to 1e-4, as
+    without the roundings; from there on, within twice what the nudged oracles move."""
+    ids = tracked.seq.prompt_ids
+    expected, _ = oracle.run(ids)
+    harness.free(tracked)
+    harness.kv.check()
+    positions = sorted(tracked.logits)
+    diff = (torch.stack([tracked.logits[p] for p in positions]) - expected[positions]).abs().amax(-1)
+    spread = max(float((o.run(ids)[0][positions] - expected[positions]).abs().max()) for o in nudged_oracles)
+    parted = (diff > LOGITS_TOL).nonzero().flatten()
+    first = int(parted[0]) if len(parted) else len(positions)
+    print(f"{len(positions)} positions: within {LOGITS_TOL} up to position {first} ({int((diff <= LOGITS_TOL).sum())} "
+          f"in all), max {diff.max():.3g}; the nudged oracle moves up to {spread:.3g}")
+    assert first >= 0.1 * len(positions), f"the engine parts from the oracle at position {positions[first]}"
+    assert diff.max() <= max(2 * spread, LOGITS_TOL), f"max {diff.max():.3g}, the nudged oracle's {spread:.3g}"
+
+
+def test_chunked_prefill_across_csa_and_hca_boundaries(harness, oracle, nudged_oracles):
+    tracked = Tracked(Sequence("chunks", _prompt(300, 1)))
+    for size in (97, 111, 92):  # boundaries off every window: 4 (CSA), 128 (HCA), the page size
+        harness.step([(tracked, size)])
+    _check(harness, oracle, nudged_oracles, tracked)
+
+
+def test_prefill_chunks_beside_token_by_token_decodes(harness, oracle, nudged_oracles):
+    """Two requests: one decodes a token per step while the other's prompt arrives in chunks in the same steps."""
+    decoding, prefilling = Tracked(Sequence("d", _prompt(200, 2))), Tracked(Sequence("p", _prompt(260, 3)))
+    harness.step([(decoding, 130)])
+    chunks = iter([37, 61, 45, 53, 64])
+    for _ in range(70):
+        work = [(decoding, 1)]
+        size = next(chunks, None)
+        if size is not None:
+            work.append((prefilling, size))
+        harness.step(work)
+    _check(harness, oracle, nudged_oracles, decoding)
+    _check(harness, oracle, nudged_oracles, prefilling)
+
+
+def test_the_roundings_are_really_on(deepseek_shaped_checkpoint, oracle):
+    """The same prompt through the engine without DeepSeek's roundings is far from the oracle."""
+    plain = EngineHarness(deepseek_shaped_checkpoint)
+    ids = _prompt(300, 1)
+    tracked = Tracked(Sequence("plain", ids))
+    plain.step([(tracked, 300)])
+    expected, _ = oracle.run(ids)
+    diffs = [(tracked.logits[p] - expected[p]).abs().max().item() for p in sorted(tracked.logits)]
+    assert statistics.median(diffs) > 1e-2
+
+
+def test_greedy_tokens_are_the_oracles(deepseek_shaped_checkpoint, oracle):
+    """5 prompts x 64 tokens through the engine (its scheduler, chunked prefill, batched decodes) and through the
+    oracle's generate(), token for token."""
+    engine = LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", numerics="deepseek",
+                                    prefill_chunk_tokens=64, page_size=16))
+    prompts = [_prompt(length, 10 + i) for i, length in enumerate((5, 130, 260, 77, 301))]
+    try:
+        results = engine.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    for prompt, result in zip(prompts, results):
+        assert result["output_ids"] == oracle.greedy(prompt, 64, min_new_tokens=64)
+
+
+def test_checkpoints_and_settings_the_roundings_cannot_apply_to_are_refused(tiny_checkpoint):
+    with pytest.raises(ConfigError, match="parameter 'numerics'.*48 and 32"):  # the built-in model: 64 - 16
+        LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", numerics="deepseek"))
+    with pytest.raises(ConfigError, match="parameter 'numerics'"):
+        EngineConfig(numerics="exact")
+    with pytest.raises(ConfigError, match="parameter 'numerics'.*weight_format=fp8"):
+        EngineConfig(numerics="deepseek", weight_format="fp8")
+
+
+def test_the_same_with_the_triton_kernels_under_the_interpreter(deepseek_shaped_checkpoint, oracle, nudged_oracles):
+    """The roundings are applied where entries are stored, whichever kernels store and read them."""
+    triton = EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek", kernel_mode="triton")
+    tracked = Tracked(Sequence("triton", _prompt(140, 4)))
+    for size in (61, 70) + (1,) * 9:  # across the first HCA entry (position 127), then decodes
+        triton.step([(tracked, size)])
+    _check(triton, oracle, nudged_oracles, tracked)
