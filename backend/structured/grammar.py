@@ -9,9 +9,9 @@
 
 Admission parses the grammar on the caller's thread (the Triton adapter's, never the engine's), so an invalid
 schema, regex or EBNF is refused at once with XGrammar's message. Compiling (the per-token tables over the
-vocabulary, the expensive part) runs on the service's own thread; the scheduler keeps the request aside until
+vocabulary, the expensive part) runs on the service's own threads; the scheduler keeps the request aside until
 its grammar is ready, so a slow schema delays only its own request. Compiled grammars are cached by the
-constraint's key (kind, canonical text, whitespace): a repeated schema compiles once, and concurrent requests
+constraint's key (kind, text, whitespace): a repeated schema compiles once, and concurrent requests
 with the same schema wait for the same compilation. A compiled grammar whose first mask allows no token (the
 tokenizer cannot produce its output) fails every request that uses it, with a message saying so.
 
@@ -27,7 +27,7 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,7 +59,8 @@ class GrammarService:
         self._compiler_lock = threading.Lock()
         self.num_compiled = 0
         self.num_cache_hits = 0
-        self._compile_seconds: list[float] = []  # not yet taken (take_compile_seconds: a metrics histogram)
+        # Not yet taken (take_compile_seconds: a metrics histogram); bounded, for an engine nobody reads them from.
+        self._compile_seconds: deque[float] = deque(maxlen=4096)
 
     def prepare(self, guided: GuidedDecoding) -> "RequestGrammar":
         """A request's grammar: its compilation shared through the cache. Raises ValueError for an invalid
@@ -79,7 +80,8 @@ class GrammarService:
     def take_compile_seconds(self) -> list[float]:
         """The compile times recorded since the last call (each compilation's, once)."""
         with self._lock:
-            taken, self._compile_seconds = self._compile_seconds, []
+            taken = list(self._compile_seconds)
+            self._compile_seconds.clear()
         return taken
 
     def close(self) -> None:
