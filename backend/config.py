@@ -19,6 +19,7 @@ POLICIES = ("prefill_first", "mixed")
 
 
 NUMERICS = ("transformers", "deepseek")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,12 @@ class EngineConfig:
     # (DeepSeek also quantizes the FP8 linears' inputs), and in bf16 the compressor and the mHC mix still follow
     # transformers' dtypes (README "Numerics").
     numerics: str = "transformers"
+    # How the KV pools store attention entries: `bfloat16`, or `fp8`, DeepSeek's layout (each entry's nope values
+    # e4m3 with a power-of-two scale per 64, its rope values bf16: 584 bytes for V4 against 1,024; the indexer's
+    # keys rotated and e2m1 with a scale per 32: 68 bytes against 256), which holds exactly what numerics=deepseek
+    # rounds the entries to, so it needs those numerics. auto: fp8 where numerics=deepseek runs on CUDA or on a
+    # quantized checkpoint and the widths fit the layout, else the model's dtype (README "Numerics").
+    kv_cache_dtype: str = "auto"
     # Scheduling. `mixed` (stall-free batches) is what keeps a long prompt from starving the requests that are
     # decoding (docs/seed-bug-report.md); `prefill_first` is the historical order, kept for comparison.
     policy: str = "mixed"
@@ -106,6 +113,11 @@ class EngineConfig:
         _check(not (self.numerics == "deepseek" and self.weight_format == "fp8"), "numerics", self.numerics,
                "transformers with weight_format=fp8 (DeepSeek's quantization of the FP8 linears' inputs is not "
                "implemented yet)")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+               " or ".join(KV_CACHE_DTYPES))
+        _check(not (self.kv_cache_dtype == "fp8" and self.numerics != "deepseek"), "kv_cache_dtype",
+               self.kv_cache_dtype, "bfloat16 or auto with numerics=transformers (the fp8 layout stores DeepSeek's "
+               "roundings of the entries and its rotated indexer keys: set numerics=deepseek)")
         _check_int(self, "max_running_requests", 1)
         # Every running request's decode must fit one step, and with one request still in prefill
         # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.

@@ -37,6 +37,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable
 
+import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
@@ -317,11 +318,11 @@ class LLMEngine:
             logger.exception("on_output callback failed for request %r", seq.request_id)
 
 
-def _memory_pools(config: EngineConfig, model_config, dtype, device) -> KVCacheManager:
+def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dtype) -> KVCacheManager:
     """The pools the config asks for; ConfigError when they could not serve a single request."""
     kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
                         page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
-                        device=device, max_step_tokens=config.max_num_batched_tokens)
+                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
     if kv.max_request_positions() == 0:
         window = kv.window_pool
         raise ConfigError(
@@ -347,6 +348,30 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
     return config.weight_format
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, model_config, device: str, dtype):
+    """What the pools store: "fp8" (DeepSeek's byte layout) or a float dtype. `auto`: fp8 where DeepSeek's numerics
+    run on CUDA (the memory it frees is the point) or on a quantized checkpoint (the layout its model was trained
+    for), else the model's dtype."""
+    nope, index_dim = model_config.head_dim - model_config.qk_rope_head_dim, model_config.index_head_dim
+    fits = nope > 0 and nope % 64 == 0 and index_dim % 32 == 0 and index_dim & (index_dim - 1) == 0
+    if config.kv_cache_dtype == "fp8":
+        if not fits:
+            raise ConfigError(
+                f"parameter 'kv_cache_dtype': the fp8 layout needs head_dim - rope dims a multiple of 64 and "
+                f"index_head_dim a power of two of at least 32 (DeepSeek-V4: 448 and 128); this checkpoint has "
+                f"{nope} and {index_dim}")
+        return "fp8"
+    if config.kv_cache_dtype == "bfloat16":
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"parameter 'kv_cache_dtype': 'bfloat16' needs dtype bfloat16 (the pools store the "
+                              f"model's values), this deployment computes in {dtype}; use auto or fp8")
+        return torch.bfloat16
+    quantized = model_config.quantization_config is not None
+    if config.numerics == "deepseek" and fits and (device == "cuda" or quantized):
+        return "fp8"
+    return dtype
+
+
 def check_numerics(config: EngineConfig, model_config) -> None:
     """numerics=deepseek rounds in groups: the entries' nope values by 64, the indexer's rotated keys by 32."""
     if config.numerics != "deepseek":
@@ -366,8 +391,9 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     model_config = load_model_config(config.checkpoint)
     ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
+    kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, config.resolved_device(), dtype)
     check_numerics(config, model_config)
-    kv = _memory_pools(config, model_config, dtype, device)
+    kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype)
     if config.enable_prefix_caching:
         kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
                                  config.prefix_cache_end_entries)

@@ -32,11 +32,14 @@ them with the sink. Mixed batches need nothing special: every token reads its ow
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.common import compiled_programs_per_sm, compute_dtype, num_sms
+from kernels.quant_formats import decode_kv_entries, kv_fp8_entry_bytes, load_kv_entries
 
 _MAX_SPLITS = 32
 # Registers per thread assumed off a GPU (where the kernel is not compiled for a device): about the 164-180 that
@@ -67,8 +70,8 @@ def _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
 def _sparse_paged_attention_kernel(
     # pointers
     q_ptr, sinks_ptr, token_seq_ptr, token_pos_ptr,
-    window_kv_ptr, window_table_ptr, window_first_page_ptr,
-    comp_kv_ptr, comp_table_ptr, topk_ptr,
+    window_kv_ptr, window_rope_ptr, window_table_ptr, window_first_page_ptr,
+    comp_kv_ptr, comp_rope_ptr, comp_table_ptr, topk_ptr,
     out_ptr, lse_ptr,
     # sizes
     num_heads, window, compress_rate, num_topk, window_page_size, comp_page_size, num_splits, scale_log2,
@@ -83,6 +86,7 @@ def _sparse_paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     COMP_MODE: tl.constexpr,  # 0: window only, 1: HCA (all causal entries), 2: CSA (topk_indices)
     IS_SPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, ROPE_DIM: tl.constexpr,  # pools of the fp8 layout's bytes (kernels/quant_formats.py)
 ):
     """Program (token t, head block, split): online softmax over its share of the token's key blocks."""
     t = tl.program_id(0).to(tl.int64)
@@ -124,8 +128,8 @@ def _sparse_paged_attention_kernel(
         col = key_pos // window_page_size - first_page
         page = tl.load(window_table_ptr + seq * stride_wtab_b + col, mask=key_mask, other=0).to(tl.int64)
         slot = key_pos % window_page_size
-        k = tl.load(window_kv_ptr + page[:, None] * stride_wkv_page + slot[:, None] * stride_wkv_slot
-                    + dims[None, :], mask=key_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+        k = load_kv_entries(window_kv_ptr, window_rope_ptr, page * stride_wkv_page + slot * stride_wkv_slot, key_mask,
+                            HEAD_DIM, ROPE_DIM, KV_FP8).to(COMPUTE_DTYPE)
         m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
                                              COMPUTE_DTYPE, DOT_PRECISION)
     if COMP_MODE != 0:
@@ -142,8 +146,8 @@ def _sparse_paged_attention_kernel(
             page = tl.load(comp_table_ptr + seq * stride_ctab_b + entry // comp_page_size,
                            mask=key_mask, other=0).to(tl.int64)
             slot = entry % comp_page_size
-            k = tl.load(comp_kv_ptr + page[:, None] * stride_ckv_page + slot[:, None] * stride_ckv_slot
-                        + dims[None, :], mask=key_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+            k = load_kv_entries(comp_kv_ptr, comp_rope_ptr, page * stride_ckv_page + slot * stride_ckv_slot, key_mask,
+                                HEAD_DIM, ROPE_DIM, KV_FP8).to(COMPUTE_DTYPE)
             m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
                                                  COMPUTE_DTYPE, DOT_PRECISION)
 
@@ -211,12 +215,13 @@ def choose_num_splits(num_programs: int, max_key_blocks: int, num_sms: int, prog
     return max(1, min(triton.cdiv(wave, max(num_programs, 1)), most))
 
 
-def min_blocks_per_split(block_h: int, block_n: int, head_dim: int, element_bytes: int) -> int:
+def min_blocks_per_split(block_h: int, block_n: int, head_dim: int, element_bytes: float) -> int:
     """Key blocks a split must read so that its partial output's round trip (BLOCK_H x head_dim fp32 written,
     then read by the combine kernel) moves no more bytes than its keys (BLOCK_N x head_dim each): split-KV then
-    at most doubles a step's attention traffic while it multiplies the programs at work."""
+    at most doubles a step's attention traffic while it multiplies the programs at work. element_bytes: a key's
+    bytes per value (1.14 for the fp8 layout's 584-byte entries of 512)."""
     partial_round_trip = 2 * block_h * head_dim * 4
-    return max(2, -(-partial_round_trip // (block_n * head_dim * element_bytes)))
+    return max(2, math.ceil(partial_round_trip / (block_n * head_dim * element_bytes)))
 
 
 def _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n) -> int:
@@ -233,7 +238,8 @@ def _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n) ->
 
 def plan_sparse_paged_attention(
     q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page, window,
-    comp_kv=None, comp_block_table=None, compress_rate=0, topk_indices=None, *, num_splits=None, block_n=None,
+    comp_kv=None, comp_block_table=None, compress_rate=0, topk_indices=None, *, rope_dim=0, num_splits=None,
+    block_n=None,
 ):
     """Check the inputs, allocate the output and return (out, launches) without launching anything.
 
@@ -242,19 +248,24 @@ def plan_sparse_paged_attention(
     """
     num_tokens, num_heads, head_dim = q.shape
     _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
-                            window, comp_kv, comp_block_table, compress_rate, topk_indices)
+                            window, comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out, []
     cfg = attention_config(head_dim, num_heads)
-    block_h, block_n = cfg["BLOCK_H"], block_n or cfg["BLOCK_N"]
+    kv_fp8 = window_kv.dtype == torch.uint8
+    # Decoding the fp8 layout in registers holds codes, scales and values of a key block at once: half the block
+    # keeps sm_90 from spilling at head_dim 512 (scripts/check_kernels_compile.py).
+    block_h, block_n = cfg["BLOCK_H"], block_n or (cfg["BLOCK_N"] // 2 if kv_fp8 else cfg["BLOCK_N"])
     num_head_blocks = triton.cdiv(num_heads, block_h)
     comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
     num_topk = topk_indices.shape[1] if topk_indices is not None else 0
     dot_dtype = compute_dtype(q.dtype)
+    as_rope = (lambda pool: pool.view(torch.bfloat16)) if kv_fp8 else (lambda pool: pool)  # noqa: E731
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=True,
                   COMPUTE_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  KV_FP8=kv_fp8, ROPE_DIM=rope_dim if kv_fp8 else 0,
+                  num_warps=cfg["num_warps"], num_stages=1 if kv_fp8 else cfg["num_stages"])
 
     def kernel_args(splits: int):
         """(args, partial, lse) of the attention launch with `splits` splits (buffers allocated when split)."""
@@ -269,8 +280,8 @@ def plan_sparse_paged_attention(
         else:
             lse, dst, dst_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
         args = (
-            q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
-            comp_kv_arg, comp_table_arg, topk_arg, dst, lse,
+            q, sinks, token_seq, token_pos, window_kv, as_rope(window_kv), window_block_table, window_first_page,
+            comp_kv_arg, as_rope(comp_kv_arg), comp_table_arg, topk_arg, dst, lse,
             num_heads, window, max(compress_rate, 1), num_topk, window_kv.shape[1], comp_kv_arg.shape[1], splits,
             float(scale) * _LOG2E,
             q.stride(0), q.stride(1),
@@ -286,8 +297,9 @@ def plan_sparse_paged_attention(
         occupancy = compiled_programs_per_sm(_sparse_paged_attention_kernel, lambda: kernel_args(2)[0], kwargs,
                                              q.device, key, _ASSUMED_REGISTERS)
         max_key_blocks = _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n)
+        entry_bytes = window_kv.shape[-1] * window_kv.element_size()
         num_splits = choose_num_splits(num_tokens * num_head_blocks, max_key_blocks, num_sms(q.device), occupancy,
-                                       min_blocks_per_split(block_h, block_n, head_dim, q.element_size()))
+                                       min_blocks_per_split(block_h, block_n, head_dim, entry_bytes / head_dim))
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     is_split = num_splits > 1
     args, partial, lse = kernel_args(num_splits)
@@ -303,7 +315,7 @@ def plan_sparse_paged_attention(
 
 
 def _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
-                            window, comp_kv, comp_block_table, compress_rate, topk_indices):
+                            window, comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim):
     num_tokens, num_heads, head_dim = q.shape
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype} not supported"
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
@@ -313,13 +325,14 @@ def _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_bl
         assert ids.shape == (num_tokens,), f"{name} must be [T], got {tuple(ids.shape)}"
         assert ids.dtype in (torch.int32, torch.int64) and ids.stride(0) == 1, f"{name}: int32/int64 contiguous"
     assert window >= 1, f"window must be >= 1, got {window}"
-    _check_pool("window", window_kv, window_block_table, q)
+    _check_pool("window", window_kv, window_block_table, q, rope_dim)
     assert window_first_page.dim() == 1 and window_first_page.shape[0] == window_block_table.shape[0]
     assert window_first_page.dtype in (torch.int32, torch.int64) and window_first_page.stride(0) == 1
     if comp_kv is None:
         assert topk_indices is None, "topk_indices needs comp_kv"
         return
-    _check_pool("comp", comp_kv, comp_block_table, q)
+    assert comp_kv.dtype == window_kv.dtype, "the window and compressed pools store one format"
+    _check_pool("comp", comp_kv, comp_block_table, q, rope_dim)
     if topk_indices is None:
         assert compress_rate >= 1, f"HCA needs compress_rate >= 1, got {compress_rate}"
     else:
@@ -327,9 +340,16 @@ def _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_bl
         assert topk_indices.dtype in (torch.int32, torch.int64) and topk_indices.stride(1) == 1
 
 
-def _check_pool(name, pool, block_table, q):
-    assert pool.dim() == 3 and pool.shape[2] == q.shape[2], f"{name}_kv must be [pages, page_size, D]"
-    assert pool.dtype == q.dtype, f"{name}_kv dtype {pool.dtype} != q dtype {q.dtype}"
+def _check_pool(name, pool, block_table, q, rope_dim):
+    """A pool of q's dtype with entries of q's width, or of the fp8 layout's bytes (uint8)."""
+    head_dim = q.shape[2]
+    if pool.dtype == torch.uint8:
+        width = kv_fp8_entry_bytes(head_dim, rope_dim)
+        assert pool.dim() == 3 and pool.shape[2] == width, \
+            f"an fp8 {name}_kv must be [pages, page_size, {width}] bytes (D {head_dim}, rope {rope_dim})"
+    else:
+        assert pool.dim() == 3 and pool.shape[2] == head_dim, f"{name}_kv must be [pages, page_size, D]"
+        assert pool.dtype == q.dtype, f"{name}_kv dtype {pool.dtype} != q dtype {q.dtype}"
     assert pool.stride(2) == 1, f"{name}_kv's last dimension must be contiguous"
     assert block_table is not None and block_table.dim() == 2, f"{name}_block_table must be [B, pages]"
     assert block_table.dtype in (torch.int32, torch.int64) and block_table.stride(1) == 1
@@ -355,6 +375,7 @@ def sparse_paged_attention_triton(
     compress_rate: int = 0,
     topk_indices: torch.Tensor | None = None,
     *,
+    rope_dim: int = 0,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -365,7 +386,8 @@ def sparse_paged_attention_triton(
     """
     out, launches = plan_sparse_paged_attention(
         q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page, window,
-        comp_kv, comp_block_table, compress_rate, topk_indices, num_splits=num_splits, block_n=block_n)
+        comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim=rope_dim, num_splits=num_splits,
+        block_n=block_n)
     _launch(launches)
     return out
 
@@ -425,20 +447,26 @@ def sparse_paged_attention_reference(
     comp_block_table: torch.Tensor | None = None,
     compress_rate: int = 0,
     topk_indices: torch.Tensor | None = None,
+    *,
+    rope_dim: int = 0,
 ) -> torch.Tensor:
-    """Plain-torch definition of the kernel (see the module docstring). Returns [T, H, D] in q's dtype."""
-    num_tokens, num_heads, _ = q.shape
+    """Plain-torch definition of the kernel (see the module docstring). Returns [T, H, D] in q's dtype.
+
+    rope_dim: the entries' trailing rope dims, which the fp8 layout keeps in bf16 (uint8 pools only)."""
+    num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     seq_all, pos_all = token_seq.long(), token_pos.long()
     for start in range(0, num_tokens, _REFERENCE_TILE):
         tile = slice(start, start + _REFERENCE_TILE)
         seq, pos, qt = seq_all[tile], pos_all[tile], q[tile].float()
         keys, valid = _window_keys(window_kv, window_block_table, window_first_page, seq, pos, window)
+        keys = decode_kv_entries(keys, head_dim, rope_dim)
         if comp_kv is not None:
             topk = topk_indices[tile] if topk_indices is not None else None
             ckeys, cvalid = _compressed_keys(comp_kv, comp_block_table, seq, pos, compress_rate, topk)
+            ckeys = decode_kv_entries(ckeys, head_dim, rope_dim)
             keys, valid = torch.cat([keys, ckeys], dim=1), torch.cat([valid, cvalid], dim=1)
-        keys = torch.where(valid[..., None], keys, torch.zeros_like(keys)).float()  # [t, n, D]
+        keys = torch.where(valid[..., None], keys, torch.zeros_like(keys))  # [t, n, D] fp32
         logits = torch.einsum("thd,tnd->thn", qt, keys) * scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         sink = sinks.float()[None, :, None].expand(qt.shape[0], num_heads, 1)

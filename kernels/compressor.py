@@ -45,9 +45,20 @@ def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv:
     """kv, gate: this batch's projections [T, width] (may be column views); state_*: one layer's rings
     [slots, ring, width]; entry_cos / entry_sin: the compress rope at plan.entry_pos."""
     entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
-    if plan.num_entries == 0:
-        return
-    pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = entries
+    store_entries(pool, plan, block_table, entries)
+
+
+def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
+                               entry_sin) -> torch.Tensor:
+    """The entries the plan closes [N, head_dim], not stored (the caller encodes them: kv_cache_dtype fp8); the
+    rings updated as compress_into_pool_reference updates them."""
+    return _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
+
+
+def store_entries(pool: torch.Tensor, plan, block_table: torch.Tensor, rows: torch.Tensor) -> None:
+    """Store the plan's closed entries, as the pool's rows (values, or the fp8 layout's bytes), at their places."""
+    if plan.num_entries:
+        pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = rows
 
 
 def entry_destinations(plan, pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -160,6 +171,7 @@ def _compress_kernel(
     RATE: tl.constexpr, RING: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, HEAD_DIM: tl.constexpr,
     WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr,
+    STAGED: tl.constexpr,  # entry e goes to row e of pool_ptr (a [N, 1, head_dim] buffer), not into the pool
 ):
     pid = tl.program_id(0)
     dtype = kv_ptr.dtype.element_ty
@@ -223,13 +235,15 @@ def _compress_kernel(
     even_r = tl.where(is_rope, (even * cos - odd * sin).to(dtype).to(tl.float32), even)
     odd_r = tl.where(is_rope, (odd * cos + even * sin).to(dtype).to(tl.float32), odd)
     y = tl.reshape(tl.join(even_r, odd_r), [BLOCK_D])
-    # store at page block_table[row, index // PAGE_SIZE] (the scratch page for padding), slot index % PAGE_SIZE
-    row = tl.load(entry_row_ptr + e).to(tl.int64)
-    index = tl.load(entry_index_ptr + e).to(tl.int64)
-    page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
-    page = tl.where(row >= 0, page, scratch_page)
-    tl.store(pool_ptr + page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot + d, y.to(dtype),
-             mask=d_mask)
+    if STAGED:
+        tl.store(pool_ptr + e * stride_pool_page + d, y.to(dtype), mask=d_mask)
+    else:  # at page block_table[row, index // PAGE_SIZE] (the scratch page for padding), slot index % PAGE_SIZE
+        row = tl.load(entry_row_ptr + e).to(tl.int64)
+        index = tl.load(entry_index_ptr + e).to(tl.int64)
+        page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
+        page = tl.where(row >= 0, page, scratch_page)
+        tl.store(pool_ptr + page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot + d, y.to(dtype),
+                 mask=d_mask)
 
 
 def compress_config(span: int, head_dim: int, width: int) -> dict:
@@ -246,7 +260,9 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
                             entry_sin, pool, block_table, config: dict | None = None):
     """Check shapes; return the launches (kernel, grid, args, kwargs) of `compress_into_pool_triton`: none when
     nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries and snapshots, then
-    the rings)."""
+    the rings). block_table None: `pool` is a [N, 1, head_dim] buffer that gets entry e in row e (STAGED)."""
+    staged = block_table is None
+    block_table = pool if staged else block_table
     width = kv.shape[-1]
     head_dim = norm_weight.shape[0]
     span, ring = plan.entry_src.shape[1], plan.ring
@@ -274,7 +290,7 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     strides = (kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), position_bias.stride(0),
                entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
-                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], **cfg)
+                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged, **cfg)
     scratch_page = pool.shape[0] - 1
 
     def launch(entries, keep_begin, keep_end):  # programs: `entries` entries, then keep rows [keep_begin, keep_end)
@@ -286,6 +302,15 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
         return launch(num_entries, 0, num_keep)
     snapshots = plan.num_snapshot_keep
     return launch(num_entries, 0, snapshots) + launch(0, snapshots, num_keep)
+
+
+def compress_entries_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
+                            entry_sin, config: dict | None = None) -> torch.Tensor:
+    """Triton version of `compress_entries_reference`: the same kernel, each entry stored in its row of the result."""
+    entries = torch.empty((plan.entry_src.shape[0], 1, norm_weight.shape[0]), dtype=kv.dtype, device=kv.device)
+    compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
+                              entry_sin, entries, None, config)
+    return entries[:, 0]
 
 
 def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,

@@ -100,6 +100,10 @@ class KernelDispatch:
         """Close a compressor's windows into its pool and update its ring."""
         return self._fused("compressor", "compress_into_pool", kv, kv, *args, **kwargs)
 
+    def compress_entries(self, kv, *args, **kwargs):
+        """Close a compressor's windows (the entries, for the caller to store) and update its ring."""
+        return self._fused("compressor", "compress_entries", kv, kv, *args, **kwargs)
+
     def route_topk(self, logits, *args, **kwargs):
         return self._fused("moe", "route_topk", logits, logits, *args, **kwargs)
 

@@ -9,7 +9,8 @@ The top-k over these scores is taken with torch by the caller.
 Layouts:
   q            [T, H_I, d_I]
   weights      [T, H_I] fp32
-  index_k      [num_pages, page_size, d_I]   (one CSA layer's slice of the indexer-key pool)
+  index_k      [num_pages, page_size, d_I]   (one CSA layer's slice of the indexer-key pool), or uint8
+               [num_pages, page_size, d_I / 2 + d_I / 32]: FP4 keys (kv_cache_dtype fp8, kernels/quant_formats.py)
   block_table  [B, C] int32, entry e of row b at page block_table[b, e // page_size], slot e % page_size
 Returns [T, max_entries] with max_entries = max over t of (p + 1) // compress_rate.
 
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import compute_dtype
+from kernels.quant_formats import decode_indexer_keys, indexer_fp4_entry_bytes, load_indexer_keys
 
 
 @triton.jit(do_not_specialize=["max_entries", "stride_st"])  # vary with the context: never recompile per step
@@ -39,7 +41,7 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_kpage, stride_kslot, stride_table_b, stride_st,
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KEYS_FP4: tl.constexpr,  # a pool of FP4 keys' bytes (kernels/quant_formats.py)
 ):
     """Program (token t, block of BLOCK_E entries): gather the keys once, loop over head blocks."""
     t = tl.program_id(0).to(tl.int64)
@@ -50,8 +52,8 @@ def _indexer_scores_kernel(
     dims = tl.arange(0, HEAD_DIM)
 
     page = tl.load(block_table_ptr + seq * stride_table_b + entries // page_size, mask=is_causal, other=0)
-    k = tl.load(index_k_ptr + page.to(tl.int64)[:, None] * stride_kpage + (entries % page_size)[:, None] * stride_kslot
-                + dims[None, :], mask=is_causal[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_E, HEAD_DIM]
+    rows = page.to(tl.int64) * stride_kpage + (entries % page_size) * stride_kslot
+    k = load_indexer_keys(index_k_ptr, rows, is_causal, HEAD_DIM, KEYS_FP4).to(COMPUTE_DTYPE)  # [BLOCK_E, HEAD_DIM]
     acc = tl.zeros([BLOCK_E], tl.float32)
     # A block with no causal entry skips the head loop and only writes -inf.
     num_head_blocks = tl.where(tl.program_id(1) * BLOCK_E < num_causal, tl.cdiv(num_heads, BLOCK_H), 0)
@@ -88,14 +90,15 @@ def plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k
     if num_tokens == 0 or max_entries == 0:
         return scores, []
     cfg = indexer_config(head_dim, num_heads)
-    block_e = block_e or cfg["BLOCK_E"]
+    keys_fp4 = index_k.dtype == torch.uint8
+    block_e = block_e or (cfg["BLOCK_E"] // 2 if keys_fp4 else cfg["BLOCK_E"])  # decoding FP4 in registers: no spills
     dot_dtype = compute_dtype(q.dtype)
     args = (q, weights, token_seq, token_pos, index_k, block_table, scores,
             num_heads, compress_rate, index_k.shape[1], max_entries, float(softmax_scale),
             q.stride(0), q.stride(1), weights.stride(0), index_k.stride(0), index_k.stride(1), block_table.stride(0),
             scores.stride(0))
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=cfg["BLOCK_H"], BLOCK_E=block_e, COMPUTE_DTYPE=dot_dtype,
-                  DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+                  DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", KEYS_FP4=keys_fp4,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return scores, [(_indexer_scores_kernel, (num_tokens, triton.cdiv(max_entries, block_e)), args, kwargs)]
 
@@ -109,8 +112,13 @@ def _check_indexer_inputs(q, weights, token_seq, token_pos, index_k, block_table
     for name, ids in (("token_seq", token_seq), ("token_pos", token_pos)):
         assert ids.shape == (num_tokens,), f"{name} must be [T], got {tuple(ids.shape)}"
         assert ids.dtype in (torch.int32, torch.int64) and ids.stride(0) == 1, f"{name}: int32/int64 contiguous"
-    assert index_k.dim() == 3 and index_k.shape[2] == head_dim, "index_k must be [pages, page_size, d_I]"
-    assert index_k.dtype == q.dtype and index_k.stride(2) == 1, "index_k: q's dtype, last dimension contiguous"
+    if index_k.dtype == torch.uint8:  # FP4 keys
+        width = indexer_fp4_entry_bytes(head_dim)
+        assert index_k.dim() == 3 and index_k.shape[2] == width, f"FP4 index_k must be [pages, page_size, {width}]"
+    else:
+        assert index_k.dim() == 3 and index_k.shape[2] == head_dim, "index_k must be [pages, page_size, d_I]"
+        assert index_k.dtype == q.dtype, "index_k: q's dtype"
+    assert index_k.stride(2) == 1, "index_k's last dimension must be contiguous"
     assert block_table.dim() == 2 and block_table.dtype in (torch.int32, torch.int64) and block_table.stride(1) == 1
     assert compress_rate >= 1, f"compress_rate must be >= 1, got {compress_rate}"
 
@@ -181,10 +189,10 @@ def indexer_scores_reference(
     return scores
 
 
-def _entry_keys(index_k, block_table, rows, entries):
+def _entry_keys(index_k, block_table, rows, entries, head_dim):
     """index_k at entries of rows (broadcastable index tensors), in fp32."""
     page_size = index_k.shape[1]
-    return index_k[block_table[rows, entries // page_size].long(), entries % page_size].float()
+    return decode_indexer_keys(index_k[block_table[rows, entries // page_size].long(), entries % page_size], head_dim)
 
 
 def _score_tokens_with_own_keys(scores, tokens, q, weights, softmax_scale, seq, num_causal, index_k, block_table):
@@ -192,7 +200,7 @@ def _score_tokens_with_own_keys(scores, tokens, q, weights, softmax_scale, seq, 
     for start in range(0, tokens.numel(), _REFERENCE_TILE):
         tile = tokens[start:start + _REFERENCE_TILE]
         valid = entries[None, :] < num_causal[tile, None]  # [t, n]
-        keys = _entry_keys(index_k, block_table, seq[tile, None], entries[None, :])  # [t, n, d]
+        keys = _entry_keys(index_k, block_table, seq[tile, None], entries[None, :], q.shape[-1])  # [t, n, d]
         keys = torch.where(valid[..., None], keys, torch.zeros_like(keys))
         dots = torch.relu(torch.einsum("thd,tnd->thn", q[tile].float(), keys)) * softmax_scale
         tile_scores = (dots * weights[tile].float()[..., None]).sum(dim=1)
@@ -204,7 +212,7 @@ def _score_tokens_of_one_row(scores, tokens, row, q, weights, softmax_scale, num
     if num_entries == 0:
         return
     entries = torch.arange(num_entries, device=q.device)
-    keys = _entry_keys(index_k, block_table, row, entries)  # [n, d]: every entry is causal for the row's last token
+    keys = _entry_keys(index_k, block_table, row, entries, q.shape[-1])  # [n, d]: every entry is causal for the row's last token
     tile_size = max(1, 2**22 // (q.shape[1] * num_entries))  # bounds the [t, H, n] products to ~16 MB
     for start in range(0, tokens.numel(), tile_size):
         tile = tokens[start:start + tile_size]

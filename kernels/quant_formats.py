@@ -17,6 +17,8 @@ times a power of two.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 FP8_BLOCK = 128
 MXFP4_BLOCK = 32
@@ -214,3 +216,74 @@ def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 def _from_e8m0(codes: torch.Tensor) -> torch.Tensor:
     return (codes.to(torch.int32) << 23).view(torch.float32)
+
+
+# --- reading and writing a pool of either kind (the references' side; the kernels decode in registers) -------------
+def encode_kv_entries(entries: torch.Tensor, pool_dtype: torch.dtype, rope_dim: int) -> torch.Tensor:
+    """Attention entries [..., D] as a pool of `pool_dtype` stores them: the fp8 layout's bytes for uint8."""
+    return pack_kv_fp8(entries, rope_dim) if pool_dtype == torch.uint8 else entries.to(pool_dtype)
+
+
+def decode_kv_entries(stored: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
+    """Stored attention entries [..., D] as float32 (exact: every stored value is a float32)."""
+    if stored.dtype == torch.uint8:
+        return unpack_kv_fp8(stored, head_dim, rope_dim, torch.float32)
+    return stored.float()
+
+
+def encode_indexer_keys(keys: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """Indexer keys [..., Di] as a pool stores them: rotated and FP4-packed for uint8 (what numerics=deepseek
+    scores, whose queries are rotated too)."""
+    return pack_indexer_fp4(hadamard_rotate(keys)) if pool_dtype == torch.uint8 else keys.to(pool_dtype)
+
+
+def decode_indexer_keys(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
+    if stored.dtype == torch.uint8:
+        return unpack_indexer_fp4(stored, head_dim, torch.float32)
+    return stored.float()
+
+
+# --- the same layouts decoded in a kernel's registers (Triton) ------------------------------------------------------
+@triton.jit
+def load_kv_entries(pool_ptr, rope_ptr, rows, mask, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+                    FP8: tl.constexpr):
+    """Entries [len(rows), HEAD_DIM] at element offsets `rows` (int64, masked by `mask`) of a pool: its values, or
+    for the fp8 layout (uint8 pool; rope_ptr the same memory as bf16) float32 decoded from the bytes: e4m3 nope
+    values times their group's ue8m0 scale, then the bf16 rope values."""
+    dims = tl.arange(0, HEAD_DIM)
+    if FP8:
+        NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
+        is_nope = (dims < NOPE)[None, :]
+        nope_mask = mask[:, None] & is_nope
+        codes = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=nope_mask, other=0)
+        scale_codes = tl.load(pool_ptr + rows[:, None] + (NOPE + 2 * ROPE_DIM) + dims[None, :] // 64, mask=nope_mask,
+                              other=127)
+        scale = (scale_codes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        rope = tl.load(rope_ptr + rows[:, None] // 2 + NOPE // 2 + (dims[None, :] - NOPE),
+                       mask=mask[:, None] & ~is_nope, other=0.0).to(tl.float32)
+        entries = tl.where(is_nope, nope, rope)
+    else:
+        entries = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
+    return entries
+
+
+@triton.jit
+def load_indexer_keys(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr, FP4: tl.constexpr):
+    """Indexer keys [len(rows), HEAD_DIM] at element offsets `rows` of a pool: its values, or for the FP4 layout
+    (uint8) float32 decoded from the e2m1 pairs (low nibble first) times their group's ue8m0 scale."""
+    dims = tl.arange(0, HEAD_DIM)
+    if FP4:
+        packed = tl.load(pool_ptr + rows[:, None] + dims[None, :] // 2, mask=mask[:, None], other=0).to(tl.int32)
+        code = (packed >> ((dims[None, :] % 2) * 4)) & 0xF
+        exponent = (code >> 1) & 3
+        mantissa = (code & 1).to(tl.float32)
+        magnitude = tl.where(exponent == 0, 0.5 * mantissa,
+                             (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+        scale_codes = tl.load(pool_ptr + rows[:, None] + HEAD_DIM // 2 + dims[None, :] // 32, mask=mask[:, None],
+                              other=127)
+        scale = (scale_codes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        keys = tl.where((code & 8) != 0, -magnitude, magnitude) * scale
+    else:
+        keys = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
+    return keys

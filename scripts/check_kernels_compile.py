@@ -48,6 +48,7 @@ from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
+from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -68,7 +69,8 @@ MODELS = [
          moe_tokens=[1, 128, 512], vocab=512),
 ]
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
-         ("v4-flash", "indexer T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
+         ("v4-flash", "indexer T=1"), ("v4-flash", "attention csa fp8 kv decode T=1"),
+         ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
          ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
          ("v4-flash", "route topk T=64"), ("v4-flash", "swiglu T=64"), ("v4-flash", "compressor hca 64x1"),
@@ -101,33 +103,41 @@ def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def attention_launches(m: dict, mode: str, num_tokens: int):
+def _kv_pool(m: dict, fp8: bool):
+    """4096 pages of attention entries: bf16 values, or the fp8 layout's bytes (kv_cache_dtype fp8)."""
+    if fp8:
+        return _meta(4096, m["page_size"], kv_fp8_entry_bytes(m["head_dim"], m["rope_dim"]), dtype=torch.uint8)
+    return _meta(4096, m["page_size"], m["head_dim"])
+
+
+def attention_launches(m: dict, mode: str, num_tokens: int, fp8: bool = False):
     num_seqs = num_tokens if num_tokens <= 256 else 1
     comp_rate = m["csa_rate"] if mode == "csa" else m["hca_rate"]
     comp_pages = m["max_context"] // comp_rate // m["page_size"]
     kwargs = dict(
         sinks=_meta(m["num_heads"], dtype=torch.float32), scale=m["head_dim"] ** -0.5,
         token_seq=_meta(num_tokens, dtype=torch.int32), token_pos=_meta(num_tokens, dtype=torch.int64),
-        window_kv=_meta(4096, m["page_size"], m["head_dim"]),
+        window_kv=_kv_pool(m, fp8),
         window_block_table=_meta(num_seqs, 8 + num_tokens // m["page_size"], dtype=torch.int32),
-        window_first_page=_meta(num_seqs, dtype=torch.int64), window=m["window"])
+        window_first_page=_meta(num_seqs, dtype=torch.int64), window=m["window"], rope_dim=m["rope_dim"])
     if mode != "window":
-        kwargs.update(comp_kv=_meta(4096, m["page_size"], m["head_dim"]),
+        kwargs.update(comp_kv=_kv_pool(m, fp8),
                       comp_block_table=_meta(num_seqs, comp_pages, dtype=torch.int32), compress_rate=comp_rate)
     if mode == "csa":
         kwargs["topk_indices"] = _meta(num_tokens, m["index_topk"], dtype=torch.int32)
     return plan_sparse_paged_attention(_meta(num_tokens, m["num_heads"], m["head_dim"]), **kwargs)[1]
 
 
-def indexer_launches(m: dict, num_tokens: int):
+def indexer_launches(m: dict, num_tokens: int, fp4: bool = False):
     num_seqs = num_tokens if num_tokens <= 256 else 1
     pages = m["max_context"] // m["csa_rate"] // m["page_size"]
+    keys = (_meta(4096, m["page_size"], indexer_fp4_entry_bytes(m["index_head_dim"]), dtype=torch.uint8) if fp4
+            else _meta(4096, m["page_size"], m["index_head_dim"]))
     return plan_indexer_scores(
         _meta(num_tokens, m["index_heads"], m["index_head_dim"]), _meta(num_tokens, m["index_heads"],
                                                                        dtype=torch.float32),
         m["index_head_dim"] ** -0.5, _meta(num_tokens, dtype=torch.int32), _meta(num_tokens, dtype=torch.int64),
-        _meta(4096, m["page_size"], m["index_head_dim"]), _meta(num_seqs, pages, dtype=torch.int32), m["csa_rate"],
-        max_entries=8192 // m["csa_rate"])[1]
+        keys, _meta(num_seqs, pages, dtype=torch.int32), m["csa_rate"], max_entries=8192 // m["csa_rate"])[1]
 
 
 def _experts(fmt: str, num_experts: int, n: int, k: int, halves: int):
@@ -251,6 +261,13 @@ def cases() -> list[tuple[str, str, list]]:
                 out.append((m["name"], f"compressor {kind} {rows}x{tokens}",
                             compressor_launches(m, kind, rows, tokens)))
     flash = MODELS[0]
+    for mode in ("window", "hca", "csa"):  # kv_cache_dtype fp8: the entries decoded in registers
+        for t in (1, 64, 256):
+            out.append(("v4-flash", f"attention {mode} fp8 kv decode T={t}", attention_launches(flash, mode, t, True)))
+        t = flash["prefill_tokens"]
+        out.append(("v4-flash", f"attention {mode} fp8 kv prefill T={t}", attention_launches(flash, mode, t, True)))
+    for t in (1, flash["prefill_tokens"]):
+        out.append(("v4-flash", f"indexer fp4 keys T={t}", indexer_launches(flash, t, True)))
     for fmt in ("fp8", "mxfp4"):
         for t in flash["moe_tokens"]:
             out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))

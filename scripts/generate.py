@@ -40,6 +40,9 @@ def parse_args(argv=None):
                         help="quantized checkpoints: dequantize at load, or keep FP8/MXFP4 (auto: fp8 on CUDA)")
     parser.add_argument("--numerics", choices=["transformers", "deepseek"], default=EngineConfig.numerics,
                         help="deepseek: also DeepSeek's roundings of the KV entries and indexer (README Numerics)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default=EngineConfig.kv_cache_dtype,
+                        help="fp8: the pools store DeepSeek's layout (584-byte entries, FP4 indexer keys; needs "
+                             "--numerics deepseek)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks splitting the attention heads (and, without EP, every expert's columns)")
@@ -73,6 +76,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     config = EngineConfig(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
                           weight_format=args.weight_format, numerics=args.numerics,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,
                           max_running_requests=args.max_running_requests,
                           tensor_parallel_size=args.tensor_parallel_size,

@@ -40,11 +40,12 @@ GIB = 2**30
 
 
 def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: int = 0,
-                prefix_cache_end_entries: int = 0) -> dict:
-    """Per-position bytes of each pool, per-request bytes of window + compressor state, and the prefix cache's
-    ring snapshots (bf16)."""
+                prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16") -> dict:
+    """Per-position bytes of each pool (bf16 values, or the fp8 layout's bytes), per-request bytes of window +
+    compressor state, and the prefix cache's ring snapshots (the compressor state is bf16 either way)."""
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
-                        max_running_requests=max_running, dtype=torch.bfloat16, device="meta")
+                        max_running_requests=max_running, dtype=torch.bfloat16, device="meta",
+                        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else torch.bfloat16)
     if prefix_cache_entries:
         kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries, prefix_cache_end_entries)
     per_token = kv.bytes_per_token()
@@ -57,7 +58,7 @@ def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: 
 
 def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: float, utilization: float,
          reserve_gib: float, max_running: int, page_size: int, prefix_cache_entries: int = 0,
-         prefix_cache_end_entries: int = 0) -> dict:
+         prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16") -> dict:
     """ConfigError (naming the parameter) when the layout cannot split this model."""
     layout.check(config)
     prefix_cache_end_entries = min(prefix_cache_end_entries, prefix_cache_entries)  # none without the cache
@@ -69,7 +70,8 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     per_rank = weight_bytes(config, weight_format, layout=layout)
     per_rank.pop("draft layer (mtp)")
     rank_weights = sum(per_rank.values())
-    geometry = kv_geometry(config, page_size, max_running, prefix_cache_entries, prefix_cache_end_entries)
+    geometry = kv_geometry(config, page_size, max_running, prefix_cache_entries, prefix_cache_end_entries,
+                           kv_cache_dtype)
     per_token = geometry["bytes_per_token"]
     compressed_per_position = sum(v for k, v in per_token.items() if k != "window")
     budget = gpu_memory_gib * GIB * utilization - rank_weights - reserve_gib * GIB
@@ -79,7 +81,7 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     snapshot_bytes = geometry["snapshot_bytes"]
     kv_budget = budget - max_running * per_request - snapshot_bytes
     return {
-        "weight_format": weight_format, "num_gpus": layout.world_size,
+        "weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype, "num_gpus": layout.world_size,
         "tensor_parallel_size": layout.tensor_parallel_size, "expert_parallel_size": layout.expert_parallel_size,
         "gpu_memory_gib": gpu_memory_gib, "weights_bytes": weights, "weights_by_part": parts,
         "weights_per_device_bytes": rank_weights, "weights_per_device_by_part": per_rank,
@@ -104,7 +106,7 @@ def print_plan(row: dict) -> None:
     print(f"published checkpoint on disk (with the mtp layer, {row['published_draft_layer_bytes'] / GIB:.2f} GiB): "
           f"{row['published_on_disk_bytes']:,} bytes")
     per_token = ", ".join(f"{k} {v:.1f}" for k, v in row["kv_bytes_per_position"].items())
-    print(f"KV bytes per position: {per_token}; per running request (window + compressor state): "
+    print(f"KV bytes per position ({row['kv_cache_dtype']}): {per_token}; per running request (window + compressor state): "
           f"{row['kv_bytes_per_running_request'] / 2**20:.1f} MiB")
     if row["prefix_cache_entries"]:
         per_entry = row["prefix_cache_bytes_per_entry"]
@@ -138,6 +140,9 @@ def main() -> None:
     parser.add_argument("--prefix-cache-end-entries", type=int, default=EngineConfig.prefix_cache_end_entries,
                         help="the engine's prefix_cache_end_entries (of the entries, the requests' ends, whose "
                              "snapshots also hold the HCA ring)")
+    parser.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8", "both"], default="both",
+                        help="what the pools store (fp8: DeepSeek's 584-byte entries and FP4 indexer keys); both: "
+                             "the two plans and their ratios")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.prefix_cache_entries and args.prefix_cache_end_entries > args.prefix_cache_entries:
@@ -147,12 +152,26 @@ def main() -> None:
     else:
         config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
     layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
-    row = plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
-               args.max_running_requests, args.page_size, args.prefix_cache_entries, args.prefix_cache_end_entries)
-    print_plan(row)
+    dtypes = ["bfloat16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
+    rows = [plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
+                 args.max_running_requests, args.page_size, args.prefix_cache_entries, args.prefix_cache_end_entries,
+                 dtype) for dtype in dtypes]
+    for row in rows:
+        print_plan(row)
+    if len(rows) == 2:
+        print_ratios(*rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(row, indent=2))
+        args.json.write_text(json.dumps(rows[0] if len(rows) == 1 else rows, indent=2))
+
+
+def print_ratios(bf16: dict, fp8: dict) -> None:
+    """fp8 over bf16, pool by pool, and the capacity the fp8 layout frees."""
+    ratios = ", ".join(f"{name} {fp8['kv_bytes_per_position'][name] / size:.3f}"
+                       for name, size in bf16["kv_bytes_per_position"].items())
+    capacity = (f"{fp8['token_capacity_per_device'] / bf16['token_capacity_per_device']:.2f}x"
+                if bf16["token_capacity_per_device"] else "n/a")
+    print(f"fp8 / bf16 bytes per position: {ratios}; token capacity {capacity}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from backend.memory.page_allocator import OutOfPages
 from backend.memory.paged_pool import PagedPool, PageRun
 from backend.memory.window_pool import WindowPool
 from backend.model.config import CSA, HCA, ModelConfig
+from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
 
 
 @dataclass(eq=False)
@@ -55,7 +56,7 @@ class LayerMemory:
     """The tensors one layer reads and writes (views into the pools; None where the layer has none).
 
     window_kv [pages, page_size, Dh]; compressed_kv [pages, page_size, Dh] and index_k
-    [pages, page_size, Di] for CSA, compressed_kv for HCA; `pool` names the compressed pool;
+    [pages, page_size, Di] for CSA, compressed_kv for HCA (with kv_cache_dtype fp8: uint8, the entries' bytes); `pool` names the compressed pool;
     `state[stream] = (kv ring, gate ring)`, each [slots, ring, width], for the layer's compressors.
     """
 
@@ -67,6 +68,15 @@ class LayerMemory:
     state: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+def _entry_widths(model: ModelConfig, kv_cache_dtype: torch.dtype | str) -> tuple[int, int, torch.dtype]:
+    """(attention entry width, indexer key width, pool dtype): values of the model's widths, or bytes of the fp8
+    layout."""
+    if kv_cache_dtype == "fp8":
+        return (kv_fp8_entry_bytes(model.head_dim, model.qk_rope_head_dim),
+                indexer_fp4_entry_bytes(model.index_head_dim), torch.uint8)
+    return model.head_dim, model.index_head_dim, kv_cache_dtype
+
+
 def _pages(entries: int, page_size: int, partial_pages: int) -> int:
     """Pages for `entries` entries plus one partly filled page per running request."""
     return -(-entries // page_size) + partial_pages
@@ -75,25 +85,29 @@ def _pages(entries: int, page_size: int, partial_pages: int) -> int:
 class KVCacheManager:
     def __init__(self, model: ModelConfig, *, num_tokens: int, swa_full_tokens_ratio: float, page_size: int,
                  max_running_requests: int, dtype: torch.dtype, device: str | torch.device,
-                 max_step_tokens: int | None = None):
+                 max_step_tokens: int | None = None, kv_cache_dtype: torch.dtype | str | None = None):
         """`max_step_tokens`: the most tokens one request computes in a step (bounds a window run's length,
-        hence the window table's width; None: the whole window pool)."""
+        hence the window table's width; None: the whole window pool). `kv_cache_dtype`: what the paged pools
+        store, a float dtype (None: `dtype`) or "fp8", DeepSeek's byte layout (uint8 pools:
+        kernels/quant_formats.py); the compressor state always has `dtype`."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
+        self.fp8 = kv_cache_dtype == "fp8"
+        entry, index_key, pool_dtype = _entry_widths(model, kv_cache_dtype or dtype)
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
-        self.window_pool = WindowPool(model.num_hidden_layers, window_pages, page_size, model.head_dim,
-                                      model.sliding_window, dtype, device)
+        self.window_pool = WindowPool(model.num_hidden_layers, window_pages, page_size, entry,
+                                      model.sliding_window, pool_dtype, device)
         self.compressed_pools: dict[str, CompressedPool] = {}
         if csa_layers:
             self.compressed_pools["csa"] = CompressedPool(
                 "csa", model.csa_rate, csa_layers, _pages(num_tokens // model.csa_rate, page_size, max_running_requests),
-                page_size, {"kv": model.head_dim, "index_k": model.index_head_dim}, dtype, device)
+                page_size, {"kv": entry, "index_k": index_key}, pool_dtype, device)
         if hca_layers:
             self.compressed_pools["hca"] = CompressedPool(
                 "hca", model.hca_rate, hca_layers, _pages(num_tokens // model.hca_rate, page_size, max_running_requests),
-                page_size, {"kv": model.head_dim}, dtype, device)
+                page_size, {"kv": entry}, pool_dtype, device)
         self._state_rings = {
             "csa": (csa_layers, 2 * model.csa_rate, 2 * model.head_dim),
             "indexer": (csa_layers, 2 * model.csa_rate, 2 * model.index_head_dim),

@@ -38,9 +38,9 @@ from backend.model.rotary import Rotary
 from backend.model.projections import ATTENTION_INPUT, SHARED_EXPERT_INPUT, fuse_projections
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
-from kernels.compressor import round_stored_entries
+from kernels.compressor import round_stored_entries, store_entries
 from kernels.dispatch import KernelDispatch
-from kernels.quant_formats import simulate_indexer_fp4, simulate_kv_fp8
+from kernels.quant_formats import encode_indexer_keys, encode_kv_entries, simulate_indexer_fp4, simulate_kv_fp8
 
 
 class DeepseekV4Model:
@@ -117,11 +117,7 @@ class DeepseekV4Model:
         q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
         q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope
         memory = kv.layer(i)
-        k.norm_rope(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], eps, cos=cos, sin=sin,
-                    out=memory.window_kv, out_index=batch.window_write_index)  # K=V straight into the window pool
-        if self.deepseek_numerics:  # the entries as DeepSeek stores them, before anything reads them
-            window = memory.window_kv.view(-1, c.head_dim)
-            window[batch.window_write_index] = simulate_kv_fp8(window[batch.window_write_index], c.qk_rope_head_dim)
+        self._store_window_entries(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], cos, sin, batch, memory)
 
         comp_table, topk = None, None
         if memory.pool is not None:
@@ -134,10 +130,24 @@ class DeepseekV4Model:
         out = k.sparse_paged_attention(
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
             memory.window_kv, batch.window_block_table, batch.window_first_page, c.sliding_window,
-            memory.compressed_kv, comp_table, memory.compress_rate, topk,
+            memory.compressed_kv, comp_table, memory.compress_rate, topk, rope_dim=c.qk_rope_head_dim,
         )
         out = k.norm_rope(out, None, eps, normalize=False, cos=cos, sin=sin, inverse=True)  # undo V's rotation as K
         return self._output_projection(i, out)
+
+    def _store_window_entries(self, kv_proj, norm_weight, cos, sin, batch: ForwardBatch, memory: LayerMemory) -> None:
+        """Each token's K=V entry (normed, rotated) into its window slot, as the pool stores it."""
+        k, c, pool = self.kernels, self.config, memory.window_kv
+        if pool.dtype == torch.uint8:  # DeepSeek's fp8 layout: the entries packed as they are stored
+            entries = k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin)
+            pool.view(-1, pool.shape[-1])[batch.window_write_index] = encode_kv_entries(entries, pool.dtype,
+                                                                                        c.qk_rope_head_dim)
+            return
+        k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin, out=pool,
+                    out_index=batch.window_write_index)  # straight into the window pool
+        if self.deepseek_numerics:  # the entries as DeepSeek stores them, before anything reads them
+            window = pool.view(-1, c.head_dim)
+            window[batch.window_write_index] = simulate_kv_fp8(window[batch.window_write_index], c.qk_rope_head_dim)
 
     def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
         c, p, g = self.config, f"model.layers.{i}.self_attn.", self.local_groups
@@ -152,10 +162,16 @@ class DeepseekV4Model:
         """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.{prefix}"
         state_kv, state_gate = memory.state[stream]
-        self.kernels.compress_into_pool(
-            proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
-            batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps, *entry_rope[stream],
-            pool_tensor, block_table)
+        inputs = (proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
+                  batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
+                  *entry_rope[stream])
+        if pool_tensor.dtype == torch.uint8:  # DeepSeek's layouts: the entries encoded as they are stored
+            entries = self.kernels.compress_entries(*inputs)
+            encoded = (encode_indexer_keys(entries, torch.uint8) if stream == "indexer"
+                       else encode_kv_entries(entries, torch.uint8, c.qk_rope_head_dim))
+            store_entries(pool_tensor, batch.plans[stream], block_table, encoded)
+            return
+        self.kernels.compress_into_pool(*inputs, pool_tensor, block_table)
         if self.deepseek_numerics:
             rounding = (simulate_indexer_fp4 if stream == "indexer"
                         else lambda entries: simulate_kv_fp8(entries, c.qk_rope_head_dim))

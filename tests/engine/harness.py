@@ -8,6 +8,8 @@ the choice was a near-tie rather than loosen its tolerance.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import torch
@@ -35,15 +37,19 @@ class Reference:
     nothing. The roundings themselves are kernels/quant_formats.py's, checked against the formulas in
     tests/kernels/test_activation_quantizers.py. `noise` (with `seed`) multiplies every value about to be rounded by
     1 + noise * N(0, 1): how far another implementation's fp32 differences of that size can move the outputs
-    (a value at a rounding boundary rounds the other way).
+    (a value at a rounding boundary rounds the other way). `bf16_kv_cache`: the attention entries (window and
+    compressed, after their rope) rounded to bf16 where they are cached, as in DeepSeek's bf16 KV cache: what an
+    fp32 deployment's fp8 layout keeps of the rope values.
     """
 
-    def __init__(self, checkpoint, numerics: str = "transformers", noise: float = 0.0, seed: int = 0):
+    def __init__(self, checkpoint, numerics: str = "transformers", noise: float = 0.0, seed: int = 0,
+                 bf16_kv_cache: bool = False):
         from transformers import DeepseekV4ForCausalLM
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 
         self.model = DeepseekV4ForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
         self.config = self.model.config
+        self._bf16_kv_cache = bf16_kv_cache
         self._records: dict[int, dict] = {}
         if numerics == "deepseek":
             self._round_as_deepseek(noise, torch.Generator().manual_seed(seed))
@@ -82,15 +88,42 @@ class Reference:
             self._records.setdefault(layer, {})["scores"] = output[0].clone()
         return hook
 
+    @contextlib.contextmanager
+    def _cached_entries_rounded(self):
+        """While the model runs: apply_rotary_pos_emb's results that are attention entries (one K=V head of
+        head_dim; queries have several heads, the indexer's keys another width) rounded to bf16."""
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
+
+        if not self._bf16_kv_cache:
+            yield
+            return
+        original, head_dim = modeling.apply_rotary_pos_emb, self.config.head_dim
+
+        def rounded(x, cos, sin, *args, **kwargs):
+            out = original(x, cos, sin, *args, **kwargs)
+            is_entry = x.dim() == 4 and x.shape[1] == 1 and x.shape[-1] == head_dim
+            return out.to(torch.bfloat16).to(out.dtype) if is_entry else out
+
+        modeling.apply_rotary_pos_emb = rounded
+        try:
+            yield
+        finally:
+            modeling.apply_rotary_pos_emb = original
+
     @torch.no_grad()
     def run(self, ids: list[int]) -> tuple[torch.Tensor, dict[int, dict]]:
         """Logits [S, V] of a full forward, and per CSA layer the scores [S, E] and top-k [S, k]."""
         self._records = {}
-        logits = self.model(torch.tensor([ids])).logits[0].float()
+        with self._cached_entries_rounded():
+            logits = self.model(torch.tensor([ids])).logits[0].float()
         return logits, self._records
 
     @torch.no_grad()
     def greedy(self, ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[int]:
+        with self._cached_entries_rounded():
+            return self._greedy(ids, max_new_tokens, min_new_tokens)
+
+    def _greedy(self, ids: list[int], max_new_tokens: int, min_new_tokens: int) -> list[int]:
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                   min_new_tokens=min_new_tokens, eos_token_id=self.config.eos_token_id,
                                   pad_token_id=self.config.eos_token_id)
@@ -109,14 +142,15 @@ class EngineHarness:
 
     def __init__(self, checkpoint, page_size: int = 16, num_tokens: int = 16384, max_running_requests: int = 8,
                  swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto", weight_format: str = "dequantize",
-                 numerics: str = "transformers"):
+                 numerics: str = "transformers", dtype: torch.dtype = torch.float32,
+                 kv_cache_dtype: torch.dtype | str | None = None):
         self.config = load_model_config(checkpoint)
-        weights = load_weights(checkpoint, self.config, torch.float32, "cpu", weight_format)
-        self.model = DeepseekV4Model(self.config, weights, "cpu", torch.float32, KernelDispatch(kernel_mode),
+        weights = load_weights(checkpoint, self.config, dtype, "cpu", weight_format)
+        self.model = DeepseekV4Model(self.config, weights, "cpu", dtype, KernelDispatch(kernel_mode),
                                      numerics=numerics)
         self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
                                  page_size=page_size, max_running_requests=max_running_requests,
-                                 dtype=torch.float32, device="cpu")
+                                 dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype)
         self.model.indexer_observer = self._observe
         self._rows: list[Tracked] = []
 

@@ -41,6 +41,14 @@ def nudged_oracles(deepseek_shaped_checkpoint):
 
 
 @pytest.fixture(scope="module")
+def bf16_cache_oracles(deepseek_shaped_checkpoint):
+    """The oracle, and its nudged copies, with the entries cached in bf16 (the rope values the fp8 layout keeps)."""
+    return (Reference(deepseek_shaped_checkpoint, numerics="deepseek", bf16_kv_cache=True),
+            [Reference(deepseek_shaped_checkpoint, numerics="deepseek", noise=NOISE, seed=s, bf16_kv_cache=True)
+             for s in range(NOISE_SEEDS)])
+
+
+@pytest.fixture(scope="module")
 def harness(deepseek_shaped_checkpoint):
     return EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek")
 
@@ -130,3 +138,81 @@ def test_the_same_with_the_triton_kernels_under_the_interpreter(deepseek_shaped_
     for size in (61, 70) + (1,) * 9:  # across the first HCA entry (position 127), then decodes
         triton.step([(tracked, size)])
     _check(triton, oracle, nudged_oracles, tracked)
+
+
+# --- kv_cache_dtype=fp8: the pools hold DeepSeek's layouts (584-byte entries for V4, FP4 indexer keys) -------------
+def test_fp8_storage_against_the_oracle(deepseek_shaped_checkpoint, bf16_cache_oracles):
+    """An fp32 deployment storing the fp8 layout: the nope values and indexer keys exactly as the oracle rounds them,
+    the rope values in bf16, as DeepSeek's bf16 cache holds them."""
+    fp8 = EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek", kv_cache_dtype="fp8")
+    assert fp8.kv.window_pool.kv.dtype == torch.uint8 and fp8.kv.window_pool.kv.shape[-1] == 200
+    tracked = Tracked(Sequence("fp8", _prompt(300, 1)))
+    for size in (97, 111, 92):
+        fp8.step([(tracked, size)])
+    _check(fp8, *bf16_cache_oracles, tracked)
+
+
+@pytest.mark.parametrize("kernel_mode,schedule", [("reference", (97, 111, 92) + (1,) * 4),
+                                                  ("triton", (61, 70) + (1,) * 3)])
+def test_fp8_storage_gives_the_logits_of_bf16_storage(deepseek_shaped_checkpoint, kernel_mode, schedule):
+    """On a bf16 deployment the values DeepSeek's numerics store are exactly representable in the fp8 layout: the
+    same logits, bit for bit, whether the pools hold bf16 values or the layout's bytes (prefill chunks across CSA and
+    HCA boundaries, then decodes; with the references, and with the Triton kernels under the interpreter, which
+    decode the bytes in registers)."""
+    logits = {}
+    for kv_cache_dtype in (None, "fp8"):
+        engine = EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek", kernel_mode=kernel_mode,
+                               dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype)
+        tracked = Tracked(Sequence(str(kv_cache_dtype), _prompt(sum(schedule), 4)))
+        for size in schedule:
+            engine.step([(tracked, size)])
+        logits[kv_cache_dtype] = torch.stack([tracked.logits[p] for p in sorted(tracked.logits)])
+    assert torch.equal(logits[None], logits["fp8"])
+
+
+def test_fp8_storage_with_prefix_hits_preemption_and_eviction(deepseek_shaped_checkpoint):
+    """With the prefix cache on and pools so small that requests preempt each other and cached pages are evicted,
+    the engine storing the fp8 layout generates the tokens of the engine storing bf16 (a bf16 deployment: the stored
+    values are the same, and so are the pools' page counts, hence every step)."""
+    gen = torch.Generator().manual_seed(1)
+    history = torch.randint(2, 500, (300,), generator=gen).tolist()
+    prompts = [history[:n] + torch.randint(2, 500, (tail,), generator=gen).tolist()
+               for n, tail in ((300, 5), (256, 1), (129, 40), (300, 0), (100, 30))]
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    outputs, engines = {}, {}
+    for kv_cache_dtype in ("bfloat16", "fp8"):
+        engine = engines[kv_cache_dtype] = LLMEngine(EngineConfig(
+            checkpoint=str(deepseek_shaped_checkpoint), device="cpu", dtype="bfloat16", numerics="deepseek",
+            kv_cache_dtype=kv_cache_dtype, page_size=16, enable_prefix_caching=True, num_tokens=512,
+            swa_full_tokens_ratio=1.0, max_running_requests=4))
+        outputs[kv_cache_dtype] = [r["output_ids"] for r in engine.generate(prompts, params)]
+    tight = engines["fp8"]
+    assert tight.kv.window_pool.kv.dtype == torch.uint8 and engines["bfloat16"].kv.window_pool.kv.dtype == torch.bfloat16
+    assert outputs["fp8"] == outputs["bfloat16"]
+    stats = tight.kv.prefix_cache.stats
+    assert stats.evictions > 0 and tight.stats()["num_preemptions"] > 0 and stats.hits > 0, stats
+    tight.kv.check()
+
+
+def test_kv_cache_dtype_settings_that_cannot_apply_are_refused(tiny_checkpoint, deepseek_shaped_checkpoint):
+    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'"):
+        EngineConfig(kv_cache_dtype="fp16")
+    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*numerics=deepseek"):
+        EngineConfig(kv_cache_dtype="fp8")  # numerics=transformers: the layout holds DeepSeek's roundings
+    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*48 and 32"):  # the built-in model: 64 - 16
+        LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", numerics="deepseek",
+                               kv_cache_dtype="fp8"))
+    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*dtype bfloat16"):
+        LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", kv_cache_dtype="bfloat16"))
+
+
+def test_auto_picks_fp8_only_where_it_applies(tiny_checkpoint, deepseek_shaped_checkpoint):
+    from backend.engine import resolve_kv_cache_dtype
+    from backend.model.config import load_model_config
+
+    shaped, tiny = load_model_config(deepseek_shaped_checkpoint), load_model_config(tiny_checkpoint)
+    deepseek, plain = EngineConfig(numerics="deepseek"), EngineConfig()
+    assert resolve_kv_cache_dtype(deepseek, shaped, "cuda", torch.bfloat16) == "fp8"
+    assert resolve_kv_cache_dtype(deepseek, shaped, "cpu", torch.float32) == torch.float32  # not quantized, CPU
+    assert resolve_kv_cache_dtype(plain, shaped, "cuda", torch.bfloat16) == torch.bfloat16  # transformers' numerics
+    assert resolve_kv_cache_dtype(plain, tiny, "cuda", torch.bfloat16) == torch.bfloat16

@@ -205,3 +205,31 @@ def test_the_decode_plan_is_the_general_plan_of_single_token_rows(rate, overlap)
         for f in fields(general):
             a, b = getattr(general, f.name), getattr(fast, f.name)
             assert (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b, f.name
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_closed_entries_returned_for_the_caller_to_store(implementation):
+    """compress_entries_* (kv_cache_dtype fp8: the model encodes the entries before storing them) computes exactly
+    the entries compress_into_pool_* stores, and updates the rings the same way."""
+    import kernels.compressor as compressor
+
+    gen = torch.Generator().manual_seed(3)
+    rate, head_dim, rope_dim = 4, 24, 8
+    stored, returned = _Memory(rate, True, head_dim, 2, 12, torch.float32, gen), None
+    returned = stored.clone()
+    bias = torch.randn(rate, 2 * head_dim, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1])):  # a prefill step, then a decode step closing both
+        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], "cpu")
+        wide = torch.randn(sum(lens), 4 * head_dim, generator=gen)
+        kv, gate = wide[:, :2 * head_dim], wide[:, 2 * head_dim:]
+        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+        inputs = (kv, gate, None, None, plan, bias, norm_weight, 1e-6, angles.cos(), angles.sin())
+        getattr(compressor, f"compress_into_pool_{implementation}")(
+            *inputs[:2], stored.kv, stored.gate, *inputs[4:], stored.pool, stored.table)
+        entries = getattr(compressor, f"compress_entries_{implementation}")(*inputs[:2], returned.kv, returned.gate,
+                                                                              *inputs[4:])
+        assert entries.shape == (plan.num_entries, head_dim) and plan.num_entries > 0
+        rows = stored.pool.view(-1, head_dim)[compressor.entry_destinations(plan, stored.pool, stored.table)]
+        assert torch.equal(entries, rows)
+        assert torch.equal(returned.kv, stored.kv) and torch.equal(returned.gate, stored.gate)

@@ -1,0 +1,85 @@
+"""The KV cache in DeepSeek's layouts (kv_cache_dtype fp8): the attention and indexer kernels, and their references,
+read pools of the fp8 entry's and the FP4 indexer key's bytes as the values those bytes decode to.
+
+The pools of tests/kernels/test_attention.py and test_indexer.py are packed (their NaN pages too: a NaN entry packs to
+NaN scales, so a stray read still shows), and each kernel's output on the packed pool must equal, bit for bit, its
+output on the decoded pool: one launch differs from the other only in how a key reaches the registers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
+from kernels.indexer import indexer_scores_reference, indexer_scores_triton
+from kernels.quant_formats import (hadamard_rotate, indexer_fp4_entry_bytes, kv_fp8_entry_bytes, pack_indexer_fp4,
+                                   pack_kv_fp8, unpack_indexer_fp4, unpack_kv_fp8)
+
+from test_attention import MIXED, make_batch
+from test_indexer import make_inputs
+
+HEAD_DIM, ROPE_DIM = 128, 64  # one e4m3 group of 64 and 64 bf16 rope values: 64 + 128 + 8 = 200 bytes
+
+
+def _packed_and_decoded(pool: torch.Tensor):
+    packed = pack_kv_fp8(pool, ROPE_DIM)
+    return packed, unpack_kv_fp8(packed, HEAD_DIM, ROPE_DIM, pool.dtype)
+
+
+def test_layout_widths():
+    assert kv_fp8_entry_bytes(512, 64) == 584 and kv_fp8_entry_bytes(HEAD_DIM, ROPE_DIM) == 200
+    assert indexer_fp4_entry_bytes(128) == 68
+
+
+@pytest.mark.parametrize("mode", ["window", "hca", "csa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_reads_fp8_entries_as_their_values(mode, dtype):
+    q, sinks, scale, kwargs = make_batch(MIXED, num_heads=4, head_dim=HEAD_DIM, window=11, page_size=4, dtype=dtype,
+                                         mode=mode, compress_rate=4, topk=12, seed=7)
+    packed, decoded = dict(kwargs), dict(kwargs)
+    for name in ("window_kv", "comp_kv"):
+        if name in kwargs:
+            packed[name], decoded[name] = _packed_and_decoded(kwargs[name])
+            assert packed[name].dtype == torch.uint8 and packed[name].shape[-1] == 200
+    for implementation, options in ((sparse_paged_attention_reference, {}),
+                                    (sparse_paged_attention_triton, dict(num_splits=1, block_n=16))):
+        expected = implementation(q, sinks, scale, **decoded, **options)
+        actual = implementation(q, sinks, scale, **packed, rope_dim=ROPE_DIM, **options)
+        assert not actual.isnan().any()
+        assert torch.equal(actual, expected), implementation.__name__
+
+
+def test_attention_split_kv_reads_fp8_entries():
+    q, sinks, scale, kwargs = make_batch([(0, 1), (30, 1), (61, 1)], num_heads=4, head_dim=HEAD_DIM, window=20,
+                                         page_size=8, dtype=torch.bfloat16, mode="csa", compress_rate=4, topk=24)
+    packed, decoded = dict(kwargs), dict(kwargs)
+    for name in ("window_kv", "comp_kv"):
+        packed[name], decoded[name] = _packed_and_decoded(kwargs[name])
+    expected = sparse_paged_attention_triton(q, sinks, scale, **decoded, num_splits=3, block_n=16)
+    assert torch.equal(sparse_paged_attention_triton(q, sinks, scale, **packed, rope_dim=ROPE_DIM, num_splits=3,
+                                                     block_n=16), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_reads_fp4_keys_as_their_values(dtype):
+    q, weights, scale, token_seq, token_pos, index_k, table, rate = make_inputs(
+        [(0, 1), (4, 1), (70, 1), (0, 9), (33, 6)], num_heads=8, head_dim=64, page_size=8, compress_rate=4,
+        dtype=dtype, seed=3)
+    packed = pack_indexer_fp4(hadamard_rotate(index_k))
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == 34
+    decoded = unpack_indexer_fp4(packed, 64, dtype)
+    for implementation, options in ((indexer_scores_reference, {}), (indexer_scores_triton, dict(block_e=16))):
+        expected = implementation(q, weights, scale, token_seq, token_pos, decoded, table, rate, **options)
+        actual = implementation(q, weights, scale, token_seq, token_pos, packed, table, rate, **options)
+        assert not actual.isnan().any()
+        assert torch.equal(actual, expected), implementation.__name__
+
+
+def test_an_fp8_pool_without_its_rope_width_is_refused():
+    """rope_dim says where the bf16 values start; without it the kernel would expect 128 + 0 + 8 bytes."""
+    q, sinks, scale, kwargs = make_batch([(0, 2)], num_heads=4, head_dim=HEAD_DIM, window=8, page_size=4,
+                                         dtype=torch.float32, mode="window")
+    kwargs["window_kv"] = pack_kv_fp8(kwargs["window_kv"], ROPE_DIM)
+    with pytest.raises(AssertionError, match="136"):
+        sparse_paged_attention_triton(q, sinks, scale, **kwargs)
