@@ -18,6 +18,8 @@ Layouts (one layer's slice of each pool):
                      page comp_block_table[b, e // page_size], slot e % page_size
   comp_block_table   [B, C] int32
   topk_indices       [T, K] int32 / int64 or None
+  With kv_cache_dtype fp8 both pools are uint8 [pages, page_size, entry bytes] in DeepSeek's layout (rope_dim
+  names its bf16 part; kernels/quant_formats.py); the kernel decodes each key block in registers.
 
 Kernel (`sparse_paged_attention_triton`): one program per (query token, block of BLOCK_H heads, KV split);
 grid (T, cdiv(H, BLOCK_H), num_splits). The heads of a token share every key (MQA, K = V), so the query

@@ -1,4 +1,7 @@
-"""DeepSeek-V4's published weight formats: what their bytes mean, decoded with plain torch.
+"""DeepSeek-V4's number formats: the published weights, DeepSeek's activation quantizers and its KV cache layouts.
+
+What the bytes mean, in plain torch (the references' side), and for the KV cache also decoded in a kernel's
+registers (`load_kv_entries`, `load_indexer_keys`: Triton helpers the attention and indexer kernels inline).
 
 The one definition, shared by the kernels' references (kernels/fp8_gemm.py, kernels/moe.py) and the
 checkpoint loader (through backend/model/quantization.py, which also writes them for tests).
