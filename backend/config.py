@@ -37,9 +37,9 @@ class EngineConfig:
     # What the forward computes: `transformers` (the default) what transformers' DeepseekV4ForCausalLM computes;
     # `deepseek` also the roundings DeepSeek's own inference applies and its model was trained with: each
     # attention entry's nope values to e4m3 per 64 and the indexer's keys and queries rotated and to e2m1 per 32
-    # (kernels/quant_formats.py), the router's logits and the LM head in fp32. Not yet with weight_format=fp8
-    # (DeepSeek also quantizes the FP8 linears' inputs), and in bf16 the compressor and the mHC mix still follow
-    # transformers' dtypes (README "Numerics").
+    # (kernels/quant_formats.py), the router's logits and the LM head in fp32, the routing weight before the
+    # experts' down projection, and on quantized checkpoints the FP8/FP4 linears' inputs act_quant'ed (e4m3 per 128).
+    # In bf16 the compressor and the mHC mix still follow transformers' dtypes (README "Numerics").
     numerics: str = "transformers"
     # How the KV pools store attention entries: `bfloat16`, or `fp8`, DeepSeek's layout (each entry's nope values
     # e4m3 with a power-of-two scale per 64, its rope values bf16: 584 bytes for V4 against 1,024; the indexer's
@@ -110,9 +110,6 @@ class EngineConfig:
         _check(self.weight_format in ("auto", "dequantize", "fp8"), "weight_format", self.weight_format,
                "auto, dequantize or fp8")
         _check(self.numerics in NUMERICS, "numerics", self.numerics, " or ".join(NUMERICS))
-        _check(not (self.numerics == "deepseek" and self.weight_format == "fp8"), "numerics", self.numerics,
-               "transformers with weight_format=fp8 (DeepSeek's quantization of the FP8 linears' inputs is not "
-               "implemented yet)")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
                " or ".join(KV_CACHE_DTYPES))
         _check(not (self.kv_cache_dtype == "fp8" and self.numerics != "deepseek"), "kv_cache_dtype",

@@ -337,11 +337,7 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
     dequantize on CPU; `fp8` needs a quantized checkpoint."""
     quantized = model_config.quantization_config is not None
     if config.weight_format == "auto":
-        resolved = "fp8" if quantized and device == "cuda" else "dequantize"
-        if resolved == "fp8" and config.numerics == "deepseek":
-            raise ConfigError("parameter 'numerics': 'deepseek' is not implemented with FP8 weights yet, which "
-                              "weight_format=auto picks on CUDA; set weight_format=dequantize")
-        return resolved
+        return "fp8" if quantized and device == "cuda" else "dequantize"
     if config.weight_format == "fp8" and not quantized:
         raise ConfigError("parameter 'weight_format': 'fp8' needs a quantized (FP8) checkpoint; this one has no "
                           "quantization_config")
@@ -372,15 +368,28 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_config, device: str, dtyp
     return dtype
 
 
-def check_numerics(config: EngineConfig, model_config) -> None:
-    """numerics=deepseek rounds in groups: the entries' nope values by 64, the indexer's rotated keys by 32."""
+def check_numerics(config: EngineConfig, model_config, layout: ParallelLayout) -> None:
+    """numerics=deepseek rounds in groups: the entries' nope values by 64, the indexer's rotated keys by 32, and on a
+    quantized checkpoint the FP8/FP4 linears' inputs by 128 (each rank's slice of a split input too)."""
     if config.numerics != "deepseek":
         return
-    nope, index_dim = model_config.head_dim - model_config.qk_rope_head_dim, model_config.index_head_dim
+    c = model_config
+    nope, index_dim = c.head_dim - c.qk_rope_head_dim, c.index_head_dim
     if nope <= 0 or nope % 64 or index_dim % 32 or index_dim & (index_dim - 1):
         raise ConfigError(
             f"parameter 'numerics': 'deepseek' needs head_dim - rope dims a multiple of 64 and index_head_dim a "
             f"power of two of at least 32 (DeepSeek-V4: 448 and 128); this checkpoint has {nope} and {index_dim}")
+    if c.quantization_config is None:
+        return
+    split = layout.tensor_parallel_size
+    inputs = {"hidden_size": c.hidden_size, "q_lora_rank": c.q_lora_rank,
+              "o_groups * o_lora_rank / tensor_parallel_size": c.o_groups * c.o_lora_rank // split,
+              "moe_intermediate_size / tensor_parallel_size": c.moe_intermediate_size // split}
+    bad = {name: width for name, width in inputs.items() if width % 128}
+    if bad:
+        raise ConfigError(f"parameter 'numerics': 'deepseek' on a quantized checkpoint quantizes the FP8 linears' "
+                          f"inputs in groups of 128, which {bad} do not divide into (DeepSeek-V4: 4096, 1024, 8192, "
+                          f"2048)")
 
 
 def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
@@ -392,7 +401,7 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, config.resolved_device(), dtype)
-    check_numerics(config, model_config)
+    check_numerics(config, model_config, ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size))
     kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype)
     if config.enable_prefix_caching:
         kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,

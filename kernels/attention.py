@@ -190,19 +190,26 @@ def _split_kv_combine_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, (acc / denom).to(out_ptr.dtype.element_ty))
 
 
-def attention_config(head_dim: int, num_heads: int) -> dict:
+def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dict:
     """Tile sizes and launch options for a head_dim / head count (shared with scripts/).
 
     At head_dim 512 a [64, 512] fp32 accumulator spills on sm_90 (checked with scripts/check_kernels_compile.py),
     so heads go in blocks of at most 32 there (mma.sync, not wgmma) and each key block is read once per head block.
+    Decoding the fp8 layout in registers holds a key block's codes, scales and values at once: half the key block
+    and one stage keep sm_90 from spilling at head_dim 512.
     """
     if head_dim >= 512:
-        return dict(BLOCK_H=min(32, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=32, num_warps=8,
-                    num_stages=2)
-    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
-    if head_dim >= 256:
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8, num_stages=2)
-    return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
+        cfg = dict(BLOCK_H=min(32, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=32, num_warps=8,
+                   num_stages=2)
+    elif head_dim >= 256:
+        cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=32, num_warps=8,
+                   num_stages=2)
+    else:
+        cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=64, num_warps=4,
+                   num_stages=2)
+    if kv_fp8:
+        cfg.update(BLOCK_N=cfg["BLOCK_N"] // 2, num_stages=1)
+    return cfg
 
 
 def choose_num_splits(num_programs: int, max_key_blocks: int, num_sms: int, programs_per_sm: int,
@@ -254,11 +261,9 @@ def plan_sparse_paged_attention(
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out, []
-    cfg = attention_config(head_dim, num_heads)
     kv_fp8 = window_kv.dtype == torch.uint8
-    # Decoding the fp8 layout in registers holds codes, scales and values of a key block at once: half the block
-    # keeps sm_90 from spilling at head_dim 512 (scripts/check_kernels_compile.py).
-    block_h, block_n = cfg["BLOCK_H"], block_n or (cfg["BLOCK_N"] // 2 if kv_fp8 else cfg["BLOCK_N"])
+    cfg = attention_config(head_dim, num_heads, kv_fp8)
+    block_h, block_n = cfg["BLOCK_H"], block_n or cfg["BLOCK_N"]
     num_head_blocks = triton.cdiv(num_heads, block_h)
     comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
     num_topk = topk_indices.shape[1] if topk_indices is not None else 0
@@ -267,7 +272,7 @@ def plan_sparse_paged_attention(
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=True,
                   COMPUTE_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
                   KV_FP8=kv_fp8, ROPE_DIM=rope_dim if kv_fp8 else 0,
-                  num_warps=cfg["num_warps"], num_stages=1 if kv_fp8 else cfg["num_stages"])
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     def kernel_args(splits: int):
         """(args, partial, lse) of the attention launch with `splits` splits (buffers allocated when split)."""

@@ -52,15 +52,20 @@ class KernelDispatch:
         return indexer_scores_reference(q, *args, **kwargs)
 
     def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch)."""
+                  out_dtype: torch.dtype | None = None, deepseek_order: bool = False,
+                  quantize_hidden: bool = False) -> torch.Tensor:
+        """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch);
+        deepseek_order / quantize_hidden: DeepSeek's routing-weight order and act_quant of the down projection's
+        input (kernels/moe.py)."""
+        order = dict(deepseek_order=deepseek_order, quantize_hidden=quantize_hidden)
         if self.use_triton(x):
             from kernels.moe import fused_moe_triton
 
-            return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype)
+            return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
+                                    **order)
         w_gate_up, w_down = (w.dequantize().to(x.dtype) if isinstance(w, QuantizedExperts) else w
                              for w in (w_gate_up, w_down))
-        out = fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit)
+        out = fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, **order)
         return out if out_dtype is None else out.to(out_dtype)
 
     def linear(self, x: torch.Tensor, weight) -> torch.Tensor:

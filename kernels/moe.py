@@ -56,7 +56,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import compute_dtype
-from kernels.quant_formats import FP8_BLOCK, dequantize_mxfp4
+from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, dequantize_mxfp4, simulate_e4m3_groups,
+                                   simulate_quantization)
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -279,7 +280,7 @@ def _grouped_tile(pid, num_row_blocks, num_col_tiles, GROUP_SIZE_M: tl.constexpr
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_gate_up_kernel(
     # pointers
-    x_ptr, w_ptr, s_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr,
+    x_ptr, w_ptr, s_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr, topk_weights_ptr,
     # sizes
     num_pairs, max_blocks, top_k, hidden, inter, swiglu_limit, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
@@ -287,8 +288,12 @@ def _moe_gate_up_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr, QUANTIZE_H: tl.constexpr,
 ):
-    """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T)."""
+    """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T).
+
+    WEIGHT_FIRST (DeepSeek's order): h is multiplied by the pair's routing weight here, not after the down
+    projection; QUANTIZE_H: then rounded to h's dtype and act_quant'ed, e4m3 per 128 columns (BLOCK_N % 128 == 0)."""
     block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last used block
@@ -318,6 +323,11 @@ def _moe_gate_up_kernel(
     gate = tl.minimum(acc_gate, swiglu_limit)
     up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
     h = gate * tl.sigmoid(gate) * up
+    if WEIGHT_FIRST:
+        h = h.to(h_ptr.dtype.element_ty).to(tl.float32)  # the SwiGLU in the dtype, as the reference computes it
+        h = (h * tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]).to(h_ptr.dtype.element_ty)
+        if QUANTIZE_H:
+            h = simulate_e4m3_groups(h.to(tl.float32), BLOCK_M, BLOCK_N)
     tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
@@ -333,7 +343,7 @@ def _moe_down_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
 ):
     """Program (row block b, hidden columns n): out[token, n] += weight * (h[rows] @ W_down[e, n]^T), in fp32.
 
@@ -359,7 +369,8 @@ def _moe_down_kernel(
                                 rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         h_ptrs += BLOCK_K
-    acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    if not WEIGHT_FIRST:
+        acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     if PER_PAIR_OUTPUT:
         tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :], acc, mask=mask)
@@ -368,7 +379,8 @@ def _moe_down_kernel(
         tl.atomic_add(out_ptr + tokens[:, None] * stride_om + cols[None, :], acc, mask=mask, sem="relaxed")
 
 
-def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quantized: bool = False) -> dict:
+def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quantized: bool = False,
+               quantize_hidden: bool = False) -> dict:
     """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs.
 
     Quantized experts are dequantized into registers tile by tile: K tiles of 32 and two stages keep
@@ -397,6 +409,8 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quanti
             tile.update(BLOCK_K=min(tile["BLOCK_K"], 32), num_stages=min(tile["num_stages"], 2))
         if block_m >= 32:
             gate_up["num_warps"] = 8  # two decoded tiles and two accumulators: spread over more threads
+    if quantize_hidden:  # h is act_quant'ed in groups of 128 columns inside the gate/up tile
+        gate_up["BLOCK_N"] = max(gate_up["BLOCK_N"], FP8_ACT_BLOCK)
     return dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down)
 
 
@@ -528,10 +542,11 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *, per_pair_output=False,
-                   config=None, out_dtype=None):
+                   config=None, out_dtype=None, deepseek_order=False, quantize_hidden=False):
     """Check the inputs, align the pairs, allocate buffers; return (finish, launches) without launching.
 
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
+    deepseek_order / quantize_hidden: as in `fused_moe_reference`.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
@@ -541,7 +556,11 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return (lambda: torch.zeros_like(x, dtype=out_dtype or x.dtype)), []
-    cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE)
+    cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE,
+                               quantize_hidden=quantize_hidden)
+    assert not quantize_hidden or (deepseek_order and inter % FP8_ACT_BLOCK == 0
+                                   and cfg["gate_up"]["BLOCK_N"] % FP8_ACT_BLOCK == 0), \
+        f"quantize_hidden: DeepSeek's order, groups of {FP8_ACT_BLOCK} intermediate columns within a tile"
     block_m, group_size_m = cfg["BLOCK_M"], cfg.get("GROUP_SIZE_M", GROUP_SIZE_M)
     out_rows = num_pairs if per_pair_output else num_tokens
     # per-pair rows of left-out pairs (another rank's experts) are never written: zeroed up front
@@ -557,11 +576,13 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     g = cfg["gate_up"]
     (gu_data, gu_scale, gu_rows), (d_data, d_scale, d_rows) = _kernel_weights(w_gate_up), _kernel_weights(w_down)
     weight_format = _weight_format(w_gate_up)
-    gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, hidden, inter,
+    gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, weights, num_pairs, max_blocks, top_k,
+                    hidden, inter,
                     float(swiglu_limit), gu_rows, x.stride(0), gu_data.stride(0), gu_data.stride(1),
                     gu_scale.stride(0), gu_scale.stride(1), h.stride(0))
     gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
                           DOT_PRECISION=precision, WEIGHT_FORMAT=weight_format, GROUP_SIZE_M=group_size_m,
+                          WEIGHT_FIRST=bool(deepseek_order), QUANTIZE_H=bool(quantize_hidden),
                           num_warps=g["num_warps"], num_stages=g["num_stages"])
     d = cfg["down"]
     down_args = (h, d_data, d_scale, weights, out, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, hidden,
@@ -569,7 +590,8 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
                  h.stride(0), d_data.stride(0), d_data.stride(1), d_scale.stride(0), d_scale.stride(1), out.stride(0))
     down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
                        DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output, WEIGHT_FORMAT=weight_format,
-                       GROUP_SIZE_M=group_size_m, num_warps=d["num_warps"], num_stages=d["num_stages"])
+                       GROUP_SIZE_M=group_size_m, WEIGHT_FIRST=bool(deepseek_order), num_warps=d["num_warps"],
+                       num_stages=d["num_stages"])
     launches = align + [
         (_moe_gate_up_kernel, (max_blocks * triton.cdiv(inter, g["BLOCK_N"]),), gate_up_args, gate_up_kwargs),
         (_moe_down_kernel, (max_blocks * triton.cdiv(hidden, d["BLOCK_N"]),), down_args, down_kwargs),
@@ -641,6 +663,8 @@ def fused_moe_triton(
     per_pair_output: bool = False,
     config: dict | None = None,
     out_dtype: torch.dtype | None = None,
+    deepseek_order: bool = False,
+    quantize_hidden: bool = False,
 ) -> torch.Tensor:
     """Triton version of `fused_moe_reference` (same arguments, [T, D] in x's dtype, or in out_dtype:
     torch.float32 returns the fp32 accumulator itself, saving the cast's launch).
@@ -649,7 +673,8 @@ def fused_moe_triton(
     deterministic, at the cost of a [T * k, D] fp32 buffer. config: tile override (see `moe_config`).
     """
     finish, launches = plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit,
-                                      per_pair_output=per_pair_output, config=config, out_dtype=out_dtype)
+                                      per_pair_output=per_pair_output, config=config, out_dtype=out_dtype,
+                                      deepseek_order=deepseek_order, quantize_hidden=quantize_hidden)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return finish()
@@ -709,7 +734,13 @@ def fused_moe_reference(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     swiglu_limit: float,
+    *,
+    deepseek_order: bool = False,
+    quantize_hidden: bool = False,
 ) -> torch.Tensor:
+    """deepseek_order: the routing weight multiplies the SwiGLU output before the down projection (DeepSeek's
+    Expert.forward; transformers applies it after); quantize_hidden: that product, rounded to x's dtype, is then
+    act_quant'ed (e4m3 per 128, DeepSeek's numerics on FP8/FP4 experts)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     num_experts = w_gate_up.shape[0]
     flat_ids = topk_ids.reshape(-1)
@@ -725,7 +756,14 @@ def fused_moe_reference(
         tokens = token_of[start : start + count]
         start += count
         hidden = clamped_swiglu(F.linear(x[tokens], w_gate_up[expert]), swiglu_limit)
-        contribution = F.linear(hidden, w_down[expert]).float() * topk_weights.reshape(-1)[pairs, None].float()
+        weight = topk_weights.reshape(-1)[pairs, None].float()
+        if deepseek_order:
+            hidden = (hidden.float() * weight).to(x.dtype)
+            if quantize_hidden:
+                hidden = simulate_quantization(hidden, FP8_ACT_BLOCK, "e4m3")
+            contribution = F.linear(hidden, w_down[expert]).float()
+        else:
+            contribution = F.linear(hidden, w_down[expert]).float() * weight
         out.index_add_(0, tokens, contribution)
     return out.to(x.dtype)
 

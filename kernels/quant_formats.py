@@ -290,3 +290,29 @@ def load_indexer_keys(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr, FP4: tl.cons
     else:
         keys = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
     return keys
+
+
+@triton.jit
+def simulate_e4m3_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """DeepSeek's in-place act_quant of a float32 tile [ROWS, COLS] in groups of 128 columns (COLS % 128 == 0): each
+    value rounded to e4m3 at its group's power-of-two scale (fast_round_scale from the float32 bits), times the
+    scale; `simulate_quantization(x, 128, "e4m3")` in registers."""
+    groups = tl.reshape(x, [ROWS, COLS // 128, 128])
+    amax = tl.maximum(tl.max(tl.abs(groups), 2), 1e-4)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)[:, :, None]
+    grid = _round_to_e4m3(tl.clamp(groups / scale, -448.0, 448.0))
+    return tl.reshape(grid * scale, [ROWS, COLS])
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """float32 values in [-448, 448] rounded to the nearest e4m3 value, ties to even: v / ulp rounded to an integer
+    with the 1.5 * 2^23 trick (fp32 round-to-nearest-even), ulp = 2^(exponent - 3), subnormals' 2^-9. Arithmetic
+    rather than a cast to float8e4nv, whose emulation under the interpreter mis-rounds values that round up into
+    the next binade."""
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    steps = (v / ulp + 12582912.0) - 12582912.0
+    return steps * ulp

@@ -34,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,8 +229,9 @@ def prefill_positions(s: Shapes) -> list[list[int]]:
 
 
 # --- traffic and work models ------------------------------------------------------------------------------------
-def attention_work(s: Shapes, positions, mode: str) -> tuple[float, float]:
-    """(GB, GFLOP): every key each token attends to read once (bf16), q and out; 4 * H * D flops per key."""
+def attention_work(s: Shapes, positions, mode: str, key_bytes: float | None = None) -> tuple[float, float]:
+    """(GB, GFLOP): every key each token attends to read once (key_bytes each: bf16 by default, or the fp8 layout's
+    entry), q and out (bf16); 4 * H * D flops per key."""
     keys = 0
     for ps in positions:
         for p in ps:
@@ -241,7 +242,8 @@ def attention_work(s: Shapes, positions, mode: str) -> tuple[float, float]:
                 keys += (p + 1) // s.hca_rate
     tokens = sum(len(ps) for ps in positions)
     unique_keys = keys if tokens == len(positions) else _prefill_unique_keys(s, positions, mode)
-    gbytes = (unique_keys * s.head_dim + 2 * tokens * s.num_heads * s.head_dim) * 2 / 1e9
+    key_bytes = 2 * s.head_dim if key_bytes is None else key_bytes
+    gbytes = (unique_keys * key_bytes + 2 * tokens * s.num_heads * s.head_dim * 2) / 1e9
     return gbytes, 4 * s.num_heads * s.head_dim * keys / 1e9
 
 
@@ -256,11 +258,12 @@ def _prefill_unique_keys(s: Shapes, positions, mode):
     return keys
 
 
-def indexer_work(s: Shapes, positions) -> tuple[float, float]:
+def indexer_work(s: Shapes, positions, key_bytes: float | None = None) -> tuple[float, float]:
     entries = [(p + 1) // s.csa_rate for ps in positions for p in ps]
     distinct = sum(max((p + 1) // s.csa_rate for p in ps) for ps in positions)
     tokens = len(entries)
-    gbytes = (distinct * s.index_head_dim * 2 + tokens * s.index_heads * (s.index_head_dim * 2 + 4)
+    key_bytes = 2 * s.index_head_dim if key_bytes is None else key_bytes
+    gbytes = (distinct * key_bytes + tokens * s.index_heads * (s.index_head_dim * 2 + 4)
               + sum(entries) * 4) / 1e9
     return gbytes, 2 * s.index_heads * s.index_head_dim * sum(entries) / 1e9
 
@@ -275,7 +278,7 @@ def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, flo
 
 # --- running ----------------------------------------------------------------------------------------------------
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
-TOLERANCES = {"attention": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
+TOLERANCES = {"attention": (2e-2, 2e-2), "attn_fp8": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "idx_fp4": (1e-3, 1e-3), "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
               "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2)}
 
 
@@ -592,7 +595,65 @@ def bench_glue(torch, s, device, timer, options):
     return results
 
 
-BENCHES = {"attention": bench_attention, "indexer": bench_indexer, "moe": bench_moe, "moe_q": bench_moe_quantized,
+def _fp8_layout_shapes(s: Shapes) -> Shapes:
+    """The shapes, widened where the fp8 layout's groups need it (the dry run's 64-wide heads: 128, 64 rope dims)."""
+    if (s.head_dim - s.rope_dim) % 64 == 0 and s.index_head_dim % 32 == 0:
+        return s
+    return replace(s, head_dim=128, rope_dim=64)
+
+
+def bench_attention_fp8(torch, s, device, timer, options):
+    """The attention over pools in DeepSeek's fp8 layout (kv_cache_dtype fp8), checked against the reference on the
+    values the bytes hold; GB counts the layout's bytes per key (584 for V4 against 1,024)."""
+    from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
+    from kernels.quant_formats import kv_fp8_entry_bytes, pack_kv_fp8, unpack_kv_fp8
+
+    s = _fp8_layout_shapes(s)
+    entry_bytes = kv_fp8_entry_bytes(s.head_dim, s.rope_dim)
+    results = []
+    for mode in ("window", "csa", "hca"):
+        cases = [(f"{mode} decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
+        cases.append((f"{mode} prefill T={s.prefill_tokens}", prefill_positions(s)))
+        for name, positions in cases:
+            args, kwargs = attention_inputs(torch, s, device, positions, mode)
+            values = dict(kwargs)
+            for pool in ("window_kv", "comp_kv"):
+                if pool in kwargs:
+                    kwargs[pool] = pack_kv_fp8(kwargs[pool], s.rope_dim)
+                    values[pool] = unpack_kv_fp8(kwargs[pool], s.head_dim, s.rope_dim, torch.float32)
+            results.append(check_and_time(
+                torch, timer, "attn_fp8", name,
+                lambda: sparse_paged_attention_triton(*args, **kwargs, rope_dim=s.rope_dim),
+                lambda: sparse_paged_attention_reference(*args, **kwargs, rope_dim=s.rope_dim),
+                lambda: sparse_paged_attention_reference(*_to_float(torch, args), **values),
+                attention_work(s, positions, mode, entry_bytes), options))
+            del args, kwargs, values
+    return results
+
+
+def bench_indexer_fp4(torch, s, device, timer, options):
+    """The indexer over FP4 keys (kv_cache_dtype fp8); GB counts the layout's bytes per key (68 for V4 against 256)."""
+    from kernels.indexer import indexer_scores_reference, indexer_scores_triton
+    from kernels.quant_formats import indexer_fp4_entry_bytes, pack_indexer_fp4, unpack_indexer_fp4
+
+    s = _fp8_layout_shapes(s)
+    results = []
+    cases = [(f"decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
+    cases.append((f"prefill T={s.prefill_tokens}", prefill_positions(s)))
+    for name, positions in cases:
+        args = list(indexer_inputs(torch, s, device, positions))
+        args[5] = pack_indexer_fp4(args[5])
+        values = _to_float(torch, args)
+        values[5] = unpack_indexer_fp4(args[5], s.index_head_dim, torch.float32)
+        results.append(check_and_time(
+            torch, timer, "idx_fp4", name, lambda: indexer_scores_triton(*args),
+            lambda: indexer_scores_reference(*args), lambda: indexer_scores_reference(*values),
+            indexer_work(s, positions, indexer_fp4_entry_bytes(s.index_head_dim)), options))
+    return results
+
+
+BENCHES = {"attention": bench_attention, "attention_fp8": bench_attention_fp8, "indexer": bench_indexer,
+           "indexer_fp4": bench_indexer_fp4, "moe": bench_moe, "moe_q": bench_moe_quantized,
            "fp8_gemm": bench_fp8_gemm, "mhc": bench_mhc, "glue": bench_glue}
 
 
@@ -608,7 +669,8 @@ def _print_table(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="attention,indexer,moe,moe_q,fp8_gemm,mhc,glue", help="comma-separated subset")
+    parser.add_argument("--kernels", default="attention,attention_fp8,indexer,indexer_fp4,moe,moe_q,fp8_gemm,mhc,glue",
+                        help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
     parser.add_argument("--json", type=Path, help="write the results as JSON")

@@ -70,7 +70,7 @@ MODELS = [
 ]
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
          ("v4-flash", "indexer T=1"), ("v4-flash", "attention csa fp8 kv decode T=1"),
-         ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
+         ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe mxfp4 deepseek T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
          ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
          ("v4-flash", "route topk T=64"), ("v4-flash", "swiglu T=64"), ("v4-flash", "compressor hca 64x1"),
@@ -152,12 +152,13 @@ def _experts(fmt: str, num_experts: int, n: int, k: int, halves: int):
     return QuantizedExperts("fp8", _meta(num_experts, n, k, dtype=torch.float8_e4m3fn), scale, (num_experts, n, k), rows)
 
 
-def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16"):
+def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16", deepseek: bool = False):
+    """deepseek: DeepSeek's numerics on its quantized experts (routing weight first, the down input act_quant'ed)."""
     e, d, i = m["num_experts"], m["hidden"], m["moe_inter"]
     return plan_fused_moe(
         _meta(num_tokens, m["hidden"]), _meta(num_tokens, m["top_k"], dtype=torch.int64),
         _meta(num_tokens, m["top_k"], dtype=torch.float32), _experts(fmt, e, 2 * i, d, 2), _experts(fmt, e, d, i, 1),
-        10.0)[1]
+        10.0, deepseek_order=deepseek, quantize_hidden=deepseek)[1]
 
 
 def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
@@ -271,6 +272,7 @@ def cases() -> list[tuple[str, str, list]]:
     for fmt in ("fp8", "mxfp4"):
         for t in flash["moe_tokens"]:
             out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))
+            out.append(("v4-flash", f"moe {fmt} deepseek T={t}", moe_launches(flash, t, fmt, deepseek=True)))
     for name, (n, k) in FP8_LINEARS.items():
         for t in (1, 64, 4096):
             out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k)))

@@ -116,6 +116,19 @@ def deepseek_shaped_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
+# The same widths as DeepSeek publishes its checkpoints (original names, FP8 linears, MXFP4 experts), with every input
+# of an FP8/FP4 linear a multiple of the 128 values DeepSeek's act_quant groups (numerics=deepseek quantizes them).
+DEEPSEEK_PUBLISHED_CONFIG = dict(DEEPSEEK_SHAPED_CONFIG, hidden_size=128, q_lora_rank=128, o_lora_rank=64,
+                                 moe_intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
+def deepseek_published_checkpoint(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dsv4-deepseek-published")
+    write_checkpoint(out, seed=5, layout="deepseek", quantize="fp8-mxfp4", **DEEPSEEK_PUBLISHED_CONFIG)
+    return out
+
+
 @pytest.fixture(scope="session", params=["tiny", "alt"])
 def checkpoint(request, tiny_checkpoint, alt_checkpoint) -> Path:
     return tiny_checkpoint if request.param == "tiny" else alt_checkpoint

@@ -37,12 +37,14 @@ from backend.memory.kv_manager import KVCacheManager, LayerMemory
 from backend.model.config import CSA, SLIDING, ModelConfig
 from backend.model.forward_batch import ForwardBatch
 from backend.model.rotary import Rotary
-from backend.model.projections import ATTENTION_INPUT, SHARED_EXPERT_INPUT, fuse_projections
+from backend.model.projections import (ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT, SHARED_EXPERT_INPUT,
+                                       fuse_projections)
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
 from kernels.compressor import round_stored_entries, store_entries
 from kernels.dispatch import KernelDispatch
-from kernels.quant_formats import encode_indexer_keys, encode_kv_entries, simulate_indexer_fp4, simulate_kv_fp8
+from kernels.quant_formats import (FP8_ACT_BLOCK, encode_indexer_keys, encode_kv_entries, simulate_indexer_fp4,
+                                   simulate_kv_fp8, simulate_quantization)
 
 
 class DeepseekV4Model:
@@ -51,6 +53,9 @@ class DeepseekV4Model:
                  comm: Communicator = Communicator(), numerics: str = "transformers"):
         self.config = config
         self.deepseek_numerics = numerics == "deepseek"
+        # DeepSeek's FP8/FP4 linears quantize their inputs (act_quant, e4m3 per 128): on its quantized checkpoints
+        # only, whatever weight_format keeps in memory (a bf16 checkpoint runs plain GEMMs in DeepSeek's code too).
+        self.quantize_activations = self.deepseek_numerics and config.quantization_config is not None
         self.layout, self.comm = layout, comm
         split = layout.tensor_parallel_size if layout.attention_split else 1
         self.local_heads, self.local_groups = config.num_attention_heads // split, config.o_groups // split
@@ -61,7 +66,9 @@ class DeepseekV4Model:
         self.kernels = kernels or KernelDispatch()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
         layers = range(config.num_hidden_layers)
-        self.attention_input = [fuse_projections(weights, f"model.layers.{i}.", ATTENTION_INPUT) for i in layers]
+        quantized_input = QUANTIZED_ATTENTION_INPUT if self.quantize_activations else frozenset()
+        self.attention_input = [fuse_projections(weights, f"model.layers.{i}.", ATTENTION_INPUT, quantized_input)
+                                for i in layers]
         self.shared_expert_input = [fuse_projections(weights, f"model.layers.{i}.", SHARED_EXPERT_INPUT)
                                     for i in layers]
         self.hc = dict(hc_mult=config.hc_mult, eps=config.rms_norm_eps, hc_eps=config.hc_eps,
@@ -114,8 +121,8 @@ class DeepseekV4Model:
         cos, sin = rope["main" if layer_type == SLIDING else "compress"]
         num_tokens, eps = x.shape[0], c.rms_norm_eps
 
-        proj = self.attention_input[i](x, k.linear)  # every linear of x: one GEMM, column views
-        q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
+        proj = self.attention_input[i](x, k.linear, self._act)  # every linear of x: one GEMM, column views
+        q_residual = self._act(k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps))
         q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
         q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope
         memory = kv.layer(i)
@@ -156,7 +163,7 @@ class DeepseekV4Model:
         groups = out.view(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H*Dh/G] (this rank's groups)
         w_a = self.w[p + "o_a_proj.weight"].view(g, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
         grouped = torch.bmm(groups, w_a.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)  # [T, G*R]
-        out = self.kernels.linear(grouped, self.w[p + "o_b_proj.weight"])
+        out = self.kernels.linear(self._act(grouped), self.w[p + "o_b_proj.weight"])
         return self.comm.all_reduce(out) if self.layout.attention_split else out
 
     def _compress_into(self, i, prefix, stream, proj, batch, memory: LayerMemory, pool_tensor, block_table,
@@ -216,7 +223,14 @@ class DeepseekV4Model:
                                         c.routed_scaling_factor)
         if self.first_expert:
             ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
+        x = self._act(x)  # the experts' and the shared expert's input (the router read it as it is)
         routed = k.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                             c.swiglu_limit, out_dtype=torch.float32)
+                             c.swiglu_limit, out_dtype=torch.float32, deepseek_order=self.deepseek_numerics,
+                             quantize_hidden=self.quantize_activations)
         hidden = k.swiglu(self.shared_expert_input[i].product(x, k.linear), c.swiglu_limit)
-        return routed, k.linear(hidden, w[p + "shared_experts.down_proj.weight"])
+        return routed, k.linear(self._act(hidden), w[p + "shared_experts.down_proj.weight"])
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of one of DeepSeek's FP8/FP4 linears as its inference quantizes it (act_quant: e4m3 per 128,
+        power-of-two scales), on a quantized checkpoint under numerics=deepseek; otherwise x."""
+        return simulate_quantization(x, FP8_ACT_BLOCK, "e4m3") if self.quantize_activations else x

@@ -8,6 +8,8 @@ along their output rows once, at load, and each output is a column view of the p
 Weights concatenate only with their own kind: dense with dense, `Fp8Weight` with `Fp8Weight` when
 every part's rows are a multiple of the 128-row scale block (otherwise the blocks would straddle two
 weights). Each group keeps the order of its names, so the product equals the separate linears'.
+Under numerics=deepseek on a quantized checkpoint some linears read their input act_quant'ed (DeepSeek's FP8
+linears) and others the input as it is (the compressors', the indexer's head weights): they form separate groups.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import torch
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_BLOCK
 
+# Of the attention input's linears, those DeepSeek's inference multiplies as FP8 GEMMs on a quantized checkpoint,
+# their input act_quant'ed (the others: the compressors' in fp32, the indexer's head weights in bf16).
+QUANTIZED_ATTENTION_INPUT = frozenset({"self_attn.q_a_proj", "self_attn.kv_proj"})
 ATTENTION_INPUT = ("self_attn.q_a_proj", "self_attn.kv_proj", "self_attn.compressor.kv_proj",
                    "self_attn.compressor.gate_proj", "self_attn.compressor.indexer.kv_proj",
                    "self_attn.compressor.indexer.gate_proj", "self_attn.compressor.indexer.scorer.weights_proj")
@@ -28,12 +33,16 @@ SHARED_EXPERT_INPUT = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_pr
 @dataclass
 class FusedProjection:
     groups: list[tuple[object, list[tuple[str, int]]]]  # (concatenated weight, [(name, rows)])
+    quantized: list[bool]  # per group: reads the act_quant'ed input
 
-    def __call__(self, x: torch.Tensor, linear) -> dict[str, torch.Tensor]:
-        """name -> x @ weight(name)^T, a column view of its group's product."""
-        out = {}
-        for weight, parts in self.groups:
-            product = linear(x, weight)
+    def __call__(self, x: torch.Tensor, linear, quantize=None) -> dict[str, torch.Tensor]:
+        """name -> x @ weight(name)^T, a column view of its group's product; `quantize(x)` feeds the groups of
+        quantized-input linears (None: x feeds every group)."""
+        out, x_quantized = {}, None
+        for (weight, parts), quantized in zip(self.groups, self.quantized):
+            if quantized and quantize is not None:
+                x_quantized = quantize(x) if x_quantized is None else x_quantized
+            product = linear(x_quantized if quantized and quantize is not None else x, weight)
             offset = 0
             for name, rows in parts:
                 out[name] = product[..., offset:offset + rows]
@@ -41,25 +50,29 @@ class FusedProjection:
         return out
 
     def product(self, x: torch.Tensor, linear) -> torch.Tensor:
-        """x @ [all weights]^T as one tensor (one launch when the weights form one group)."""
+        """x @ [all weights]^T as one tensor (one launch when the weights form one group; x as given)."""
         products = [linear(x, weight) for weight, _ in self.groups]
         return products[0] if len(products) == 1 else torch.cat(products, dim=-1)
 
 
-def fuse_projections(weights: dict, prefix: str, names: tuple[str, ...]) -> FusedProjection:
-    """Take `prefix + name + '.weight'` for each present name out of `weights` into a FusedProjection."""
+def fuse_projections(weights: dict, prefix: str, names: tuple[str, ...],
+                     quantized_input: frozenset[str] = frozenset()) -> FusedProjection:
+    """Take `prefix + name + '.weight'` for each present name out of `weights` into a FusedProjection; the names in
+    `quantized_input` group apart, to read the act_quant'ed input."""
     present = [n for n in names if f"{prefix}{n}.weight" in weights]
-    by_kind: dict[str, list[tuple[str, object]]] = {}
+    by_kind: dict[tuple[str, bool], list[tuple[str, object]]] = {}
     for name in present:
         w = weights.pop(f"{prefix}{name}.weight")
-        by_kind.setdefault(_kind(w), []).append((name, w))
-    groups = []
-    for kind, members in by_kind.items():
+        by_kind.setdefault((_kind(w), name in quantized_input), []).append((name, w))
+    groups, quantized = [], []
+    for (kind, reads_quantized), members in by_kind.items():
         if kind == "fp8-unaligned":
             groups += [(w, [(name, w.shape[0])]) for name, w in members]
+            quantized += [reads_quantized] * len(members)
             continue
         groups.append((_concatenate([w for _, w in members]), [(name, w.shape[0]) for name, w in members]))
-    return FusedProjection(groups)
+        quantized.append(reads_quantized)
+    return FusedProjection(groups, quantized)
 
 
 def _kind(w) -> str:

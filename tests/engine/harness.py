@@ -9,10 +9,11 @@ the choice was a near-tie rather than loosen its tolerance.
 from __future__ import annotations
 
 import contextlib
-
+import types
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.checkpoint import load_weights
@@ -39,11 +40,13 @@ class Reference:
     1 + noise * N(0, 1): how far another implementation's fp32 differences of that size can move the outputs
     (a value at a rounding boundary rounds the other way). `bf16_kv_cache`: the attention entries (window and
     compressed, after their rope) rounded to bf16 where they are cached, as in DeepSeek's bf16 KV cache: what an
-    fp32 deployment's fp8 layout keeps of the rope values.
+    fp32 deployment's fp8 layout keeps of the rope values. On a quantized checkpoint (or with `quantized_linears`)
+    the inputs of DeepSeek's FP8/FP4 linears are act_quant'ed (e4m3 per 128) and the experts apply the routing
+    weight before their down projection, as DeepSeek's Linear and Expert do.
     """
 
     def __init__(self, checkpoint, numerics: str = "transformers", noise: float = 0.0, seed: int = 0,
-                 bf16_kv_cache: bool = False):
+                 bf16_kv_cache: bool = False, quantized_linears: bool | None = None):
         from transformers import DeepseekV4ForCausalLM
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
 
@@ -51,29 +54,50 @@ class Reference:
         self.config = self.model.config
         self._bf16_kv_cache = bf16_kv_cache
         self._records: dict[int, dict] = {}
-        if numerics == "deepseek":
-            self._round_as_deepseek(noise, torch.Generator().manual_seed(seed))
+        if numerics == "deepseek":  # (transformers drops a dequantized checkpoint's quantization_config: ours has it)
+            if quantized_linears is None:
+                quantized_linears = load_model_config(checkpoint).quantization_config is not None
+            self._round_as_deepseek(noise, torch.Generator().manual_seed(seed), quantized_linears)
         for i, layer in enumerate(self.model.model.layers):
             for module in layer.modules():
                 if isinstance(module, DeepseekV4Indexer):
                     module.register_forward_hook(self._indexer_hook(i))
                     module.scorer.register_forward_hook(self._scorer_hook(i))
 
-    def _round_as_deepseek(self, noise: float, generator: torch.Generator) -> None:
+    def _round_as_deepseek(self, noise: float, generator: torch.Generator, quantized: bool) -> None:
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Attention,
                                                                           DeepseekV4CSACompressor,
+                                                                          DeepseekV4Experts,
                                                                           DeepseekV4HCACompressor,
-                                                                          DeepseekV4IndexerScorer)
+                                                                          DeepseekV4Indexer,
+                                                                          DeepseekV4IndexerScorer, DeepseekV4MLP)
 
-        from kernels.quant_formats import simulate_indexer_fp4, simulate_kv_fp8
+        from kernels.quant_formats import simulate_indexer_fp4, simulate_kv_fp8, simulate_quantization
 
         def nudged(x: torch.Tensor) -> torch.Tensor:
             return x * (1 + noise * torch.randn(x.shape, generator=generator)) if noise else x
 
         rope_dim = int(self.config.head_dim * self.config.partial_rotary_factor)
+
+        def act_quant(x: torch.Tensor) -> torch.Tensor:  # an FP8/FP4 linear's input (quantized checkpoints)
+            return simulate_quantization(nudged(x), 128, "e4m3") if quantized else x
+
+        def quantize_input(module):
+            module.register_forward_pre_hook(lambda m, args: (act_quant(args[0]), *args[1:]))
+
         for module in self.model.modules():
             if isinstance(module, (DeepseekV4Attention, DeepseekV4CSACompressor, DeepseekV4HCACompressor)):
                 module.kv_norm.register_forward_hook(lambda m, args, out: simulate_kv_fp8(nudged(out), rope_dim))
+            if isinstance(module, DeepseekV4Attention):
+                for linear in (module.q_a_proj, module.q_b_proj, module.kv_proj, module.o_b_proj):
+                    quantize_input(linear)
+            elif isinstance(module, DeepseekV4Indexer):
+                quantize_input(module.q_b_proj)
+            elif isinstance(module, DeepseekV4MLP):  # the shared experts
+                for linear in (module.gate_proj, module.up_proj, module.down_proj):
+                    quantize_input(linear)
+            elif isinstance(module, DeepseekV4Experts):
+                module.forward = types.MethodType(_deepseek_experts_forward(act_quant), module)
             elif isinstance(module, DeepseekV4IndexerScorer):
                 module.register_forward_pre_hook(lambda m, args: (
                     simulate_indexer_fp4(nudged(args[0])), simulate_indexer_fp4(nudged(args[1])), *args[2:]))
@@ -128,6 +152,23 @@ class Reference:
                                   min_new_tokens=min_new_tokens, eos_token_id=self.config.eos_token_id,
                                   pad_token_id=self.config.eos_token_id)
         return out[0, len(ids):].tolist()
+
+
+def _deepseek_experts_forward(act_quant):
+    """transformers' DeepseekV4Experts.forward in DeepSeek's Expert.forward order: the routing weight multiplies the
+    SwiGLU output before the down projection, whose input (and the experts') goes through act_quant."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        x = act_quant(hidden_states)
+        for expert in range(self.num_experts):
+            token_idx, top_k_pos = torch.where(top_k_index == expert)
+            if token_idx.numel() == 0:
+                continue
+            current = self._apply_gate(F.linear(x[token_idx], self.gate_up_proj[expert]))
+            current = act_quant(current * top_k_weights[token_idx, top_k_pos, None])
+            final.index_add_(0, token_idx, F.linear(current, self.down_proj[expert]).to(final.dtype))
+        return final
+    return forward
 
 
 @dataclass

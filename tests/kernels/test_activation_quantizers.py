@@ -9,9 +9,11 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.quant_formats import (FP4_MAX, FP4_VALUES, hadamard_rotate, power_of_two_scale, quantize_groups,
-                                   round_e2m1, simulate_quantization)
+                                   round_e2m1, simulate_e4m3_groups, simulate_quantization)
 
 INV = {m: float(torch.tensor(1 / m, dtype=torch.float32)) for m in (448.0, 6.0)}  # the kernel's float32 constants
 
@@ -141,3 +143,25 @@ def test_layouts_that_cannot_apply_are_refused_with_the_widths():
         kv_fp8_entry_bytes(64, 16)  # the built-in checkpoint's widths
     with pytest.raises(ValueError, match="divisible by 32"):
         indexer_fp4_entry_bytes(48)
+
+
+@triton.jit
+def _simulate_in_registers(x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    offsets = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    tl.store(out_ptr + offsets, simulate_e4m3_groups(tl.load(x_ptr + offsets), ROWS, COLS))
+
+
+def test_the_in_register_act_quant_is_the_reference_at_its_edges():
+    """simulate_e4m3_groups (the fused MoE's act_quant of the down projection's input) against simulate_quantization:
+    random groups, a zero group, a group whose amax is 448 times a power of two, values that round up into the next
+    binade, ties, and e4m3 subnormals."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 256, generator=gen) * torch.logspace(-3, 3, 16)[:, None]
+    x[1, :128] = 0.0
+    x[2, :128], x[2, 0] = torch.randn(128, generator=gen).clamp(-400, 400), 448.0 * 2.0 ** -3
+    x[3, :128] = torch.linspace(3.9, 4.0, 128)  # with amax 4, the scale is 2^-6: 3.9.. rounds up to 4 in e4m3
+    x[4, :128] = 448.0 * (torch.arange(128) % 7 + 0.5) / 8  # halfway between neighbours at 448's scale
+    x[5, :128] = torch.linspace(-2.0 ** -8, 2.0 ** -8, 128) * 448.0 * 2.0 ** -6  # subnormals after scaling
+    out = torch.empty_like(x)
+    _simulate_in_registers[(1,)](x, out, ROWS=16, COLS=256)
+    assert torch.equal(out, simulate_quantization(x, 128, "e4m3"))

@@ -284,3 +284,35 @@ def test_pairs_of_other_ranks_experts_are_left_out(per_pair_output):
     reference = moe_align(local, 4, 16)
     assert torch.equal(sorted_pairs, reference[0]) and torch.equal(block_expert, reference[1])
     assert sorted((p for p in sorted_pairs.tolist() if p < local.numel())) == mine.reshape(-1).nonzero().view(-1).tolist()
+
+
+# --- DeepSeek's order: the routing weight before the down projection, whose input is act_quant'ed ---------------
+def test_deepseek_order_is_the_same_sum_as_transformers_order():
+    """Without the quantization the two orders compute one sum (a routing weight is a scalar per pair)."""
+    x, ids, weights, w_gate_up, w_down = make_inputs(23, 8, 3, hidden=40, inter=24, dtype=torch.float32, seed=2)
+    plain = fused_moe_reference(x, ids, weights, w_gate_up, w_down, LIMIT)
+    torch.testing.assert_close(fused_moe_reference(x, ids, weights, w_gate_up, w_down, LIMIT, deepseek_order=True),
+                               plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_moe_triton(x, ids, weights, w_gate_up, w_down, LIMIT, deepseek_order=True,
+                                                config=SMALL_TILES), plain, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_the_down_projections_input_is_quantized_in_the_gate_up_tile(fmt):
+    """The kernel act_quants each pair's weighted SwiGLU output in groups of 128 (inside its 128-column tile), as
+    the reference does with simulate_quantization; the quantization is really on (far from the plain order)."""
+    x, ids, weights, w_gate_up, w_down = make_inputs(37, 6, 2, hidden=128, inter=256, dtype=torch.float32, seed=5)
+    if fmt == "mxfp4":
+        (w_gate_up, _), (w_down, _) = mxfp4_experts(w_gate_up), mxfp4_experts(w_down)
+    dense = [w.dequantize() if isinstance(w, QuantizedExperts) else w for w in (w_gate_up, w_down)]
+    expected = fused_moe_reference(x, ids, weights, *dense, LIMIT, deepseek_order=True, quantize_hidden=True)
+    plain = fused_moe_reference(x, ids, weights, *dense, LIMIT, deepseek_order=True)
+    tiles = dict(BLOCK_M=16, gate_up=dict(BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=2),
+                 down=dict(BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=2))
+    actual = fused_moe_triton(x, ids, weights, w_gate_up, w_down, LIMIT, deepseek_order=True, quantize_hidden=True,
+                              config=tiles)
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    assert (expected - plain).abs().max() > 100 * (actual - expected).abs().max()
+    with pytest.raises(AssertionError, match="groups of 128"):
+        fused_moe_triton(x, ids, weights, w_gate_up, w_down, LIMIT, deepseek_order=True, quantize_hidden=True,
+                         config=SMALL_TILES)
