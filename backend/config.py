@@ -18,7 +18,7 @@ DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
 POLICIES = ("prefill_first", "mixed")
 
 
-NUMERICS = ("transformers", "deepseek")
+NUMERICS = ("auto", "transformers", "deepseek")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
 
@@ -34,13 +34,15 @@ class EngineConfig:
     # Quantized checkpoints: `dequantize` expands FP8/MXFP4 at load (exact); `fp8` keeps them as published
     # and runs them through the FP8 GEMM and quantized MoE kernels; auto: fp8 on CUDA, dequantize on CPU.
     weight_format: str = "auto"
-    # What the forward computes: `transformers` (the default) what transformers' DeepseekV4ForCausalLM computes;
-    # `deepseek` also the roundings DeepSeek's own inference applies and its model was trained with: each
+    # What the forward computes: `transformers` what transformers' DeepseekV4ForCausalLM computes; `deepseek` also
+    # the roundings DeepSeek's own inference applies and its model was trained with: each
     # attention entry's nope values to e4m3 per 64 and the indexer's keys and queries rotated and to e2m1 per 32
     # (kernels/quant_formats.py), the router's logits and the LM head in fp32, the routing weight before the
     # experts' down projection, and on quantized checkpoints the FP8/FP4 linears' inputs act_quant'ed (e4m3 per 128).
-    # In bf16 the compressor and the mHC mix still follow transformers' dtypes (README "Numerics").
-    numerics: str = "transformers"
+    # In bf16 the compressor and the mHC mix still follow transformers' dtypes (README "Numerics"). auto (the
+    # default): deepseek on a quantized checkpoint the roundings apply to (DeepSeek's published ones), else
+    # transformers.
+    numerics: str = "auto"
     # How the KV pools store attention entries: `bfloat16`, or `fp8`, DeepSeek's layout (each entry's nope values
     # e4m3 with a power-of-two scale per 64, its rope values bf16: 584 bytes for V4 against 1,024; the indexer's
     # keys rotated and e2m1 with a scale per 32: 68 bytes against 256), which holds exactly what numerics=deepseek
@@ -112,7 +114,7 @@ class EngineConfig:
         _check(self.numerics in NUMERICS, "numerics", self.numerics, " or ".join(NUMERICS))
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
                " or ".join(KV_CACHE_DTYPES))
-        _check(not (self.kv_cache_dtype == "fp8" and self.numerics != "deepseek"), "kv_cache_dtype",
+        _check(not (self.kv_cache_dtype == "fp8" and self.numerics == "transformers"), "kv_cache_dtype",
                self.kv_cache_dtype, "bfloat16 or auto with numerics=transformers (the fp8 layout stores DeepSeek's "
                "roundings of the entries and its rotated indexer keys: set numerics=deepseek)")
         _check_int(self, "max_running_requests", 1)

@@ -344,18 +344,18 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
     return config.weight_format
 
 
-def resolve_kv_cache_dtype(config: EngineConfig, model_config, device: str, dtype):
+def resolve_kv_cache_dtype(config: EngineConfig, model_config, numerics: str, device: str, dtype):
     """What the pools store: "fp8" (DeepSeek's byte layout) or a float dtype. `auto`: fp8 where DeepSeek's numerics
     run on CUDA (the memory it frees is the point) or on a quantized checkpoint (the layout its model was trained
     for), else the model's dtype."""
-    nope, index_dim = model_config.head_dim - model_config.qk_rope_head_dim, model_config.index_head_dim
-    fits = nope > 0 and nope % 64 == 0 and index_dim % 32 == 0 and index_dim & (index_dim - 1) == 0
     if config.kv_cache_dtype == "fp8":
-        if not fits:
-            raise ConfigError(
-                f"parameter 'kv_cache_dtype': the fp8 layout needs head_dim - rope dims a multiple of 64 and "
-                f"index_head_dim a power of two of at least 32 (DeepSeek-V4: 448 and 128); this checkpoint has "
-                f"{nope} and {index_dim}")
+        problem = _kv_groups_problem(model_config)
+        if problem:
+            raise ConfigError(f"parameter 'kv_cache_dtype': the fp8 layout needs {problem}")
+        if numerics != "deepseek":
+            raise ConfigError("parameter 'kv_cache_dtype': 'fp8' stores DeepSeek's roundings of the entries and its "
+                              "rotated indexer keys, which numerics=transformers does not compute: set "
+                              "numerics=deepseek (or auto, on a DeepSeek checkpoint)")
         return "fp8"
     if config.kv_cache_dtype == "bfloat16":
         if dtype != torch.bfloat16:
@@ -363,33 +363,47 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_config, device: str, dtyp
                               f"model's values), this deployment computes in {dtype}; use auto or fp8")
         return torch.bfloat16
     quantized = model_config.quantization_config is not None
-    if config.numerics == "deepseek" and fits and (device == "cuda" or quantized):
+    if numerics == "deepseek" and (device == "cuda" or quantized):
         return "fp8"
     return dtype
 
 
-def check_numerics(config: EngineConfig, model_config, layout: ParallelLayout) -> None:
-    """numerics=deepseek rounds in groups: the entries' nope values by 64, the indexer's rotated keys by 32, and on a
-    quantized checkpoint the FP8/FP4 linears' inputs by 128 (each rank's slice of a split input too)."""
-    if config.numerics != "deepseek":
-        return
-    c = model_config
+def resolve_numerics(config: EngineConfig, model_config, layout: ParallelLayout) -> str:
+    """`deepseek` or `transformers`. `auto`: DeepSeek's numerics on a quantized checkpoint its roundings apply to
+    (DeepSeek's published checkpoints: the model was trained with them), transformers' otherwise (the unquantized
+    checkpoints, the built-in one among them, are what transformers is the reference for). `deepseek` on a checkpoint
+    the roundings cannot apply to is refused naming the parameter."""
+    problem = _kv_groups_problem(model_config) or _linear_groups_problem(model_config, layout)
+    if config.numerics == "deepseek" and problem:
+        raise ConfigError(f"parameter 'numerics': 'deepseek' needs {problem}")
+    if config.numerics == "auto":
+        return "deepseek" if model_config.quantization_config is not None and not problem else "transformers"
+    return config.numerics
+
+
+def _kv_groups_problem(c) -> str | None:
+    """Why DeepSeek's KV roundings (nope values by 64, rotated indexer keys by 32) cannot apply, or None."""
     nope, index_dim = c.head_dim - c.qk_rope_head_dim, c.index_head_dim
     if nope <= 0 or nope % 64 or index_dim % 32 or index_dim & (index_dim - 1):
-        raise ConfigError(
-            f"parameter 'numerics': 'deepseek' needs head_dim - rope dims a multiple of 64 and index_head_dim a "
-            f"power of two of at least 32 (DeepSeek-V4: 448 and 128); this checkpoint has {nope} and {index_dim}")
+        return (f"head_dim - rope dims a multiple of 64 and index_head_dim a power of two of at least 32 "
+                f"(DeepSeek-V4: 448 and 128); this checkpoint has {nope} and {index_dim}")
+    return None
+
+
+def _linear_groups_problem(c, layout: ParallelLayout) -> str | None:
+    """Why the act_quant of a quantized checkpoint's FP8/FP4 linears' inputs (groups of 128, each rank's slice of a
+    split input too) cannot apply, or None."""
     if c.quantization_config is None:
-        return
+        return None
     split = layout.tensor_parallel_size
     inputs = {"hidden_size": c.hidden_size, "q_lora_rank": c.q_lora_rank,
               "o_groups * o_lora_rank / tensor_parallel_size": c.o_groups * c.o_lora_rank // split,
               "moe_intermediate_size / tensor_parallel_size": c.moe_intermediate_size // split}
     bad = {name: width for name, width in inputs.items() if width % 128}
     if bad:
-        raise ConfigError(f"parameter 'numerics': 'deepseek' on a quantized checkpoint quantizes the FP8 linears' "
-                          f"inputs in groups of 128, which {bad} do not divide into (DeepSeek-V4: 4096, 1024, 8192, "
-                          f"2048)")
+        return (f"on a quantized checkpoint the FP8 linears' inputs in groups of 128, which {bad} do not divide into "
+                f"(DeepSeek-V4: 4096, 1024, 8192, 2048)")
+    return None
 
 
 def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
@@ -398,10 +412,11 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     if str(device) == "cpu":  # every rank plans its pools here: its CPU steps' temporaries are reused from now on
         keep_freed_host_memory()
     model_config = load_model_config(config.checkpoint)
-    ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size).check(model_config)
+    layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
+    layout.check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
-    kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, config.resolved_device(), dtype)
-    check_numerics(config, model_config, ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size))
+    numerics = resolve_numerics(config, model_config, layout)
+    kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, numerics, config.resolved_device(), dtype)
     kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype)
     if config.enable_prefix_caching:
         kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
@@ -415,7 +430,7 @@ def load_model(config: EngineConfig, model_config, weight_format: str, device, d
     weights = load_weights(config.checkpoint, model_config, dtype, device, weight_format, layout=layout)
     kernels = KernelDispatch(default_mode(config.use_reference_kernels))
     return DeepseekV4Model(model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
-                           numerics=config.numerics)
+                           numerics=resolve_numerics(config, model_config, layout))
 
 
 def check_deployment(config: EngineConfig) -> int:

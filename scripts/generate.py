@@ -38,7 +38,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--weight-format", choices=["auto", "dequantize", "fp8"], default="auto",
                         help="quantized checkpoints: dequantize at load, or keep FP8/MXFP4 (auto: fp8 on CUDA)")
-    parser.add_argument("--numerics", choices=["transformers", "deepseek"], default=EngineConfig.numerics,
+    parser.add_argument("--numerics", choices=["auto", "transformers", "deepseek"], default=EngineConfig.numerics,
                         help="deepseek: also DeepSeek's roundings of the KV entries and indexer (README Numerics)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default=EngineConfig.kv_cache_dtype,
                         help="fp8: the pools store DeepSeek's layout (584-byte entries, FP4 indexer keys; needs "

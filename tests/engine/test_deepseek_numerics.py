@@ -221,24 +221,41 @@ def test_kv_cache_dtype_settings_that_cannot_apply_are_refused(tiny_checkpoint, 
     with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'"):
         EngineConfig(kv_cache_dtype="fp16")
     with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*numerics=deepseek"):
-        EngineConfig(kv_cache_dtype="fp8")  # numerics=transformers: the layout holds DeepSeek's roundings
+        EngineConfig(kv_cache_dtype="fp8", numerics="transformers")  # the layout holds DeepSeek's roundings
+    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*numerics=deepseek"):  # auto: transformers here
+        LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", kv_cache_dtype="fp8"))
     with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*48 and 32"):  # the built-in model: 64 - 16
-        LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", numerics="deepseek",
-                               kv_cache_dtype="fp8"))
+        LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", kv_cache_dtype="fp8"))
     with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*dtype bfloat16"):
         LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", kv_cache_dtype="bfloat16"))
 
 
-def test_auto_picks_fp8_only_where_it_applies(tiny_checkpoint, deepseek_shaped_checkpoint):
-    from backend.engine import resolve_kv_cache_dtype
+def test_auto_picks_deepseeks_numerics_and_fp8_only_where_they_apply(tiny_checkpoint, deepseek_shaped_checkpoint,
+                                                                      deepseek_published_checkpoint,
+                                                                      parallel_checkpoint_published):
+    """numerics=auto: deepseek on a quantized checkpoint the roundings apply to (as DeepSeek publishes them),
+    transformers elsewhere; kv_cache_dtype=auto: fp8 where DeepSeek's numerics run on CUDA or a quantized checkpoint."""
+    from backend.engine import resolve_kv_cache_dtype, resolve_numerics
     from backend.model.config import load_model_config
+    from backend.parallel.layout import ParallelLayout
 
-    shaped, tiny = load_model_config(deepseek_shaped_checkpoint), load_model_config(tiny_checkpoint)
-    deepseek, plain = EngineConfig(numerics="deepseek"), EngineConfig()
-    assert resolve_kv_cache_dtype(deepseek, shaped, "cuda", torch.bfloat16) == "fp8"
-    assert resolve_kv_cache_dtype(deepseek, shaped, "cpu", torch.float32) == torch.float32  # not quantized, CPU
-    assert resolve_kv_cache_dtype(plain, shaped, "cuda", torch.bfloat16) == torch.bfloat16  # transformers' numerics
-    assert resolve_kv_cache_dtype(plain, tiny, "cuda", torch.bfloat16) == torch.bfloat16
+    configs = {name: load_model_config(path) for name, path in (
+        ("tiny", tiny_checkpoint), ("shaped", deepseek_shaped_checkpoint), ("published", deepseek_published_checkpoint),
+        ("tiny published", parallel_checkpoint_published))}
+    auto, single = EngineConfig(), ParallelLayout()
+    assert {name: resolve_numerics(auto, c, single) for name, c in configs.items()} == {
+        "tiny": "transformers", "shaped": "transformers", "published": "deepseek", "tiny published": "transformers"}
+    assert resolve_numerics(auto, configs["published"], ParallelLayout(2, 2)) == "transformers"  # 64-wide slices
+    published, shaped = configs["published"], configs["shaped"]
+    assert resolve_kv_cache_dtype(auto, published, "deepseek", "cpu", torch.float32) == "fp8"  # quantized
+    assert resolve_kv_cache_dtype(auto, shaped, "deepseek", "cuda", torch.bfloat16) == "fp8"
+    assert resolve_kv_cache_dtype(auto, shaped, "deepseek", "cpu", torch.float32) == torch.float32
+    assert resolve_kv_cache_dtype(auto, shaped, "transformers", "cuda", torch.bfloat16) == torch.bfloat16
+    engine = LLMEngine(EngineConfig(checkpoint=str(deepseek_published_checkpoint), device="cpu"))
+    try:
+        assert engine.model.deepseek_numerics and engine.kv.fp8
+    finally:
+        engine.shutdown()
 
 
 # --- the published FP8/MXFP4 layout: DeepSeek's FP8/FP4 linears read act_quant'ed inputs ---------------------------
