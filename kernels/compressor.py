@@ -45,7 +45,8 @@ def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv:
     """kv, gate: this batch's projections [T, width] (may be column views); state_*: one layer's rings
     [slots, ring, width]; entry_cos / entry_sin: the compress rope at plan.entry_pos."""
     entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
-    store_entries(pool, plan, block_table, entries)
+    if plan.num_entries:
+        pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = entries
 
 
 def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
@@ -53,12 +54,6 @@ def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bi
     """The entries the plan closes [N, head_dim], not stored (the caller encodes them: kv_cache_dtype fp8); the
     rings updated as compress_into_pool_reference updates them."""
     return _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
-
-
-def store_entries(pool: torch.Tensor, plan, block_table: torch.Tensor, rows: torch.Tensor) -> None:
-    """Store the plan's closed entries, as the pool's rows (values, or the fp8 layout's bytes), at their places."""
-    if plan.num_entries:
-        pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = rows
 
 
 def entry_destinations(plan, pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ steps (BLOCK_K = the group), quantizes its x rows of that group in registers (th
 once per column tile, never written), multiplies FP8 by FP8 (wgmma on Hopper) and adds the block's
 product times s_x and S_w into an fp32 accumulator. Under Triton's interpreter, which has no FP8
 dot and whose fp32 -> e4m3 cast rounds wrongly (124.8 -> 64, ties away from even), the rounding to
-e4m3 is done in fp32 arithmetic (`_round_to_e4m3`, round-to-nearest-even as the GPU's cvt) and the
+e4m3 is done in fp32 arithmetic (`round_to_e4m3`, round-to-nearest-even as the GPU's cvt) and the
 dot in fp32: the same values. The torch reference (`fp8_gemm_reference`) quantizes the same way and multiplies the
 dequantized operands in fp32.
 """
@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import is_interpreting
-from kernels.quant_formats import E4M3_MAX, FP8_BLOCK, dequantize_fp8, scale_to_float
+from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_scale_codes, quantize_groups, round_to_e4m3,
+                                   scale_to_float)
 
 GROUP = FP8_BLOCK  # K group of the activation scales = the weight's block size
 
@@ -44,19 +45,6 @@ class Fp8Weight(NamedTuple):
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.data.shape)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, returned as fp32."""
-    a = tl.abs(v)
-    exponent = tl.floor(tl.log2(tl.maximum(a, 0.015625)))  # below 2^-6 e4m3 is subnormal: quantum 2^-9
-    quantum = tl.exp2(exponent - 3.0)  # 3 mantissa bits
-    y = a / quantum
-    r = tl.floor(y + 0.5)
-    is_odd = (r - 2.0 * tl.floor(r * 0.5)) == 1.0
-    r = tl.where((r - y == 0.5) & is_odd, r - 1.0, r)
-    return tl.where(v < 0, -r * quantum, r * quantum)
 
 
 @triton.jit
@@ -82,14 +70,13 @@ def _fp8_gemm_kernel(
     for k0 in range(0, k, BLOCK_K):
         k_mask = offs_k < k - k0
         x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [BLOCK_M]
-        x_scale = tl.exp2(tl.ceil(tl.log2(amax / 448.0)))
+        _, x_scale = e4m3_scale_codes(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]: DeepSeek's act_quant scales
         x_s = tl.minimum(tl.maximum(x / x_scale[:, None], -448.0), 448.0)
         w_q = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if NATIVE_FP8_DOT:
             block = tl.dot(x_s.to(tl.float8e4nv), w_q)
         else:
-            block = tl.dot(_round_to_e4m3(x_s), w_q.to(tl.float32), input_precision="ieee")
+            block = tl.dot(round_to_e4m3(x_s), w_q.to(tl.float32), input_precision="ieee")
         w_scale = tl.load(w_scale_ptrs, mask=col_mask, other=0.0).to(tl.float32)
         acc += block * x_scale[:, None] * w_scale[None, :]
         x_ptrs += BLOCK_K
@@ -147,14 +134,10 @@ def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32): DeepSeek's per-token, per-128-group act_quant."""
     num_tokens, k = x.shape
-    groups = triton.cdiv(k, GROUP)
-    padded = torch.zeros(num_tokens, groups * GROUP, dtype=torch.float32, device=x.device)
-    padded[:, :k] = x.float()
-    blocks = padded.view(num_tokens, groups, GROUP)
-    amax = blocks.abs().amax(-1).clamp(min=1e-4)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
-    quantized = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(num_tokens, -1)[:, :k]
-    return quantized.to(torch.float8_e4m3fn), scale
+    padded = torch.zeros(num_tokens, triton.cdiv(k, GROUP) * GROUP, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()  # a partial last group: zeros, which change neither its amax nor its values
+    grid, scale = quantize_groups(padded, GROUP, "e4m3")
+    return grid[:, :k].to(torch.float8_e4m3fn), scale
 
 
 def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

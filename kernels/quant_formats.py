@@ -152,7 +152,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
 
 def kv_fp8_entry_bytes(head_dim: int, rope_dim: int) -> int:
     nope = _check_nope(head_dim, rope_dim)
-    return nope + 2 * rope_dim + _padded8(nope // KV_FP8_BLOCK)
+    return nope + 2 * rope_dim + padded8(nope // KV_FP8_BLOCK)
 
 
 def indexer_fp4_entry_bytes(head_dim: int) -> int:
@@ -166,7 +166,7 @@ def pack_kv_fp8(kv: torch.Tensor, rope_dim: int) -> torch.Tensor:
     bf16-exact). The nope values are quantized here; storing values DeepSeek's simulation already rounded is exact."""
     nope = _check_nope(kv.shape[-1], rope_dim)
     grid, scale = quantize_groups(kv[..., :nope], KV_FP8_BLOCK, "e4m3")
-    scales = torch.zeros(*kv.shape[:-1], _padded8(nope // KV_FP8_BLOCK), dtype=torch.uint8, device=kv.device)
+    scales = torch.zeros(*kv.shape[:-1], padded8(nope // KV_FP8_BLOCK), dtype=torch.uint8, device=kv.device)
     scales[..., :scale.shape[-1]] = _e8m0_bytes(scale)
     rope = kv[..., nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
     return torch.cat([grid.to(torch.float8_e4m3fn).view(torch.uint8), rope, scales], dim=-1)
@@ -208,7 +208,7 @@ def _check_nope(head_dim: int, rope_dim: int) -> int:
     return nope
 
 
-def _padded8(count: int) -> int:
+def padded8(count: int) -> int:
     return -(-count // 8) * 8
 
 
@@ -221,23 +221,12 @@ def _from_e8m0(codes: torch.Tensor) -> torch.Tensor:
     return (codes.to(torch.int32) << 23).view(torch.float32)
 
 
-# --- reading and writing a pool of either kind (the references' side; the kernels decode in registers) -------------
-def encode_kv_entries(entries: torch.Tensor, pool_dtype: torch.dtype, rope_dim: int) -> torch.Tensor:
-    """Attention entries [..., D] as a pool of `pool_dtype` stores them: the fp8 layout's bytes for uint8."""
-    return pack_kv_fp8(entries, rope_dim) if pool_dtype == torch.uint8 else entries.to(pool_dtype)
-
-
+# --- reading a pool of either kind (the references' side; the kernels decode in registers) -----------------------
 def decode_kv_entries(stored: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
     """Stored attention entries [..., D] as float32 (exact: every stored value is a float32)."""
     if stored.dtype == torch.uint8:
         return unpack_kv_fp8(stored, head_dim, rope_dim, torch.float32)
     return stored.float()
-
-
-def encode_indexer_keys(keys: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
-    """Indexer keys [..., Di] as a pool stores them: rotated and FP4-packed for uint8 (what numerics=deepseek
-    scores, whose queries are rotated too)."""
-    return pack_indexer_fp4(hadamard_rotate(keys)) if pool_dtype == torch.uint8 else keys.to(pool_dtype)
 
 
 def decode_indexer_keys(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -295,24 +284,32 @@ def load_indexer_keys(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr, FP4: tl.cons
 @triton.jit
 def simulate_e4m3_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """DeepSeek's in-place act_quant of a float32 tile [ROWS, COLS] in groups of 128 columns (COLS % 128 == 0): each
-    value rounded to e4m3 at its group's power-of-two scale (fast_round_scale from the float32 bits), times the
-    scale; `simulate_quantization(x, 128, "e4m3")` in registers."""
+    value rounded to e4m3 at its group's power-of-two scale, times the scale; `simulate_quantization(x, 128, "e4m3")`
+    in registers."""
     groups = tl.reshape(x, [ROWS, COLS // 128, 128])
-    amax = tl.maximum(tl.max(tl.abs(groups), 2), 1e-4)
-    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    scale = (exponent << 23).to(tl.float32, bitcast=True)[:, :, None]
-    grid = _round_to_e4m3(tl.clamp(groups / scale, -448.0, 448.0))
-    return tl.reshape(grid * scale, [ROWS, COLS])
+    _, scale = e4m3_scale_codes(tl.max(tl.abs(groups), 2))
+    grid = round_to_e4m3(tl.clamp(groups / scale[:, :, None], -448.0, 448.0))
+    return tl.reshape(grid * scale[:, :, None], [ROWS, COLS])
 
 
 @triton.jit
-def _round_to_e4m3(v):
-    """float32 values in [-448, 448] rounded to the nearest e4m3 value, ties to even: v / ulp rounded to an integer
-    with the 1.5 * 2^23 trick (fp32 round-to-nearest-even), ulp = 2^(exponent - 3), subnormals' 2^-9. Arithmetic
+def e4m3_scale_codes(amax):
+    """(ue8m0 codes int32, scales float32) of groups with these amax: 2^ceil(log2(max(amax, 1e-4) * fl32(1/448)))
+    from the float32 bits, as `power_of_two_scale` (DeepSeek's fast_round_scale)."""
+    bits = (tl.maximum(amax, 1e-4) * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    codes = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return codes, (codes << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """float32 values in [-448, 448] rounded to the nearest e4m3 value, ties to even, keeping the sign (of a zero too):
+    |v| / ulp rounded to an integer with the 1.5 * 2^23 trick (fp32 round-to-nearest-even), ulp = 2^(exponent - 3),
+    subnormals' 2^-9. Arithmetic
     rather than a cast to float8e4nv, whose emulation under the interpreter mis-rounds values that round up into
-    the next binade."""
-    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    the next binade (exact values cast exactly)."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
     ulp = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    steps = (v / ulp + 12582912.0) - 12582912.0
-    return steps * ulp
+    magnitude = ((tl.abs(v) / ulp + 12582912.0) - 12582912.0) * ulp
+    return (magnitude.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # v's sign

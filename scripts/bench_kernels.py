@@ -326,19 +326,24 @@ def _to_float(torch, values):
     return [convert(v) for v in values]
 
 
+def attention_cases(s: Shapes):
+    """(mode, case name, query positions per sequence): decode batches and a prefill chunk for each layer kind."""
+    for mode in ("window", "csa", "hca"):
+        for b in s.decode_batches:
+            yield mode, f"{mode} decode B={b}", decode_positions(s, b)
+        yield mode, f"{mode} prefill T={s.prefill_tokens}", prefill_positions(s)
+
+
 def bench_attention(torch, s, device, timer, options):
     from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
 
     results = []
-    for mode in ("window", "csa", "hca"):
-        cases = [(f"{mode} decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
-        cases.append((f"{mode} prefill T={s.prefill_tokens}", prefill_positions(s)))
-        for name, positions in cases:
-            args, kwargs = attention_inputs(torch, s, device, positions, mode)
-            results.append(run_case(torch, timer, "attention", name, sparse_paged_attention_triton,
-                                    sparse_paged_attention_reference, args, kwargs,
-                                    attention_work(s, positions, mode), options))
-            del args, kwargs
+    for mode, name, positions in attention_cases(s):
+        args, kwargs = attention_inputs(torch, s, device, positions, mode)
+        results.append(run_case(torch, timer, "attention", name, sparse_paged_attention_triton,
+                                sparse_paged_attention_reference, args, kwargs,
+                                attention_work(s, positions, mode), options))
+        del args, kwargs
     return results
 
 
@@ -611,23 +616,20 @@ def bench_attention_fp8(torch, s, device, timer, options):
     s = _fp8_layout_shapes(s)
     entry_bytes = kv_fp8_entry_bytes(s.head_dim, s.rope_dim)
     results = []
-    for mode in ("window", "csa", "hca"):
-        cases = [(f"{mode} decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
-        cases.append((f"{mode} prefill T={s.prefill_tokens}", prefill_positions(s)))
-        for name, positions in cases:
-            args, kwargs = attention_inputs(torch, s, device, positions, mode)
-            values = dict(kwargs)
-            for pool in ("window_kv", "comp_kv"):
-                if pool in kwargs:
-                    kwargs[pool] = pack_kv_fp8(kwargs[pool], s.rope_dim)
-                    values[pool] = unpack_kv_fp8(kwargs[pool], s.head_dim, s.rope_dim, torch.float32)
-            results.append(check_and_time(
-                torch, timer, "attn_fp8", name,
-                lambda: sparse_paged_attention_triton(*args, **kwargs, rope_dim=s.rope_dim),
-                lambda: sparse_paged_attention_reference(*args, **kwargs, rope_dim=s.rope_dim),
-                lambda: sparse_paged_attention_reference(*_to_float(torch, args), **values),
-                attention_work(s, positions, mode, entry_bytes), options))
-            del args, kwargs, values
+    for mode, name, positions in attention_cases(s):
+        args, kwargs = attention_inputs(torch, s, device, positions, mode)
+        values = dict(kwargs)
+        for pool in ("window_kv", "comp_kv"):
+            if pool in kwargs:
+                kwargs[pool] = pack_kv_fp8(kwargs[pool], s.rope_dim)
+                values[pool] = unpack_kv_fp8(kwargs[pool], s.head_dim, s.rope_dim, torch.float32)
+        results.append(check_and_time(
+            torch, timer, "attn_fp8", name,
+            lambda: sparse_paged_attention_triton(*args, **kwargs, rope_dim=s.rope_dim),
+            lambda: sparse_paged_attention_reference(*args, **kwargs, rope_dim=s.rope_dim),
+            lambda: sparse_paged_attention_reference(*_to_float(torch, args), **values),
+            attention_work(s, positions, mode, entry_bytes), options))
+        del args, kwargs, values
     return results
 
 

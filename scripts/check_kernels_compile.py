@@ -47,6 +47,7 @@ from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
+from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
@@ -70,7 +71,8 @@ MODELS = [
 ]
 QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa prefill T=4096"),
          ("v4-flash", "indexer T=1"), ("v4-flash", "attention csa fp8 kv decode T=1"),
-         ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe mxfp4 deepseek T=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
+         ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe mxfp4 deepseek T=1"),
+         ("v4-flash", "store kv fp8 N=1"), ("v4-flash", "store indexer fp4 N=1"), ("v4-flash", "moe T=1"), ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
          ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
          ("v4-flash", "route topk T=64"), ("v4-flash", "swiglu T=64"), ("v4-flash", "compressor hca 64x1"),
@@ -269,6 +271,13 @@ def cases() -> list[tuple[str, str, list]]:
         out.append(("v4-flash", f"attention {mode} fp8 kv prefill T={t}", attention_launches(flash, mode, t, True)))
     for t in (1, flash["prefill_tokens"]):
         out.append(("v4-flash", f"indexer fp4 keys T={t}", indexer_launches(flash, t, True)))
+        pool = _meta(4096, flash["page_size"], kv_fp8_entry_bytes(flash["head_dim"], flash["rope_dim"]),
+                     dtype=torch.uint8)
+        out.append(("v4-flash", f"store kv fp8 N={t}", plan_store_kv_fp8(
+            _meta(t, flash["head_dim"]), pool, _meta(t, dtype=torch.int64), flash["rope_dim"])))
+        keys = _meta(4096, flash["page_size"], indexer_fp4_entry_bytes(flash["index_head_dim"]), dtype=torch.uint8)
+        out.append(("v4-flash", f"store indexer fp4 N={t}", plan_store_indexer_fp4(
+            _meta(t, flash["index_head_dim"]), keys, _meta(t, dtype=torch.int64))))
     for fmt in ("fp8", "mxfp4"):
         for t in flash["moe_tokens"]:
             out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))

@@ -41,10 +41,11 @@ from backend.model.projections import (ATTENTION_INPUT, QUANTIZED_ATTENTION_INPU
                                        fuse_projections)
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
-from kernels.compressor import round_stored_entries, store_entries
+from kernels.compressor import entry_destinations, round_stored_entries
 from kernels.dispatch import KernelDispatch
-from kernels.quant_formats import (FP8_ACT_BLOCK, encode_indexer_keys, encode_kv_entries, simulate_indexer_fp4,
-                                   simulate_kv_fp8, simulate_quantization)
+from kernels.fp8_gemm import Fp8Weight
+from kernels.quant_formats import (FP8_ACT_BLOCK, hadamard_rotate, simulate_indexer_fp4, simulate_kv_fp8,
+                                   simulate_quantization)
 
 
 class DeepseekV4Model:
@@ -122,8 +123,8 @@ class DeepseekV4Model:
         num_tokens, eps = x.shape[0], c.rms_norm_eps
 
         proj = self.attention_input[i](x, k.linear, self._act)  # every linear of x: one GEMM, column views
-        q_residual = self._act(k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps))
-        q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
+        q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
+        q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
         q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope
         memory = kv.layer(i)
         self._store_window_entries(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], cos, sin, batch, memory)
@@ -147,10 +148,9 @@ class DeepseekV4Model:
     def _store_window_entries(self, kv_proj, norm_weight, cos, sin, batch: ForwardBatch, memory: LayerMemory) -> None:
         """Each token's K=V entry (normed, rotated) into its window slot, as the pool stores it."""
         k, c, pool = self.kernels, self.config, memory.window_kv
-        if pool.dtype == torch.uint8:  # DeepSeek's fp8 layout: the entries packed as they are stored
+        if pool.dtype == torch.uint8:  # DeepSeek's fp8 layout: the entries quantized as they are stored
             entries = k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin)
-            pool.view(-1, pool.shape[-1])[batch.window_write_index] = encode_kv_entries(entries, pool.dtype,
-                                                                                        c.qk_rope_head_dim)
+            k.store_kv_fp8(entries, pool, batch.window_write_index, c.qk_rope_head_dim)
             return
         k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin, out=pool,
                     out_index=batch.window_write_index)  # straight into the window pool
@@ -163,7 +163,7 @@ class DeepseekV4Model:
         groups = out.view(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H*Dh/G] (this rank's groups)
         w_a = self.w[p + "o_a_proj.weight"].view(g, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
         grouped = torch.bmm(groups, w_a.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)  # [T, G*R]
-        out = self.kernels.linear(self._act(grouped), self.w[p + "o_b_proj.weight"])
+        out = self._quantized_linear(grouped, self.w[p + "o_b_proj.weight"])
         return self.comm.all_reduce(out) if self.layout.attention_split else out
 
     def _compress_into(self, i, prefix, stream, proj, batch, memory: LayerMemory, pool_tensor, block_table,
@@ -174,11 +174,16 @@ class DeepseekV4Model:
         inputs = (proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
                   batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
                   *entry_rope[stream])
-        if pool_tensor.dtype == torch.uint8:  # DeepSeek's layouts: the entries encoded as they are stored
+        if pool_tensor.dtype == torch.uint8:  # DeepSeek's layouts: the entries quantized as they are stored
             entries = self.kernels.compress_entries(*inputs)
-            encoded = (encode_indexer_keys(entries, torch.uint8) if stream == "indexer"
-                       else encode_kv_entries(entries, torch.uint8, c.qk_rope_head_dim))
-            store_entries(pool_tensor, batch.plans[stream], block_table, encoded)
+            plan = batch.plans[stream]
+            if plan.num_entries == 0:
+                return
+            rows = entry_destinations(plan, pool_tensor, block_table)
+            if stream == "indexer":  # the keys rotated, as the queries are (a plain torch pass), then FP4
+                self.kernels.store_indexer_fp4(hadamard_rotate(entries), pool_tensor, rows)
+            else:
+                self.kernels.store_kv_fp8(entries, pool_tensor, rows, c.qk_rope_head_dim)
             return
         self.kernels.compress_into_pool(*inputs, pool_tensor, block_table)
         if self.deepseek_numerics:
@@ -194,7 +199,8 @@ class DeepseekV4Model:
         index_k = memory.index_k
         self._compress_into(i, "compressor.indexer.", "indexer", proj, batch, memory, index_k,
                             batch.comp_block_tables["csa"], entry_rope)
-        q = k.linear(q_residual, w[p + "q_b_proj.weight"]).view(q_residual.shape[0], c.index_n_heads, c.index_head_dim)
+        q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(q_residual.shape[0], c.index_n_heads,
+                                                                             c.index_head_dim)
         # the indexer's queries use the compress rope, as its keys do
         q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1])
         if self.deepseek_numerics:
@@ -228,9 +234,14 @@ class DeepseekV4Model:
                              c.swiglu_limit, out_dtype=torch.float32, deepseek_order=self.deepseek_numerics,
                              quantize_hidden=self.quantize_activations)
         hidden = k.swiglu(self.shared_expert_input[i].product(x, k.linear), c.swiglu_limit)
-        return routed, k.linear(self._act(hidden), w[p + "shared_experts.down_proj.weight"])
+        return routed, self._quantized_linear(hidden, w[p + "shared_experts.down_proj.weight"])
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         """The input of one of DeepSeek's FP8/FP4 linears as its inference quantizes it (act_quant: e4m3 per 128,
         power-of-two scales), on a quantized checkpoint under numerics=deepseek; otherwise x."""
         return simulate_quantization(x, FP8_ACT_BLOCK, "e4m3") if self.quantize_activations else x
+
+    def _quantized_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """x @ weight^T for one of DeepSeek's FP8/FP4 linears: an Fp8Weight's GEMM act_quants x in registers
+        (kernels/fp8_gemm.py), a weight dequantized at load gets x act_quant'ed first (`_act`)."""
+        return self.kernels.linear(x if isinstance(weight, Fp8Weight) else self._act(x), weight)

@@ -37,12 +37,14 @@ class FusedProjection:
 
     def __call__(self, x: torch.Tensor, linear, quantize=None) -> dict[str, torch.Tensor]:
         """name -> x @ weight(name)^T, a column view of its group's product; `quantize(x)` feeds the groups of
-        quantized-input linears (None: x feeds every group)."""
+        quantized-input linears whose weights are not FP8 (None: x feeds every group)."""
         out, x_quantized = {}, None
         for (weight, parts), quantized in zip(self.groups, self.quantized):
-            if quantized and quantize is not None:
-                x_quantized = quantize(x) if x_quantized is None else x_quantized
-            product = linear(x_quantized if quantized and quantize is not None else x, weight)
+            # an Fp8Weight's GEMM quantizes its input itself, as DeepSeek's act_quant (kernels/fp8_gemm.py)
+            pre_quantize = quantized and quantize is not None and not isinstance(weight, Fp8Weight)
+            if pre_quantize and x_quantized is None:
+                x_quantized = quantize(x)
+            product = linear(x_quantized if pre_quantize else x, weight)
             offset = 0
             for name, rows in parts:
                 out[name] = product[..., offset:offset + rows]

@@ -1,5 +1,6 @@
 """The KV cache in DeepSeek's layouts (kv_cache_dtype fp8): the attention and indexer kernels, and their references,
-read pools of the fp8 entry's and the FP4 indexer key's bytes as the values those bytes decode to.
+read pools of the fp8 entry's and the FP4 indexer key's bytes as the values those bytes decode to; the store kernels
+write the references' bytes.
 
 The pools of tests/kernels/test_attention.py and test_indexer.py are packed (their NaN pages too: a NaN entry packs to
 NaN scales, so a stray read still shows), and each kernel's output on the packed pool must equal, bit for bit, its
@@ -14,7 +15,7 @@ import torch
 from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
 from kernels.indexer import indexer_scores_reference, indexer_scores_triton
 from kernels.quant_formats import (hadamard_rotate, indexer_fp4_entry_bytes, kv_fp8_entry_bytes, pack_indexer_fp4,
-                                   pack_kv_fp8, unpack_indexer_fp4, unpack_kv_fp8)
+                                   pack_kv_fp8, simulate_kv_fp8, unpack_indexer_fp4, unpack_kv_fp8)
 
 from test_attention import MIXED, make_batch
 from test_indexer import make_inputs
@@ -83,3 +84,49 @@ def test_an_fp8_pool_without_its_rope_width_is_refused():
     kwargs["window_kv"] = pack_kv_fp8(kwargs["window_kv"], ROPE_DIM)
     with pytest.raises(AssertionError, match="136"):
         sparse_paged_attention_triton(q, sinks, scale, **kwargs)
+
+
+# --- quantize-on-write: one kernel per store, the references' bytes ----------------------------------------------
+def _edge_entries(num: int, width: int, gen) -> torch.Tensor:
+    """Random entries across magnitudes, with a zero row, an amax at 448 times a power of two, values rounding up
+    into the next binade, ties between grid points and a negative zero."""
+    x = torch.randn(num, width, generator=gen) * torch.logspace(-4, 3, num)[:, None]
+    x[0] = 0.0
+    x[1, 0], x[1, 1:] = 448.0 * 2.0 ** -5, torch.rand(width - 1, generator=gen)
+    x[2] = torch.linspace(3.9, 4.0, width)  # amax 4: scale 2^-6 for e4m3, 1 for e2m1 (3.9.. rounds up to 4)
+    x[3] = 448.0 * (torch.arange(width) % 7 + 0.5) / 8
+    x[4, :3] = torch.tensor([-0.0, 0.25, -0.75])  # e2m1 ties at scale 1/8 ... and a negative zero
+    return x
+
+
+@pytest.mark.parametrize("head_dim,rope_dim", [(128, 64), (512, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_entry_store_writes_the_references_bytes(head_dim, rope_dim, dtype):
+    from kernels.kv_store import store_kv_fp8_reference, store_kv_fp8_triton
+
+    gen = torch.Generator().manual_seed(head_dim)
+    values = _edge_entries(12, head_dim, gen).to(dtype)
+    width = kv_fp8_entry_bytes(head_dim, rope_dim)
+    pools = [torch.full((6, 4, width), 0xAB, dtype=torch.uint8) for _ in range(2)]  # stale bytes everywhere
+    rows = torch.randperm(24, generator=gen)[:12]
+    store_kv_fp8_reference(values, pools[0], rows, rope_dim)
+    store_kv_fp8_triton(values, pools[1], rows, rope_dim)
+    assert torch.equal(pools[1], pools[0])
+    decoded = unpack_kv_fp8(pools[1].view(-1, width)[rows], head_dim, rope_dim, torch.float32)
+    nope = head_dim - rope_dim  # what numerics=deepseek rounds the entries to; the rope values in bf16
+    assert torch.equal(decoded[:, :nope], simulate_kv_fp8(values, rope_dim)[:, :nope].float())
+    assert torch.equal(decoded[:, nope:], values[:, nope:].to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_the_fp4_key_store_writes_the_references_bytes(head_dim):
+    from kernels.kv_store import store_indexer_fp4_reference, store_indexer_fp4_triton
+
+    gen = torch.Generator().manual_seed(head_dim)
+    keys = _edge_entries(12, head_dim, gen).clamp(-1e4, 1e4)
+    width = indexer_fp4_entry_bytes(head_dim)
+    pools = [torch.full((6, 4, width), 0xAB, dtype=torch.uint8) for _ in range(2)]
+    rows = torch.randperm(24, generator=gen)[:12]
+    store_indexer_fp4_reference(keys, pools[0], rows)
+    store_indexer_fp4_triton(keys, pools[1], rows)
+    assert torch.equal(pools[1], pools[0])

@@ -194,3 +194,19 @@ def test_a_silent_worker_times_out_the_step_instead_of_hanging(parallel_checkpoi
         worker.kill()
         engine.shutdown()
     assert not _workers()
+
+
+def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepseek_published_checkpoint):
+    """numerics=auto on DeepSeek's published layout (its numerics, the fp8 KV layout in every rank's pools) with
+    EP=2: each rank's experts, then the routed sums all-reduced; the same logits as one rank."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 140)]
+    single = _engine(deepseek_published_checkpoint)
+    sharded = _engine(deepseek_published_checkpoint, expert_parallel_size=2)
+    try:
+        assert single.kv.fp8 and sharded.kv.fp8 and sharded.model.deepseek_numerics
+        one, many = _Driver(single, prompts), _Driver(sharded, prompts)
+        for work in _steps(prompts):
+            torch.testing.assert_close(many.step(work), one.step(work), rtol=0, atol=1e-5)
+    finally:
+        sharded.shutdown()

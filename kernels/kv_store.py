@@ -1,0 +1,132 @@
+"""Quantize-on-write for the KV cache in DeepSeek's layouts (kv_cache_dtype fp8): one launch per store.
+
+`store_kv_fp8_*(values, pool, rows, rope_dim)`: attention entries values [N, D] (window or CSA/HCA, after their norm
+and rope) encoded as kernels/quant_formats.py's fp8 entry (nope values e4m3 per 64 with ue8m0 scales, rope values
+bf16, the scale bytes padded to 8) into rows `rows` [N] of pool.view(-1, entry_bytes).
+`store_indexer_fp4_*(keys, pool, rows)`: indexer keys [N, Di], already rotated, encoded as FP4 pairs with a ue8m0
+scale per 32 into rows of pool.view(-1, Di / 2 + Di / 32).
+
+The references are pack_kv_fp8 / pack_indexer_fp4 and an index store (several launches, a packed copy of the
+batch's entries); the kernels read each entry once and write its bytes where they belong: one program per entry.
+Rows of padding entries (static shapes) point at the pools' scratch page like any other row.
+
+The e4m3, e2m1 and bf16 roundings are arithmetic (round to nearest, ties to even), then the exact values are
+converted to their codes, so the kernels give the references' bytes on a GPU and under the interpreter (whose
+emulated float8 cast mis-rounds values that round up into the next binade, and whose bf16 cast truncates).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_formats import (KV_FP8_BLOCK, MXFP4_BLOCK, e4m3_scale_codes, indexer_fp4_entry_bytes,
+                                   kv_fp8_entry_bytes, pack_indexer_fp4, pack_kv_fp8, padded8, round_to_e4m3)
+
+
+def store_kv_fp8_reference(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
+    pool.view(-1, pool.shape[-1])[rows] = pack_kv_fp8(values, rope_dim)
+
+
+def store_indexer_fp4_reference(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
+    pool.view(-1, pool.shape[-1])[rows] = pack_indexer_fp4(keys)
+
+
+@triton.jit
+def _store_kv_fp8_kernel(values_ptr, rows_ptr, pool_ptr, rope_ptr, stride_v, stride_row,
+                         HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, SCALE_SLOTS: tl.constexpr):
+    """Program e: entry e's nope groups quantized, its bytes, rope values and scale bytes stored in its row."""
+    e = tl.program_id(0).to(tl.int64)
+    NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
+    GROUPS: tl.constexpr = HEAD_DIM // 64  # the rope values make whole groups too (HEAD_DIM, NOPE multiples of 64)
+    d = tl.arange(0, HEAD_DIM)
+    x = tl.load(values_ptr + e * stride_v + d).to(tl.float32)
+    row = tl.load(rows_ptr + e).to(tl.int64) * stride_row  # byte offset of the entry
+    groups = tl.reshape(x, [GROUPS, 64])
+    codes, scale = e4m3_scale_codes(tl.max(tl.abs(groups), 1))
+    grid = round_to_e4m3(tl.clamp(groups / scale[:, None], -448.0, 448.0))
+    e4m3 = tl.reshape(grid, [HEAD_DIM]).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    is_nope = d < NOPE
+    tl.store(pool_ptr + row + d, e4m3, mask=is_nope)
+    tl.store(rope_ptr + row // 2 + NOPE // 2 + (d - NOPE), _round_to_bf16(x).to(tl.bfloat16), mask=~is_nope)
+    g = tl.arange(0, GROUPS)
+    tl.store(pool_ptr + row + NOPE + 2 * ROPE_DIM + g, codes.to(tl.uint8), mask=g < NOPE // 64)
+    slot = tl.arange(0, SCALE_SLOTS)  # the padding after the scales: zero, as the reference writes it
+    tl.store(pool_ptr + row + NOPE + 2 * ROPE_DIM + slot, tl.zeros([SCALE_SLOTS], tl.uint8),
+             mask=slot >= NOPE // 64)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """float32 x rounded to bf16, to nearest, ties to even, on the bits (the interpreter's cast truncates); the result
+    is exact in bf16."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _store_indexer_fp4_kernel(keys_ptr, rows_ptr, pool_ptr, stride_k, stride_row, HEAD_DIM: tl.constexpr):
+    """Program e: key e's groups of 32 rounded to e2m1 at their power-of-two scale, stored as code pairs + scales."""
+    e = tl.program_id(0).to(tl.int64)
+    GROUPS: tl.constexpr = HEAD_DIM // 32
+    x = tl.load(keys_ptr + e * stride_k + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    row = tl.load(rows_ptr + e).to(tl.int64) * stride_row
+    groups = tl.reshape(x, [GROUPS, 32])
+    amax = tl.maximum(tl.max(tl.abs(groups), 1), 6.0 * 2.0 ** -126)
+    bits = (amax * (1.0 / 6.0)).to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # the ue8m0 code
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    magnitude = tl.minimum(tl.abs(groups) / scale[:, None], 6.0)
+    step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
+    rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step  # fp32 round half to even, on the binade's grid
+    code = tl.where(rounded < 2.0, rounded * 2.0, tl.where(rounded < 4.0, rounded + 2.0, rounded * 0.5 + 4.0))
+    negative = (groups.to(tl.int32, bitcast=True) < 0).to(tl.int32)  # the sign bit (-0.0 too, as torch's copysign)
+    code = tl.reshape(code.to(tl.int32) | (negative << 3), [HEAD_DIM // 2, 2])
+    low, high = tl.split(code)
+    tl.store(pool_ptr + row + tl.arange(0, HEAD_DIM // 2), (low | (high << 4)).to(tl.uint8))
+    tl.store(pool_ptr + row + HEAD_DIM // 2 + tl.arange(0, GROUPS), exponent.to(tl.uint8))
+
+
+def _check(values, pool, rows, width):
+    assert values.dim() == 2 and values.stride(-1) == 1, "values [N, D], last dimension contiguous"
+    assert pool.dtype == torch.uint8 and pool.shape[-1] == width and pool.is_contiguous(), \
+        f"the pool must be contiguous uint8 [..., {width}], got {pool.dtype} {tuple(pool.shape)}"
+    assert rows.shape == (values.shape[0],) and rows.dtype in (torch.int32, torch.int64), "rows [N] int"
+
+
+def plan_store_kv_fp8(values, pool, rows, rope_dim):
+    head_dim = values.shape[-1]
+    width = kv_fp8_entry_bytes(head_dim, rope_dim)
+    _check(values, pool, rows, width)
+    assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
+    if values.shape[0] == 0:
+        return []
+    nope = head_dim - rope_dim
+    args = (values, rows.contiguous(), pool, pool.view(torch.bfloat16), values.stride(0), width)
+    kwargs = dict(HEAD_DIM=head_dim, ROPE_DIM=rope_dim, SCALE_SLOTS=max(8, padded8(nope // KV_FP8_BLOCK)),
+                  num_warps=4 if head_dim >= 256 else 1)
+    return [(_store_kv_fp8_kernel, (values.shape[0],), args, kwargs)]
+
+
+def plan_store_indexer_fp4(keys, pool, rows):
+    head_dim = keys.shape[-1]
+    width = indexer_fp4_entry_bytes(head_dim)
+    _check(keys, pool, rows, width)
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= MXFP4_BLOCK, f"head_dim {head_dim}: a power of two >= 32"
+    if keys.shape[0] == 0:
+        return []
+    args = (keys, rows.contiguous(), pool, keys.stride(0), width)
+    return [(_store_indexer_fp4_kernel, (keys.shape[0],), args, dict(HEAD_DIM=head_dim, num_warps=1))]
+
+
+def store_kv_fp8_triton(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
+    """Triton version of `store_kv_fp8_reference`: one launch."""
+    for kernel, grid, args, kwargs in plan_store_kv_fp8(values, pool, rows, rope_dim):
+        kernel[grid](*args, **kwargs)
+
+
+def store_indexer_fp4_triton(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
+    """Triton version of `store_indexer_fp4_reference`: one launch."""
+    for kernel, grid, args, kwargs in plan_store_indexer_fp4(keys, pool, rows):
+        kernel[grid](*args, **kwargs)
