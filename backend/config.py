@@ -39,9 +39,9 @@ class EngineConfig:
     # attention entry's nope values to e4m3 per 64 and the indexer's keys and queries rotated and to e2m1 per 32
     # (kernels/quant_formats.py), the router's logits and the LM head in fp32, the routing weight before the
     # experts' down projection, and on quantized checkpoints the FP8/FP4 linears' inputs act_quant'ed (e4m3 per 128).
-    # In bf16 the compressor and the mHC mix still follow transformers' dtypes (README "Numerics"). auto (the
-    # default): deepseek on a quantized checkpoint the roundings apply to (DeepSeek's published ones), else
-    # transformers.
+    # The mHC mix is fp32 too; in bf16 the compressor still follows transformers' dtypes (README "Numerics").
+    # auto (the default): deepseek on a quantized checkpoint the roundings apply to (DeepSeek's published ones),
+    # else transformers.
     numerics: str = "auto"
     # How the KV pools store attention entries: `bfloat16`, or `fp8`, DeepSeek's layout (each entry's nope values
     # e4m3 with a power-of-two scale per 64, its rope values bf16: 584 bytes for V4 against 1,024; the indexer's

@@ -212,7 +212,7 @@ def _score_tokens_of_one_row(scores, tokens, row, q, weights, softmax_scale, num
     if num_entries == 0:
         return
     entries = torch.arange(num_entries, device=q.device)
-    keys = _entry_keys(index_k, block_table, row, entries, q.shape[-1])  # [n, d]: every entry is causal for the row's last token
+    keys = _entry_keys(index_k, block_table, row, entries, q.shape[-1])  # [n, d]: all causal for the row's last token
     tile_size = max(1, 2**22 // (q.shape[1] * num_entries))  # bounds the [t, H, n] products to ~16 MB
     for start in range(0, tokens.numel(), tile_size):
         tile = tokens[start:start + tile_size]

@@ -95,14 +95,19 @@ def hc_head_reference(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tenso
 
 
 def hc_mix_reference(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                     block_out2: torch.Tensor | None = None) -> torch.Tensor:
+                     block_out2: torch.Tensor | None = None, *, fp32_mix: bool = False) -> torch.Tensor:
     """hyper_mix(streams, y, post, comb) with y = (block_out [+ block_out2], summed in fp32).to(streams.dtype).
 
-    new[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * streams[t, j]: [T, N, D] in streams' dtype.
+    new[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * streams[t, j]: [T, N, D] in streams' dtype. As
+    transformers computes it, post, comb and each of the two terms in the streams' dtype; fp32_mix (DeepSeek's
+    hc_post): the whole mix in fp32 with post and comb as they are, rounded once.
     """
     dtype = streams.dtype
     y = block_out.float() if block_out2 is None else block_out.float() + block_out2.float()
     y = y.to(dtype)
+    if fp32_mix:
+        return (post.unsqueeze(-1) * y.float().unsqueeze(-2)
+                + torch.matmul(comb.transpose(-1, -2), streams.float())).to(dtype)
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
@@ -246,6 +251,7 @@ def _hc_mix_kernel(
     num_tokens, stride_st, stride_sn, stride_yt, stride_y2t, stride_ot, stride_on,
     # model constants and tiles
     N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, HAS_SECOND: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP32_MIX: tl.constexpr,
 ):
     """Program (t, d tile): new[t, k, tile] = post[t, k] * y[t, tile] + sum_j comb[t, j, k] * s[t, j, tile]."""
     t = tl.program_id(0).to(tl.int64)
@@ -258,13 +264,20 @@ def _hc_mix_kernel(
     if HAS_SECOND:
         y += tl.load(y2_ptr + t * stride_y2t + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     y = y.to(ty).to(tl.float32)
-    post = tl.load(post_ptr + t * N + ks, mask=k_mask, other=0.0).to(ty).to(tl.float32)
+    post = tl.load(post_ptr + t * N + ks, mask=k_mask, other=0.0)
+    if not FP32_MIX:  # transformers' casts: post, comb and both terms in the streams' dtype
+        post = post.to(ty).to(tl.float32)
     acc = tl.zeros([P, BLOCK_D], tl.float32)
     for j in tl.static_range(N):
-        comb_j = tl.load(comb_ptr + t * (N * N) + j * N + ks, mask=k_mask, other=0.0).to(ty).to(tl.float32)
+        comb_j = tl.load(comb_ptr + t * (N * N) + j * N + ks, mask=k_mask, other=0.0)
+        if not FP32_MIX:
+            comb_j = comb_j.to(ty).to(tl.float32)
         s_j = tl.load(s_ptr + t * stride_st + j * stride_sn + offs_d, mask=d_mask, other=0.0).to(tl.float32)
         acc += comb_j[:, None] * s_j[None, :]
-    new = (post[:, None] * y[None, :]).to(ty).to(tl.float32) + acc.to(ty).to(tl.float32)
+    if FP32_MIX:  # DeepSeek's hc_post: one rounding at the store
+        new = post[:, None] * y[None, :] + acc
+    else:
+        new = (post[:, None] * y[None, :]).to(ty).to(tl.float32) + acc.to(ty).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + ks[:, None] * stride_on + offs_d[None, :], new.to(ty),
              mask=k_mask[:, None] & d_mask[None, :])
 
@@ -375,7 +388,7 @@ def plan_hc_head(streams, fn, base, scale, *, eps, hc_eps, norm_weight=None, con
                           sinkhorn_iters=1, head=True, config=config)
 
 
-def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, config=None):
+def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, config=None, fp32_mix=False):
     """Check inputs, allocate the new streams (or use out, which may be streams itself); return (new, launches)
     without launching (one launch; none at T = 0)."""
     num_tokens, n, hidden = streams.shape
@@ -398,7 +411,7 @@ def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, co
     args = (streams, block_out, second, post, comb, out, num_tokens, streams.stride(0), streams.stride(1),
             block_out.stride(0), second.stride(0), out.stride(0), out.stride(1))
     kwargs = dict(N=n, D=hidden, P=triton.next_power_of_2(n), HAS_SECOND=block_out2 is not None,
-                  BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"])
+                  BLOCK_D=cfg["BLOCK_D"], FP32_MIX=bool(fp32_mix), num_warps=cfg["num_warps"])
     return out, [(_hc_mix_kernel, (num_tokens, triton.cdiv(hidden, cfg["BLOCK_D"])), args, kwargs)]
 
 
@@ -429,9 +442,10 @@ def hc_head_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, 
 
 def hc_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                   block_out2: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, fp32_mix: bool = False) -> torch.Tensor:
     """Triton version of `hc_mix_reference` (same arguments and output), one launch. out: where to write the new
     streams (may be streams itself: each program reads its tile before writing it); a new tensor by default."""
-    new, launches = plan_hc_mix(streams, block_out, post, comb, block_out2, out=out, config=config)
+    new, launches = plan_hc_mix(streams, block_out, post, comb, block_out2, out=out, config=config,
+                                fp32_mix=fp32_mix)
     _launch(launches)
     return new

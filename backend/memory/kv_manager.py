@@ -56,7 +56,8 @@ class LayerMemory:
     """The tensors one layer reads and writes (views into the pools; None where the layer has none).
 
     window_kv [pages, page_size, Dh]; compressed_kv [pages, page_size, Dh] and index_k
-    [pages, page_size, Di] for CSA, compressed_kv for HCA (with kv_cache_dtype fp8: uint8, the entries' bytes); `pool` names the compressed pool;
+    [pages, page_size, Di] for CSA, compressed_kv for HCA (with kv_cache_dtype fp8: uint8, the entries' bytes);
+    `pool` names the compressed pool;
     `state[stream] = (kv ring, gate ring)`, each [slots, ring, width], for the layer's compressors.
     """
 

@@ -103,7 +103,8 @@ class DeepseekV4Model:
         k, w, p = self.kernels, self.w, f"model.layers.{i}."
         post, comb, x = k.hc_collapse(streams, w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"],
                                       w[p + "input_layernorm.weight"], **self.hc)
-        streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
+        mix = dict(fp32_mix=self.deepseek_numerics)  # DeepSeek's hc_post: the mix in fp32, rounded once
+        streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb, **mix)
         post, comb, x = k.hc_collapse(streams, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
                                       w[p + "post_attention_layernorm.weight"], **self.hc)
         routed, shared = self._moe(i, x, batch.input_ids)
@@ -112,7 +113,7 @@ class DeepseekV4Model:
                 routed, shared = self.comm.all_reduce(routed + shared.float()), None
             else:
                 routed = self.comm.all_reduce(routed)
-        return k.hc_mix(streams, routed, post, comb, shared)
+        return k.hc_mix(streams, routed, post, comb, shared, **mix)
 
     # --- attention --------------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope,

@@ -129,6 +129,22 @@ def test_mix_bf16_fp32_block_out_and_in_place():
     _close(actual, expected, torch.bfloat16)
 
 
+def test_deepseeks_fp32_mix_rounds_once():
+    """fp32_mix (DeepSeek's hc_post): in bf16 the kernel's result is the fp32 mix rounded once (the reference's, up
+    to a rounding flip in the last bf16 place where the fp32 sums differ in order), closer to the fp32 mix than
+    transformers' mix with its bf16 post, comb and terms."""
+    streams, y, _, post, comb = _mix_inputs(37, 200, torch.bfloat16, seed=6)
+    y = y.to(torch.bfloat16)
+    exact = hc_mix_reference(streams.float(), y.float(), post, comb)  # fp32 throughout
+    expected = hc_mix_reference(streams, y, post, comb, fp32_mix=True)
+    actual = hc_mix_triton(streams, y, post, comb, fp32_mix=True)
+    ulp = exact.abs().clamp(min=2.0 ** -126) * 2.0 ** -7
+    assert ((actual.float() - expected.float()).abs() <= ulp).all()
+    assert ((expected.float() - exact).abs() <= ulp / 2 * 1.001).all()  # one rounding: within half a bf16 ulp
+    transformers = hc_mix_reference(streams, y, post, comb)
+    assert (transformers.float() - exact).abs().mean() > 1.5 * (expected.float() - exact).abs().mean()
+
+
 def test_no_tokens():
     streams, fn, base, scale, weight = make_inputs(0, 64)
     post, comb, x = hc_collapse_triton(streams, fn, base, scale, weight, **collapse_kwargs())
