@@ -16,8 +16,10 @@ metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i
 
 `numerics="deepseek"` adds the roundings DeepSeek's own inference applies (its model was trained with them):
 each attention entry, window and compressed, is rounded where it is stored (the nope values to e4m3 per 64), the
-indexer's keys and queries are rotated and rounded to e2m1 per 32, and the router's logits and the LM head are
-fp32 (kernels/quant_formats.py has the roundings; the attention and indexer then read what DeepSeek's would).
+indexer's keys and queries are rotated and rounded to e2m1 per 32, the router's logits, the LM head and the mHC
+mix are fp32, the experts apply the routing weight before their down projection, and on a quantized checkpoint the
+inputs of DeepSeek's FP8/FP4 linears are act_quant'ed (kernels/quant_formats.py has the roundings; the attention
+and indexer then read what DeepSeek's would).
 With kv_cache_dtype fp8 the pools hold those values in DeepSeek's byte layout: the entries are encoded as they are
 stored, and the attention and indexer kernels decode them as they read.
 
