@@ -39,7 +39,7 @@ class EngineConfig:
     # attention entry's nope values to e4m3 per 64 and the indexer's keys and queries rotated and to e2m1 per 32
     # (kernels/quant_formats.py), the router's logits and the LM head in fp32, the routing weight before the
     # experts' down projection, and on quantized checkpoints the FP8/FP4 linears' inputs act_quant'ed (e4m3 per 128).
-    # The mHC mix is fp32 too; in bf16 the compressor still follows transformers' dtypes (README "Numerics").
+    # The mHC mix and the compressors (projections, rings, pooling) are fp32 too (README "Numerics").
     # auto (the default): deepseek on a quantized checkpoint the roundings apply to (DeepSeek's published ones),
     # else transformers.
     numerics: str = "auto"

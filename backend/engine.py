@@ -318,11 +318,13 @@ class LLMEngine:
             logger.exception("on_output callback failed for request %r", seq.request_id)
 
 
-def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dtype) -> KVCacheManager:
-    """The pools the config asks for; ConfigError when they could not serve a single request."""
+def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dtype, numerics: str) -> KVCacheManager:
+    """The pools the config asks for; ConfigError when they could not serve a single request. DeepSeek's numerics
+    keep the compressor rings in fp32 (its compressors project, keep state and pool in fp32)."""
     kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
                         page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
-                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype)
+                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+                        state_dtype=torch.float32 if numerics == "deepseek" else dtype)
     if kv.max_request_positions() == 0:
         window = kv.window_pool
         raise ConfigError(
@@ -417,7 +419,7 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     numerics = resolve_numerics(config, model_config, layout)
     kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, numerics, config.resolved_device(), dtype)
-    kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype)
+    kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype, numerics)
     if config.enable_prefix_caching:
         kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
                                  config.prefix_cache_end_entries)

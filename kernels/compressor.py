@@ -41,19 +41,24 @@ from kernels.norm_rope import apply_rope, rms_norm
 def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor,
                                  state_gate: torch.Tensor, plan, position_bias: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, entry_cos: torch.Tensor,
-                                 entry_sin: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor) -> None:
+                                 entry_sin: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, *,
+                                 entry_dtype: torch.dtype | None = None) -> None:
     """kv, gate: this batch's projections [T, width] (may be column views); state_*: one layer's rings
-    [slots, ring, width]; entry_cos / entry_sin: the compress rope at plan.entry_pos."""
-    entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
+    [slots, ring, width]; entry_cos / entry_sin: the compress rope at plan.entry_pos. entry_dtype: the dtype the
+    pooled entry is rounded to before its norm and rope (DeepSeek pools fp32 projections, then normalises in the
+    model's dtype); None: kv's."""
+    entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin,
+                        entry_dtype)
     if plan.num_entries:
         pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = entries
 
 
 def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                               entry_sin) -> torch.Tensor:
-    """The entries the plan closes [N, head_dim], not stored (the caller encodes them: kv_cache_dtype fp8); the
-    rings updated as compress_into_pool_reference updates them."""
-    return _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin)
+                               entry_sin, *, entry_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The entries the plan closes [N, head_dim] in entry_dtype, not stored (the caller encodes them: kv_cache_dtype
+    fp8); the rings updated as compress_into_pool_reference updates them."""
+    return _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin,
+                     entry_dtype)
 
 
 def entry_destinations(plan, pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -74,7 +79,7 @@ def round_stored_entries(pool: torch.Tensor, plan, block_table: torch.Tensor, ro
 
 def _compress(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor, state_gate: torch.Tensor,
               plan, position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float, entry_cos: torch.Tensor,
-              entry_sin: torch.Tensor) -> torch.Tensor:
+              entry_sin: torch.Tensor, entry_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Entries closed in this step [N, head_dim]; updates the ring state in place.
 
     kv, gate: this batch's projections [T, width]; state_*: one layer's rings [slots, ring, width].
@@ -85,8 +90,9 @@ def _compress(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor, stat
     src_kv, src_gate = torch.cat([ring_kv, kv]), torch.cat([ring_gate, gate])
     state_kv[plan.keep_slot, plan.keep_pos] = src_kv[plan.keep_src]
     state_gate[plan.keep_slot, plan.keep_pos] = src_gate[plan.keep_src]
+    entry_dtype = entry_dtype or kv.dtype
     if plan.num_entries == 0:
-        return kv.new_zeros((0, norm_weight.shape[0]))
+        return kv.new_zeros((0, norm_weight.shape[0]), dtype=entry_dtype)
     win_kv, win_gate = src_kv[plan.entry_src], src_gate[plan.entry_src]  # [N, span, width]
     if plan.overlap:
         head_dim, rate = width // 2, plan.rate
@@ -99,7 +105,7 @@ def _compress(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor, stat
     win_kv = torch.where(valid, win_kv, torch.zeros_like(win_kv))
     win_gate = win_gate.masked_fill(~valid, float("-inf"))
     weights = win_gate.softmax(dim=1, dtype=torch.float32).to(win_kv.dtype)
-    entries = rms_norm((win_kv * weights).sum(dim=1), norm_weight, eps)
+    entries = rms_norm((win_kv * weights).sum(dim=1).to(entry_dtype), norm_weight, eps)
     return apply_rope(entries, entry_cos, entry_sin)
 
 
@@ -167,6 +173,7 @@ def _compress_kernel(
     WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr,
     STAGED: tl.constexpr,  # entry e goes to row e of pool_ptr (a [N, 1, head_dim] buffer), not into the pool
+    ENTRY_DTYPE: tl.constexpr,  # the pooled entry's dtype before its norm and rope (pooling is in kv's)
 ):
     pid = tl.program_id(0)
     dtype = kv_ptr.dtype.element_ty
@@ -216,10 +223,10 @@ def _compress_kernel(
         kv = _load_source(state_kv_ptr, kv_ptr, from_ring, state_off, kv_off, cols, mask).to(tl.float32)
         acc += tl.sum((kv * weight).to(dtype).to(tl.float32), 0)
     # RMSNorm (weighted), then the rope of the trailing ROPE_DIM channels, pairs (2i, 2i + 1)
-    x = acc.to(dtype).to(tl.float32)
+    x = acc.to(ENTRY_DTYPE).to(tl.float32)
     r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(x * x, 0), HEAD_DIM * 1.0) + eps))
     w = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    y = (w * (x * r)).to(dtype).to(tl.float32)
+    y = (w * (x * r)).to(ENTRY_DTYPE).to(tl.float32)
     even, odd = tl.split(tl.reshape(y, [BLOCK_D // 2, 2]))
     pair = tl.arange(0, BLOCK_D // 2)
     j = pair - (HEAD_DIM - ROPE_DIM) // 2  # pair index within the rope section
@@ -227,18 +234,21 @@ def _compress_kernel(
     j = tl.where(is_rope, j, 0)
     cos = tl.load(cos_ptr + e * stride_cos + j, mask=is_rope, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + e * stride_sin + j, mask=is_rope, other=0.0).to(tl.float32)
-    even_r = tl.where(is_rope, (even * cos - odd * sin).to(dtype).to(tl.float32), even)
-    odd_r = tl.where(is_rope, (odd * cos + even * sin).to(dtype).to(tl.float32), odd)
+    even_r = tl.where(is_rope, (even * cos - odd * sin).to(ENTRY_DTYPE).to(tl.float32), even)
+    odd_r = tl.where(is_rope, (odd * cos + even * sin).to(ENTRY_DTYPE).to(tl.float32), odd)
     y = tl.reshape(tl.join(even_r, odd_r), [BLOCK_D])
     if STAGED:
-        tl.store(pool_ptr + e * stride_pool_page + d, y.to(dtype), mask=d_mask)
+        tl.store(pool_ptr + e * stride_pool_page + d, y.to(ENTRY_DTYPE), mask=d_mask)
     else:  # at page block_table[row, index // PAGE_SIZE] (the scratch page for padding), slot index % PAGE_SIZE
         row = tl.load(entry_row_ptr + e).to(tl.int64)
         index = tl.load(entry_index_ptr + e).to(tl.int64)
         page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
         page = tl.where(row >= 0, page, scratch_page)
-        tl.store(pool_ptr + page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot + d, y.to(dtype),
+        tl.store(pool_ptr + page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot + d, y.to(ENTRY_DTYPE),
                  mask=d_mask)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def compress_config(span: int, head_dim: int, width: int) -> dict:
@@ -252,7 +262,7 @@ def compress_config(span: int, head_dim: int, width: int) -> dict:
 
 
 def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                            entry_sin, pool, block_table, config: dict | None = None):
+                            entry_sin, pool, block_table, config: dict | None = None, entry_dtype=None):
     """Check shapes; return the launches (kernel, grid, args, kwargs) of `compress_into_pool_triton`: none when
     nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries and snapshots, then
     the rings). block_table None: `pool` is a [N, 1, head_dim] buffer that gets entry e in row e (STAGED)."""
@@ -285,7 +295,8 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     strides = (kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), position_bias.stride(0),
                entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
-                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged, **cfg)
+                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged,
+                  ENTRY_DTYPE=_TL_DTYPES[entry_dtype or kv.dtype], **cfg)
     scratch_page = pool.shape[0] - 1
 
     def launch(entries, keep_begin, keep_end):  # programs: `entries` entries, then keep rows [keep_begin, keep_end)
@@ -300,18 +311,19 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
 
 
 def compress_entries_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                            entry_sin, config: dict | None = None) -> torch.Tensor:
+                            entry_sin, config: dict | None = None, *, entry_dtype=None) -> torch.Tensor:
     """Triton version of `compress_entries_reference`: the same kernel, each entry stored in its row of the result."""
-    entries = torch.empty((plan.entry_src.shape[0], 1, norm_weight.shape[0]), dtype=kv.dtype, device=kv.device)
+    entry_dtype = entry_dtype or kv.dtype
+    entries = torch.empty((plan.entry_src.shape[0], 1, norm_weight.shape[0]), dtype=entry_dtype, device=kv.device)
     compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                              entry_sin, entries, None, config)
+                              entry_sin, entries, None, config, entry_dtype=entry_dtype)
     return entries[:, 0]
 
 
 def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                              entry_sin, pool, block_table, config: dict | None = None) -> None:
+                              entry_sin, pool, block_table, config: dict | None = None, *, entry_dtype=None) -> None:
     """Triton version of `compress_into_pool_reference` (same arguments and effects)."""
     for kernel, grid, args, kwargs in plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
                                                               norm_weight, eps, entry_cos, entry_sin, pool,
-                                                              block_table, config):
+                                                              block_table, config, entry_dtype):
         kernel[grid](*args, **kwargs)

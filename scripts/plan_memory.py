@@ -42,10 +42,12 @@ GIB = 2**30
 def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: int = 0,
                 prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16") -> dict:
     """Per-position bytes of each pool (bf16 values, or the fp8 layout's bytes), per-request bytes of window +
-    compressor state, and the prefix cache's ring snapshots (the compressor state is bf16 either way)."""
+    compressor state, and the prefix cache's ring snapshots (the compressor state in bf16, or with fp8, which
+    implies DeepSeek's numerics, in fp32 as its compressors keep it)."""
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
                         max_running_requests=max_running, dtype=torch.bfloat16, device="meta",
-                        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else torch.bfloat16)
+                        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else torch.bfloat16,
+                        state_dtype=torch.float32 if kv_cache_dtype == "fp8" else torch.bfloat16)
     if prefix_cache_entries:
         kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries, prefix_cache_end_entries)
     per_token = kv.bytes_per_token()

@@ -86,11 +86,13 @@ def _pages(entries: int, page_size: int, partial_pages: int) -> int:
 class KVCacheManager:
     def __init__(self, model: ModelConfig, *, num_tokens: int, swa_full_tokens_ratio: float, page_size: int,
                  max_running_requests: int, dtype: torch.dtype, device: str | torch.device,
-                 max_step_tokens: int | None = None, kv_cache_dtype: torch.dtype | str | None = None):
+                 max_step_tokens: int | None = None, kv_cache_dtype: torch.dtype | str | None = None,
+                 state_dtype: torch.dtype | None = None):
         """`max_step_tokens`: the most tokens one request computes in a step (bounds a window run's length,
         hence the window table's width; None: the whole window pool). `kv_cache_dtype`: what the paged pools
         store, a float dtype (None: `dtype`) or "fp8", DeepSeek's byte layout (uint8 pools:
-        kernels/quant_formats.py); the compressor state always has `dtype`."""
+        kernels/quant_formats.py). `state_dtype`: the compressor rings' (None: `dtype`; numerics=deepseek keeps
+        them in fp32, as DeepSeek's compressors run)."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
@@ -114,7 +116,7 @@ class KVCacheManager:
             "indexer": (csa_layers, 2 * model.csa_rate, 2 * model.index_head_dim),
             "hca": (hca_layers, model.hca_rate, model.head_dim),
         }
-        self.state_pool = CompressorStatePool(max_running_requests, self._state_rings, dtype, device)
+        self.state_pool = CompressorStatePool(max_running_requests, self._state_rings, state_dtype or dtype, device)
         self._pools: list[PagedPool] = [self.window_pool, *self.compressed_pools.values()]
         self._layers = [self._layer_memory(i) for i in range(model.num_hidden_layers)]
         self._live: set[RequestPages] = set()  # handles holding anything, for check()

@@ -16,8 +16,8 @@ metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i
 
 `numerics="deepseek"` adds the roundings DeepSeek's own inference applies (its model was trained with them):
 each attention entry, window and compressed, is rounded where it is stored (the nope values to e4m3 per 64), the
-indexer's keys and queries are rotated and rounded to e2m1 per 32, the router's logits, the LM head and the mHC
-mix are fp32, the experts apply the routing weight before their down projection, and on a quantized checkpoint the
+indexer's keys and queries are rotated and rounded to e2m1 per 32, the router's logits, the LM head, the mHC
+mix and the compressors (projections, rings, pooling) are fp32, the experts apply the routing weight before their down projection, and on a quantized checkpoint the
 inputs of DeepSeek's FP8/FP4 linears are act_quant'ed (kernels/quant_formats.py has the roundings; the attention
 and indexer then read what DeepSeek's would).
 With kv_cache_dtype fp8 the pools hold those values in DeepSeek's byte layout: the entries are encoded as they are
@@ -39,8 +39,8 @@ from backend.memory.kv_manager import KVCacheManager, LayerMemory
 from backend.model.config import CSA, SLIDING, ModelConfig
 from backend.model.forward_batch import ForwardBatch
 from backend.model.rotary import Rotary
-from backend.model.projections import (ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT, SHARED_EXPERT_INPUT,
-                                       fuse_projections)
+from backend.model.projections import (ATTENTION_INPUT, FP32_ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT,
+                                       SHARED_EXPERT_INPUT, fuse_projections)
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
 from kernels.compressor import entry_destinations, round_stored_entries
@@ -70,8 +70,9 @@ class DeepseekV4Model:
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
         layers = range(config.num_hidden_layers)
         quantized_input = QUANTIZED_ATTENTION_INPUT if self.quantize_activations else frozenset()
-        self.attention_input = [fuse_projections(weights, f"model.layers.{i}.", ATTENTION_INPUT, quantized_input)
-                                for i in layers]
+        fp32_input = FP32_ATTENTION_INPUT if self.deepseek_numerics else frozenset()  # DeepSeek's fp32 compressors
+        self.attention_input = [fuse_projections(weights, f"model.layers.{i}.", ATTENTION_INPUT, quantized_input,
+                                                 fp32_input) for i in layers]
         self.shared_expert_input = [fuse_projections(weights, f"model.layers.{i}.", SHARED_EXPERT_INPUT)
                                     for i in layers]
         self.hc = dict(hc_mult=config.hc_mult, eps=config.rms_norm_eps, hc_eps=config.hc_eps,
@@ -178,7 +179,7 @@ class DeepseekV4Model:
                   batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
                   *entry_rope[stream])
         if pool_tensor.dtype == torch.uint8:  # DeepSeek's layouts: the entries quantized as they are stored
-            entries = self.kernels.compress_entries(*inputs)
+            entries = self.kernels.compress_entries(*inputs, entry_dtype=self.dtype)
             plan = batch.plans[stream]
             if plan.num_entries == 0:
                 return
@@ -188,7 +189,7 @@ class DeepseekV4Model:
             else:
                 self.kernels.store_kv_fp8(entries, pool_tensor, rows, c.qk_rope_head_dim)
             return
-        self.kernels.compress_into_pool(*inputs, pool_tensor, block_table)
+        self.kernels.compress_into_pool(*inputs, pool_tensor, block_table, entry_dtype=self.dtype)
         if self.deepseek_numerics:
             rounding = (simulate_indexer_fp4 if stream == "indexer"
                         else lambda entries: simulate_kv_fp8(entries, c.qk_rope_head_dim))

@@ -8,8 +8,9 @@ along their output rows once, at load, and each output is a column view of the p
 Weights concatenate only with their own kind: dense with dense, `Fp8Weight` with `Fp8Weight` when
 every part's rows are a multiple of the 128-row scale block (otherwise the blocks would straddle two
 weights). Each group keeps the order of its names, so the product equals the separate linears'.
-Under numerics=deepseek on a quantized checkpoint some linears read their input act_quant'ed (DeepSeek's FP8
-linears) and others the input as it is (the compressors', the indexer's head weights): they form separate groups.
+Under numerics=deepseek the linears read their input as DeepSeek's do: act_quant'ed (its FP8 linears, on a
+quantized checkpoint), in fp32 with fp32 weights (the compressors'), or as it is (the indexer's head weights);
+each kind of input is a group of its own.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_BLOCK
 
 # Of the attention input's linears, those DeepSeek's inference multiplies as FP8 GEMMs on a quantized checkpoint,
-# their input act_quant'ed (the others: the compressors' in fp32, the indexer's head weights in bf16).
+# their input act_quant'ed, and those it runs in fp32 (the compressors'; the indexer's head weights: as they are).
 QUANTIZED_ATTENTION_INPUT = frozenset({"self_attn.q_a_proj", "self_attn.kv_proj"})
+FP32_ATTENTION_INPUT = frozenset({"self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj",
+                                  "self_attn.compressor.indexer.kv_proj", "self_attn.compressor.indexer.gate_proj"})
+PLAIN, QUANTIZED, FP32 = "plain", "quantized", "fp32"  # how a group reads its input
 ATTENTION_INPUT = ("self_attn.q_a_proj", "self_attn.kv_proj", "self_attn.compressor.kv_proj",
                    "self_attn.compressor.gate_proj", "self_attn.compressor.indexer.kv_proj",
                    "self_attn.compressor.indexer.gate_proj", "self_attn.compressor.indexer.scorer.weights_proj")
@@ -33,18 +37,18 @@ SHARED_EXPERT_INPUT = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_pr
 @dataclass
 class FusedProjection:
     groups: list[tuple[object, list[tuple[str, int]]]]  # (concatenated weight, [(name, rows)])
-    quantized: list[bool]  # per group: reads the act_quant'ed input
+    inputs: list[str]  # per group: PLAIN, QUANTIZED (the act_quant'ed input) or FP32 (x in fp32, fp32 weights)
 
     def __call__(self, x: torch.Tensor, linear, quantize=None) -> dict[str, torch.Tensor]:
-        """name -> x @ weight(name)^T, a column view of its group's product; `quantize(x)` feeds the groups of
-        quantized-input linears whose weights are not FP8 (None: x feeds every group)."""
-        out, x_quantized = {}, None
-        for (weight, parts), quantized in zip(self.groups, self.quantized):
-            # an Fp8Weight's GEMM quantizes its input itself, as DeepSeek's act_quant (kernels/fp8_gemm.py)
-            pre_quantize = quantized and quantize is not None and not isinstance(weight, Fp8Weight)
-            if pre_quantize and x_quantized is None:
-                x_quantized = quantize(x)
-            product = linear(x_quantized if pre_quantize else x, weight)
+        """name -> x @ weight(name)^T, a column view of its group's product; `quantize(x)` feeds the QUANTIZED
+        groups whose weights are not FP8 (an Fp8Weight's GEMM act_quants its input itself: kernels/fp8_gemm.py)."""
+        out, fed = {}, {PLAIN: x}  # each kind of input made once
+        for (weight, parts), kind in zip(self.groups, self.inputs):
+            if kind == QUANTIZED and (quantize is None or isinstance(weight, Fp8Weight)):
+                kind = PLAIN
+            if kind not in fed:
+                fed[kind] = quantize(x) if kind == QUANTIZED else x.float()
+            product = linear(fed[kind], weight)
             offset = 0
             for name, rows in parts:
                 out[name] = product[..., offset:offset + rows]
@@ -57,24 +61,28 @@ class FusedProjection:
         return products[0] if len(products) == 1 else torch.cat(products, dim=-1)
 
 
-def fuse_projections(weights: dict, prefix: str, names: tuple[str, ...],
-                     quantized_input: frozenset[str] = frozenset()) -> FusedProjection:
+def fuse_projections(weights: dict, prefix: str, names: tuple[str, ...], quantized_input: frozenset[str] = frozenset(),
+                     fp32_input: frozenset[str] = frozenset()) -> FusedProjection:
     """Take `prefix + name + '.weight'` for each present name out of `weights` into a FusedProjection; the names in
-    `quantized_input` group apart, to read the act_quant'ed input."""
+    `quantized_input` group apart to read the act_quant'ed input, those in `fp32_input` (dense weights, kept in
+    fp32) to read the input in fp32."""
     present = [n for n in names if f"{prefix}{n}.weight" in weights]
-    by_kind: dict[tuple[str, bool], list[tuple[str, object]]] = {}
+    by_kind: dict[tuple[str, str], list[tuple[str, object]]] = {}
     for name in present:
         w = weights.pop(f"{prefix}{name}.weight")
-        by_kind.setdefault((_kind(w), name in quantized_input), []).append((name, w))
-    groups, quantized = [], []
-    for (kind, reads_quantized), members in by_kind.items():
+        reads = QUANTIZED if name in quantized_input else FP32 if name in fp32_input else PLAIN
+        if reads == FP32:
+            w = w.float()
+        by_kind.setdefault((_kind(w), reads), []).append((name, w))
+    groups, inputs = [], []
+    for (kind, reads), members in by_kind.items():
         if kind == "fp8-unaligned":
             groups += [(w, [(name, w.shape[0])]) for name, w in members]
-            quantized += [reads_quantized] * len(members)
+            inputs += [reads] * len(members)
             continue
         groups.append((_concatenate([w for _, w in members]), [(name, w.shape[0]) for name, w in members]))
-        quantized.append(reads_quantized)
-    return FusedProjection(groups, quantized)
+        inputs.append(reads)
+    return FusedProjection(groups, inputs)
 
 
 def _kind(w) -> str:

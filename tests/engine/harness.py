@@ -191,7 +191,8 @@ class EngineHarness:
                                      numerics=numerics)
         self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
                                  page_size=page_size, max_running_requests=max_running_requests,
-                                 dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype)
+                                 dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype,
+                                 state_dtype=torch.float32 if numerics == "deepseek" else dtype)
         self.model.indexer_observer = self._observe
         self._rows: list[Tracked] = []
 

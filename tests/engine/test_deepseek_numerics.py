@@ -333,3 +333,24 @@ def test_greedy_tokens_on_the_published_layout_with_the_fp8_cache(deepseek_publi
         agreed += int((shortfall == 0).sum())
     print(f"{agreed} of 320 tokens the oracle's argmax")
     assert agreed >= 0.9 * 320
+
+
+def test_the_compressors_run_in_fp32_on_a_bf16_deployment(deepseek_shaped_checkpoint):
+    """DeepSeek's compressors project, keep their rings and pool in fp32 (the entries then normed in the model's
+    dtype): on a bf16 deployment the compressor weights and rings are fp32, the other linears bf16."""
+    from backend.model.projections import FP32
+
+    engine = EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek", dtype=torch.bfloat16)
+    assert {ring.dtype for ring in engine.kv.state_pool.kv.values()} == {torch.float32}
+    projection = engine.model.attention_input[1]  # a CSA layer: main and indexer compressors
+    fp32_groups = [(weight, parts) for (weight, parts), kind in zip(projection.groups, projection.inputs)
+                   if kind == FP32]
+    assert len(fp32_groups) == 1 and fp32_groups[0][0].dtype == torch.float32
+    assert {name for name, _ in fp32_groups[0][1]} == {
+        "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj", "self_attn.compressor.indexer.kv_proj",
+        "self_attn.compressor.indexer.gate_proj"}
+    tracked = Tracked(Sequence("bf16", _prompt(140, 4)))
+    engine.step([(tracked, 140)])
+    assert all(logits.isfinite().all() for logits in tracked.logits.values())
+    assert EngineHarness(deepseek_shaped_checkpoint, dtype=torch.bfloat16).kv.state_pool.kv["csa"].dtype == \
+        torch.bfloat16  # transformers' numerics: the model's dtype

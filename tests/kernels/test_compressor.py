@@ -233,3 +233,32 @@ def test_closed_entries_returned_for_the_caller_to_store(implementation):
         rows = stored.pool.view(-1, head_dim)[compressor.entry_destinations(plan, stored.pool, stored.table)]
         assert torch.equal(entries, rows)
         assert torch.equal(returned.kv, stored.kv) and torch.equal(returned.gate, stored.gate)
+
+
+@pytest.mark.parametrize("overlap,rate", [(True, 4), (False, 16)])
+def test_fp32_pooling_with_entries_in_the_model_dtype(overlap, rate):
+    """DeepSeek's compressor on a bf16 deployment: fp32 projections, rings and pooling, the pooled entry rounded to
+    bf16 before its norm and rope (entry_dtype). The kernel and the reference agree as in bf16 above."""
+    import kernels.compressor as compressor
+
+    gen = torch.Generator().manual_seed(rate)
+    head_dim, rope_dim = 32, 8
+    width = 2 * head_dim if overlap else head_dim
+    rings = {name: _Memory(rate, overlap, head_dim, 2, 12, torch.float32, gen) for name in ("reference", "triton")}
+    rings["triton"] = rings["reference"].clone()
+    bias = torch.randn(rate, width, generator=gen)
+    norm_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(torch.bfloat16)
+    for starts, lens in (([0, 0], [2 * rate + 3, rate - 1]), ([2 * rate + 3, rate - 1], [rate - 3, 1])):
+        plan = build_plan(rate, overlap, starts, lens, [0, lens[0]], [0, 1], "cpu")
+        wide = torch.randn(sum(lens), 2 * width, generator=gen)  # the fp32 projection
+        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        entries = {}
+        for name, memory in rings.items():
+            entries[name] = getattr(compressor, f"compress_entries_{name}")(
+                wide[:, :width], wide[:, width:], memory.kv, memory.gate, plan, bias, norm_weight, 1e-6, cos, sin,
+                entry_dtype=torch.bfloat16)
+        assert plan.num_entries > 0 and entries["triton"].dtype == entries["reference"].dtype == torch.bfloat16
+        torch.testing.assert_close(entries["triton"].float(), entries["reference"].float(),
+                                   **TOLERANCE[torch.bfloat16])  # (the interpreter truncates to bf16)
+        assert torch.equal(rings["triton"].kv, rings["reference"].kv)  # fp32 rings, copies
