@@ -35,7 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import scale_slots, store_fp8_entry, store_kv_fp8_reference
 from kernels.norm_rope import apply_rope, rms_norm
+from kernels.quant_formats import kv_fp8_entry_bytes
 
 
 def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor,
@@ -49,8 +51,13 @@ def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv:
     model's dtype); None: kv's."""
     entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin,
                         entry_dtype)
-    if plan.num_entries:
-        pool.view(-1, pool.shape[-1])[entry_destinations(plan, pool, block_table)] = entries
+    if not plan.num_entries:
+        return
+    rows = entry_destinations(plan, pool, block_table)
+    if pool.dtype == torch.uint8:  # the fp8 layout (kv_cache_dtype fp8)
+        store_kv_fp8_reference(entries, pool, rows, 2 * entry_cos.shape[-1])
+    else:
+        pool.view(-1, pool.shape[-1])[rows] = entries
 
 
 def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
@@ -161,8 +168,8 @@ def _compress_kernel(
     # the plan
     ring_slots_ptr, ring_order_ptr, entry_src_ptr, entry_valid_ptr, entry_row_ptr, entry_index_ptr,
     keep_src_ptr, keep_slot_ptr, keep_pos_ptr,
-    # weights, rope at each entry, the pool
-    bias_ptr, norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, block_table_ptr,
+    # weights, rope at each entry, the pool (and, for the fp8 layout, the same memory as bf16)
+    bias_ptr, norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, pool_rope_ptr, block_table_ptr,
     # sizes
     num_entry_programs, keep_begin, keep_end, num_ring_rows, scratch_page, eps,
     # strides (last dimensions contiguous)
@@ -174,6 +181,7 @@ def _compress_kernel(
     BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr,
     STAGED: tl.constexpr,  # entry e goes to row e of pool_ptr (a [N, 1, head_dim] buffer), not into the pool
     ENTRY_DTYPE: tl.constexpr,  # the pooled entry's dtype before its norm and rope (pooling is in kv's)
+    FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # a uint8 pool of the fp8 layout: quantize on write
 ):
     pid = tl.program_id(0)
     dtype = kv_ptr.dtype.element_ty
@@ -244,8 +252,12 @@ def _compress_kernel(
         index = tl.load(entry_index_ptr + e).to(tl.int64)
         page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
         page = tl.where(row >= 0, page, scratch_page)
-        tl.store(pool_ptr + page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot + d, y.to(ENTRY_DTYPE),
-                 mask=d_mask)
+        offset = page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot
+        if FP8_POOL:  # (BLOCK_D == HEAD_DIM)
+            store_fp8_entry(pool_ptr, pool_rope_ptr, offset, y.to(ENTRY_DTYPE).to(tl.float32), HEAD_DIM, ROPE_DIM,
+                            SCALE_SLOTS)
+        else:
+            tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -277,13 +289,17 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     assert state_kv.shape == state_gate.shape and state_kv.shape[1:] == (ring, width) and state_kv.stride(-1) == 1 \
         and state_kv.stride() == state_gate.stride(), f"rings must be [slots, {ring}, {width}]"
     assert tuple(position_bias.shape) == (plan.rate, width) and position_bias.stride(-1) == 1, "position_bias [rate, width]"
-    assert pool.dim() == 3 and pool.shape[-1] == head_dim and pool.stride(-1) == 1, "pool [pages, page_size, head_dim]"
     rope_dim = 2 * entry_cos.shape[-1]
+    fp8_pool = pool.dtype == torch.uint8
+    entry_width = kv_fp8_entry_bytes(head_dim, rope_dim) if fp8_pool else head_dim
+    assert pool.dim() == 3 and pool.shape[-1] == entry_width and pool.stride(-1) == 1, \
+        f"pool [pages, page_size, {entry_width}]"
     assert entry_cos.shape[0] == num_entries and entry_sin.shape == entry_cos.shape and rope_dim <= head_dim
     assert head_dim % 2 == 0, "the rope pairs channels"
     if num_entries == 0 and num_keep == 0:
         return []
     cfg = config or compress_config(span, head_dim, width)
+    assert not fp8_pool or cfg["BLOCK_D"] == head_dim, "the fp8 layout quantizes whole entries: BLOCK_D == head_dim"
     contiguous = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731 (plans are built contiguous)
     entry_cos, entry_sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (entry_cos, entry_sin))
     entry_valid = contiguous(plan.entry_valid)
@@ -291,12 +307,14 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     tensors = (kv, gate, state_kv, state_gate, contiguous(plan.ring_slots), contiguous(plan.ring_order),
                contiguous(plan.entry_src), entry_valid, contiguous(plan.entry_row), contiguous(plan.entry_index),
                contiguous(plan.keep_src), contiguous(plan.keep_slot), contiguous(plan.keep_pos),
-               position_bias, norm_weight, entry_cos, entry_sin, pool, block_table)
+               position_bias, norm_weight, entry_cos, entry_sin, pool,
+               pool.view(torch.bfloat16) if fp8_pool else pool, block_table)
     strides = (kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), position_bias.stride(0),
                entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
                   ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged,
-                  ENTRY_DTYPE=_TL_DTYPES[entry_dtype or kv.dtype], **cfg)
+                  ENTRY_DTYPE=_TL_DTYPES[entry_dtype or kv.dtype], FP8_POOL=fp8_pool,
+                  SCALE_SLOTS=scale_slots(head_dim, rope_dim) if fp8_pool else 8, **cfg)
     scratch_page = pool.shape[0] - 1
 
     def launch(entries, keep_begin, keep_end):  # programs: `entries` entries, then keep rows [keep_begin, keep_end)

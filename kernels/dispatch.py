@@ -109,10 +109,6 @@ class KernelDispatch:
         """Close a compressor's windows (the entries, for the caller to store) and update its ring."""
         return self._fused("compressor", "compress_entries", kv, kv, *args, **kwargs)
 
-    def store_kv_fp8(self, values, pool, rows, rope_dim: int) -> None:
-        """Attention entries encoded in DeepSeek's fp8 layout into rows of a uint8 pool (kv_cache_dtype fp8)."""
-        self._fused("kv_store", "store_kv_fp8", values, values, pool, rows, rope_dim)
-
     def store_indexer_fp4(self, keys, pool, rows) -> None:
         """Rotated indexer keys encoded as FP4 pairs with their scales into rows of a uint8 pool."""
         self._fused("kv_store", "store_indexer_fp4", keys, keys, pool, rows)

@@ -1,4 +1,7 @@
-"""Quantize-on-write for the KV cache in DeepSeek's layouts (kv_cache_dtype fp8): one launch per store.
+"""Quantize-on-write for the KV cache in DeepSeek's layouts (kv_cache_dtype fp8).
+
+`store_fp8_entry` (Triton) encodes one attention entry where it is stored; the kernels that produce entries inline
+it (norm_rope's window write, the compressor's CSA/HCA write), so an entry never exists unquantized in memory.
 
 `store_kv_fp8_*(values, pool, rows, rope_dim)`: attention entries values [N, D] (window or CSA/HCA, after their norm
 and rope) encoded as kernels/quant_formats.py's fp8 entry (nope values e4m3 per 64 with ue8m0 scales, rope values
@@ -7,7 +10,8 @@ bf16, the scale bytes padded to 8) into rows `rows` [N] of pool.view(-1, entry_b
 scale per 32 into rows of pool.view(-1, Di / 2 + Di / 32).
 
 The references are pack_kv_fp8 / pack_indexer_fp4 and an index store (several launches, a packed copy of the
-batch's entries); the kernels read each entry once and write its bytes where they belong: one program per entry.
+batch's entries); the standalone kernels read each entry once and write its bytes where they belong: one program per
+entry (the indexer keys use theirs after the torch rotation).
 Rows of padding entries (static shapes) point at the pools' scratch page like any other row.
 
 The e4m3, e2m1 and bf16 roundings are arithmetic (round to nearest, ties to even), then the exact values are
@@ -34,15 +38,14 @@ def store_indexer_fp4_reference(keys: torch.Tensor, pool: torch.Tensor, rows: to
 
 
 @triton.jit
-def _store_kv_fp8_kernel(values_ptr, rows_ptr, pool_ptr, rope_ptr, stride_v, stride_row,
-                         HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, SCALE_SLOTS: tl.constexpr):
-    """Program e: entry e's nope groups quantized, its bytes, rope values and scale bytes stored in its row."""
-    e = tl.program_id(0).to(tl.int64)
+def store_fp8_entry(pool_ptr, rope_ptr, row, x, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+                    SCALE_SLOTS: tl.constexpr):
+    """One attention entry x [HEAD_DIM] (float32 holding its values) encoded in the fp8 layout at byte offset `row`
+    of a uint8 pool (rope_ptr: the same memory as bf16): the nope groups quantized, the rope values in bf16, the scale
+    bytes and their zero padding. Inlined by the kernels that produce entries (norm_rope, the compressor) too."""
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     GROUPS: tl.constexpr = HEAD_DIM // 64  # the rope values make whole groups too (HEAD_DIM, NOPE multiples of 64)
     d = tl.arange(0, HEAD_DIM)
-    x = tl.load(values_ptr + e * stride_v + d).to(tl.float32)
-    row = tl.load(rows_ptr + e).to(tl.int64) * stride_row  # byte offset of the entry
     groups = tl.reshape(x, [GROUPS, 64])
     codes, scale = e4m3_scale_codes(tl.max(tl.abs(groups), 1))
     grid = round_to_e4m3(tl.clamp(groups / scale[:, None], -448.0, 448.0))
@@ -52,9 +55,20 @@ def _store_kv_fp8_kernel(values_ptr, rows_ptr, pool_ptr, rope_ptr, stride_v, str
     tl.store(rope_ptr + row // 2 + NOPE // 2 + (d - NOPE), _round_to_bf16(x).to(tl.bfloat16), mask=~is_nope)
     g = tl.arange(0, GROUPS)
     tl.store(pool_ptr + row + NOPE + 2 * ROPE_DIM + g, codes.to(tl.uint8), mask=g < NOPE // 64)
+    PADDED: tl.constexpr = (NOPE // 64 + 7) // 8 * 8
     slot = tl.arange(0, SCALE_SLOTS)  # the padding after the scales: zero, as the reference writes it
     tl.store(pool_ptr + row + NOPE + 2 * ROPE_DIM + slot, tl.zeros([SCALE_SLOTS], tl.uint8),
-             mask=slot >= NOPE // 64)
+             mask=(slot >= NOPE // 64) & (slot < PADDED))
+
+
+@triton.jit
+def _store_kv_fp8_kernel(values_ptr, rows_ptr, pool_ptr, rope_ptr, stride_v, stride_row,
+                         HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, SCALE_SLOTS: tl.constexpr):
+    """Program e: entry e encoded into its row."""
+    e = tl.program_id(0).to(tl.int64)
+    x = tl.load(values_ptr + e * stride_v + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    store_fp8_entry(pool_ptr, rope_ptr, tl.load(rows_ptr + e).to(tl.int64) * stride_row, x, HEAD_DIM, ROPE_DIM,
+                    SCALE_SLOTS)
 
 
 @triton.jit
@@ -95,6 +109,11 @@ def _check(values, pool, rows, width):
     assert rows.shape == (values.shape[0],) and rows.dtype in (torch.int32, torch.int64), "rows [N] int"
 
 
+def scale_slots(head_dim: int, rope_dim: int) -> int:
+    """A power of two at least the scale bytes of an fp8 entry with their padding (what the kernels arange)."""
+    return triton.next_power_of_2(padded8((head_dim - rope_dim) // KV_FP8_BLOCK))
+
+
 def plan_store_kv_fp8(values, pool, rows, rope_dim):
     head_dim = values.shape[-1]
     width = kv_fp8_entry_bytes(head_dim, rope_dim)
@@ -102,9 +121,8 @@ def plan_store_kv_fp8(values, pool, rows, rope_dim):
     assert head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two, got {head_dim}"
     if values.shape[0] == 0:
         return []
-    nope = head_dim - rope_dim
     args = (values, rows.contiguous(), pool, pool.view(torch.bfloat16), values.stride(0), width)
-    kwargs = dict(HEAD_DIM=head_dim, ROPE_DIM=rope_dim, SCALE_SLOTS=max(8, padded8(nope // KV_FP8_BLOCK)),
+    kwargs = dict(HEAD_DIM=head_dim, ROPE_DIM=rope_dim, SCALE_SLOTS=scale_slots(head_dim, rope_dim),
                   num_warps=4 if head_dim >= 256 else 1)
     return [(_store_kv_fp8_kernel, (values.shape[0],), args, kwargs)]
 

@@ -43,6 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import scale_slots, store_fp8_entry, store_kv_fp8_reference
+from kernels.quant_formats import kv_fp8_entry_bytes
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -80,7 +83,10 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps
         y = apply_rope(y, cos, -sin if inverse else sin)
     if out is None:
         return y
-    out.view(-1, y.shape[-1])[out_index] = y
+    if out.dtype == torch.uint8:  # a pool of the fp8 layout (kv_cache_dtype fp8)
+        store_kv_fp8_reference(y, out, out_index, 2 * cos.shape[-1])
+    else:
+        out.view(-1, y.shape[-1])[out_index] = y
     return out
 
 
@@ -132,13 +138,14 @@ def _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, strid
 @triton.jit
 def _norm_rope_kernel(
     # pointers
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, index_ptr,
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, out_rope_ptr, index_ptr,
     # strides (fixed per model and call site: specialised) and eps
     stride_xt, stride_xh, stride_ct, stride_st, stride_o, eps,
     # model constants and tiles
     H: tl.constexpr, C: tl.constexpr, ROPE_DIM: tl.constexpr, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     INVERSE: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
+    FP8_OUT: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # out: a uint8 pool of the fp8 layout (H = 1, one chunk)
 ):
     """Program (t, head block): rows (t, h) for the block's BLOCK_H heads, all C channels, written to out row
     index[t] (HAS_INDEX, H = 1) or t * H + h."""
@@ -165,7 +172,11 @@ def _norm_rope_kernel(
                 r = r.to(x.dtype).to(tl.float32)
         y = _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs_c, h_mask, r, t, stride_ct, stride_st, C,
                             ROPE_DIM, NORMALIZE, HAS_WEIGHT, INVERSE)
-        tl.store(o_row + offs_c[None, :], y, mask=mask)
+        if FP8_OUT:  # the entry quantized where it is stored (BLOCK_C == C, BLOCK_H == 1)
+            store_fp8_entry(out_ptr, out_rope_ptr, tl.load(index_ptr + t).to(tl.int64) * stride_o,
+                            tl.reshape(y.to(tl.float32), [BLOCK_C]), C, ROPE_DIM, SCALE_SLOTS)
+        else:
+            tl.store(o_row + offs_c[None, :], y, mask=mask)
     else:  # wide rows: a sum-of-squares pass, then a second read of each chunk
         if NORMALIZE:
             sumsq = tl.zeros([BLOCK_H], tl.float32)
@@ -228,13 +239,18 @@ def plan_norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: flo
             assert tuple(table.shape) == (num_tokens, half) and table.stride(-1) == 1 and table.is_floating_point(), \
                 f"{name} must be [T={num_tokens}, {half}] with a contiguous last dimension, got {tuple(table.shape)}"
         assert 0 < rope_dim <= channels, f"rope_dim {rope_dim} must be in (0, C={channels}]"
+    fp8_out = out is not None and out.dtype == torch.uint8  # a pool of the fp8 layout (kv_cache_dtype fp8)
     if out is None:
         assert out_index is None, "out_index needs out"
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif fp8_out:
+        width = kv_fp8_entry_bytes(channels, rope_dim)
+        assert out.shape[-1] == width and out.is_contiguous() and out_index is not None and x.dim() == 2, \
+            f"an fp8 out must be a contiguous uint8 pool [..., {width}] written at out_index"
     else:
         assert out.dtype == x.dtype and out.shape[-1] == channels, \
             f"out must be [..., {channels}] in {x.dtype}, got {tuple(out.shape)} {out.dtype}"
-    flat = out.view(-1, channels)  # the rows the kernel writes (raises if out's rows are not uniformly strided)
+    flat = out.view(-1, out.shape[-1])  # the rows the kernel writes (raises if out's rows are not uniformly strided)
     if out_index is not None:
         assert x.dim() == 2, "out_index stores rows of a [T, C] x"
         assert tuple(out_index.shape) == (num_tokens,) and out_index.dtype in (torch.int64, torch.int32), \
@@ -246,14 +262,16 @@ def plan_norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: flo
     if num_tokens == 0 or num_heads == 0:
         return out, []
     cfg = config or norm_rope_config(num_heads, channels)
+    assert not fp8_out or cfg["BLOCK_C"] == channels, "the fp8 layout quantizes whole entries: one chunk"
     cos_arg = cos if cos is not None else x  # never read without rope (one signature)
     sin_arg = sin if sin is not None else x
-    args = (x, weight if has_weight else x, cos_arg, sin_arg, flat,
+    args = (x, weight if has_weight else x, cos_arg, sin_arg, flat, flat.view(torch.bfloat16) if fp8_out else flat,
             out_index if out_index is not None else flat, x.stride(0), stride_xh,
             cos_arg.stride(0), sin_arg.stride(0), flat.stride(0), float(eps))
     kwargs = dict(H=num_heads, C=channels, ROPE_DIM=rope_dim, NORMALIZE=bool(normalize), HAS_WEIGHT=has_weight,
                   INVERSE=bool(inverse) and rope_dim > 0, HAS_INDEX=out_index is not None, BLOCK_H=cfg["BLOCK_H"],
                   BLOCK_C=cfg["BLOCK_C"], NUM_CHUNKS=triton.cdiv(channels, cfg["BLOCK_C"]),
+                  FP8_OUT=fp8_out, SCALE_SLOTS=scale_slots(channels, rope_dim) if fp8_out else 8,
                   num_warps=cfg["num_warps"])
     grid = (num_tokens, triton.cdiv(num_heads, cfg["BLOCK_H"]))
     return out, [(_norm_rope_kernel, grid, args, kwargs)]

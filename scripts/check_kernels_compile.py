@@ -73,6 +73,7 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "indexer T=1"), ("v4-flash", "attention csa fp8 kv decode T=1"),
          ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe mxfp4 deepseek T=1"),
          ("v4-flash", "store kv fp8 N=1"), ("v4-flash", "store indexer fp4 N=1"), ("v4-flash", "moe T=1"),
+         ("v4-flash", "norm_rope kv fp8 T=64"), ("v4-flash", "compressor csa fp32 fp8 64x1"),
          ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
          ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
@@ -179,7 +180,7 @@ def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
                        _meta(num_tokens, n, n, dtype=f32), _meta(num_tokens, d))[1]
 
 
-def norm_rope_launches(m: dict, num_tokens: int, use: str):
+def norm_rope_launches(m: dict, num_tokens: int, use: str, fp8: bool = False):
     """The five uses of a layer: q_a norm, q norm + rope, kv norm + rope into the window pool, the inverse rope of
     the attention output, the indexer's query rope."""
     t, h, dh, half = num_tokens, m["num_heads"], m["head_dim"], m["rope_dim"] // 2
@@ -190,8 +191,8 @@ def norm_rope_launches(m: dict, num_tokens: int, use: str):
         return plan_norm_rope(_meta(t, h, dh), None, 1e-6, **rope)[1]
     if use == "kv":
         wide = _meta(t, 4 * dh)[:, :dh]  # a column view of the fused attention-input projection
-        return plan_norm_rope(wide, _meta(dh), 1e-6, out=_meta(4096, m["page_size"], dh),
-                              out_index=_meta(t, dtype=torch.int64), **rope)[1]
+        return plan_norm_rope(wide, _meta(dh), 1e-6, out=_kv_pool(m, fp8), out_index=_meta(t, dtype=torch.int64),
+                              **rope)[1]
     if use == "inverse":
         return plan_norm_rope(_meta(t, h, dh), None, 1e-6, normalize=False, inverse=True, **rope)[1]
     return plan_norm_rope(_meta(t, m["index_heads"], m["index_head_dim"]), None, 1e-6, normalize=False, **rope)[1]
@@ -205,8 +206,10 @@ def routing_launches(m: dict, num_tokens: int, kind: str):
                            _meta(num_tokens, dtype=torch.int64), 1.5)[1]
 
 
-def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int):
-    """A compressor over num_rows rows of tokens_per_row tokens: kind csa / hca / indexer."""
+def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, fp8: bool = False,
+                        fp32: bool = False):
+    """A compressor over num_rows rows of tokens_per_row tokens: kind csa / hca / indexer. fp8: into a pool of the
+    fp8 layout; fp32: DeepSeek's numerics (fp32 projections and rings, bf16 entries)."""
     rate = m["hca_rate"] if kind == "hca" else m["csa_rate"]
     overlap = kind != "hca"
     head_dim = m["index_head_dim"] if kind == "indexer" else m["head_dim"]
@@ -221,12 +224,15 @@ def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int):
         entry_valid=_meta(entries, ring, dtype=torch.bool), entry_pos=_meta(entries, dtype=i64),
         entry_row=_meta(entries, dtype=i64), entry_index=_meta(entries, dtype=i64), keep_src=_meta(keep, dtype=i64),
         keep_slot=_meta(keep, dtype=i64), keep_pos=_meta(keep, dtype=i64))
-    projection = _meta(num_tokens, 4 * width)  # column views of the fused attention-input projection
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    projection = _meta(num_tokens, 4 * width, dtype=dtype)  # column views of the fused attention-input projection
     half = m["rope_dim"] // 2
+    pool = _kv_pool(m, True) if fp8 else _meta(4096, m["page_size"], head_dim)
     return plan_compress_into_pool(
-        projection[:, :width], projection[:, width:2 * width], _meta(257, ring, width), _meta(257, ring, width), plan,
-        _meta(rate, width, dtype=torch.float32), _meta(head_dim), 1e-6, _meta(entries, half), _meta(entries, half),
-        _meta(4096, m["page_size"], head_dim), _meta(num_rows, 1024, dtype=torch.int32))
+        projection[:, :width], projection[:, width:2 * width], _meta(257, ring, width, dtype=dtype),
+        _meta(257, ring, width, dtype=dtype), plan, _meta(rate, width, dtype=torch.float32), _meta(head_dim), 1e-6,
+        _meta(entries, half), _meta(entries, half), pool, _meta(num_rows, 1024, dtype=torch.int32),
+        entry_dtype=torch.bfloat16)
 
 
 def fp8_gemm_launches(num_tokens: int, n: int, k: int):
@@ -270,6 +276,12 @@ def cases() -> list[tuple[str, str, list]]:
             out.append(("v4-flash", f"attention {mode} fp8 kv decode T={t}", attention_launches(flash, mode, t, True)))
         t = flash["prefill_tokens"]
         out.append(("v4-flash", f"attention {mode} fp8 kv prefill T={t}", attention_launches(flash, mode, t, True)))
+    for t in (1, 64, flash["prefill_tokens"]):  # the window write, quantized in the norm_rope kernel
+        out.append(("v4-flash", f"norm_rope kv fp8 T={t}", norm_rope_launches(flash, t, "kv", fp8=True)))
+    for kind in ("csa", "hca"):  # DeepSeek's numerics: fp32 pooling, entries quantized where they are stored
+        for rows, tokens in ((1, 1), (64, 1), (1, flash["prefill_tokens"])):
+            out.append(("v4-flash", f"compressor {kind} fp32 fp8 {rows}x{tokens}",
+                        compressor_launches(flash, kind, rows, tokens, fp8=True, fp32=True)))
     for t in (1, flash["prefill_tokens"]):
         out.append(("v4-flash", f"indexer fp4 keys T={t}", indexer_launches(flash, t, True)))
         pool = _meta(4096, flash["page_size"], kv_fp8_entry_bytes(flash["head_dim"], flash["rope_dim"]),

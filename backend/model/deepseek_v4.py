@@ -152,13 +152,9 @@ class DeepseekV4Model:
     def _store_window_entries(self, kv_proj, norm_weight, cos, sin, batch: ForwardBatch, memory: LayerMemory) -> None:
         """Each token's K=V entry (normed, rotated) into its window slot, as the pool stores it."""
         k, c, pool = self.kernels, self.config, memory.window_kv
-        if pool.dtype == torch.uint8:  # DeepSeek's fp8 layout: the entries quantized as they are stored
-            entries = k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin)
-            k.store_kv_fp8(entries, pool, batch.window_write_index, c.qk_rope_head_dim)
-            return
         k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin, out=pool,
-                    out_index=batch.window_write_index)  # straight into the window pool
-        if self.deepseek_numerics:  # the entries as DeepSeek stores them, before anything reads them
+                    out_index=batch.window_write_index)  # straight into the window pool (fp8: quantized there)
+        if self.deepseek_numerics and pool.dtype != torch.uint8:  # the entries as DeepSeek stores them
             window = pool.view(-1, c.head_dim)
             window[batch.window_write_index] = simulate_kv_fp8(window[batch.window_write_index], c.qk_rope_head_dim)
 
@@ -178,19 +174,16 @@ class DeepseekV4Model:
         inputs = (proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
                   batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
                   *entry_rope[stream])
-        if pool_tensor.dtype == torch.uint8:  # DeepSeek's layouts: the entries quantized as they are stored
+        if stream == "indexer" and pool_tensor.dtype == torch.uint8:  # FP4 keys: rotated first (a torch pass)
             entries = self.kernels.compress_entries(*inputs, entry_dtype=self.dtype)
             plan = batch.plans[stream]
-            if plan.num_entries == 0:
-                return
-            rows = entry_destinations(plan, pool_tensor, block_table)
-            if stream == "indexer":  # the keys rotated, as the queries are (a plain torch pass), then FP4
+            if plan.num_entries:
+                rows = entry_destinations(plan, pool_tensor, block_table)
                 self.kernels.store_indexer_fp4(hadamard_rotate(entries), pool_tensor, rows)
-            else:
-                self.kernels.store_kv_fp8(entries, pool_tensor, rows, c.qk_rope_head_dim)
             return
+        # (an fp8 pool: the kernel quantizes each entry where it stores it)
         self.kernels.compress_into_pool(*inputs, pool_tensor, block_table, entry_dtype=self.dtype)
-        if self.deepseek_numerics:
+        if self.deepseek_numerics and pool_tensor.dtype != torch.uint8:
             rounding = (simulate_indexer_fp4 if stream == "indexer"
                         else lambda entries: simulate_kv_fp8(entries, c.qk_rope_head_dim))
             round_stored_entries(pool_tensor, batch.plans[stream], block_table, rounding)

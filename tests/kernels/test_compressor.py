@@ -181,7 +181,7 @@ def test_snapshot_rows_run_with_the_entries_before_the_ring_updates():
                                        torch.ones(16), 1e-6, torch.zeros(plan.num_entries, 4),
                                        torch.zeros(plan.num_entries, 4), torch.zeros(9, 4, 16),
                                        torch.zeros(1, 16, dtype=torch.int32))
-    counts = [args[19:22] for _, _, args, _ in launches]  # (entry programs, keep_begin, keep_end)
+    counts = [args[20:23] for _, _, args, _ in launches]  # (entry programs, keep_begin, keep_end)
     assert counts == [(plan.num_entries, 0, 8), (0, 8, 16)]
 
 
@@ -262,3 +262,33 @@ def test_fp32_pooling_with_entries_in_the_model_dtype(overlap, rate):
         torch.testing.assert_close(entries["triton"].float(), entries["reference"].float(),
                                    **TOLERANCE[torch.bfloat16])  # (the interpreter truncates to bf16)
         assert torch.equal(rings["triton"].kv, rings["reference"].kv)  # fp32 rings, copies
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_entries_quantized_as_they_are_stored_in_the_fp8_layout(implementation):
+    """A uint8 pool (kv_cache_dtype fp8): the kernel encodes each closed entry where it stores it, the bytes
+    store_kv_fp8 writes for the same entries (the scratch page aside, where padding entries go)."""
+    import kernels.compressor as compressor
+    from kernels.kv_store import store_kv_fp8_reference
+    from kernels.quant_formats import kv_fp8_entry_bytes
+
+    gen = torch.Generator().manual_seed(9)
+    rate, head_dim, rope_dim = 4, 128, 64
+    width = kv_fp8_entry_bytes(head_dim, rope_dim)
+    rings = _Memory(rate, True, head_dim, 2, 12, torch.float32, gen)
+    staged = rings.clone()
+    pools = [torch.zeros(rings.pool.shape[0], PAGE_SIZE, width, dtype=torch.uint8) for _ in range(2)]
+    bias = torch.randn(rate, 2 * head_dim, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1])):
+        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], "cpu")
+        wide = torch.randn(sum(lens), 4 * head_dim, generator=gen)
+        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+        inputs = (wide[:, :2 * head_dim], wide[:, 2 * head_dim:])
+        rest = (plan, bias, norm_weight, 1e-6, angles.cos(), angles.sin())
+        getattr(compressor, f"compress_into_pool_{implementation}")(*inputs, rings.kv, rings.gate, *rest, pools[0],
+                                                                     rings.table)
+        entries = compressor.compress_entries_reference(*inputs, staged.kv, staged.gate, *rest)
+        store_kv_fp8_reference(entries, pools[1], compressor.entry_destinations(plan, pools[1], staged.table),
+                               rope_dim)
+    assert torch.equal(pools[0][:-1], pools[1][:-1]) and pools[0][:-1].any()

@@ -130,3 +130,24 @@ def test_the_fp4_key_store_writes_the_references_bytes(head_dim):
     store_indexer_fp4_reference(keys, pools[0], rows)
     store_indexer_fp4_triton(keys, pools[1], rows)
     assert torch.equal(pools[1], pools[0])
+
+
+@pytest.mark.parametrize("head_dim,rope_dim", [(128, 64), (512, 64)])
+def test_the_window_write_quantizes_in_the_norm_rope_kernel(head_dim, rope_dim):
+    """norm_rope into a uint8 pool: the kernel encodes each normed, rotated entry where it stores it, the bytes the
+    reference (norm_rope, then store_kv_fp8) writes."""
+    from kernels.norm_rope import norm_rope_reference, norm_rope_triton
+
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens = 9
+    x = torch.randn(tokens, head_dim, generator=gen) * 3
+    weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    angles = torch.arange(tokens)[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+    width = kv_fp8_entry_bytes(head_dim, rope_dim)
+    pools = [torch.full((5, 4, width), 0xAB, dtype=torch.uint8) for _ in range(2)]
+    rows = torch.randperm(20, generator=gen)[:tokens]
+    for implementation, pool in ((norm_rope_reference, pools[0]), (norm_rope_triton, pools[1])):
+        implementation(x, weight, 1e-6, cos=angles.cos(), sin=angles.sin(), out=pool, out_index=rows)
+    assert torch.equal(pools[1], pools[0])
+    expected = norm_rope_reference(x, weight, 1e-6, cos=angles.cos(), sin=angles.sin())
+    assert torch.equal(pools[0].view(-1, width)[rows], pack_kv_fp8(expected, rope_dim))

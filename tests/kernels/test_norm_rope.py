@@ -207,7 +207,7 @@ def test_plan_on_meta_tensors_launches_nothing():
                                           sin=sin, out=pool, out_index=torch.empty(t, dtype=torch.int64,
                                                                                    device="meta"))
         assert result is pool and len(launches) == 1 and launches[0][1] == (t, 1)
-        assert launches[0][3]["HAS_INDEX"] and launches[0][2][6] == 2048  # x's row stride: the projection's
+        assert launches[0][3]["HAS_INDEX"] and launches[0][2][7] == 2048  # x's row stride: the projection's
     _, launches = plan_norm_rope(torch.empty(1, 7168, **meta), torch.empty(7168, **meta), EPS)
     assert launches[0][3]["NUM_CHUNKS"] == 2 and launches[0][3]["BLOCK_C"] == 4096
 
