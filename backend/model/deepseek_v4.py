@@ -17,11 +17,11 @@ metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i
 `numerics="deepseek"` adds the roundings DeepSeek's own inference applies (its model was trained with them):
 each attention entry, window and compressed, is rounded where it is stored (the nope values to e4m3 per 64), the
 indexer's keys and queries are rotated and rounded to e2m1 per 32, the router's logits, the LM head, the mHC
-mix and the compressors (projections, rings, pooling) are fp32, the experts apply the routing weight before their down projection, and on a quantized checkpoint the
-inputs of DeepSeek's FP8/FP4 linears are act_quant'ed (kernels/quant_formats.py has the roundings; the attention
-and indexer then read what DeepSeek's would).
-With kv_cache_dtype fp8 the pools hold those values in DeepSeek's byte layout: the entries are encoded as they are
-stored, and the attention and indexer kernels decode them as they read.
+mix and the compressors (projections, rings, pooling) are fp32, the experts apply the routing weight before their
+down projection, and on a quantized checkpoint the inputs of DeepSeek's FP8/FP4 linears are act_quant'ed
+(kernels/quant_formats.py has the roundings; the attention and indexer then read what DeepSeek's would).
+With kv_cache_dtype fp8 the pools hold those values in DeepSeek's byte layout: the kernels that store the entries
+encode them, and the attention and indexer kernels decode them as they read.
 
 Under a `ParallelLayout` of several ranks (backend/parallel/layout.py) the weights are this rank's parts:
 the attention runs its share of the heads and groups and all-reduces the output projection, the MoE
