@@ -22,12 +22,15 @@ def is_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # torch -> tl
+
+
 def compute_dtype(dtype: torch.dtype):
     """tl dtype fed to tl.dot: the storage dtype on a GPU; fp32 for bf16 under the interpreter,
     whose bf16 arithmetic is wrong (bf16 values are raw bits there; only casts work)."""
     if dtype == torch.float32 or (dtype == torch.bfloat16 and is_interpreting()):
         return tl.float32
-    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    return TL_DTYPES[dtype]
 
 
 @lru_cache(maxsize=None)

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import TL_DTYPES
 from kernels.kv_store import scale_slots, store_fp8_entry, store_kv_fp8_reference
 from kernels.norm_rope import apply_rope, rms_norm
 from kernels.quant_formats import kv_fp8_entry_bytes
@@ -260,9 +261,6 @@ def _compress_kernel(
             tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
 
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def compress_config(span: int, head_dim: int, width: int) -> dict:
     """Tiles from the model's shapes alone: BLOCK_D = the head padded to a power of two, BLOCK_S span positions
     per chunk for about 4K elements a tile; keep rows of BLOCK_W <= 1024 channels, ~4K elements a tile."""
@@ -313,7 +311,7 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
                entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
                   ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged,
-                  ENTRY_DTYPE=_TL_DTYPES[entry_dtype or kv.dtype], FP8_POOL=fp8_pool,
+                  ENTRY_DTYPE=TL_DTYPES[entry_dtype or kv.dtype], FP8_POOL=fp8_pool,
                   SCALE_SLOTS=scale_slots(head_dim, rope_dim) if fp8_pool else 8, **cfg)
     scratch_page = pool.shape[0] - 1
 

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.quant_formats import (KV_FP8_BLOCK, MXFP4_BLOCK, e4m3_scale_codes, indexer_fp4_entry_bytes,
-                                   kv_fp8_entry_bytes, pack_indexer_fp4, pack_kv_fp8, padded8, round_to_e4m3)
+                                   kv_fp8_entry_bytes, pack_indexer_fp4, pack_kv_fp8, padded8, round_to_e4m3,
+                                   ue8m0_scale_codes)
 
 
 def store_kv_fp8_reference(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
@@ -87,10 +88,7 @@ def _store_indexer_fp4_kernel(keys_ptr, rows_ptr, pool_ptr, stride_k, stride_row
     x = tl.load(keys_ptr + e * stride_k + tl.arange(0, HEAD_DIM)).to(tl.float32)
     row = tl.load(rows_ptr + e).to(tl.int64) * stride_row
     groups = tl.reshape(x, [GROUPS, 32])
-    amax = tl.maximum(tl.max(tl.abs(groups), 1), 6.0 * 2.0 ** -126)
-    bits = (amax * (1.0 / 6.0)).to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # the ue8m0 code
-    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    exponent, scale = ue8m0_scale_codes(tl.max(tl.abs(groups), 1), 6.0 * 2.0 ** -126, 6.0)  # fp4_act_quant's
     magnitude = tl.minimum(tl.abs(groups) / scale[:, None], 6.0)
     step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
     rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step  # fp32 round half to even, on the binade's grid

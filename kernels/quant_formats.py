@@ -248,9 +248,8 @@ def load_kv_entries(pool_ptr, rope_ptr, rows, mask, HEAD_DIM: tl.constexpr, ROPE
         is_nope = (dims < NOPE)[None, :]
         nope_mask = mask[:, None] & is_nope
         codes = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=nope_mask, other=0)
-        scale_codes = tl.load(pool_ptr + rows[:, None] + (NOPE + 2 * ROPE_DIM) + dims[None, :] // 64, mask=nope_mask,
-                              other=127)
-        scale = (scale_codes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scale = ue8m0_value(tl.load(pool_ptr + rows[:, None] + (NOPE + 2 * ROPE_DIM) + dims[None, :] // 64,
+                                    mask=nope_mask, other=127))
         nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
         rope = tl.load(rope_ptr + rows[:, None] // 2 + NOPE // 2 + (dims[None, :] - NOPE),
                        mask=mask[:, None] & ~is_nope, other=0.0).to(tl.float32)
@@ -272,9 +271,8 @@ def load_indexer_keys(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr, FP4: tl.cons
         mantissa = (code & 1).to(tl.float32)
         magnitude = tl.where(exponent == 0, 0.5 * mantissa,
                              (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
-        scale_codes = tl.load(pool_ptr + rows[:, None] + HEAD_DIM // 2 + dims[None, :] // 32, mask=mask[:, None],
-                              other=127)
-        scale = (scale_codes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        scale = ue8m0_value(tl.load(pool_ptr + rows[:, None] + HEAD_DIM // 2 + dims[None, :] // 32,
+                                    mask=mask[:, None], other=127))
         keys = tl.where((code & 8) != 0, -magnitude, magnitude) * scale
     else:
         keys = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
@@ -293,12 +291,24 @@ def simulate_e4m3_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def e4m3_scale_codes(amax):
-    """(ue8m0 codes int32, scales float32) of groups with these amax: 2^ceil(log2(max(amax, 1e-4) * fl32(1/448)))
+def ue8m0_scale_codes(amax, FLOOR: tl.constexpr, MAX: tl.constexpr):
+    """(ue8m0 codes int32, scales float32) of groups with these amax: 2^ceil(log2(max(amax, FLOOR) * fl32(1/MAX)))
     from the float32 bits, as `power_of_two_scale` (DeepSeek's fast_round_scale)."""
-    bits = (tl.maximum(amax, 1e-4) * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    bits = (tl.maximum(amax, FLOOR) * (1.0 / MAX)).to(tl.int32, bitcast=True)
     codes = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return codes, (codes << 23).to(tl.float32, bitcast=True)
+    return codes, ue8m0_value(codes)
+
+
+@triton.jit
+def ue8m0_value(codes):
+    """The float32 power of two ue8m0 codes (int) stand for: 2^(code - 127), from the bits."""
+    return (codes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_scale_codes(amax):
+    """`ue8m0_scale_codes` of e4m3 groups (DeepSeek's act_quant: amax floored at 1e-4, max 448)."""
+    return ue8m0_scale_codes(amax, 1e-4, 448.0)
 
 
 @triton.jit

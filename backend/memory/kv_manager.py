@@ -96,7 +96,6 @@ class KVCacheManager:
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
-        self.fp8 = kv_cache_dtype == "fp8"
         entry, index_key, pool_dtype = _entry_widths(model, kv_cache_dtype or dtype)
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
@@ -126,6 +125,11 @@ class KVCacheManager:
                        for pool in self._pools}
         for pool in self._pools:
             self.tables[pool.name][self.state_pool.scratch_slot] = pool.scratch_page
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the pools hold DeepSeek's fp8 layout (kv_cache_dtype fp8)."""
+        return self.window_pool.kv.dtype == torch.uint8
 
     def _table_width(self, pool: PagedPool, max_step_tokens: int | None) -> int:
         """Columns of a pool's table: the most logical pages one request's run can span."""
