@@ -108,7 +108,8 @@ def print_plan(row: dict) -> None:
     print(f"published checkpoint on disk (with the mtp layer, {row['published_draft_layer_bytes'] / GIB:.2f} GiB): "
           f"{row['published_on_disk_bytes']:,} bytes")
     per_token = ", ".join(f"{k} {v:.1f}" for k, v in row["kv_bytes_per_position"].items())
-    print(f"KV bytes per position ({row['kv_cache_dtype']}): {per_token}; per running request (window + compressor state): "
+    print(f"KV bytes per position ({row['kv_cache_dtype']}): {per_token}; "
+          f"per running request (window + compressor state): "
           f"{row['kv_bytes_per_running_request'] / 2**20:.1f} MiB")
     if row["prefix_cache_entries"]:
         per_entry = row["prefix_cache_bytes_per_entry"]
