@@ -10,7 +10,10 @@ Three layouts are read, told apart by their tensor names (never by a flag the us
   (`model.embed_tokens.weight` and `model.hc_head.hc_*` stay, their renames being anchored at the
   start) or is ambiguous (the attention's `kv_norm` comes back as `attn.norm`);
 - `hf-modules`: transformers' in-memory module names (`model.embed_tokens.weight`,
-  `model.layers.i.mlp.experts.gate_up_proj`, ...), which are also the engine's names.
+  `model.layers.i.mlp.experts.gate_up_proj`, ...), which are also the engine's names. A model that
+  transformers loaded from such names writes them back with save_pretrained except for one reverse
+  rename, `kv_norm` -> `norm` (`self_attn.norm`, `compressor.norm`, `compressor.indexer.norm`): read
+  as `kv_norm`.
 
 The renames are transformers' `conversion_mapping.py` entry `deepseek_v4`, in its order. Routed
 experts are stored one tensor each (`experts.E.w1/w2/w3`) in the first two layouts and merged in
@@ -62,6 +65,8 @@ _RENAMES = [(re.compile(p), r) for p, r in (
 )]
 _EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
 _DRAFT_LAYER = re.compile(r"^(model\.)?mtp\.")
+# save_pretrained's reverse of `.norm.` -> `.kv_norm.` on module names (the final `model.norm` has no such parent)
+_HF_MODULES_KV_NORM = re.compile(r"\.(self_attn|compressor|indexer)\.norm\.")
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ def is_draft_layer(name: str) -> bool:
 def engine_target(name: str, layout: str) -> Target:
     """The engine tensor a checkpoint tensor named `name` (in `layout`) fills."""
     if layout == "hf-modules":
-        return Target(name)
+        return Target(_HF_MODULES_KV_NORM.sub(r".\1.kv_norm.", name))
     if layout == "transformers" and name.startswith("model."):
         name = name[len("model."):]
     for pattern, replacement in _RENAMES:

@@ -296,3 +296,18 @@ def test_a_checkpoint_written_by_save_pretrained_loads_the_models_own_tensors(tm
     ours = load_weights(tmp_path, load_model_config(tmp_path), torch.float32, "cpu")
     theirs = model.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+
+
+def test_a_model_loaded_from_module_names_and_saved_again_loads(tiny_checkpoint, tmp_path):
+    """A transformers user's round trip: from_pretrained on the built-in checkpoint (transformers' module names), then
+    save_pretrained, which writes the module names back but reverses kv_norm to norm."""
+    from safetensors import safe_open
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    saved = set(safe_open(str(tmp_path / "model.safetensors"), "pt").keys())
+    assert "model.layers.0.self_attn.norm.weight" in saved and "model.norm.weight" in saved
+    ours = load_weights(tmp_path, load_model_config(tmp_path), torch.float32, "cpu")
+    theirs = model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
