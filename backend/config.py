@@ -19,6 +19,7 @@ POLICIES = ("prefill_first", "mixed")
 
 
 NUMERICS = ("auto", "transformers", "deepseek")
+MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
 
@@ -80,6 +81,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_cache_entries: int = 256
     prefix_cache_end_entries: int = 64
+    # Speculative decoding with the checkpoint's MTP layer (backend/speculative.py): each decode verifies this many
+    # draft tokens and emits up to one more than it accepts; 0: off. Steps with speculation run one at a time
+    # (the host needs each step's accepted count to place the next), and, for now, on a single rank.
+    num_speculative_tokens: int = 0
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
@@ -161,6 +166,17 @@ class EngineConfig:
                self.collective_timeout_s, "a number of seconds > 0")
         _check(not (self.cuda_graphs and world > 1), "cuda_graphs", self.cuda_graphs,
                "unset or false with tensor/expert parallelism (graphs of sharded steps are not supported yet)")
+        _check(is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+               "num_speculative_tokens", self.num_speculative_tokens,
+               f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")
+        if self.num_speculative_tokens:
+            _check(world == 1, "num_speculative_tokens", self.num_speculative_tokens,
+                   "0 with tensor/expert parallelism (speculative steps run on a single rank for now)")
+            verify = self.max_running_requests * (1 + self.num_speculative_tokens)
+            _check(self.max_num_batched_tokens >= verify, "num_speculative_tokens", self.num_speculative_tokens,
+                   f"at most what max_num_batched_tokens ({self.max_num_batched_tokens}) holds: every running "
+                   f"request's verify (max_running_requests * (1 + num_speculative_tokens) = {verify} tokens) must "
+                   "fit one step")
 
     @property
     def world_size(self) -> int:

@@ -59,6 +59,7 @@ from backend.parallel.layout import ParallelLayout
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import SamplerState
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.speculative import DraftRow, SpecJob
 from backend.structured.grammar import GrammarService
 from kernels.dispatch import KernelDispatch, default_mode
 
@@ -73,7 +74,10 @@ class LLMEngine:
         checkpoint = Path(config.checkpoint)
         self.model_config, self.weight_format, self.kv, prefill_chunk_tokens = plan_deployment(
             config, self.device, self.dtype)
-        self.overlap = config.overlap_scheduling
+        # Speculative decoding (backend/speculative.py): a verify's emitted count decides where the next step starts,
+        # so its steps are not overlapped.
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens
         self.scheduler = Scheduler(config, self.kv, prefill_chunk_tokens, prefix_cache=self.kv.prefix_cache,
                                    max_steps_in_flight=2 if self.overlap else 1)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
@@ -88,7 +92,8 @@ class LLMEngine:
         # Several ranks: the workers start loading their shards while this rank loads its own.
         self.group = RankGroup.start(config, self.layout) if self.layout.world_size > 1 else None
         self.model = load_model(config, self.model_config, self.weight_format, self.device, self.dtype, self.layout,
-                                self.group.comm if self.group else Communicator())
+                                self.group.comm if self.group else Communicator(),
+                                draft_layers=1 if self.num_speculative_tokens else 0)
         self.kernels = self.model.kernels
         if self.group is not None:
             self.group.wait_ready()
@@ -105,8 +110,9 @@ class LLMEngine:
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
         logger.info("engine ready: device=%s dtype=%s weights=%s kernels=%s overlap=%s capacity=%s bytes/token=%s "
-                    "prefill_chunk_tokens=%d", self.device, self.dtype, self.weight_format, self.kernels.mode,
-                    self.overlap, self.kv.capacity(), self.kv.bytes_per_token(), self.scheduler.prefill_chunk_tokens)
+                    "prefill_chunk_tokens=%d num_speculative_tokens=%d", self.device, self.dtype, self.weight_format,
+                    self.kernels.mode, self.overlap, self.kv.capacity(), self.kv.bytes_per_token(),
+                    self.scheduler.prefill_chunk_tokens, self.num_speculative_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -171,6 +177,9 @@ class LLMEngine:
             "decode_stalls": counters.decode_stalls,
             "num_preemptions": counters.num_preemptions,
             "num_itl_infeasible": counters.num_itl_infeasible,
+            "num_draft_tokens": counters.num_draft_tokens,
+            "num_accepted_tokens": counters.num_accepted_tokens,
+            "mean_accepted_length": counters.mean_accepted_length,
             "num_timed_out": counters.num_timed_out,
             "num_rejected_queue_full": self.num_rejected_queue_full,
             "num_running": self.scheduler.num_running,
@@ -270,19 +279,22 @@ class LLMEngine:
         rows, samplers, from_device, plain, copies_after = [], [], False, True, []
         for chunk in plan.chunks:
             seq = chunk.seq
-            known = chunk.end <= len(seq.token_ids)  # else a decode of the token the step in flight samples
+            known = chunk.end <= len(seq.token_ids) or bool(chunk.drafts)  # else the token of the step in flight
             from_device |= not known
             snapshots = ()
             if chunk.snapshots:  # inside the chunk: written by its plan; where it ends: copied after the forward
                 snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.copy_after is None)
                 copies_after += [r.copy_after for r in chunk.snapshots if r.copy_after is not None]
-            rows.append(BatchRow(seq.pages, seq.token_ids[chunk.start:chunk.end] if known else [0], chunk.start,
-                                 chunk.samples, snapshots, not known))
+            tokens = seq.token_ids[chunk.start:chunk.start + 1] + list(chunk.drafts) if chunk.drafts else (
+                seq.token_ids[chunk.start:chunk.end] if known else [0])
+            rows.append(BatchRow(seq.pages, tokens, chunk.start, chunk.samples, snapshots, not known,
+                                 num_logits=1 + len(chunk.drafts)))
             if chunk.samples:
                 samplers.append(seq.sampler_state)
                 plain &= seq.sampler_state.plain
+        spec = self._spec_job(plan) if self.num_speculative_tokens else None
         graphs = self.decode_graphs
-        key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
+        key = static_key(rows) if graphs is not None and spec is None and graphs.accepts(rows) else None
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         staged = self._stager.stage(batch)
         # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);
@@ -290,7 +302,23 @@ class LLMEngine:
         device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
         cache = self.kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return self.executor.submit(StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device))
+        return self.executor.submit(StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device,
+                                            spec))
+
+    def _spec_job(self, plan: StepPlan) -> SpecJob:
+        """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
+        knows it (-1 where this step emits it), and each sampling row's drafts and pages."""
+        next_ids, rows = [], []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if chunk.drafts:
+                next_ids += [-1] * chunk.num_tokens
+            else:
+                following = seq.token_ids[chunk.start + 1:chunk.end + 1]
+                next_ids += following + [-1] * (chunk.num_tokens - len(following))
+            if chunk.samples:
+                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.start + chunk.allocated, seq.grammar is None))
+        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
 
     def _take_in(self, plan: StepPlan, handle: StepHandle) -> None:
         """A step's output: the scheduler's accounting, then each request's token (or its failure)."""
@@ -302,8 +330,7 @@ class LLMEngine:
                 self.unavailable = str(handle.exception)
                 self.scheduler.abort_all()
         for update in self.scheduler.update_from_output(plan, output):
-            self._send(update.seq, [] if update.token is None else [update.token], update.finished, update.error,
-                       None if update.logprobs is None else [update.logprobs])
+            self._send(update.seq, update.tokens, update.finished, update.error, update.logprobs)
 
     def _report_end(self, seq: Sequence, error: str | None) -> None:
         """The final output of a request the scheduler ended (cancelled, timed out or failed)."""
@@ -321,12 +348,23 @@ class LLMEngine:
 def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dtype, numerics: str) -> KVCacheManager:
     """The pools the config asks for; ConfigError when they could not serve a single request. DeepSeek's numerics
     keep the compressor rings in fp32 (its compressors project, keep state and pool in fp32)."""
+    speculative = config.num_speculative_tokens
+    if speculative and model_config.num_nextn_predict_layers < 1:
+        raise ConfigError(f"parameter 'num_speculative_tokens': {speculative} needs the checkpoint's MTP layer "
+                          f"(mtp.0.*, num_nextn_predict_layers >= 1) to draft with; {config.checkpoint} has none: "
+                          "set num_speculative_tokens to 0")
     kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
                         page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
                         device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-                        state_dtype=torch.float32 if numerics == "deepseek" else dtype)
+                        state_dtype=torch.float32 if numerics == "deepseek" else dtype,
+                        draft_layers=1 if speculative else 0, speculative_tokens=speculative)
     if kv.max_request_positions() == 0:
         window = kv.window_pool
+        if speculative:
+            raise ConfigError(
+                f"parameter 'num_speculative_tokens': a decode with {speculative} drafts holds "
+                f"{window.pages_per_running_request()} window pages, more than the {window.num_pages} of the window "
+                "pool: lower num_speculative_tokens, or raise num_tokens or swa_full_tokens_ratio")
         raise ConfigError(
             f"parameter 'swa_full_tokens_ratio': the window pool holds {window.num_pages} pages of {config.page_size} "
             f"positions (num_tokens * swa_full_tokens_ratio), fewer than one sliding window needs "
@@ -427,9 +465,11 @@ def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
 
 
 def load_model(config: EngineConfig, model_config, weight_format: str, device, dtype, layout: ParallelLayout,
-               comm: Communicator) -> DeepseekV4Model:
-    """This rank's shard of the model (all of it on one rank), with its kernel dispatch."""
-    weights = load_weights(config.checkpoint, model_config, dtype, device, weight_format, layout=layout)
+               comm: Communicator, draft_layers: int = 0) -> DeepseekV4Model:
+    """This rank's shard of the model (all of it on one rank), with its kernel dispatch; `draft_layers`: the MTP
+    layers to load too (speculative decoding)."""
+    weights = load_weights(config.checkpoint, model_config, dtype, device, weight_format, layout=layout,
+                           draft_layers=draft_layers)
     kernels = KernelDispatch(default_mode(config.use_reference_kernels))
     return DeepseekV4Model(model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
                            numerics=resolve_numerics(config, model_config, layout))

@@ -40,6 +40,7 @@ from backend.model.staging import StagedBatch
 from backend.model.static_batch import StaticKey
 from backend.sampler import Sampler, SamplerState
 from backend.scheduler import StepOutput
+from backend.speculative import Drafter, SpecJob, Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class StepJob:
     copies: StepCopies = field(default_factory=StepCopies)
     static_key: StaticKey | None = None  # a decode step at static shapes (CUDA graphs)
     has_tokens_from_device: bool = False  # some token_source_slot >= 0
+    spec: SpecJob | None = None  # speculative decoding: verify rows, and the draft layer proposes the next drafts
 
 
 class StepHandle:
@@ -103,6 +105,7 @@ class StepExecutor:
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self.sampler = Sampler(model.kernels)
+        self.verifier, self.drafter = Verifier(self.sampler), Drafter(model, kv)
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -148,6 +151,8 @@ class StepExecutor:
             begin.record()
         _use_intra_op_threads(1 if job.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
         self._apply(job.copies.before)
+        if job.spec is not None:
+            return self._speculative_step(job, started), None
         logits, batch = self._forward(job)
         num_rows = len(job.samplers)
         sampled = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling)
@@ -172,6 +177,26 @@ class StepExecutor:
             return output(host.tolist(), begin.elapsed_time(end) / 1e3)
 
         return None, finish
+
+    def _speculative_step(self, job: StepJob, started: float) -> StepOutput:
+        """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py). The
+        host needs the emitted counts before it can place the next step, so this returns when all is done."""
+        batch = job.device_batch
+        logits, streams = self.model.forward(batch, self.kv, return_streams=True)
+        verdict = self.verifier.verify(logits, job.samplers, job.spec.rows)
+        drafting = time.perf_counter()
+        drafts = self.drafter.propose(batch, streams, job.spec, verdict, job.samplers)
+        draft_s = time.perf_counter() - drafting
+        self._apply(job.copies.after)
+        logprobs = verdict.logprobs
+        return StepOutput(
+            [tokens[0] for tokens in verdict.emitted],
+            None if logprobs is None else [lp[0] if lp else None for lp in logprobs],
+            time.perf_counter() - started, row_ends=verdict.row_ends, mask_fill_s=verdict.mask_fill_s,
+            grammar_accept_s=verdict.grammar_accept_s,
+            more_tokens={r: tokens[1:] for r, tokens in enumerate(verdict.emitted) if len(tokens) > 1},
+            more_logprobs={} if logprobs is None else {r: lp[1:] for r, lp in enumerate(logprobs) if lp and len(lp) > 1},
+            drafts=drafts, draft_s=draft_s)
 
     def _forward(self, job: StepJob) -> tuple[torch.Tensor, ForwardBatch]:
         """The step's logits, and the batch they came from (on the device but for a group's)."""

@@ -297,6 +297,9 @@ class Sequence:
     # The prefix cache's digests of its first blocks (backend/memory/prefix_cache.py), kept because its tokens
     # only ever grow: a long prompt is hashed once, not at every chunk.
     block_digests: list[bytes] = field(default_factory=list, repr=False)
+    # Speculative decoding: the draft tokens the last step proposed after its last token (the next decode verifies
+    # them; backend/speculative.py).
+    draft_tokens: list[int] = field(default_factory=list, repr=False)
     # The prompt and the known outputs, grown in place by append_output (never rebuilt).
     token_ids: list[int] = field(init=False, repr=False)
 

@@ -65,16 +65,23 @@ class SamplerState:
         self.generator: torch.Generator | None = None
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
+        # Speculative decoding: the distributions its sampled drafts were drawn from (backend/speculative.py).
+        self.draft_probs: list[torch.Tensor] = []
 
-    def penalize(self, line: torch.Tensor) -> None:
-        """Apply this request's penalties to its logits row [V], in place."""
+    def penalize(self, line: torch.Tensor, pending: list[int] = ()) -> None:
+        """Apply this request's penalties to its logits row [V], in place; `pending`: tokens that precede this
+        position beyond those observed (a verify's drafts before it)."""
         params = self.params
         self._ensure(line)
+        seen, counts = self._seen, self._counts
+        if pending:
+            extra = torch.tensor(pending, dtype=torch.long, device=line.device)
+            seen = seen.clone().index_fill_(0, extra, True)
+            counts = counts.clone().index_add_(0, extra, torch.ones_like(extra))
         if params.repetition_penalty != 1.0:
             r = params.repetition_penalty
-            line.copy_(torch.where(self._seen, torch.where(line > 0, line / r, line * r), line))
+            line.copy_(torch.where(seen, torch.where(line > 0, line / r, line * r), line))
         if params.frequency_penalty or params.presence_penalty:
-            counts = self._counts
             line -= (params.frequency_penalty * counts + params.presence_penalty * (counts > 0)).to(line.dtype)
 
     def observe(self, token: torch.Tensor) -> None:
@@ -90,13 +97,20 @@ class SamplerState:
             self._counts = torch.zeros(line.shape[0], dtype=torch.long, device=line.device)
 
     def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self._generator()).item())
+
+    def uniform(self) -> float:
+        """A draw from U[0, 1) off the request's generator (speculative decoding's acceptance test)."""
+        return float(torch.rand(1, generator=self._generator()))
+
+    def _generator(self) -> torch.Generator:
         if self.generator is None:
             self.generator = torch.Generator()
             if self.params.seed is not None:
                 self.generator.manual_seed(self.params.seed)
             else:
                 self.generator.seed()
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        return self.generator
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

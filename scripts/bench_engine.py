@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.overlap_scheduling)
+    parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                        help="the engine drafts this many tokens per decode with the checkpoint's MTP layer")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
 
@@ -95,7 +97,8 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(checkpoint=args.checkpoint, device=args.device,
                                     max_running_requests=max(args.concurrency),
                                     max_num_batched_tokens=max(8192, max(args.concurrency)),
-                                    enable_prefix_caching=False, overlap_scheduling=args.overlap_scheduling))
+                                    enable_prefix_caching=False, overlap_scheduling=args.overlap_scheduling,
+                                    num_speculative_tokens=args.num_speculative_tokens))
     reference = DeepseekV4ForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval().to(args.device)
     time_engine(engine, prompts(1, 8, engine.vocab_size), 4)  # warm-up
     rows = []
@@ -103,7 +106,10 @@ def main() -> None:
         batch = prompts(c, args.prompt_tokens, engine.vocab_size, args.mixed_lengths)
         engine_decode, engine_e2e = throughput(lambda b, n: time_engine(engine, b, n), batch, args.max_tokens)
         ref_decode, ref_e2e = throughput(lambda b, n: time_reference(reference, b, n), batch, args.max_tokens)
-        rows.append({"concurrency": c, "mixed_lengths": args.mixed_lengths, "engine_tokens_per_s": round(engine_decode, 1),
+        rows.append({"concurrency": c, "mixed_lengths": args.mixed_lengths,
+                     "num_speculative_tokens": args.num_speculative_tokens,
+                     "mean_accepted_length": engine.stats()["mean_accepted_length"],
+                     "engine_tokens_per_s": round(engine_decode, 1),
                      "reference_tokens_per_s": round(ref_decode, 1), "ratio": round(engine_decode / ref_decode, 2),
                      "engine_end_to_end_tokens_per_s": round(engine_e2e, 1),
                      "reference_end_to_end_tokens_per_s": round(ref_e2e, 1),

@@ -56,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.overlap_scheduling,
                         help="schedule step N+1 while step N runs (README 'The host loop')")
+    parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                        help="draft tokens per decode from the checkpoint's MTP layer (README 'Speculative decoding')")
     return parser.parse_args(argv)
 
 
@@ -84,7 +86,8 @@ def main(argv=None) -> None:
                           enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_entries=args.prefix_cache_entries,
                           policy=args.policy, overlap_scheduling=args.overlap_scheduling,
-                          prefix_cache_end_entries=args.prefix_cache_end_entries)
+                          prefix_cache_end_entries=args.prefix_cache_end_entries,
+                          num_speculative_tokens=args.num_speculative_tokens)
     engine = LLMEngine(config)
     try:
         prompts = load_prompts(args, engine.tokenizer)

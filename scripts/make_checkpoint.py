@@ -16,7 +16,8 @@ quantized values: the random weights are drawn, then quantized, and the files ho
 
 The tiny model keeps DeepSeek-V4's structural constants (window 128, compress rates 4 and 128,
 hc_mult 4, 20 Sinkhorn iterations, hash-routed layers first, sqrtsoftplus routing with a correction
-bias, a shared expert, YaRN on the compress rope, and all three attention layer types) with widths
+bias, a shared expert, YaRN on the compress rope, all three attention layer types, and one MTP layer,
+`mtp.0.*`, the draft of speculative decoding, as every published V4 checkpoint has) with widths
 small enough for a CPU to serve it interactively. Weights are random but deterministic: each
 tensor's generator is seeded from its name, so the same command always writes the same bytes.
 Router and indexer weights are initialised large enough that their scores do not tie, and the hash
@@ -37,6 +38,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backend.model.checkpoint import draft_layer_shapes  # noqa: E402
+from backend.model.config import parse_model_config  # noqa: E402
 from backend.model.quantization import FP8_LINEARS, quantize_fp8, quantize_mxfp4  # noqa: E402
 from backend.model.weight_names import original_name  # noqa: E402
 
@@ -173,12 +176,17 @@ def make_config(flash_shaped: bool = False, **overrides):
 
 
 def parameter_shapes(config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes of every saved tensor, read off the reference on the meta device."""
+    """Names, shapes and dtypes of every saved tensor, read off the reference on the meta device, and the
+    `num_nextn_predict_layers` MTP layers, which the reference does not build (backend/model/checkpoint.py)."""
     from transformers import DeepseekV4ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(config)
-    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    ours = parse_model_config(config.to_dict())
+    for j in range(ours.num_nextn_predict_layers):
+        shapes.update({name: (shape, torch.float32) for name, shape in draft_layer_shapes(ours, j).items()})
+    return shapes
 
 
 def write_checkpoint(out: Path, flash_shaped: bool = False, seed: int = 0, shard_bytes: int = 4 * 2**30,

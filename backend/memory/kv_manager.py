@@ -87,20 +87,27 @@ class KVCacheManager:
     def __init__(self, model: ModelConfig, *, num_tokens: int, swa_full_tokens_ratio: float, page_size: int,
                  max_running_requests: int, dtype: torch.dtype, device: str | torch.device,
                  max_step_tokens: int | None = None, kv_cache_dtype: torch.dtype | str | None = None,
-                 state_dtype: torch.dtype | None = None):
+                 state_dtype: torch.dtype | None = None, draft_layers: int = 0, speculative_tokens: int = 0):
         """`max_step_tokens`: the most tokens one request computes in a step (bounds a window run's length,
         hence the window table's width; None: the whole window pool). `kv_cache_dtype`: what the paged pools
         store, a float dtype (None: `dtype`) or "fp8", DeepSeek's byte layout (uint8 pools:
         kernels/quant_formats.py). `state_dtype`: the compressor rings' (None: `dtype`; numerics=deepseek keeps
-        them in fp32, as DeepSeek's compressors run)."""
+        them in fp32, as DeepSeek's compressors run). `draft_layers`: the checkpoint's MTP layers served as
+        speculative drafts (sliding-window layers: a layer more in the window pool each). `speculative_tokens` (k):
+        a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the window's lookahead), and
+        every compressor ring keeps k positions more than its windows read, so that the ring writes of rejected
+        draft positions only ever overwrite positions no continuation reads: rolling a request back is moving its
+        position, never a copy (backend/speculative.py)."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
         entry, index_key, pool_dtype = _entry_widths(model, kv_cache_dtype or dtype)
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
-        self.window_pool = WindowPool(model.num_hidden_layers, window_pages, page_size, entry,
-                                      model.sliding_window, pool_dtype, device)
+        self.num_main_layers, self.speculative_tokens = model.num_hidden_layers, speculative_tokens
+        self.window_pool = WindowPool(model.num_hidden_layers + draft_layers, window_pages, page_size, entry,
+                                      model.sliding_window, pool_dtype, device,
+                                      decode_lookahead=max(0, 2 * speculative_tokens - 1))
         self.compressed_pools: dict[str, CompressedPool] = {}
         if csa_layers:
             self.compressed_pools["csa"] = CompressedPool(
@@ -110,14 +117,15 @@ class KVCacheManager:
             self.compressed_pools["hca"] = CompressedPool(
                 "hca", model.hca_rate, hca_layers, _pages(num_tokens // model.hca_rate, page_size, max_running_requests),
                 page_size, {"kv": entry}, pool_dtype, device)
+        slack = speculative_tokens  # ring positions beyond the windows' span (see above)
         self._state_rings = {
-            "csa": (csa_layers, 2 * model.csa_rate, 2 * model.head_dim),
-            "indexer": (csa_layers, 2 * model.csa_rate, 2 * model.index_head_dim),
-            "hca": (hca_layers, model.hca_rate, model.head_dim),
+            "csa": (csa_layers, 2 * model.csa_rate + slack, 2 * model.head_dim),
+            "indexer": (csa_layers, 2 * model.csa_rate + slack, 2 * model.index_head_dim),
+            "hca": (hca_layers, model.hca_rate + slack, model.head_dim),
         }
         self.state_pool = CompressorStatePool(max_running_requests, self._state_rings, state_dtype or dtype, device)
         self._pools: list[PagedPool] = [self.window_pool, *self.compressed_pools.values()]
-        self._layers = [self._layer_memory(i) for i in range(model.num_hidden_layers)]
+        self._layers = [self._layer_memory(i) for i in range(self.window_pool.num_layers)]
         self._live: set[RequestPages] = set()  # handles holding anything, for check()
         self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
         rows = max_running_requests + 1  # a row per slot, and the scratch slot's (padding rows)
@@ -152,7 +160,7 @@ class KVCacheManager:
         self.state_pool = CompressorStatePool(old.allocator.num_pages, self._state_rings, old.dtype, old.device,
                                               num_spare=max_end_entries, num_light_spare=max_entries - max_end_entries,
                                               light_streams=self._streams_read_at(block_tokens))
-        self._layers = [self._layer_memory(i) for i in range(self.model.num_hidden_layers)]
+        self._layers = [self._layer_memory(i) for i in range(self.window_pool.num_layers)]
         self.prefix_cache = PrefixCache(self, block_tokens, max_entries)
 
     def _streams_read_at(self, block_tokens: int) -> frozenset[str]:
@@ -172,9 +180,15 @@ class KVCacheManager:
             self._write_table(name, pages.slot, run, 0)
 
     # --- the model's interface ---------------------------------------------------------------------
+    def ring_length(self, stream: str) -> int:
+        """Positions a compressor ring of `stream` ("csa", "indexer", "hca") keeps."""
+        return self._state_rings[stream][1]
+
     def _layer_memory(self, i: int) -> LayerMemory:
-        layer_type = self.model.layer_types[i]
         memory = LayerMemory(window_kv=self.window_pool.kv[i])
+        if i >= self.num_main_layers:  # a draft (MTP) layer: sliding window only
+            return memory
+        layer_type = self.model.layer_types[i]
         kind = {CSA: "csa", HCA: "hca"}.get(layer_type)
         if kind is None:
             return memory
@@ -315,7 +329,8 @@ class KVCacheManager:
         if self.window_pool.pages_per_running_request() > self.window_pool.num_pages:
             return 0  # one-token chunks need the window plus one page
         limits = [pool.positions_held() + pool.compress_rate - 1 for pool in self.compressed_pools.values()]
-        return min(limits + [self.model.max_position_embeddings])
+        # Speculative decoding: the last verify step's draft chain may reach k - 1 positions past the request's end.
+        return max(0, min(limits + [self.model.max_position_embeddings]) - max(0, self.speculative_tokens - 1))
 
     def derived_prefill_chunk_tokens(self, max_running_requests: int) -> int:
         """Chunk budget from the window pool, as in the seed bug report's engine.

@@ -15,9 +15,12 @@ from backend.memory.paged_pool import PagedPool, PageRun
 
 class WindowPool(PagedPool):
     def __init__(self, num_layers: int, num_pages: int, page_size: int, head_dim: int, window: int,
-                 dtype: torch.dtype, device: str | torch.device):
+                 dtype: torch.dtype, device: str | torch.device, decode_lookahead: int = 0):
+        """`decode_lookahead`: positions a decoding request holds beyond its next one (speculative decoding: the
+        draft tokens a verify step computes and the positions the draft layer's chain writes)."""
         super().__init__("window", num_layers, num_pages, page_size, {"kv": head_dim}, dtype, device)
         self.window = window
+        self.decode_lookahead = decode_lookahead
 
     @property
     def kv(self) -> torch.Tensor:
@@ -37,5 +40,5 @@ class WindowPool(PagedPool):
             self.release_before(run, first)
 
     def pages_per_running_request(self) -> int:
-        """Pages a decoding request holds at most: its window may straddle one more page."""
-        return -(-self.window // self.page_size) + 1
+        """Pages a decoding request holds at most: its window (and lookahead) may straddle one more page."""
+        return -(-(self.window + self.decode_lookahead) // self.page_size) + 1

@@ -6,7 +6,7 @@ detected from its tensor names. It streams shard by shard: each tensor goes from
 file to its engine tensor (on the target device and dtype) before the next is read, so host memory
 peaks at about the model plus one tensor, never two copies of the model. FP8 and MXFP4 weights
 (backend/model/quantization.py) are dequantized on the way — exactly, into the engine dtype. The
-`mtp.*` draft layer is skipped (one log line). Every tensor is checked against the shape the config
+`mtp.*` draft layer is read only when speculative decoding serves it (`draft_layers`), else skipped. Every tensor is checked against the shape the config
 implies: a missing, unexpected, misshaped or mistyped tensor raises `CheckpointError` naming the
 file, the tensor, and what was expected and found.
 
@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backend.model.config import CSA, HCA, ModelConfig
+from backend.model.config import CSA, HCA, SLIDING, ModelConfig
 from backend.model.quantization import (FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4,
                                         fp8_block_shape, scale_to_float)
-from backend.model.weight_names import Target, detect_layout, engine_target, is_draft_layer
+from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target
 from backend.parallel.layout import ParallelLayout, Shard
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
@@ -45,16 +45,17 @@ logger = logging.getLogger(__name__)
 
 # Parameters the reference keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict).
 _FP32_MARKERS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias",
-                 "q_a_norm.", "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.")
+                 "q_a_norm.", "kv_norm.", "input_layernorm.", "post_attention_layernorm.", "model.norm.",
+                 ".enorm.", ".hnorm.", ".norm.")  # (the last three: the MTP layers' norms)
 
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, or a tensor is missing, misshaped or of an unsupported dtype."""
 
 
-def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, n, heads, dh, q = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim, c.q_lora_rank
-    e, inter = c.n_routed_experts, c.moe_intermediate_size
+def expected_shapes(c: ModelConfig, draft_layers: int = 0) -> dict[str, tuple[int, ...]]:
+    """The engine's tensors and their shapes; with `draft_layers`, those of the first MTP layers too."""
+    d, n = c.hidden_size, c.hc_mult
     shapes = {
         "model.embed_tokens.weight": (c.vocab_size, d),
         "lm_head.weight": (c.vocab_size, d),
@@ -64,43 +65,64 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         "model.hc_head.hc_scale": (1,),
     }
     for i, layer_type in enumerate(c.layer_types):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.sinks": (heads,),
-            p + "self_attn.q_a_proj.weight": (q, d),
-            p + "self_attn.q_a_norm.weight": (q,),
-            p + "self_attn.q_b_proj.weight": (heads * dh, q),
-            p + "self_attn.kv_proj.weight": (dh, d),
-            p + "self_attn.kv_norm.weight": (dh,),
-            p + "self_attn.o_a_proj.weight": (c.o_groups * c.o_lora_rank, heads * dh // c.o_groups),
-            p + "self_attn.o_b_proj.weight": (d, c.o_groups * c.o_lora_rank),
-            p + "mlp.gate.weight": (e, d),
-            p + "mlp.experts.gate_up_proj": (e, 2 * inter, d),
-            p + "mlp.experts.down_proj": (e, d, inter),
-            p + "mlp.shared_experts.gate_proj.weight": (inter, d),
-            p + "mlp.shared_experts.up_proj.weight": (inter, d),
-            p + "mlp.shared_experts.down_proj.weight": (d, inter),
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-        })
-        for hc in ("attn_hc", "ffn_hc"):
-            shapes.update({p + f"{hc}.fn": ((2 + n) * n, n * d), p + f"{hc}.base": ((2 + n) * n,), p + f"{hc}.scale": (3,)})
-        if c.mlp_layer_types[i] == "hash_moe":
-            shapes[p + "mlp.gate.tid2eid"] = (c.vocab_size, c.num_experts_per_tok)
-        else:
-            shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
-        cp = p + "self_attn.compressor."
-        if layer_type == HCA:
-            shapes.update({cp + "position_bias": (c.hca_rate, dh), cp + "kv_proj.weight": (dh, d),
-                           cp + "gate_proj.weight": (dh, d), cp + "kv_norm.weight": (dh,)})
-        elif layer_type == CSA:
-            di, hi = c.index_head_dim, c.index_n_heads
-            shapes.update({cp + "position_bias": (c.csa_rate, 2 * dh), cp + "kv_proj.weight": (2 * dh, d),
-                           cp + "gate_proj.weight": (2 * dh, d), cp + "kv_norm.weight": (dh,)})
-            ip = cp + "indexer."
-            shapes.update({ip + "position_bias": (c.csa_rate, 2 * di), ip + "kv_proj.weight": (2 * di, d),
-                           ip + "gate_proj.weight": (2 * di, d), ip + "kv_norm.weight": (di,),
-                           ip + "q_b_proj.weight": (hi * di, q), ip + "scorer.weights_proj.weight": (hi, d)})
+        shapes.update(_block_shapes(c, f"model.layers.{i}.", layer_type, c.mlp_layer_types[i]))
+    for j in range(draft_layers):
+        shapes.update(draft_layer_shapes(c, j))
+    return shapes
+
+
+def draft_layer_shapes(c: ModelConfig, j: int) -> dict[str, tuple[int, ...]]:
+    """MTP layer j (`mtp.j.*`; DeepSeek's MTPBlock): a sliding-window block with top-k routing, plus the projections
+    of the next token's embedding (e_proj, after enorm) and of the main model's residual streams (h_proj, after
+    hnorm, per stream), its own hyper-head and final norm; the embedding and the LM head are the main model's."""
+    d, n, p = c.hidden_size, c.hc_mult, f"model.mtp.{j}."
+    shapes = _block_shapes(c, p, SLIDING, "moe")
+    shapes.update({p + "e_proj.weight": (d, d), p + "h_proj.weight": (d, d), p + "enorm.weight": (d,),
+                   p + "hnorm.weight": (d,), p + "norm.weight": (d,), p + "hc_head.hc_fn": (n, n * d),
+                   p + "hc_head.hc_base": (n,), p + "hc_head.hc_scale": (1,)})
+    return shapes
+
+
+def _block_shapes(c: ModelConfig, p: str, layer_type: str, mlp_type: str) -> dict[str, tuple[int, ...]]:
+    """One decoder block's tensors under prefix `p`."""
+    d, n, heads, dh, q = c.hidden_size, c.hc_mult, c.num_attention_heads, c.head_dim, c.q_lora_rank
+    e, inter = c.n_routed_experts, c.moe_intermediate_size
+    shapes = {
+        p + "self_attn.sinks": (heads,),
+        p + "self_attn.q_a_proj.weight": (q, d),
+        p + "self_attn.q_a_norm.weight": (q,),
+        p + "self_attn.q_b_proj.weight": (heads * dh, q),
+        p + "self_attn.kv_proj.weight": (dh, d),
+        p + "self_attn.kv_norm.weight": (dh,),
+        p + "self_attn.o_a_proj.weight": (c.o_groups * c.o_lora_rank, heads * dh // c.o_groups),
+        p + "self_attn.o_b_proj.weight": (d, c.o_groups * c.o_lora_rank),
+        p + "mlp.gate.weight": (e, d),
+        p + "mlp.experts.gate_up_proj": (e, 2 * inter, d),
+        p + "mlp.experts.down_proj": (e, d, inter),
+        p + "mlp.shared_experts.gate_proj.weight": (inter, d),
+        p + "mlp.shared_experts.up_proj.weight": (inter, d),
+        p + "mlp.shared_experts.down_proj.weight": (d, inter),
+        p + "input_layernorm.weight": (d,),
+        p + "post_attention_layernorm.weight": (d,),
+    }
+    for hc in ("attn_hc", "ffn_hc"):
+        shapes.update({p + f"{hc}.fn": ((2 + n) * n, n * d), p + f"{hc}.base": ((2 + n) * n,), p + f"{hc}.scale": (3,)})
+    if mlp_type == "hash_moe":
+        shapes[p + "mlp.gate.tid2eid"] = (c.vocab_size, c.num_experts_per_tok)
+    else:
+        shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
+    cp = p + "self_attn.compressor."
+    if layer_type == HCA:
+        shapes.update({cp + "position_bias": (c.hca_rate, dh), cp + "kv_proj.weight": (dh, d),
+                       cp + "gate_proj.weight": (dh, d), cp + "kv_norm.weight": (dh,)})
+    elif layer_type == CSA:
+        di, hi = c.index_head_dim, c.index_n_heads
+        shapes.update({cp + "position_bias": (c.csa_rate, 2 * dh), cp + "kv_proj.weight": (2 * dh, d),
+                       cp + "gate_proj.weight": (2 * dh, d), cp + "kv_norm.weight": (dh,)})
+        ip = cp + "indexer."
+        shapes.update({ip + "position_bias": (c.csa_rate, 2 * di), ip + "kv_proj.weight": (2 * di, d),
+                       ip + "gate_proj.weight": (2 * di, d), ip + "kv_norm.weight": (di,),
+                       ip + "q_b_proj.weight": (hi * di, q), ip + "scorer.weights_proj.weight": (hi, d)})
     return shapes
 
 
@@ -121,9 +143,11 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
 
 
 def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype, device,
-                 weight_format: str = "dequantize", layout: ParallelLayout | None = None) -> dict[str, torch.Tensor]:
+                 weight_format: str = "dequantize", layout: ParallelLayout | None = None,
+                 draft_layers: int = 0) -> dict[str, torch.Tensor]:
     """The engine's tensors (names of backend/model/checkpoint.expected_shapes) from `checkpoint`: this rank's
-    parts of them under `layout` (backend/parallel/layout.py; None: one rank holds everything)."""
+    parts of them under `layout` (backend/parallel/layout.py; None: one rank holds everything). `draft_layers`: how
+    many of the checkpoint's MTP layers to load (speculative decoding); the others are skipped."""
     from tqdm import tqdm
 
     checkpoint, parallel = Path(checkpoint), layout
@@ -134,8 +158,8 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
         raise CheckpointError(f"{checkpoint}: {exc}") from None
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-    loader = _Loader(expected_shapes(config), layout, dtype, device, files, keep_quantized=weight_format == "fp8",
-                     parallel=parallel or ParallelLayout())
+    loader = _Loader(expected_shapes(config, draft_layers), layout, dtype, device, files,
+                     keep_quantized=weight_format == "fp8", parallel=parallel or ParallelLayout())
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -151,7 +175,7 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
                     bar.update()
     weights = loader.finish(checkpoint)
     logger.info("loaded %s (%s layout): %d tensors%s", checkpoint, layout, len(weights),
-                f"; skipped the {loader.num_draft} tensors of the mtp.* draft layer" if loader.num_draft else "")
+                f"; skipped the {loader.num_draft} tensors of mtp.* draft layers not served" if loader.num_draft else "")
     return weights
 
 
@@ -169,8 +193,8 @@ class _Loader:
         self.num_draft = 0
 
     def take(self, name: str, f, path: Path) -> None:
-        if is_draft_layer(name):
-            self.num_draft += 1
+        if draft_layer_index(name) is not None and engine_target(name, self.layout).name not in self.shapes:
+            self.num_draft += 1  # an MTP layer not served
             return
         if self._is_scale_of_a_weight(name):
             return  # read with its weight

@@ -56,14 +56,16 @@ class CompressionPlan:
 
 
 def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets, row_slots, device,
-               snapshots: list[tuple[int, int, int]] = ()) -> CompressionPlan:
+               snapshots: list[tuple[int, int, int]] = (), ring: int | None = None) -> CompressionPlan:
     """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot), as lists or
-    long tensors; snapshots are (row, position P, slot): the ring as it stands at P, written into that slot.
+    long tensors; snapshots are (row, position P, slot): the ring as it stands at P, written into that slot. `ring`:
+    the positions a ring keeps (default: the span of a window, 2 * rate with overlap; speculative decoding keeps
+    more, KVCacheManager.ring_length).
 
     Vectorised over rows (a constant number of tensor ops whatever the batch size).
     """
-    ring = 2 * rate if overlap else rate
-    span = ring
+    span = 2 * rate if overlap else rate
+    ring = ring or span
     start, length = torch.as_tensor(row_starts), torch.as_tensor(row_lens)
     offset, slot = torch.as_tensor(row_token_offsets), torch.as_tensor(row_slots)
     rows = torch.arange(len(start))
@@ -104,10 +106,12 @@ def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets
     )
 
 
-def build_decode_plan(rate: int, overlap: bool, row_starts: torch.Tensor, row_slots: torch.Tensor) -> CompressionPlan:
+def build_decode_plan(rate: int, overlap: bool, row_starts: torch.Tensor, row_slots: torch.Tensor,
+                      ring: int | None = None) -> CompressionPlan:
     """build_plan for a batch of single-token rows (row b's token at batch offset b, no snapshots): the same plan,
     in a third of the tensor ops (a decode step's host time does not grow with its batch's Python)."""
-    ring = 2 * rate if overlap else rate
+    span = 2 * rate if overlap else rate
+    ring = ring or span
     start, slot = row_starts, row_slots
     num_rows = len(start)
     rows = torch.arange(num_rows)
@@ -115,7 +119,7 @@ def build_decode_plan(rate: int, overlap: bool, row_starts: torch.Tensor, row_sl
     entry_row = rows[closes]
     entry_index = (start[closes] + 1) // rate - 1
     lo = (entry_index - 1) * rate if overlap else entry_index * rate
-    positions = lo[:, None] + torch.arange(ring)[None, :]  # [N, span]: the window's last is the row's token
+    positions = lo[:, None] + torch.arange(span)[None, :]  # [N, span]: the window's last is the row's token
     source = positions.clamp(min=0)  # (positions before 0 are invalid, read from anywhere)
     from_ring = entry_row[:, None] * ring + (source - (start[closes, None] - ring))
     entry_src = torch.where(source < start[closes, None], from_ring, num_rows * ring + entry_row[:, None])

@@ -68,13 +68,19 @@ class DeepseekV4Model:
         self.dtype = dtype
         self.kernels = kernels or KernelDispatch()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
-        layers = range(config.num_hidden_layers)
+        # The blocks: the main layers, then the MTP layers loaded (speculative decoding's drafts, DeepSeek's
+        # MTPBlock: sliding-window attention, top-k routing), numbered on as the window pool numbers them.
+        self.num_draft_layers = sum(1 for name in weights if name.startswith("model.mtp.") and
+                                    name.endswith(".e_proj.weight"))
+        mains = range(config.num_hidden_layers)
+        self.prefixes = [f"model.layers.{i}." for i in mains] + [f"model.mtp.{j}." for j in range(self.num_draft_layers)]
+        self.layer_types = config.layer_types + [SLIDING] * self.num_draft_layers
+        self.mlp_types = config.mlp_layer_types + ["moe"] * self.num_draft_layers
         quantized_input = QUANTIZED_ATTENTION_INPUT if self.quantize_activations else frozenset()
         fp32_input = FP32_ATTENTION_INPUT if self.deepseek_numerics else frozenset()  # DeepSeek's fp32 compressors
-        self.attention_input = [fuse_projections(weights, f"model.layers.{i}.", ATTENTION_INPUT, quantized_input,
-                                                 fp32_input) for i in layers]
-        self.shared_expert_input = [fuse_projections(weights, f"model.layers.{i}.", SHARED_EXPERT_INPUT)
-                                    for i in layers]
+        self.attention_input = [fuse_projections(weights, p, ATTENTION_INPUT, quantized_input, fp32_input)
+                                for p in self.prefixes]
+        self.shared_expert_input = [fuse_projections(weights, p, SHARED_EXPERT_INPUT) for p in self.prefixes]
         self.hc = dict(hc_mult=config.hc_mult, eps=config.rms_norm_eps, hc_eps=config.hc_eps,
                        sinkhorn_iters=config.hc_sinkhorn_iters)
         # Optional debug hook: called with (layer, batch, scores, indices) at every CSA indexer.
@@ -82,8 +88,9 @@ class DeepseekV4Model:
 
     # --- the whole model --------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCacheManager) -> torch.Tensor:
-        """Logits [R, vocab] (fp32) at `batch.logits_token_index`."""
+    def forward(self, batch: ForwardBatch, kv: KVCacheManager, return_streams: bool = False):
+        """Logits [R, vocab] (fp32) at `batch.logits_token_index`; with `return_streams`, (logits, the last layer's
+        residual streams [T, N, D] before the hyper-head: what the MTP layer drafts from)."""
         c, w, k = self.config, self.w, self.kernels
         hidden = w["model.embed_tokens.weight"][batch.input_ids]  # [T, D]
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, D]
@@ -95,15 +102,42 @@ class DeepseekV4Model:
             entry_rope[stream] = shared or self.rotary["compress"].cos_sin(plan.entry_pos, self.dtype)
         for i in range(c.num_hidden_layers):
             streams = self._layer(i, streams, batch, kv, rope, entry_rope)
-        last = streams[batch.logits_token_index]
-        last = k.hc_head(last, w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"],
-                         eps=c.rms_norm_eps, hc_eps=c.hc_eps, norm_weight=w["model.norm.weight"])
+        logits = self._logits(streams[batch.logits_token_index], "model.")
+        return (logits, streams) if return_streams else logits
+
+    @torch.inference_mode()
+    def draft(self, batch: ForwardBatch, kv: KVCacheManager, hidden: torch.Tensor, logits_index: torch.Tensor,
+              j: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer j over `batch` (its input ids: each position's *next* token) and `hidden` [T, N, D] (the main
+        model's residual streams at the same positions, or the draft's own for a chained draft), as DeepSeek's
+        MTPBlock: x = e_proj(enorm(embed(next token))) + h_proj(hnorm(h)) on each stream, one sliding-window block
+        (its own window in the window pool), its hyper-head and norm, the shared LM head. Returns (logits [R, vocab]
+        at `logits_index`, its residual streams [T, N, D]: the hidden a chained draft continues from)."""
+        c, w, k, p = self.config, self.w, self.kernels, f"model.mtp.{j}."
+        eps = c.rms_norm_eps
+        embedded = k.norm_rope(w["model.embed_tokens.weight"][batch.input_ids], w[p + "enorm.weight"], eps)
+        normed = k.norm_rope(hidden.to(self.dtype), w[p + "hnorm.weight"], eps)  # each stream normed on its own
+        x = (self._quantized_linear(embedded, w[p + "e_proj.weight"]).unsqueeze(1)
+             + self._quantized_linear(normed.flatten(0, 1), w[p + "h_proj.weight"]).view(hidden.shape))
+        rope = {"main": self.rotary["main"].cos_sin(batch.positions, self.dtype)}
+        streams = self._layer(c.num_hidden_layers + j, x, batch, kv, rope, {})
+        if logits_index.numel() == 0:  # (a pass that only fills the draft layer's window)
+            return streams.new_empty((0, c.vocab_size), dtype=torch.float32), streams
+        return self._logits(streams[logits_index], p), streams
+
+    def _logits(self, last: torch.Tensor, prefix: str) -> torch.Tensor:
+        """The hyper-head, the final norm and the LM head over the streams [R, N, D] of the rows that want logits
+        (`prefix`: the main model's, "model.", or an MTP layer's own hyper-head and norm; the LM head is shared)."""
+        c, w = self.config, self.w
+        last = self.kernels.hc_head(last, w[prefix + "hc_head.hc_fn"], w[prefix + "hc_head.hc_base"],
+                                    w[prefix + "hc_head.hc_scale"], eps=c.rms_norm_eps, hc_eps=c.hc_eps,
+                                    norm_weight=w[prefix + "norm.weight"])
         head = w["lm_head.weight"]
         logits = (F.linear(last.float(), head.float()) if self.deepseek_numerics else F.linear(last, head).float())
         return self.comm.all_gather_last(logits) if self.layout.world_size > 1 else logits  # vocabulary-parallel
 
     def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
-        k, w, p = self.kernels, self.w, f"model.layers.{i}."
+        k, w, p = self.kernels, self.w, self.prefixes[i]
         post, comb, x = k.hc_collapse(streams, w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"],
                                       w[p + "input_layernorm.weight"], **self.hc)
         mix = dict(fp32_mix=self.deepseek_numerics)  # DeepSeek's hc_post: the mix in fp32, rounded once
@@ -121,8 +155,8 @@ class DeepseekV4Model:
     # --- attention --------------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope,
                    entry_rope) -> torch.Tensor:
-        c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.self_attn."
-        layer_type = c.layer_types[i]
+        c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "self_attn."
+        layer_type = self.layer_types[i]
         cos, sin = rope["main" if layer_type == SLIDING else "compress"]
         num_tokens, eps = x.shape[0], c.rms_norm_eps
 
@@ -159,7 +193,7 @@ class DeepseekV4Model:
             window[batch.window_write_index] = simulate_kv_fp8(window[batch.window_write_index], c.qk_rope_head_dim)
 
     def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        c, p, g = self.config, f"model.layers.{i}.self_attn.", self.local_groups
+        c, p, g = self.config, self.prefixes[i] + "self_attn.", self.local_groups
         groups = out.view(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H*Dh/G] (this rank's groups)
         w_a = self.w[p + "o_a_proj.weight"].view(g, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
         grouped = torch.bmm(groups, w_a.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)  # [T, G*R]
@@ -216,10 +250,10 @@ class DeepseekV4Model:
     # --- mixture of experts -------------------------------------------------------------------------
     def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
-        c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.mlp."
+        c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
         gate = w[p + "gate.weight"]
         router_logits = F.linear(x.float(), gate.float()) if self.deepseek_numerics else k.linear(x, gate)
-        if c.mlp_layer_types[i] == "hash_moe":
+        if self.mlp_types[i] == "hash_moe":
             ids, weights = k.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
         else:
             ids, weights = k.route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,

@@ -38,6 +38,7 @@ class BatchRow:
     # (prefix caching, backend/memory/prefix_cache.py)
     snapshots: tuple[tuple[int, int], ...] = ()
     from_previous_step: bool = False  # its one token is the one the step in flight samples for this request
+    num_logits: int = 1  # with want_logits, the row's last tokens that want logits (a verify: all of them)
 
 
 @dataclass
@@ -85,7 +86,7 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     slots = torch.tensor([row.pages.slot for row in rows] + [scratch_slot] * num_pad)
     starts = torch.tensor([row.start_pos for row in rows] + [0] * num_pad)
     lens = torch.tensor([len(row.token_ids) for row in rows] + [1] * num_pad)
-    want_logits = torch.tensor([row.want_logits for row in rows] + [True] * num_pad)
+    num_logits = torch.tensor([row.num_logits if row.want_logits else 0 for row in rows] + [1] * num_pad)
     from_previous = torch.tensor([row.from_previous_step for row in rows] + [False] * num_pad)
     snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
                  for position, slot in row.snapshots]
@@ -120,14 +121,14 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     plans = {}
     model = kv.model
     if len(ids) == len(lens):  # one token a row (decodes): no snapshot is inside a chunk
-        make_plan = lambda rate, overlap: build_decode_plan(rate, overlap, starts, slots)  # noqa: E731
+        make_plan = lambda rate, overlap, ring: build_decode_plan(rate, overlap, starts, slots, ring)  # noqa: E731
     else:
-        make_plan = lambda rate, overlap: build_plan(rate, overlap, starts, lens, offsets, slots,  # noqa: E731
-                                                     "cpu", snapshots)
-    if kv.has_pool("csa"):
-        plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True)
+        make_plan = lambda rate, overlap, ring: build_plan(rate, overlap, starts, lens, offsets,  # noqa: E731
+                                                           slots, "cpu", snapshots, ring)
+    if kv.has_pool("csa"):  # (the indexer's ring is as long as the CSA one's: one plan)
+        plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))
     if kv.has_pool("hca"):
-        plans["hca"] = make_plan(model.hca_rate, False)
+        plans["hca"] = make_plan(model.hca_rate, False, kv.ring_length("hca"))
     if static:  # a decode row closes at most one window per compressor: exactly `rows` entries
         padded = {id(plan): pad_plan(plan, pad_to.rows) for plan in plans.values()}
         plans = {stream: padded[id(plan)] for stream, plan in plans.items()}
@@ -138,8 +139,8 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
         token_seq=token_seq,
         # a row whose token the step before samples (one token): read from the device by its slot
         token_source_slot=torch.where(from_previous, slots, -1)[token_seq],
-        logits_token_index=(offsets + lens - 1)[want_logits],
-        logits_slot=slots[want_logits],
+        logits_token_index=_last_tokens(offsets + lens, num_logits),
+        logits_slot=torch.repeat_interleave(slots, num_logits),
         window_write_index=write_index,
         window_block_table=window_table,
         window_first_page=window_first,
@@ -148,3 +149,12 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
         max_entries=max_entries,
     )
     return batch if torch.device(device).type == "cpu" else batch.to(device)
+
+
+def _last_tokens(row_ends: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Batch indices of the last counts[r] tokens of each row r (rows end at row_ends), row after row."""
+    if bool((counts <= 1).all()):  # (every row one or none: the common case, without the expansion)
+        return (row_ends - 1)[counts == 1]
+    row = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    rank = torch.arange(len(row)) - (torch.cumsum(counts, 0) - counts)[row]
+    return row_ends[row] - counts[row] + rank

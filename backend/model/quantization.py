@@ -24,7 +24,7 @@ from kernels.quant_formats import (E4M3_MAX, FP4_VALUES, FP8_BLOCK, MXFP4_BLOCK,
 # Engine tensors DeepSeek stores in FP8 (`<name>.weight` + `<name>.scale`); routed experts by expert_dtype.
 FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
                "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
-               "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
+               "shared_experts.up_proj.weight", "shared_experts.down_proj.weight", ".e_proj.weight", ".h_proj.weight")
 
 
 # --- writing (scripts/make_checkpoint.py, tests) ------------------------------------------------------

@@ -3,7 +3,8 @@
 Three layouts are read, told apart by their tensor names (never by a flag the user must know):
 - `deepseek`: DeepSeek's published layout (V4-Flash, V4-Flash-Base, V4-Pro): `embed.weight`,
   `layers.i.attn.wq_a.weight`, `layers.i.ffn.experts.E.w1.weight`, ... (no `model.` prefix), with
-  FP8/MXFP4 weights beside `.scale` tensors and the `mtp.*` draft layer;
+  FP8/MXFP4 weights beside `.scale` tensors and the `mtp.*` draft layer (`mtp.0.e_proj`, `mtp.0.attn.wq_a`, ...:
+  a layer's names plus e_proj/h_proj/enorm/hnorm/norm and hc_head_*; the engine's `model.mtp.0.*`);
 - `transformers`: what `DeepseekV4ForCausalLM.save_pretrained` (transformers 5.23) writes: it
   reverses the renames below on the module names, so the names are the original ones with
   `model.` in front of all but `head.weight` — except where a reverse rename cannot apply
@@ -49,7 +50,10 @@ _RENAMES = [(re.compile(p), r) for p, r in (
     (r"\.attn_sink", ".sinks"),
     (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
     (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."),
+    (r"(?<!^mtp\.\d)\.norm\.", ".kv_norm."),  # (an MTP layer's own final norm, `mtp.j.norm`, keeps its name)
+    (r"\.hc_head_fn$", ".hc_head.hc_fn"),  # an MTP layer's hyper-head (the model's are anchored above)
+    (r"\.hc_head_base$", ".hc_head.hc_base"),
+    (r"\.hc_head_scale$", ".hc_head.hc_scale"),
     (r"\.ape", ".position_bias"),
     (r"\.wq_a\.", ".q_a_proj."),
     (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
@@ -64,7 +68,7 @@ _RENAMES = [(re.compile(p), r) for p, r in (
     (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
 )]
 _EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
-_DRAFT_LAYER = re.compile(r"^(model\.)?mtp\.")
+_DRAFT_LAYER = re.compile(r"^(model\.)?mtp\.(\d+)\.")
 # save_pretrained's reverse of `.norm.` -> `.kv_norm.` on module names (the final `model.norm` has no such parent)
 _HF_MODULES_KV_NORM = re.compile(r"\.(self_attn|compressor|indexer)\.norm\.")
 
@@ -92,9 +96,10 @@ def detect_layout(names: Iterable[str]) -> str:
     return "transformers"
 
 
-def is_draft_layer(name: str) -> bool:
-    """The multi-token-prediction layer (`mtp.*`): a speculative-decoding draft, not used by the engine."""
-    return bool(_DRAFT_LAYER.match(name))
+def draft_layer_index(name: str) -> int | None:
+    """j for a tensor of multi-token-prediction layer j (`mtp.j.*`, the speculative-decoding draft), else None."""
+    match = _DRAFT_LAYER.match(name)
+    return int(match[2]) if match else None
 
 
 def engine_target(name: str, layout: str) -> Target:

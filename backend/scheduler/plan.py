@@ -26,6 +26,10 @@ class ScheduledChunk:
     epoch: int = 0
     # block boundaries in (start, end] whose state the step keeps (prefix caching; ReservedSnapshot)
     snapshots: list = field(default_factory=list)
+    # Speculative decoding: a decode that verifies these draft tokens (its chunk: the last token, then them), and
+    # the positions from `start` its pages were allocated for (the verify's, and the draft chain's after it).
+    drafts: tuple[int, ...] = ()
+    allocated: int = 0
 
     @property
     def end(self) -> int:
@@ -86,14 +90,29 @@ class StepOutput:
     row_ends: dict[int, str | None] = field(default_factory=dict)
     mask_fill_s: float = 0.0  # filling the constrained rows' token masks (host time, beside the forward)
     grammar_accept_s: float = 0.0  # advancing their grammars by the sampled tokens (host time, after sampling)
+    # Speculative decoding (backend/speculative.py), by sampling row: the tokens a verify row emits after its first
+    # (`tokens[row]`): its accepted drafts' successors; their log-probabilities; the drafts for the row's next step.
+    more_tokens: dict[int, list[int]] = field(default_factory=dict)
+    more_logprobs: dict[int, list] = field(default_factory=dict)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    draft_s: float = 0.0  # the draft layer's forwards (inside duration_s)
+
+    def row_tokens(self, row: int) -> list[int]:
+        """Every token sampling row `row` emitted, in order."""
+        return [self.tokens[row], *self.more_tokens.get(row, ())]
+
+    def row_logprobs(self, row: int) -> list | None:
+        if self.logprobs is None or self.logprobs[row] is None:
+            return None
+        return [self.logprobs[row], *self.more_logprobs.get(row, ())]
 
 
 @dataclass
 class SeqUpdate:
-    """What a step's output did to one request: a new token (None: it failed), and whether it ended."""
+    """What a step's output did to one request: its new tokens (none: it failed), and whether it ended."""
 
     seq: Sequence
-    token: int | None
-    logprobs: "TokenLogprobs | None"
+    tokens: list[int]
+    logprobs: "list[TokenLogprobs] | None"
     finished: bool
     error: str | None = None

@@ -329,7 +329,15 @@ class Scheduler:
         if not self._inflight or plan is not self._inflight[0].plan:
             raise RuntimeError(f"update_from_output() for step {plan.step_index}, which is not the oldest in flight")
         inflight = self._inflight.popleft()
+        counters, record = self.counters, inflight.record
+        verifies, drafts, accepted = counters.num_verifies, counters.num_draft_tokens, counters.num_accepted_tokens
         updates = self._fail_step(plan, output.error) if output.error is not None else self._apply(plan, output)
+        record.num_verifies = counters.num_verifies - verifies
+        record.num_draft_tokens = counters.num_draft_tokens - drafts
+        record.num_accepted_tokens = counters.num_accepted_tokens - accepted
+        if record.num_verifies:
+            record.mean_accepted_length = 1.0 + record.num_accepted_tokens / record.num_verifies
+        record.draft_s = output.draft_s
         inflight.record.duration_s = output.duration_s
         inflight.record.mask_fill_s, inflight.record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
         inflight.record.host_s = plan.host_s
@@ -340,37 +348,67 @@ class Scheduler:
         return updates
 
     def _apply(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
-        updates, cache = [], self.prefix_cache
-        tokens, logprobs, k = output.tokens, output.logprobs, 0
+        updates, cache, rows = [], self.prefix_cache, itertools.count()
         for chunk in plan.chunks:
             seq = chunk.seq
-            token = token_logprobs = row = None
-            if chunk.samples:
-                row, token, token_logprobs = k, tokens[k], (logprobs[k] if logprobs is not None else None)
-                k += 1
-            if chunk.snapshots:  # the step computed these states, whatever became of the request since
+            row = next(rows) if chunk.samples else None
+            if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
                 cache.keep_reserved(seq, chunk.snapshots)
-            if seq.status is SequenceStatus.FINISHED or token is None:  # (ended while the step ran: token dropped)
+            if seq.status is SequenceStatus.FINISHED or row is None:  # (ended while the step ran: token dropped)
+                self._keep_verified_snapshots(chunk, 0)
                 continue
             seq.num_placeholders -= 1
             if output.row_ends.get(row) is not None:
+                self._keep_verified_snapshots(chunk, 0)
                 seq.error = output.row_ends[row]  # the constraint cannot go on: the token is not kept
                 self._retire(seq, FinishReason.ERROR)
-                updates.append(SeqUpdate(seq, None, None, True, seq.error))
+                updates.append(SeqUpdate(seq, [], None, True, seq.error))
                 continue
-            seq.append_output(token)
-            if token in seq.stop_ids or row in output.row_ends:  # (a grammar ends on a stop token)
-                reason = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.sampling.max_tokens:
-                reason = FinishReason.LENGTH
-            else:
-                updates.append(SeqUpdate(seq, token, token_logprobs, False))
+            emitted, reason = output.row_tokens(row), None
+            kept = 0
+            for token in emitted:  # (a verify emits its accepted drafts' successors too: each stop holds per token)
+                seq.append_output(token)
+                kept += 1
+                if token in seq.stop_ids or (row in output.row_ends and kept == len(emitted)):  # (a grammar's end)
+                    reason = FinishReason.STOP
+                elif len(seq.output_ids) >= seq.sampling.max_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    break
+            logprobs = output.row_logprobs(row)
+            logprobs = None if logprobs is None else logprobs[:kept]
+            self._keep_verified_snapshots(chunk, len(emitted))  # (once its tokens are known: they key the entries)
+            if chunk.drafts and seq.num_preemptions == chunk.epoch:
+                self._settle_verify(seq, chunk, len(emitted))
+            seq.draft_tokens = output.drafts.get(row, [])
+            if reason is None:
+                updates.append(SeqUpdate(seq, emitted, logprobs, False))
                 continue
             if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
-                cache.register_end(seq, chunk.end)
+                cache.register_end(seq, chunk.start + kept if chunk.drafts else chunk.end)
             self._retire(seq, reason)
-            updates.append(SeqUpdate(seq, token, token_logprobs, True))
+            updates.append(SeqUpdate(seq, emitted[:kept], logprobs, True))
         return updates
+
+    def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_emitted: int) -> None:
+        """A verify's prefix states become cache entries up to its accepted positions (the state at its first
+        position's end always stands); those of rejected drafts are void."""
+        if not (chunk.drafts and chunk.snapshots):
+            return
+        valid_end = chunk.start + max(1, num_emitted)
+        self.prefix_cache.keep_reserved(chunk.seq, [r for r in chunk.snapshots if r.position <= valid_end])
+        self.prefix_cache.release_reserved([r for r in chunk.snapshots if r.position > valid_end])
+
+    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int) -> None:
+        """A verify step computed positions [start, start + 1 + drafts) and emitted `num_emitted` tokens: the last
+        token's and the accepted drafts' positions stand, the rejected drafts' are given up by moving the request's
+        position back. Nothing is copied: what those positions wrote is never read before it is written again
+        (their window and compressed entries lie past every later query's causal reach until recomputed, and the
+        rings keep more positions than a window reads: backend/speculative.py)."""
+        seq.num_computed_tokens = chunk.start + num_emitted
+        self.counters.num_draft_tokens += len(chunk.drafts)
+        self.counters.num_accepted_tokens += num_emitted - 1
+        self.counters.num_verifies += 1
 
     def _fail_step(self, plan: StepPlan, error: str) -> list[SeqUpdate]:
         updates = []
@@ -378,7 +416,7 @@ class Scheduler:
             self.prefix_cache.release_reserved(chunk.snapshots)
             if chunk.seq.status is not SequenceStatus.FINISHED:
                 self._retire(chunk.seq, FinishReason.ERROR)
-                updates.append(SeqUpdate(chunk.seq, None, None, True, error))
+                updates.append(SeqUpdate(chunk.seq, [], None, True, error))
         return updates
 
     def close(self) -> None:
@@ -492,8 +530,19 @@ class Scheduler:
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                if self._allocate_or_preempt(plan, seq, 1):
-                    self._add_chunk(plan, seq, 1, is_decode=True)
+                drafts = self._drafts_to_verify(seq)
+                allocated = 2 * len(drafts) if drafts else 1  # the verify's positions, then the draft chain's
+                if self._allocate_or_preempt(plan, seq, allocated):
+                    self._add_chunk(plan, seq, 1 + len(drafts), is_decode=True, drafts=drafts, allocated=allocated)
+
+    @staticmethod
+    def _drafts_to_verify(seq: Sequence) -> tuple[int, ...]:
+        """Speculative decoding: the draft tokens a decode of `seq` verifies, no more than can still be emitted (the
+        step emits one token beyond its accepted drafts)."""
+        if not seq.draft_tokens:
+            return ()
+        room = seq.sampling.max_tokens - len(seq.output_ids) - seq.num_placeholders - 1
+        return tuple(seq.draft_tokens[:max(0, room)])
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
         """Running prefills in admission order, then admissions from waiting, up to `budget` tokens.
@@ -597,19 +646,22 @@ class Scheduler:
         self._running.remove(seq)
         self.memory.free(seq)
         seq.num_computed_tokens = seq.last_chunk_tokens = 0
+        seq.draft_tokens = []  # (its recompute drafts anew)
         seq.num_preemptions += 1
         self.counters.num_preemptions += 1
         self._enqueue(seq, front=True)
         plan.preempted.append(seq)
         logger.debug("preempted request %r (%d tokens to recompute)", seq.request_id, seq.num_tokens)
 
-    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_tokens: int, is_decode: bool) -> None:
-        """A chunk of `seq`, its pages allocated; the token counts move when the plan is committed."""
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, num_tokens: int, is_decode: bool,
+                   drafts: tuple[int, ...] = (), allocated: int = 0) -> None:
+        """A chunk of `seq`, its pages allocated; the token counts move when the plan is committed. A verify (drafts)
+        computes the last token and its drafts, and samples."""
         start = seq.num_computed_tokens
         if not is_decode:
             seq.last_chunk_tokens = num_tokens
-        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode, start + num_tokens == seq.num_tokens,
-                                seq.num_preemptions))
+        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode, bool(drafts) or start + num_tokens == seq.num_tokens,
+                                seq.num_preemptions, drafts=drafts, allocated=allocated or num_tokens))
 
     # --- bookkeeping --------------------------------------------------------------------------
 

@@ -51,6 +51,13 @@ class StepRecord:
     # advancing their grammars by the tokens sampled.
     mask_fill_s: float = 0.0
     grammar_accept_s: float = 0.0
+    # Speculative decoding (filled in with the output): its verifies, the draft tokens they checked and accepted,
+    # the tokens a verify emitted on average (accepted + 1; None without verifies), the draft layer's time.
+    num_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    mean_accepted_length: float | None = None
+    draft_s: float = 0.0
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -71,6 +78,15 @@ class StepCounters:
     num_preemptions: int = 0
     num_timed_out: int = 0
     num_itl_infeasible: int = 0  # steps with itl_infeasible set
+    # Speculative decoding: verifies, the draft tokens they checked and those accepted (counted as outputs come in).
+    num_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verify emits on average: its accepted drafts plus the one sampled after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_verifies if self.num_verifies else None
 
     @property
     def num_steps(self) -> int:

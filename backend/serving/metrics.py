@@ -23,6 +23,8 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
     dsv4_grammar_compile_seconds       histogram  structured outputs: compiling a grammar (cache misses)
     dsv4_grammar_compiles_total        counter    grammars compiled
     dsv4_grammar_cache_hits_total      counter    constrained requests whose grammar was cached (or being compiled)
+    dsv4_spec_draft_tokens_total       counter    speculative decoding: draft tokens verified
+    dsv4_spec_accepted_tokens_total    counter    speculative decoding: draft tokens accepted (rate: accepted / draft)
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class ServingMetrics:
                 ("dsv4_grammar_compiles_total", "Structured-output grammars compiled", "COUNTER"),
                 ("dsv4_grammar_cache_hits_total", "Constrained requests whose grammar came from the cache",
                  "COUNTER"),
+                ("dsv4_spec_draft_tokens_total", "Speculative decoding: draft tokens verified", "COUNTER"),
+                ("dsv4_spec_accepted_tokens_total", "Speculative decoding: draft tokens accepted", "COUNTER"),
             )
         }
         self._metrics: dict[tuple, object] = {}
@@ -114,7 +118,9 @@ class ServingMetrics:
         for kind, count in stats.get("steps_by_kind", {}).items():
             self._advance("dsv4_engine_steps_total", count, kind=str(kind))
         counters = (("dsv4_decode_stalls_total", "decode_stalls"), ("dsv4_preemptions_total", "num_preemptions"),
-                    ("dsv4_itl_infeasible_steps_total", "num_itl_infeasible"))
+                    ("dsv4_itl_infeasible_steps_total", "num_itl_infeasible"),
+                    ("dsv4_spec_draft_tokens_total", "num_draft_tokens"),
+                    ("dsv4_spec_accepted_tokens_total", "num_accepted_tokens"))
         for family, key in counters:
             if key in stats:
                 self._advance(family, stats[key])

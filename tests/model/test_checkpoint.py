@@ -99,8 +99,8 @@ def test_flash_shaped_variant_has_deepseek_v4_flash_widths():
     assert shapes["model.layers.0.self_attn.q_b_proj.weight"][0] == (64 * 512, 1024)
     assert set(config.layer_types) == {"compressed_sparse_attention", "heavily_compressed_attention"}
     # The engine expects exactly the tensors the reference saves, with the same shapes.
-    ours = expected_shapes(parse_model_config(json.loads(config.to_json_string())))
-    assert ours == {name: shape for name, (shape, _) in shapes.items()}
+    ours = parse_model_config(json.loads(config.to_json_string()))  # (and its MTP layer, which the reference skips)
+    assert expected_shapes(ours, ours.num_nextn_predict_layers) == {name: shape for name, (shape, _) in shapes.items()}
 
 
 
@@ -208,17 +208,28 @@ def _deepseek_checkpoint(tmp_path, quantize="fp8-mxfp4"):
     return ckpt, load_file(ckpt / "model.safetensors")
 
 
-def test_the_draft_layer_is_skipped_with_one_log_line(tmp_path, caplog):
+def test_the_draft_layer_is_loaded_when_served_and_skipped_with_one_log_line_otherwise(tmp_path, tiny_checkpoint,
+                                                                                        caplog):
     import logging
 
-    ckpt, tensors = _deepseek_checkpoint(tmp_path)
-    tensors.update({"mtp.0.enorm.weight": torch.ones(64), "mtp.0.e_proj.weight": torch.ones(64, 64)})
-    save_file(tensors, ckpt / "model.safetensors")
+    ckpt, tensors = _deepseek_checkpoint(tmp_path)  # FP8 e_proj/h_proj and attention, MXFP4 experts, as published
+    stored = [name for name in tensors if name.startswith("mtp.")]
+    assert "mtp.0.e_proj.scale" in stored and "mtp.0.ffn.experts.7.w2.weight" in stored
     with caplog.at_level(logging.INFO, logger="backend.model.checkpoint"):
         load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
     assert [r.getMessage() for r in caplog.records if "mtp" in r.getMessage()] == [
-        f"loaded {ckpt} (deepseek layout): {len(expected_shapes_of(ckpt))} tensors; skipped the 2 tensors of the mtp.* "
-        "draft layer"]
+        f"loaded {ckpt} (deepseek layout): {len(expected_shapes_of(ckpt))} tensors; skipped the {len(stored)} "
+        "tensors of mtp.* draft layers not served"]
+    # Served: the same MTP tensors from DeepSeek's quantized layout as from the built-in checkpoint's module names
+    # (which holds the values the quantized files were made from, up to their quantization).
+    config = load_model_config(ckpt)
+    served = load_weights(ckpt, config, torch.float32, "cpu", draft_layers=1)
+    plain = load_weights(tiny_checkpoint, load_model_config(tiny_checkpoint), torch.float32, "cpu", draft_layers=1)
+    draft = {name for name in served if name.startswith("model.mtp.0.")}
+    assert draft == {name for name in plain if name.startswith("model.mtp.0.")} and len(draft) == 31
+    assert torch.equal(served["model.mtp.0.hc_head.hc_fn"], plain["model.mtp.0.hc_head.hc_fn"])
+    e_proj = plain["model.mtp.0.e_proj.weight"]
+    assert (served["model.mtp.0.e_proj.weight"] - e_proj).abs().max() <= 0.07 * e_proj.abs().max()  # e4m3
 
 
 def expected_shapes_of(ckpt):

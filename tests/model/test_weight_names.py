@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from backend.model.checkpoint import expected_shapes
 from backend.model.config import parse_model_config
-from backend.model.weight_names import Target, detect_layout, engine_target, is_draft_layer, original_name
+from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target, original_name
 
 EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj")
 
@@ -33,7 +33,8 @@ def stored_names(shapes: dict, layout: str) -> dict[str, Target]:
 def tiny_shapes(tiny_checkpoint):
     import json
 
-    return expected_shapes(parse_model_config(json.loads((tiny_checkpoint / "config.json").read_text())))
+    config = parse_model_config(json.loads((tiny_checkpoint / "config.json").read_text()))
+    return expected_shapes(config, draft_layers=config.num_nextn_predict_layers)  # the MTP layer's names too
 
 
 @pytest.mark.parametrize("layout", ["deepseek", "transformers"])
@@ -81,6 +82,20 @@ def test_deepseek_published_names_map_to_the_engine():
         "layers.5.ffn.experts.7.w1.weight": Target("model.layers.5.mlp.experts.gate_up_proj", 7, "gate"),
         "layers.5.ffn.experts.7.w3.weight": Target("model.layers.5.mlp.experts.gate_up_proj", 7, "up"),
         "layers.5.ffn.experts.255.w2.weight": Target("model.layers.5.mlp.experts.down_proj", 255, None),
+        # The MTP layer (V4-Flash: 1,575 tensors in its last shard), DeepSeek's MTPBlock's names.
+        "mtp.0.e_proj.weight": Target("model.mtp.0.e_proj.weight"),
+        "mtp.0.h_proj.weight": Target("model.mtp.0.h_proj.weight"),
+        "mtp.0.enorm.weight": Target("model.mtp.0.enorm.weight"),
+        "mtp.0.hnorm.weight": Target("model.mtp.0.hnorm.weight"),
+        "mtp.0.norm.weight": Target("model.mtp.0.norm.weight"),
+        "mtp.0.hc_head_fn": Target("model.mtp.0.hc_head.hc_fn"),
+        "mtp.0.hc_head_scale": Target("model.mtp.0.hc_head.hc_scale"),
+        "mtp.0.hc_attn_base": Target("model.mtp.0.attn_hc.base"),
+        "mtp.0.attn_norm.weight": Target("model.mtp.0.input_layernorm.weight"),
+        "mtp.0.attn.kv_norm.weight": Target("model.mtp.0.self_attn.kv_norm.weight"),
+        "mtp.0.attn.attn_sink": Target("model.mtp.0.self_attn.sinks"),
+        "mtp.0.ffn.gate.bias": Target("model.mtp.0.mlp.gate.e_score_correction_bias"),
+        "mtp.0.ffn.experts.9.w2.weight": Target("model.mtp.0.mlp.experts.down_proj", 9, None),
     }
     for name, target in expected.items():
         assert engine_target(name, "deepseek") == target, name
@@ -93,5 +108,5 @@ def test_layouts_are_told_apart_by_their_names_and_the_draft_layer_is_recognised
     assert detect_layout(["model.embed_tokens.weight", "model.layers.0.self_attn.q_a_proj.weight"]) == "hf-modules"
     with pytest.raises(ValueError, match="not a DeepSeek-V4 checkpoint"):
         detect_layout(["transformer.wte.weight"])
-    assert is_draft_layer("mtp.0.attn.wq_a.weight") and is_draft_layer("model.mtp.0.enorm.weight")
-    assert not is_draft_layer("layers.0.attn.wq_a.weight")
+    assert draft_layer_index("mtp.0.attn.wq_a.weight") == 0 and draft_layer_index("model.mtp.1.enorm.weight") == 1
+    assert draft_layer_index("layers.0.attn.wq_a.weight") is None

@@ -35,14 +35,16 @@ def test_histograms_have_sorted_buckets(metrics):
 
 def test_counters_advance_by_the_change_in_cumulative_stats(metrics):
     metrics.update({"steps_by_kind": {"prefill": 3, "decode": 0}, "decode_stalls": 1, "num_preemptions": 0,
-                    "num_itl_infeasible": 0})
+                    "num_itl_infeasible": 0, "num_draft_tokens": 6, "num_accepted_tokens": 2})
     metrics.update({"steps_by_kind": {"prefill": 5, "decode": 2}, "decode_stalls": 1, "num_preemptions": 2,
-                    "num_itl_infeasible": 4})
+                    "num_itl_infeasible": 4, "num_draft_tokens": 15, "num_accepted_tokens": 9})
     assert series("dsv4_engine_steps_total", kind="prefill").value == 5
     assert series("dsv4_engine_steps_total", kind="decode").value == 2
     assert series("dsv4_decode_stalls_total").value == 1
     assert series("dsv4_preemptions_total").value == 2
     assert series("dsv4_itl_infeasible_steps_total").value == 4
+    assert series("dsv4_spec_draft_tokens_total").value == 15
+    assert series("dsv4_spec_accepted_tokens_total").value == 9
 
 
 def test_gauges_mirror_the_latest_stats(metrics):

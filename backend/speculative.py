@@ -1,0 +1,216 @@
+"""Speculative decoding with the checkpoint's own MTP layer: draft k tokens, verify them in one forward.
+
+With `num_speculative_tokens` k > 0 a decoding request's step is a *verify*: the forward computes its last token and
+the k draft tokens proposed for it (1 + k positions, logits at each), and the step emits the drafts the target model
+agrees with plus one token of its own after them (1 to k + 1 tokens):
+- greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit the argmax after it;
+- sampled rows use rejection sampling (Leviathan et al. 2023): draft d_i, drawn from the draft distribution q_i, is
+  accepted with probability min(1, p_i(d_i) / q_i(d_i)); the first rejection draws from max(0, p_i - q_i), and if all
+  are accepted one more token is drawn from p_k. Each emitted token is then distributed exactly as p, the target's
+  distribution after temperature, top-k/top-p/min-p and penalties (which count the drafts accepted before it), so
+  the outputs are distributed as without speculation; the request's own generator draws everything (seeds hold).
+
+Then the MTP layer (DeepSeek's MTPBlock, `DeepseekV4Model.draft`) proposes the next step's drafts. Its first pass runs
+over every position of the step's batch, each with the main model's residual streams there and the *next* token's
+embedding (a prompt's next token, or the token the step emitted), which also fills its own sliding window (one layer
+more in the window pool); the first draft comes from the row's last emitted position. The next k - 1 drafts chain
+through the draft layer's own streams, one position further each (vLLM's and SGLang's scheme for DeepSeek).
+
+Rolling back a rejected draft is moving the request's position back (`Scheduler._settle_verify`), never a copy:
+- window and compressed entries, indexer keys, and the draft layer's window entries at rejected positions lie past
+  the causal reach of every later query until the position is computed again, which rewrites them first;
+- a compressor ring keeps k positions more than its windows read (KVCacheManager: ring = span + k), so the rejected
+  positions' ring writes only overwrite positions older than any continuation reads;
+- prefix-cache snapshots are only taken at a verify's first position (always accepted), and a request's end is kept
+  where its emitted tokens end.
+
+The host learns the accepted count with the step's output, so steps with speculation run one at a time (overlap
+scheduling waits for each step's output; README "Speculative decoding").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
+from backend.sampler import Sampler, SamplerState, filter_logits
+from backend.request import TokenLogprobs
+
+
+@dataclass
+class DraftRow:
+    """A sampling row of a step with speculation, as the host planned it."""
+
+    request_id: str
+    pages: object  # the request's RequestPages (the draft chain writes the draft layer's window through them)
+    drafts: tuple[int, ...]  # the drafts this row verifies (none: an ordinary sampling row)
+    lookahead_end: int  # positions below this have pages: the draft chain stops before it
+    wants_drafts: bool  # propose drafts for its next step (not for constrained requests)
+
+
+@dataclass
+class SpecJob:
+    """What a step with speculation needs beyond its batch: each position's next token (-1: emitted by this step)
+    and the sampling rows, in batch order."""
+
+    next_ids: torch.Tensor  # [T] long
+    rows: list[DraftRow]
+    num_speculative_tokens: int
+
+
+@dataclass
+class Verdict:
+    """The tokens each sampling row emits, their log-probabilities (None: nobody asked), the rows a grammar ended."""
+
+    emitted: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None
+    row_ends: dict[int, str | None] = field(default_factory=dict)
+    mask_fill_s: float = 0.0
+    grammar_accept_s: float = 0.0
+
+
+class Verifier:
+    """Turns a step's logits (1 row per ordinary sampling row, 1 + k per verify row) into emitted tokens."""
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+
+    @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
+    def verify(self, logits: torch.Tensor, states: list[SamplerState], rows: list[DraftRow]) -> Verdict:
+        counts = [1 + len(row.drafts) for row in rows]
+        firsts = [sum(counts[:r]) for r in range(len(rows))]
+        emitted: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
+        # Ordinary rows (prefill ends, decodes without drafts, constrained requests): the sampler, in one call.
+        single = [r for r, row in enumerate(rows) if not row.drafts]
+        verdict = Verdict(emitted, None)
+        if single:
+            index = torch.tensor([firsts[r] for r in single], device=logits.device)
+            states_single = [states[r] for r in single]
+            sampled = self.sampler.step(logits[index], states_single, all(s.plain for s in states_single))
+            for i, (r, token) in enumerate(zip(single, sampled.tokens.tolist())):
+                emitted[r] = [token]
+                if sampled.logprobs is not None and sampled.logprobs[i] is not None:
+                    logprobs[r] = [sampled.logprobs[i]]
+            verdict.row_ends = {single[i]: end for i, end in sampled.row_ends.items()}
+            verdict.mask_fill_s, verdict.grammar_accept_s = sampled.mask_fill_s, sampled.grammar_accept_s
+        for r, row in enumerate(rows):
+            if row.drafts:
+                emitted[r], logprobs[r] = self._verify_row(logits[firsts[r]:firsts[r] + counts[r]], states[r],
+                                                           list(row.drafts))
+        if any(lp is not None for lp in logprobs):
+            verdict.logprobs = logprobs
+        return verdict
+
+    def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int]):
+        """(emitted tokens, their log-probabilities or None) of one verify row: logits [1 + k, V]."""
+        params = state.params
+        targets = logits
+        if state.has_penalties:  # position i sees the outputs so far and the drafts before it
+            targets = logits.clone()
+            for i in range(len(targets)):
+                state.penalize(targets[i], pending=drafts[:i])
+        if params.temperature == 0.0:
+            best = targets.argmax(dim=-1).tolist()
+            accepted = next((i for i, (d, t) in enumerate(zip(drafts, best)) if d != t), len(drafts))
+            emitted = best[:accepted + 1]
+        else:
+            emitted = self._rejection_sample(targets.float().cpu(), state, drafts)
+        if state.has_penalties:
+            state.observe(torch.tensor(emitted, device=logits.device))
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = self.sampler.logprobs(targets[:len(emitted)], [state] * len(emitted), emitted)
+        return emitted, logprobs
+
+    @staticmethod
+    def _rejection_sample(targets: torch.Tensor, state: SamplerState, drafts: list[int]) -> list[int]:
+        """Leviathan et al.'s rule over the target distributions p_i (rows of `targets`, filtered as the request
+        samples) and the draft distributions q_i kept when the drafts were drawn."""
+        probs = [torch.softmax(filter_logits(row, state.params), dim=-1) for row in targets]
+        emitted = []
+        for i, draft in enumerate(drafts):
+            p, q = probs[i], state.draft_probs[i]
+            if float(state.uniform()) * float(q[draft]) < float(p[draft]):
+                emitted.append(draft)
+                continue
+            residual = (p - q).clamp(min=0.0)
+            emitted.append(state.draw(residual / residual.sum() if float(residual.sum()) > 0 else p))
+            return emitted
+        emitted.append(state.draw(probs[len(drafts)]))
+        return emitted
+
+
+class Drafter:
+    """Proposes each row's drafts with the MTP layer (see the module docstring)."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv = model, kv
+
+    @torch.inference_mode()
+    def propose(self, batch: ForwardBatch, streams: torch.Tensor, job: SpecJob, verdict: Verdict,
+                states: list[SamplerState]) -> dict[int, list[int]]:
+        """Sampling row -> its drafts for the next step (rows that draft only)."""
+        rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in verdict.row_ends]
+        next_ids = self._next_ids(batch, job, verdict)
+        if not rows:  # the draft layer's window still takes in this step's positions
+            self.model.draft(dataclasses.replace(batch, input_ids=next_ids), self.kv, streams,
+                             batch.logits_token_index[:0])
+            return {}
+        counts = [1 + len(row.drafts) for row in job.rows]
+        firsts = [sum(counts[:r]) for r in range(len(job.rows))]
+        # The row's last emitted position: its logits token number (emitted - 1).
+        picks = [firsts[r] + len(verdict.emitted[r]) - 1 for r in rows]
+        index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]
+        logits, streams = self.model.draft(dataclasses.replace(batch, input_ids=next_ids), self.kv, streams, index)
+        hidden = streams[index]
+        positions = batch.positions[index].tolist()
+        drafts = {r: [] for r in rows}
+        for r in rows:
+            states[r].draft_probs = []
+        tokens = self._draw(logits, [states[r] for r in rows])
+        for step in range(1, job.num_speculative_tokens + 1):
+            for r, token in zip(rows, tokens):
+                drafts[r].append(token)
+            # Chained drafts: one position further, from the draft layer's own streams, while the row has pages.
+            live = [i for i, r in enumerate(rows) if step < job.num_speculative_tokens
+                    and positions[i] + step < job.rows[r].lookahead_end]
+            if not live:
+                break
+            chain = [BatchRow(job.rows[rows[i]].pages, [tokens[i]], positions[i] + step, True) for i in live]
+            chain_batch = build_forward_batch(chain, self.kv, device=batch.input_ids.device)
+            live_index = torch.tensor(live, device=hidden.device)
+            logits, streams = self.model.draft(chain_batch, self.kv, hidden[live_index],
+                                               chain_batch.logits_token_index)
+            hidden = streams
+            rows, positions = [rows[i] for i in live], [positions[i] for i in live]
+            tokens = self._draw(logits, [states[r] for r in rows])
+        return drafts
+
+    @staticmethod
+    def _next_ids(batch: ForwardBatch, job: SpecJob, verdict: Verdict) -> torch.Tensor:
+        """Each position's next token: the host's (prompt tokens), or the token the step emitted after it (every
+        logits token: a verify's i-th emits its i-th token; past the emitted ones, any token: those positions are
+        rejected and rewritten later)."""
+        after = []
+        for row, tokens in zip(job.rows, verdict.emitted):
+            count = 1 + len(row.drafts)
+            after += (tokens + tokens[-1:] * count)[:count] if tokens else [0] * count
+        next_ids = job.next_ids.to(batch.input_ids.device, copy=True)
+        next_ids[batch.logits_token_index] = torch.tensor(after, dtype=torch.long, device=next_ids.device)
+        return next_ids
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
+        """One draft per row: the argmax for greedy requests, else a draw from the draft distribution q (filtered as
+        the request samples), which the state keeps for the verify's rejection rule."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, state in enumerate(states):
+            if state.params.temperature > 0.0:
+                q = torch.softmax(filter_logits(logits[i].float().cpu(), state.params), dim=-1)
+                tokens[i] = state.draw(q)
+                state.draft_probs.append(q)
+        return tokens

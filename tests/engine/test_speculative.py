@@ -1,0 +1,209 @@
+"""Speculative decoding with the MTP layer: outputs exactly as without it, whatever the drafts.
+
+The built-in checkpoint's MTP layer has random weights, so its drafts are almost always rejected. To exercise
+acceptance, partial acceptance and the rollback of V4's state after it, `OracleDrafter` (a fake of one part: the
+draft proposals) still runs the real MTP layer, then replaces its drafts by the reference continuation with some
+tokens corrupted: the target model accepts some drafts, rejects the rest, and must still produce the reference
+tokens. The acceptance rule for sampled requests is checked statistically on the verifier itself.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from backend.config import ConfigError, EngineConfig
+from backend.engine import LLMEngine
+from backend.request import SamplingParams
+from backend.sampler import Sampler, SamplerState
+from backend.speculative import Drafter, Verifier
+from kernels.fp8_gemm import Fp8Weight
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _engine(checkpoint, **overrides) -> LLMEngine:
+    settings = dict(checkpoint=str(checkpoint), device="cpu", page_size=16, max_running_requests=4,
+                    prefill_chunk_tokens=64, num_tokens=8192)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+class OracleDrafter(Drafter):
+    """The real draft layer runs; its proposals are then replaced by the reference outputs, each token corrupted with
+    probability `error_rate` (so verifies accept some drafts and reject the rest)."""
+
+    def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int):
+        super().__init__(drafter.model, drafter.kv)
+        self.reference, self.error_rate, self.vocab = reference, error_rate, vocab
+        self.emitted: Counter = Counter()
+        self.random = random.Random(0)
+
+    def propose(self, batch, streams, job, verdict, states):
+        drafts = super().propose(batch, streams, job, verdict, states)
+        for r, row in enumerate(job.rows):
+            self.emitted[row.request_id] += len(verdict.emitted[r])
+        for r, proposed in drafts.items():
+            request_id = job.rows[r].request_id
+            index, done = int(request_id.split("-")[1]), self.emitted[request_id]
+            truth = (self.reference[index][done:] + [0] * len(proposed))[:len(proposed)]
+            drafts[r] = [(t + 1) % self.vocab if self.random.random() < self.error_rate else t for t in truth]
+        return drafts
+
+
+def _generate(engine: LLMEngine, prompts, params, reference=None, error_rate: float = 0.3):
+    if reference is not None:
+        engine.executor.drafter = OracleDrafter(engine.executor.drafter, reference, error_rate, engine.vocab_size)
+    results = engine.generate(prompts, params)
+    engine.kv.check()
+    assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())  # nothing leaked
+    return results
+
+
+def _ids(results) -> list[list[int]]:
+    return [r["output_ids"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(tiny_checkpoint):
+    """k = 0 outputs of prompts from 1 to 600 tokens: chunked prefills (64) beside decodes, CSA (4) and HCA (128)
+    windows closing inside verifies."""
+    prompts = _prompts([1, 7, 130, 260, 600])
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    return prompts, params, _ids(_generate(_engine(tiny_checkpoint), prompts, params))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_outputs_with_speculation_equal_those_without(tiny_checkpoint, greedy_reference, k):
+    prompts, params, expected = greedy_reference
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    got = _generate(engine, prompts, params, dict(enumerate(expected)))
+    assert _ids(got) == expected
+    stats = engine.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # accepted and rejected drafts both
+    assert stats["mean_accepted_length"] > 1.0
+
+
+def test_the_checkpoints_own_draft_layer_changes_no_output(tiny_checkpoint, greedy_reference):
+    """The real MTP drafts (random weights here: nearly all rejected) leave the outputs as they were."""
+    prompts, params, expected = greedy_reference
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2)
+    assert _ids(_generate(engine, prompts, params)) == expected
+    assert engine.stats()["num_draft_tokens"] > 0
+
+
+def test_preemption_and_prefix_cache_hits_in_the_middle(tiny_checkpoint):
+    prompts = _prompts([100, 100, 100, 100], seed=1)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = _ids(_generate(_engine(tiny_checkpoint), prompts, params))
+    # 512 positions: four requests of 140 cannot all run at once (test_engine.py's preemption case).
+    tight = _engine(tiny_checkpoint, num_speculative_tokens=3, num_tokens=512, swa_full_tokens_ratio=1.0)
+    assert _ids(_generate(tight, prompts, params, dict(enumerate(expected)))) == expected
+    assert tight.stats()["num_preemptions"] > 0
+    # The same prompts again (their prefixes cached), extended: cache hits, then verifies from there.
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2)
+    _generate(engine, prompts, params, dict(enumerate(expected)))
+    longer = [p + o[:30] for p, o in zip(prompts, expected)]
+    again = _ids(_generate(_engine(tiny_checkpoint), longer, params))
+    engine.executor.drafter.reference = dict(enumerate(again))
+    engine.executor.drafter.emitted.clear()
+    got = _generate(engine, longer, params)
+    assert _ids(got) == again
+    assert all(r["num_cached_tokens"] > 0 for r in got)
+
+
+def test_stops_and_max_tokens_hold_per_accepted_token(tiny_checkpoint, greedy_reference):
+    """Drafts all correct (so whole runs are accepted): a stop token in the middle of an accepted run ends the
+    output there, and max_tokens is never overshot."""
+    prompts, _, expected = greedy_reference
+    stop = expected[2][9]
+    params = SamplingParams(max_tokens=13, ignore_eos=True, stop_token_ids=[stop])
+    want = _generate(_engine(tiny_checkpoint), prompts, params)
+    got = _generate(_engine(tiny_checkpoint, num_speculative_tokens=3), prompts, params,
+                    dict(enumerate(expected)), error_rate=0.0)
+    assert _ids(got) == _ids(want) and [r["finish_reason"] for r in got] == [r["finish_reason"] for r in want]
+    assert got[2]["output_ids"][-1] == stop and len(got[2]["output_ids"]) <= 10
+    assert all(len(r["output_ids"]) <= 13 for r in got)
+
+
+def test_sampled_requests_keep_their_seeds_and_logprobs(tiny_checkpoint):
+    """Sampling with penalties and log-probabilities through verifies: the same seed gives the same tokens, every
+    token has its log-probability."""
+    prompts = _prompts([20, 50], seed=2)
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=11, logprobs=2, repetition_penalty=1.2,
+                            frequency_penalty=0.3, ignore_eos=True)
+    first = _generate(_engine(tiny_checkpoint, num_speculative_tokens=2), prompts, params)
+    second = _generate(_engine(tiny_checkpoint, num_speculative_tokens=2), prompts, params)
+    assert _ids(first) == _ids(second)
+    assert all(len(r["logprobs"]) == len(r["output_ids"]) == 24 for r in first)
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """Leviathan et al.'s rule: whatever the draft distribution, each emitted token is distributed as the target's
+    (checked over 20,000 verifies of 2 drafts: the first token's distribution, and the second's after a given
+    first; Pearson's chi-square below its 0.001 critical value for 5 degrees of freedom)."""
+    critical = 20.515  # chi-square, 5 degrees of freedom, p = 0.001
+    vocab = 6
+    target_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 1.0, 0.0, 0.7],
+                                  [0.0, 0.0, 1.0, 1.0, 2.0, -2.0]])
+    draft_probs = [torch.softmax(torch.tensor([0.0, 2.0, 1.0, 0.0, 0.5, 0.0]), -1),
+                   torch.softmax(torch.tensor([1.0, 0.0, 0.0, 2.0, 0.0, 0.0]), -1)]
+    target = torch.softmax(target_logits, -1)
+    state = SamplerState(SamplingParams(temperature=1.0, seed=3), [0])
+    verifier, drafts_gen = Verifier(Sampler()), torch.Generator().manual_seed(5)
+    first, second = Counter(), Counter()
+    for _ in range(20000):
+        drafts = [int(torch.multinomial(q, 1, generator=drafts_gen)) for q in draft_probs]
+        state.draft_probs = list(draft_probs)
+        emitted = verifier._rejection_sample(target_logits, state, drafts)
+        first[emitted[0]] += 1
+        if emitted[0] == 1 and len(emitted) > 1:
+            second[emitted[1]] += 1
+    for counts, p in ((first, target[0]), (second, target[1])):
+        observed = [counts[t] for t in range(vocab)]
+        expected = [float(x) * sum(observed) for x in p]
+        statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+        assert statistic < critical, (observed, expected)
+
+
+def test_speculation_without_a_draft_layer_or_beyond_the_limits_is_refused(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    no_mtp = tmp_path / "no-mtp"
+    shutil.copytree(tiny_checkpoint, no_mtp)
+    config = json.loads((no_mtp / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 0
+    (no_mtp / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="num_speculative_tokens.*MTP layer"):
+        _engine(no_mtp, num_speculative_tokens=1)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=9)
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="num_speculative_tokens.*max_num_batched_tokens"):
+        EngineConfig(num_speculative_tokens=3, max_running_requests=16, max_num_batched_tokens=32)
+    # A window pool of 3 pages of 64 holds a decode's window (128 positions) but not one draft more.
+    small_window = dict(page_size=64, num_tokens=768, swa_full_tokens_ratio=0.25, prefill_chunk_tokens=None)
+    _engine(tiny_checkpoint, **small_window).shutdown()
+    with pytest.raises(ConfigError, match="num_speculative_tokens.*window pool"):
+        _engine(tiny_checkpoint, num_speculative_tokens=1, **small_window)
+
+
+def test_the_published_fp8_layout_speculates_exactly(deepseek_published_checkpoint):
+    """DeepSeek's layout with FP8 linears (the MTP layer's e_proj/h_proj among them) and MXFP4 experts, served with
+    DeepSeek's numerics and the fp8 KV cache (the draft layer's window too): the same greedy tokens with k = 2."""
+    prompts = _prompts([5, 140], seed=3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    settings = dict(weight_format="fp8", numerics="deepseek", kv_cache_dtype="fp8")
+    expected = _ids(_generate(_engine(deepseek_published_checkpoint, **settings), prompts, params))
+    engine = _engine(deepseek_published_checkpoint, num_speculative_tokens=2, **settings)
+    assert isinstance(engine.model.w["model.mtp.0.e_proj.weight"], Fp8Weight) and engine.kv.fp8
+    assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
+    assert engine.stats()["num_accepted_tokens"] > 0
