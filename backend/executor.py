@@ -188,14 +188,14 @@ class StepExecutor:
         drafts = self.drafter.propose(batch, streams, job.spec, verdict, job.samplers)
         draft_s = time.perf_counter() - drafting
         self._apply(job.copies.after)
-        logprobs = verdict.logprobs
+        logprobs = verdict.logprobs or []
         return StepOutput(
             [tokens[0] for tokens in verdict.emitted],
-            None if logprobs is None else [lp[0] if lp else None for lp in logprobs],
+            [lp[0] if lp else None for lp in logprobs] or None,
             time.perf_counter() - started, row_ends=verdict.row_ends, mask_fill_s=verdict.mask_fill_s,
             grammar_accept_s=verdict.grammar_accept_s,
             more_tokens={r: tokens[1:] for r, tokens in enumerate(verdict.emitted) if len(tokens) > 1},
-            more_logprobs={} if logprobs is None else {r: lp[1:] for r, lp in enumerate(logprobs) if lp and len(lp) > 1},
+            more_logprobs={r: lp[1:] for r, lp in enumerate(logprobs) if lp and len(lp) > 1},
             drafts=drafts, draft_s=draft_s)
 
     def _forward(self, job: StepJob) -> tuple[torch.Tensor, ForwardBatch]:

@@ -6,9 +6,9 @@ detected from its tensor names. It streams shard by shard: each tensor goes from
 file to its engine tensor (on the target device and dtype) before the next is read, so host memory
 peaks at about the model plus one tensor, never two copies of the model. FP8 and MXFP4 weights
 (backend/model/quantization.py) are dequantized on the way — exactly, into the engine dtype. The
-`mtp.*` draft layer is read only when speculative decoding serves it (`draft_layers`), else skipped. Every tensor is checked against the shape the config
-implies: a missing, unexpected, misshaped or mistyped tensor raises `CheckpointError` naming the
-file, the tensor, and what was expected and found.
+`mtp.*` draft layer is read only when speculative decoding serves it (`draft_layers`), else skipped.
+Every tensor is checked against the shape the config implies: a missing, unexpected, misshaped or
+mistyped tensor raises `CheckpointError` naming the file, the tensor, and what was expected and found.
 
 With weight_format="fp8" quantized weights stay as published instead: the FP8 linears as
 `kernels.fp8_gemm.Fp8Weight` (scales as float32) and the routed experts merged into
@@ -175,7 +175,8 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
                     bar.update()
     weights = loader.finish(checkpoint)
     logger.info("loaded %s (%s layout): %d tensors%s", checkpoint, layout, len(weights),
-                f"; skipped the {loader.num_draft} tensors of mtp.* draft layers not served" if loader.num_draft else "")
+                f"; skipped the {loader.num_draft} tensors of mtp.* draft layers not served"
+                if loader.num_draft else "")
     return weights
 
 

@@ -73,7 +73,8 @@ class DeepseekV4Model:
         self.num_draft_layers = sum(1 for name in weights if name.startswith("model.mtp.") and
                                     name.endswith(".e_proj.weight"))
         mains = range(config.num_hidden_layers)
-        self.prefixes = [f"model.layers.{i}." for i in mains] + [f"model.mtp.{j}." for j in range(self.num_draft_layers)]
+        self.prefixes = ([f"model.layers.{i}." for i in mains]
+                         + [f"model.mtp.{j}." for j in range(self.num_draft_layers)])
         self.layer_types = config.layer_types + [SLIDING] * self.num_draft_layers
         self.mlp_types = config.mlp_layer_types + ["moe"] * self.num_draft_layers
         quantized_input = QUANTIZED_ATTENTION_INPUT if self.quantize_activations else frozenset()
