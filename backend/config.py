@@ -83,7 +83,7 @@ class EngineConfig:
     prefix_cache_end_entries: int = 64
     # Speculative decoding with the checkpoint's MTP layer (backend/speculative.py): each decode verifies this many
     # draft tokens and emits up to one more than it accepts; 0: off. Steps with speculation run one at a time
-    # (the host needs each step's accepted count to place the next), and, for now, on a single rank.
+    # (the host needs each step's accepted count to place the next).
     num_speculative_tokens: int = 0
     # Limits on requests.
     max_tokens_limit: int = 32768
@@ -170,8 +170,6 @@ class EngineConfig:
                "num_speculative_tokens", self.num_speculative_tokens,
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")
         if self.num_speculative_tokens:
-            _check(world == 1, "num_speculative_tokens", self.num_speculative_tokens,
-                   "0 with tensor/expert parallelism (speculative steps run on a single rank for now)")
             verify = self.max_running_requests * (1 + self.num_speculative_tokens)
             _check(self.max_num_batched_tokens >= verify, "num_speculative_tokens", self.num_speculative_tokens,
                    f"at most what max_num_batched_tokens ({self.max_num_batched_tokens}) holds: every running "

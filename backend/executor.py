@@ -105,7 +105,7 @@ class StepExecutor:
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self.sampler = Sampler(model.kernels)
-        self.verifier, self.drafter = Verifier(self.sampler), Drafter(model, kv)
+        self.verifier, self.drafter = Verifier(self.sampler), Drafter(model, kv, group)
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -181,8 +181,12 @@ class StepExecutor:
     def _speculative_step(self, job: StepJob, started: float) -> StepOutput:
         """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py). The
         host needs the emitted counts before it can place the next step, so this returns when all is done."""
-        batch = job.device_batch
-        logits, streams = self.model.forward(batch, self.kv, return_streams=True)
+        if self.group is not None:  # every rank runs the forward, and keeps its streams for the draft passes
+            batch = job.batch
+            logits, streams = self.group.forward(self.model, self.kv, batch, job.copies, return_streams=True)
+        else:
+            batch = job.device_batch
+            logits, streams = self.model.forward(batch, self.kv, return_streams=True)
         verdict = self.verifier.verify(logits, job.samplers, job.spec.rows)
         drafting = time.perf_counter()
         drafts = self.drafter.propose(batch, streams, job.spec, verdict, job.samplers)

@@ -25,7 +25,9 @@ Rolling back a rejected draft is moving the request's position back (`Scheduler.
   where its emitted tokens end.
 
 The host learns the accepted count with the step's output, so steps with speculation run one at a time (overlap
-scheduling waits for each step's output; README "Speculative decoding").
+scheduling waits for each step's output; README "Speculative decoding"). Under tensor/expert parallelism every rank
+runs the forward and each draft pass on the batch rank 0 broadcasts, each keeping its own copy of the streams the
+next pass reads; rank 0 alone verifies and draws.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
+from backend.parallel.group import draft_pass
 from backend.sampler import Sampler, SamplerState, filter_logits
 from backend.request import TokenLogprobs
 
@@ -145,28 +148,33 @@ class Verifier:
 
 
 class Drafter:
-    """Proposes each row's drafts with the MTP layer (see the module docstring)."""
+    """Proposes each row's drafts with the MTP layer (see the module docstring); with a rank group, every rank runs
+    each draft pass (backend/parallel/group.py), rank 0 draws."""
 
-    def __init__(self, model, kv):
-        self.model, self.kv = model, kv
+    def __init__(self, model, kv, group=None):
+        self.model, self.kv, self.group = model, kv, group
+
+    def _pass(self, batch: ForwardBatch, logits_index: torch.Tensor, hidden: torch.Tensor, hidden_rows=None):
+        """(logits at `logits_index`, the streams there): one draft pass reading `hidden` (or its `hidden_rows`)."""
+        if self.group is not None:
+            return self.group.draft(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
+        return draft_pass(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, streams: torch.Tensor, job: SpecJob, verdict: Verdict,
                 states: list[SamplerState]) -> dict[int, list[int]]:
         """Sampling row -> its drafts for the next step (rows that draft only)."""
         rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in verdict.row_ends]
-        next_ids = self._next_ids(batch, job, verdict)
+        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, verdict))
         if not rows:  # the draft layer's window still takes in this step's positions
-            self.model.draft(dataclasses.replace(batch, input_ids=next_ids), self.kv, streams,
-                             batch.logits_token_index[:0])
+            self._pass(first, batch.logits_token_index[:0], streams)
             return {}
         counts = [1 + len(row.drafts) for row in job.rows]
         firsts = [sum(counts[:r]) for r in range(len(job.rows))]
         # The row's last emitted position: its logits token number (emitted - 1).
         picks = [firsts[r] + len(verdict.emitted[r]) - 1 for r in rows]
         index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]
-        logits, streams = self.model.draft(dataclasses.replace(batch, input_ids=next_ids), self.kv, streams, index)
-        hidden = streams[index]
+        logits, hidden = self._pass(first, index, streams)
         positions = batch.positions[index].tolist()
         drafts = {r: [] for r in rows}
         for r in rows:
@@ -182,10 +190,8 @@ class Drafter:
                 break
             chain = [BatchRow(job.rows[rows[i]].pages, [tokens[i]], positions[i] + step, True) for i in live]
             chain_batch = build_forward_batch(chain, self.kv, device=batch.input_ids.device)
-            live_index = torch.tensor(live, device=hidden.device)
-            logits, streams = self.model.draft(chain_batch, self.kv, hidden[live_index],
-                                               chain_batch.logits_token_index)
-            hidden = streams
+            logits, hidden = self._pass(chain_batch, chain_batch.logits_token_index, hidden,
+                                        torch.tensor(live, device=hidden.device))
             rows, positions = [rows[i] for i in live], [positions[i] for i in live]
             tokens = self._draw(logits, [states[r] for r in rows])
         return drafts

@@ -7,7 +7,10 @@
 #   5. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
 #      steps/s of the tiny model's real forward with overlap scheduling on and off,
 #   6. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
-#      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt).
+#      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt),
+#   7. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
+#      side, CUDA graphs on (they serve the k = 0 decodes; verify steps run eagerly). The built-in checkpoint's
+#      drafts are random (almost never accepted): this measures what speculation costs, its worst case.
 # Results go to ${OUT:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
@@ -40,11 +43,13 @@ if "$PY" -c "import xgrammar" 2>/dev/null; then
 else
   status[structured]="not run (xgrammar not installed)"
 fi
+run speculative "$PY" scripts/bench_speculative.py --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
+  --runs 3 --json "$OUT/speculative.json" --csv "$OUT/speculative.csv"
 
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches bench_kernels host_loop structured; do
+for name in kernel_tests engine launches bench_kernels host_loop structured speculative; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done

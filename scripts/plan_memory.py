@@ -9,7 +9,7 @@ Reads config.json only (no weight). Weights come from backend/model/footprint.py
 holds with --weight-format `dequantize` (every weight in bf16) or `fp8` (kept as published: FP8
 linears, MXFP4 or FP8 experts, with their scales); the published checkpoint's size on disk (with
 the mtp.* draft layer) is printed beside them, to compare with the real shards. Per device is what
-ONE rank of the parallel layout holds, tensor by tensor (backend/parallel/layout.py: split heads and
+ONE rank of the parallel layout holds, tensor by tensor (the MTP layer too with --num-speculative-tokens) (backend/parallel/layout.py: split heads and
 groups, split or sliced experts, the vocabulary-parallel head, everything else replicated). The KV
 pools are not split: DeepSeek-V4 has one K=V head and the compressors are replicated, so every rank
 keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after the rank's
@@ -40,14 +40,16 @@ GIB = 2**30
 
 
 def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: int = 0,
-                prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16") -> dict:
+                prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16", speculative_tokens: int = 0) -> dict:
     """Per-position bytes of each pool (bf16 values, or the fp8 layout's bytes), per-request bytes of window +
     compressor state, and the prefix cache's ring snapshots (the compressor state in bf16, or with fp8, which
-    implies DeepSeek's numerics, in fp32 as its compressors keep it)."""
+    implies DeepSeek's numerics, in fp32 as its compressors keep it). Speculative decoding adds the draft layer's
+    window, a lookahead to each request's window and positions to the rings."""
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
                         max_running_requests=max_running, dtype=torch.bfloat16, device="meta",
                         kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else torch.bfloat16,
-                        state_dtype=torch.float32 if kv_cache_dtype == "fp8" else torch.bfloat16)
+                        state_dtype=torch.float32 if kv_cache_dtype == "fp8" else torch.bfloat16,
+                        draft_layers=1 if speculative_tokens else 0, speculative_tokens=speculative_tokens)
     if prefix_cache_entries:
         kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries, prefix_cache_end_entries)
     per_token = kv.bytes_per_token()
@@ -60,20 +62,20 @@ def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: 
 
 def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: float, utilization: float,
          reserve_gib: float, max_running: int, page_size: int, prefix_cache_entries: int = 0,
-         prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16") -> dict:
+         prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16", speculative_tokens: int = 0) -> dict:
     """ConfigError (naming the parameter) when the layout cannot split this model."""
     layout.check(config)
     prefix_cache_end_entries = min(prefix_cache_end_entries, prefix_cache_entries)  # none without the cache
-    parts = weight_bytes(config, weight_format)
+    draft_layers = 1 if speculative_tokens else 0  # the MTP layer, loaded when speculative decoding serves it
+    parts = weight_bytes(config, weight_format, draft_layers=draft_layers)
     published = weight_bytes(config, "published")
     on_disk = sum(published.values())
-    parts.pop("draft layer (mtp)")
-    weights = sum(parts.values())
-    per_rank = weight_bytes(config, weight_format, layout=layout)
-    per_rank.pop("draft layer (mtp)")
-    rank_weights = sum(per_rank.values())
+    per_rank = weight_bytes(config, weight_format, layout=layout, draft_layers=draft_layers)
+    if not draft_layers:  # (not served: no such part)
+        parts.pop("draft layer (mtp)"), per_rank.pop("draft layer (mtp)")
+    weights, rank_weights = sum(parts.values()), sum(per_rank.values())
     geometry = kv_geometry(config, page_size, max_running, prefix_cache_entries, prefix_cache_end_entries,
-                           kv_cache_dtype)
+                           kv_cache_dtype, speculative_tokens)
     per_token = geometry["bytes_per_token"]
     compressed_per_position = sum(v for k, v in per_token.items() if k != "window")
     budget = gpu_memory_gib * GIB * utilization - rank_weights - reserve_gib * GIB
@@ -83,7 +85,8 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     snapshot_bytes = geometry["snapshot_bytes"]
     kv_budget = budget - max_running * per_request - snapshot_bytes
     return {
-        "weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype, "num_gpus": layout.world_size,
+        "weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype, "num_speculative_tokens": speculative_tokens,
+        "num_gpus": layout.world_size,
         "tensor_parallel_size": layout.tensor_parallel_size, "expert_parallel_size": layout.expert_parallel_size,
         "gpu_memory_gib": gpu_memory_gib, "weights_bytes": weights, "weights_by_part": parts,
         "weights_per_device_bytes": rank_weights, "weights_per_device_by_part": per_rank,
@@ -98,13 +101,15 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
 
 
 def print_plan(row: dict) -> None:
+    if row["num_speculative_tokens"]:
+        print(f"speculative decoding: {row['num_speculative_tokens']} drafts per decode (the MTP layer served)")
     print(f"weights ({row['weight_format']}): {row['weights_bytes'] / GIB:.1f} GiB in all, "
           f"{row['weights_per_device_bytes'] / GIB:.1f} GiB per device on {row['num_gpus']} GPU(s) of "
           f"{row['gpu_memory_gib']:g} GiB (tensor_parallel_size={row['tensor_parallel_size']}, "
           f"expert_parallel_size={row['expert_parallel_size']})")
-    print(f"  {'':>16}  {'all':>9}  {'per device':>10}")
+    print(f"  {'':>17}  {'all':>9}  {'per device':>10}")
     for part, size in row["weights_by_part"].items():
-        print(f"  {part:>16}: {size / GIB:8.2f}  {row['weights_per_device_by_part'][part] / GIB:10.2f} GiB")
+        print(f"  {part:>17}: {size / GIB:8.2f}  {row['weights_per_device_by_part'][part] / GIB:10.2f} GiB")
     print(f"published checkpoint on disk (with the mtp layer, {row['published_draft_layer_bytes'] / GIB:.2f} GiB): "
           f"{row['published_on_disk_bytes']:,} bytes")
     per_token = ", ".join(f"{k} {v:.1f}" for k, v in row["kv_bytes_per_position"].items())
@@ -146,6 +151,9 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8", "both"], default="both",
                         help="what the pools store (fp8: DeepSeek's 584-byte entries and FP4 indexer keys); both: "
                              "the two plans and their ratios")
+    parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                        help="speculative decoding's drafts per decode: the MTP layer's weights and window, the "
+                             "lookahead and longer compressor rings count too")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.prefix_cache_entries and args.prefix_cache_end_entries > args.prefix_cache_entries:
@@ -158,7 +166,7 @@ def main() -> None:
     dtypes = ["bfloat16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
     rows = [plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
                  args.max_running_requests, args.page_size, args.prefix_cache_entries, args.prefix_cache_end_entries,
-                 dtype) for dtype in dtypes]
+                 dtype, args.num_speculative_tokens) for dtype in dtypes]
     for row in rows:
         print_plan(row)
     if len(rows) == 2:

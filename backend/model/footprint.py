@@ -6,10 +6,11 @@ Formats:
   e8m0 byte per 32) or, with expert_dtype "fp8", in FP8 with float32 block scales;
   bf16 embeddings, head, norms, compressors, indexer weights_proj and router; fp32 mHC parameters,
   sinks, position biases and router bias; int64 tid2eid.
-- `fp8`: what the engine holds with weight_format=fp8: as published, without the draft layer, and
-  with `o_a_proj` dequantized to bf16 (backend/model/checkpoint.py);
+- `fp8`: what the engine holds with weight_format=fp8: as published, with `o_a_proj` dequantized to
+  bf16 (backend/model/checkpoint.py); the draft layer only when speculative decoding serves it;
 - `dequantize`: what the engine holds with weight_format=dequantize: every weight in the engine dtype
-  (bf16 on CUDA), the parameters the reference keeps in fp32 in fp32, tid2eid as int64; no draft layer.
+  (bf16 on CUDA), the parameters the reference keeps in fp32 in fp32, tid2eid as int64; the draft
+  layer only when served.
 """
 
 from __future__ import annotations
@@ -79,18 +80,22 @@ def _one_sliding_layer(config: ModelConfig) -> ModelConfig:
                                mlp_layer_types=[config.mlp_layer_types[-1]])
 
 
-def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None) -> dict[str, int]:
-    """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer; with a
-    ParallelLayout (backend/parallel/layout.py), what one rank holds (the draft layer is never loaded)."""
+def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None,
+                 draft_layers: int = 0) -> dict[str, int]:
+    """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer (the published
+    checkpoint's, or in the engine's formats the `draft_layers` speculative decoding serves); with a ParallelLayout
+    (backend/parallel/layout.py), what one rank holds (split like the main layers')."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0}
-    shapes = expected_shapes(config)
+    parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0, "draft layer (mtp)": 0}
+    shapes = expected_shapes(config, 0 if fmt == "published" else draft_layers)
     if layout is not None:
         shapes = layout.local_shapes(shapes)
     for name, shape in shapes.items():
         size = tensor_bytes(name, shape, config, fmt, dtype_bytes)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name.startswith("model.mtp."):
+            parts["draft layer (mtp)"] += size
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             parts["embed+head"] += size
         elif name.endswith(_EXPERTS):
             parts["routed experts"] += size
@@ -98,5 +103,6 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
             parts["attention"] += size
         else:
             parts["other"] += size
-    parts["draft layer (mtp)"] = draft_layer_bytes(config, fmt)
+    if fmt == "published":
+        parts["draft layer (mtp)"] = draft_layer_bytes(config, fmt)
     return parts

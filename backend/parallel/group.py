@@ -87,20 +87,35 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
 
     config, dtype = spec.config, spec.config.resolved_dtype()
     model_config, weight_format, kv, _ = plan_deployment(config, device, dtype)  # the same pools as rank 0
-    model = load_model(config, model_config, weight_format, device, dtype, layout, comm)
+    model = load_model(config, model_config, weight_format, device, dtype, layout, comm,
+                       draft_layers=1 if config.num_speculative_tokens else 0)
     dist.barrier(group=control)  # loaded
+    hidden = None  # speculative decoding: the streams the next draft pass reads (rank 0 keeps the same)
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control)
         if message[0] is None:
             break
-        before, batch, after = message[0]
+        kind, *args = message[0]
+        if kind == "draft":
+            batch, logits_index, hidden_rows = args
+            hidden = draft_pass(model, kv, _on(batch, device), hidden, logits_index, hidden_rows)[1]
+            continue
+        before, batch, after, keep_streams = args
         if before:  # rank 0's prefix cache asked for copies around this step: the same copies here
             kv.prefix_cache.apply(before)
-        model.forward(_on(batch, device), kv)
+        out = model.forward(_on(batch, device), kv, return_streams=keep_streams)
+        hidden = out[1] if keep_streams else None
         if after:
             kv.prefix_cache.apply(after)
     dist.destroy_process_group()
+
+
+def draft_pass(model, kv, batch, hidden, logits_index, hidden_rows):
+    """One pass of the MTP layer (backend/speculative.py) as every rank runs it: it reads `hidden` (all rows, or
+    `hidden_rows` of them), returns (logits, the streams at `logits_index`: what a chained pass reads next)."""
+    logits, streams = model.draft(batch, kv, hidden if hidden_rows is None else hidden[hidden_rows], logits_index)
+    return logits, streams[logits_index]
 
 
 def _on(batch, device):
@@ -179,15 +194,27 @@ class RankGroup:
             raise RankGroupError(self.broken) from exc
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
 
-    def forward(self, model, kv, batch, copies):
+    def forward(self, model, kv, batch, copies, return_streams: bool = False):
         """Broadcast the host batch and the prefix cache's copies around it (StepCopies, which rank 0's executor
-        makes itself), run this rank's forward; RankGroupError if any rank is gone."""
+        makes itself), run this rank's forward; RankGroupError if any rank is gone. `return_streams`: every rank
+        keeps the residual streams for the draft passes that follow (speculative decoding)."""
+        return self._broadcast(("forward", copies.before, batch, copies.after, return_streams),
+                               lambda: model.forward(_on(batch, model.device), kv, return_streams=return_streams))
+
+    def draft(self, model, kv, batch, hidden, logits_index, hidden_rows):
+        """`draft_pass` on every rank (each reads the streams it kept); rank 0's result."""
+        return self._broadcast(("draft", batch, logits_index, hidden_rows),
+                               lambda: draft_pass(model, kv, _on(batch, model.device), hidden, logits_index,
+                                                  hidden_rows))
+
+    def _broadcast(self, message, run):
+        """Send every worker `message`, run rank 0's part; RankGroupError if any rank is gone."""
         if self.broken:
             raise RankGroupError(self.broken)
         try:
             self._check_workers()
-            dist.broadcast_object_list([(copies.before, batch, copies.after)], src=0, group=self.control)
-            return model.forward(_on(batch, model.device), kv)
+            dist.broadcast_object_list([message], src=0, group=self.control)
+            return run()
         except RankGroupError:
             raise
         except Exception as exc:  # a collective failed or timed out: the group cannot step again

@@ -40,7 +40,7 @@ class OracleDrafter(Drafter):
     probability `error_rate` (so verifies accept some drafts and reject the rest)."""
 
     def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int):
-        super().__init__(drafter.model, drafter.kv)
+        super().__init__(drafter.model, drafter.kv, drafter.group)
         self.reference, self.error_rate, self.vocab = reference, error_rate, vocab
         self.emitted: Counter = Counter()
         self.random = random.Random(0)
@@ -185,8 +185,6 @@ def test_speculation_without_a_draft_layer_or_beyond_the_limits_is_refused(tiny_
         _engine(no_mtp, num_speculative_tokens=1)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=9)
-    with pytest.raises(ConfigError, match="num_speculative_tokens"):
-        EngineConfig(num_speculative_tokens=2, tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="num_speculative_tokens.*max_num_batched_tokens"):
         EngineConfig(num_speculative_tokens=3, max_running_requests=16, max_num_batched_tokens=32)
     # A window pool of 3 pages of 64 holds a decode's window (128 positions) but not one draft more.
@@ -207,3 +205,42 @@ def test_the_published_fp8_layout_speculates_exactly(deepseek_published_checkpoi
     assert isinstance(engine.model.w["model.mtp.0.e_proj.weight"], Fp8Weight) and engine.kv.fp8
     assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
     assert engine.stats()["num_accepted_tokens"] > 0
+
+
+def test_the_draft_forward_is_deepseeks_mtp_block(tiny_checkpoint):
+    """`DeepseekV4Model.draft` over the engine's paged memory against DeepSeek's MTPBlock composed from transformers'
+    own modules (scripts/train_mtp_draft.py's DraftLayer), from the reference model's residual streams: logits at
+    every position of a 200-token prompt (its window sliding) within 1e-4."""
+    import dataclasses
+    import sys
+
+    from transformers import DeepseekV4ForCausalLM
+
+    from backend.model.checkpoint import load_weights
+    from backend.model.forward_batch import BatchRow, build_forward_batch
+    from backend.request import Sequence
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from train_mtp_draft import DraftLayer, main_model_streams, one_layer_config
+
+    tokens = _prompts([201], seed=4)[0]
+    reference = DeepseekV4ForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    streams = main_model_streams(reference, torch.tensor([tokens]))
+    module = DraftLayer(one_layer_config(tiny_checkpoint)).eval()
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=1)
+    weights = load_weights(tiny_checkpoint, engine.model_config, torch.float32, "cpu", draft_layers=1)
+    module.load_engine_tensors({n: t for n, t in weights.items() if n.startswith("model.mtp.0.")})
+    with torch.no_grad():
+        hidden = module(reference.model.embed_tokens(torch.tensor([tokens[1:]])), streams[:, :-1])
+        expected = torch.nn.functional.linear(hidden, reference.lm_head.weight)[0]
+
+    seq = Sequence("draft-check", tokens[:-1])
+    engine.kv.extend(seq, len(tokens) - 1)
+    batch = build_forward_batch([BatchRow(seq.pages, tokens[:-1], 0, True)], engine.kv)
+    _, main_streams = engine.model.forward(batch, engine.kv, return_streams=True)
+    assert (main_streams - streams[0, :-1]).abs().max() < 1e-4  # the engine's streams are the reference's
+    got, _ = engine.model.draft(dataclasses.replace(batch, input_ids=torch.tensor(tokens[1:])), engine.kv,
+                                main_streams, torch.arange(len(tokens) - 1))
+    engine.kv.free(seq)
+    assert (got - expected).abs().max() < 1e-4

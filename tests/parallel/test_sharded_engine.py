@@ -210,3 +210,24 @@ def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepsee
             torch.testing.assert_close(many.step(work), one.step(work), rtol=0, atol=1e-5)
     finally:
         sharded.shutdown()
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
+def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, tp, ep):
+    """Speculative decoding with two ranks (every rank runs the verify forward and each draft pass, rank 0 draws):
+    with k = 2 and drafts that are partly right, the greedy tokens are the single rank's without speculation."""
+    from tests.engine.test_speculative import OracleDrafter
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 140)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    single = _engine(parallel_checkpoint)
+    expected = [r["output_ids"] for r in single.generate(prompts, params)]
+    sharded = _engine(parallel_checkpoint, num_speculative_tokens=2, tensor_parallel_size=tp, expert_parallel_size=ep)
+    try:
+        executor = sharded.executor
+        executor.drafter = OracleDrafter(executor.drafter, dict(enumerate(expected)), 0.3, sharded.vocab_size)
+        assert [r["output_ids"] for r in sharded.generate(prompts, params)] == expected
+        assert sharded.stats()["num_accepted_tokens"] > 0
+    finally:
+        sharded.shutdown()
