@@ -187,7 +187,7 @@ class StepExecutor:
         else:
             batch = job.device_batch
             logits, streams = self.model.forward(batch, self.kv, return_streams=True)
-        verdict = self.verifier.verify(logits, job.samplers, job.spec.rows)
+        verdict = self.verifier.verify(logits, job.samplers, job.spec)
         drafting = time.perf_counter()
         drafts = self.drafter.propose(batch, streams, job.spec, verdict, job.samplers)
         draft_s = time.perf_counter() - drafting

@@ -47,11 +47,16 @@ class OutputProcessor:
             return None  # ended already (a stop string): what the engine still reports is dropped
         detokenizer = stream.detokenizer
         finished, reason = output.finished, output.finish_reason
-        text = ""
-        if not (finished and reason is FinishReason.STOP):  # a stop token's own text is never sent
-            for token in output.new_token_ids:
-                text += detokenizer.add(token)
-        stream.num_tokens += len(output.new_token_ids)
+        tokens, logprobs, text = output.new_token_ids, output.logprobs, ""
+        # An output may carry several tokens (speculative decoding). The engine's stop ends on a stop token, whose own
+        # text is never sent; a stop string ends the output at the token that completed it.
+        texted = tokens[:-1] if finished and reason is FinishReason.STOP else tokens
+        for i, token in enumerate(texted):
+            text += detokenizer.add(token)
+            if detokenizer.stopped:
+                tokens, logprobs = tokens[:i + 1], logprobs[:i + 1] if logprobs else logprobs
+                break
+        stream.num_tokens += len(tokens)
         if detokenizer.stopped and reason is not FinishReason.STOP:  # a stop string: the request's last output
             if not finished:
                 self.abort(output.request_id)
@@ -60,5 +65,5 @@ class OutputProcessor:
             if output.error is None:
                 text += detokenizer.flush()
             del self._streams[output.request_id]
-        return replace(output, new_text=text, finished=finished, finish_reason=reason,
-                       num_output_tokens=stream.num_tokens)
+        return replace(output, new_token_ids=tokens, logprobs=logprobs, new_text=text, finished=finished,
+                       finish_reason=reason, num_output_tokens=stream.num_tokens)

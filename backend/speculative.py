@@ -33,6 +33,7 @@ next pass reads; rank 0 alone verifies and draws.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,10 @@ class SpecJob:
     rows: list[DraftRow]
     num_speculative_tokens: int
 
+    def first_logits_rows(self) -> list[int]:
+        """Each sampling row's first row of the step's logits (a verify row has 1 + drafts of them)."""
+        return [0, *itertools.accumulate(1 + len(row.drafts) for row in self.rows)][:-1]
+
 
 @dataclass
 class Verdict:
@@ -82,9 +87,8 @@ class Verifier:
         self.sampler = sampler
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
-    def verify(self, logits: torch.Tensor, states: list[SamplerState], rows: list[DraftRow]) -> Verdict:
-        counts = [1 + len(row.drafts) for row in rows]
-        firsts = [sum(counts[:r]) for r in range(len(rows))]
+    def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob) -> Verdict:
+        rows, firsts = job.rows, job.first_logits_rows()
         emitted: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
         # Ordinary rows (prefill ends, decodes without drafts, constrained requests): the sampler, in one call.
@@ -100,10 +104,18 @@ class Verifier:
                     logprobs[r] = [sampled.logprobs[i]]
             verdict.row_ends = {single[i]: end for i, end in sampled.row_ends.items()}
             verdict.mask_fill_s, verdict.grammar_accept_s = sampled.mask_fill_s, sampled.grammar_accept_s
+        argmax = None  # every logits row's, read once for the greedy rows without penalties
         for r, row in enumerate(rows):
-            if row.drafts:
-                emitted[r], logprobs[r] = self._verify_row(logits[firsts[r]:firsts[r] + counts[r]], states[r],
-                                                           list(row.drafts))
+            if not row.drafts:
+                continue
+            state, span = states[r], slice(firsts[r], firsts[r] + 1 + len(row.drafts))
+            if state.params.temperature == 0.0 and not state.has_penalties:
+                argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
+                emitted[r] = _accepted_prefix(list(row.drafts), argmax[span])
+                if state.params.logprobs is not None:
+                    logprobs[r] = self.sampler.logprobs(logits[span], [state] * len(emitted[r]), emitted[r])
+            else:
+                emitted[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts))
         if any(lp is not None for lp in logprobs):
             verdict.logprobs = logprobs
         return verdict
@@ -117,9 +129,7 @@ class Verifier:
             for i in range(len(targets)):
                 state.penalize(targets[i], pending=drafts[:i])
         if params.temperature == 0.0:
-            best = targets.argmax(dim=-1).tolist()
-            accepted = next((i for i, (d, t) in enumerate(zip(drafts, best)) if d != t), len(drafts))
-            emitted = best[:accepted + 1]
+            emitted = _accepted_prefix(drafts, targets.argmax(dim=-1).tolist())
         else:
             emitted = self._rejection_sample(targets.float().cpu(), state, drafts)
         if state.has_penalties:
@@ -147,6 +157,13 @@ class Verifier:
         return emitted
 
 
+def _accepted_prefix(drafts: list[int], best: list[int]) -> list[int]:
+    """Greedy verification: the target's tokens up to and including its first disagreement with the drafts (all
+    of them, and one more, when none disagrees)."""
+    accepted = next((i for i, (d, t) in enumerate(zip(drafts, best)) if d != t), len(drafts))
+    return best[:accepted + 1]
+
+
 class Drafter:
     """Proposes each row's drafts with the MTP layer (see the module docstring); with a rank group, every rank runs
     each draft pass (backend/parallel/group.py), rank 0 draws."""
@@ -169,8 +186,7 @@ class Drafter:
         if not rows:  # the draft layer's window still takes in this step's positions
             self._pass(first, batch.logits_token_index[:0], streams)
             return {}
-        counts = [1 + len(row.drafts) for row in job.rows]
-        firsts = [sum(counts[:r]) for r in range(len(job.rows))]
+        firsts = job.first_logits_rows()
         # The row's last emitted position: its logits token number (emitted - 1).
         picks = [firsts[r] + len(verdict.emitted[r]) - 1 for r in rows]
         index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]

@@ -6,7 +6,8 @@
 
 For each run (--runs, interleaved: every k at every concurrency, then the next run, so that a noisy machine's drift
 spreads over all cells), C prompts of --prompt-tokens generate --max-tokens tokens each (greedy, eos ignored) on an
-engine with num_speculative_tokens = k. Decode tok/s is C * (max_tokens - 1) over the time a max_tokens run takes
+engine with num_speculative_tokens = k, built for the cell and shut down after it: one engine lives at a time (an
+idle second engine's overlap thread slowed the other's steps 2.8x on CPU, which is not what a server runs). Decode tok/s is C * (max_tokens - 1) over the time a max_tokens run takes
 beyond a 1-token run (prefill and first token only), as in bench_engine.py. Each cell reports the median over runs
 and the spread (min-max), the ratio to k = 0 at the same concurrency within each run (median and spread), and the
 mean accepted length (tokens a verify emits). Prints a table; writes --csv, --json and --plot (decode tok/s by
@@ -60,32 +61,36 @@ def main() -> None:
     args = parser.parse_args()
     ks = sorted(set(args.ks) | {0})
     most = max(args.concurrency)
-    engines = {k: LLMEngine(EngineConfig(checkpoint=args.checkpoint, device=args.device, num_speculative_tokens=k,
-                                         max_running_requests=most, max_num_batched_tokens=max(8192, most * (k + 1)),
-                                         enable_prefix_caching=False, cuda_graphs=args.cuda_graphs))
-               for k in ks}
+
+    def engine_for(k: int) -> LLMEngine:
+        return LLMEngine(EngineConfig(checkpoint=args.checkpoint, device=args.device, num_speculative_tokens=k,
+                                      max_running_requests=most, max_num_batched_tokens=max(8192, most * (k + 1)),
+                                      enable_prefix_caching=False, cuda_graphs=args.cuda_graphs))
+
     g = torch.Generator().manual_seed(0)
-    batches = {c: torch.randint(2, engines[0].vocab_size, (c, args.prompt_tokens), generator=g).tolist()
+    vocab = engine_for(0)
+    batches = {c: torch.randint(2, vocab.vocab_size, (c, args.prompt_tokens), generator=g).tolist()
                for c in args.concurrency}
-    for engine in engines.values():  # warm-up
-        decode_tokens_per_s(engine, batches[args.concurrency[0]], 4)
+    vocab.shutdown()
     speeds: dict[tuple[int, int], list[float]] = {}
     accepted: dict[tuple[int, int], list[float]] = {}
     for run in range(args.runs):
         for c in args.concurrency:
             for k in ks:
-                engine = engines[k]
-                before = dict(engine.scheduler.counters.__dict__)
-                speed = decode_tokens_per_s(engine, batches[c], args.max_tokens)
-                counters = engine.scheduler.counters
-                verifies = counters.num_verifies - before["num_verifies"]
-                emitted = verifies + counters.num_accepted_tokens - before["num_accepted_tokens"]
+                engine = engine_for(k)
+                try:
+                    decode_tokens_per_s(engine, batches[c], 4)  # warm-up
+                    counters = engine.scheduler.counters
+                    verifies, drafts_accepted = counters.num_verifies, counters.num_accepted_tokens
+                    speed = decode_tokens_per_s(engine, batches[c], args.max_tokens)
+                    verifies = counters.num_verifies - verifies
+                    emitted = verifies + counters.num_accepted_tokens - drafts_accepted
+                finally:
+                    engine.shutdown()
                 speeds.setdefault((c, k), []).append(speed)
                 accepted.setdefault((c, k), []).append(emitted / verifies if verifies else 1.0)
                 print(f"run {run + 1} concurrency {c:>3} k {k}: {speed:8.1f} tok/s, mean accepted length "
                       f"{accepted[c, k][-1]:.2f}", flush=True)
-    for engine in engines.values():
-        engine.shutdown()
 
     rows = []
     for c in args.concurrency:

@@ -51,3 +51,26 @@ def test_a_failed_request_gets_no_held_back_text_and_a_cancelled_one_does(tokeni
         text = "".join(processor.process(_raw(t)).new_text for t in ids)
         final = processor.process(_raw(finished=True, reason=reason, error=error))
         assert (text + final.new_text == "Привет") is flushed and final.finish_reason is reason
+
+
+def test_outputs_of_several_tokens_stop_where_a_stop_ends(tokenizer):
+    """Speculative decoding reports several tokens at once: a stop string inside them ends the output at the token
+    that completed it (later ones are neither sent nor counted), and a final stop token's text is still not sent
+    while the tokens before it are."""
+    from backend.request import TokenLogprobs
+
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
+    aborted = []
+    processor = OutputProcessor(tokenizer, aborted.append)
+    processor.add("r", SamplingParams(stop=["fox jumps"]))
+    logprobs = [TokenLogprobs(-float(i)) for i in range(len(ids))]
+    out = processor.process(RequestOutput("r", ids, "", False, None, 3, len(ids), logprobs=logprobs))
+    end = next(i for i in range(len(ids)) if "fox jumps" in tokenizer.decode(ids[:i + 1]))
+    assert out.finished and out.finish_reason is FinishReason.STOP and aborted == ["r"]
+    assert out.new_text == "The quick brown " and out.new_token_ids == ids[:end + 1] and out.num_output_tokens == end + 1
+    assert out.logprobs == logprobs[:end + 1] and end + 1 < len(ids)
+
+    processor.add("s", SamplingParams())
+    hello = tokenizer.encode("Hello world").ids
+    final = processor.process(RequestOutput("s", hello + [1], "", True, FinishReason.STOP, 3, len(hello) + 1))
+    assert final.new_text == "Hello world" and final.new_token_ids == hello + [1]
