@@ -244,3 +244,70 @@ def test_the_draft_forward_is_deepseeks_mtp_block(tiny_checkpoint):
                                 main_streams, torch.arange(len(tokens) - 1))
     engine.kv.free(seq)
     assert (got - expected).abs().max() < 1e-4
+
+
+class ModeDrafter(Drafter):
+    """A deterministic draft for sampled requests: after the outputs so far, the next token sampling picked most
+    often after them without speculation, proposed with draft probability 1 (q = one-hot). The rule must keep p
+    whatever q is; with this q a draft is accepted with probability p(draft), often, and a rejection draws from p
+    without it."""
+
+    def __init__(self, drafter: Drafter, samples: list[list[int]], vocab: int):
+        super().__init__(drafter.model, drafter.kv, drafter.group)
+        self.vocab, self.outputs = vocab, {}
+        follows: dict[tuple, Counter] = {}
+        for out in samples:
+            for i in range(len(out)):
+                follows.setdefault(tuple(out[:i]), Counter())[out[i]] += 1
+        self.mode = {history: counts.most_common(1)[0][0] for history, counts in follows.items()}
+
+    def propose(self, batch, streams, job, verdict, states):
+        drafts = super().propose(batch, streams, job, verdict, states)
+        for r, row in enumerate(job.rows):
+            self.outputs.setdefault(row.request_id, []).extend(verdict.emitted[r])
+        for r, proposed in drafts.items():
+            history = list(self.outputs[job.rows[r].request_id])
+            for _ in proposed:
+                history.append(self.mode.get(tuple(history), 0))
+            drafts[r] = history[len(history) - len(proposed):]
+            states[r].draft_probs = [torch.nn.functional.one_hot(torch.tensor(d), self.vocab).float()
+                                     for d in drafts[r]]
+        return drafts
+
+
+def _homogeneity(first: list[int], second: list[int]) -> tuple[float, float]:
+    """Pearson's chi-square statistic that two samples of equal size come from one distribution (categories
+    expected fewer than 5 times pooled), and its critical value at p = 0.001 (Wilson-Hilferty)."""
+    a, b, n = Counter(first), Counter(second), len(first)
+    expected = {t: (a[t] + b[t]) / 2 for t in set(a) | set(b)}
+    small = [t for t, e in expected.items() if e < 5]
+    cells = [([a[t]], [b[t]], e) for t, e in expected.items() if e >= 5]
+    if small:
+        cells.append(([a[t] for t in small], [b[t] for t in small], sum(expected[t] for t in small)))
+    statistic = sum((sum(x) - e) ** 2 / e + (sum(y) - e) ** 2 / e for x, y, e in cells)
+    df = len(cells) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+    assert n == len(second) and df >= 2
+    return statistic, critical
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint):
+    """400 seeded samples of 3 tokens from one prompt (temperature 1, top-k 6), without speculation and with k = 2
+    drafts that are accepted or rejected often: the second and third tokens' distributions agree (chi-square
+    homogeneity at p = 0.001)."""
+    prompt, count = _prompts([12], seed=6)[0], 400
+
+    def sample(engine, first_seed):
+        params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=first_seed + i, ignore_eos=True)
+                  for i in range(count)]
+        return _ids(_generate(engine, [prompt] * count, params))
+
+    without = sample(_engine(tiny_checkpoint, max_running_requests=16), 0)
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2, max_running_requests=16)
+    engine.executor.drafter = ModeDrafter(engine.executor.drafter, without, engine.vocab_size)
+    with_drafts = sample(engine, 10_000)
+    stats = engine.stats()
+    assert 0.2 * stats["num_draft_tokens"] < stats["num_accepted_tokens"] < 0.9 * stats["num_draft_tokens"]
+    for position in (1, 2):
+        statistic, critical = _homogeneity([o[position] for o in without], [o[position] for o in with_drafts])
+        assert statistic < critical, (position, statistic, critical)
