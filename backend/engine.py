@@ -100,7 +100,7 @@ class LLMEngine:
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
         self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
-                                           capture=self.device == "cuda")
+                                           capture=self.device == "cuda", return_streams=bool(self.num_speculative_tokens))
                               if config.resolved_cuda_graphs() else None)
         self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
                                      asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
@@ -294,7 +294,7 @@ class LLMEngine:
                 plain &= seq.sampler_state.plain
         spec = self._spec_job(plan) if self.num_speculative_tokens else None
         graphs = self.decode_graphs
-        key = static_key(rows) if graphs is not None and spec is None and graphs.accepts(rows) else None
+        key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         staged = self._stager.stage(batch)
         # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);

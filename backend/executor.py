@@ -184,6 +184,8 @@ class StepExecutor:
         if self.group is not None:  # every rank runs the forward, and keeps its streams for the draft passes
             batch = job.batch
             logits, streams = self.group.forward(self.model, self.kv, batch, job.copies, return_streams=True)
+        elif job.static_key is not None:  # verify rows alike (or plain decodes): padded, from a graph on CUDA
+            (logits, streams), batch = self.graphs.forward(job.static_key, job.staged, lambda _: None)
         else:
             batch = job.device_batch
             logits, streams = self.model.forward(batch, self.kv, return_streams=True)

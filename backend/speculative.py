@@ -221,7 +221,10 @@ class Drafter:
         for row, tokens in zip(job.rows, verdict.emitted):
             count = 1 + len(row.drafts)
             after += (tokens + tokens[-1:] * count)[:count] if tokens else [0] * count
-        next_ids = job.next_ids.to(batch.input_ids.device, copy=True)
+        after += [0] * (len(batch.logits_token_index) - len(after))  # (a static batch's padding rows)
+        next_ids = torch.zeros(batch.num_tokens, dtype=torch.long)  # (padding rows' tokens follow the real ones)
+        next_ids[:len(job.next_ids)] = job.next_ids
+        next_ids = next_ids.to(batch.input_ids.device)
         next_ids[batch.logits_token_index] = torch.tensor(after, dtype=torch.long, device=next_ids.device)
         return next_ids
 

@@ -9,8 +9,9 @@
 #   6. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
 #      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt),
 #   7. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
-#      side, CUDA graphs on (they serve the k = 0 decodes; verify steps run eagerly). The built-in checkpoint's
-#      drafts are random (almost never accepted): this measures what speculation costs, its worst case.
+#      side, CUDA graphs on (decode steps and verify steps whose rows carry k drafts each; the draft passes run
+#      eagerly). The built-in checkpoint's drafts are random (almost never accepted): this measures what
+#      speculation costs, its worst case.
 # Results go to ${OUT:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine

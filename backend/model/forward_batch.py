@@ -25,7 +25,7 @@ import torch
 from backend.memory.kv_manager import KVCacheManager, RequestPages
 from backend.model.compressor import CompressionPlan, build_decode_plan, build_plan
 from backend.model.staging import map_leaves
-from backend.model.static_batch import StaticKey, pad_plan
+from backend.model.static_batch import StaticKey, entries_per_row, pad_plan
 
 
 @dataclass(slots=True)
@@ -76,17 +76,18 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     are not walked: its window spans the logical pages from its start's window to its end, its compressed runs
     the pages of the entries before its end, and their page ids come from the persistent block tables.
     """
-    assert pad_to is None or (len(rows) <= pad_to.rows and all(len(r.token_ids) == 1 and r.want_logits
-                                                                 for r in rows)), \
-        "a static batch holds up to key.rows decode rows"
+    assert pad_to is None or (len(rows) <= pad_to.rows and all(len(r.token_ids) == pad_to.tokens_per_row and
+                                                                 r.want_logits for r in rows)), \
+        "a static batch holds up to key.rows decode (or verify) rows of key.tokens_per_row tokens"
     static = pad_to is not None
     num_pad = pad_to.rows - len(rows) if static else 0
+    pad_width = pad_to.tokens_per_row if static else 1
     scratch_slot = kv.state_pool.scratch_slot
-    ids = [token for row in rows for token in row.token_ids] + [0] * num_pad
+    ids = [token for row in rows for token in row.token_ids] + [0] * (num_pad * pad_width)
     slots = torch.tensor([row.pages.slot for row in rows] + [scratch_slot] * num_pad)
     starts = torch.tensor([row.start_pos for row in rows] + [0] * num_pad)
-    lens = torch.tensor([len(row.token_ids) for row in rows] + [1] * num_pad)
-    num_logits = torch.tensor([row.num_logits if row.want_logits else 0 for row in rows] + [1] * num_pad)
+    lens = torch.tensor([len(row.token_ids) for row in rows] + [pad_width] * num_pad)
+    num_logits = torch.tensor([row.num_logits if row.want_logits else 0 for row in rows] + [pad_width] * num_pad)
     from_previous = torch.tensor([row.from_previous_step for row in rows] + [False] * num_pad)
     snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
                  for position, slot in row.snapshots]
@@ -99,7 +100,9 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     page_size, window_pool = kv.page_size, kv.window_pool
     window_first = (starts - kv.window + 1).clamp(min=0) // page_size
     window_lens = torch.where(real, (ends + page_size - 1) // page_size - window_first, 0)
-    window_width = window_pool.pages_per_running_request() if static else max(1, int(window_lens.max()))
+    # (static: the most pages a row of the key's width spans; the window pool's lookahead covers a verify's)
+    window_width = (max(window_pool.pages_per_running_request(), -(-(kv.window + pad_width - 1) // page_size) + 1)
+                    if static else max(1, int(window_lens.max())))
     window_table = kv.block_table("window", slots, window_first, window_lens, window_width,
                                   window_pool.scratch_page if static else 0)
     # Each token's slot in the window pool: its page in its row's table (padding rows: the scratch page).
@@ -129,8 +132,9 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
         plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))
     if kv.has_pool("hca"):
         plans["hca"] = make_plan(model.hca_rate, False, kv.ring_length("hca"))
-    if static:  # a decode row closes at most one window per compressor: exactly `rows` entries
-        padded = {id(plan): pad_plan(plan, pad_to.rows) for plan in plans.values()}
+    if static:  # a row closes at most entries_per_row windows per compressor: a fixed number of entries
+        padded = {id(plan): pad_plan(plan, pad_to.rows * entries_per_row(plan.rate, pad_width))
+                  for plan in plans.values()}
         plans = {stream: padded[id(plan)] for stream, plan in plans.items()}
 
     batch = ForwardBatch(

@@ -12,7 +12,8 @@ recorded on the first step of that key: the forward runs once on a batch made on
 every Triton kernel for these shapes), then is captured on the same buffer. Every step copies its
 packed batch into the buffer (one copy), lets `prepare` fill in what only the device knows (the
 tokens the step before sampled), and replays. Graphs share one memory pool. Prefill and mixed steps
-run eagerly (their shapes are not bucketed).
+run eagerly (their shapes are not bucketed). Speculative decoding's verify steps (rows of 1 + k tokens alike) have
+their own keys; the draft layer's passes after them run eagerly.
 
 With capture=False (any device; the engine's `cuda_graphs` parameter on CPU) the same padded,
 static-shape step runs eagerly: this is how the logic of the graph path is tested without a GPU.
@@ -37,12 +38,14 @@ class _StaticStep:
     batch: ForwardBatch  # views into `buffer`
     layout: tuple
     graph: "torch.cuda.CUDAGraph | None" = None
-    logits: torch.Tensor | None = None  # the graph's output buffer
+    output: object = None  # the graph's output buffers (logits, or logits and streams)
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv: KVCacheManager, max_rows: int, capture: bool):
-        self.model, self.kv, self.capture = model, kv, capture
+    def __init__(self, model, kv: KVCacheManager, max_rows: int, capture: bool, return_streams: bool = False):
+        """`return_streams`: every step returns (logits, residual streams), what speculative decoding's draft layer
+        reads (DeepseekV4Model.forward)."""
+        self.model, self.kv, self.capture, self.return_streams = model, kv, capture, return_streams
         self.max_rows = row_bucket(max_rows)
         self._steps: dict[StaticKey, _StaticStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -55,10 +58,10 @@ class DecodeGraphs:
     def accepts(self, rows) -> bool:
         return is_decode_batch(rows) and len(rows) <= self.max_rows
 
-    def forward(self, key: StaticKey, staged: StagedBatch,
-                prepare: Callable[[ForwardBatch], None]) -> tuple[torch.Tensor, ForwardBatch]:
-        """Logits [key.rows, vocab] of the packed static batch `staged` (padded to `key`), and the static batch they
-        came from; `prepare(batch)` runs on the static buffers after the copy, before the forward."""
+    def forward(self, key: StaticKey, staged: StagedBatch, prepare: Callable[[ForwardBatch], None]) -> tuple:
+        """Logits [key.rows * key.tokens_per_row, vocab] of the packed static batch `staged` (padded to `key`; with
+        return_streams, (logits, streams)), and the static batch they came from; `prepare(batch)` runs on the static
+        buffers after the copy, before the forward."""
         step = self._steps.get(key)
         if step is None:
             step = self._steps[key] = self._new_step(key, staged)
@@ -66,9 +69,12 @@ class DecodeGraphs:
         staged.copy_into(step.buffer)
         prepare(step.batch)
         if step.graph is None:
-            return self.model.forward(step.batch, self.kv), step.batch
+            return self._forward(step.batch), step.batch
         step.graph.replay()
-        return step.logits, step.batch
+        return step.output, step.batch
+
+    def _forward(self, batch: ForwardBatch):
+        return self.model.forward(batch, self.kv, return_streams=self.return_streams)
 
     def _new_step(self, key: StaticKey, staged: StagedBatch) -> _StaticStep:
         buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
@@ -80,9 +86,9 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self.model.forward(step.batch, self.kv)  # compiles the kernels, warms the allocator
+                self._forward(step.batch)  # compiles the kernels, warms the allocator
             torch.cuda.current_stream().wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(step.graph, pool=self._pool):
-                step.logits = self.model.forward(step.batch, self.kv)
+                step.output = self._forward(step.batch)
         return step

@@ -12,6 +12,8 @@ shapes (built by `build_forward_batch(rows, kv, pad_to=key)`, backend/model/forw
   entries   a decode row closes at most one window per compressor, so every plan has exactly
             `rows` entries; the ones that do not close are padding (`pad_plan`: entry_row -1,
             stored to the scratch page).
+  tokens    speculative decoding's verify rows (`tokens_per_row` = 1 + k, all rows alike) close at most
+            ceil((1 + k) / rate) windows each, and keep 1 + k ring positions each.
 The padded step computes the same outputs for the real rows as the dynamic one
 (tests/engine/test_static_batch.py checks it eagerly on CPU); `DecodeGraphs` in
 backend/model/graph_runner.py keeps one set of static buffers (and, on CUDA, one graph) per key.
@@ -34,6 +36,7 @@ MIN_CONTEXT_BUCKET = 256
 class StaticKey:
     rows: int
     context: int  # positions the block tables can address
+    tokens_per_row: int = 1  # a decode's 1, or a speculative verify's 1 + k (logits at each)
 
 
 def row_bucket(num_rows: int) -> int:
@@ -46,18 +49,30 @@ def context_bucket(max_end: int) -> int:
 
 def static_key(rows) -> StaticKey:
     """The key of a list of decode BatchRows."""
-    return StaticKey(row_bucket(len(rows)), context_bucket(max(r.start_pos + len(r.token_ids) for r in rows)))
+    return StaticKey(row_bucket(len(rows)), context_bucket(max(r.start_pos + len(r.token_ids) for r in rows)),
+                     len(rows[0].token_ids))
 
 
 def is_decode_batch(rows) -> bool:
-    return bool(rows) and all(len(r.token_ids) == 1 and r.want_logits for r in rows)
+    """Rows of one width that want logits at every token: decodes (1 token), or speculative verifies (1 + k tokens,
+    no prefix-cache snapshot inside; backend/speculative.py)."""
+    if not rows:
+        return False
+    width = len(rows[0].token_ids)
+    return all(len(r.token_ids) == width and r.want_logits and r.num_logits == width and not r.snapshots
+               for r in rows)
+
+
+def entries_per_row(rate: int, tokens_per_row: int) -> int:
+    """The most windows of a compressor of `rate` that `tokens_per_row` consecutive positions close."""
+    return -(-tokens_per_row // rate)
 
 
 def pad_plan(plan: "CompressionPlan", num_entries: int) -> "CompressionPlan":
     """`plan` with exactly num_entries entries: every per-entry field (CompressionPlan marks them) gets padding rows
     with its pad value (entry_row -1: computed from source 0, finite, and stored to the scratch page)."""
     missing = num_entries - plan.num_entries
-    assert missing >= 0, "a decode step closes at most one window per row"
+    assert missing >= 0, "a static step closes at most entries_per_row windows per row"
 
     def pad(t: torch.Tensor, value) -> torch.Tensor:
         return torch.cat([t, torch.full((missing, *t.shape[1:]), value, dtype=t.dtype, device=t.device)])

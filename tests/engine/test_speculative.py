@@ -311,3 +311,13 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint):
     for position in (1, 2):
         statistic, critical = _homogeneity([o[position] for o in without], [o[position] for o in with_drafts])
         assert statistic < critical, (position, statistic, critical)
+
+
+def test_verify_steps_at_static_shapes(tiny_checkpoint, greedy_reference):
+    """cuda_graphs=True on CPU runs the padded static steps eagerly (what CUDA graphs replay on a GPU): verify steps
+    whose rows all carry k drafts take keys of 1 + k tokens a row (the draft passes after them run eagerly), and the
+    outputs stay those without speculation."""
+    prompts, params, expected = greedy_reference
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True)
+    assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
+    assert 3 in {key.tokens_per_row for key in engine.decode_graphs.keys}

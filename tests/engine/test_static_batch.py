@@ -44,13 +44,13 @@ class _Decoder:
         for seq, n in work:
             self.kv.extend(seq, n)
             start = seq.num_computed_tokens
-            rows.append(BatchRow(seq.pages, seq.token_ids[start:start + n], start, True))
+            rows.append(BatchRow(seq.pages, seq.token_ids[start:start + n], start, True, num_logits=n))
         if graphs is None:
             logits = self.model.forward(build_forward_batch(rows, self.kv, "cpu"), self.kv)
         else:  # what the executor does: pad to the key, pack, one copy into the key's buffers
             key = static_key(rows)
             staged = self.stager.stage(build_forward_batch(rows, self.kv, pad_to=key))
-            logits = graphs.forward(key, staged, lambda batch: None)[0][:len(rows)]
+            logits = graphs.forward(key, staged, lambda batch: None)[0][:sum(n for _, n in work)]  # the real rows
         for seq, n in work:
             seq.num_computed_tokens += n
             self.kv.release_slid_out(seq)
@@ -144,3 +144,34 @@ def test_static_keys_bucket_rows_and_context(tiny_checkpoint):
     for plan in batch.plans.values():
         assert plan.num_entries == 4 and (plan.entry_row[1:] == -1).all()  # position 298 closes no window
         assert plan.keep_slot[1:].tolist() == [harness.kv.state_pool.scratch_slot] * 3
+
+
+@pytest.mark.parametrize("width", [3, 5])
+def test_padded_static_verify_rows_equal_dynamic(tiny_checkpoint, width):
+    """Speculative decoding's verify rows (1 + k tokens each, logits at each) at static shapes: with 5 tokens a row
+    may close two CSA windows, and padding rows of `width` tokens close entries of their own into the scratch page.
+    The real rows' logits and their greedy continuations agree with the dynamic batches'."""
+    harness = EngineHarness(tiny_checkpoint)
+    harness.model.indexer_observer = None
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, harness.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    dynamic, static = _Decoder(harness, _kv(harness), prompts), _Decoder(harness, _kv(harness), prompts)
+    graphs = DecodeGraphs(harness.model, static.kv, max_rows=8, capture=False)
+    for step in range(4):
+        subset = slice(0, 3) if step % 2 else slice(None)
+        drafts = torch.randint(2, harness.config.vocab_size, (5, width - 1), generator=gen).tolist()
+        for decoder in (dynamic, static):
+            for seq, tokens in zip(decoder.seqs[subset], drafts):
+                for token in tokens:  # the drafts a verify row computes after the last token
+                    seq.append_output(token)
+        work = lambda decoder: [(seq, width) for seq in decoder.seqs[subset]]  # noqa: E731
+        expected, actual = dynamic._run(work(dynamic), None), static._run(work(static), graphs)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        for decoder, logits in ((dynamic, expected), (static, actual)):
+            for seq, token in zip(decoder.seqs[subset], logits[width - 1::width].argmax(-1).tolist()):
+                seq.append_output(token)
+    assert {(k.rows, k.tokens_per_row) for k in graphs.keys} == {(4, width), (8, width)}
+    for decoder in (dynamic, static):
+        for seq in decoder.seqs:
+            decoder.kv.free(seq)
+        decoder.kv.check()
