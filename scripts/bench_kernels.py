@@ -28,7 +28,6 @@ device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the ref
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -39,6 +38,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from scripts.bench_results import write_csv  # noqa: E402
 
 
 @dataclass
@@ -715,11 +716,8 @@ def main() -> int:
     if options.json:
         options.json.write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
     if options.csv:
-        with options.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["kernel", "case", "ms", "reference_ms", "speedup", "gbytes", "gflop",
-                                                   "gbps", "pct_copy_bw", "tflops", "pct_matmul", "max_error"])
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(options.csv, rows, ["kernel", "case", "ms", "reference_ms", "speedup", "gbytes", "gflop", "gbps",
+                                      "pct_copy_bw", "tflops", "pct_matmul", "max_error"])
     mismatches = [r for r in results if not r.max_error <= 1]
     for r in mismatches:
         print(f"MISMATCH {r.kernel} {r.case}: normalised error {r.max_error:.3g}", file=sys.stderr)

@@ -17,7 +17,6 @@ concurrency, one line per k).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
+from scripts.bench_results import write_csv  # noqa: E402
 
 
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -109,11 +109,7 @@ def main() -> None:
               f"{r['tokens_per_s_max']}){'':>5} | {r['ratio_median']:>7}x ({r['ratio_min']}-{r['ratio_max']}) | "
               f"{r['mean_accepted_length']:>15}")
     if args.csv:
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": args.device, "checkpoint": args.checkpoint, "rows": rows}, indent=2))

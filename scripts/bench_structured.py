@@ -55,7 +55,6 @@ per concurrency, min-max error bars).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import sys
@@ -72,6 +71,7 @@ from backend.request import SamplingParams  # noqa: E402
 from backend.structured.grammar import GrammarService  # noqa: E402
 from backend.structured.params import guided_decoding_from_sampling  # noqa: E402
 from scripts.bench_host_overhead import spread  # noqa: E402
+from scripts.bench_results import write_csv  # noqa: E402
 from scripts.structured_schemas import LONG_TEXT, SCHEMAS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "structured"
@@ -465,11 +465,7 @@ def main() -> int:
                                 f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) of unconstrained "
                                 f"(goal >= {GOAL_RATIO}x): {'PASS' if ok else 'FAIL'}")
         if options.csv:
-            options.csv.parent.mkdir(parents=True, exist_ok=True)
-            with options.csv.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
+            write_csv(options.csv, rows)
         if not options.no_plot:
             plot(rows, options)
     if not options.skip_compile:
