@@ -21,16 +21,15 @@ so the host's work for a step hides behind the device's work for the step before
 the tokens step N samples feed step N+1 on the device). Without overlap each step is scheduled, run and
 reported before the next. The engine thread only schedules, builds, launches and reports.
 
-Start-up order: the config was validated when it was built; the checkpoint's config.json is read,
-the memory pools are sized and the chunk budget resolved — so a deployment that cannot work fails
-before any weight is read — and only then are the weights loaded.
+Start-up order: the config was validated when it was built; the checkpoint's config.json is read, the
+deployment resolved and the memory pools sized (backend/deployment.py), the chunk budget resolved — so a
+deployment that cannot work fails before any weight is read — and only then are the weights loaded.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -41,13 +40,9 @@ import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
-from backend.config import ConfigError, EngineConfig
+from backend.config import EngineConfig
+from backend.deployment import load_model, plan_deployment
 from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
-from backend.host_memory import keep_freed_host_memory
-from backend.memory.kv_manager import KVCacheManager
-from backend.model.checkpoint import load_weights
-from backend.model.config import load_model_config
-from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
 from backend.model.staging import BatchStager
@@ -55,13 +50,11 @@ from backend.model.static_batch import static_key
 from backend.output_processor import OutputProcessor
 from backend.parallel.comm import Communicator
 from backend.parallel.group import RankGroup, RankGroupError
-from backend.parallel.layout import ParallelLayout
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import SamplerState
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
 from backend.speculative import DraftRow, SpecJob
 from backend.structured.grammar import GrammarService
-from kernels.dispatch import KernelDispatch, default_mode
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +65,10 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         checkpoint = Path(config.checkpoint)
-        self.model_config, self.weight_format, self.kv, prefill_chunk_tokens = plan_deployment(
-            config, self.device, self.dtype)
+        self.deployment = plan_deployment(config, self.device, self.dtype)
+        self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
+                                                          self.deployment.kv)
+        prefill_chunk_tokens = resolve_prefill_chunk_tokens(config, self.kv)
         # Speculative decoding (backend/speculative.py): a verify's emitted count decides where the next step starts,
         # so its steps are not overlapped.
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -88,12 +83,11 @@ class LLMEngine:
                                        stop_token_ids=self.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
-        self.layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
+        self.layout = self.deployment.layout
         # Several ranks: the workers start loading their shards while this rank loads its own.
         self.group = RankGroup.start(config, self.layout) if self.layout.world_size > 1 else None
-        self.model = load_model(config, self.model_config, self.weight_format, self.device, self.dtype, self.layout,
-                                self.group.comm if self.group else Communicator(),
-                                draft_layers=1 if self.num_speculative_tokens else 0)
+        self.model = load_model(config, self.deployment, self.device, self.dtype, self.layout,
+                                self.group.comm if self.group else Communicator())
         self.kernels = self.model.kernels
         if self.group is not None:
             self.group.wait_ready()
@@ -344,142 +338,6 @@ class LLMEngine:
                                         len(seq.output_ids), error, logprobs, seq.num_cached_tokens or 0))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
-
-
-def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dtype, numerics: str) -> KVCacheManager:
-    """The pools the config asks for; ConfigError when they could not serve a single request. DeepSeek's numerics
-    keep the compressor rings in fp32 (its compressors project, keep state and pool in fp32)."""
-    speculative = config.num_speculative_tokens
-    if speculative and model_config.num_nextn_predict_layers < 1:
-        raise ConfigError(f"parameter 'num_speculative_tokens': {speculative} needs the checkpoint's MTP layer "
-                          f"(mtp.0.*, num_nextn_predict_layers >= 1) to draft with; {config.checkpoint} has none: "
-                          "set num_speculative_tokens to 0")
-    kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
-                        page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
-                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-                        state_dtype=torch.float32 if numerics == "deepseek" else dtype,
-                        draft_layers=1 if speculative else 0, speculative_tokens=speculative)
-    if kv.max_request_positions() == 0:
-        window = kv.window_pool
-        if speculative:
-            raise ConfigError(
-                f"parameter 'num_speculative_tokens': a decode with {speculative} drafts holds "
-                f"{window.pages_per_running_request()} window pages, more than the {window.num_pages} of the window "
-                "pool: lower num_speculative_tokens, or raise num_tokens or swa_full_tokens_ratio")
-        raise ConfigError(
-            f"parameter 'swa_full_tokens_ratio': the window pool holds {window.num_pages} pages of {config.page_size} "
-            f"positions (num_tokens * swa_full_tokens_ratio), fewer than one sliding window needs "
-            f"({window.pages_per_running_request()}); raise num_tokens or swa_full_tokens_ratio")
-    return kv
-
-
-def resolve_weight_format(config: EngineConfig, model_config, device: str) -> str:
-    """`auto`: keep a quantized checkpoint quantized on CUDA (V4-Flash does not fit any GPU in bf16),
-    dequantize on CPU; `fp8` needs a quantized checkpoint."""
-    quantized = model_config.quantization_config is not None
-    if config.weight_format == "auto":
-        return "fp8" if quantized and device == "cuda" else "dequantize"
-    if config.weight_format == "fp8" and not quantized:
-        raise ConfigError("parameter 'weight_format': 'fp8' needs a quantized (FP8) checkpoint; this one has no "
-                          "quantization_config")
-    return config.weight_format
-
-
-def resolve_kv_cache_dtype(config: EngineConfig, model_config, numerics: str, device: str, dtype):
-    """What the pools store: "fp8" (DeepSeek's byte layout) or a float dtype. `auto`: fp8 where DeepSeek's numerics
-    run on CUDA (the memory it frees is the point) or on a quantized checkpoint (the layout its model was trained
-    for), else the model's dtype."""
-    if config.kv_cache_dtype == "fp8":
-        problem = _kv_groups_problem(model_config)
-        if problem:
-            raise ConfigError(f"parameter 'kv_cache_dtype': the fp8 layout needs {problem}")
-        if numerics != "deepseek":
-            raise ConfigError("parameter 'kv_cache_dtype': 'fp8' stores DeepSeek's roundings of the entries and its "
-                              "rotated indexer keys, which numerics=transformers does not compute: set "
-                              "numerics=deepseek (or auto, on a DeepSeek checkpoint)")
-        return "fp8"
-    if config.kv_cache_dtype == "bfloat16":
-        if dtype != torch.bfloat16:
-            raise ConfigError(f"parameter 'kv_cache_dtype': 'bfloat16' needs dtype bfloat16 (the pools store the "
-                              f"model's values), this deployment computes in {dtype}; use auto or fp8")
-        return torch.bfloat16
-    quantized = model_config.quantization_config is not None
-    if numerics == "deepseek" and (device == "cuda" or quantized):
-        return "fp8"
-    return dtype
-
-
-def resolve_numerics(config: EngineConfig, model_config, layout: ParallelLayout) -> str:
-    """`deepseek` or `transformers`. `auto`: DeepSeek's numerics on a quantized checkpoint its roundings apply to
-    (DeepSeek's published checkpoints: the model was trained with them), transformers' otherwise (the unquantized
-    checkpoints, the built-in one among them, are what transformers is the reference for). `deepseek` on a checkpoint
-    the roundings cannot apply to is refused naming the parameter."""
-    problem = _kv_groups_problem(model_config) or _linear_groups_problem(model_config, layout)
-    if config.numerics == "deepseek" and problem:
-        raise ConfigError(f"parameter 'numerics': 'deepseek' needs {problem}")
-    if config.numerics == "auto":
-        return "deepseek" if model_config.quantization_config is not None and not problem else "transformers"
-    return config.numerics
-
-
-def _kv_groups_problem(c) -> str | None:
-    """Why DeepSeek's KV roundings (nope values by 64, rotated indexer keys by 32) cannot apply, or None."""
-    nope, index_dim = c.head_dim - c.qk_rope_head_dim, c.index_head_dim
-    if nope <= 0 or nope % 64 or index_dim % 32 or index_dim & (index_dim - 1):
-        return (f"head_dim - rope dims a multiple of 64 and index_head_dim a power of two of at least 32 "
-                f"(DeepSeek-V4: 448 and 128); this checkpoint has {nope} and {index_dim}")
-    return None
-
-
-def _linear_groups_problem(c, layout: ParallelLayout) -> str | None:
-    """Why the act_quant of a quantized checkpoint's FP8/FP4 linears' inputs (groups of 128, each rank's slice of a
-    split input too) cannot apply, or None."""
-    if c.quantization_config is None:
-        return None
-    split = layout.tensor_parallel_size
-    inputs = {"hidden_size": c.hidden_size, "q_lora_rank": c.q_lora_rank,
-              "o_groups * o_lora_rank / tensor_parallel_size": c.o_groups * c.o_lora_rank // split,
-              "moe_intermediate_size / tensor_parallel_size": c.moe_intermediate_size // split}
-    bad = {name: width for name, width in inputs.items() if width % 128}
-    if bad:
-        return (f"on a quantized checkpoint the FP8 linears' inputs in groups of 128, which {bad} do not divide into "
-                f"(DeepSeek-V4: 4096, 1024, 8192, 2048)")
-    return None
-
-
-def plan_deployment(config: EngineConfig, device, dtype) -> tuple:
-    """Everything decided before a weight is read: (model config, weight format, memory pools on
-    `device`, prefill chunk budget). Raises ConfigError / UnsupportedCheckpoint naming what to change."""
-    if str(device) == "cpu":  # every rank plans its pools here: its CPU steps' temporaries are reused from now on
-        keep_freed_host_memory()
-    model_config = load_model_config(config.checkpoint)
-    layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
-    layout.check(model_config)
-    weight_format = resolve_weight_format(config, model_config, config.resolved_device())
-    numerics = resolve_numerics(config, model_config, layout)
-    kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, numerics, config.resolved_device(), dtype)
-    kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype, numerics)
-    if config.enable_prefix_caching:
-        kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
-                                 config.prefix_cache_end_entries)
-    return model_config, weight_format, kv, resolve_prefill_chunk_tokens(config, kv)
-
-
-def load_model(config: EngineConfig, model_config, weight_format: str, device, dtype, layout: ParallelLayout,
-               comm: Communicator, draft_layers: int = 0) -> DeepseekV4Model:
-    """This rank's shard of the model (all of it on one rank), with its kernel dispatch; `draft_layers`: the MTP
-    layers to load too (speculative decoding)."""
-    weights = load_weights(config.checkpoint, model_config, dtype, device, weight_format, layout=layout,
-                           draft_layers=draft_layers)
-    kernels = KernelDispatch(default_mode(config.use_reference_kernels))
-    return DeepseekV4Model(model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
-                           numerics=resolve_numerics(config, model_config, layout))
-
-
-def check_deployment(config: EngineConfig) -> int:
-    """plan_deployment without allocating anything (the pools on the meta device); returns the
-    prefill chunk budget. What make_model_repository.py checks before writing a repository."""
-    return plan_deployment(config, "meta", config.resolved_dtype())[3]
 
 
 def _scheduler_error(seq: Sequence) -> str | None:

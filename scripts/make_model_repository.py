@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from backend.config import ConfigError, EngineConfig  # noqa: E402
-from backend.engine import check_deployment  # noqa: E402
+from backend.deployment import check_deployment  # noqa: E402
 from backend.model.config import UnsupportedCheckpoint  # noqa: E402
 
 SOURCE = REPO_ROOT / "model_repository" / "dsv4"

@@ -1,7 +1,7 @@
 """Rank 0 and its worker processes: one model instance over N ranks, with torch.distributed.
 
     group = RankGroup.start(config, layout)        # spawns ranks 1..N-1, each loads its shard
-    model = load_model(config, ..., layout, group.comm)        # rank 0's own shard, meanwhile
+    model = load_model(config, deployment, ..., layout, group.comm)   # rank 0's own shard, meanwhile
     group.wait_ready()
     logits = group.forward(model, kv, host_batch, copies)  # every rank runs the same forward on its shard
     group.close()                                  # workers exit; the process group is destroyed
@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from backend.config import EngineConfig
+from backend.deployment import load_model, plan_deployment
 from backend.parallel.comm import DistributedCommunicator
 from backend.parallel.layout import ParallelLayout
 
@@ -83,12 +84,10 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     comm, control = _join(spec, rank)
     layout = ParallelLayout(spec.layout.tensor_parallel_size, spec.layout.expert_parallel_size, rank)
     device = spec.device(rank)
-    from backend.engine import load_model, plan_deployment  # the engine imports this module
-
     config, dtype = spec.config, spec.config.resolved_dtype()
-    model_config, weight_format, kv, _ = plan_deployment(config, device, dtype)  # the same pools as rank 0
-    model = load_model(config, model_config, weight_format, device, dtype, layout, comm,
-                       draft_layers=1 if config.num_speculative_tokens else 0)
+    deployment = plan_deployment(config, device, dtype)  # the same pools as rank 0
+    kv = deployment.kv
+    model = load_model(config, deployment, device, dtype, layout, comm)
     dist.barrier(group=control)  # loaded
     hidden = None  # speculative decoding: the streams the next draft pass reads (rank 0 keeps the same)
     while True:

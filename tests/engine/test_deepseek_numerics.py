@@ -235,7 +235,7 @@ def test_auto_picks_deepseeks_numerics_and_fp8_only_where_they_apply(tiny_checkp
                                                                       parallel_checkpoint_published):
     """numerics=auto: deepseek on a quantized checkpoint the roundings apply to (as DeepSeek publishes them),
     transformers elsewhere; kv_cache_dtype=auto: fp8 where DeepSeek's numerics run on CUDA or a quantized checkpoint."""
-    from backend.engine import resolve_kv_cache_dtype, resolve_numerics
+    from backend.deployment import resolve_kv_cache_dtype, resolve_numerics
     from backend.model.config import load_model_config
     from backend.parallel.layout import ParallelLayout
 

@@ -158,12 +158,12 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(ti
     (dict(policy="mixed", decode_interleave_every=2), "decode_interleave_every"),
 ])
 def test_a_deployment_that_cannot_work_fails_before_any_weight_is_read(tiny_checkpoint, monkeypatch, settings, name):
-    import backend.engine
+    import backend.deployment
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were read before the deployment was checked")
 
-    monkeypatch.setattr(backend.engine, "load_weights", no_weights)
+    monkeypatch.setattr(backend.deployment, "load_weights", no_weights)
     with pytest.raises(ConfigError, match=f"'{name}'"):
         LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", **settings))
 
