@@ -48,6 +48,11 @@ Sequences the scheduler ends at schedule() (cancelled, timed out or failed) come
 Whether a request can ever fit is the engine's admission gate (RequestLimits); the scheduler
 only guards against a memory manager that contradicts it.
 
+Speculative decoding (backend/speculative.py): a decode whose request has draft tokens is a verify chunk, its last
+token and the drafts (no more than it could still emit), with pages for the draft chain after them; its output may
+emit several tokens, each checked for a stop, and `_settle_verify` moves the request's position back past the
+rejected drafts (a pointer move: nothing they wrote is read before it is written again).
+
 Structured outputs: an arrival with a grammar (`seq.grammar`) waits aside until it is compiled (off the engine
 thread), then joins the waiting queue; a grammar that failed to compile ends it with its message (`seq.error`).
 Requests without one never wait for it. A step's output may end a request by its grammar (`output.row_ends`).
