@@ -321,3 +321,16 @@ def test_verify_steps_at_static_shapes(tiny_checkpoint, greedy_reference):
     engine = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True)
     assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
     assert 3 in {key.tokens_per_row for key in engine.decode_graphs.keys}
+
+
+def test_verify_rows_and_the_draft_layer_through_the_triton_kernels(tiny_checkpoint):
+    """The GPU code path (the Triton kernels, under the interpreter here): verify rows of 1 + k tokens beside a
+    prefill chunk, the draft layer's passes and its chain, with drafts partly accepted, give the tokens of the
+    reference kernels without speculation."""
+    prompts = _prompts([9, 70], seed=7)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = _ids(_generate(_engine(tiny_checkpoint), prompts, params))
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2, prefill_chunk_tokens=32)
+    engine.model.kernels.mode = "triton"
+    assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
+    assert engine.stats()["num_accepted_tokens"] > 0
