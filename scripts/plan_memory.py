@@ -62,8 +62,12 @@ def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: 
 
 def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: float, utilization: float,
          reserve_gib: float, max_running: int, page_size: int, prefix_cache_entries: int = 0,
-         prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16", speculative_tokens: int = 0) -> dict:
-    """ConfigError (naming the parameter) when the layout cannot split this model."""
+         prefix_cache_end_entries: int = 0, kv_cache_dtype: str = "bfloat16", speculative_tokens: int = 0,
+         data_parallel_size: int = 1) -> dict:
+    """ConfigError (naming the parameter) when the layout cannot split this model. With `data_parallel_size` D > 1
+    (data-parallel attention: `layout` holds the expert split, tensor_parallel_size 1) each of the D ranks holds the
+    whole attention, the embeddings and the head, its share of the experts, and pools for its own requests only: the
+    capacity in all is D times a device's (`max_running` is then per rank)."""
     layout.check(config)
     prefix_cache_end_entries = min(prefix_cache_end_entries, prefix_cache_entries)  # none without the cache
     draft_layers = 1 if speculative_tokens else 0  # the MTP layer, loaded when speculative decoding serves it
@@ -71,6 +75,8 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     published = weight_bytes(config, "published")
     on_disk = sum(published.values())
     per_rank = weight_bytes(config, weight_format, layout=layout, draft_layers=draft_layers)
+    if data_parallel_size > 1:  # each rank computes the logits of its own requests: the head whole
+        per_rank["embed+head"] = parts["embed+head"]
     if not draft_layers:  # (not served: no such part)
         parts.pop("draft layer (mtp)"), per_rank.pop("draft layer (mtp)")
     weights, rank_weights = sum(parts.values()), sum(per_rank.values())
@@ -84,9 +90,10 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     # them for a request's end, the CSA and indexer rings for a block boundary.
     snapshot_bytes = geometry["snapshot_bytes"]
     kv_budget = budget - max_running * per_request - snapshot_bytes
+    capacity = max(0, int(kv_budget // compressed_per_position))
     return {
         "weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype, "num_speculative_tokens": speculative_tokens,
-        "num_gpus": layout.world_size,
+        "num_gpus": max(layout.world_size, data_parallel_size), "data_parallel_size": data_parallel_size,
         "tensor_parallel_size": layout.tensor_parallel_size, "expert_parallel_size": layout.expert_parallel_size,
         "gpu_memory_gib": gpu_memory_gib, "weights_bytes": weights, "weights_by_part": parts,
         "weights_per_device_bytes": rank_weights, "weights_per_device_by_part": per_rank,
@@ -96,7 +103,9 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
         "prefix_cache_snapshot_bytes": snapshot_bytes,
         "prefix_cache_bytes_per_entry": {"request end": geometry["state_bytes_per_request"],
                                          "block boundary": geometry["boundary_snapshot_bytes"]},
-        "fits": kv_budget > 0, "token_capacity_per_device": max(0, int(kv_budget // compressed_per_position)),
+        "fits": kv_budget > 0, "token_capacity_per_device": capacity,
+        # the pools of data-parallel ranks hold different requests; tensor/expert-parallel ranks all hold the same
+        "token_capacity_total": capacity * data_parallel_size,
     }
 
 
@@ -105,8 +114,8 @@ def print_plan(row: dict) -> None:
         print(f"speculative decoding: {row['num_speculative_tokens']} drafts per decode (the MTP layer served)")
     print(f"weights ({row['weight_format']}): {row['weights_bytes'] / GIB:.1f} GiB in all, "
           f"{row['weights_per_device_bytes'] / GIB:.1f} GiB per device on {row['num_gpus']} GPU(s) of "
-          f"{row['gpu_memory_gib']:g} GiB (tensor_parallel_size={row['tensor_parallel_size']}, "
-          f"expert_parallel_size={row['expert_parallel_size']})")
+          f"{row['gpu_memory_gib']:g} GiB (data_parallel_size={row['data_parallel_size']}, "
+          f"tensor_parallel_size={row['tensor_parallel_size']}, expert_parallel_size={row['expert_parallel_size']})")
     print(f"  {'':>17}  {'all':>9}  {'per device':>10}")
     for part, size in row["weights_by_part"].items():
         print(f"  {part:>17}: {size / GIB:8.2f}  {row['weights_per_device_by_part'][part] / GIB:10.2f} GiB")
@@ -123,7 +132,8 @@ def print_plan(row: dict) -> None:
               f"block boundaries of {per_entry['block boundary'] / 2**20:.1f} MiB) take "
               f"{row['prefix_cache_snapshot_bytes'] / GIB:.2f} GiB per device")
     if row["fits"]:
-        print(f"token capacity per device: {row['token_capacity_per_device']:,} positions")
+        print(f"token capacity per device: {row['token_capacity_per_device']:,} positions; in all: "
+              f"{row['token_capacity_total']:,} ({'each data-parallel rank holds its own requests' if row['data_parallel_size'] > 1 else 'every rank holds the same pools'})")
     else:
         print("does not fit: the weights (and reserve) exceed the device memory")
 
@@ -137,6 +147,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-gib", type=float, default=141.0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--expert-parallel-size", type=int, default=1)
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="data-parallel attention: ranks each holding the whole attention and pools for their own "
+                             "requests (with --tensor-parallel-size 1; --expert-parallel-size 1 or the same)")
     parser.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory to use")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="activations and workspace per device")
     parser.add_argument("--max-running-requests", type=int, default=64)
@@ -162,11 +175,14 @@ def main() -> None:
         config = load_model_config(args.checkpoint)
     else:
         config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
+    if args.data_parallel_size > 1 and (args.tensor_parallel_size != 1
+                                        or args.expert_parallel_size not in (1, args.data_parallel_size)):
+        parser.error("--data-parallel-size: with --tensor-parallel-size 1 and --expert-parallel-size 1 or the same")
     layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
     dtypes = ["bfloat16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
     rows = [plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
                  args.max_running_requests, args.page_size, args.prefix_cache_entries, args.prefix_cache_end_entries,
-                 dtype, args.num_speculative_tokens) for dtype in dtypes]
+                 dtype, args.num_speculative_tokens, args.data_parallel_size) for dtype in dtypes]
     for row in rows:
         print_plan(row)
     if len(rows) == 2:

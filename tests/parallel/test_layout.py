@@ -143,15 +143,15 @@ def _offsets(shard: Shard) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 2), (4, 1)])
-def test_plan_memory_counts_the_bytes_a_rank_loads(parallel_checkpoint, tp, ep):
+@pytest.mark.parametrize("tp,ep,draft", [(1, 1, 0), (2, 2, 0), (4, 1, 0), (1, 1, 1), (2, 2, 1)])
+def test_plan_memory_counts_the_bytes_a_rank_loads(parallel_checkpoint, tp, ep, draft):
     """backend/model/footprint.py with a layout (what scripts/plan_memory.py prints per device) is the size of
-    the tensors rank 0 really holds."""
+    the tensors rank 0 really holds, the MTP layer's too when speculative decoding serves it."""
     from backend.model.footprint import weight_bytes
 
     config = load_model_config(parallel_checkpoint)
     layout = ParallelLayout(tp, ep, 0)
-    loaded = load_weights(parallel_checkpoint, config, torch.bfloat16, "cpu", layout=layout)
-    planned = weight_bytes(config, "dequantize", layout=layout)
-    planned.pop("draft layer (mtp)")
+    loaded = load_weights(parallel_checkpoint, config, torch.bfloat16, "cpu", layout=layout, draft_layers=draft)
+    planned = weight_bytes(config, "dequantize", layout=layout, draft_layers=draft)
+    assert (planned["draft layer (mtp)"] > 0) == bool(draft)
     assert sum(planned.values()) == sum(t.numel() * t.element_size() for t in loaded.values())

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""A paper estimate of one decode step per rank: tensor-parallel attention against data-parallel attention.
+
+    python scripts/estimate_decode_step.py --config docs/configs/deepseek-v4-flash.config.json --ranks 8 \
+        --batch 256 --contexts 8192 131072 1048576 --csv results/decode_step.csv
+
+Two layouts of W ranks, both with expert parallelism (each rank holds E / W routed experts whole):
+- `tp` (tensor_parallel_size = W, today's): every rank runs all B requests; the query heads, the grouped output
+  projection and the shared expert are split W ways, while the K=V head, q_a, the compressors and the indexer are
+  replicated, so every rank reads every request's KV entries and scores every request's indexer keys. Two
+  all-reduces of [B, hidden] per layer (attention output, MoE output).
+- `dp` (data_parallel_size = W): every rank runs B / W requests with the whole attention, and the MoE layers meet:
+  an all-gather of [B, hidden] before the experts and a reduce-scatter after them.
+
+Counted per rank and step, from config.json's widths alone (nothing runs): the weights read (as published: FP8
+linears, MXFP4 experts, bf16 embeddings and norms; every one of the rank's experts is touched at B = 256), the KV
+bytes read (DeepSeek's fp8 layout: 584 B an entry, 68 B an indexer key; window 128 positions, the CSA top-k picks,
+every HCA entry, every CSA indexer key), the FLOPs (projections, attention over the entries read, indexer scoring,
+experts, shared expert, router, the LM head), and the bytes each rank sends (ring collectives, bf16 activations).
+`roofline_ms` is max(bytes / HBM bandwidth, FLOPs / dense bf16 peak) at H200's 4.8 TB/s and 989 TFLOP/s, a lower
+bound, not a measurement; communication is listed apart (NVLink's 900 GB/s for scale). Nothing here has run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.model.config import CSA, HCA, parse_model_config  # noqa: E402
+from backend.model.footprint import weight_bytes  # noqa: E402
+from backend.parallel.layout import ParallelLayout  # noqa: E402
+from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
+from scripts.bench_results import write_csv  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12  # H200
+BF16_FLOPS_PER_S = 989e12  # H200 dense bf16
+LAYOUTS = ("tp", "dp")
+
+
+@dataclass
+class StepEstimate:
+    layout: str
+    context: int
+    tokens_per_rank: int
+    weight_gb: float
+    kv_gb: float
+    tflop: float
+    comm_mb: float
+    roofline_ms: float
+
+
+def entries_read(layer_type: str, context: int, c) -> float:
+    """KV entries one query reads in a layer: its window, and the CSA picks or every HCA entry."""
+    window = min(c.sliding_window, context)
+    if layer_type == CSA:
+        return window + min(c.index_topk, context / c.csa_rate)
+    if layer_type == HCA:
+        return window + context / c.hca_rate
+    return window
+
+
+def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstimate:
+    """One decode step of `batch` requests at `context` positions each, on one of `ranks` ranks (see the module
+    docstring)."""
+    d, heads, dh, q = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
+    hi, di, inter, k = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.num_experts_per_tok
+    own = batch // ranks if layout == "dp" else batch  # requests whose attention this rank runs
+    split = ranks if layout == "tp" else 1  # the share of the heads (and the shared expert) a rank computes
+    entry, index_key = kv_fp8_entry_bytes(dh, c.qk_rope_head_dim), indexer_fp4_entry_bytes(di)
+    kv = flops = 0.0
+    for layer_type in c.layer_types:
+        entries = entries_read(layer_type, context, c)
+        kv += own * entries * entry
+        replicated = 2 * d * q + 2 * d * dh  # q_a and the K=V projection: every rank, its requests
+        per_head = 2 * q * heads * dh + 2 * heads * dh * c.o_lora_rank + 2 * c.o_groups * c.o_lora_rank * d
+        per_head += 4 * heads * dh * entries  # scores and the weighted sum over the entries read
+        if layer_type == CSA:
+            kv += own * (context / c.csa_rate) * index_key
+            replicated += 2 * 2 * (2 * dh) * d + 2 * 2 * (2 * di) * d + 2 * q * hi * di + 2 * d * hi
+            replicated += 2 * hi * di * context / c.csa_rate  # the indexer scores every CSA key
+        elif layer_type == HCA:
+            replicated += 2 * 2 * dh * d
+        flops += own * (replicated + per_head / split)
+        routed_pairs = batch * k / ranks  # (expert parallelism: every token's pairs on their experts' ranks)
+        flops += routed_pairs * 6 * d * inter + (own / split) * 6 * d * inter + own * 2 * d * c.n_routed_experts
+    flops += (own / (ranks if layout == "tp" else 1)) * 2 * d * c.vocab_size  # the LM head (vocabulary-parallel)
+    weights = _weights_read(c, layout, ranks)
+    activation = batch * d * 2  # [B, hidden] in bf16
+    ring = (ranks - 1) / ranks
+    per_layer = (2 * 2 * ring * activation) if layout == "tp" else (2 * ring * activation)  # 2 all-reduces | AG + RS
+    comm = per_layer * len(c.layer_types)
+    roofline = max((weights + kv) / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e3
+    return StepEstimate(layout, context, own, round(weights / 1e9, 2), round(kv / 1e9, 2), round(flops / 1e12, 2),
+                        round(comm / 1e6, 1), round(roofline, 2))
+
+
+def _weights_read(c, layout: str, ranks: int) -> float:
+    """A rank's weights as published, all read once a step (with the dp layout the head whole)."""
+    if layout == "tp":
+        return sum(weight_bytes(c, "fp8", layout=ParallelLayout(ranks, ranks)).values())
+    parts = weight_bytes(c, "fp8", layout=ParallelLayout(1, ranks))
+    parts["embed+head"] = weight_bytes(c, "fp8")["embed+head"]
+    return sum(parts.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="a DeepSeek-V4 config.json")
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256, help="requests decoding in the step, all ranks together")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072, 1048576])
+    parser.add_argument("--csv", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
+    rows = [estimate(config, layout, args.ranks, args.batch, context)
+            for context in args.contexts for layout in LAYOUTS]
+    print(f"one decode step per rank: {args.ranks} ranks, batch {args.batch}, {args.config.name} (paper estimate)")
+    print(f"{'context':>9} {'layout':>6} {'requests':>8} | {'weights GB':>10} {'KV GB':>7} {'TFLOP':>7} | "
+          f"{'sent MB':>8} | {'roofline ms':>11}")
+    for r in rows:
+        print(f"{r.context:>9} {r.layout:>6} {r.tokens_per_rank:>8} | {r.weight_gb:>10} {r.kv_gb:>7} {r.tflop:>7} | "
+              f"{r.comm_mb:>8} | {r.roofline_ms:>11}")
+    if args.csv:
+        write_csv(args.csv, [asdict(r) for r in rows])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The parallel layouts on paper: plan_memory.py's data-parallel capacity and estimate_decode_step.py's per-rank
+step, at V4-Flash's published widths (nothing is allocated)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from estimate_decode_step import estimate
+from plan_memory import plan
+
+from backend.model.config import parse_model_config
+from backend.parallel.layout import ParallelLayout
+
+FLASH = Path(__file__).resolve().parents[2] / "docs" / "configs" / "deepseek-v4-flash.config.json"
+
+
+def _flash():
+    return parse_model_config(json.loads(FLASH.read_text()), str(FLASH))
+
+
+def test_data_parallel_ranks_hold_their_own_requests():
+    config = _flash()
+    common = dict(gpu_memory_gib=141.0, utilization=0.9, reserve_gib=4.0, max_running=64, page_size=64,
+                  kv_cache_dtype="fp8")
+    tp = plan(config, "fp8", ParallelLayout(8, 8), **common)
+    dp = plan(config, "fp8", ParallelLayout(1, 8), data_parallel_size=8, **common)
+    # the whole attention and head on every rank: more weights per device, a bit less room per device...
+    assert dp["weights_per_device_bytes"] > tp["weights_per_device_bytes"]
+    assert dp["weights_per_device_by_part"]["embed+head"] == dp["weights_by_part"]["embed+head"]
+    assert dp["token_capacity_per_device"] < tp["token_capacity_per_device"]
+    # ...but each rank's pools hold other requests: the deployment holds 8 times a device's positions
+    assert dp["token_capacity_total"] == 8 * dp["token_capacity_per_device"]
+    assert tp["token_capacity_total"] == tp["token_capacity_per_device"]
+    assert dp["token_capacity_total"] > 7 * tp["token_capacity_total"]
+
+
+def test_the_decode_step_estimate_splits_attention_work_by_data_parallel_ranks():
+    config = _flash()
+    for context in (8192, 1 << 20):
+        tp, dp = (estimate(config, layout, 8, 256, context) for layout in ("tp", "dp"))
+        assert dp.tokens_per_rank == 32 and tp.tokens_per_rank == 256
+        assert abs(dp.kv_gb * 8 - tp.kv_gb) <= 0.1  # every rank of tp reads every request's entries
+        assert dp.comm_mb * 2 == tp.comm_mb  # one all-gather + one reduce-scatter against two all-reduces
+        assert dp.weight_gb > tp.weight_gb  # the whole attention and head
+    assert estimate(config, "dp", 8, 256, 1 << 20).roofline_ms < estimate(config, "tp", 8, 256, 1 << 20).roofline_ms
+    assert estimate(config, "dp", 8, 256, 8192).roofline_ms > estimate(config, "tp", 8, 256, 8192).roofline_ms
