@@ -9,7 +9,9 @@ prefix cache: block boundaries snapshotted inside the first wave's chunks, and t
 fp32 without the prefix cache (the reference run); the device in fp32 with cuda_graphs off and on and the
 cache on (must equal the reference token for token, and must have restored from the cache); the device in
 bf16 with graphs on and off (must equal each other; their agreement with fp32 is reported, not required:
-bf16 rounding may flip a near-tie). Prints one row per run; exit status 1 when a required equality fails.
+bf16 rounding may flip a near-tie); with --num-speculative-tokens k, also the device in fp32 with k drafts per decode
+from the checkpoint's MTP layer, graphs off and on (must equal the reference: speculation changes no greedy token).
+Prints one row per run; exit status 1 when a required equality fails.
 `--device cpu` checks the script itself (the padded static step runs eagerly there).
 """
 
@@ -41,11 +43,12 @@ def waves(gen: torch.Generator) -> list[list[list[int]]]:
 
 
 def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompt_waves, max_tokens: int,
-             prefix_caching: bool) -> tuple[list[list[int]], int]:
+             prefix_caching: bool, speculative_tokens: int = 0) -> tuple[list[list[int]], int]:
     """Every wave's greedy tokens, and the prompt positions the cache served."""
     engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                     max_running_requests=8, num_tokens=16384, page_size=16,
-                                    swa_full_tokens_ratio=0.5, enable_prefix_caching=prefix_caching))
+                                    swa_full_tokens_ratio=0.5, enable_prefix_caching=prefix_caching,
+                                    num_speculative_tokens=speculative_tokens))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens = [r["output_ids"] for prompts in prompt_waves for r in engine.generate(prompts, params)]
     cache = engine.kv.prefix_cache
@@ -66,28 +69,34 @@ def main() -> int:
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="also run with this many drafts per decode (fp32, graphs off and on; must equal)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     prompt_waves = waves(torch.Generator().manual_seed(0))
     reference, _ = generate(options.checkpoint, "cpu", "float32", False, prompt_waves, options.max_tokens, False)
-    runs = [("float32", False, True), ("float32", True, True), ("bfloat16", False, False), ("bfloat16", True, False)]
+    runs = [("float32", False, True, 0), ("float32", True, True, 0), ("bfloat16", False, False, 0),
+            ("bfloat16", True, False, 0)]
+    if options.num_speculative_tokens:
+        runs += [("float32", graphs, True, options.num_speculative_tokens) for graphs in (False, True)]
     rows, failed, outputs = [], False, {}
-    for dtype, graphs, must_equal in runs:
+    for dtype, graphs, must_equal, speculative in runs:
         tokens, cached = generate(options.checkpoint, options.device, dtype, graphs, prompt_waves,
-                                  options.max_tokens, True)
-        outputs[(dtype, graphs)] = tokens
+                                  options.max_tokens, True, speculative)
+        outputs[(dtype, graphs, speculative)] = tokens
         equal = tokens == reference
         failed |= (must_equal and not equal) or cached == 0
-        rows.append(dict(device=options.device, dtype=dtype, cuda_graphs=graphs, equal_to_cpu_fp32=equal,
-                         agreement_with_cpu_fp32=agreement(tokens, reference), required=must_equal,
-                         cached_tokens=cached))
-    bf16_graphs_equal = outputs[("bfloat16", True)] == outputs[("bfloat16", False)]
+        rows.append(dict(device=options.device, dtype=dtype, cuda_graphs=graphs, num_speculative_tokens=speculative,
+                         equal_to_cpu_fp32=equal, agreement_with_cpu_fp32=agreement(tokens, reference),
+                         required=must_equal, cached_tokens=cached))
+    bf16_graphs_equal = outputs[("bfloat16", True, 0)] == outputs[("bfloat16", False, 0)]
     failed |= not bf16_graphs_equal
-    print(f"{'device':<7} {'dtype':<9} {'graphs':<6} {'== cpu fp32':<11} {'agreement':>9}  {'required':<8} "
-          f"cached positions")
+    print(f"{'device':<7} {'dtype':<9} {'graphs':<6} {'drafts':<6} {'== cpu fp32':<11} {'agreement':>9}  "
+          f"{'required':<8} cached positions")
     for r in rows:
-        print(f"{r['device']:<7} {r['dtype']:<9} {str(r['cuda_graphs']):<6} {str(r['equal_to_cpu_fp32']):<11} "
-              f"{r['agreement_with_cpu_fp32']:>9.3f}  {str(r['required']):<8} {r['cached_tokens']}")
+        print(f"{r['device']:<7} {r['dtype']:<9} {str(r['cuda_graphs']):<6} {r['num_speculative_tokens']:<6} "
+              f"{str(r['equal_to_cpu_fp32']):<11} {r['agreement_with_cpu_fp32']:>9.3f}  {str(r['required']):<8} "
+              f"{r['cached_tokens']}")
     print(f"bf16 graphs on == off: {bf16_graphs_equal}")
     if options.json:
         options.json.write_text(json.dumps(dict(runs=rows, bf16_graphs_equal=bf16_graphs_equal), indent=2))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs an NVIDIA GPU, in one run that installs nothing (the machine has torch + triton):
 #   1. the kernel tests with CUDA tensors (DSV4_TEST_DEVICE=cuda: no interpreter),
-#   2. the engine on CUDA against CPU fp32, CUDA graphs on and off (scripts/check_engine_device.py),
+#   2. the engine on CUDA against CPU fp32, CUDA graphs on and off, and with 2 speculative drafts per decode
+#      (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
 #   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
 #   5. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
@@ -33,7 +34,7 @@ run() {  # name, command...
 }
 
 run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -x -p no:cacheprovider
-run engine "$PY" scripts/check_engine_device.py --device cuda --json "$OUT/engine.json"
+run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 2 --json "$OUT/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$OUT/launches.json"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json" --csv "$OUT/kernels.csv"
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
