@@ -4,7 +4,8 @@ The built-in checkpoint's MTP layer has random weights, so its drafts are almost
 acceptance, partial acceptance and the rollback of V4's state after it, `OracleDrafter` (a fake of one part: the
 draft proposals) still runs the real MTP layer, then replaces its drafts by the reference continuation with some
 tokens corrupted: the target model accepts some drafts, rejects the rest, and must still produce the reference
-tokens. The acceptance rule for sampled requests is checked statistically on the verifier itself.
+tokens. The acceptance rule for sampled requests is checked statistically on the verifier itself, and through the
+engine with drafts of a known distribution (`ModeDrafter`).
 """
 
 from __future__ import annotations
