@@ -16,7 +16,7 @@ Formats:
 from __future__ import annotations
 
 from backend.model.checkpoint import expected_shapes, is_fp32_parameter
-from backend.model.config import SLIDING, ModelConfig
+from backend.model.config import ModelConfig
 from backend.model.quantization import FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK
 
 FORMATS = ("published", "fp8", "dequantize")
@@ -59,27 +59,6 @@ def tensor_bytes(name: str, shape: tuple[int, ...], config: ModelConfig, fmt: st
     return _numel(shape) * 2
 
 
-def draft_layer_bytes(config: ModelConfig, fmt: str) -> int:
-    """The mtp.* layer of a published checkpoint: a sliding-window decoder layer, e_proj and h_proj
-    (FP8, hidden x hidden), enorm, hnorm, norm and its own hyper-head."""
-    if fmt != "published" or not config.num_nextn_predict_layers:
-        return 0
-    layer_shapes = {name.replace("model.layers.0.", "mtp.0."): shape
-                    for name, shape in expected_shapes(_one_sliding_layer(config)).items()
-                    if name.startswith("model.layers.0.")}
-    d, n = config.hidden_size, config.hc_mult
-    total = sum(tensor_bytes(name, shape, config, fmt) for name, shape in layer_shapes.items())
-    total += 2 * _fp8_bytes((d, d), scale_bytes=1) + 3 * d * 2 + (n * n * d + n + 1) * 4
-    return total * config.num_nextn_predict_layers
-
-
-def _one_sliding_layer(config: ModelConfig) -> ModelConfig:
-    import dataclasses
-
-    return dataclasses.replace(config, num_hidden_layers=1, layer_types=[SLIDING],
-                               mlp_layer_types=[config.mlp_layer_types[-1]])
-
-
 def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None,
                  draft_layers: int = 0) -> dict[str, int]:
     """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer (the published
@@ -88,7 +67,8 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0, "draft layer (mtp)": 0}
-    shapes = expected_shapes(config, 0 if fmt == "published" else draft_layers)
+    # (the published files hold every MTP layer; the engine the ones speculative decoding serves)
+    shapes = expected_shapes(config, config.num_nextn_predict_layers if fmt == "published" else draft_layers)
     if layout is not None:
         shapes = layout.local_shapes(shapes)
     for name, shape in shapes.items():
@@ -103,6 +83,4 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
             parts["attention"] += size
         else:
             parts["other"] += size
-    if fmt == "published":
-        parts["draft layer (mtp)"] = draft_layer_bytes(config, fmt)
     return parts
