@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import compute_dtype
-from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, dequantize_mxfp4, simulate_e4m3_groups,
+from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, dequantize_mxfp4, e2m1_value, simulate_e4m3_groups,
                                    simulate_quantization)
 
 
@@ -256,12 +256,7 @@ def _expert_weight_tile(w_ptr, s_ptr, expert, rows, ks, mask, stride_we, stride_
         w *= tl.load(s_ptr + expert * stride_se + scale_rows * stride_sn + ks // 128, mask=mask, other=0.0)
     else:
         byte = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((ks % 2) * 4)) & 0xF
-        magnitude = code & 7
-        exponent = (magnitude >> 1).to(tl.float32)
-        mantissa = (magnitude & 1).to(tl.float32)
-        value = tl.where(exponent == 0.0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2(exponent - 1.0))
-        value = tl.where(code >= 8, -value, value)
+        value = e2m1_value((byte >> ((ks % 2) * 4)) & 0xF)
         e8m0 = tl.load(s_ptr + expert * stride_se + rows * stride_sn + ks // 32, mask=mask, other=127)
         w = value * tl.exp2((e8m0.to(tl.int32) & 0xFF).to(tl.float32) - 127.0)
     return w.to(COMPUTE_DTYPE)

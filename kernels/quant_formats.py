@@ -266,17 +266,22 @@ def load_indexer_keys(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr, FP4: tl.cons
     dims = tl.arange(0, HEAD_DIM)
     if FP4:
         packed = tl.load(pool_ptr + rows[:, None] + dims[None, :] // 2, mask=mask[:, None], other=0).to(tl.int32)
-        code = (packed >> ((dims[None, :] % 2) * 4)) & 0xF
-        exponent = (code >> 1) & 3
-        mantissa = (code & 1).to(tl.float32)
-        magnitude = tl.where(exponent == 0, 0.5 * mantissa,
-                             (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
         scale = ue8m0_value(tl.load(pool_ptr + rows[:, None] + HEAD_DIM // 2 + dims[None, :] // 32,
                                     mask=mask[:, None], other=127))
-        keys = tl.where((code & 8) != 0, -magnitude, magnitude) * scale
+        keys = e2m1_value((packed >> ((dims[None, :] % 2) * 4)) & 0xF) * scale
     else:
         keys = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
     return keys
+
+
+@triton.jit
+def e2m1_value(code):
+    """The float32 values of e2m1 codes (int32, 4 bits: sign, 2 exponent bits, 1 mantissa bit): +-0, 0.5, 1, 1.5, 2,
+    3, 4, 6 (FP4_VALUES), computed rather than looked up."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
 
 
 @triton.jit
