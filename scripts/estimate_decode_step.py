@@ -101,11 +101,8 @@ def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstima
 
 def _weights_read(c, layout: str, ranks: int) -> float:
     """A rank's weights as published, all read once a step (with the dp layout the head whole)."""
-    if layout == "tp":
-        return sum(weight_bytes(c, "fp8", layout=ParallelLayout(ranks, ranks)).values())
-    parts = weight_bytes(c, "fp8", layout=ParallelLayout(1, ranks))
-    parts["embed+head"] = weight_bytes(c, "fp8")["embed+head"]
-    return sum(parts.values())
+    split = ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
+    return sum(weight_bytes(c, "fp8", layout=split, data_parallel=layout == "dp").values())
 
 
 def main() -> None:

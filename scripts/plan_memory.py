@@ -74,9 +74,8 @@ def plan(config, weight_format: str, layout: ParallelLayout, gpu_memory_gib: flo
     parts = weight_bytes(config, weight_format, draft_layers=draft_layers)
     published = weight_bytes(config, "published")
     on_disk = sum(published.values())
-    per_rank = weight_bytes(config, weight_format, layout=layout, draft_layers=draft_layers)
-    if data_parallel_size > 1:  # each rank computes the logits of its own requests: the head whole
-        per_rank["embed+head"] = parts["embed+head"]
+    per_rank = weight_bytes(config, weight_format, layout=layout, draft_layers=draft_layers,
+                            data_parallel=data_parallel_size > 1)
     if not draft_layers:  # (not served: no such part)
         parts.pop("draft layer (mtp)"), per_rank.pop("draft layer (mtp)")
     weights, rank_weights = sum(parts.values()), sum(per_rank.values())

@@ -60,17 +60,22 @@ def tensor_bytes(name: str, shape: tuple[int, ...], config: ModelConfig, fmt: st
 
 
 def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None,
-                 draft_layers: int = 0) -> dict[str, int]:
+                 draft_layers: int = 0, data_parallel: bool = False) -> dict[str, int]:
     """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer (the published
     checkpoint's, or in the engine's formats the `draft_layers` speculative decoding serves); with a ParallelLayout
-    (backend/parallel/layout.py), what one rank holds (split like the main layers')."""
+    (backend/parallel/layout.py), what one rank holds (split like the main layers'). `data_parallel`: the ranks run
+    data-parallel attention (the layout splits the experts only), so each computes its own requests' logits with the
+    whole LM head."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0, "draft layer (mtp)": 0}
     # (the published files hold every MTP layer; the engine the ones speculative decoding serves)
     shapes = expected_shapes(config, config.num_nextn_predict_layers if fmt == "published" else draft_layers)
     if layout is not None:
+        head = shapes["lm_head.weight"]
         shapes = layout.local_shapes(shapes)
+        if data_parallel:
+            shapes["lm_head.weight"] = head
     for name, shape in shapes.items():
         size = tensor_bytes(name, shape, config, fmt, dtype_bytes)
         if name.startswith("model.mtp."):
