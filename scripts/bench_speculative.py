@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,19 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
-from backend.request import SamplingParams  # noqa: E402
+from scripts.bench_engine import throughput, time_engine  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
 
 
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
-    def timed(n: int) -> float:
-        started = time.perf_counter()
-        results = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-        assert all(len(r["output_ids"]) == n for r in results)
-        return time.perf_counter() - started
-
-    first = timed(1)
-    return len(prompts) * (max_tokens - 1) / max(timed(max_tokens) - first, 1e-9)
+    """bench_engine.py's decode throughput: the max_tokens run's time beyond a 1-token run's."""
+    return throughput(lambda batch, n: time_engine(engine, batch, n), prompts, max_tokens)[0]
 
 
 def main() -> None:
