@@ -73,7 +73,7 @@ from backend.request import FinishReason, Sequence, SequenceStatus
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
 from backend.scheduler.plan import ScheduledChunk, SeqUpdate, StepOutput, StepPlan
 from backend.scheduler.policies import FixedBudget, ItlTargetBudget, make_policy
-from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord
+from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord, mean_accepted_length
 
 if TYPE_CHECKING:
     from backend.config import EngineConfig
@@ -334,14 +334,10 @@ class Scheduler:
         if not self._inflight or plan is not self._inflight[0].plan:
             raise RuntimeError(f"update_from_output() for step {plan.step_index}, which is not the oldest in flight")
         inflight = self._inflight.popleft()
-        counters, record = self.counters, inflight.record
-        verifies, drafts, accepted = counters.num_verifies, counters.num_draft_tokens, counters.num_accepted_tokens
-        updates = self._fail_step(plan, output.error) if output.error is not None else self._apply(plan, output)
-        record.num_verifies = counters.num_verifies - verifies
-        record.num_draft_tokens = counters.num_draft_tokens - drafts
-        record.num_accepted_tokens = counters.num_accepted_tokens - accepted
-        if record.num_verifies:
-            record.mean_accepted_length = 1.0 + record.num_accepted_tokens / record.num_verifies
+        record = inflight.record
+        updates = (self._fail_step(plan, output.error) if output.error is not None
+                   else self._apply(plan, output, record))
+        record.mean_accepted_length = mean_accepted_length(record.num_verifies, record.num_accepted_tokens)
         record.draft_s = output.draft_s
         inflight.record.duration_s = output.duration_s
         inflight.record.mask_fill_s, inflight.record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
@@ -352,7 +348,7 @@ class Scheduler:
             self._step_log.write(inflight.record)
         return updates
 
-    def _apply(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
+    def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[SeqUpdate]:
         updates, cache, rows = [], self.prefix_cache, itertools.count()
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -384,7 +380,7 @@ class Scheduler:
             logprobs = None if logprobs is None else logprobs[:kept]
             self._keep_verified_snapshots(chunk, len(emitted))  # (once its tokens are known: they key the entries)
             if chunk.drafts and seq.num_preemptions == chunk.epoch:
-                self._settle_verify(seq, chunk, len(emitted))
+                self._settle_verify(seq, chunk, len(emitted), record)
             seq.draft_tokens = output.drafts.get(row, [])
             if reason is None:
                 updates.append(SeqUpdate(seq, emitted, logprobs, False))
@@ -404,16 +400,17 @@ class Scheduler:
         self.prefix_cache.keep_reserved(chunk.seq, [r for r in chunk.snapshots if r.position <= valid_end])
         self.prefix_cache.release_reserved([r for r in chunk.snapshots if r.position > valid_end])
 
-    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int) -> None:
+    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int, record: StepRecord) -> None:
         """A verify step computed positions [start, start + 1 + drafts) and emitted `num_emitted` tokens: the last
         token's and the accepted drafts' positions stand, the rejected drafts' are given up by moving the request's
         position back. Nothing is copied: what those positions wrote is never read before it is written again
         (their window and compressed entries lie past every later query's causal reach until recomputed, and the
         rings keep more positions than a window reads: backend/speculative.py)."""
         seq.num_computed_tokens = chunk.start + num_emitted
-        self.counters.num_draft_tokens += len(chunk.drafts)
-        self.counters.num_accepted_tokens += num_emitted - 1
-        self.counters.num_verifies += 1
+        for tally in (self.counters, record):  # the running totals and the step's own
+            tally.num_draft_tokens += len(chunk.drafts)
+            tally.num_accepted_tokens += num_emitted - 1
+            tally.num_verifies += 1
 
     def _fail_step(self, plan: StepPlan, error: str) -> list[SeqUpdate]:
         updates = []

@@ -85,8 +85,7 @@ class StepCounters:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """Tokens a verify emits on average: its accepted drafts plus the one sampled after them."""
-        return 1.0 + self.num_accepted_tokens / self.num_verifies if self.num_verifies else None
+        return mean_accepted_length(self.num_verifies, self.num_accepted_tokens)
 
     @property
     def num_steps(self) -> int:
@@ -99,6 +98,11 @@ class StepCounters:
         self.longest_prefill_streak = max(self.longest_prefill_streak, self.prefill_streak)
         self.decode_stalls += record.decode_stalled
         self.num_itl_infeasible += record.itl_infeasible
+
+
+def mean_accepted_length(num_verifies: int, num_accepted_tokens: int) -> float | None:
+    """Tokens a verify emits on average: its accepted drafts plus the one sampled after them (None: no verify)."""
+    return 1.0 + num_accepted_tokens / num_verifies if num_verifies else None
 
 
 class StepLog:
