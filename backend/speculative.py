@@ -109,19 +109,18 @@ class Verifier:
             if not row.drafts:
                 continue
             state, span = states[r], slice(firsts[r], firsts[r] + 1 + len(row.drafts))
-            if state.params.temperature == 0.0 and not state.has_penalties:
+            best = None
+            if state.params.temperature == 0.0 and not state.has_penalties:  # its targets are the raw logits'
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
-                emitted[r] = _accepted_prefix(list(row.drafts), argmax[span])
-                if state.params.logprobs is not None:
-                    logprobs[r] = self.sampler.logprobs(logits[span], [state] * len(emitted[r]), emitted[r])
-            else:
-                emitted[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts))
+                best = argmax[span]
+            emitted[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts), best)
         if any(lp is not None for lp in logprobs):
             verdict.logprobs = logprobs
         return verdict
 
-    def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int]):
-        """(emitted tokens, their log-probabilities or None) of one verify row: logits [1 + k, V]."""
+    def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int], best: list[int] | None = None):
+        """(emitted tokens, their log-probabilities or None) of one verify row: logits [1 + k, V]; `best`: their
+        argmax, when the step already read it."""
         params = state.params
         targets = logits
         if state.has_penalties:  # position i sees the outputs so far and the drafts before it
@@ -129,7 +128,7 @@ class Verifier:
             for i in range(len(targets)):
                 state.penalize(targets[i], pending=drafts[:i])
         if params.temperature == 0.0:
-            emitted = _accepted_prefix(drafts, targets.argmax(dim=-1).tolist())
+            emitted = _accepted_prefix(drafts, best if best is not None else targets.argmax(dim=-1).tolist())
         else:
             emitted = self._rejection_sample(targets.float().cpu(), state, drafts)
         if state.has_penalties:
