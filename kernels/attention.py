@@ -198,15 +198,11 @@ def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dic
     Decoding the fp8 layout in registers holds a key block's codes, scales and values at once: half the key block
     and one stage keep sm_90 from spilling at head_dim 512.
     """
-    if head_dim >= 512:
-        cfg = dict(BLOCK_H=min(32, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=32, num_warps=8,
-                   num_stages=2)
-    elif head_dim >= 256:
-        cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=32, num_warps=8,
-                   num_stages=2)
+    block_h = min(32 if head_dim >= 512 else 64, max(16, triton.next_power_of_2(num_heads)))
+    if head_dim >= 256:
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8, num_stages=2)
     else:
-        cfg = dict(BLOCK_H=min(64, max(16, triton.next_power_of_2(num_heads))), BLOCK_N=64, num_warps=4,
-                   num_stages=2)
+        cfg = dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
     if kv_fp8:
         cfg.update(BLOCK_N=cfg["BLOCK_N"] // 2, num_stages=1)
     return cfg
