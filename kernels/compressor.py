@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import TL_DTYPES
-from kernels.kv_store import scale_slots, store_fp8_entry, store_kv_fp8_reference
+from kernels.kv_store import scale_slots, store_entries_reference, store_fp8_entry
 from kernels.norm_rope import apply_rope, rms_norm
 from kernels.quant_formats import kv_fp8_entry_bytes
 
@@ -54,11 +54,7 @@ def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv:
                         entry_dtype)
     if not plan.num_entries:
         return
-    rows = entry_destinations(plan, pool, block_table)
-    if pool.dtype == torch.uint8:  # the fp8 layout (kv_cache_dtype fp8)
-        store_kv_fp8_reference(entries, pool, rows, 2 * entry_cos.shape[-1])
-    else:
-        pool.view(-1, pool.shape[-1])[rows] = entries
+    store_entries_reference(entries, pool, entry_destinations(plan, pool, block_table), 2 * entry_cos.shape[-1])
 
 
 def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,

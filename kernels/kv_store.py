@@ -34,6 +34,15 @@ def store_kv_fp8_reference(values: torch.Tensor, pool: torch.Tensor, rows: torch
     pool.view(-1, pool.shape[-1])[rows] = pack_kv_fp8(values, rope_dim)
 
 
+def store_entries_reference(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
+    """Attention entries [N, D] into rows of a pool as it stores them: as they are, or encoded in the fp8 layout (a
+    uint8 pool); what the entry-producing kernels' references (norm_rope's window write, the compressor) end with."""
+    if pool.dtype == torch.uint8:
+        store_kv_fp8_reference(values, pool, rows, rope_dim)
+    else:
+        pool.view(-1, pool.shape[-1])[rows] = values
+
+
 def store_indexer_fp4_reference(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
     pool.view(-1, pool.shape[-1])[rows] = pack_indexer_fp4(keys)
 

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import scale_slots, store_fp8_entry, store_kv_fp8_reference
+from kernels.kv_store import scale_slots, store_entries_reference, store_fp8_entry
 from kernels.quant_formats import kv_fp8_entry_bytes
 
 
@@ -83,10 +83,7 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps
         y = apply_rope(y, cos, -sin if inverse else sin)
     if out is None:
         return y
-    if out.dtype == torch.uint8:  # a pool of the fp8 layout (kv_cache_dtype fp8)
-        store_kv_fp8_reference(y, out, out_index, 2 * cos.shape[-1])
-    else:
-        out.view(-1, y.shape[-1])[out_index] = y
+    store_entries_reference(y, out, out_index, 2 * cos.shape[-1] if cos is not None else 0)
     return out
 
 
