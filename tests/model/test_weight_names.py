@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from make_checkpoint import make_config
@@ -31,8 +33,6 @@ def stored_names(shapes: dict, layout: str) -> dict[str, Target]:
 
 @pytest.fixture(scope="module")
 def tiny_shapes(tiny_checkpoint):
-    import json
-
     config = parse_model_config(json.loads((tiny_checkpoint / "config.json").read_text()))
     return expected_shapes(config, draft_layers=config.num_nextn_predict_layers)  # the MTP layer's names too
 
@@ -110,3 +110,49 @@ def test_layouts_are_told_apart_by_their_names_and_the_draft_layer_is_recognised
         detect_layout(["transformer.wte.weight"])
     assert draft_layer_index("mtp.0.attn.wq_a.weight") == 0 and draft_layer_index("model.mtp.1.enorm.weight") == 1
     assert draft_layer_index("layers.0.attn.wq_a.weight") is None
+
+
+# DeepSeek-V4-Flash's MTP layer as its last shard (model-00046-of-00046.safetensors) holds it: name, shape, stored
+# as ("fp8": e4m3 + e8m0 128x128 block scales, "fp4": int8 pairs + e8m0 scales per 32, else plain), from a public
+# inventory of the published checkpoint (experts 0-255 each have w1, w2, w3).
+PUBLISHED_FLASH_MTP = {
+    "mtp.0.attn.attn_sink": ((64,), None), "mtp.0.attn.kv_norm.weight": ((512,), None),
+    "mtp.0.attn.q_norm.weight": ((1024,), None), "mtp.0.attn.wkv.weight": ((512, 4096), "fp8"),
+    "mtp.0.attn.wo_a.weight": ((8192, 4096), "fp8"), "mtp.0.attn.wo_b.weight": ((4096, 8192), "fp8"),
+    "mtp.0.attn.wq_a.weight": ((1024, 4096), "fp8"), "mtp.0.attn.wq_b.weight": ((32768, 1024), "fp8"),
+    "mtp.0.attn_norm.weight": ((4096,), None), "mtp.0.e_proj.weight": ((4096, 4096), "fp8"),
+    "mtp.0.enorm.weight": ((4096,), None), "mtp.0.ffn.experts.0.w1.weight": ((2048, 2048), "fp4"),
+    "mtp.0.ffn.experts.0.w2.weight": ((4096, 1024), "fp4"), "mtp.0.ffn.experts.255.w3.weight": ((2048, 2048), "fp4"),
+    "mtp.0.ffn.gate.bias": ((256,), None), "mtp.0.ffn.gate.weight": ((256, 4096), None),
+    "mtp.0.ffn.shared_experts.w1.weight": ((2048, 4096), "fp8"), "mtp.0.ffn.shared_experts.w2.weight": ((4096, 2048), "fp8"),
+    "mtp.0.ffn.shared_experts.w3.weight": ((2048, 4096), "fp8"), "mtp.0.ffn_norm.weight": ((4096,), None),
+    "mtp.0.h_proj.weight": ((4096, 4096), "fp8"), "mtp.0.hc_attn_base": ((24,), None),
+    "mtp.0.hc_attn_fn": ((24, 16384), None), "mtp.0.hc_attn_scale": ((3,), None), "mtp.0.hc_ffn_base": ((24,), None),
+    "mtp.0.hc_ffn_fn": ((24, 16384), None), "mtp.0.hc_ffn_scale": ((3,), None), "mtp.0.hc_head_base": ((4,), None),
+    "mtp.0.hc_head_fn": ((4, 16384), None), "mtp.0.hc_head_scale": ((1,), None), "mtp.0.hnorm.weight": ((4096,), None),
+    "mtp.0.norm.weight": ((4096,), None),
+}
+
+
+def test_the_published_mtp_layer_maps_onto_the_engines_draft_layer():
+    """Every MTP tensor of V4-Flash's shard names an engine tensor of the draft layer with its shape (an expert's
+    part of the merged tensor; an MXFP4 tensor holds two codes a byte), and every engine tensor is covered."""
+    from pathlib import Path
+
+    from backend.model.checkpoint import draft_layer_shapes
+
+    config = parse_model_config(json.loads((Path(__file__).resolve().parents[2] / "docs" / "configs"
+                                            / "deepseek-v4-flash.config.json").read_text()))
+    shapes = draft_layer_shapes(config, 0)
+    covered = set()
+    for name, (stored, kind) in PUBLISHED_FLASH_MTP.items():
+        target = engine_target(name, "deepseek")
+        assert target.name in shapes, name
+        covered.add(target.name)
+        shape = shapes[target.name]
+        if target.expert is not None:  # one expert's rows of gate_up (a half), or its down projection
+            shape = (shape[1] // 2, shape[2]) if target.half else shape[1:]
+        if kind == "fp4":
+            shape = (shape[0], shape[1] // 2)
+        assert stored == shape, (name, stored, shape)
+    assert covered == set(shapes)
