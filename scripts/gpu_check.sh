@@ -13,47 +13,74 @@
 #      side, CUDA graphs on (decode steps and verify steps whose rows carry k drafts each; the draft passes run
 #      eagerly). The built-in checkpoint's drafts are random (almost never accepted): this measures what
 #      speculation costs, its worst case.
-# Results go to ${OUT:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
+# Results go to ${RESULTS:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
+# Each part has a time limit (seconds, GPU_CHECK_LIMITS below), so the whole run fits a short lease; a part over
+# its limit is reported as such, and the rest still run. With GPU_CHECK_ARCHIVE=FILE the results folder is also
+# packed into that one .tgz after every part (a lease that returns few files still gets them all).
+# Wheels in .whl/ (xgrammar and its needs, which the GPU image lacks) are installed into a temporary folder first.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
 set -u
 cd "$(dirname "$0")/.."
-OUT="${OUT:-results/gpu_check}"
-mkdir -p "$OUT"
+RESULTS="${RESULTS:-results/gpu_check}"
+mkdir -p "$RESULTS"
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] && PY=.venv/bin/python
 unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
+    .whl/*.whl && export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft that is accepted sometimes
+[ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
+declare -A limit=([kernel_tests]=120 [engine]=90 [launches]=30 [bench_kernels]=90 [host_loop]=45 [speculative]=45
+                  [structured]=30)
+for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
+# GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
+
+echo "=== device"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$RESULTS/device.txt"
+"$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)' \
+  2>&1 | tee -a "$RESULTS/device.txt"
 
 declare -A status
 run() {  # name, command...
   local name="$1"; shift
-  echo "=== $name: $*"
-  local start=$SECONDS
-  if "$@" > >(tee "$OUT/$name.log") 2>&1; then status[$name]="ok ($((SECONDS - start)) s)"
-  else status[$name]="FAILED ($((SECONDS - start)) s, see $OUT/$name.log)"; fi
+  if [ -n "${GPU_CHECK_PARTS:-}" ] && [[ " $GPU_CHECK_PARTS " != *" $name "* ]]; then status[$name]="skipped"; return; fi
+  echo "=== $name (limit ${limit[$name]} s): $*"
+  local start=$SECONDS rc
+  timeout -k 5 "${limit[$name]}" "$@" > >(tee "$RESULTS/$name.log") 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then status[$name]="ok ($((SECONDS - start)) s)"
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status[$name]="FAILED (over its ${limit[$name]} s limit, see $RESULTS/$name.log)"
+  else status[$name]="FAILED (rc $rc, $((SECONDS - start)) s, see $RESULTS/$name.log)"; fi
+  [ -n "${GPU_CHECK_ARCHIVE:-}" ] && tar czf "$GPU_CHECK_ARCHIVE" -C "$RESULTS" .
 }
 
-run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -x -p no:cacheprovider
-run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 2 --json "$OUT/engine.json"
-run launches "$PY" scripts/count_launches.py --device cuda --json "$OUT/launches.json"
-run bench_kernels "$PY" scripts/bench_kernels.py --json "$OUT/kernels.json" --csv "$OUT/kernels.csv"
+# xdist, where installed, compiles the kernels' variants on several cores at once
+xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
+run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${xdist[@]}"
+run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 2 --json "$RESULTS/engine.json"
+run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
+run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
-  --repeats 3 --steps 50 --real-forward --json "$OUT/host_loop.json"
+  --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
+run speculative "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
+  --runs 3 --json "$RESULTS/speculative.json" --csv "$RESULTS/speculative.csv"
+
 if "$PY" -c "import xgrammar" 2>/dev/null; then
   run structured "$PY" scripts/bench_structured.py --device cuda --skip-compile --repeats 3 \
-    --json "$OUT/structured.json" --csv "$OUT/structured.csv" --plot "$OUT/structured.png"
+    --json "$RESULTS/structured.json" --csv "$RESULTS/structured.csv" --plot "$RESULTS/structured.png"
 else
   status[structured]="not run (xgrammar not installed)"
 fi
-run speculative "$PY" scripts/bench_speculative.py --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
-  --runs 3 --json "$OUT/speculative.json" --csv "$OUT/speculative.csv"
-
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches bench_kernels host_loop structured speculative; do
+for name in kernel_tests engine launches bench_kernels host_loop speculative structured; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
-[ -f "$OUT/launches.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"launches per layer {r['per_layer_mean']:.1f}, per step {r['per_step']:.0f}, host syncs per step {r['syncs_per_step']:g}\")" "$OUT/launches.json"
+[ -f "$RESULTS/launches.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"launches per layer {r['per_layer_mean']:.1f}, per step {r['per_step']:.0f}, host syncs per step {r['syncs_per_step']:g}\")" "$RESULTS/launches.json"
 exit $failed
