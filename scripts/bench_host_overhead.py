@@ -51,7 +51,7 @@ WARM_UP_STEPS = 64
 def stub_forward(vocab: int, device, device_s: float = 0.0):
     """A forward that returns zero logits for the rows that want them, after `device_s` of sleep."""
 
-    def forward(batch, kv):
+    def forward(batch, kv, **_):
         if device_s:
             time.sleep(device_s)
         return torch.zeros(batch.logits_token_index.shape[0], vocab, device=device)
@@ -70,7 +70,9 @@ def make_engine(options, rows: int, context: int, overlap: bool, device_s: float
                           prefill_chunk_tokens=PREFILL_CHUNK, num_tokens=num_tokens,
                           swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
                           overlap_scheduling=overlap, cpu_threads=1,
-                          enable_prefix_caching=options.enable_prefix_caching)
+                          enable_prefix_caching=options.enable_prefix_caching,
+                          # a stub forward is host work only: a CUDA graph would capture it once and skip its sleep
+                          cuda_graphs=False if device_s is not None else None)
     engine = LLMEngine(config)
     if device_s is not None:
         engine.model.forward = stub_forward(engine.vocab_size, engine.device, device_s)

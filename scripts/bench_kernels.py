@@ -281,7 +281,11 @@ def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, flo
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
 TOLERANCES = {"attention": (2e-2, 2e-2), "attn_fp8": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "idx_fp4": (1e-3, 1e-3),
               "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
-              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2)}
+              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2),
+              # bf16 entries against the fp32 reference: gate + bias, softmax weights, pooled sum, RMSNorm and RoPE
+              # each round once in the kernel (tests/kernels/test_compressor.py's bf16 tolerance; an H200 reached
+              # 1.13 of the glue tolerance)
+              "compress": (4e-2, 2e-2)}
 
 
 def _max_error(torch, actual, expected, atol, rtol) -> float:
@@ -307,12 +311,13 @@ def run_case(torch, timer, kernel, case, triton_fn, reference_fn, args, kwargs, 
                           lambda: reference_fn(*args, **kwargs), expected_fn, work, options)
 
 
-def check_and_time(torch, timer, kernel, case, kernel_fn, reference_fn, expected_fn, work, options) -> "Result":
-    """Compare kernel_fn() with expected_fn() (a tensor, or a tuple of them compared pairwise), then time kernel_fn
-    and reference_fn; work = (GB moved, GFLOP). Prints one line."""
+def check_and_time(torch, timer, kernel, case, kernel_fn, reference_fn, expected_fn, work, options,
+                   tolerance: str | None = None) -> "Result":
+    """Compare kernel_fn() with expected_fn() (a tensor, or a tuple of them compared pairwise) within
+    TOLERANCES[tolerance or kernel], then time kernel_fn and reference_fn; work = (GB moved, GFLOP). Prints one line."""
     actual, expected = kernel_fn(), expected_fn()
     pairs = zip(actual, expected) if isinstance(actual, tuple) else [(actual, expected)]
-    error = max(_max_error(torch, a, e, *TOLERANCES[kernel]) for a, e in pairs)
+    error = max(_max_error(torch, a, e, *TOLERANCES[tolerance or kernel]) for a, e in pairs)
     del actual, expected, pairs
     status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
     ms = timer(kernel_fn)
@@ -408,7 +413,9 @@ def quantized_experts(torch, device, fmt: str, num_experts: int, n: int, k: int,
 
     if fmt == "mxfp4":
         data = torch.randint(-128, 128, (num_experts, n, k // 2), generator=gen, device=device, dtype=torch.int8)
-        scale = torch.randint(118, 124, (num_experts, n, k // 32), generator=gen, device=device, dtype=torch.uint8)
+        # e8m0 2^-13..2^-8: activations of order 1 through both projections, as a trained model has (larger scales
+        # give outputs in the hundreds, where bf16 rounding alone exceeds the fixed absolute tolerance)
+        scale = torch.randint(114, 120, (num_experts, n, k // 32), generator=gen, device=device, dtype=torch.uint8)
         return QuantizedExperts("mxfp4", data, scale, (num_experts, n, k), n)
     data = torch.empty(num_experts, n, k, dtype=torch.float8_e4m3fn, device=device)
     for e in range(num_experts):
@@ -598,7 +605,8 @@ def bench_glue(torch, s, device, timer, options):
         for kind, kernel_fn, reference_fn, float_reference_fn, (nbytes, flops) in _glue_cases(torch, s, device, t, gen):
             name = f"{kind} {'prefill' if t == s.prefill_tokens else 'decode'} T={t}"
             results.append(check_and_time(torch, timer, "glue", name, kernel_fn, reference_fn, float_reference_fn,
-                                          (nbytes / 1e9, flops / 1e9), options))
+                                          (nbytes / 1e9, flops / 1e9), options,
+                                          "compress" if kind.startswith("compress") else None))
     return results
 
 

@@ -34,8 +34,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft that is accepted sometimes
 [ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
-declare -A limit=([kernel_tests]=120 [engine]=90 [launches]=30 [bench_kernels]=90 [host_loop]=45 [speculative]=45
-                  [structured]=30)
+# what each part took on an H200 (2026-12-04), with some room
+declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [bench_kernels]=150 [host_loop]=60 [speculative]=90
+                  [structured]=40)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 
@@ -58,9 +59,11 @@ run() {  # name, command...
   [ -n "${GPU_CHECK_ARCHIVE:-}" ] && tar czf "$GPU_CHECK_ARCHIVE" -C "$RESULTS" .
 }
 
-# xdist, where installed, compiles the kernels' variants on several cores at once
+# xdist, where installed, compiles the kernels' variants on several cores at once. test_compile.py is left to the
+# CPU suite: it checks what the pinned Triton compiles for sm_90 (registers, spills), and a GPU image may carry another.
 xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
-run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${xdist[@]}"
+run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${xdist[@]}" \
+  --deselect tests/kernels/test_compile.py
 run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 2 --json "$RESULTS/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"

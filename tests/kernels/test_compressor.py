@@ -17,6 +17,7 @@ from backend.model.compressor import build_plan
 from kernels.compressor import compress_into_pool_reference, compress_into_pool_triton, plan_compress_into_pool
 
 PAGE_SIZE = 4
+DEVICE = torch.get_default_device()  # cuda with DSV4_TEST_DEVICE=cuda: plans live beside the tensors
 
 
 class _Memory:
@@ -52,7 +53,7 @@ def _run(rate, overlap, head_dim, rope_dim, schedule, lengths, dtype, *, pad_ent
         lens = [n for _, n in step]
         starts = [done[r] for r in rows]
         offsets = [sum(lens[:i]) for i in range(len(lens))]
-        plan = build_plan(rate, overlap, starts, lens, offsets, rows, "cpu")
+        plan = build_plan(rate, overlap, starts, lens, offsets, rows, DEVICE)
         if pad_entries:
             pad = lambda t, v: torch.cat([t, torch.full((pad_entries, *t.shape[1:]), v, dtype=t.dtype)])  # noqa
             plan = replace(plan, entry_src=pad(plan.entry_src, 0), entry_valid=pad(plan.entry_valid, True),
@@ -122,7 +123,7 @@ def test_padding_entries_write_only_the_scratch_page():
 
 
 def test_nothing_to_do_launches_nothing():
-    plan = build_plan(4, True, [0], [1], [0], [0], "cpu")  # one token: nothing closes
+    plan = build_plan(4, True, [0], [1], [0], [0], DEVICE)  # one token: nothing closes
     assert plan.num_entries == 0
     plan = replace(plan, keep_src=plan.keep_src[:0], keep_slot=plan.keep_slot[:0], keep_pos=plan.keep_pos[:0])
     z = torch.zeros(1, 32)
@@ -149,7 +150,7 @@ def test_a_snapshot_inside_a_chunk_keeps_the_ring_as_it_stands_there(rate, overl
     table = torch.zeros(1, 8, dtype=torch.int32)
 
     def run(rings, start, end, snaps=()):
-        plan = build_plan(rate, overlap, [start], [end - start], [0], [0], "cpu",
+        plan = build_plan(rate, overlap, [start], [end - start], [0], [0], DEVICE,
                           [(0, p, slot) for slot, p in enumerate(snaps, 1)])
         trig = torch.zeros(plan.num_entries, 2)
         fn(kv_all[start:end], gate_all[start:end], *rings, plan, bias, norm_weight, 1e-6, trig.cos(), trig.sin(),
@@ -174,7 +175,7 @@ def test_snapshot_rows_run_with_the_entries_before_the_ring_updates():
     """On a GPU the programs of a launch run at once: a snapshot reading ring positions that the chunk's ring
     updates overwrite must be written in the first launch (the interpreter runs programs in order and cannot
     show the race, so the launch split itself is checked)."""
-    plan = build_plan(4, True, [14], [31], [0], [0], "cpu", [(0, 16, 1), (0, 32, 2)])
+    plan = build_plan(4, True, [14], [31], [0], [0], DEVICE, [(0, 16, 1), (0, 32, 2)])
     assert plan.num_snapshot_keep == 8 and plan.keep_src.shape[0] == 8 + 8
     z = torch.zeros(31, 32)
     launches = plan_compress_into_pool(z, z, torch.zeros(3, 8, 32), torch.zeros(3, 8, 32), plan, torch.zeros(4, 32),
@@ -199,7 +200,7 @@ def test_the_decode_plan_is_the_general_plan_of_single_token_rows(rate, overlap)
         starts[0] = rate - 1  # the first window closes at the row's first possible position
         slots = torch.randperm(64, generator=gen)[:num_rows]
         general = build_plan(rate, overlap, starts, torch.ones(num_rows, dtype=torch.long), torch.arange(num_rows),
-                             slots, "cpu")
+                             slots, DEVICE)
         fast = build_decode_plan(rate, overlap, starts, slots)
         assert general.num_entries >= 1
         for f in fields(general):
@@ -220,7 +221,7 @@ def test_closed_entries_returned_for_the_caller_to_store(implementation):
     bias = torch.randn(rate, 2 * head_dim, generator=gen)
     norm_weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
     for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1])):  # a prefill step, then a decode step closing both
-        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], "cpu")
+        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], DEVICE)
         wide = torch.randn(sum(lens), 4 * head_dim, generator=gen)
         kv, gate = wide[:, :2 * head_dim], wide[:, 2 * head_dim:]
         angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
@@ -249,7 +250,7 @@ def test_fp32_pooling_with_entries_in_the_model_dtype(overlap, rate):
     bias = torch.randn(rate, width, generator=gen)
     norm_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(torch.bfloat16)
     for starts, lens in (([0, 0], [2 * rate + 3, rate - 1]), ([2 * rate + 3, rate - 1], [rate - 3, 1])):
-        plan = build_plan(rate, overlap, starts, lens, [0, lens[0]], [0, 1], "cpu")
+        plan = build_plan(rate, overlap, starts, lens, [0, lens[0]], [0, 1], DEVICE)
         wide = torch.randn(sum(lens), 2 * width, generator=gen)  # the fp32 projection
         angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
         cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
@@ -281,7 +282,7 @@ def test_entries_quantized_as_they_are_stored_in_the_fp8_layout(implementation):
     bias = torch.randn(rate, 2 * head_dim, generator=gen)
     norm_weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
     for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1])):
-        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], "cpu")
+        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], DEVICE)
         wide = torch.randn(sum(lens), 4 * head_dim, generator=gen)
         angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
         inputs = (wide[:, :2 * head_dim], wide[:, 2 * head_dim:])

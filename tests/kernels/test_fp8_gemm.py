@@ -16,6 +16,13 @@ def _weight(n: int, k: int, seed: int, scale_dtype=torch.float8_e8m0fnu):
     return w_q, (scale if scale_dtype == torch.float8_e8m0fnu else scale.to(torch.float32))
 
 
+# Under the interpreter the FP8 products are exact and summed in fp32. On Hopper, tiles of more than 16 rows take the
+# wgmma path, whose FP8 accumulator keeps fewer mantissa bits within each 128-wide K block (the block's partial is then
+# added to the fp32 accumulator, as DeepSeek's own FP8 GEMMs do): a few 1e-4 of the output's scale (2.2e-4 seen on an
+# H200, 2026-12-04).
+ACCUMULATOR_ERROR = 2e-3 if torch.get_default_device().type == "cuda" else 1e-5
+
+
 def test_activation_quantization_is_per_token_and_per_128_group_with_power_of_two_scales():
     x = torch.zeros(2, 200)
     x[0, :128], x[0, 128:] = 1.0, 100.0
@@ -35,7 +42,7 @@ def test_kernel_matches_the_reference_at_irregular_sizes(tokens, n, k, scale_dty
     expected = fp8_gemm_reference(x, w_q, w_scale)
     got = fp8_gemm_triton(x, w_q, w_scale)
     assert got.shape == (tokens, n) and got.dtype == x.dtype
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=ACCUMULATOR_ERROR * expected.abs().max().item())
 
 
 def test_the_fp8_gemm_is_close_to_the_unquantized_product():

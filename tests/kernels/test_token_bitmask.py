@@ -46,7 +46,7 @@ def test_the_reference_is_xgrammars_layout(vocab, dtype, rows):
     expected = logits.clone()
     apply_token_bitmask_reference(expected, bitmask, row_ids)
     oracle = logits.float().clone()  # XGrammar's CPU path: float32 logits, a full-width mask per listed row
-    full = torch.full((4, bitmask.shape[1]), -1, dtype=torch.int32)
+    full = torch.full((4, bitmask.shape[1]), -1, dtype=torch.int32, device="cpu")
     full[row_ids] = bitmask
     if rows:
         xgr.apply_token_bitmask_inplace(oracle, full, indices=rows)
