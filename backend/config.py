@@ -16,6 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
 
 POLICIES = ("prefill_first", "mixed")
+PARALLEL_SIZES = ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size")
 
 
 NUMERICS = ("auto", "transformers", "deepseek")
@@ -94,10 +95,12 @@ class EngineConfig:
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: README "Threads"). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
-    # Parallelism (backend/parallel/layout.py): ranks = max of the two; each is 1 or that many. Rank 0 is
-    # this engine, ranks 1.. worker processes it starts, one per device.
+    # Parallelism (backend/parallel/layout.py): ranks = max of the three; each is 1 or that many. Rank 0 is
+    # this engine, ranks 1.. worker processes it starts, one per device. Data-parallel attention (each rank its own
+    # requests' attention and pools, the ranks meeting at the MoE layers) combines with expert parallelism only.
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    data_parallel_size: int = 1
     collective_timeout_s: float = 600.0  # a collective (or a worker) silent this long fails the group
     # When the engine can no longer serve (a rank is gone): ask Triton to unload the model, so that its ready
     # endpoint says not ready (as Triton's vLLM backend does). Needs tritonserver --model-control-mode=explicit.
@@ -156,12 +159,18 @@ class EngineConfig:
         _check(self.prefix_cache_end_entries <= self.prefix_cache_entries, "prefix_cache_end_entries",
                self.prefix_cache_end_entries, f"at most prefix_cache_entries ({self.prefix_cache_entries}), of which "
                "the request ends are a part")
-        _check_int(self, "tensor_parallel_size", 1)
-        _check_int(self, "expert_parallel_size", 1)
+        for name in PARALLEL_SIZES:
+            _check_int(self, name, 1)
         world = self.world_size
-        for name in ("tensor_parallel_size", "expert_parallel_size"):
+        for name in PARALLEL_SIZES:
             _check(getattr(self, name) in (1, world), name, getattr(self, name),
-                   f"1 or the number of ranks ({world}): tensor and expert parallelism each span every rank or none")
+                   f"1 or the number of ranks ({world}): each kind of parallelism spans every rank or none")
+        _check(self.data_parallel_size == 1 or self.tensor_parallel_size == 1, "data_parallel_size",
+               self.data_parallel_size, "1 with tensor_parallel_size > 1 (data-parallel attention gives each rank "
+               "whole attention heads; combine it with expert_parallel_size)")
+        _check(self.data_parallel_size == 1 or not self.num_speculative_tokens, "data_parallel_size",
+               self.data_parallel_size, "1 with num_speculative_tokens > 0 (the draft passes do not run on "
+               "data-parallel ranks yet)")
         _check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
                self.collective_timeout_s, "a number of seconds > 0")
         _check(not (self.cuda_graphs and world > 1), "cuda_graphs", self.cuda_graphs,
@@ -178,7 +187,7 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        return max(self.tensor_parallel_size, self.expert_parallel_size)
+        return max(getattr(self, name) for name in PARALLEL_SIZES)
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":

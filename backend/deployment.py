@@ -147,7 +147,7 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
     if str(device) == "cpu":  # every rank plans its pools here: its CPU steps' temporaries are reused from now on
         keep_freed_host_memory()
     model_config = load_model_config(config.checkpoint)
-    layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
+    layout = ParallelLayout.from_config(config)
     layout.check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     numerics = resolve_numerics(config, model_config, layout)

@@ -40,7 +40,7 @@ import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
-from backend.config import EngineConfig
+from backend.config import ConfigError, EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
 from backend.model.forward_batch import BatchRow, build_forward_batch
@@ -61,6 +61,11 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.data_parallel_size > 1:  # the ranks' forward exists (RankGroup.forward_data_parallel); its scheduling
+            raise ConfigError(  # does not yet
+                f"parameter 'data_parallel_size': {config.data_parallel_size} is not served yet (the data-parallel "
+                "forward runs, but the scheduler does not place requests on the ranks); use 1, with "
+                "tensor_parallel_size or expert_parallel_size for several devices")
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()

@@ -27,7 +27,10 @@ Under a `ParallelLayout` of several ranks (backend/parallel/layout.py) the weigh
 the attention runs its share of the heads and groups and all-reduces the output projection, the MoE
 its experts (or its slice of every expert) plus its slice of the shared expert, summed in one
 all-reduce, and the LM head its rows of the vocabulary, all-gathered. Every rank runs the same forward
-on the same batch; the collectives go through `comm`.
+on the same batch; the collectives go through `comm`. Under data parallelism every rank runs its own batch over
+its own pools with the whole attention and LM head, and with expert parallelism the ranks meet at each MoE layer
+(`_experts_of_every_rank`); a rank without requests in a step takes its part in those meetings alone
+(`idle_forward`).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class DeepseekV4Model:
                                     norm_weight=w[prefix + "norm.weight"])
         head = w["lm_head.weight"]
         logits = (F.linear(last.float(), head.float()) if self.deepseek_numerics else F.linear(last, head).float())
-        return self.comm.all_gather_last(logits) if self.layout.world_size > 1 else logits  # vocabulary-parallel
+        return self.comm.all_gather_last(logits) if self.layout.vocabulary_parallel else logits
 
     def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
         k, w, p = self.kernels, self.w, self.prefixes[i]
@@ -145,8 +148,8 @@ class DeepseekV4Model:
         streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb, **mix)
         post, comb, x = k.hc_collapse(streams, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
                                       w[p + "post_attention_layernorm.weight"], **self.hc)
-        routed, shared = self._moe(i, x, batch.input_ids)
-        if self.layout.world_size > 1:  # routed partial sums (+ the split shared expert's) meet here
+        routed, shared = self._moe(i, x, batch.input_ids, batch.dp_token_counts)
+        if self.layout.world_size > 1 and not self.layout.data_parallel:  # routed (+ split shared) partial sums
             if self.layout.attention_split:
                 routed, shared = self.comm.all_reduce(routed + shared.float()), None
             else:
@@ -249,7 +252,8 @@ class DeepseekV4Model:
         return indices
 
     # --- mixture of experts -------------------------------------------------------------------------
-    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor,
+             dp_token_counts: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
         gate = w[p + "gate.weight"]
@@ -259,14 +263,50 @@ class DeepseekV4Model:
         else:
             ids, weights = k.route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
                                         c.routed_scaling_factor)
-        if self.first_expert:
-            ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
         x = self._act(x)  # the experts' and the shared expert's input (the router read it as it is)
-        routed = k.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                             c.swiglu_limit, out_dtype=torch.float32, deepseek_order=self.deepseek_numerics,
-                             quantize_hidden=self.quantize_activations)
+        if self.layout.moe_exchange:
+            routed = self._experts_of_every_rank(p, x, ids, weights, dp_token_counts)
+        else:
+            routed = self._local_experts(p, x, ids, weights)
         hidden = k.swiglu(self.shared_expert_input[i].product(x, k.linear), c.swiglu_limit)
         return routed, self._quantized_linear(hidden, w[p + "shared_experts.down_proj.weight"])
+
+    def _local_experts(self, p: str, x, ids, weights) -> torch.Tensor:
+        """This rank's routed experts over the pairs of `x` routed to them, [T, D] fp32."""
+        w = self.w
+        if self.first_expert:
+            ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
+        return self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
+                                      self.config.swiglu_limit, out_dtype=torch.float32,
+                                      deepseek_order=self.deepseek_numerics, quantize_hidden=self.quantize_activations)
+
+    def _experts_of_every_rank(self, p: str, x, ids, weights, dp_token_counts: tuple[int, ...]) -> torch.Tensor:
+        """Data-parallel ranks with split experts: every rank's tokens and routings all-gathered (padded to the largest
+        rank's count: padding pairs route nowhere), this rank's experts over all of them, the partial sums
+        reduce-scattered back; this rank's tokens' routed output [T, D] fp32. Routing ids travel as fp32 (exact below
+        2^24) beside the weights: one gather for both."""
+        local, most = x.shape[0], max(dp_token_counts)
+        assert dp_token_counts[self.layout.rank] == local, "the step's token counts must hold this rank's"
+        pad = most - local
+        routing = torch.cat([F.pad(ids, (0, 0, 0, pad), value=-1).float(), F.pad(weights.float(), (0, 0, 0, pad))], 1)
+        every_x = self.comm.all_gather_rows(F.pad(x, (0, 0, 0, pad)))
+        every_routing = self.comm.all_gather_rows(routing)
+        top_k = ids.shape[1]
+        routed = self._local_experts(p, every_x, every_routing[:, :top_k].long(), every_routing[:, top_k:])
+        return self.comm.reduce_scatter_rows(routed)[:local]
+
+    @torch.inference_mode()
+    def idle_forward(self, dp_token_counts: tuple[int, ...]) -> None:
+        """A data-parallel rank with no request in this step: its part of every MoE layer's exchange (no tokens of its
+        own; its experts still serve the other ranks'), as SGLang's and vLLM's idle data-parallel ranks do."""
+        if not self.layout.moe_exchange:
+            return
+        c = self.config
+        x = torch.empty(0, c.hidden_size, dtype=self.dtype, device=self.device)
+        ids = torch.empty(0, c.num_experts_per_tok, dtype=torch.long, device=self.device)
+        weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=self.device)
+        for i in range(c.num_hidden_layers):
+            self._experts_of_every_rank(self.prefixes[i] + "mlp.", x, ids, weights, dp_token_counts)
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         """The input of one of DeepSeek's FP8/FP4 linears as its inference quantizes it (act_quant: e4m3 per 128,

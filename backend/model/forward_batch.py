@@ -57,6 +57,9 @@ class ForwardBatch:
     # pool name -> the most entries any token of the batch may attend to (host int: the indexer's score
     # width, so that no kernel wrapper reads positions back from the device)
     max_entries: dict[str, int]
+    # data-parallel attention (backend/parallel/layout.py): every rank's token count this step, in rank order (host
+    # ints: the MoE exchange pads to the largest without reading sizes back); () on a single rank
+    dp_token_counts: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,7 @@
 """The collectives a sharded forward needs, over torch.distributed (NCCL on CUDA, gloo on CPU).
 
 `Communicator()` is the single-rank one: every collective returns its input. `DistributedCommunicator`
-runs them in a torch.distributed process group; the model calls only these two methods
+runs them in a torch.distributed process group; the model calls only these methods
 (backend/parallel/layout.py says where).
 """
 
@@ -22,6 +22,14 @@ class Communicator:
         """Every rank's tensor concatenated along the last dimension, in rank order."""
         return tensor
 
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's tensor (the same shape on each) concatenated along the first dimension, in rank order."""
+        return tensor
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of `tensor` [W * n, ...], this rank's block of n rows of it."""
+        return tensor
+
 
 class DistributedCommunicator(Communicator):
     def __init__(self, group=None):
@@ -37,7 +45,24 @@ class DistributedCommunicator(Communicator):
         return tensor
 
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._gathered(tensor), dim=-1)
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._gathered(tensor), dim=0)
+
+    def reduce_scatter_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        rows = tensor.shape[0] // self.world_size
+        if self._dist.get_backend(self.group) == "nccl":
+            out = tensor.new_empty((rows, *tensor.shape[1:]))
+            self._dist.reduce_scatter_tensor(out, tensor, group=self.group)
+            return out
+        # gloo has no reduce-scatter: the whole sum, then this rank's rows (W times the traffic; CPU only)
+        self._dist.all_reduce(tensor, group=self.group)
+        return tensor[self.rank * rows:(self.rank + 1) * rows]
+
+    def _gathered(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._dist.all_gather(parts, tensor, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return parts

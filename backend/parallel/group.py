@@ -82,7 +82,7 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
     comm, control = _join(spec, rank)
-    layout = ParallelLayout(spec.layout.tensor_parallel_size, spec.layout.expert_parallel_size, rank)
+    layout = ParallelLayout.from_config(spec.config, rank)
     device = spec.device(rank)
     config, dtype = spec.config, spec.config.resolved_dtype()
     deployment = plan_deployment(config, device, dtype)  # the same pools as rank 0
@@ -100,6 +100,12 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
             batch, logits_index, hidden_rows = args
             hidden = draft_pass(model, kv, _on(batch, device), hidden, logits_index, hidden_rows)[1]
             continue
+        if kind == "data_parallel":  # this rank's own batch (or none) follows, scattered
+            mine = [None]
+            dist.scatter_object_list(mine, None, src=0, group=control)
+            logits = _data_parallel_step(model, kv, *mine[0], device)
+            dist.gather_object(None if logits is None else logits.cpu(), None, dst=0, group=control)
+            continue
         before, batch, after, keep_streams = args
         if before:  # rank 0's prefix cache asked for copies around this step: the same copies here
             kv.prefix_cache.apply(before)
@@ -108,6 +114,17 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
         if after:
             kv.prefix_cache.apply(after)
     dist.destroy_process_group()
+
+
+def _data_parallel_step(model, kv, before, batch, after, counts, device):
+    """One data-parallel rank's part of a step: the prefix-cache copies around its own batch and that batch's forward
+    (logits for its own rows), or, without a batch, its part of the MoE exchanges alone."""
+    if before:
+        kv.prefix_cache.apply(before)
+    logits = model.forward(_on(batch, device), kv) if batch is not None else model.idle_forward(counts)
+    if after:
+        kv.prefix_cache.apply(after)
+    return logits
 
 
 def draft_pass(model, kv, batch, hidden, logits_index, hidden_rows):
@@ -143,7 +160,7 @@ def spawn_ranks(spec: GroupSpec, first_rank: int, count: int):
 
 def run_node(config: EngineConfig, node_rank: int) -> None:
     """Another node's ranks (scripts/serve_node.py): spawn them, wait until rank 0 ends the group."""
-    layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
+    layout = ParallelLayout.from_config(config)
     per_node = ranks_per_node(layout.world_size)
     if not os.environ.get("MASTER_ADDR") or not 0 < node_rank < layout.world_size // per_node:
         raise RankGroupError("a worker node needs MASTER_ADDR / MASTER_PORT and 0 < NODE_RANK < NNODES")
@@ -199,6 +216,27 @@ class RankGroup:
         keeps the residual streams for the draft passes that follow (speculative decoding)."""
         return self._broadcast(("forward", copies.before, batch, copies.after, return_streams),
                                lambda: model.forward(_on(batch, model.device), kv, return_streams=return_streams))
+
+    def forward_data_parallel(self, model, kv, batches: list, copies: list) -> list:
+        """Data-parallel attention (ParallelLayout.data_parallel): rank r runs batches[r] (a ForwardBatch, or None:
+        no request there this step) over its own pools, with copies[r] (StepCopies) around it; every rank learns all
+        ranks' token counts, which the MoE exchange pads to. Rank 0's copies are made here too (its pools are `kv`).
+        Returns rank r's logits for each rank r that had a batch (None for the others), gathered on rank 0."""
+        counts = tuple(b.num_tokens if b is not None else 0 for b in batches)
+        for batch in batches:
+            if batch is not None:
+                batch.dp_token_counts = counts
+        payloads = [(c.before, b, c.after, counts) for b, c in zip(batches, copies)]
+
+        def run():
+            dist.scatter_object_list([None], payloads, src=0, group=self.control)
+            own = _data_parallel_step(model, kv, *payloads[0], model.device)
+            gathered = [None] * len(batches)  # the workers' logits come over the control group (host tensors)
+            dist.gather_object(None, gathered, dst=0, group=self.control)
+            gathered[0] = own
+            return gathered
+
+        return self._broadcast(("data_parallel",), run)
 
     def draft(self, model, kv, batch, hidden, logits_index, hidden_rows):
         """`draft_pass` on every rank (each reads the streams it kept); rank 0's result."""

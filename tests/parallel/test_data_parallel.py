@@ -1,0 +1,197 @@
+"""Data-parallel attention with real processes over gloo (CPU, fp32): each rank its own requests and pools.
+
+Rank 0 is this process (its model and pools as the engine builds them); ranks 1.. are worker processes
+(backend/parallel/group.py). Requests of different lengths are spread unevenly over the ranks and prefilled in
+chunks beside the decodes of those that finished, so ranks run different batches in every step, some no batch at
+all (their MoE exchange alone), across CSA and HCA boundaries. The reference is one rank running every rank's rows
+in one batch: logits within 1e-5, the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+import torch
+
+from backend.config import ConfigError, EngineConfig
+from backend.deployment import load_model, plan_deployment
+from backend.engine import LLMEngine
+from backend.executor import StepCopies
+from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.parallel.group import RankGroup, RankGroupError
+from backend.parallel.layout import ParallelLayout
+from backend.request import Sequence
+
+CHUNK = 64
+POOLS = dict(device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5)
+
+
+class _DataParallelRanks:
+    """Rank 0's side of a data-parallel group: the model and pools of rank 0, and every rank's page bookkeeping (the
+    pools of ranks 1.. live in their processes; here they are planned on the meta device, pages without memory)."""
+
+    def __init__(self, checkpoint, dp: int, ep: int):
+        config = EngineConfig(checkpoint=str(checkpoint), data_parallel_size=dp, expert_parallel_size=ep, **POOLS)
+        layout, dtype = ParallelLayout.from_config(config), config.resolved_dtype()
+        deployment = plan_deployment(config, "cpu", dtype)
+        self.group = RankGroup.start(config, layout)
+        try:
+            self.model = load_model(config, deployment, "cpu", dtype, layout, self.group.comm)
+            self.group.wait_ready()
+        except BaseException:
+            self.group.close()
+            raise
+        self.pools = deployment.kv
+        self.kv = [self.pools] + [plan_deployment(config, "meta", dtype).kv for _ in range(1, dp)]
+
+    def forward(self, rows_per_rank: list[list[BatchRow]]) -> list:
+        batches = [build_forward_batch(rows, kv) if rows else None for rows, kv in zip(rows_per_rank, self.kv)]
+        return self.group.forward_data_parallel(self.model, self.pools, batches, [StepCopies()] * len(batches))
+
+
+def _work(prompt_lengths):
+    """Each request's chunks: its prompt in chunks of CHUNK, then 3 decodes."""
+    return [[min(CHUNK, n - done) for done in range(0, n, CHUNK)] + [1, 1, 1] for n in prompt_lengths]
+
+
+def _run(ranks: _DataParallelRanks, single: LLMEngine, prompts_per_rank: list[list[list[int]]]):
+    """Step every rank's requests (a request's next chunk each step, while it has one) through the data-parallel
+    group and, all in one batch, through `single`; compare each rank's logits with the reference's rows."""
+    seqs = [[Sequence(f"r{r}.{i}", list(p)) for i, p in enumerate(prompts)] for r, prompts in enumerate(prompts_per_rank)]
+    refs = [[Sequence(s.request_id, list(s.prompt_ids)) for s in rank] for rank in seqs]
+    work = [_work([len(p) for p in prompts]) for prompts in prompts_per_rank]
+    steps = max(len(w) for rank in work for w in rank)
+    idle_steps = 0
+    for step in range(steps):
+        rows, ref_rows, stepped = [], [], []
+        for r, rank in enumerate(seqs):
+            rank_rows = []
+            for i, seq in enumerate(rank):
+                if step >= len(work[r][i]):
+                    continue
+                n = work[r][i][step]
+                rank_rows.append(_row(ranks.kv[r], seq, n))
+                ref_rows.append(_row(single.kv, refs[r][i], n))
+                stepped.append((r, i, n))
+            rows.append(rank_rows)
+        idle_steps += sum(not rank_rows for rank_rows in rows)
+        logits = ranks.forward(rows)
+        expected = single.model.forward(build_forward_batch(ref_rows, single.kv), single.kv)
+        actual = torch.cat([part for part in logits if part is not None])
+        torch.testing.assert_close(actual, expected, rtol=0, atol=1e-5)
+        sampled = iter(actual.argmax(-1).tolist())
+        ref_sampled = iter(expected.argmax(-1).tolist())
+        for (r, i, n), row in zip(stepped, [row for rank_rows in rows for row in rank_rows]):
+            for seq, kv, token in ((seqs[r][i], ranks.kv[r], sampled), (refs[r][i], single.kv, ref_sampled)):
+                seq.num_computed_tokens += n
+                kv.release_slid_out(seq)
+                if row.want_logits:
+                    seq.append_output(next(token))
+    assert [[s.output_ids for s in rank] for rank in seqs] == [[s.output_ids for s in rank] for rank in refs]
+    for r, rank in enumerate(seqs):
+        for seq, ref in zip(rank, refs[r]):
+            ranks.kv[r].free(seq)
+            single.kv.free(ref)
+        ranks.kv[r].check()
+    single.kv.check()
+    return idle_steps
+
+
+def _row(kv, seq: Sequence, n: int) -> BatchRow:
+    kv.extend(seq, n)
+    start = seq.num_computed_tokens
+    return BatchRow(seq.pages, seq.token_ids[start:start + n], start, start + n >= len(seq.prompt_ids))
+
+
+def _prompts(gen, lengths_per_rank):
+    return [[torch.randint(2, 500, (n,), generator=gen).tolist() for n in lengths] for lengths in lengths_per_rank]
+
+
+def _workers() -> list:
+    return [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@pytest.fixture(scope="module")
+def single(parallel_checkpoint):
+    return LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), **POOLS))
+
+
+# Uneven: one rank has the long prompts, another a short one, another none at first; steps where a rank has no
+# request run its MoE exchange alone.
+LENGTHS = {2: [[300, 1], [37, 150, 70]], 4: [[300], [1, 37], [150, 70, 9], []]}
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 1), (2, 2), (4, 4)])
+def test_data_parallel_logits_equal_one_rank_on_ragged_uneven_steps(parallel_checkpoint, single, dp, ep):
+    ranks = _DataParallelRanks(parallel_checkpoint, dp, ep)
+    try:
+        idle_steps = _run(ranks, single, _prompts(torch.Generator().manual_seed(dp * 10 + ep), LENGTHS[dp]))
+        assert idle_steps > 0  # some rank took part in a step without a request of its own
+    finally:
+        ranks.group.close()
+    assert not _workers(), "a worker outlived the group"
+
+
+def test_published_checkpoint_data_parallel_with_expert_parallel(parallel_checkpoint_published):
+    """DeepSeek's layout, FP8 linears and MXFP4 experts, dequantized: DP=2 + EP=2 equals one rank."""
+    single = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint_published), **POOLS))
+    ranks = _DataParallelRanks(parallel_checkpoint_published, 2, 2)
+    try:
+        _run(ranks, single, _prompts(torch.Generator().manual_seed(5), [[140], [3, 70]]))
+    finally:
+        ranks.group.close()
+        single.shutdown()
+
+
+def test_a_killed_rank_fails_the_step_and_leaves_no_worker(parallel_checkpoint):
+    ranks = _DataParallelRanks(parallel_checkpoint, 2, 2)
+    try:
+        worker = ranks.group._processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        seq = Sequence("a", list(range(2, 20)))
+        with pytest.raises(RankGroupError, match="rank 1"):
+            ranks.forward([[_row(ranks.kv[0], seq, 18)], []])
+        with pytest.raises(RankGroupError):  # and every later step, at once
+            ranks.forward([[], []])
+    finally:
+        ranks.group.close()
+    assert not _workers()
+
+
+@pytest.mark.parametrize("settings,parameter", [
+    (dict(data_parallel_size=2, tensor_parallel_size=2), "data_parallel_size"),
+    (dict(data_parallel_size=4, expert_parallel_size=2), "expert_parallel_size"),  # 1 or the world
+    (dict(data_parallel_size=2, num_speculative_tokens=1), "data_parallel_size"),
+    (dict(data_parallel_size=0), "data_parallel_size"),
+])
+def test_a_data_parallel_size_that_cannot_work_is_refused(settings, parameter):
+    with pytest.raises(ConfigError, match=f"'{parameter}'"):
+        EngineConfig(device="cpu", **settings)
+
+
+def test_experts_that_do_not_divide_over_the_ranks_are_refused(parallel_checkpoint):
+    from backend.model.config import load_model_config
+
+    with pytest.raises(ConfigError, match="'expert_parallel_size'"):  # 8 experts over 16 ranks
+        ParallelLayout(expert_parallel_size=16, data_parallel_size=16).check(load_model_config(parallel_checkpoint))
+    ParallelLayout(data_parallel_size=16).check(load_model_config(parallel_checkpoint))  # whole experts on each: fine
+
+
+def test_the_engine_refuses_data_parallel_until_it_schedules_the_ranks(parallel_checkpoint):
+    with pytest.raises(ConfigError, match="'data_parallel_size'.*not served yet"):
+        LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), data_parallel_size=2, **POOLS))
+
+
+def test_layouts_under_data_parallelism():
+    dp = ParallelLayout(expert_parallel_size=2, rank=1, data_parallel_size=2)
+    assert dp.shard("lm_head.weight", (512, 64)) is None  # each rank's rows are its own: the whole head
+    assert dp.shard("model.layers.0.self_attn.q_b_proj.weight", (512, 48)) is None
+    assert dp.shard("model.layers.0.mlp.experts.gate_up_proj", (8, 64, 64)).ranges == ((4, 8),)
+    assert dp.moe_exchange and not dp.vocabulary_parallel
+    assert not ParallelLayout(data_parallel_size=2).moe_exchange  # whole experts: the ranks never meet
+    assert ParallelLayout(expert_parallel_size=2).vocabulary_parallel
