@@ -21,6 +21,14 @@ so the host's work for a step hides behind the device's work for the step before
 the tokens step N samples feed step N+1 on the device). Without overlap each step is scheduled, run and
 reported before the next. The engine thread only schedules, builds, launches and reports.
 
+Data-parallel attention (`data_parallel_size` W > 1, backend/parallel/layout.py): each rank serves its own
+requests over its own pools, and this engine decides for all of them. It keeps one scheduler per rank, each over
+that rank's page bookkeeping (rank 0's pools are real, the others' are planned on the meta device: the memory lives
+in the worker processes), places each arriving request on the least loaded rank (`_place`), and in every step
+schedules each rank, runs all ranks' batches as one lock-step forward (`StepExecutor.run_data_parallel`), and gives
+each rank's scheduler its own output. Starvation guarantees, ITL targets, preemption, deadlines and the prefix
+cache are each rank's scheduler's, as on one rank. Such steps are not overlapped.
+
 Start-up order: the config was validated when it was built; the checkpoint's config.json is read, the
 deployment resolved and the memory pools sized (backend/deployment.py), the chunk budget resolved — so a
 deployment that cannot work fails before any weight is read — and only then are the weights loaded.
@@ -33,6 +41,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -40,9 +49,10 @@ import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
-from backend.config import ConfigError, EngineConfig
+from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
+from backend.memory.kv_manager import KVCacheManager
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
 from backend.model.staging import BatchStager
@@ -53,6 +63,7 @@ from backend.parallel.group import RankGroup, RankGroupError
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import SamplerState
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.scheduler.step_record import StepCounters
 from backend.speculative import DraftRow, SpecJob
 from backend.structured.grammar import GrammarService
 
@@ -61,11 +72,6 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.data_parallel_size > 1:  # the ranks' forward exists (RankGroup.forward_data_parallel); its scheduling
-            raise ConfigError(  # does not yet
-                f"parameter 'data_parallel_size': {config.data_parallel_size} is not served yet (the data-parallel "
-                "forward runs, but the scheduler does not place requests on the ranks); use 1, with "
-                "tensor_parallel_size or expert_parallel_size for several devices")
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
@@ -77,9 +83,20 @@ class LLMEngine:
         # Speculative decoding (backend/speculative.py): a verify's emitted count decides where the next step starts,
         # so its steps are not overlapped.
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens
-        self.scheduler = Scheduler(config, self.kv, prefill_chunk_tokens, prefix_cache=self.kv.prefix_cache,
-                                   max_steps_in_flight=2 if self.overlap else 1)
+        # Data-parallel steps take in every rank's output before the next: not overlapped either.
+        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens and config.data_parallel_size == 1
+        work_changed = threading.Condition(threading.Lock())  # every rank's scheduler wakes the one loop
+
+        def scheduler(kv, rank: int) -> Scheduler:
+            return Scheduler(config, kv, prefill_chunk_tokens, prefix_cache=kv.prefix_cache,
+                             max_steps_in_flight=2 if self.overlap else 1, rank=rank, work_changed=work_changed)
+
+        self.ranks = [DataParallelRank(0, self.kv, scheduler(self.kv, 0))] + [
+            DataParallelRank(r, kv, scheduler(kv, r)) for r in range(1, config.data_parallel_size)
+            for kv in [plan_deployment(config, "meta", self.dtype).kv]]  # pages without memory: it is the rank's
+        self.scheduler = self.ranks[0].scheduler
+        self._placement_lock = threading.Lock()
+        self._placed: dict[str, tuple[DataParallelRank, int]] = {}  # live request -> (its rank, its load there)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.chat_template = ChatTemplate.from_checkpoint(checkpoint)  # None: `messages` requests are refused
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
@@ -134,12 +151,40 @@ class LLMEngine:
             seq.grammar = self.grammars.prepare(seq.sampling.guided_decoding)
         seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids, seq.grammar)
         limit = self.config.max_queue_size
-        if not self.scheduler.add(seq, max_waiting=limit):
+        rank = self._place(seq)
+        try:
+            added = rank.scheduler.add(seq, max_waiting=limit)
+        except BaseException:
+            self._unplace(seq.request_id)
+            raise
+        if not added:
+            self._unplace(seq.request_id)
             self.num_rejected_queue_full += 1
             raise EngineUnavailable(f"the queue is full ({limit} requests waiting, max_queue_size); retry later")
 
     def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+        with self._placement_lock:
+            placed = self._placed.get(request_id)
+        return placed is not None and placed[0].scheduler.abort(request_id)
+
+    def _place(self, seq: Sequence) -> "DataParallelRank":
+        """The rank that serves `seq`: the one with the least load, counted in tokens (its live requests' prompts and
+        max_tokens: what they will hold in memory and compute), so that the ranks' memory use and tokens per step
+        stay balanced. Raises ValueError if the id is live on any rank."""
+        load = len(seq.prompt_ids) + seq.sampling.max_tokens
+        with self._placement_lock:
+            if seq.request_id in self._placed:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            rank = min(self.ranks, key=lambda r: (r.load, r.rank))
+            rank.load += load
+            self._placed[seq.request_id] = (rank, load)
+        return rank
+
+    def _unplace(self, request_id: str) -> None:
+        with self._placement_lock:
+            placed = self._placed.pop(request_id, None)
+            if placed is not None:
+                placed[0].load -= placed[1]
 
     def start(self) -> None:
         if self._thread is None:
@@ -154,7 +199,8 @@ class LLMEngine:
             self._thread.join(timeout)
             self._thread = None
         self.executor.close()
-        self.scheduler.close()
+        for rank in self.ranks:
+            rank.scheduler.close()
         self.grammars.close()
         if self.group is not None:
             self.group.close()
@@ -169,7 +215,12 @@ class LLMEngine:
         return self._stats
 
     def _snapshot_stats(self) -> dict:
-        counters = self.scheduler.counters
+        """With data parallelism: the ranks' counters, requests and prefix caches added up, pool usage the mean over the
+        ranks (their pools are alike), and each rank's own under "ranks"."""
+        counters = StepCounters.total([rank.scheduler.counters for rank in self.ranks])
+        ranks = [{"rank": rank.rank, "num_running": rank.scheduler.num_running,
+                  "num_waiting": rank.scheduler.num_waiting, "pool_usage": rank.kv.usage(),
+                  "pages_used": rank.kv.pages_used(), "load_tokens": rank.load} for rank in self.ranks]
         return {
             "steps_by_kind": dict(counters.steps_by_kind),
             "longest_prefill_streak": counters.longest_prefill_streak,
@@ -181,12 +232,15 @@ class LLMEngine:
             "mean_accepted_length": counters.mean_accepted_length,
             "num_timed_out": counters.num_timed_out,
             "num_rejected_queue_full": self.num_rejected_queue_full,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "pool_usage": self.kv.usage(),
-            "pages_used": self.kv.pages_used(),
+            "num_running": sum(r["num_running"] for r in ranks),
+            "num_waiting": sum(r["num_waiting"] for r in ranks),
+            "pool_usage": {pool: sum(r["pool_usage"][pool] for r in ranks) / len(ranks)
+                           for pool in ranks[0]["pool_usage"]},
+            "pages_used": {pool: sum(r["pages_used"][pool] for r in ranks) for pool in ranks[0]["pages_used"]},
+            "ranks": ranks,
             "unavailable": self.unavailable,
-            "prefix_cache": self.kv.prefix_cache.snapshot_stats() if self.kv.prefix_cache is not None else None,
+            "prefix_cache": _total_cache_stats([rank.kv.prefix_cache.snapshot_stats() for rank in self.ranks])
+            if self.kv.prefix_cache is not None else None,
             "grammars": self.grammars.stats(),
         }
 
@@ -223,16 +277,16 @@ class LLMEngine:
             self.submit(seq, collect(i))
         while any(r["finish_reason"] is None for r in results):
             if not self.step():
-                if not self.scheduler.num_awaiting_grammar:
+                if not any(rank.scheduler.num_awaiting_grammar for rank in self.ranks):
                     raise RuntimeError("engine idle with unfinished requests")
-                self.scheduler.wait_for_work(timeout=1.0)  # a grammar being compiled
+                self._wait_for_work(timeout=1.0)  # a grammar being compiled
         self.drain()
         return results
 
     def drain(self) -> None:
         """Run until nothing is in flight or left to do: the step launched for requests that have ended, the aborts
         of requests that stopped at a stop string (offline use, on the caller's thread)."""
-        while self._in_flight or self.scheduler.has_work():
+        while self._in_flight or any(rank.scheduler.has_work() for rank in self.ranks):
             if not self.step():
                 break
 
@@ -241,13 +295,18 @@ class LLMEngine:
         while not self._stop.is_set():
             try:
                 if not self.step():
-                    self.scheduler.wait_for_work(timeout=0.1)
+                    self._wait_for_work(timeout=0.1)
             except Exception:  # keep serving: the step's own failures were reported to its requests
                 logger.exception("engine step failed")
+
+    def _wait_for_work(self, timeout: float) -> bool:
+        return Scheduler.wait_for_any([rank.scheduler for rank in self.ranks], timeout)
 
     def step(self) -> bool:
         """One iteration: schedule and launch a step, and take in the output of the one launched before it (with
         overlap) or of this one; False when there was nothing to do."""
+        if len(self.ranks) > 1:
+            return self._step_data_parallel()
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         launched = None
@@ -273,8 +332,40 @@ class LLMEngine:
         self._stats = self._snapshot_stats()
         return plan is not None or took_in
 
+    def _step_data_parallel(self) -> bool:
+        """One lock-step iteration over the data-parallel ranks: each rank's scheduler plans its step, every rank's
+        batch runs in one forward (a rank without one takes part in the MoE exchanges alone), and each scheduler
+        takes in its own rank's output. False when no rank had anything to do."""
+        started = time.perf_counter()
+        plans = [rank.scheduler.schedule() for rank in self.ranks]
+        jobs, failed = [], {}
+        for rank, plan in zip(self.ranks, plans):
+            for seq in plan.aborted if plan is not None else ():
+                self._report_end(seq, error=_scheduler_error(seq) or self.unavailable)
+            job = None
+            if plan is not None and plan.chunks:
+                try:
+                    job = self._job(plan, rank.kv)
+                except Exception as exc:  # committed: its requests fail when taken in; the rank idles this step
+                    logger.exception("building rank %d's step %s failed", rank.rank, plan.step_index)
+                    failed[rank.rank] = StepHandle.failed(exc)
+            jobs.append(job)
+        host_s = time.perf_counter() - started  # scheduling and building, before the forward
+        handles = self.executor.run_data_parallel(jobs) if any(jobs) else [None] * len(jobs)
+        for rank, plan, handle in zip(self.ranks, plans, handles):
+            handle = failed.get(rank.rank, handle)
+            if handle is not None:
+                plan.host_s = host_s
+                self._take_in(plan, handle, rank.scheduler)
+        self._stats = self._snapshot_stats()
+        return any(plan is not None for plan in plans)
+
     def _launch(self, plan: StepPlan) -> StepHandle:
         """Build the step's batch on the host and hand it to the executor (returns at once with overlap)."""
+        return self.executor.submit(self._job(plan, self.kv))
+
+    def _job(self, plan: StepPlan, kv) -> StepJob:
+        """The step's batch, built on the host over `kv` (its rank's pages), with what the executor needs to run it."""
         rows, samplers, from_device, plain, copies_after = [], [], False, True, []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -294,15 +385,14 @@ class LLMEngine:
         spec = self._spec_job(plan) if self.num_speculative_tokens else None
         graphs = self.decode_graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
-        batch = build_forward_batch(rows, self.kv, pad_to=key)
+        batch = build_forward_batch(rows, kv, pad_to=key)
         staged = self._stager.stage(batch)
         # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);
         # a static one into its graph's buffers by the executor, in step order.
         device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
-        cache = self.kv.prefix_cache
+        cache = kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return self.executor.submit(StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device,
-                                            spec))
+        return StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device, spec)
 
     def _spec_job(self, plan: StepPlan) -> SpecJob:
         """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
@@ -320,16 +410,18 @@ class LLMEngine:
                                      wants_drafts=seq.grammar is None))
         return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
 
-    def _take_in(self, plan: StepPlan, handle: StepHandle) -> None:
-        """A step's output: the scheduler's accounting, then each request's token (or its failure)."""
+    def _take_in(self, plan: StepPlan, handle: StepHandle, scheduler: Scheduler | None = None) -> None:
+        """A step's output: the (rank's) scheduler's accounting, then each request's token (or its failure)."""
+        scheduler = scheduler or self.scheduler
         output = handle.result()
         if output.error is not None:
             logger.error("step %s failed (%s); failing its %d requests", plan.step_index, output.error,
                          len(plan.chunks))
             if isinstance(handle.exception, RankGroupError):  # no later step can run: end every request
                 self.unavailable = str(handle.exception)
-                self.scheduler.abort_all()
-        for update in self.scheduler.update_from_output(plan, output):
+                for rank in self.ranks:
+                    rank.scheduler.abort_all()
+        for update in scheduler.update_from_output(plan, output):
             self._send(update.seq, update.tokens, update.finished, update.error, update.logprobs)
 
     def _report_end(self, seq: Sequence, error: str | None) -> None:
@@ -337,12 +429,33 @@ class LLMEngine:
         self._send(seq, [], True, error, None)
 
     def _send(self, seq: Sequence, token_ids: list[int], finished: bool, error: str | None, logprobs) -> None:
+        if finished:
+            self._unplace(seq.request_id)
         try:
             seq.on_output(RequestOutput(seq.request_id, token_ids, "", finished,
                                         seq.finish_reason if finished else None, len(seq.prompt_ids),
                                         len(seq.output_ids), error, logprobs, seq.num_cached_tokens or 0))
         except Exception:  # a broken consumer must not take the engine down
             logger.exception("on_output callback failed for request %r", seq.request_id)
+
+
+@dataclass(eq=False)
+class DataParallelRank:
+    """One data-parallel rank as the engine sees it: its page bookkeeping, its scheduler, the load placed on it."""
+
+    rank: int
+    kv: KVCacheManager
+    scheduler: Scheduler
+    load: int = 0  # tokens of its live requests (prompt + max_tokens), under the engine's placement lock
+
+
+def _total_cache_stats(snapshots: list[dict]) -> dict:
+    """Data-parallel ranks' prefix-cache stats (PrefixCache.snapshot_stats) added up."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    total = {key: sum(s[key] for s in snapshots) for key in snapshots[0] if key != "pages"}
+    total["pages"] = {pool: sum(s["pages"][pool] for s in snapshots) for pool in snapshots[0]["pages"]}
+    return total
 
 
 def _scheduler_error(seq: Sequence) -> str | None:

@@ -122,6 +122,36 @@ class StepExecutor:
             self._queue.put((job, handle))
         return handle
 
+    def run_data_parallel(self, jobs: list[StepJob | None]) -> list[StepHandle | None]:
+        """Data-parallel ranks' steps in one lock-step forward (RankGroup.forward_data_parallel): jobs[r] is rank r's
+        (None: no request there this step; it still takes part in the MoE exchanges). Runs on the caller's thread;
+        returns one finished handle per job, each rank's rows sampled on their own. If the forward fails, every job
+        fails with it."""
+        handles = [StepHandle() if job is not None else None for job in jobs]
+        started = time.perf_counter()
+        try:
+            _use_intra_op_threads(self.cpu_threads if any(j is not None and j.batch.num_tokens >= self.small_step_tokens
+                                                          for j in jobs) else 1)
+            logits = self.group.forward_data_parallel(self.model, self.kv, [j.batch if j else None for j in jobs],
+                                                      [j.copies if j else StepCopies() for j in jobs])
+            duration_s = time.perf_counter() - started
+            counts = [j.batch.num_tokens if j is not None else 0 for j in jobs]
+            padding = len(counts) * max(counts) - sum(counts) if self.model.layout.moe_exchange else 0
+            for job, handle, rank_logits in zip(jobs, handles, logits):
+                if job is None:
+                    continue
+                rows = len(job.samplers)
+                sampled = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling)
+                handle._set(StepOutput(sampled.tokens.tolist(), sampled.logprobs, duration_s, row_ends=sampled.row_ends,
+                                       mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s,
+                                       dp_padding_tokens=padding))
+        except Exception as exc:  # noqa: BLE001 (the engine fails the steps' requests; RankGroupError: all of them)
+            logger.exception("data-parallel step failed")
+            for handle in handles:
+                if handle is not None and not handle._done.is_set():
+                    handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
+        return handles
+
     def close(self, timeout: float = 10.0) -> None:
         """Finish the steps submitted, then stop the thread."""
         if self._thread is not None:

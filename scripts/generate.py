@@ -3,6 +3,7 @@
 
     python scripts/generate.py --checkpoint checkpoints/dsv4-tiny --prompts-file prompts.json --max-tokens 32
     python scripts/generate.py ... --tensor-parallel-size 2 [--expert-parallel-size 2]   # 2 ranks (processes)
+    python scripts/generate.py ... --data-parallel-size 2 --expert-parallel-size 2      # 2 ranks, attention by request
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
 Input files are JSON lists of strings (--prompts-file) or of lists of token ids (--input-ids-file).
@@ -47,6 +48,8 @@ def parse_args(argv=None):
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks splitting the attention heads (and, without EP, every expert's columns)")
     parser.add_argument("--expert-parallel-size", type=int, default=1, help="ranks splitting the routed experts")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="ranks each running its own requests' attention (with --expert-parallel-size: the same)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.enable_prefix_caching,
                         help="reuse computed prompt prefixes across the prompts (README 'Prefix caching')")
@@ -83,6 +86,7 @@ def main(argv=None) -> None:
                           max_running_requests=args.max_running_requests,
                           tensor_parallel_size=args.tensor_parallel_size,
                           expert_parallel_size=args.expert_parallel_size,
+                          data_parallel_size=args.data_parallel_size,
                           enable_prefix_caching=args.enable_prefix_caching,
                           prefix_cache_entries=args.prefix_cache_entries,
                           policy=args.policy, overlap_scheduling=args.overlap_scheduling,

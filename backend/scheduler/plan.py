@@ -96,6 +96,9 @@ class StepOutput:
     more_logprobs: dict[int, list] = field(default_factory=dict)
     drafts: dict[int, list[int]] = field(default_factory=dict)
     draft_s: float = 0.0  # the draft layer's forwards (inside duration_s)
+    # Data-parallel attention: the rows every rank's MoE exchange computed for nothing in this lock-step forward (each
+    # rank padded to the largest rank's tokens: ranks x largest - all tokens)
+    dp_padding_tokens: int = 0
 
     def row_tokens(self, row: int) -> list[int]:
         """Every token sampling row `row` emitted, in order."""

@@ -184,10 +184,12 @@ class Scheduler:
     def __init__(self, config: "EngineConfig", memory: MemoryManager, prefill_chunk_tokens: int, *,
                  prefix_cache: PrefixCacheHooks | None = None, max_steps_in_flight: int = 1,
                  cost_model: StepCostModel | None = None, step_history: int = 10_000,
-                 min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS):
+                 min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS, rank: int = 0,
+                 work_changed: threading.Condition | None = None):
         if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be a positive integer, got {prefill_chunk_tokens!r}")
         self.memory = memory
+        self.rank = rank  # data parallelism: the rank whose requests and pools this scheduler serves
         self.prefix_cache: PrefixCacheHooks = prefix_cache or NoPrefixCache()
         self.max_steps_in_flight = max_steps_in_flight
         self.max_running_requests = config.max_running_requests
@@ -215,9 +217,10 @@ class Scheduler:
         self._front_ranks = itertools.count(-1, -1)
         self._inflight: deque[_Inflight] = deque()  # committed steps whose output is not in yet, oldest first
         self._next_step_index = 0
-        # Shared with other threads, under _lock.
-        self._lock = threading.Lock()
-        self._work_changed = threading.Condition(self._lock)
+        # Shared with other threads, under _lock. Data-parallel ranks' schedulers share one condition, so that the
+        # engine waits for work on any of them (`wait_for_any`).
+        self._work_changed = work_changed or threading.Condition(threading.Lock())
+        self._lock = self._work_changed
         self._inbox: list[Sequence] = []
         self._abort_requests: set[str] = set()
         self._grammar_compiled = False  # a grammar some arrival awaits is ready: schedule() queues it
@@ -282,6 +285,12 @@ class Scheduler:
     def num_awaiting_grammar(self) -> int:
         return len(self._awaiting_grammar)
 
+    @property
+    def num_live(self) -> int:
+        """Requests added and not finished (waiting or running): this rank's load, as request placement reads it."""
+        with self._lock:
+            return len(self._live_ids)
+
     def _num_waiting_locked(self) -> int:
         return len(self._inbox) + len(self._awaiting_grammar) + len(self._waiting)
 
@@ -294,6 +303,14 @@ class Scheduler:
         """Block until has_work() (add/abort from another thread) or timeout; returns has_work()."""
         with self._work_changed:
             return self._work_changed.wait_for(self._has_work_locked, timeout)
+
+    @staticmethod
+    def wait_for_any(schedulers: list["Scheduler"], timeout: float | None = None) -> bool:
+        """wait_for_work over several schedulers that share one condition (data-parallel ranks)."""
+        condition = schedulers[0]._work_changed
+        assert all(s._work_changed is condition for s in schedulers), "the schedulers must share their condition"
+        with condition:
+            return condition.wait_for(lambda: any(s._has_work_locked() for s in schedulers), timeout)
 
     def wake(self) -> None:
         """Wake wait_for_work() callers, e.g. so that the engine loop notices a shutdown."""
@@ -339,6 +356,7 @@ class Scheduler:
                    else self._apply(plan, output, record))
         record.mean_accepted_length = mean_accepted_length(record.num_verifies, record.num_accepted_tokens)
         record.draft_s = output.draft_s
+        record.dp_padding_tokens = output.dp_padding_tokens
         inflight.record.duration_s = output.duration_s
         inflight.record.mask_fill_s, inflight.record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
         inflight.record.host_s = plan.host_s
@@ -696,6 +714,7 @@ class Scheduler:
             predicted_s=plan.predicted_s,
             itl_infeasible=plan.itl_infeasible,
             num_cached_tokens=plan.num_cached_tokens,
+            rank=self.rank,
         )
         self.counters.observe(record)
         self.policy.on_step(plan.kind)

@@ -58,6 +58,8 @@ class StepRecord:
     num_accepted_tokens: int = 0
     mean_accepted_length: float | None = None
     draft_s: float = 0.0
+    rank: int = 0  # the data-parallel rank whose step this is (each rank's scheduler records its own)
+    dp_padding_tokens: int = 0  # the lock-step forward's padding over all ranks (filled in with the output)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -90,6 +92,22 @@ class StepCounters:
     @property
     def num_steps(self) -> int:
         return sum(self.steps_by_kind.values())
+
+    @classmethod
+    def total(cls, many: list["StepCounters"]) -> "StepCounters":
+        """Several schedulers' counters as one (data-parallel ranks: their steps and events add up; the longest
+        prefill streak is the longest of any rank's)."""
+        if len(many) == 1:
+            return many[0]
+        out = cls()
+        for one in many:
+            for kind, count in one.steps_by_kind.items():
+                out.steps_by_kind[kind] += count
+            for name in ("decode_stalls", "num_preemptions", "num_timed_out", "num_itl_infeasible", "num_verifies",
+                         "num_draft_tokens", "num_accepted_tokens"):
+                setattr(out, name, getattr(out, name) + getattr(one, name))
+            out.longest_prefill_streak = max(out.longest_prefill_streak, one.longest_prefill_streak)
+        return out
 
     def observe(self, record: StepRecord) -> None:
         self.steps_by_kind[record.kind.value] += 1

@@ -20,6 +20,10 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
     dsv4_num_requests_waiting          gauge
     dsv4_pool_usage_ratio              gauge      by pool, fraction of its pages in use
     dsv4_pool_pages_used               gauge      by pool
+    dsv4_rank_requests_running         gauge      by rank: data parallelism, each rank's running requests
+    dsv4_rank_requests_waiting         gauge      by rank
+    dsv4_rank_pool_usage_ratio         gauge      by rank and pool (the unlabelled families above are the ranks' sum,
+                                                  pool usage their mean)
     dsv4_grammar_compile_seconds       histogram  structured outputs: compiling a grammar (cache misses)
     dsv4_grammar_compiles_total        counter    grammars compiled
     dsv4_grammar_cache_hits_total      counter    constrained requests whose grammar was cached (or being compiled)
@@ -79,6 +83,10 @@ class ServingMetrics:
                 ("dsv4_num_requests_waiting", "Requests waiting in the engine", "GAUGE"),
                 ("dsv4_pool_usage_ratio", "Fraction of a memory pool's pages in use", "GAUGE"),
                 ("dsv4_pool_pages_used", "Pages in use in a memory pool", "GAUGE"),
+                ("dsv4_rank_requests_running", "Requests running on a data-parallel rank", "GAUGE"),
+                ("dsv4_rank_requests_waiting", "Requests waiting on a data-parallel rank", "GAUGE"),
+                ("dsv4_rank_pool_usage_ratio", "Fraction of a data-parallel rank's memory pool's pages in use",
+                 "GAUGE"),
                 ("dsv4_grammar_compile_seconds", "Time to compile a structured-output grammar", "HISTOGRAM"),
                 ("dsv4_grammar_compiles_total", "Structured-output grammars compiled", "COUNTER"),
                 ("dsv4_grammar_cache_hits_total", "Constrained requests whose grammar came from the cache",
@@ -149,6 +157,12 @@ class ServingMetrics:
             self._metric("dsv4_pool_usage_ratio", pool=str(pool)).set(float(fraction))
         for pool, pages in stats.get("pages_used", {}).items():
             self._metric("dsv4_pool_pages_used", pool=str(pool)).set(float(pages))
+        for rank in stats.get("ranks", ()):
+            label = str(rank["rank"])
+            self._metric("dsv4_rank_requests_running", rank=label).set(float(rank["num_running"]))
+            self._metric("dsv4_rank_requests_waiting", rank=label).set(float(rank["num_waiting"]))
+            for pool, fraction in rank["pool_usage"].items():
+                self._metric("dsv4_rank_pool_usage_ratio", rank=label, pool=str(pool)).set(float(fraction))
 
     def _advance(self, family: str, cumulative: float, **labels: str) -> None:
         key = (family, tuple(sorted(labels.items())))

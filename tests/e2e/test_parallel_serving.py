@@ -1,5 +1,6 @@
-"""tritonserver serving the engine over two ranks (tensor_parallel_size=2: the stub's engine and one worker
-process it spawns), against the single-rank engine; and what a dead worker does to the requests and the server.
+"""tritonserver serving the engine over two ranks (tensor_parallel_size=2, or data_parallel_size=2 with
+expert_parallel_size=2: the stub's engine and one worker process it spawns), against the single-rank engine; and
+what a dead worker does to the requests and the server.
 
 Stopping the server must leave no worker behind: the fixture's stop checks every process of the server's
 group (the worker included) is gone.
@@ -8,6 +9,7 @@ group (the worker included) is gone.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,20 +19,30 @@ import psutil
 import pytest
 
 from .conftest import _make_repository, _serve
-from .triton_helpers import REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env, stream_all, wait_for
+from .triton_helpers import (REPO_ROOT, GrpcStreams, grpc_inputs, http_generate, server_env, settled, stream_all,
+                             wait_for)
 
 PROMPTS = ["Hello world", "The quick brown fox", "a", "Tensor parallel serving", "x" * 40]
 MAX_TOKENS = 8
 
 
-def _repository(tmp_path_factory, checkpoint, *sets):
-    return _make_repository(tmp_path_factory.mktemp("tp_repo"), f"checkpoint={checkpoint}", "device=cpu",
-                            "tensor_parallel_size=2", *sets)
+LAYOUTS = {"tp": ("tensor_parallel_size=2",), "dp": ("data_parallel_size=2", "expert_parallel_size=2")}
+
+
+def _repository(tmp_path_factory, checkpoint, *sets, layout: str = "tp"):
+    return _make_repository(tmp_path_factory.mktemp(f"{layout}_repo"), f"checkpoint={checkpoint}", "device=cpu",
+                            *LAYOUTS[layout], *sets)
 
 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory, parallel_checkpoint):
     yield from _serve(_repository(tmp_path_factory, parallel_checkpoint), tmp_path_factory.mktemp("tp_log"))
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory, parallel_checkpoint):
+    yield from _serve(_repository(tmp_path_factory, parallel_checkpoint, layout="dp"),
+                      tmp_path_factory.mktemp("dp_log"))
 
 
 def _offline(checkpoint, prompts, max_tokens):
@@ -65,14 +77,32 @@ def test_two_ranks_stream_the_single_rank_tokens(tp_server, parallel_checkpoint)
         assert (got.ids, got.text, got.num_finals) == (want["output_ids"], want["text"], 1)
 
 
-@pytest.mark.parametrize("control", ["none", "explicit"])
-def test_a_killed_worker_fails_the_stream_and_the_server_answers(tmp_path_factory, parallel_checkpoint, control):
+def test_data_parallel_ranks_stream_the_single_rank_tokens(dp_server, parallel_checkpoint):
+    """Requests placed on both ranks (each its own attention and pools), the experts split: one rank's tokens, and
+    each rank's load in the metrics."""
+    assert len(_workers(dp_server)) == 1
+    expected = _offline(parallel_checkpoint, PROMPTS, MAX_TOKENS)
+    for got, want in zip(stream_all(dp_server, PROMPTS, MAX_TOKENS), expected):
+        assert got.error is None, got.error
+        assert (got.ids, got.text, got.num_finals) == (want["output_ids"], want["text"], 1)
+    usage = settled(lambda: dp_server.metric_values("dsv4_rank_pool_usage_ratio"))
+    window = {re.search(r'rank="(\d+)"', label).group(1): value for label, value in usage.items()
+              if 'pool="window"' in label}
+    # both ranks served: each one's prefix cache keeps the window pages of the requests it ran
+    assert set(window) == {"0", "1"} and all(value > 0 for value in window.values()), usage
+    running = dp_server.metric_values("dsv4_rank_requests_running")
+    assert {re.search(r'rank="(\d+)"', label).group(1) for label in running} == {"0", "1"}
+
+
+@pytest.mark.parametrize("layout,control", [("tp", "none"), ("tp", "explicit"), ("dp", "none")])
+def test_a_killed_worker_fails_the_stream_and_the_server_answers(tmp_path_factory, parallel_checkpoint, layout,
+                                                                 control):
     """SIGKILL the worker while a long generation streams: the request ends with an error (no hang), the server
     still answers and stops cleanly. With explicit model control the model unloads itself, so its ready
     endpoint says not ready (as Triton's vLLM backend does); otherwise later requests get UNAVAILABLE at once."""
     explicit = control == "explicit"
     repository = _repository(tmp_path_factory, parallel_checkpoint, "collective_timeout_s=30",
-                             f"unload_when_unavailable={str(explicit).lower()}")
+                             f"unload_when_unavailable={str(explicit).lower()}", layout=layout)
     extra = ("--model-control-mode=explicit", "--load-model=dsv4") if explicit else ()
     for server in _serve(repository, tmp_path_factory.mktemp("tp_kill_log"), *extra):
         assert server.is_ready("/v2/models/dsv4/ready")

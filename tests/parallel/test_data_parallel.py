@@ -1,16 +1,23 @@
 """Data-parallel attention with real processes over gloo (CPU, fp32): each rank its own requests and pools.
 
-Rank 0 is this process (its model and pools as the engine builds them); ranks 1.. are worker processes
+The forward (the first tests): rank 0 is this process (its model and pools as the engine builds them); ranks 1.. are worker processes
 (backend/parallel/group.py). Requests of different lengths are spread unevenly over the ranks and prefilled in
 chunks beside the decodes of those that finished, so ranks run different batches in every step, some no batch at
 all (their MoE exchange alone), across CSA and HCA boundaries. The reference is one rank running every rank's rows
 in one batch: logits within 1e-5, the same greedy tokens.
+
+The engine (the later tests): requests placed on the ranks by load, each rank's scheduler planning its own steps,
+against the single-rank engine's greedy tokens; preemption, the prefix cache, cancellation and deadlines per rank; the
+step log's rank; a killed worker.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
+import time
 
 import psutil
 import pytest
@@ -23,7 +30,7 @@ from backend.executor import StepCopies
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.parallel.layout import ParallelLayout
-from backend.request import Sequence
+from backend.request import EngineUnavailable, SamplingParams, Sequence
 
 CHUNK = 64
 POOLS = dict(device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5)
@@ -182,11 +189,6 @@ def test_experts_that_do_not_divide_over_the_ranks_are_refused(parallel_checkpoi
     ParallelLayout(data_parallel_size=16).check(load_model_config(parallel_checkpoint))  # whole experts on each: fine
 
 
-def test_the_engine_refuses_data_parallel_until_it_schedules_the_ranks(parallel_checkpoint):
-    with pytest.raises(ConfigError, match="'data_parallel_size'.*not served yet"):
-        LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), data_parallel_size=2, **POOLS))
-
-
 def test_layouts_under_data_parallelism():
     dp = ParallelLayout(expert_parallel_size=2, rank=1, data_parallel_size=2)
     assert dp.shard("lm_head.weight", (512, 64)) is None  # each rank's rows are its own: the whole head
@@ -195,3 +197,153 @@ def test_layouts_under_data_parallelism():
     assert dp.moe_exchange and not dp.vocabulary_parallel
     assert not ParallelLayout(data_parallel_size=2).moe_exchange  # whole experts: the ranks never meet
     assert ParallelLayout(expert_parallel_size=2).vocabulary_parallel
+
+
+# --- the engine over data-parallel ranks -------------------------------------------------------------------------
+
+def _dp_engine(checkpoint, **settings) -> LLMEngine:
+    return LLMEngine(EngineConfig(checkpoint=str(checkpoint), **{**POOLS, **settings}))
+
+
+GENERATE_LENGTHS = (1, 37, 150, 300, 600, 5, 64)
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (2, 1)])
+def test_the_engine_over_ranks_generates_the_single_rank_tokens(parallel_checkpoint, single, dp, ep, tmp_path):
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in GENERATE_LENGTHS]
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    expected = single.generate(prompts, params)
+    step_log = tmp_path / "steps.jsonl"
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=dp, expert_parallel_size=ep, step_log=str(step_log))
+    try:
+        got = engine.generate(prompts, params)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    ranks = stats["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(dp)) and all(r["load_tokens"] == 0 for r in ranks)
+    records = [json.loads(line) for line in step_log.read_text().splitlines()]
+    assert {r["rank"] for r in records} == set(range(dp))  # every rank served requests, and its steps say whose
+    padded = [r["dp_padding_tokens"] for r in records]
+    assert (max(padded) > 0) == (ep > 1)  # uneven ranks pad their MoE exchange; without one nothing is padded
+    for rank in range(dp):  # each rank's prompt tokens: its own requests', placed by load
+        placed = sum(r["num_prefill_tokens"] for r in records if r["rank"] == rank)
+        assert 0.25 * sum(GENERATE_LENGTHS) < placed < 0.75 * sum(GENERATE_LENGTHS)
+    assert not _workers()
+
+
+def test_preemption_and_the_prefix_cache_work_per_rank(parallel_checkpoint, single):
+    """Small pools (each rank preempts), and prompts that extend earlier ones (restored from their rank's cache):
+    the single rank's tokens all the same."""
+    gen = torch.Generator().manual_seed(8)
+    base = [torch.randint(2, 500, (100,), generator=gen).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [r["output_ids"] for r in single.generate(base, params)]
+    # 512 positions per rank: four requests of 140 positions cannot all run at once on a rank (test_engine.py's case)
+    tight = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, num_tokens=512,
+                       swa_full_tokens_ratio=1.0)
+    try:
+        assert [r["output_ids"] for r in tight.generate(base, params)] == expected
+        assert all(rank.scheduler.counters.num_preemptions > 0 for rank in tight.ranks)
+    finally:
+        tight.shutdown()
+    long = [torch.randint(2, 500, (300,), generator=gen).tolist() for _ in range(4)]  # two cache blocks of 128 each
+    extended = [p + [7, 8, 9] for p in long]
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2)
+    try:
+        engine.generate(long, params)
+        again = engine.generate(extended, params)
+    finally:
+        engine.shutdown()
+    assert all(r["num_cached_tokens"] > 0 for r in again)  # each request found its prefix on the rank it went to
+    assert [r["output_ids"] for r in again] == [r["output_ids"] for r in single.generate(extended, params)]
+
+
+def test_cancellation_and_deadlines_on_the_ranks(parallel_checkpoint):
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2)
+    outputs: dict[str, list] = {}
+    done = threading.Event()
+
+    def collect(raw):
+        outputs.setdefault(raw.request_id, []).append(raw)
+        if len([r for r in outputs.values() if r[-1].finished]) == 4:
+            done.set()
+
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    try:
+        engine.start()
+        for i in range(3):
+            engine.submit(Sequence(f"long{i}", list(range(2, 40 + i)), params), collect)
+        engine.submit(Sequence("deadline", list(range(2, 30)), SamplingParams(max_tokens=400, ignore_eos=True,
+                                                                               timeout_ms=300)), collect)
+        while len(outputs.get("long1", [])) < 3:
+            time.sleep(0.01)
+        assert engine.abort("long1") and not engine.abort("nobody")
+        assert engine.abort("long0") and engine.abort("long2")
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    assert all(outputs[i][-1].finished for i in outputs)
+    assert {rank.rank for rank in engine.ranks if rank.scheduler.records} == {0, 1}  # both ranks served
+    assert all(rank.load == 0 for rank in engine.ranks)
+    assert outputs["deadline"][-1].finish_reason.value == "timeout"
+    for rank in engine.ranks:  # every page back (the prefix cache may keep some, none held by a request)
+        assert all(count == 0 for count in rank.kv.pages_held_by_requests().values())
+
+
+def test_a_killed_worker_ends_the_requests_and_later_ones_are_refused(parallel_checkpoint):
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=30)
+    outputs: dict[str, list] = {}
+    try:
+        engine.start()
+        for i in range(2):
+            engine.submit(Sequence(f"r{i}", list(range(2, 30)), SamplingParams(max_tokens=2000, ignore_eos=True)),
+                          lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
+        while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
+            time.sleep(0.01)
+        os.kill(engine.group._processes[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(outputs[f"r{i}"][-1].error for i in range(2))
+        with pytest.raises(EngineUnavailable, match="cannot serve"):
+            engine.submit(Sequence("after", [2, 3]), lambda raw: None)
+    finally:
+        engine.shutdown()
+    assert not _workers()
+
+
+def test_a_long_prompt_never_starves_the_decodes_of_its_rank(parallel_checkpoint, tmp_path):
+    """The seed report's scenario on each rank: a decoding request per rank, then a 600-token prompt in 64-token chunks
+    lands beside one of them; with the default policy that rank's victim gets a token in every step of the burst."""
+    step_log = tmp_path / "steps.jsonl"
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, prefill_chunk_tokens=64,
+                        step_log=str(step_log))
+    outputs: dict[str, list] = {}
+
+    def collect(raw):
+        outputs.setdefault(raw.request_id, []).append(raw)
+
+    try:
+        engine.start()
+        victims = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        for i in range(2):
+            engine.submit(Sequence(f"victim{i}", list(range(2, 20)), victims), collect)
+        while not all(len(outputs.get(f"victim{i}", [])) > 2 for i in range(2)):
+            time.sleep(0.01)
+        engine.submit(Sequence("attacker", torch.randint(2, 500, (600,)).tolist(), SamplingParams(max_tokens=1)),
+                      collect)
+        while not (outputs.get("attacker") and outputs["attacker"][-1].finished):
+            time.sleep(0.01)
+        for i in range(2):
+            engine.abort(f"victim{i}")
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    records = [json.loads(line) for line in step_log.read_text().splitlines()]
+    burst = [r for r in records if r["num_prefill_tokens"] >= 64]  # the attacker's chunks (on the rank it went to)
+    assert len(burst) >= 9 and len({r["rank"] for r in burst}) == 1
+    assert all(r["num_decode_tokens"] >= 1 for r in burst)  # every chunk carried the victim of that rank
+    assert stats["decode_stalls"] == 0
