@@ -347,3 +347,31 @@ def test_a_long_prompt_never_starves_the_decodes_of_its_rank(parallel_checkpoint
     assert len(burst) >= 9 and len({r["rank"] for r in burst}) == 1
     assert all(r["num_decode_tokens"] >= 1 for r in burst)  # every chunk carried the victim of that rank
     assert stats["decode_stalls"] == 0
+
+
+def test_sampling_logprobs_and_structured_outputs_on_the_ranks(parallel_checkpoint, single):
+    """Seeded sampling with penalties, log-probabilities and a JSON schema, on requests spread over the ranks: the
+    single rank's tokens (each request's own generator draws in the same order on any rank), and its log-probabilities
+    within float rounding."""
+    from backend.structured.params import guided_decoding_from_sampling
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 80, 200, 33)]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=11, logprobs=2),
+              SamplingParams(max_tokens=24, guided_decoding=guided_decoding_from_sampling(
+                  {"guided_decoding": {"json": schema}}, "test")),
+              SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=5, repetition_penalty=1.2),
+              SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)]
+    expected = single.generate(prompts, params)
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2)
+    try:
+        got = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    for one, many in zip(expected, got):
+        for a, b in zip(one.get("logprobs") or [], many.get("logprobs") or []):
+            assert a.rank == b.rank and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert len(got[0]["logprobs"]) == 12
