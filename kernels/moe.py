@@ -239,27 +239,35 @@ class QuantizedExperts(NamedTuple):
 
 
 DENSE, FP8, MXFP4 = 0, 1, 2
+FP8_SCALE_BLOCK, MXFP4_SCALE_BLOCK = 128, 32  # the K extent of one scale: 128 x 128 blocks, 32-column groups
 GROUP_SIZE_M = 8  # row blocks per launch group (the standard Triton matmul value)
 _FORMATS = {"fp8": FP8, "mxfp4": MXFP4}
 
 
 @triton.jit
-def _expert_weight_tile(w_ptr, s_ptr, expert, rows, ks, mask, stride_we, stride_wn, stride_se, stride_sn,
-                        rows_per_half, WEIGHT_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
-    """W[expert, rows, ks] as a [BLOCK_K, BLOCK_N] tile in COMPUTE_DTYPE (rows [1, BLOCK_N], ks [BLOCK_K, 1])."""
-    if WEIGHT_FORMAT == 0:
-        w = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks, mask=mask, other=0.0)
-    elif WEIGHT_FORMAT == 1:
-        w = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks, mask=mask, other=0.0).to(tl.float32)
+def _expert_weight_tile(w_ptr, expert, rows, ks, mask, stride_we, stride_wn, WEIGHT_FORMAT: tl.constexpr,
+                        COMPUTE_DTYPE: tl.constexpr):
+    """W[expert, rows, ks] as a [BLOCK_K, BLOCK_N] tile in COMPUTE_DTYPE (rows [1, BLOCK_N], ks [BLOCK_K, 1]), before
+    its block scales (`_expert_tile_scale`): e4m3 and e2m1 values are exact in bf16, so the tile converts without a
+    float32 copy and the scales multiply the tile's product instead, once per column."""
+    if WEIGHT_FORMAT == 2:
+        byte = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks // 2, mask=mask, other=0).to(tl.int32)
+        return e2m1_value((byte >> ((ks % 2) * 4)) & 0xF).to(COMPUTE_DTYPE)
+    return tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks, mask=mask, other=0.0).to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def _expert_tile_scale(s_ptr, expert, rows, k0, col_mask, stride_se, stride_sn, rows_per_half,
+                       WEIGHT_FORMAT: tl.constexpr):
+    """The block scales [1, BLOCK_N] (fp32) of a quantized tile whose K range starts at k0 and lies in one scale block
+    (BLOCK_K divides 128 for fp8, 32 for mxfp4: `_check_quantized_tiles`): fp8, one scale per 128 x 128 block, the
+    rows of each half on their own grid; mxfp4, one e8m0 per row and 32 columns."""
+    if WEIGHT_FORMAT == 1:
         blocks = (rows_per_half + 127) // 128
         scale_rows = (rows // rows_per_half) * blocks + (rows % rows_per_half) // 128
-        w *= tl.load(s_ptr + expert * stride_se + scale_rows * stride_sn + ks // 128, mask=mask, other=0.0)
-    else:
-        byte = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks // 2, mask=mask, other=0).to(tl.int32)
-        value = e2m1_value((byte >> ((ks % 2) * 4)) & 0xF)
-        e8m0 = tl.load(s_ptr + expert * stride_se + rows * stride_sn + ks // 32, mask=mask, other=127)
-        w = value * tl.exp2((e8m0.to(tl.int32) & 0xFF).to(tl.float32) - 127.0)
-    return w.to(COMPUTE_DTYPE)
+        return tl.load(s_ptr + expert * stride_se + scale_rows * stride_sn + k0 // 128, mask=col_mask, other=0.0)
+    e8m0 = tl.load(s_ptr + expert * stride_se + rows * stride_sn + k0 // 32, mask=col_mask, other=127)
+    return tl.exp2((e8m0.to(tl.int32) & 0xFF).to(tl.float32) - 127.0)
 
 
 @triton.jit
@@ -308,12 +316,20 @@ def _moe_gate_up_kernel(
         a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
         w_mask = k_mask[:, None] & col_mask[None, :]
         ks = (k0 + offs_k)[:, None]  # [BLOCK_K, 1]
-        w_gate = _expert_weight_tile(w_ptr, s_ptr, expert, cols[None, :], ks, w_mask, stride_we, stride_wn,
-                                     stride_se, stride_sn, rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
-        w_up = _expert_weight_tile(w_ptr, s_ptr, expert, (cols + inter)[None, :], ks, w_mask, stride_we, stride_wn,
-                                   stride_se, stride_sn, rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
-        acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        w_gate = _expert_weight_tile(w_ptr, expert, cols[None, :], ks, w_mask, stride_we, stride_wn, WEIGHT_FORMAT,
+                                     COMPUTE_DTYPE)
+        w_up = _expert_weight_tile(w_ptr, expert, (cols + inter)[None, :], ks, w_mask, stride_we, stride_wn,
+                                   WEIGHT_FORMAT, COMPUTE_DTYPE)
+        if WEIGHT_FORMAT == 0:
+            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        else:  # the tile's products, scaled per column
+            acc_gate += tl.dot(a, w_gate, input_precision=DOT_PRECISION) * _expert_tile_scale(
+                s_ptr, expert, cols[None, :], k0, col_mask[None, :], stride_se, stride_sn, rows_per_half,
+                WEIGHT_FORMAT)
+            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION) * _expert_tile_scale(
+                s_ptr, expert, (cols + inter)[None, :], k0, col_mask[None, :], stride_se, stride_sn, rows_per_half,
+                WEIGHT_FORMAT)
         x_ptrs += BLOCK_K
     gate = tl.minimum(acc_gate, swiglu_limit)
     up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
@@ -359,10 +375,14 @@ def _moe_down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         k_mask = offs_k < inter - k0
         a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
-        w = _expert_weight_tile(w_ptr, s_ptr, expert, cols[None, :], (k0 + offs_k)[:, None],
-                                k_mask[:, None] & col_mask[None, :], stride_we, stride_wn, stride_se, stride_sn,
-                                rows_per_half, WEIGHT_FORMAT, COMPUTE_DTYPE)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        w = _expert_weight_tile(w_ptr, expert, cols[None, :], (k0 + offs_k)[:, None],
+                                k_mask[:, None] & col_mask[None, :], stride_we, stride_wn, WEIGHT_FORMAT, COMPUTE_DTYPE)
+        if WEIGHT_FORMAT == 0:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * _expert_tile_scale(
+                s_ptr, expert, cols[None, :], k0, col_mask[None, :], stride_se, stride_sn, rows_per_half,
+                WEIGHT_FORMAT)
         h_ptrs += BLOCK_K
     if not WEIGHT_FIRST:
         acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -374,13 +394,14 @@ def _moe_down_kernel(
         tl.atomic_add(out_ptr + tokens[:, None] * stride_om + cols[None, :], acc, mask=mask, sem="relaxed")
 
 
-def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quantized: bool = False,
+def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, weight_format: int = DENSE,
                quantize_hidden: bool = False) -> dict:
     """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs.
 
-    Quantized experts are dequantized into registers tile by tile: K tiles of 32 and two stages keep
-    the fp32 weight tiles (two of them in gate/up) within the register file and shared memory (sm_90,
-    scripts/check_kernels_compile.py).
+    Quantized experts are converted into registers tile by tile (their values exact in bf16), and each K tile lies in
+    one block of their scales, which then multiply the tile's product: fp8 keeps the dense tiles (K tiles of 64 or
+    128 in 128-wide scale blocks); mxfp4 takes K tiles of 32, its scale groups, and two stages (the e2m1 decode's
+    integer tile beside the converted one; sm_90, scripts/check_kernels_compile.py).
     """
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
@@ -399,13 +420,15 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, quanti
     fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731
     gate_up.update(BLOCK_K=min(gate_up["BLOCK_K"], fit(hidden)), BLOCK_N=min(gate_up["BLOCK_N"], fit(inter)))
     down.update(BLOCK_K=min(down["BLOCK_K"], fit(inter)), BLOCK_N=min(down["BLOCK_N"], fit(hidden)))
-    if quantized:
+    if weight_format == MXFP4:
         for tile in (gate_up, down):
-            tile.update(BLOCK_K=min(tile["BLOCK_K"], 32), num_stages=min(tile["num_stages"], 2))
-        if block_m >= 32:
-            gate_up["num_warps"] = 8  # two decoded tiles and two accumulators: spread over more threads
+            tile.update(BLOCK_K=min(tile["BLOCK_K"], MXFP4_SCALE_BLOCK), num_stages=min(tile["num_stages"], 2))
+    if weight_format != DENSE and block_m >= 32:
+        gate_up["num_warps"] = 8  # two converted tiles, two partial products, two accumulators: more threads
     if quantize_hidden:  # h is act_quant'ed in groups of 128 columns inside the gate/up tile
         gate_up["BLOCK_N"] = max(gate_up["BLOCK_N"], FP8_ACT_BLOCK)
+    if weight_format == FP8 and gate_up["BLOCK_N"] >= 128:  # two converted [K, 128] tiles: halve K to stay unspilled
+        gate_up["BLOCK_K"] = min(gate_up["BLOCK_K"], 64)
     return dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down)
 
 
@@ -551,8 +574,12 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return (lambda: torch.zeros_like(x, dtype=out_dtype or x.dtype)), []
-    cfg = config or moe_config(num_pairs, num_experts, hidden, inter, quantized=_weight_format(w_gate_up) != DENSE,
+    weight_format = _weight_format(w_gate_up)
+    cfg = config or moe_config(num_pairs, num_experts, hidden, inter, weight_format=weight_format,
                                quantize_hidden=quantize_hidden)
+    scale_block = {FP8: FP8_SCALE_BLOCK, MXFP4: MXFP4_SCALE_BLOCK}.get(weight_format)
+    assert scale_block is None or all(scale_block % cfg[gemm]["BLOCK_K"] == 0 for gemm in ("gate_up", "down")), \
+        f"quantized experts: BLOCK_K must divide their scale block of {scale_block} (each K tile has one scale)"
     assert not quantize_hidden or (deepseek_order and inter % FP8_ACT_BLOCK == 0
                                    and cfg["gate_up"]["BLOCK_N"] % FP8_ACT_BLOCK == 0), \
         f"quantize_hidden: DeepSeek's order, groups of {FP8_ACT_BLOCK} intermediate columns within a tile"
@@ -570,7 +597,6 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
 
     g = cfg["gate_up"]
     (gu_data, gu_scale, gu_rows), (d_data, d_scale, d_rows) = _kernel_weights(w_gate_up), _kernel_weights(w_down)
-    weight_format = _weight_format(w_gate_up)
     gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, weights, num_pairs, max_blocks, top_k,
                     hidden, inter,
                     float(swiglu_limit), gu_rows, x.stride(0), gu_data.stride(0), gu_data.stride(1),
