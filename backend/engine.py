@@ -40,7 +40,7 @@ import json
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -97,6 +97,12 @@ class LLMEngine:
         self.scheduler = self.ranks[0].scheduler
         self._placement_lock = threading.Lock()
         self._placed: dict[str, tuple[DataParallelRank, int]] = {}  # live request -> (its rank, its load there)
+        # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
+        # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
+        cache = self.kv.prefix_cache
+        self._affinity_tokens = cache.block_tokens if cache is not None and len(self.ranks) > 1 else None
+        self._affinity: OrderedDict[int, DataParallelRank] = OrderedDict()
+        self._max_affinity = config.prefix_cache_entries * len(self.ranks)
         self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.chat_template = ChatTemplate.from_checkpoint(checkpoint)  # None: `messages` requests are refused
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
@@ -167,15 +173,33 @@ class LLMEngine:
             placed = self._placed.get(request_id)
         return placed is not None and placed[0].scheduler.abort(request_id)
 
+    def rank_of(self, request_id: str) -> int | None:
+        """The data-parallel rank serving a live request (0 on one rank), or None."""
+        with self._placement_lock:
+            placed = self._placed.get(request_id)
+        return placed[0].rank if placed is not None else None
+
     def _place(self, seq: Sequence) -> "DataParallelRank":
         """The rank that serves `seq`: the one with the least load, counted in tokens (its live requests' prompts and
         max_tokens: what they will hold in memory and compute), so that the ranks' memory use and tokens per step
-        stay balanced. Raises ValueError if the id is live on any rank."""
+        stay balanced; but a prompt whose first prefix-cache block an earlier prompt started with goes where that
+        one went (its cache may hold the prefix), unless that rank's load exceeds the least by more than this
+        request's own. Raises ValueError if the id is live on any rank."""
         load = len(seq.prompt_ids) + seq.sampling.max_tokens
+        block = self._affinity_tokens
+        key = hash(tuple(seq.prompt_ids[:block])) if block and len(seq.prompt_ids) > block else None
         with self._placement_lock:
             if seq.request_id in self._placed:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             rank = min(self.ranks, key=lambda r: (r.load, r.rank))
+            owner = self._affinity.get(key) if key is not None else None
+            if owner is not None and owner.load <= rank.load + load:
+                rank = owner
+            if key is not None:
+                self._affinity[key] = rank
+                self._affinity.move_to_end(key)
+                if len(self._affinity) > self._max_affinity:
+                    self._affinity.popitem(last=False)
             rank.load += load
             self._placed[seq.request_id] = (rank, load)
         return rank

@@ -375,3 +375,27 @@ def test_sampling_logprobs_and_structured_outputs_on_the_ranks(parallel_checkpoi
             assert a.rank == b.rank and [t for t, _ in a.top] == [t for t, _ in b.top]
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     assert len(got[0]["logprobs"]) == 12
+
+
+def test_a_prompt_follows_its_prefix_to_the_rank_that_cached_it(parallel_checkpoint, single):
+    """Prefix-cache affinity: the extension of a prompt served on rank 1 goes to rank 1 although rank 0 is as free
+    (and is restored from rank 1's cache), but not to a rank loaded beyond the least by more than its own load."""
+    gen = torch.Generator().manual_seed(9)
+    other, prompt = (torch.randint(2, 500, (300,), generator=gen).tolist() for _ in range(2))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2)
+    try:
+        engine.generate([other, prompt], params)  # `other` on rank 0, `prompt` on rank 1
+        (again,) = engine.generate([prompt + [7, 8, 9]], params)  # both ranks idle: rank 1, where its prefix is
+        assert again["num_cached_tokens"] > 0
+        assert again["output_ids"] == single.generate([prompt + [7, 8, 9]], params)[0]["output_ids"]
+        busy = SamplingParams(max_tokens=4000)
+        engine.submit(Sequence("busy", list(range(2, 40)), busy), lambda raw: None)  # rank 0 (tie): load 4038
+        engine.submit(Sequence("busier", list(range(2, 60)), busy), lambda raw: None)  # rank 1: load 4058
+        engine.submit(Sequence("follows", prompt + [5], params), lambda raw: None)  # rank 1: 4058 <= 4038 + 309
+        engine.submit(Sequence("spills", prompt + [6], params), lambda raw: None)
+        placed = {name: engine.rank_of(name) for name in ("busy", "busier", "follows", "spills")}
+    finally:
+        engine.shutdown()
+    # "spills": rank 1 (4058 + 309) is now further ahead of rank 0 (4038) than its own 309 tokens: rank 0
+    assert placed == {"busy": 0, "busier": 1, "follows": 1, "spills": 0}
