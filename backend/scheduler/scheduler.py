@@ -285,12 +285,6 @@ class Scheduler:
     def num_awaiting_grammar(self) -> int:
         return len(self._awaiting_grammar)
 
-    @property
-    def num_live(self) -> int:
-        """Requests added and not finished (waiting or running): this rank's load, as request placement reads it."""
-        with self._lock:
-            return len(self._live_ids)
-
     def _num_waiting_locked(self) -> int:
         return len(self._inbox) + len(self._awaiting_grammar) + len(self._waiting)
 
