@@ -27,7 +27,8 @@ that rank's page bookkeeping (rank 0's pools are real, the others' are planned o
 in the worker processes), places each arriving request on the least loaded rank (`_place`), and in every step
 schedules each rank, runs all ranks' batches as one lock-step forward (`StepExecutor.run_data_parallel`), and gives
 each rank's scheduler its own output. Starvation guarantees, ITL targets, preemption, deadlines and the prefix
-cache are each rank's scheduler's, as on one rank. Such steps are not overlapped.
+cache are each rank's scheduler's, as on one rank. With overlap, all ranks' step N+1 is scheduled and built while
+their step N runs, as on one rank (each rank's sampled tokens kept in its own last-token buffer).
 
 Start-up order: the config was validated when it was built; the checkpoint's config.json is read, the
 deployment resolved and the memory pools sized (backend/deployment.py), the chunk budget resolved — so a
@@ -83,8 +84,7 @@ class LLMEngine:
         # Speculative decoding (backend/speculative.py): a verify's emitted count decides where the next step starts,
         # so its steps are not overlapped.
         self.num_speculative_tokens = config.num_speculative_tokens
-        # Data-parallel steps take in every rank's output before the next: not overlapped either.
-        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens and config.data_parallel_size == 1
+        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens
         work_changed = threading.Condition(threading.Lock())  # every rank's scheduler wakes the one loop
 
         def scheduler(kv, rank: int) -> Scheduler:
@@ -127,7 +127,8 @@ class LLMEngine:
         self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
                                      asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
         self._stager = BatchStager(self.device, depth=2)
-        self._in_flight: deque[tuple[StepPlan, StepHandle]] = deque()  # launched, output not taken in yet
+        # launched, output not taken in yet: (plan, handle), or with data parallelism one (plan, handle) per rank
+        self._in_flight: deque = deque()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
@@ -359,7 +360,8 @@ class LLMEngine:
     def _step_data_parallel(self) -> bool:
         """One lock-step iteration over the data-parallel ranks: each rank's scheduler plans its step, every rank's
         batch runs in one forward (a rank without one takes part in the MoE exchanges alone), and each scheduler
-        takes in its own rank's output. False when no rank had anything to do."""
+        takes in its own rank's output: that of the step launched before (with overlap) or of this one. False when
+        no rank had anything to do."""
         started = time.perf_counter()
         plans = [rank.scheduler.schedule() for rank in self.ranks]
         jobs, failed = [], {}
@@ -374,15 +376,30 @@ class LLMEngine:
                     logger.exception("building rank %d's step %s failed", rank.rank, plan.step_index)
                     failed[rank.rank] = StepHandle.failed(exc)
             jobs.append(job)
-        host_s = time.perf_counter() - started  # scheduling and building, before the forward
-        handles = self.executor.run_data_parallel(jobs) if any(jobs) else [None] * len(jobs)
-        for rank, plan, handle in zip(self.ranks, plans, handles):
-            handle = failed.get(rank.rank, handle)
-            if handle is not None:
-                plan.host_s = host_s
-                self._take_in(plan, handle, rank.scheduler)
+        launched = None
+        if any(jobs) or failed:
+            host_s = time.perf_counter() - started  # scheduling and building
+            handles = self.executor.submit_data_parallel(jobs) if any(jobs) else [None] * len(jobs)
+            launched = [(plan, failed.get(rank.rank, handle)) for rank, plan, handle in zip(self.ranks, plans, handles)]
+            for plan, handle in launched:
+                if handle is not None:
+                    plan.host_s = host_s
+        took_in = bool(self._in_flight)
+        if took_in:
+            self._take_in_ranks(self._in_flight.popleft())
+        if launched is not None:
+            if self.overlap:
+                self._in_flight.append(launched)
+            else:
+                self._take_in_ranks(launched)
         self._stats = self._snapshot_stats()
-        return any(plan is not None for plan in plans)
+        return any(plan is not None for plan in plans) or took_in
+
+    def _take_in_ranks(self, launched: list) -> None:
+        """One data-parallel step's outputs, each rank's to its scheduler."""
+        for rank, (plan, handle) in zip(self.ranks, launched):
+            if handle is not None:
+                self._take_in(plan, handle, rank.scheduler)
 
     def _launch(self, plan: StepPlan) -> StepHandle:
         """Build the step's batch on the host and hand it to the executor (returns at once with overlap)."""
@@ -410,7 +427,7 @@ class LLMEngine:
         graphs = self.decode_graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         batch = build_forward_batch(rows, kv, pad_to=key)
-        staged = self._stager.stage(batch)
+        staged = self._stager.stage(batch) if self.group is None else None  # a group's batch goes out as host tensors
         # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);
         # a static one into its graph's buffers by the executor, in step order.
         device_batch = self._stager.to_device(staged) if key is None and self.group is None else None

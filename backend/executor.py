@@ -61,7 +61,7 @@ class StepCopies:
 @dataclass
 class StepJob:
     batch: ForwardBatch  # host tensors (what a rank group broadcasts)
-    staged: StagedBatch  # the same, packed into one host buffer
+    staged: StagedBatch | None  # the same, packed into one host buffer (not for a rank group's batch)
     device_batch: ForwardBatch | None  # the same on the device (a dynamic step's; static ones: copied here)
     samplers: list[SamplerState]  # one per sampling row: the batch's first logits rows
     plain_sampling: bool = False  # every row greedy, without penalties or log-probabilities: one argmax
@@ -107,6 +107,9 @@ class StepExecutor:
         self.sampler = Sampler(model.kernels)
         self.verifier, self.drafter = Verifier(self.sampler), Drafter(model, kv, group)
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
+        # Data-parallel ranks: each rank's state slots are its own, so each has its own last-token buffer (on the host:
+        # its batches go out over the control group); made on first use.
+        self._rank_last_tokens: dict[int, torch.Tensor] = {}
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if asynchronous:
@@ -122,14 +125,23 @@ class StepExecutor:
             self._queue.put((job, handle))
         return handle
 
-    def run_data_parallel(self, jobs: list[StepJob | None]) -> list[StepHandle | None]:
+    def submit_data_parallel(self, jobs: list[StepJob | None]) -> list[StepHandle | None]:
         """Data-parallel ranks' steps in one lock-step forward (RankGroup.forward_data_parallel): jobs[r] is rank r's
-        (None: no request there this step; it still takes part in the MoE exchanges). Runs on the caller's thread;
-        returns one finished handle per job, each rank's rows sampled on their own. If the forward fails, every job
-        fails with it."""
+        (None: no request there this step; it still takes part in the MoE exchanges). One handle per job, each rank's
+        rows sampled on their own; asynchronous as `submit` is. If the forward fails, every job fails with it."""
         handles = [StepHandle() if job is not None else None for job in jobs]
+        if self._queue is None:
+            self._run_data_parallel(jobs, handles)
+        else:
+            self._queue.put((jobs, handles))
+        return handles
+
+    def _run_data_parallel(self, jobs: list[StepJob | None], handles: list[StepHandle | None]) -> None:
         started = time.perf_counter()
         try:
+            for rank, job in enumerate(jobs):  # decode tokens the step before sampled (overlap), from that rank's own
+                if job is not None and job.has_tokens_from_device:
+                    self._take_tokens_from_device(job.batch, self._last_tokens_of(rank))
             _use_intra_op_threads(self.cpu_threads if any(j is not None and j.batch.num_tokens >= self.small_step_tokens
                                                           for j in jobs) else 1)
             logits = self.group.forward_data_parallel(self.model, self.kv, [j.batch if j else None for j in jobs],
@@ -137,11 +149,12 @@ class StepExecutor:
             duration_s = time.perf_counter() - started
             counts = [j.batch.num_tokens if j is not None else 0 for j in jobs]
             padding = len(counts) * max(counts) - sum(counts) if self.model.layout.moe_exchange else 0
-            for job, handle, rank_logits in zip(jobs, handles, logits):
+            for rank, (job, handle, rank_logits) in enumerate(zip(jobs, handles, logits)):
                 if job is None:
                     continue
                 rows = len(job.samplers)
                 sampled = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling)
+                self._last_tokens_of(rank)[job.batch.logits_slot[:rows]] = sampled.tokens.cpu()
                 handle._set(StepOutput(sampled.tokens.tolist(), sampled.logprobs, duration_s, row_ends=sampled.row_ends,
                                        mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s,
                                        dp_padding_tokens=padding))
@@ -150,7 +163,11 @@ class StepExecutor:
             for handle in handles:
                 if handle is not None and not handle._done.is_set():
                     handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
-        return handles
+
+    def _last_tokens_of(self, rank: int) -> torch.Tensor:
+        if rank not in self._rank_last_tokens:
+            self._rank_last_tokens[rank] = torch.zeros(self.last_tokens.shape, dtype=torch.long)
+        return self._rank_last_tokens[rank]
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the steps submitted, then stop the thread."""
@@ -164,7 +181,10 @@ class StepExecutor:
             item = self._queue.get()
             if item is None:
                 return
-            self._run(*item)
+            if isinstance(item[0], list):  # (jobs, handles) of data-parallel ranks
+                self._run_data_parallel(*item)
+            else:
+                self._run(*item)
 
     def _run(self, job: StepJob, handle: StepHandle) -> None:
         try:

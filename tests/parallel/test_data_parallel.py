@@ -208,20 +208,23 @@ def _dp_engine(checkpoint, **settings) -> LLMEngine:
 GENERATE_LENGTHS = (1, 37, 150, 300, 600, 5, 64)
 
 
-@pytest.mark.parametrize("dp,ep", [(2, 2), (2, 1)])
-def test_the_engine_over_ranks_generates_the_single_rank_tokens(parallel_checkpoint, single, dp, ep, tmp_path):
+@pytest.mark.parametrize("dp,ep,overlap", [(2, 2, True), (2, 2, False), (2, 1, True)])
+def test_the_engine_over_ranks_generates_the_single_rank_tokens(parallel_checkpoint, single, dp, ep, overlap,
+                                                                tmp_path):
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in GENERATE_LENGTHS]
     params = SamplingParams(max_tokens=10, temperature=0.0)
     expected = single.generate(prompts, params)
     step_log = tmp_path / "steps.jsonl"
-    engine = _dp_engine(parallel_checkpoint, data_parallel_size=dp, expert_parallel_size=ep, step_log=str(step_log))
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=dp, expert_parallel_size=ep, step_log=str(step_log),
+                        overlap_scheduling=overlap)
     try:
         got = engine.generate(prompts, params)
         stats = engine.stats()
     finally:
         engine.shutdown()
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    assert engine.overlap == overlap
     ranks = stats["ranks"]
     assert [r["rank"] for r in ranks] == list(range(dp)) and all(r["load_tokens"] == 0 for r in ranks)
     records = [json.loads(line) for line in step_log.read_text().splitlines()]
