@@ -25,7 +25,7 @@ Data-parallel attention (`data_parallel_size` W > 1, backend/parallel/layout.py)
 requests over its own pools, and this engine decides for all of them. It keeps one scheduler per rank, each over
 that rank's page bookkeeping (rank 0's pools are real, the others' are planned on the meta device: the memory lives
 in the worker processes), places each arriving request on the least loaded rank (`_place`), and in every step
-schedules each rank, runs all ranks' batches as one lock-step forward (`StepExecutor.run_data_parallel`), and gives
+schedules each rank, runs all ranks' batches as one lock-step forward (`StepExecutor.submit_data_parallel`), and gives
 each rank's scheduler its own output. Starvation guarantees, ITL targets, preemption, deadlines and the prefix
 cache are each rank's scheduler's, as on one rank. With overlap, all ranks' step N+1 is scheduled and built while
 their step N runs, as on one rank (each rank's sampled tokens kept in its own last-token buffer).
@@ -127,8 +127,7 @@ class LLMEngine:
         self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
                                      asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
         self._stager = BatchStager(self.device, depth=2)
-        # launched, output not taken in yet: (plan, handle), or with data parallelism one (plan, handle) per rank
-        self._in_flight: deque = deque()
+        self._in_flight: deque[list] = deque()  # launched (one (plan, handle) per rank), output not taken in yet
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._stats = self._snapshot_stats()
@@ -328,42 +327,31 @@ class LLMEngine:
         return Scheduler.wait_for_any([rank.scheduler for rank in self.ranks], timeout)
 
     def step(self) -> bool:
-        """One iteration: schedule and launch a step, and take in the output of the one launched before it (with
-        overlap) or of this one; False when there was nothing to do."""
-        if len(self.ranks) > 1:
-            return self._step_data_parallel()
+        """One iteration: schedule and launch a step (on every data-parallel rank at once), and take in the output of
+        the one launched before it (with overlap) or of this one; False when there was nothing to do."""
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        launched = None
-        if plan is not None:
-            for seq in plan.aborted:
-                self._report_end(seq, error=_scheduler_error(seq) or self.unavailable)
-            if plan.chunks:
-                try:
-                    handle = self._launch(plan)
-                except Exception as exc:  # the step is committed: its requests fail when it is taken in
-                    logger.exception("building step %s failed", plan.step_index)
-                    handle = StepHandle.failed(exc)
-                launched = (plan, handle)
-                plan.host_s = time.perf_counter() - started
+        plans = [rank.scheduler.schedule() for rank in self.ranks]
+        launched = self._launch(plans)
+        if launched is not None:
+            host_s = time.perf_counter() - started
+            for plan, handle in launched:
+                if handle is not None:
+                    plan.host_s = host_s
         took_in = bool(self._in_flight)
         if took_in:
-            self._take_in(*self._in_flight.popleft())
+            self._take_in(self._in_flight.popleft())
         if launched is not None:
             if self.overlap:
                 self._in_flight.append(launched)
             else:
-                self._take_in(*launched)
+                self._take_in(launched)
         self._stats = self._snapshot_stats()
-        return plan is not None or took_in
+        return any(plan is not None for plan in plans) or took_in
 
-    def _step_data_parallel(self) -> bool:
-        """One lock-step iteration over the data-parallel ranks: each rank's scheduler plans its step, every rank's
-        batch runs in one forward (a rank without one takes part in the MoE exchanges alone), and each scheduler
-        takes in its own rank's output: that of the step launched before (with overlap) or of this one. False when
-        no rank had anything to do."""
-        started = time.perf_counter()
-        plans = [rank.scheduler.schedule() for rank in self.ranks]
+    def _launch(self, plans: list[StepPlan | None]) -> list[tuple[StepPlan, StepHandle | None]] | None:
+        """Report what each rank's scheduler ended, build each rank's batch on the host and hand them to the executor
+        (returns at once with overlap): one (plan, handle) per rank, the handle None where the rank has no step (with
+        data parallelism it still takes part in the forward's MoE exchanges); None when no rank has one."""
         jobs, failed = [], {}
         for rank, plan in zip(self.ranks, plans):
             for seq in plan.aborted if plan is not None else ():
@@ -372,38 +360,19 @@ class LLMEngine:
             if plan is not None and plan.chunks:
                 try:
                     job = self._job(plan, rank.kv)
-                except Exception as exc:  # committed: its requests fail when taken in; the rank idles this step
-                    logger.exception("building rank %d's step %s failed", rank.rank, plan.step_index)
+                except Exception as exc:  # the step is committed: its requests fail when it is taken in
+                    logger.exception("building step %s (rank %d) failed", plan.step_index, rank.rank)
                     failed[rank.rank] = StepHandle.failed(exc)
             jobs.append(job)
-        launched = None
-        if any(jobs) or failed:
-            host_s = time.perf_counter() - started  # scheduling and building
-            handles = self.executor.submit_data_parallel(jobs) if any(jobs) else [None] * len(jobs)
-            launched = [(plan, failed.get(rank.rank, handle)) for rank, plan, handle in zip(self.ranks, plans, handles)]
-            for plan, handle in launched:
-                if handle is not None:
-                    plan.host_s = host_s
-        took_in = bool(self._in_flight)
-        if took_in:
-            self._take_in_ranks(self._in_flight.popleft())
-        if launched is not None:
-            if self.overlap:
-                self._in_flight.append(launched)
-            else:
-                self._take_in_ranks(launched)
-        self._stats = self._snapshot_stats()
-        return any(plan is not None for plan in plans) or took_in
-
-    def _take_in_ranks(self, launched: list) -> None:
-        """One data-parallel step's outputs, each rank's to its scheduler."""
-        for rank, (plan, handle) in zip(self.ranks, launched):
-            if handle is not None:
-                self._take_in(plan, handle, rank.scheduler)
-
-    def _launch(self, plan: StepPlan) -> StepHandle:
-        """Build the step's batch on the host and hand it to the executor (returns at once with overlap)."""
-        return self.executor.submit(self._job(plan, self.kv))
+        if not any(jobs):
+            handles = [None] * len(jobs)
+            if not failed:
+                return None
+        elif len(jobs) == 1:
+            handles = [self.executor.submit(jobs[0])]
+        else:  # data-parallel ranks: one lock-step forward
+            handles = self.executor.submit_data_parallel(jobs)
+        return [(plan, failed.get(rank.rank, handle)) for rank, plan, handle in zip(self.ranks, plans, handles)]
 
     def _job(self, plan: StepPlan, kv) -> StepJob:
         """The step's batch, built on the host over `kv` (its rank's pages), with what the executor needs to run it."""
@@ -451,9 +420,14 @@ class LLMEngine:
                                      wants_drafts=seq.grammar is None))
         return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
 
-    def _take_in(self, plan: StepPlan, handle: StepHandle, scheduler: Scheduler | None = None) -> None:
-        """A step's output: the (rank's) scheduler's accounting, then each request's token (or its failure)."""
-        scheduler = scheduler or self.scheduler
+    def _take_in(self, launched: list[tuple[StepPlan, StepHandle | None]]) -> None:
+        """A step's outputs (`_launch`), each rank's to its scheduler."""
+        for rank, (plan, handle) in zip(self.ranks, launched):
+            if handle is not None:
+                self._take_in_rank(plan, handle, rank.scheduler)
+
+    def _take_in_rank(self, plan: StepPlan, handle: StepHandle, scheduler: Scheduler) -> None:
+        """One rank's step output: its scheduler's accounting, then each request's token (or its failure)."""
         output = handle.result()
         if output.error is not None:
             logger.error("step %s failed (%s); failing its %d requests", plan.step_index, output.error,

@@ -155,9 +155,7 @@ class StepExecutor:
                 rows = len(job.samplers)
                 sampled = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling)
                 self._last_tokens_of(rank)[job.batch.logits_slot[:rows]] = sampled.tokens.cpu()
-                handle._set(StepOutput(sampled.tokens.tolist(), sampled.logprobs, duration_s, row_ends=sampled.row_ends,
-                                       mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s,
-                                       dp_padding_tokens=padding))
+                handle._set(_sampled_output(sampled, sampled.tokens.tolist(), duration_s, dp_padding_tokens=padding))
         except Exception as exc:  # noqa: BLE001 (the engine fails the steps' requests; RankGroupError: all of them)
             logger.exception("data-parallel step failed")
             for handle in handles:
@@ -210,12 +208,8 @@ class StepExecutor:
         self.last_tokens[batch.logits_slot[:num_rows].to(self.device)] = tokens  # (a group's batch is on the host)
         self._apply(job.copies.after)
 
-        def output(token_ids: list[int], duration_s: float) -> StepOutput:
-            return StepOutput(token_ids, sampled.logprobs, duration_s, row_ends=sampled.row_ends,
-                              mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s)
-
         if not cuda:
-            return output(tokens.tolist(), time.perf_counter() - started), None
+            return _sampled_output(sampled, tokens.tolist(), time.perf_counter() - started), None
         end.record()
         host = torch.empty(num_rows, dtype=torch.long, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -224,7 +218,7 @@ class StepExecutor:
 
         def finish() -> StepOutput:
             copied.synchronize()
-            return output(host.tolist(), begin.elapsed_time(end) / 1e3)
+            return _sampled_output(sampled, host.tolist(), begin.elapsed_time(end) / 1e3)
 
         return None, finish
 
@@ -280,6 +274,12 @@ class StepExecutor:
     def _apply(self, copies: list[tuple]) -> None:
         if copies:
             self.kv.prefix_cache.apply(copies)
+
+
+def _sampled_output(sampled, token_ids: list[int], duration_s: float, **more) -> StepOutput:
+    """A step's output from the sampler's result (its tokens read to the host as `token_ids`)."""
+    return StepOutput(token_ids, sampled.logprobs, duration_s, row_ends=sampled.row_ends,
+                      mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s, **more)
 
 
 _threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them

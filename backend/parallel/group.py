@@ -106,25 +106,28 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
             logits = _data_parallel_step(model, kv, *mine[0], device)
             dist.gather_object(None if logits is None else logits.cpu(), None, dst=0, group=control)
             continue
-        before, batch, after, keep_streams = args
-        if before:  # rank 0's prefix cache asked for copies around this step: the same copies here
-            kv.prefix_cache.apply(before)
-        out = model.forward(_on(batch, device), kv, return_streams=keep_streams)
+        before, batch, after, keep_streams = args  # rank 0's prefix cache asked for copies around the step: the same
+        out = _between_copies(kv, before, after, lambda: model.forward(_on(batch, device), kv,
+                                                                       return_streams=keep_streams))
         hidden = out[1] if keep_streams else None
-        if after:
-            kv.prefix_cache.apply(after)
     dist.destroy_process_group()
+
+
+def _between_copies(kv, before, after, run):
+    """run() between the prefix cache's copies before and after a step (what rank 0's cache asked for)."""
+    if before:
+        kv.prefix_cache.apply(before)
+    out = run()
+    if after:
+        kv.prefix_cache.apply(after)
+    return out
 
 
 def _data_parallel_step(model, kv, before, batch, after, counts, device):
     """One data-parallel rank's part of a step: the prefix-cache copies around its own batch and that batch's forward
     (logits for its own rows), or, without a batch, its part of the MoE exchanges alone."""
-    if before:
-        kv.prefix_cache.apply(before)
-    logits = model.forward(_on(batch, device), kv) if batch is not None else model.idle_forward(counts)
-    if after:
-        kv.prefix_cache.apply(after)
-    return logits
+    return _between_copies(kv, before, after, lambda: model.forward(_on(batch, device), kv) if batch is not None
+                           else model.idle_forward(counts))
 
 
 def draft_pass(model, kv, batch, hidden, logits_index, hidden_rows):

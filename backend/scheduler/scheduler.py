@@ -351,13 +351,13 @@ class Scheduler:
         record.mean_accepted_length = mean_accepted_length(record.num_verifies, record.num_accepted_tokens)
         record.draft_s = output.draft_s
         record.dp_padding_tokens = output.dp_padding_tokens
-        inflight.record.duration_s = output.duration_s
-        inflight.record.mask_fill_s, inflight.record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
-        inflight.record.host_s = plan.host_s
+        record.duration_s = output.duration_s
+        record.mask_fill_s, record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
+        record.host_s = plan.host_s
         if output.error is None:
             self.cost_model.observe(inflight.features, output.duration_s)
         if self._step_log is not None:
-            self._step_log.write(inflight.record)
+            self._step_log.write(record)
         return updates
 
     def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[SeqUpdate]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 class StepKind(str, enum.Enum):
@@ -103,9 +103,9 @@ class StepCounters:
         for one in many:
             for kind, count in one.steps_by_kind.items():
                 out.steps_by_kind[kind] += count
-            for name in ("decode_stalls", "num_preemptions", "num_timed_out", "num_itl_infeasible", "num_verifies",
-                         "num_draft_tokens", "num_accepted_tokens"):
-                setattr(out, name, getattr(out, name) + getattr(one, name))
+            for f in fields(cls):  # every other count adds up; the streaks are each rank's own
+                if f.name != "steps_by_kind" and not f.name.endswith("prefill_streak"):
+                    setattr(out, f.name, getattr(out, f.name) + getattr(one, f.name))
             out.longest_prefill_streak = max(out.longest_prefill_streak, one.longest_prefill_streak)
         return out
 
