@@ -217,17 +217,21 @@ class LLMEngine:
             self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop, the executor, the grammar threads and the worker ranks within `timeout` seconds in all: a
+        step in flight ends first; threads that outlast the budget are left (they are daemons) rather than waited for
+        (tritonserver kills a model that takes longer to unload than its exit timeout)."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
         self.scheduler.wake()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(_left(deadline))
             self._thread = None
-        self.executor.close()
+        self.executor.close(_left(deadline))
         for rank in self.ranks:
             rank.scheduler.close()
         self.grammars.close()
         if self.group is not None:
-            self.group.close()
+            self.group.close(_left(deadline))
             self.group = None
 
     def stats(self) -> dict:
@@ -471,6 +475,10 @@ def _total_cache_stats(snapshots: list[dict]) -> dict:
     total = {key: sum(s[key] for s in snapshots) for key in snapshots[0] if key != "pages"}
     total["pages"] = {pool: sum(s["pages"][pool] for s in snapshots) for pool in snapshots[0]["pages"]}
     return total
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 def _scheduler_error(seq: Sequence) -> str | None:

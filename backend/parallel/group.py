@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -268,14 +269,16 @@ class RankGroup:
             raise RankGroupError(self.broken)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Tell the workers to exit, wait for them (terminate stragglers), leave the process group."""
+        """Tell the workers to exit, wait for them `timeout` seconds in all (terminate stragglers), leave the process
+        group."""
+        deadline = time.monotonic() + timeout
         if not self.broken:
             try:
                 dist.broadcast_object_list([None], src=0, group=self.control)
             except Exception:  # noqa: BLE001 (a broken group: the workers are terminated below)
                 pass
         for p in self._processes:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
                 p.join(5)

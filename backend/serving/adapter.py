@@ -20,13 +20,11 @@ response could not carry it.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from backend.output_processor import OutputProcessor
 from backend.request import EngineUnavailable, FinishReason, Sequence
@@ -42,6 +40,11 @@ class _Live:
     builder: triton_io.ResponseBuilder
     timer: RequestTimer = field(default_factory=RequestTimer)
     cancelling: bool = False
+
+
+# How long finalize() may take: below tritonserver's exit timeout (30 s by default, 10 s in scripts/serve.sh, 3 s in the
+# end-to-end tests), past which the server gives up on the model and aborts.
+SHUTDOWN_TIMEOUT_S = 2.5
 
 
 class TritonAdapter:
@@ -65,15 +68,24 @@ class TritonAdapter:
         self.engine.start()
         self._thread.start()
 
-    def shutdown(self) -> None:
-        """Stop the engine, drain the responses, answer whatever is still live with an error."""
-        self.engine.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the engine, drain the responses, answer whatever is still live with an error, and let go of every
+        object of the backend's (senders, metrics), all within about `timeout_s` seconds.
+
+        Called from `finalize()`, while tritonserver still listens to this process. What the backend's objects do when
+        they are destroyed (a metric or a metric family deletes itself in the server) must happen now: left to the
+        stub's own teardown, after the server has let go of the stub's shared memory, it crashed the stub or hung it.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.engine.shutdown(timeout=timeout_s * 0.8)
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=max(0.5, deadline - time.monotonic()))
         with self._lock:
             leftovers, self._live = list(self._live.values()), {}
         for live in leftovers:
             self._send_error(live.sender, "the model is shutting down")
+        leftovers.clear()
+        self.metrics.close()
 
     # --- requests in ----------------------------------------------------------------------------
     def submit(self, request) -> None:
@@ -217,27 +229,3 @@ class TritonAdapter:
             sender.send(flags=self.final_flag)
         except Exception as exc:
             self.logger.log_warn(f"[dsv4] could not send the final flag: {exc}")
-
-
-def exit_with_parent(stop: threading.Event, poll_s: float = 0.5) -> threading.Thread:
-    """Exit this process when its parent (tritonserver) is gone.
-
-    tritonserver can exit without finalize() (its exit timeout hit with requests in flight); then
-    calls to it block forever. Do not leave an engine computing for nobody: exit, removing this
-    stub's shm region (named in its command line) that the server would have removed.
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while not stop.wait(poll_s):
-            if os.getppid() != parent:
-                try:
-                    argv = Path("/proc/self/cmdline").read_bytes().split(b"\0")
-                    (Path("/dev/shm") / argv[2].decode()).unlink(missing_ok=True)
-                except (OSError, IndexError, UnicodeDecodeError, ValueError):
-                    pass
-                os._exit(0)
-
-    thread = threading.Thread(target=watch, name="dsv4-parent-watch", daemon=True)
-    thread.start()
-    return thread

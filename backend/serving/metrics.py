@@ -95,6 +95,7 @@ class ServingMetrics:
                 ("dsv4_spec_accepted_tokens_total", "Speculative decoding: draft tokens accepted", "COUNTER"),
             )
         }
+        self._closed = False
         self._metrics: dict[tuple, object] = {}
         self._counted: dict[tuple, float] = {}  # last cumulative value seen, per counter series
         self.ttft = self._metric("dsv4_time_to_first_token_seconds", buckets=TTFT_BUCKETS)
@@ -109,20 +110,32 @@ class ServingMetrics:
             self._metrics[key] = self._families[family].Metric(labels=all_labels, **extra)
         return self._metrics[key]
 
+    def close(self) -> None:
+        """Delete every metric, then every family, now; later calls do nothing. Each deletes itself in tritonserver
+        as it is destroyed, so this must run while the server still listens to the stub (`finalize`)."""
+        self._closed = True
+        self.ttft = self.itl = self.grammar_compile = None
+        self._metrics.clear()
+        self._families.clear()
+
     def on_tokens(self, timer: RequestTimer) -> None:
         kind, seconds = timer.tick()
-        (self.ttft if kind == "ttft" else self.itl).observe(seconds)
+        if not self._closed:
+            (self.ttft if kind == "ttft" else self.itl).observe(seconds)
 
     def on_grammar_compiles(self, seconds: list[float]) -> None:
         """The compilations that ended since the last call (LLMEngine.take_grammar_compile_seconds)."""
-        for value in seconds:
+        for value in seconds if not self._closed else ():
             self.grammar_compile.observe(value)
 
     def on_finished(self, finish_reason: str) -> None:
-        self._metric("dsv4_requests_finished_total", finish_reason=str(finish_reason)).increment(1)
+        if not self._closed:
+            self._metric("dsv4_requests_finished_total", finish_reason=str(finish_reason)).increment(1)
 
     def update(self, stats: dict) -> None:
         """Mirror one `engine.stats()` snapshot; counters advance by the change since the last one."""
+        if self._closed:
+            return
         for kind, count in stats.get("steps_by_kind", {}).items():
             self._advance("dsv4_engine_steps_total", count, kind=str(kind))
         counters = (("dsv4_decode_stalls_total", "decode_stalls"), ("dsv4_preemptions_total", "num_preemptions"),

@@ -57,10 +57,10 @@ class LLMEngine:
     def start(self):
         self._thread.start()
 
-    def shutdown(self):
+    def shutdown(self, timeout: float = 5.0):
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
 
     def submit(self, seq: Sequence, on_output) -> None:
         self.limits.check(seq.prompt_ids, seq.sampling)

@@ -140,6 +140,22 @@ def test_shutdown_answers_every_live_request_with_one_final():
         assert req.sender.num_finals == 1 and errors_of(req)[-1] == "the model is shutting down"
 
 
+def test_shutdown_releases_the_metrics_and_later_updates_do_nothing():
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.005)
+    adapter.start()
+    req = request("hello", max_tokens=3)
+    adapter.submit(req)
+    wait_final(req)
+    assert adapter.metrics._families
+    adapter.shutdown()
+    # Each metric object deletes itself in tritonserver when destroyed: finalize() must be where that happens.
+    assert not adapter.metrics._families and not adapter.metrics._metrics and adapter.metrics.ttft is None
+    adapter.metrics.update(engine.stats())
+    adapter.metrics.on_finished("stop")
+    assert not adapter.metrics._metrics
+
+
 def test_many_requests_with_random_cancels_and_send_failures_each_end_exactly_once(adapter):
     rng = random.Random(0)
     reqs = []
