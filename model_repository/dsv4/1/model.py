@@ -6,11 +6,11 @@ submits them, streams the responses back (exactly one FINAL per request), turns 
 cancellation into engine aborts and exports the metrics.
 """
 
+import gc
 import glob
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
@@ -46,11 +46,14 @@ class TritonPythonModel:
         root = _repo_root(params.pop("repo_root", "").strip(), args["model_repository"])
         if str(root) not in sys.path:
             sys.path.insert(0, str(root))
+        from backend.serving import stub_watchdog  # the standard library only: torch is not imported yet
+
+        self._watchdog = stub_watchdog.start_for_this_stub()  # from here on, this process cannot outlive tritonserver
         _single_threaded_mkl(params)
         # Imported here: sys.path only knows the repository from now on.
         from backend.config import EngineConfig
         from backend.engine import LLMEngine
-        from backend.serving.adapter import TritonAdapter, exit_with_parent
+        from backend.serving.adapter import TritonAdapter
 
         config = EngineConfig.from_parameters(params)  # ConfigError names the bad parameter
         if not os.path.isabs(config.checkpoint):
@@ -59,8 +62,6 @@ class TritonPythonModel:
                                  f"engine config {config}")
         self.adapter = TritonAdapter(LLMEngine(config), pb_utils, args["model_name"])
         self.adapter.start()
-        self._stop = threading.Event()
-        exit_with_parent(self._stop)
 
     def execute(self, requests):
         for request in requests:
@@ -68,5 +69,8 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self._stop.set()
+        # Everything of the backend's this model holds is destroyed here, while tritonserver still listens: metric
+        # objects and response senders message the server when they go (TritonAdapter.shutdown).
         self.adapter.shutdown()
+        self.adapter = None
+        gc.collect()
