@@ -29,6 +29,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TRITON_HOME = REPO_ROOT / "build" / "tritonserver"
 TRITON_BIN = TRITON_HOME / "bin" / "tritonserver"
 MODEL = "dsv4"
+# tritonserver's --exit-timeout-secs, as scripts/serve.sh sets it. A clean stop of this model takes 2-3.5 s on the CPU:
+# most of it tritonserver's own one-second polls while it unloads, and the stub's exit.
+EXIT_TIMEOUT_S = 10
+# What tritonserver or the backend stub print when a stop is not clean.
+CRASH_MARKERS = ("Segfault encountered", "Exit timeout expired", "Signal (11)", "Signal (6)", "Non-graceful termination",
+                 "stub watchdog")
 
 
 def server_env() -> dict[str, str]:
@@ -85,6 +91,8 @@ class TritonServer:
     process: subprocess.Popen | None = None
     stray_shm: list[str] = field(default_factory=list)
     stray_pids: list[int] = field(default_factory=list)
+    returncode: int | None = None  # tritonserver's exit status, once stopped
+    stop_s: float | None = None  # how long the stop took, signal to exit
     extra_args: tuple[str, ...] = ()  # more tritonserver options (e.g. --model-control-mode=explicit)
 
     @property
@@ -106,7 +114,7 @@ class TritonServer:
             "--http-address=127.0.0.1", f"--http-port={self.http_port}",
             "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", "--exit-timeout-secs=3",
+            "--allow-gpu-metrics=false", "--pinned-memory-pool-byte-size=0", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
@@ -138,18 +146,21 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def stop(self) -> None:
-        """SIGTERM, wait, SIGKILL; then kill (and remember) any process of its group that outlived
-        it (a backend stub) and remove (and remember) any /dev/shm files it left."""
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """`sig` (SIGTERM or SIGINT, as a terminal's Ctrl-C), wait, SIGKILL; then kill (and remember) any process of
+        its group that outlived it (a backend stub) and remove (and remember) any /dev/shm files it left."""
         if self.process is None:
             return
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            self.process.send_signal(sig)
             try:
-                self.process.wait(timeout=20)
+                self.process.wait(timeout=EXIT_TIMEOUT_S + 10)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+            self.stop_s = time.monotonic() - started
+        self.returncode = self.process.returncode
         deadline = time.monotonic() + 5  # a stub notices its parent is gone within ~0.1 s
         while group_members(self.process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -162,6 +173,16 @@ class TritonServer:
         self.stray_shm = shm_files(self.shm_prefix)
         for name in self.stray_shm:
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+    def unclean_stop(self) -> list[str]:
+        """What was wrong with the stop: a non-zero exit, a crash or an exit timeout in the log, a process left behind
+        (killed by `stop`), /dev/shm files left behind. Empty for a clean stop."""
+        problems = [f"exit status {self.returncode}"] if self.returncode != 0 else []
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        problems += [f"log: {marker!r}" for marker in CRASH_MARKERS if marker in log]
+        problems += [f"processes left: {self.stray_pids}"] if self.stray_pids else []
+        problems += [f"/dev/shm files left: {self.stray_shm}"] if self.stray_shm else []
+        return problems
 
     def log_tail(self, chars: int = 6000) -> str:
         """The end of the server log, without the border lines of its big status tables."""
