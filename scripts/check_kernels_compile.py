@@ -396,29 +396,32 @@ def sass_bodies(cubin: bytes) -> list[tuple[str, int, Counter]]:
     return bodies
 
 
-def _key_tile_bytes(kernel, args, kwargs) -> int | None:
-    """Bytes of the key tile one loop iteration (or program) of the attention or indexer kernel reads."""
+def _key_bytes_per_program(kernel, args, kwargs) -> float | None:
+    """Bytes of keys one loop iteration (or program) of the attention or indexer kernel accounts for: its key tile,
+    shared by the attention's head blocks (each reads the tile), so that counts per byte compare tiles."""
     names = dict(zip(kernel.arg_names, args))
     pool = names.get("comp_kv_ptr" if kwargs.get("COMP_MODE") else "window_kv_ptr", names.get("index_k_ptr"))
     rows = kwargs.get("BLOCK_N", kwargs.get("BLOCK_E"))
     if pool is None or rows is None:
         return None
-    return rows * pool.shape[-1] * pool.element_size()
+    readers = -(-names["q_ptr"].shape[1] // kwargs["BLOCK_H"]) if "COMP_MODE" in kwargs else 1
+    return rows * pool.shape[-1] * pool.element_size() / readers
 
 
 def print_sass_mix(name: str) -> int:
-    """The instruction mix of each loop of the case's kernels, per iteration (all warps) and per key byte."""
+    """The instruction mix of each loop of the case's kernels: instructions a warp issues per iteration, and (in
+    brackets) all warps' per byte of keys."""
     found = [(model, case, launches) for model, case, launches in cases() if f"{model} {case}" == name]
     if not found:
         print(f"no case {name!r}; the cases are the table's configs (model and case)", file=sys.stderr)
         return 2
     for kernel, _grid, args, kwargs in found[0][2]:
         compiled = _compile(kernel, args, kwargs)
-        warps, tile_bytes = compiled.metadata.num_warps, _key_tile_bytes(kernel, args, kwargs)
+        warps, key_bytes = compiled.metadata.num_warps, _key_bytes_per_program(kernel, args, kwargs)
         usage = _resource_usage(compiled.asm["cubin"])
         print(f"{kernel.fn.__name__}: {usage['REG']} registers, spills {usage.get('STACK', 0) + usage.get('LOCAL', 0)} "
-              f"B, shared {compiled.metadata.shared} B, {warps} warps, key tile {tile_bytes} B")
-        per_byte = (lambda n: f" ({n * warps / tile_bytes:.3f}/B)") if tile_bytes else (lambda n: "")  # noqa: E731
+              f"B, shared {compiled.metadata.shared} B, {warps} warps, {key_bytes or 0:g} key bytes an iteration")
+        per_byte = (lambda n: f" ({n * warps / key_bytes:.3f}/B)") if key_bytes else (lambda n: "")  # noqa: E731
         for body, length, classes in sass_bodies(compiled.asm["cubin"]):
             mix = ", ".join(f"{k} {v}{per_byte(v)}" for k, v in classes.items() if v)
             print(f"  {body}: {length} instructions a warp{per_byte(length)}; {mix}")
