@@ -42,8 +42,10 @@ import triton.language as tl
 
 from kernels.common import compiled_programs_per_sm, compute_dtype, launch_options, num_sms, row_alignment
 from kernels.quant_formats import decode_kv_entries, kv_fp8_entry_bytes, load_kv_entries
+from kernels.tuning import dtype_name, tuned
 
 _MAX_SPLITS = 32
+MODES = ("window", "hca", "csa")  # COMP_MODE 0, 1, 2
 # Registers per thread assumed off a GPU (where the kernel is not compiled for a device): about the 164-180 that
 # sm_90 gives V4-Flash's configurations (scripts/check_kernels_compile.py), so the interpreter picks GPU-like splits.
 _ASSUMED_REGISTERS = 168
@@ -199,7 +201,7 @@ def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dic
     so heads go in blocks of at most 32 there (mma.sync, not wgmma) and each key block is read once per head block.
     Decoding the fp8 layout in registers holds a key block's codes, rope values and decoded tile at once: half the
     key block and one stage keep sm_90 from spilling at head_dim 512, where ptxas (Triton 3.7.1) settles on 128
-    registers and spills unless allowed 168.
+    registers and spills unless allowed 168. scripts/tune_kernels.py tunes these per device (kernels/tuning.py).
     """
     block_h = min(32 if head_dim >= 512 else 64, max(16, triton.next_power_of_2(num_heads)))
     if head_dim >= 256:
@@ -262,7 +264,9 @@ def plan_sparse_paged_attention(
         return out, []
     kv_fp8 = window_kv.dtype == torch.uint8
     comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
-    cfg = attention_config(head_dim, num_heads, kv_fp8)
+    shape = dict(head_dim=head_dim, heads=num_heads, dtype=dtype_name(q.dtype), mode=MODES[comp_mode],
+                 kv_cache="fp8" if kv_fp8 else dtype_name(window_kv.dtype), tokens=num_tokens)
+    cfg = tuned("attention", shape, attention_config(head_dim, num_heads, kv_fp8))
     block_h, block_n = cfg["BLOCK_H"], block_n or cfg["BLOCK_N"]
     num_head_blocks = triton.cdiv(num_heads, block_h)
     num_topk = topk_indices.shape[1] if topk_indices is not None else 0

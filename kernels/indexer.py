@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels.common import compute_dtype, row_alignment
 from kernels.quant_formats import decode_indexer_keys, indexer_fp4_entry_bytes, load_indexer_keys
+from kernels.tuning import dtype_name, tuned
 
 
 @triton.jit(do_not_specialize=["max_entries", "stride_st"])  # vary with the context: never recompile per step
@@ -91,7 +92,9 @@ def plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k
     if num_tokens == 0 or max_entries == 0:
         return scores, []
     keys_fp4 = index_k.dtype == torch.uint8
-    cfg = indexer_config(head_dim, num_heads)
+    shape = dict(head_dim=head_dim, heads=num_heads, dtype=dtype_name(q.dtype), tokens=num_tokens,
+                 keys="fp4" if keys_fp4 else dtype_name(index_k.dtype))
+    cfg = tuned("indexer", shape, indexer_config(head_dim, num_heads))
     block_e = block_e or cfg["BLOCK_E"]
     dot_dtype = compute_dtype(q.dtype)
     args = (q, weights, token_seq, token_pos, index_k, block_table, scores,
