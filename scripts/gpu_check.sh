@@ -4,12 +4,15 @@
 #   2. the engine on CUDA against CPU fp32, CUDA graphs on and off, and with 2 speculative drafts per decode
 #      (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
-#   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
-#   5. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
+#   4. the kernels' tiles tuned on this device at DeepSeek-V4-Flash's shapes (scripts/tune_kernels.py, `tune`): written
+#      to kernels/configs/<device>.json, which the parts after it launch with, and copied into the results folder
+#      (commit it from there),
+#   5. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
+#   6. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
 #      steps/s of the tiny model's real forward with overlap scheduling on and off,
-#   6. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
+#   7. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
 #      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt),
-#   7. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
+#   8. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
 #      side, CUDA graphs on (decode steps and verify steps whose rows carry k drafts each; the draft passes run
 #      eagerly). The built-in checkpoint's drafts are random (almost never accepted): this measures what
 #      speculation costs, its worst case.
@@ -35,8 +38,8 @@ fi
 MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft that is accepted sometimes
 [ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
 # what each part took on an H200 (2026-12-04), with some room
-declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [bench_kernels]=150 [host_loop]=60 [speculative]=90
-                  [structured]=40)
+declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [tune]=300 [bench_kernels]=150 [host_loop]=60
+                  [speculative]=90 [structured]=40)  # tune: never run yet; its sweep is budgeted to 240 s
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 
@@ -66,6 +69,7 @@ run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p n
   --deselect tests/kernels/test_compile.py
 run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 2 --json "$RESULTS/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
+run tune "$PY" scripts/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-240}" --copy-to "$RESULTS"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
   --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
@@ -81,7 +85,7 @@ fi
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches bench_kernels host_loop speculative structured; do
+for name in kernel_tests engine launches tune bench_kernels host_loop speculative structured; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
