@@ -40,12 +40,12 @@ COMPILE_S = 3.0  # a guess at one variant's JIT compile on the GPU machine, for 
 
 @dataclass
 class Sweep:
-    """One kernel at one shape. cases(torch, device) yields (count, run the kernel, the reference's output) lazily;
+    """One kernel at one shape. cases(torch, device) yields (run the kernel, compute the reference's output) lazily;
     patches: the candidates' changes to the plan's default (a dict, or a function of the default giving one). For the
     estimate: run_ms, a guess at one run; variants, the kernels compiled per candidate; cases_per_count."""
     name: str
     kernel: str  # as the plan asks kernels/tuning.py
-    cases: Callable[..., Iterator[tuple[int, Callable, Callable]]]
+    cases: Callable[..., Iterator[tuple[Callable, Callable]]]
     patches: list
     run_ms: float
     variants: int = 1
@@ -66,7 +66,7 @@ def _attention_sweep(s, mode: str, fp8: bool, patches) -> Sweep:
             else:
                 args, kwargs = attention_inputs(torch, shapes, device, positions, mode)
                 values = _to_float(torch, kwargs)
-            yield (sum(map(len, positions)), lambda a=args, k=kwargs: sparse_paged_attention_triton(*a, **k),
+            yield (lambda a=args, k=kwargs: sparse_paged_attention_triton(*a, **k),
                    lambda a=args, v=values: sparse_paged_attention_reference(*_to_float(torch, a), **v))
     kv = "fp8" if fp8 else "bf16"
     return Sweep(f"attention {mode} {kv}", "attention", cases, patches, run_ms=2.0 if fp8 else 0.5, variants=2)
@@ -83,8 +83,7 @@ def _indexer_sweep(s, fp4: bool, patches) -> Sweep:
             else:
                 args = indexer_inputs(torch, shapes, device, positions)
                 values = _to_float(torch, args)
-            yield (sum(map(len, positions)), lambda a=args: indexer_scores_triton(*a),
-                   lambda v=values: indexer_scores_reference(*v))
+            yield lambda a=args: indexer_scores_triton(*a), lambda v=values: indexer_scores_reference(*v)
     return Sweep(f"indexer {'fp4' if fp4 else 'bf16'} keys", "indexer", cases, patches, run_ms=0.3)
 
 
@@ -105,7 +104,7 @@ def _moe_sweep(s, fmt: str, patches) -> Sweep:
             order = dict(deepseek_order=True, quantize_hidden=True)
         for tokens in [*s.moe_decode_tokens, s.prefill_tokens]:
             x, ids, topk_weights, *_ = moe_inputs(torch, s, device, tokens, reference_weights)
-            yield (ids.numel(), lambda x=x, i=ids, w=topk_weights: fused_moe_triton(x, i, w, *weights, 10.0, **order),
+            yield (lambda x=x, i=ids, w=topk_weights: fused_moe_triton(x, i, w, *weights, 10.0, **order),
                    lambda x=x, i=ids, w=topk_weights: fused_moe_reference(x, i, w, *reference_weights, 10.0, **order))
     return Sweep(f"moe {fmt}", "moe", cases, patches, run_ms=10.0, variants=2)
 
@@ -120,7 +119,7 @@ def _fp8_gemm_sweep(s, patches) -> Sweep:
             w_q, w_scale = fp8_linear_weight(torch, device, n, k, gen)
             for tokens in [*s.decode_batches, s.prefill_tokens]:
                 x = torch.randn(tokens, k, generator=gen, device=device).to(torch.bfloat16)
-                yield (tokens, lambda x=x, w=w_q, sc=w_scale: fp8_gemm_triton(x, w, sc),
+                yield (lambda x=x, w=w_q, sc=w_scale: fp8_gemm_triton(x, w, sc),
                        lambda x=x, w=w_q, sc=w_scale: fp8_gemm_reference(x.float(), w, sc))
     return Sweep("fp8 gemm", "fp8_gemm", cases, patches, run_ms=0.3, cases_per_count=len(s.fp8_linears))
 
@@ -207,9 +206,9 @@ def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool) -> dict:
     from kernels import tuning
 
     groups: dict[tuple[str, int], dict] = {}  # (key, count) -> default, cases [(run, expected)]
-    for count, run, reference in sweep.cases(torch, device):
-        key, asked_count, default = _plan_request(sweep.kernel, run)
-        group = groups.setdefault((key, asked_count), dict(default=default, cases=[]))
+    for run, reference in sweep.cases(torch, device):
+        key, count, default = _plan_request(sweep.kernel, run)
+        group = groups.setdefault((key, count), dict(default=default, cases=[]))
         group["cases"].append((run, reference()))
     tolerance = TOLERANCES["attn_fp8" if sweep.kernel == "attention" else
                            {"indexer": "idx_fp4", "moe": "moe", "fp8_gemm": "fp8_gemm"}[sweep.kernel]]
