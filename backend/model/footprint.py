@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from backend.model.checkpoint import expected_shapes, is_fp32_parameter
 from backend.model.config import ModelConfig
-from backend.model.quantization import FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK
+from backend.model.quantization import FP8_BLOCK, MXFP4_BLOCK, ROUTED_EXPERTS, kept_quantized, published_format
 
 FORMATS = ("published", "fp8", "dequantize")
-_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -48,15 +47,12 @@ def tensor_bytes(name: str, shape: tuple[int, ...], config: ModelConfig, fmt: st
         return _numel(shape) * (4 if is_fp32_parameter(name) else dtype_bytes)
     if any(marker in name for marker in _FP32_ON_DISK):
         return _numel(shape) * 4
-    if config.quantization_config is None or (fmt == "fp8" and name.endswith("o_a_proj.weight")):
+    stored = published_format(name, config)
+    if stored is None or (fmt == "fp8" and not kept_quantized(name)):
         return _numel(shape) * 2
-    if name.endswith(_EXPERTS):
-        if config.expert_dtype == "fp8":
-            return _fp8_bytes(shape, scale_bytes=4)
+    if stored == "mxfp4":
         return _numel(shape) // 2 + _numel(shape) // MXFP4_BLOCK
-    if name.endswith(FP8_LINEARS):
-        return _fp8_bytes(shape, scale_bytes=1)
-    return _numel(shape) * 2
+    return _fp8_bytes(shape, scale_bytes=4 if name.endswith(ROUTED_EXPERTS) else 1)  # FP8 experts: float32 scales
 
 
 def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None,
@@ -82,7 +78,7 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
             parts["draft layer (mtp)"] += size
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             parts["embed+head"] += size
-        elif name.endswith(_EXPERTS):
+        elif name.endswith(ROUTED_EXPERTS):
             parts["routed experts"] += size
         elif ".self_attn." in name:
             parts["attention"] += size
