@@ -66,9 +66,19 @@ def entries_read(layer_type: str, context: int, c) -> float:
     return window
 
 
-def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstimate:
+@dataclass
+class StepWork:
+    """What one rank's step must do, unrounded: bytes of weights read by part, KV bytes read, FLOPs, bytes sent."""
+    weights: dict[str, float]
+    kv: float
+    flops: float
+    comm: float
+    tokens_per_rank: int
+
+
+def step_work(c, layout: str, ranks: int, batch: int, context: int) -> StepWork:
     """One decode step of `batch` requests at `context` positions each, on one of `ranks` ranks (see the module
-    docstring)."""
+    docstring). scripts/bench_v4.py puts its measured steps beside it."""
     d, heads, dh, q = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
     hi, di, inter, k = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.num_experts_per_tok
     own = batch // ranks if layout == "dp" else batch  # requests whose attention this rank runs
@@ -95,11 +105,17 @@ def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstima
     activation = batch * d * 2  # [B, hidden] in bf16
     ring = (ranks - 1) / ranks
     per_layer = (2 * 2 * ring * activation) if layout == "tp" else (2 * ring * activation)  # 2 all-reduces | AG + RS
-    comm = per_layer * len(c.layer_types)
-    roofline = max((sum(weights.values()) + kv) / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e3
-    return StepEstimate(layout, context, own, round(sum(weights.values()) / 1e9, 2),
-                        round(weights["routed experts"] / 1e9, 2), round(kv / 1e9, 2), round(flops / 1e12, 2),
-                        round(comm / 1e6, 1), round(roofline, 2))
+    return StepWork(weights, kv, flops, per_layer * len(c.layer_types), own)
+
+
+def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstimate:
+    """step_work's step, rounded for the table, with its roofline at H200's bandwidth and bf16 peak."""
+    work = step_work(c, layout, ranks, batch, context)
+    weights = sum(work.weights.values())
+    roofline = max((weights + work.kv) / HBM_BYTES_PER_S, work.flops / BF16_FLOPS_PER_S) * 1e3
+    return StepEstimate(layout, context, work.tokens_per_rank, round(weights / 1e9, 2),
+                        round(work.weights["routed experts"] / 1e9, 2), round(work.kv / 1e9, 2),
+                        round(work.flops / 1e12, 2), round(work.comm / 1e6, 1), round(roofline, 2))
 
 
 def _weights_read(c, layout: str, ranks: int, batch: int) -> dict[str, float]:
