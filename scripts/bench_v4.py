@@ -89,18 +89,23 @@ def fitting_layers(config_path, overrides: dict, memory_gib: float, batch: int, 
                      f"{context} positions")
 
 
+def pool_sizes(requests: int, positions: int, window: int = 128, page: int = 64) -> dict:
+    """The pool parameters (num_tokens, swa_full_tokens_ratio, page_size) of `requests` requests of `positions`
+    positions each and one more prefilling them in one chunk: its window pages and every decode's, in the window
+    pool."""
+    window_positions = max(requests * (window + 2 * page), positions + window + 2 * page)
+    num_tokens = max((requests + 1) * (positions + page), window_positions)
+    return dict(num_tokens=num_tokens, swa_full_tokens_ratio=min(1.0, window_positions / num_tokens), page_size=page)
+
+
 def engine_config(args, overrides: dict, max_batch: int):
     """An EngineConfig whose pools hold `max_batch` decoding requests and one prefill of --context positions."""
     from backend.config import EngineConfig
 
-    page, window = 64, 128
-    num_tokens = (max_batch + 1) * (args.context + page)
-    window_positions = max(max_batch * (window + 2 * page), args.context + window + 2 * page)
     return EngineConfig(**dict(checkpoint_settings(args), hf_overrides=overrides), device=args.device,
                         weight_format="fp8", numerics="deepseek", kv_cache_dtype="fp8",
                         max_running_requests=max_batch, max_num_batched_tokens=max(args.context, max_batch),
-                        num_tokens=num_tokens, swa_full_tokens_ratio=min(1.0, window_positions / num_tokens),
-                        page_size=page, enable_prefix_caching=False, cuda_graphs=True)
+                        **pool_sizes(max_batch, args.context), enable_prefix_caching=False, cuda_graphs=True)
 
 
 class Bench:

@@ -25,14 +25,10 @@ from backend.parallel.layout import ParallelLayout
 from backend.request import SamplingParams
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
+from tests.conftest import TINY_FLASH_OVERRIDES
 
 FLASH = Path(__file__).resolve().parents[2] / "docs" / "configs" / "deepseek-v4-flash.config.json"
-# V4-Flash's config at widths a CPU serves in a second, every FP8 linear's input a multiple of 128 (so DeepSeek's
-# numerics and the fp8 KV layout apply, as on V4-Flash itself), a vocabulary larger than the built-in tokenizer's 512.
-TINY_FLASH = {"num_hidden_layers": 4, "hidden_size": 128, "moe_intermediate_size": 128, "num_attention_heads": 2,
-              "head_dim": 128, "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 8,
-              "num_experts_per_tok": 2, "index_n_heads": 2, "index_head_dim": 64, "index_topk": 8,
-              "vocab_size": 1024}
+TINY_FLASH = dict(TINY_FLASH_OVERRIDES, num_hidden_layers=4)
 
 
 def describe(weights: dict) -> dict[str, tuple]:

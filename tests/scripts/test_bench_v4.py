@@ -9,16 +9,13 @@ import re
 
 import bench_v4
 
-# V4-Flash's config at widths DeepSeek's numerics and the fp8 KV layout apply to (tests/model/test_dummy_weights.py)
-TINY = {"hidden_size": 128, "moe_intermediate_size": 128, "num_attention_heads": 2, "head_dim": 128,
-        "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
-        "index_n_heads": 2, "index_head_dim": 64, "index_topk": 8, "vocab_size": 1024}
+from tests.conftest import TINY_FLASH_OVERRIDES
 
 
 def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys):
     out = tmp_path / "v4_shapes.json"
-    assert bench_v4.main(["--device", "cpu", "--hf-overrides", json.dumps(TINY), "--layers", "4", "--batches", "1",
-                          "2", "--context", "256", "--repeat", "1", "--out", str(out)]) == 0
+    assert bench_v4.main(["--device", "cpu", "--hf-overrides", json.dumps(TINY_FLASH_OVERRIDES), "--layers", "4",
+                          "--batches", "1", "2", "--context", "256", "--repeat", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["kind"], r["batch"], r["layers"]) for r in rows] == [
         ("decode", 1, 4), ("decode", 1, 43), ("decode", 2, 4), ("decode", 2, 43), ("prefill", 1, 4), ("prefill", 1, 43)]
