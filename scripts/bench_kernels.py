@@ -135,14 +135,21 @@ def measure_device(torch, device, timer: Timer) -> tuple[float | None, float | N
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s) measured on this device; (None, None) on CPU."""
     if device.type != "cuda":
         return None, None
-    src = torch.empty(2 * 2**30, dtype=torch.int8, device=device)
+    return copy_bandwidth(torch, device, timer, 2 * 2**30), matmul_rate(torch, device, timer, 8192, torch.bfloat16)
+
+
+def copy_bandwidth(torch, device, timer: Timer, num_bytes: int) -> float:
+    """GB/s of a device-to-device copy of `num_bytes`, counting read + write: what a memory-bound kernel can reach."""
+    src = torch.empty(num_bytes, dtype=torch.int8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = timer(lambda: dst.copy_(src))
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    matmul_ms = timer(lambda: torch.matmul(a, b))
-    return 2 * 2 * 2**30 / (copy_ms * 1e-3) / 1e9, 2 * n**3 / (matmul_ms * 1e-3) / 1e12
+    return 2 * num_bytes / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def matmul_rate(torch, device, timer: Timer, n: int, dtype) -> float:
+    """TFLOP/s of an [n, n] x [n, n] torch.matmul in `dtype`."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n**3 / (timer(lambda: torch.matmul(a, b)) * 1e-3) / 1e12
 
 
 # --- inputs -----------------------------------------------------------------------------------------------------
