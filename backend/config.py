@@ -8,6 +8,7 @@ raises `ConfigError` naming the parameter on a bad value.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ PARALLEL_SIZES = ("tensor_parallel_size", "expert_parallel_size", "data_parallel
 
 
 NUMERICS = ("auto", "transformers", "deepseek")
+LOAD_FORMATS = ("auto", "dummy")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
@@ -31,6 +33,14 @@ class ConfigError(ValueError):
 @dataclass
 class EngineConfig:
     checkpoint: str = str(DEFAULT_CHECKPOINT)
+    # Where the weights come from: `auto` reads the checkpoint's safetensors; `dummy` builds random ones on the device,
+    # at the config's shapes and in the formats its published checkpoint has (backend/model/dummy_weights.py), and
+    # reads no weight file: `checkpoint` may then be a directory holding only config.json, or a config.json file
+    # itself (docs/configs/*.config.json). Without a tokenizer there, the built-in checkpoint's is used.
+    load_format: str = "auto"
+    # A JSON object merged into the checkpoint's config.json (its top-level keys replace config.json's) before
+    # anything is planned, e.g. {"num_hidden_layers": 12}; keys and value types are those config.json has.
+    hf_overrides: dict | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16
     # Quantized checkpoints: `dequantize` expands FP8/MXFP4 at load (exact); `fp8` keeps them as published
@@ -114,6 +124,12 @@ class EngineConfig:
         the parameter. Runs at construction, so a bad deployment fails before any weight loads (and in
         scripts/make_model_repository.py, before a repository is written)."""
         _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
+        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, " or ".join(LOAD_FORMATS))
+        _check(self.load_format == "dummy" or not str(self.checkpoint).endswith(".json"), "checkpoint",
+               self.checkpoint, "a checkpoint directory (a config file holds no weights: serve it with "
+               "load_format=dummy)")
+        if self.hf_overrides is not None:
+            _check_hf_overrides(self.hf_overrides)
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "auto, float32, bfloat16 or float16")
         _check(self.policy in POLICIES, "policy", self.policy, " or ".join(POLICIES))
@@ -250,9 +266,43 @@ def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: st
     _check(is_int(value) and value >= minimum, name, value, f"an integer >= {minimum_text or minimum}")
 
 
+def _check_hf_overrides(overrides) -> None:
+    """A JSON object of config.json's keys (backend/model/config.py reads them), each value of that key's type."""
+    from backend.model.config import config_keys
+
+    _check(isinstance(overrides, dict), "hf_overrides", overrides, "a JSON object of config.json keys")
+    keys = config_keys()
+    for key, value in overrides.items():
+        _check(key in keys, "hf_overrides", overrides, f"keys config.json has; {key!r} is not one (known: "
+               f"{', '.join(sorted(keys))})")
+        _check(_is_of_type(value, keys[key]), "hf_overrides", overrides, f"{key!r} of type {keys[key]}, not "
+               f"{type(value).__name__}")
+
+
+_TYPE_CHECKS = {"int": is_int, "float": is_number, "bool": lambda v: isinstance(v, bool),
+                "str": lambda v: isinstance(v, str), "list": lambda v: isinstance(v, list),
+                "dict": lambda v: isinstance(v, dict), "None": lambda v: v is None}
+
+
+def _is_of_type(value, annotation: str) -> bool:
+    """Whether a JSON value fits a field annotation such as `int | list[int] | None` (element types unchecked)."""
+    return any(_TYPE_CHECKS[part.strip().split("[")[0]](value) for part in annotation.split("|"))
+
+
+def parse_parameter(name: str, value: str):
+    """One string parameter (a config.pbtxt value, a command-line flag) as the EngineConfig field `name` takes it."""
+    field = {f.name: f for f in dataclasses.fields(EngineConfig)}[name]
+    return _parse(name, field.type, value)
+
+
 def _parse(name: str, type_name: str, value: str):
-    """Parse one string parameter by its dataclass annotation."""
+    """Parse one string parameter by its dataclass annotation (a dict from JSON)."""
     base = type_name.replace(" | None", "")
+    if base == "dict":
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"parameter {name!r}: {value!r} is not JSON ({exc})") from None
     try:
         if base == "int":
             return int(value)

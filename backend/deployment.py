@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -21,6 +22,7 @@ from backend.host_memory import keep_freed_host_memory
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.checkpoint import load_weights
 from backend.model.config import ModelConfig, load_model_config
+from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
@@ -146,7 +148,7 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
     UnsupportedCheckpoint naming what to change."""
     if str(device) == "cpu":  # every rank plans its pools here: its CPU steps' temporaries are reused from now on
         keep_freed_host_memory()
-    model_config = load_model_config(config.checkpoint)
+    model_config = load_model_config(config.checkpoint, config.hf_overrides)
     layout = ParallelLayout.from_config(config)
     layout.check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
@@ -163,9 +165,11 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
 def load_model(config: EngineConfig, deployment: Deployment, device, dtype, layout: ParallelLayout,
                comm: Communicator) -> DeepseekV4Model:
     """The shard of rank `layout.rank` (all of the model on one rank), its MTP layers too when speculative decoding
-    serves them, with its kernel dispatch."""
-    weights = load_weights(config.checkpoint, deployment.model_config, dtype, device, deployment.weight_format,
-                           layout=layout, draft_layers=deployment.draft_layers)
+    serves them, with its kernel dispatch: read from the checkpoint, or with load_format=dummy built at random on
+    `device` (backend/model/dummy_weights.py)."""
+    build = dummy_weights if config.load_format == "dummy" else partial(load_weights, config.checkpoint)
+    weights = build(deployment.model_config, dtype, device, deployment.weight_format, layout=layout,
+                    draft_layers=deployment.draft_layers)
     kernels = KernelDispatch(default_mode(config.use_reference_kernels))
     return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
                            numerics=deployment.numerics)

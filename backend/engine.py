@@ -50,10 +50,11 @@ import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
-from backend.config import EngineConfig
+from backend.config import DEFAULT_CHECKPOINT, EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
 from backend.memory.kv_manager import KVCacheManager
+from backend.model.config import checkpoint_directory
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
 from backend.model.staging import BatchStager
@@ -76,7 +77,7 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
-        checkpoint = Path(config.checkpoint)
+        checkpoint, tokenizer = checkpoint_directory(config.checkpoint), tokenizer_directory(config)
         self.deployment = plan_deployment(config, self.device, self.dtype)
         self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
                                                           self.deployment.kv)
@@ -103,11 +104,11 @@ class LLMEngine:
         self._affinity_tokens = cache.block_tokens if cache is not None and len(self.ranks) > 1 else None
         self._affinity: OrderedDict[int, DataParallelRank] = OrderedDict()
         self._max_affinity = config.prefix_cache_entries * len(self.ranks)
-        self.tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-        self.chat_template = ChatTemplate.from_checkpoint(checkpoint)  # None: `messages` requests are refused
+        self.tokenizer = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+        self.chat_template = ChatTemplate.from_checkpoint(tokenizer)  # None: `messages` requests are refused
         self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
         # Structured outputs: the grammars of constrained requests, compiled on their own thread.
-        self.grammars = GrammarService(checkpoint / "tokenizer.json", vocab_size=self.model_config.vocab_size,
+        self.grammars = GrammarService(tokenizer / "tokenizer.json", vocab_size=self.model_config.vocab_size,
                                        stop_token_ids=self.eos_token_ids)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
@@ -485,6 +486,17 @@ def _scheduler_error(seq: Sequence) -> str | None:
     if seq.finish_reason is FinishReason.ERROR:
         return seq.error or "the request no longer fits in the memory pools"
     return None
+
+
+def tokenizer_directory(config: EngineConfig) -> Path:
+    """Where the tokenizer is: the checkpoint's directory; with load_format=dummy and no tokenizer.json there, the
+    built-in checkpoint's. Its vocabulary may then be smaller than the model's (512 against V4's 129,280): the ids
+    beyond it are served as ids, and decode to no text (tokenizers skips ids it does not know)."""
+    directory = checkpoint_directory(config.checkpoint)
+    if config.load_format == "dummy" and not (directory / "tokenizer.json").is_file():
+        logger.warning("no tokenizer.json in %s: using the built-in checkpoint's (%s)", directory, DEFAULT_CHECKPOINT)
+        return DEFAULT_CHECKPOINT
+    return directory
 
 
 def _eos_token_ids(checkpoint: Path, config) -> list[int]:

@@ -40,10 +40,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import compiled_programs_per_sm, compute_dtype, num_sms
+from kernels.common import compiled_programs_per_sm, compute_dtype, launch_options, num_sms, row_alignment
 from kernels.quant_formats import decode_kv_entries, kv_fp8_entry_bytes, load_kv_entries
+from kernels.tuning import dtype_name, tuned
 
 _MAX_SPLITS = 32
+MODES = ("window", "hca", "csa")  # COMP_MODE 0, 1, 2
 # Registers per thread assumed off a GPU (where the kernel is not compiled for a device): about the 164-180 that
 # sm_90 gives V4-Flash's configurations (scripts/check_kernels_compile.py), so the interpreter picks GPU-like splits.
 _ASSUMED_REGISTERS = 168
@@ -89,6 +91,7 @@ def _sparse_paged_attention_kernel(
     COMP_MODE: tl.constexpr,  # 0: window only, 1: HCA (all causal entries), 2: CSA (topk_indices)
     IS_SPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, ROPE_DIM: tl.constexpr,  # pools of the fp8 layout's bytes (kernels/quant_formats.py)
+    WINDOW_ALIGN: tl.constexpr, COMP_ALIGN: tl.constexpr,  # the pools' entries start at multiples of these elements
 ):
     """Program (token t, head block, split): online softmax over its share of the token's key blocks."""
     t = tl.program_id(0).to(tl.int64)
@@ -97,7 +100,7 @@ def _sparse_paged_attention_kernel(
     head_mask = heads < num_heads
     dims = tl.arange(0, HEAD_DIM)
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
-    pos = tl.load(token_pos_ptr + t).to(tl.int64)
+    pos = tl.load(token_pos_ptr + t).to(tl.int32)  # positions, entries, pages and slots fit 32 bits: cheap divisions
 
     q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_H, HEAD_DIM]
@@ -112,8 +115,9 @@ def _sparse_paged_attention_kernel(
     # Key blocks of this token: window blocks first, then compressed blocks; a split takes a contiguous run.
     window_lo = tl.maximum(pos - window + 1, 0)
     num_window_blocks = tl.cdiv(pos - window_lo + 1, BLOCK_N)
+    num_causal = (pos + 1) // compress_rate  # compressed entries closed by position pos
     if COMP_MODE == 1:
-        num_comp = (pos + 1) // compress_rate
+        num_comp = num_causal
     elif COMP_MODE == 2:
         num_comp = num_topk + 0 * pos
     else:
@@ -123,15 +127,15 @@ def _sparse_paged_attention_kernel(
     block_lo = split * blocks_per_split
     block_hi = tl.minimum(block_lo + blocks_per_split, num_blocks)
 
-    first_page = tl.load(window_first_page_ptr + seq).to(tl.int64)
+    first_page = tl.load(window_first_page_ptr + seq).to(tl.int32)
     for blk in range(block_lo, tl.minimum(block_hi, num_window_blocks)):
         key_pos = window_lo + blk * BLOCK_N + tl.arange(0, BLOCK_N)
         key_mask = key_pos <= pos
         col = key_pos // window_page_size - first_page
         page = tl.load(window_table_ptr + seq * stride_wtab_b + col, mask=key_mask, other=0).to(tl.int64)
         slot = key_pos % window_page_size
-        k = load_kv_entries(window_kv_ptr, window_rope_ptr, page * stride_wkv_page + slot * stride_wkv_slot, key_mask,
-                            HEAD_DIM, ROPE_DIM, KV_FP8).to(COMPUTE_DTYPE)
+        k = load_kv_entries(window_kv_ptr, window_rope_ptr, page, slot, stride_wkv_page, stride_wkv_slot, key_mask,
+                            HEAD_DIM, ROPE_DIM, KV_FP8, COMPUTE_DTYPE, WINDOW_ALIGN)
         m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
                                              COMPUTE_DTYPE, DOT_PRECISION)
     if COMP_MODE != 0:
@@ -139,17 +143,17 @@ def _sparse_paged_attention_kernel(
         for blk in range(comp_lo, block_hi - num_window_blocks):
             idx = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             if COMP_MODE == 2:
-                entry = tl.load(topk_ptr + t * stride_topk_t + idx, mask=idx < num_comp, other=-1).to(tl.int64)
-                key_mask = (entry >= 0) & (entry < (pos + 1) // compress_rate)
+                entry = tl.load(topk_ptr + t * stride_topk_t + idx, mask=idx < num_comp, other=-1).to(tl.int32)
+                key_mask = (entry >= 0) & (entry < num_causal)
                 entry = tl.where(key_mask, entry, 0)
             else:
-                entry = idx.to(tl.int64)
+                entry = idx
                 key_mask = idx < num_comp
             page = tl.load(comp_table_ptr + seq * stride_ctab_b + entry // comp_page_size,
                            mask=key_mask, other=0).to(tl.int64)
             slot = entry % comp_page_size
-            k = load_kv_entries(comp_kv_ptr, comp_rope_ptr, page * stride_ckv_page + slot * stride_ckv_slot, key_mask,
-                                HEAD_DIM, ROPE_DIM, KV_FP8).to(COMPUTE_DTYPE)
+            k = load_kv_entries(comp_kv_ptr, comp_rope_ptr, page, slot, stride_ckv_page, stride_ckv_slot, key_mask,
+                                HEAD_DIM, ROPE_DIM, KV_FP8, COMPUTE_DTYPE, COMP_ALIGN)
             m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
                                                  COMPUTE_DTYPE, DOT_PRECISION)
 
@@ -195,8 +199,9 @@ def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dic
 
     At head_dim 512 a [64, 512] fp32 accumulator spills on sm_90 (checked with scripts/check_kernels_compile.py),
     so heads go in blocks of at most 32 there (mma.sync, not wgmma) and each key block is read once per head block.
-    Decoding the fp8 layout in registers holds a key block's codes, scales and values at once: half the key block
-    and one stage keep sm_90 from spilling at head_dim 512.
+    Decoding the fp8 layout in registers holds a key block's codes, rope values and decoded tile at once: half the
+    key block and one stage keep sm_90 from spilling at head_dim 512, where ptxas (Triton 3.7.1) settles on 128
+    registers and spills unless allowed 168. scripts/tune_kernels.py tunes these per device (kernels/tuning.py).
     """
     block_h = min(32 if head_dim >= 512 else 64, max(16, triton.next_power_of_2(num_heads)))
     if head_dim >= 256:
@@ -204,7 +209,7 @@ def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dic
     else:
         cfg = dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
     if kv_fp8:
-        cfg.update(BLOCK_N=cfg["BLOCK_N"] // 2, num_stages=1)
+        cfg.update(BLOCK_N=cfg["BLOCK_N"] // 2, num_stages=1, **({"maxnreg": 168} if head_dim >= 512 else {}))
     return cfg
 
 
@@ -258,17 +263,21 @@ def plan_sparse_paged_attention(
     if num_tokens == 0:
         return out, []
     kv_fp8 = window_kv.dtype == torch.uint8
-    cfg = attention_config(head_dim, num_heads, kv_fp8)
+    comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
+    shape = dict(head_dim=head_dim, heads=num_heads, dtype=dtype_name(q.dtype), mode=MODES[comp_mode],
+                 kv_cache="fp8" if kv_fp8 else dtype_name(window_kv.dtype), tokens=num_tokens)
+    cfg = tuned("attention", shape, attention_config(head_dim, num_heads, kv_fp8))
     block_h, block_n = cfg["BLOCK_H"], block_n or cfg["BLOCK_N"]
     num_head_blocks = triton.cdiv(num_heads, block_h)
-    comp_mode = 0 if comp_kv is None else (2 if topk_indices is not None else 1)
     num_topk = topk_indices.shape[1] if topk_indices is not None else 0
     dot_dtype = compute_dtype(q.dtype)
     as_rope = (lambda pool: pool.view(torch.bfloat16)) if kv_fp8 else (lambda pool: pool)  # noqa: E731
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_N=block_n, COMP_MODE=comp_mode, IS_SPLIT=True,
                   COMPUTE_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
                   KV_FP8=kv_fp8, ROPE_DIM=rope_dim if kv_fp8 else 0,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  WINDOW_ALIGN=row_alignment(*window_kv.stride()[:2]),
+                  COMP_ALIGN=row_alignment(*(comp_kv if comp_kv is not None else window_kv).stride()[:2]),
+                  **launch_options(cfg))
 
     def kernel_args(splits: int):
         """(args, partial, lse) of the attention launch with `splits` splits (buffers allocated when split)."""

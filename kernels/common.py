@@ -33,6 +33,24 @@ def compute_dtype(dtype: torch.dtype):
     return TL_DTYPES[dtype]
 
 
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # a tile configuration's compile options (the rest: tiles)
+
+
+def launch_options(config: dict) -> dict:
+    """The compile options of a tile configuration (maxnreg where it caps ptxas's register choice)."""
+    return {k: config[k] for k in LAUNCH_OPTIONS if k in config}
+
+
+def row_alignment(*strides: int, cap: int = 16) -> int:
+    """The largest power of two, up to cap, dividing every stride: what rows of a pool at those strides are known
+    to start at a multiple of (a kernel's tl.multiple_of hint: wide loads)."""
+    alignment = cap
+    for stride in strides:
+        while stride % alignment:
+            alignment //= 2
+    return alignment
+
+
 @lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":

@@ -32,6 +32,7 @@ import triton.language as tl
 from kernels.common import is_interpreting
 from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_scale_codes, quantize_groups, round_to_e4m3,
                                    scale_to_float)
+from kernels.tuning import tuned
 
 GROUP = FP8_BLOCK  # K group of the activation scales = the weight's block size
 
@@ -90,8 +91,9 @@ def fp8_gemm_config(num_tokens: int, n: int) -> dict:
     """Tiles: a 16-row tile for decode batches, 64 or 128 rows for prefill chunks; 128 columns."""
     fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731 (tl.dot needs >= 16)
     block_m = 16 if num_tokens <= 16 else (64 if num_tokens <= 256 else 128)
-    return dict(BLOCK_M=min(block_m, fit(num_tokens)), BLOCK_N=min(128, fit(n)), num_warps=4 if block_m <= 64 else 8,
-                num_stages=3)
+    return tuned("fp8_gemm", dict(n=n, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
+                 dict(BLOCK_M=min(block_m, fit(num_tokens)), BLOCK_N=min(128, fit(n)),
+                      num_warps=4 if block_m <= 64 else 8, num_stages=3))
 
 
 def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None):

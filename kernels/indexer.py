@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype
+from kernels.common import compute_dtype, row_alignment
 from kernels.quant_formats import decode_indexer_keys, indexer_fp4_entry_bytes, load_indexer_keys
+from kernels.tuning import dtype_name, tuned
 
 
 @triton.jit(do_not_specialize=["max_entries", "stride_st"])  # vary with the context: never recompile per step
@@ -42,6 +43,7 @@ def _indexer_scores_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KEYS_FP4: tl.constexpr,  # a pool of FP4 keys' bytes (kernels/quant_formats.py)
+    ALIGN: tl.constexpr,  # the keys start at multiples of ALIGN elements
 ):
     """Program (token t, block of BLOCK_E entries): gather the keys once, loop over head blocks."""
     t = tl.program_id(0).to(tl.int64)
@@ -52,8 +54,8 @@ def _indexer_scores_kernel(
     dims = tl.arange(0, HEAD_DIM)
 
     page = tl.load(block_table_ptr + seq * stride_table_b + entries // page_size, mask=is_causal, other=0)
-    rows = page.to(tl.int64) * stride_kpage + (entries % page_size) * stride_kslot
-    k = load_indexer_keys(index_k_ptr, rows, is_causal, HEAD_DIM, KEYS_FP4).to(COMPUTE_DTYPE)  # [BLOCK_E, HEAD_DIM]
+    k = load_indexer_keys(index_k_ptr, page.to(tl.int64), entries % page_size, stride_kpage, stride_kslot, is_causal,
+                          HEAD_DIM, KEYS_FP4, COMPUTE_DTYPE, ALIGN)  # [BLOCK_E, HEAD_DIM]
     acc = tl.zeros([BLOCK_E], tl.float32)
     # A block with no causal entry skips the head loop and only writes -inf.
     num_head_blocks = tl.where(tl.program_id(1) * BLOCK_E < num_causal, tl.cdiv(num_heads, BLOCK_H), 0)
@@ -89,9 +91,11 @@ def plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k
     scores = torch.empty((num_tokens, max_entries), dtype=torch.float32, device=q.device)
     if num_tokens == 0 or max_entries == 0:
         return scores, []
-    cfg = indexer_config(head_dim, num_heads)
     keys_fp4 = index_k.dtype == torch.uint8
-    block_e = block_e or (cfg["BLOCK_E"] // 2 if keys_fp4 else cfg["BLOCK_E"])  # decoding FP4 in registers: no spills
+    shape = dict(head_dim=head_dim, heads=num_heads, dtype=dtype_name(q.dtype), tokens=num_tokens,
+                 keys="fp4" if keys_fp4 else dtype_name(index_k.dtype))
+    cfg = tuned("indexer", shape, indexer_config(head_dim, num_heads))
+    block_e = block_e or cfg["BLOCK_E"]
     dot_dtype = compute_dtype(q.dtype)
     args = (q, weights, token_seq, token_pos, index_k, block_table, scores,
             num_heads, compress_rate, index_k.shape[1], max_entries, float(softmax_scale),
@@ -99,6 +103,7 @@ def plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k
             scores.stride(0))
     kwargs = dict(HEAD_DIM=head_dim, BLOCK_H=cfg["BLOCK_H"], BLOCK_E=block_e, COMPUTE_DTYPE=dot_dtype,
                   DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", KEYS_FP4=keys_fp4,
+                  ALIGN=row_alignment(*index_k.stride()[:2]),
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return scores, [(_indexer_scores_kernel, (num_tokens, triton.cdiv(max_entries, block_e)), args, kwargs)]
 

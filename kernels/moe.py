@@ -58,6 +58,7 @@ import triton.language as tl
 from kernels.common import compute_dtype
 from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, dequantize_mxfp4, e2m1_value, simulate_e4m3_groups,
                                    simulate_quantization)
+from kernels.tuning import tuned
 
 
 def route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -429,7 +430,9 @@ def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, weight
         gate_up["BLOCK_N"] = max(gate_up["BLOCK_N"], FP8_ACT_BLOCK)
     if weight_format == FP8 and gate_up["BLOCK_N"] >= 128:  # two converted [K, 128] tiles: halve K to stay unspilled
         gate_up["BLOCK_K"] = min(gate_up["BLOCK_K"], 64)
-    return dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down)
+    shape = dict(experts=num_experts, hidden=hidden, inter=inter, format=("dense", "fp8", "mxfp4")[weight_format],
+                 quantize_hidden=quantize_hidden, pairs=num_pairs)  # tuned per device (kernels/tuning.py)
+    return tuned("moe", shape, dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down))
 
 
 def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

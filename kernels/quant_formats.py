@@ -19,6 +19,8 @@ times a power of two.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -236,41 +238,82 @@ def decode_indexer_keys(stored: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 # --- the same layouts decoded in a kernel's registers (Triton) ------------------------------------------------------
+# Whether kernels are compiled (False under TRITON_INTERPRET, which has no inline assembly).
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
 @triton.jit
-def load_kv_entries(pool_ptr, rope_ptr, rows, mask, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-                    FP8: tl.constexpr):
-    """Entries [len(rows), HEAD_DIM] at element offsets `rows` (int64, masked by `mask`) of a pool: its values, or
-    for the fp8 layout (uint8 pool; rope_ptr the same memory as bf16) float32 decoded from the bytes: e4m3 nope
-    values times their group's ue8m0 scale, then the bf16 rope values."""
+def as_decoded_tile(x):
+    """x unchanged, marked for the compiler as a tile of its own type rather than one converted from narrower loads.
+    Triton (3.6, 3.7: computeOrigBitWidth) follows pure elementwise ops from a tl.dot operand back to its loads and,
+    finding bytes, lays the operand out for a conversion after shared memory (kWidth 4) that a tile decoded with its
+    scales and rope values cannot take: the tile is then stored to shared memory once per dot and read back without
+    ldmatrix. An opaque register move ends the trace, and a decoded tile is laid out as a
+    loaded bf16 one. Found with scripts/check_kernels_compile.py --sass."""
+    if _COMPILED:
+        if x.dtype.primitive_bitwidth == 16:
+            x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+        else:
+            x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
+def load_kv_entries(pool_ptr, rope_ptr, page, slot, stride_page, stride_slot, mask, HEAD_DIM: tl.constexpr,
+                    ROPE_DIM: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr, ALIGN: tl.constexpr):
+    """Entries [len(page), HEAD_DIM] in DTYPE at (page, slot) (int64 pages, masked by `mask`) of a pool: its values,
+    or for the fp8 layout (uint8 pool; rope_ptr the same memory as bf16) the tile decoded as FlashMLA's sparse fp8
+    decode does: the e4m3 codes read with wide loads, converted once into DTYPE and multiplied by their group's ue8m0
+    scale (an entry's scale bytes one 8-byte load, applied per 64-column group), the bf16 rope values added in their
+    columns (each column holds one of the two, the other 0: exact; a select costs more). Exact: an e4m3 value times a
+    power of two is a bf16. ALIGN: what the entries' byte offsets are multiples of (common.row_alignment of the
+    strides: 8 for the layout's widths), a hint given on offsets computed here because Triton drops it on a helper's
+    argument."""
+    rows = page * stride_page + slot * stride_slot
     dims = tl.arange(0, HEAD_DIM)
     if FP8:
         NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
-        is_nope = (dims < NOPE)[None, :]
-        nope_mask = mask[:, None] & is_nope
-        codes = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=nope_mask, other=0)
-        scale = ue8m0_value(tl.load(pool_ptr + rows[:, None] + (NOPE + 2 * ROPE_DIM) + dims[None, :] // 64,
-                                    mask=nope_mask, other=127))
-        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        GROUPS: tl.constexpr = HEAD_DIM // 64  # the rope dims make whole groups too (NOPE, ROPE_DIM multiples of 64)
+        rows = tl.multiple_of(rows, ALIGN)
+        is_nope = dims < NOPE
+        codes = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None] & is_nope[None, :], other=0)
+        groups = tl.arange(0, GROUPS)
+        scale_codes = tl.load(pool_ptr + rows[:, None] + (NOPE + 2 * ROPE_DIM) + groups[None, :],
+                              mask=mask[:, None] & (groups < NOPE // 64)[None, :], other=127)
+        values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(DTYPE), [rows.shape[0], GROUPS, 64])
+        nope = tl.reshape(values * ue8m0_value(scale_codes).to(DTYPE)[:, :, None], [rows.shape[0], HEAD_DIM])
         rope = tl.load(rope_ptr + rows[:, None] // 2 + NOPE // 2 + (dims[None, :] - NOPE),
-                       mask=mask[:, None] & ~is_nope, other=0.0).to(tl.float32)
-        entries = tl.where(is_nope, nope, rope)
+                       mask=mask[:, None] & ~is_nope[None, :], other=0.0)
+        entries = as_decoded_tile(nope + rope.to(DTYPE))
     else:
-        entries = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
+        entries = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0).to(DTYPE)
     return entries
 
 
 @triton.jit
-def load_indexer_keys(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr, FP4: tl.constexpr):
-    """Indexer keys [len(rows), HEAD_DIM] at element offsets `rows` of a pool: its values, or for the FP4 layout
-    (uint8) float32 decoded from the e2m1 pairs (low nibble first) times their group's ue8m0 scale."""
-    dims = tl.arange(0, HEAD_DIM)
+def load_indexer_keys(pool_ptr, page, slot, stride_page, stride_slot, mask, HEAD_DIM: tl.constexpr, FP4: tl.constexpr,
+                      DTYPE: tl.constexpr, ALIGN: tl.constexpr):
+    """Indexer keys [len(page), HEAD_DIM] in DTYPE at (page, slot) (int64 pages, masked by `mask`) of a pool: its
+    values, or for the FP4 layout (uint8) a tile decoded as the fp8 entries are (load_kv_entries): the code pairs and
+    the entry's scale bytes read with wide loads (ALIGN as there: 4 bytes for V4's 68-byte keys), each e2m1 code
+    moved into an e4m3 byte by shifts (sign to bit 7, exponent and mantissa to bits 4..2: the e4m3 value is the e2m1
+    value times 2^-6, subnormals too), converted once into DTYPE and multiplied per 32-column group by its ue8m0 scale
+    times 2^6. Exact, as the fp8 entries."""
+    rows = page * stride_page + slot * stride_slot
     if FP4:
-        packed = tl.load(pool_ptr + rows[:, None] + dims[None, :] // 2, mask=mask[:, None], other=0).to(tl.int32)
-        scale = ue8m0_value(tl.load(pool_ptr + rows[:, None] + HEAD_DIM // 2 + dims[None, :] // 32,
-                                    mask=mask[:, None], other=127))
-        keys = e2m1_value((packed >> ((dims[None, :] % 2) * 4)) & 0xF) * scale
+        GROUPS: tl.constexpr = HEAD_DIM // 32
+        rows = tl.multiple_of(rows, ALIGN)
+        pairs = tl.load(pool_ptr + rows[:, None] + tl.arange(0, HEAD_DIM // 2)[None, :], mask=mask[:, None], other=0)
+        even = ((pairs & 0x8) << 4) | ((pairs & 0x7) << 2)  # low nibble: the even column
+        odd = (pairs & 0x80) | ((pairs & 0x70) >> 2)
+        e4m3 = tl.reshape(tl.join(even, odd), [rows.shape[0], GROUPS, 32]).to(tl.float8e4nv, bitcast=True)
+        scale_codes = tl.load(pool_ptr + rows[:, None] + HEAD_DIM // 2 + tl.arange(0, GROUPS)[None, :],
+                              mask=mask[:, None], other=127)
+        scale = ue8m0_value(scale_codes.to(tl.int32) + 6).to(DTYPE)  # the 2^6 the e4m3 bytes are short of
+        keys = as_decoded_tile(tl.reshape(e4m3.to(DTYPE) * scale[:, :, None], [rows.shape[0], HEAD_DIM]))
     else:
-        keys = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0)
+        dims = tl.arange(0, HEAD_DIM)
+        keys = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None], other=0.0).to(DTYPE)
     return keys
 
 

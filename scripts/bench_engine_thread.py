@@ -32,9 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams, Sequence  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -75,7 +76,7 @@ def on_loop(engine: LLMEngine, batch: list[list[int]], steps: int, kind: str) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
@@ -87,7 +88,7 @@ def main() -> None:
 
     main_threads = torch.get_num_threads()
     # Every repeat runs the same prompts: prefix caching would turn all but the first into restores, so it is off
-    settings = dict(checkpoint=args.checkpoint, device="cpu", enable_prefix_caching=False)
+    settings = dict(**checkpoint_settings(args), device="cpu", enable_prefix_caching=False)
     if args.workload == "prefill":
         settings.update(prefill_chunk_tokens=args.chunk, num_tokens=4 * args.prompt_tokens, max_running_requests=1,
                         max_num_batched_tokens=max(8192, args.chunk))

@@ -40,9 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams, Sequence  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 PREFILL_CHUNK = 65536
 WARM_UP_STEPS = 64
@@ -65,7 +66,7 @@ def make_engine(options, rows: int, context: int, overlap: bool, device_s: float
     window = 4 * (PREFILL_CHUNK + 256)  # the window pool: one chunk in flight and its window, and the decodes'
     # the prompts, what prefill steps decode meanwhile, the warm-up and the timed steps
     num_tokens = rows * (context + 2 * rows + WARM_UP_STEPS + options.steps + 64) + 4096
-    config = EngineConfig(checkpoint=options.checkpoint, device=options.device, dtype=options.dtype,
+    config = EngineConfig(**checkpoint_settings(options), device=options.device, dtype=options.dtype,
                           max_running_requests=rows, max_num_batched_tokens=PREFILL_CHUNK,
                           prefill_chunk_tokens=PREFILL_CHUNK, num_tokens=num_tokens,
                           swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
@@ -135,7 +136,7 @@ def spread(values: list[float]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384, 65000])

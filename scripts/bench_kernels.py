@@ -135,14 +135,21 @@ def measure_device(torch, device, timer: Timer) -> tuple[float | None, float | N
     """(copy GB/s counting read + write, bf16 matmul TFLOP/s) measured on this device; (None, None) on CPU."""
     if device.type != "cuda":
         return None, None
-    src = torch.empty(2 * 2**30, dtype=torch.int8, device=device)
+    return copy_bandwidth(torch, device, timer, 2 * 2**30), matmul_rate(torch, device, timer, 8192, torch.bfloat16)
+
+
+def copy_bandwidth(torch, device, timer: Timer, num_bytes: int) -> float:
+    """GB/s of a device-to-device copy of `num_bytes`, counting read + write: what a memory-bound kernel can reach."""
+    src = torch.empty(num_bytes, dtype=torch.int8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = timer(lambda: dst.copy_(src))
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    matmul_ms = timer(lambda: torch.matmul(a, b))
-    return 2 * 2 * 2**30 / (copy_ms * 1e-3) / 1e9, 2 * n**3 / (matmul_ms * 1e-3) / 1e12
+    return 2 * num_bytes / (timer(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def matmul_rate(torch, device, timer: Timer, n: int, dtype) -> float:
+    """TFLOP/s of an [n, n] x [n, n] torch.matmul in `dtype`."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n**3 / (timer(lambda: torch.matmul(a, b)) * 1e-3) / 1e12
 
 
 # --- inputs -----------------------------------------------------------------------------------------------------
@@ -354,13 +361,17 @@ def bench_attention(torch, s, device, timer, options):
     return results
 
 
+def indexer_cases(s: Shapes):
+    """(case name, query positions per sequence): the decode batches and the prefill chunk."""
+    yield from ((f"decode B={b}", decode_positions(s, b)) for b in s.decode_batches)
+    yield f"prefill T={s.prefill_tokens}", prefill_positions(s)
+
+
 def bench_indexer(torch, s, device, timer, options):
     from kernels.indexer import indexer_scores_reference, indexer_scores_triton
 
     results = []
-    cases = [(f"decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
-    cases.append((f"prefill T={s.prefill_tokens}", prefill_positions(s)))
-    for name, positions in cases:
+    for name, positions in indexer_cases(s):
         args = indexer_inputs(torch, s, device, positions)
         results.append(run_case(torch, timer, "indexer", name, indexer_scores_triton, indexer_scores_reference,
                                 args, {}, indexer_work(s, positions), options))
@@ -381,6 +392,13 @@ def bench_moe(torch, s, device, timer, options):
     return results
 
 
+def fp8_linear_weight(torch, device, n: int, k: int, gen):
+    """(e4m3 weight [N, K], float32 128x128 block scales) of a random FP8 linear as published."""
+    w_q = (torch.randn(n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w_scale = torch.exp2(torch.randint(-14, -10, (-(-n // 128), -(-k // 128)), generator=gen, device=device).float())
+    return w_q, w_scale
+
+
 def bench_fp8_gemm(torch, s, device, timer, options):
     import torch.nn.functional as F
 
@@ -389,9 +407,7 @@ def bench_fp8_gemm(torch, s, device, timer, options):
     results = []
     gen = torch.Generator(device=device).manual_seed(0)
     for name, (n, k) in s.fp8_linears.items():
-        w_q = (torch.randn(n, k, generator=gen, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w_scale = torch.exp2(torch.randint(-14, -10, (-(-n // 128), -(-k // 128)), generator=gen,
-                                           device=device).float())
+        w_q, w_scale = fp8_linear_weight(torch, device, n, k, gen)
         w_bf16 = fp8_gemm_reference(torch.eye(k, device=device), w_q, w_scale).T.contiguous().to(torch.bfloat16)
         for t in s.fp8_tokens:
             x = torch.randn(t, k, generator=gen, device=device).to(torch.bfloat16)
@@ -610,33 +626,54 @@ def bench_glue(torch, s, device, timer, options):
     return results
 
 
-def _fp8_layout_shapes(s: Shapes) -> Shapes:
+def fp8_layout_shapes(s: Shapes) -> Shapes:
     """The shapes, widened where the fp8 layout's groups need it (the dry run's 64-wide heads: 128, 64 rope dims)."""
     if (s.head_dim - s.rope_dim) % 64 == 0 and s.index_head_dim % 32 == 0:
         return s
     return replace(s, head_dim=128, rope_dim=64)
 
 
+def fp8_attention_inputs(torch, s: Shapes, device, positions, mode: str):
+    """attention_inputs with the pools in DeepSeek's fp8 layout: (args, kwargs, kwargs with the values the pools'
+    bytes decode to, for the float32 reference)."""
+    from kernels.quant_formats import pack_kv_fp8, unpack_kv_fp8
+
+    args, kwargs = attention_inputs(torch, s, device, positions, mode)
+    kwargs["rope_dim"] = s.rope_dim
+    values = dict(kwargs, rope_dim=0)
+    for pool in ("window_kv", "comp_kv"):
+        if pool in kwargs:
+            kwargs[pool] = pack_kv_fp8(kwargs[pool], s.rope_dim)
+            values[pool] = unpack_kv_fp8(kwargs[pool], s.head_dim, s.rope_dim, torch.float32)
+    return args, kwargs, values
+
+
+def fp4_indexer_inputs(torch, s: Shapes, device, positions):
+    """indexer_inputs with the keys as FP4 (kv_cache_dtype fp8): (args, float32 args of the values they decode to)."""
+    from kernels.quant_formats import pack_indexer_fp4, unpack_indexer_fp4
+
+    args = list(indexer_inputs(torch, s, device, positions))
+    args[5] = pack_indexer_fp4(args[5])
+    values = _to_float(torch, args)
+    values[5] = unpack_indexer_fp4(args[5], s.index_head_dim, torch.float32)
+    return args, values
+
+
 def bench_attention_fp8(torch, s, device, timer, options):
     """The attention over pools in DeepSeek's fp8 layout (kv_cache_dtype fp8), checked against the reference on the
     values the bytes hold; GB counts the layout's bytes per key (584 for V4 against 1,024)."""
     from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
-    from kernels.quant_formats import kv_fp8_entry_bytes, pack_kv_fp8, unpack_kv_fp8
+    from kernels.quant_formats import kv_fp8_entry_bytes
 
-    s = _fp8_layout_shapes(s)
+    s = fp8_layout_shapes(s)
     entry_bytes = kv_fp8_entry_bytes(s.head_dim, s.rope_dim)
     results = []
     for mode, name, positions in attention_cases(s):
-        args, kwargs = attention_inputs(torch, s, device, positions, mode)
-        values = dict(kwargs)
-        for pool in ("window_kv", "comp_kv"):
-            if pool in kwargs:
-                kwargs[pool] = pack_kv_fp8(kwargs[pool], s.rope_dim)
-                values[pool] = unpack_kv_fp8(kwargs[pool], s.head_dim, s.rope_dim, torch.float32)
+        args, kwargs, values = fp8_attention_inputs(torch, s, device, positions, mode)
         results.append(check_and_time(
             torch, timer, "attn_fp8", name,
-            lambda: sparse_paged_attention_triton(*args, **kwargs, rope_dim=s.rope_dim),
-            lambda: sparse_paged_attention_reference(*args, **kwargs, rope_dim=s.rope_dim),
+            lambda: sparse_paged_attention_triton(*args, **kwargs),
+            lambda: sparse_paged_attention_reference(*args, **kwargs),
             lambda: sparse_paged_attention_reference(*_to_float(torch, args), **values),
             attention_work(s, positions, mode, entry_bytes), options))
         del args, kwargs, values
@@ -646,17 +683,12 @@ def bench_attention_fp8(torch, s, device, timer, options):
 def bench_indexer_fp4(torch, s, device, timer, options):
     """The indexer over FP4 keys (kv_cache_dtype fp8); GB counts the layout's bytes per key (68 for V4 against 256)."""
     from kernels.indexer import indexer_scores_reference, indexer_scores_triton
-    from kernels.quant_formats import indexer_fp4_entry_bytes, pack_indexer_fp4, unpack_indexer_fp4
+    from kernels.quant_formats import indexer_fp4_entry_bytes
 
-    s = _fp8_layout_shapes(s)
+    s = fp8_layout_shapes(s)
     results = []
-    cases = [(f"decode B={b}", decode_positions(s, b)) for b in s.decode_batches]
-    cases.append((f"prefill T={s.prefill_tokens}", prefill_positions(s)))
-    for name, positions in cases:
-        args = list(indexer_inputs(torch, s, device, positions))
-        args[5] = pack_indexer_fp4(args[5])
-        values = _to_float(torch, args)
-        values[5] = unpack_indexer_fp4(args[5], s.index_head_dim, torch.float32)
+    for name, positions in indexer_cases(s):
+        args, values = fp4_indexer_inputs(torch, s, device, positions)
         results.append(check_and_time(
             torch, timer, "idx_fp4", name, lambda: indexer_scores_triton(*args),
             lambda: indexer_scores_reference(*args), lambda: indexer_scores_reference(*values),

@@ -27,9 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import RequestOutput, SamplingParams, Sequence  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 
 class Conversation:
@@ -90,7 +91,7 @@ def run(config: EngineConfig, conversations: int, turns: int, reply_tokens: int,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
@@ -105,7 +106,7 @@ def main() -> int:
     args = parser.parse_args()
 
     def config(caching: bool) -> EngineConfig:
-        return EngineConfig(checkpoint=args.checkpoint, device=args.device, num_tokens=args.num_tokens,
+        return EngineConfig(**checkpoint_settings(args), device=args.device, num_tokens=args.num_tokens,
                             max_running_requests=max(16, args.conversations), enable_prefix_caching=caching,
                             overlap_scheduling=args.overlap_scheduling)
 

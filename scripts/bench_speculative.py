@@ -26,10 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from scripts.bench_engine import throughput, time_engine  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -39,7 +40,7 @@ def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3], help="num_speculative_tokens values")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=16)
@@ -56,7 +57,7 @@ def main() -> None:
     most = max(args.concurrency)
 
     def engine_for(k: int) -> LLMEngine:
-        return LLMEngine(EngineConfig(checkpoint=args.checkpoint, device=args.device, num_speculative_tokens=k,
+        return LLMEngine(EngineConfig(**checkpoint_settings(args), device=args.device, num_speculative_tokens=k,
                                       max_running_requests=most, max_num_batched_tokens=max(8192, most * (k + 1)),
                                       enable_prefix_caching=False, cuda_graphs=args.cuda_graphs))
 

@@ -33,9 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine, RequestOutput  # noqa: E402
 from backend.request import SamplingParams, Sequence  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 DEFAULT_POLICIES = "alone,prefill_first,interleave:8,interleave:4,mixed,itl:150"
 
@@ -54,7 +55,7 @@ class Trace:
 
 
 def engine_config(policy: str, args) -> EngineConfig:
-    kwargs = dict(checkpoint=args.checkpoint, device=args.device, prefill_chunk_tokens=args.prefill_chunk_tokens,
+    kwargs = dict(**checkpoint_settings(args), device=args.device, prefill_chunk_tokens=args.prefill_chunk_tokens,
                   max_running_requests=4, max_num_batched_tokens=max(8192, args.prefill_chunk_tokens + 4),
                   num_tokens=2 * (args.attacker_prompt_tokens + args.victim_tokens), swa_full_tokens_ratio=0.25,
                   enable_prefix_caching=args.enable_prefix_caching)
@@ -171,7 +172,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--policies", default=DEFAULT_POLICIES)
     parser.add_argument("--victim-prompt-tokens", type=int, default=16)

@@ -65,13 +65,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
+from backend.engine import LLMEngine, tokenizer_directory  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 from backend.structured.grammar import GrammarService  # noqa: E402
 from backend.structured.params import guided_decoding_from_sampling  # noqa: E402
 from scripts.bench_host_overhead import spread  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 from scripts.structured_schemas import LONG_TEXT, SCHEMAS  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "structured"
@@ -378,7 +379,7 @@ def plot(rows: list[dict], options) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.0, 0.5, 1.0],
@@ -406,11 +407,11 @@ def main() -> int:
         parser.error("--fractions must lie in [0, 1]")
     started = time.perf_counter()
 
-    engine = LLMEngine(EngineConfig(checkpoint=options.checkpoint, device=options.device,
+    engine = LLMEngine(EngineConfig(**checkpoint_settings(options), device=options.device,
                                     max_running_requests=max(options.concurrency),
                                     max_num_batched_tokens=max(8192, max(options.concurrency) * options.prompt_tokens),
                                     enable_prefix_caching=False, overlap_scheduling=options.overlap_scheduling))
-    service = GrammarService(Path(options.checkpoint) / "tokenizer.json", vocab_size=engine.vocab_size,
+    service = GrammarService(tokenizer_directory(engine.config) / "tokenizer.json", vocab_size=engine.vocab_size,
                              stop_token_ids=engine.eos_token_ids)
     try:
         # Warm-up: XGrammar, the engine's compiler and the LONG_TEXT grammar; every batch shape once.

@@ -13,17 +13,21 @@ shared memory; a table of every compiled kernel is printed either way.
 
   python scripts/check_kernels_compile.py            # all models, all cases
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
+  python scripts/check_kernels_compile.py --sass "v4-flash attention csa fp8 kv decode T=256"
+      # what the case's kernels execute per key tile: the SASS instruction mix of each loop, per KV byte
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -316,14 +320,22 @@ def _key(kernel, args, kwargs) -> str:
                  sorted(attrs.items(), key=str), options.num_warps, options.num_stages))
 
 
-def _resource_usage(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run([str(CUOBJDUMP), flag, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    text = _cuobjdump(cubin, "-res-usage")
     line = next(ln for ln in text.splitlines() if "REG:" in ln)
     return {k: int(v) for k, v in (field.split(":") for field in line.split() if ":" in field and "[" not in field)}
+
+
+def _compile(kernel, args, kwargs):
+    signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
 
 
 def compile_case(index: int) -> list[tuple[str, Compiled]]:
@@ -332,9 +344,8 @@ def compile_case(index: int) -> list[tuple[str, Compiled]]:
     results = []
     for kernel, _grid, args, kwargs in launches:
         start = time.time()
-        signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
-                                  options=options.__dict__)
+        compiled = _compile(kernel, args, kwargs)
+        options = compiled.metadata
         usage = _resource_usage(compiled.asm["cubin"])
         tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("IS_SPLIT",
                                                                                                "COMP_MODE"))
@@ -344,6 +355,77 @@ def compile_case(index: int) -> list[tuple[str, Compiled]]:
             spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
             seconds=time.time() - start)))
     return results
+
+
+# --- what a loop executes: the SASS instruction mix of each loop body ----------------------------------------------
+# Classes of the instructions that say how a key tile reaches the tensor cores; the rest are counted in "other".
+SASS_CLASSES = {
+    "LDG.8": r"LDG\.E(\.EL)?\.(U8|S8)", "LDG.16": r"LDG\.E(\.EL)?\.(U16|S16)", "LDG.64": r"LDG\.E(\.EL)?\.64",
+    "LDG.128": r"LDG\.E(\.EL)?\.128", "LDG.32": r"LDG\.E(\.EL)?(\.CONSTANT)?$",
+    "cp.async.128": r"LDGSTS\.E(\.BYPASS)?\.128", "cp.async": r"LDGSTS\.E(\.BYPASS)?(\.(32|64))?$",
+    "shared": r"(LDS|STS|LDSM|STSM)",
+    "convert": r"(F2F|F2FP|I2F|F2I|HADD2\.F32)", "permute": r"PRMT", "fp32 mul/fma": r"(FMUL|FFMA)",
+    "mma": r"(HMMA|HGMMA|QGMMA|IMMA)", "int division": r"(MUFU\.RCP|CALL)",
+}
+
+
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, opcode with modifiers, predicate dropped) of every SASS instruction."""
+    out = []
+    for match in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass):
+        out.append((int(match.group(1), 16), match.group(2), match.group(3)))
+    return out
+
+
+def sass_bodies(cubin: bytes) -> list[tuple[str, int, Counter]]:
+    """(name, instructions, instruction classes) of each loop body (a backward branch's range), in program order,
+    then of the whole kernel (what a program runs when its key tile is read outside any loop, as the indexer's)."""
+    instructions = _instructions(_cuobjdump(cubin, "-sass"))
+    ranges = []
+    for address, opcode, operands in instructions:
+        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
+        if target and int(target.group(1), 16) < address:
+            ranges.append((f"loop {len(ranges)}", int(target.group(1), 16), address))
+    ranges.append(("kernel", instructions[0][0], instructions[-1][0]))
+    bodies = []
+    for name, lo, hi in ranges:
+        body = [opcode for address, opcode, _ in instructions if lo <= address <= hi]
+        classes = Counter({cls: sum(1 for op in body if re.match(pattern, op)) for cls, pattern in
+                           SASS_CLASSES.items()})
+        bodies.append((name, len(body), classes))
+    return bodies
+
+
+def _key_bytes_per_program(kernel, args, kwargs) -> float | None:
+    """Bytes of keys one loop iteration (or program) of the attention or indexer kernel accounts for: its key tile,
+    shared by the attention's head blocks (each reads the tile), so that counts per byte compare tiles."""
+    names = dict(zip(kernel.arg_names, args))
+    pool = names.get("comp_kv_ptr" if kwargs.get("COMP_MODE") else "window_kv_ptr", names.get("index_k_ptr"))
+    rows = kwargs.get("BLOCK_N", kwargs.get("BLOCK_E"))
+    if pool is None or rows is None:
+        return None
+    readers = -(-names["q_ptr"].shape[1] // kwargs["BLOCK_H"]) if "COMP_MODE" in kwargs else 1
+    return rows * pool.shape[-1] * pool.element_size() / readers
+
+
+def print_sass_mix(name: str) -> int:
+    """The instruction mix of each loop of the case's kernels: instructions a warp issues per iteration, and (in
+    brackets) all warps' per byte of keys."""
+    found = [(model, case, launches) for model, case, launches in cases() if f"{model} {case}" == name]
+    if not found:
+        print(f"no case {name!r}; the cases are the table's configs (model and case)", file=sys.stderr)
+        return 2
+    for kernel, _grid, args, kwargs in found[0][2]:
+        compiled = _compile(kernel, args, kwargs)
+        warps, key_bytes = compiled.metadata.num_warps, _key_bytes_per_program(kernel, args, kwargs)
+        usage = _resource_usage(compiled.asm["cubin"])
+        print(f"{kernel.fn.__name__}: {usage['REG']} registers, spills {usage.get('STACK', 0) + usage.get('LOCAL', 0)} "
+              f"B, shared {compiled.metadata.shared} B, {warps} warps, {key_bytes or 0:g} key bytes an iteration")
+        per_byte = (lambda n: f" ({n * warps / key_bytes:.3f}/B)") if key_bytes else (lambda n: "")  # noqa: E731
+        for body, length, classes in sass_bodies(compiled.asm["cubin"]):
+            mix = ", ".join(f"{k} {v}{per_byte(v)}" for k, v in classes.items() if v)
+            print(f"  {body}: {length} instructions a warp{per_byte(length)}; {mix}")
+    return 0
 
 
 def _unique_cases(selected: list[int], all_cases) -> list[int]:
@@ -361,7 +443,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="compile only the CI subset")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
+    parser.add_argument("--sass", metavar="CASE", help="print the SASS instruction mix of one case's loops instead")
     options = parser.parse_args()
+    if options.sass:
+        return print_sass_mix(options.sass)
 
     all_cases = cases()
     selected = [i for i, (model, case, _) in enumerate(all_cases) if not options.quick or (model, case) in QUICK]

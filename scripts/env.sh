@@ -12,17 +12,19 @@
 DSV4_REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export DSV4_REPO_ROOT
 export DSV4_VENV="$DSV4_REPO_ROOT/.venv"
-export TRITON_HOME="$DSV4_REPO_ROOT/build/tritonserver"
+# TRITON_HOME and PERF_ANALYZER set beforehand are kept (a machine given them apart: scripts/pack_serving.sh).
+export TRITON_HOME="${TRITON_HOME:-$DSV4_REPO_ROOT/build/tritonserver}"
 export TRITON_BIN="$TRITON_HOME/bin/tritonserver"
 export TRITON_BACKEND_DIR="$TRITON_HOME/backends"
 export PERF_LIB_DIR="$TRITON_HOME/lib"
-export PERF_ANALYZER="$DSV4_VENV/bin/perf_analyzer"
+export PERF_ANALYZER="${PERF_ANALYZER:-$DSV4_VENV/bin/perf_analyzer}"
 
 case ":$PATH:" in
   *":$DSV4_VENV/bin:"*) ;;
   *) export PATH="$DSV4_VENV/bin:$PATH" ;;
 esac
 
+_dsv4_libs="$PERF_LIB_DIR"  # (without the venv: where a machine given the server's libraries has them)
 if [ -x "$DSV4_VENV/bin/python" ]; then
   # One interpreter call: site-packages and the directory of libpython.
   read -r DSV4_SITE_PACKAGES DSV4_PYTHON_LIBDIR < <(
@@ -30,9 +32,9 @@ if [ -x "$DSV4_VENV/bin/python" ]; then
   )
   export DSV4_SITE_PACKAGES DSV4_PYTHON_LIBDIR
   _dsv4_libs="$DSV4_SITE_PACKAGES/nvidia_pytriton.libs:$DSV4_PYTHON_LIBDIR:$PERF_LIB_DIR"
-  case ":${LD_LIBRARY_PATH:-}:" in
-    *":$_dsv4_libs:"*) ;;
-    *) export LD_LIBRARY_PATH="$_dsv4_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
-  esac
-  unset _dsv4_libs
 fi
+case ":${LD_LIBRARY_PATH:-}:" in
+  *":$_dsv4_libs:"*) ;;
+  *) export LD_LIBRARY_PATH="$_dsv4_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+esac
+unset _dsv4_libs

@@ -13,7 +13,8 @@ Two layouts of W ranks, both with expert parallelism (each rank holds E / W rout
   an all-gather of [B, hidden] before the experts and a reduce-scatter after them.
 
 Counted per rank and step, from config.json's widths alone (nothing runs): the weights read (as published: FP8
-linears, MXFP4 experts, bf16 embeddings and norms; every one of the rank's experts is touched at B = 256), the KV
+linears, MXFP4 experts, bf16 embeddings and norms; of the rank's routed experts only those the batch reaches,
+E (1 - (1 - k / E)^B) of E for uniform routing: k at B = 1, nearly all at B = 256; of the embedding, B rows), the KV
 bytes read (DeepSeek's fp8 layout: 584 B an entry, 68 B an indexer key; window 128 positions, the CSA top-k picks,
 every HCA entry, every CSA indexer key), the FLOPs (projections, attention over the entries read, indexer scoring,
 experts, shared expert, router, the LM head), and the bytes each rank sends (ring collectives, bf16 activations).
@@ -32,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.model.config import CSA, HCA, parse_model_config  # noqa: E402
-from backend.model.footprint import weight_bytes  # noqa: E402
+from backend.model.footprint import step_weight_bytes  # noqa: E402
 from backend.parallel.layout import ParallelLayout  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
@@ -48,6 +49,7 @@ class StepEstimate:
     context: int
     tokens_per_rank: int
     weight_gb: float
+    expert_gb: float  # of weight_gb, the routed experts the batch reaches
     kv_gb: float
     tflop: float
     comm_mb: float
@@ -64,9 +66,19 @@ def entries_read(layer_type: str, context: int, c) -> float:
     return window
 
 
-def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstimate:
+@dataclass
+class StepWork:
+    """What one rank's step must do, unrounded: bytes of weights read by part, KV bytes read, FLOPs, bytes sent."""
+    weights: dict[str, float]
+    kv: float
+    flops: float
+    comm: float
+    tokens_per_rank: int
+
+
+def step_work(c, layout: str, ranks: int, batch: int, context: int) -> StepWork:
     """One decode step of `batch` requests at `context` positions each, on one of `ranks` ranks (see the module
-    docstring)."""
+    docstring). scripts/bench_v4.py puts its measured steps beside it."""
     d, heads, dh, q = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
     hi, di, inter, k = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.num_experts_per_tok
     own = batch // ranks if layout == "dp" else batch  # requests whose attention this rank runs
@@ -89,20 +101,28 @@ def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstima
         routed_pairs = batch * k / ranks  # (expert parallelism: every token's pairs on their experts' ranks)
         flops += routed_pairs * 6 * d * inter + (own / split) * 6 * d * inter + own * 2 * d * c.n_routed_experts
     flops += (own / (ranks if layout == "tp" else 1)) * 2 * d * c.vocab_size  # the LM head (vocabulary-parallel)
-    weights = _weights_read(c, layout, ranks)
+    weights = _weights_read(c, layout, ranks, batch)
     activation = batch * d * 2  # [B, hidden] in bf16
     ring = (ranks - 1) / ranks
     per_layer = (2 * 2 * ring * activation) if layout == "tp" else (2 * ring * activation)  # 2 all-reduces | AG + RS
-    comm = per_layer * len(c.layer_types)
-    roofline = max((weights + kv) / HBM_BYTES_PER_S, flops / BF16_FLOPS_PER_S) * 1e3
-    return StepEstimate(layout, context, own, round(weights / 1e9, 2), round(kv / 1e9, 2), round(flops / 1e12, 2),
-                        round(comm / 1e6, 1), round(roofline, 2))
+    return StepWork(weights, kv, flops, per_layer * len(c.layer_types), own)
 
 
-def _weights_read(c, layout: str, ranks: int) -> float:
-    """A rank's weights as published, all read once a step (with the dp layout the head whole)."""
+def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstimate:
+    """step_work's step, rounded for the table, with its roofline at H200's bandwidth and bf16 peak."""
+    work = step_work(c, layout, ranks, batch, context)
+    weights = sum(work.weights.values())
+    roofline = max((weights + work.kv) / HBM_BYTES_PER_S, work.flops / BF16_FLOPS_PER_S) * 1e3
+    return StepEstimate(layout, context, work.tokens_per_rank, round(weights / 1e9, 2),
+                        round(work.weights["routed experts"] / 1e9, 2), round(work.kv / 1e9, 2),
+                        round(work.flops / 1e12, 2), round(work.comm / 1e6, 1), round(roofline, 2))
+
+
+def _weights_read(c, layout: str, ranks: int, batch: int) -> dict[str, float]:
+    """What a step of `batch` requests reads of a rank's weights as the engine holds them (with the dp layout the head
+    whole), by part: the experts every rank's tokens reach among its own (footprint.step_weight_bytes)."""
     split = ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
-    return sum(weight_bytes(c, "fp8", layout=split, data_parallel=layout == "dp").values())
+    return step_weight_bytes(c, "fp8", batch, layout=split, data_parallel=layout == "dp")
 
 
 def main() -> None:
@@ -118,11 +138,11 @@ def main() -> None:
     rows = [estimate(config, layout, args.ranks, args.batch, context)
             for context in args.contexts for layout in LAYOUTS]
     print(f"one decode step per rank: {args.ranks} ranks, batch {args.batch}, {args.config.name} (paper estimate)")
-    print(f"{'context':>9} {'layout':>6} {'requests':>8} | {'weights GB':>10} {'KV GB':>7} {'TFLOP':>7} | "
-          f"{'sent MB':>8} | {'roofline ms':>11}")
+    print(f"{'context':>9} {'layout':>6} {'requests':>8} | {'weights GB':>10} {'experts':>7} {'KV GB':>7} "
+          f"{'TFLOP':>7} | {'sent MB':>8} | {'roofline ms':>11}")
     for r in rows:
-        print(f"{r.context:>9} {r.layout:>6} {r.tokens_per_rank:>8} | {r.weight_gb:>10} {r.kv_gb:>7} {r.tflop:>7} | "
-              f"{r.comm_mb:>8} | {r.roofline_ms:>11}")
+        print(f"{r.context:>9} {r.layout:>6} {r.tokens_per_rank:>8} | {r.weight_gb:>10} {r.expert_gb:>7} {r.kv_gb:>7} "
+              f"{r.tflop:>7} | {r.comm_mb:>8} | {r.roofline_ms:>11}")
     if args.csv:
         write_csv(args.csv, [asdict(r) for r in rows])
     if args.json:

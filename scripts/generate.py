@@ -4,6 +4,8 @@
     python scripts/generate.py --checkpoint checkpoints/dsv4-tiny --prompts-file prompts.json --max-tokens 32
     python scripts/generate.py ... --tensor-parallel-size 2 [--expert-parallel-size 2]   # 2 ranks (processes)
     python scripts/generate.py ... --data-parallel-size 2 --expert-parallel-size 2      # 2 ranks, attention by request
+    python scripts/generate.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
+        --hf-overrides '{"num_hidden_layers": 4}' ...     # random weights at V4-Flash's shapes, no weight file
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
 Input files are JSON lists of strings (--prompts-file) or of lists of token ids (--input-ids-file).
@@ -19,14 +21,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
+from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
+from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
     inputs = parser.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--prompts-file", type=Path, help="JSON list of prompt strings")
     inputs.add_argument("--input-ids-file", type=Path, help="JSON list of lists of token ids")
@@ -79,7 +82,7 @@ def load_prompts(args, tokenizer) -> list[list[int]]:
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
-    config = EngineConfig(checkpoint=args.checkpoint, device=args.device, dtype=args.dtype,
+    config = EngineConfig(**checkpoint_settings(args), device=args.device, dtype=args.dtype,
                           weight_format=args.weight_format, numerics=args.numerics,
                           kv_cache_dtype=args.kv_cache_dtype,
                           prefill_chunk_tokens=args.prefill_chunk_tokens,

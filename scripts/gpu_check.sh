@@ -4,15 +4,25 @@
 #   2. the engine on CUDA against CPU fp32, CUDA graphs on and off, and with 2 speculative drafts per decode
 #      (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
-#   4. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
-#   5. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
+#   4. the kernels' tiles tuned on this device at DeepSeek-V4-Flash's shapes (scripts/tune_kernels.py, `tune`): written
+#      to kernels/configs/<device>.json, which the parts after it launch with, and copied into the results folder
+#      (commit it from there),
+#   5. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
+#   6. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
 #      steps/s of the tiny model's real forward with overlap scheduling on and off,
-#   6. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
+#   7. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
 #      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt),
-#   7. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
+#   8. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
 #      side, CUDA graphs on (decode steps and verify steps whose rows carry k drafts each; the draft passes run
 #      eagerly). The built-in checkpoint's drafts are random (almost never accepted): this measures what
 #      speculation costs, its worst case.
+#   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
+#      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
+#      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
+#   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
+#      at concurrency 1, 16, 64; TTFT and ITL from the server's histograms). Needs tritonserver, its Python stub and
+#      perf_analyzer with their libraries: without this checkout's venv, carry the bundle of scripts/pack_serving.sh
+#      as .serving/dsv4-serving.txz; what is missing otherwise is in v4_serving.log (exit status 3).
 # Results go to ${RESULTS:-results/gpu_check}; a summary table is printed last. Exit status 1 if any part failed.
 # Each part has a time limit (seconds, GPU_CHECK_LIMITS below), so the whole run fits a short lease; a part over
 # its limit is reported as such, and the rest still run. With GPU_CHECK_ARCHIVE=FILE the results folder is also
@@ -35,8 +45,9 @@ fi
 MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft that is accepted sometimes
 [ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
 # what each part took on an H200 (2026-12-04), with some room
-declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [bench_kernels]=150 [host_loop]=60 [speculative]=90
-                  [structured]=40)
+declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [tune]=200 [bench_kernels]=150 [host_loop]=60
+                  [speculative]=90 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
+limit+=([v4_shapes]=240 [v4_serving]=300)   # not yet run on a GPU: building the dummy model, compiling, the loads
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 
@@ -66,6 +77,7 @@ run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p n
   --deselect tests/kernels/test_compile.py
 run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 2 --json "$RESULTS/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
+run tune "$PY" scripts/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --copy-to "$RESULTS"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
   --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
@@ -78,12 +90,17 @@ if "$PY" -c "import xgrammar" 2>/dev/null; then
 else
   status[structured]="not run (xgrammar not installed)"
 fi
+run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
+bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
+run v4_serving "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
+  --out "$RESULTS/v4_serving" "${bundle[@]}"
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches bench_kernels host_loop speculative structured; do
+for name in kernel_tests engine launches tune bench_kernels host_loop speculative structured v4_shapes v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
+[ -f "$RESULTS/v4_shapes.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; print('V4-Flash decode step at 8K, extrapolated to 43 layers: ' + ', '.join(f\"batch {r['batch']} {r['step_ms']:.2f} ms ({r['ratio']:.2f}x its roofline)\" for r in rows))" "$RESULTS/v4_shapes.json"
 [ -f "$RESULTS/launches.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"launches per layer {r['per_layer_mean']:.1f}, per step {r['per_step']:.0f}, host syncs per step {r['syncs_per_step']:g}\")" "$RESULTS/launches.json"
 exit $failed

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.model.checkpoint import draft_layer_shapes  # noqa: E402
 from backend.model.config import parse_model_config  # noqa: E402
+from backend.model.dummy_weights import init_scale  # noqa: E402
 from backend.model.quantization import FP8_LINEARS, quantize_fp8, quantize_mxfp4  # noqa: E402
 from backend.model.weight_names import original_name  # noqa: E402
 
@@ -136,37 +136,14 @@ def _generator(name: str, seed: int) -> torch.Generator:
 
 
 def init_tensor(name: str, shape: tuple[int, ...], config, seed: int) -> torch.Tensor:
-    """A deterministic value for one named parameter, scaled so activations stay O(1)."""
+    """A deterministic value for one named parameter, scaled as backend/model/dummy_weights.init_scale says."""
     g = _generator(name, seed)
-
-    def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=g) * std
-
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "tid2eid":
+    if name.rsplit(".", 1)[-1] == "tid2eid":
         vocab, k = shape
         return torch.stack([torch.randperm(config.n_routed_experts, generator=g)[:k] for _ in range(vocab)])
-    if leaf == "e_score_correction_bias":
-        return normal(0.1)
-    if leaf == "sinks":
-        return normal(1.0)
-    if leaf == "position_bias":
-        return normal(0.5)
-    if leaf in ("fn", "hc_fn"):
-        return normal(0.1)
-    if leaf in ("base", "hc_base"):
-        return normal(0.5)
-    if leaf in ("scale", "hc_scale"):
-        return 1.0 + normal(0.1)
-    if "norm" in name.rsplit(".", 2)[-2] or name == "model.norm.weight":
-        return 1.0 + normal(0.1)
-    if name == "model.embed_tokens.weight":
-        return normal(1.0)
-    if ".indexer." in name:
-        return normal(0.3)  # large indexer weights: no near-tied top-k scores
-    if name.endswith("mlp.gate.weight"):
-        return normal(2.0 / math.sqrt(shape[-1]))  # spread router scores apart
-    return normal(1.0 / math.sqrt(shape[-1]))  # linear and expert weights: fan-in scaling
+    mean, std = init_scale(name, shape)
+    values = torch.randn(shape, generator=g) * std
+    return values + mean if mean else values
 
 
 def make_config(flash_shaped: bool = False, **overrides):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from backend.config import ConfigError, EngineConfig  # noqa: E402
 from backend.deployment import check_deployment  # noqa: E402
-from backend.model.config import UnsupportedCheckpoint  # noqa: E402
+from backend.model.config import UnsupportedCheckpoint, config_path as model_config_path  # noqa: E402
 
 SOURCE = REPO_ROOT / "model_repository" / "dsv4"
 PARAM_RE = re.compile(r'(\{\s*key:\s*"(?P<key>[^"]+)",\s*value:\s*\{\s*string_value:\s*)"(?P<value>(?:[^"\\]|\\.)*)"')
@@ -77,11 +77,12 @@ def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, mod
     config = EngineConfig.from_parameters(engine_params)  # raises ConfigError naming the parameter
     if not Path(config.checkpoint).is_absolute():
         config.checkpoint = str(REPO_ROOT / config.checkpoint)
-    if (Path(config.checkpoint) / "config.json").is_file():
+    if model_config_path(config.checkpoint).is_file():
         try:
             check_deployment(config)
-        except UnsupportedCheckpoint as exc:
-            raise ConfigError(f"parameter 'checkpoint': {exc}") from exc
+        except UnsupportedCheckpoint as exc:  # config.json's, or hf_overrides' (the message names which)
+            raise ConfigError(f"parameter {'hf_overrides' if config.hf_overrides else 'checkpoint'!r}: {exc}") \
+                from exc
 
     target = out / model_name
     if target.exists():

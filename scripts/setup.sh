@@ -5,8 +5,10 @@
 #                              (bin/, backends/ with the python3.11 stub, caches/, lib/ for perf_analyzer)
 #   checkpoints/dsv4-tiny/     the small built-in checkpoint (scripts/make_checkpoint.py)
 # Each step is skipped when its stamp says it is up to date, so a second run takes about a second.
-# Override the interpreter with DSV4_PYTHON=/path/to/python3.11.
+# Override the interpreter with DSV4_PYTHON=/path/to/python3.11. DSV4_SKIP_SETUP=1: nothing is done (a machine whose
+# environment is given, as a GPU image with its own torch: scripts/bench_v4_serving.py checks what serving needs).
 set -euo pipefail
+[ -n "${DSV4_SKIP_SETUP:-}" ] && exit 0
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO_ROOT"

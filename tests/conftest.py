@@ -129,6 +129,15 @@ def deepseek_published_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
+# hf_overrides shrinking docs/configs/deepseek-v4-flash.config.json to widths a CPU serves in a second (load_format=dummy),
+# every FP8 linear's input a multiple of 128 (so DeepSeek's numerics and the fp8 KV layout apply, as on V4-Flash
+# itself), and a vocabulary larger than the built-in tokenizer's 512.
+TINY_FLASH_OVERRIDES = {"hidden_size": 128, "moe_intermediate_size": 128, "num_attention_heads": 2, "head_dim": 128,
+                        "q_lora_rank": 128, "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 8,
+                        "num_experts_per_tok": 2, "index_n_heads": 2, "index_head_dim": 64, "index_topk": 8,
+                        "vocab_size": 1024}
+
+
 @pytest.fixture(scope="session", params=["tiny", "alt"])
 def checkpoint(request, tiny_checkpoint, alt_checkpoint) -> Path:
     return tiny_checkpoint if request.param == "tiny" else alt_checkpoint

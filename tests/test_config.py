@@ -26,6 +26,14 @@ from backend.config import ConfigError, EngineConfig
     ({"prefix_cache_entries": 0}, "prefix_cache_entries"),
     ({"prefix_cache_end_entries": -1}, "prefix_cache_end_entries"),
     ({"prefix_cache_entries": 16, "prefix_cache_end_entries": 17}, "prefix_cache_end_entries"),
+    ({"load_format": "safetensors"}, "load_format"),
+    ({"checkpoint": "docs/configs/deepseek-v4-flash.config.json"}, "checkpoint"),  # a config file holds no weights
+    ({"hf_overrides": [1]}, "hf_overrides"),
+    ({"hf_overrides": {"num_hidden_layer": 2}}, "hf_overrides"),  # not a key of config.json
+    ({"hf_overrides": {"num_hidden_layers": "2"}}, "hf_overrides"),
+    ({"hf_overrides": {"num_hidden_layers": 2.0}}, "hf_overrides"),
+    ({"hf_overrides": {"norm_topk_prob": 1}}, "hf_overrides"),
+    ({"hf_overrides": {"compress_ratios": 4}}, "hf_overrides"),  # a legacy key, of its own type
 ])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):
@@ -38,6 +46,8 @@ def test_bad_values_name_the_parameter(kwargs, name):
     ({"max_running_requests": "64", "max_num_batched_tokens": "32"}, "max_num_batched_tokens"),
     ({"page_size": "sixteen"}, "page_size"),
     ({"polcy": "mixed"}, "polcy"),
+    ({"hf_overrides": "{num_hidden_layers: 2}"}, "hf_overrides"),  # not JSON
+    ({"hf_overrides": "[2]"}, "hf_overrides"),  # not an object
 ])
 def test_string_parameters_are_parsed_then_checked_by_the_same_rules(params, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):
@@ -50,3 +60,12 @@ def test_good_parameters_parse_and_empty_means_default():
                                            "use_reference_kernels": "true"})
     assert (config.policy, config.itl_target_ms, config.max_running_requests) == ("mixed", 40.0, 8)
     assert config.prefill_chunk_tokens is None and config.use_reference_kernels is True
+
+
+def test_hf_overrides_parse_from_json_and_keep_config_json_types():
+    config = EngineConfig.from_parameters({"load_format": "dummy", "checkpoint": "docs/configs/x.config.json",
+                                           "hf_overrides": '{"num_hidden_layers": 12, "rms_norm_eps": 1, '
+                                                           '"eos_token_id": [1, 2], "rope_scaling": null}'})
+    assert config.load_format == "dummy"
+    assert config.hf_overrides == {"num_hidden_layers": 12, "rms_norm_eps": 1, "eos_token_id": [1, 2],
+                                   "rope_scaling": None}  # an int where config.json has a float is a number too

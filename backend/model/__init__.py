@@ -2,6 +2,7 @@
 
 - `config`: `ModelConfig` from a checkpoint's config.json (the reference's field names and legacy keys).
 - `checkpoint`: the tensors of a checkpoint, checked against the shapes the config implies.
+- `dummy_weights`: random tensors of the same names, shapes and published formats, built on the device (no file).
 - `rotary`: RoPE / YaRN cos and sin tables (norms, mHC and activations are kernels/).
 - `projections`: the linears that read the same input, as one GEMM.
 - `quantization`: FP8 / MXFP4 weights as published.

@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 
 from backend.model.config import CSA, HCA, SLIDING, ModelConfig
-from backend.model.quantization import (FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4,
-                                        fp8_block_shape, scale_to_float)
+from backend.model.quantization import (FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape,
+                                        kept_quantized, scale_to_float)
 from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target
 from backend.parallel.layout import ParallelLayout, Shard
 from kernels.fp8_gemm import Fp8Weight
@@ -231,11 +231,7 @@ class _Loader:
         """This rank's part of the checkpoint tensor behind `target` (None: all of it)."""
         if target.expert is None:
             return self.parallel.shard(target.name, full)
-        if not self.parallel.experts_sliced:
-            return None  # whole experts
-        part = self.parallel.shard(target.name, self.full_shapes[target.name])  # the merged tensor's
-        start, stop = part.ranges[0]
-        return Shard(0 if target.half is not None else 1, ((start, stop),))  # gate / up rows, down columns
+        return expert_part(self.parallel, target.name, self.full_shapes[target.name])
 
     def finish(self, checkpoint: Path) -> dict[str, torch.Tensor]:
         experts = self.shapes  # merged expert tensors must have every expert's every part
@@ -265,10 +261,8 @@ class _Loader:
 
     def _keeps(self, target: Target, name: str, tensor: torch.Tensor) -> bool:
         """Whether weight_format=fp8 keeps this tensor quantized (FP8 linears but o_a_proj, routed experts)."""
-        if not self._is_quantized(name, tensor.dtype, self._source_shape(target, self.full_shapes)):
-            return False
-        return target.expert is not None or (target.name.endswith(FP8_LINEARS)
-                                             and not target.name.endswith("o_a_proj.weight"))
+        return (self._is_quantized(name, tensor.dtype, self._source_shape(target, self.full_shapes))
+                and kept_quantized(target.name))
 
     def _keep(self, target: Target, tensor: torch.Tensor, scale: torch.Tensor) -> None:
         if target.expert is None:
@@ -277,7 +271,7 @@ class _Loader:
             return
         merged = self.weights.get(target.name)
         if merged is None:
-            merged = self.weights[target.name] = _empty_experts(self.shapes[target.name], tensor.dtype,
+            merged = self.weights[target.name] = empty_quantized_experts(self.shapes[target.name], tensor.dtype,
                                                                halves=1 if target.half is None else 2,
                                                                device=self.device)
         rows, up = merged.rows_per_half, target.half == "up"
@@ -364,26 +358,40 @@ def _cut(tensor: torch.Tensor, part: Shard | None, dim_scale: int = 1) -> torch.
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
 
 
+def expert_part(parallel: ParallelLayout, merged_name: str, merged_shape: tuple[int, ...]) -> Shard | None:
+    """This rank's part of one expert's checkpoint tensor (a half of gate_up [I, D], or down [D, I]) under `parallel`:
+    None with whole experts (each rank holds its own), else its slice of the intermediate columns."""
+    if not parallel.experts_sliced:
+        return None
+    start, stop = parallel.shard(merged_name, merged_shape).ranges[0]  # the merged tensor's
+    return Shard(0 if merged_name.endswith("gate_up_proj") else 1, ((start, stop),))  # gate / up rows, down columns
+
+
+def check_quantized_part(name: str, part: Shard, fp8: bool, size: int) -> None:
+    """CheckpointError unless `part` of a 2-D weight kept quantized (`size` values along its dimension) is on the grid
+    of its scales: FP8 on its 128 x 128 blocks, MXFP4 rows anywhere and columns on its 32-column scale groups."""
+    block = FP8_BLOCK if fp8 else (MXFP4_BLOCK if part.dim == 1 else 1)
+    for start, stop in part.ranges:
+        if start % block or (stop % block and stop != size):
+            raise CheckpointError(f"{name!r}: this rank's part [{start}, {stop}) of dimension {part.dim} is not on the "
+                                  f"{block}-wide block grid of its scales; serve it with weight_format=dequantize or "
+                                  "choose a layout that splits on block boundaries")
+
+
 def _cut_quantized(name: str, data: torch.Tensor, scale: torch.Tensor, part: Shard | None):
     """(data, scale) of `part` of a weight kept quantized: FP8 cut on its 128 x 128 blocks, MXFP4 rows anywhere
     and columns on its 32-column scale groups (packed two per byte)."""
     if part is None:
         return data, scale
     fp8 = data.dtype == torch.float8_e4m3fn
-    block = FP8_BLOCK if fp8 else (MXFP4_BLOCK if part.dim == 1 else 1)
-    size = data.shape[part.dim] * (1 if fp8 or part.dim == 0 else 2)
-    for start, stop in part.ranges:
-        if start % block or (stop % block and stop != size):
-            raise CheckpointError(f"{name!r}: this rank's part [{start}, {stop}) of dimension {part.dim} is not on the "
-                                  f"{block}-wide block grid of its scales; serve it with weight_format=dequantize or "
-                                  "choose a layout that splits on block boundaries")
+    check_quantized_part(name, part, fp8, data.shape[part.dim] * (1 if fp8 or part.dim == 0 else 2))
     if fp8:
         return _cut(data, part), _cut(scale, part, FP8_BLOCK)
     packed = 2 if part.dim == 1 else 1
     return _cut(data, part, packed), _cut(scale, part, MXFP4_BLOCK if part.dim == 1 else 1)
 
 
-def _empty_experts(shape: tuple[int, int, int], dtype: torch.dtype, halves: int, device) -> QuantizedExperts:
+def empty_quantized_experts(shape: tuple[int, int, int], dtype: torch.dtype, halves: int, device) -> QuantizedExperts:
     """Room for merged experts [E, N, K] as published: FP8 (e4m3, float32 block scales per half) or MXFP4."""
     num_experts, n, k = shape
     rows = n // halves

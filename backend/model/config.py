@@ -146,10 +146,20 @@ def _rope_parameters(cfg: dict) -> dict:
     return {"main": main, "compress": compress}
 
 
+# Counts and widths: a config (or hf_overrides) setting one to 0 describes no model.
+_SIZES = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+          "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "sliding_window", "o_groups", "o_lora_rank",
+          "index_n_heads", "index_head_dim", "index_topk", "hc_mult")
+
+
 def _validate(config: ModelConfig, source: str) -> None:
     def bad(msg: str) -> UnsupportedCheckpoint:
         return UnsupportedCheckpoint(f"{source}: {msg}")
 
+    if small := [k for k in _SIZES if getattr(config, k) < 1]:
+        raise bad(f"{small[0]}={getattr(config, small[0])}: must be at least 1")
+    if config.num_experts_per_tok > config.n_routed_experts:
+        raise bad(f"num_experts_per_tok={config.num_experts_per_tok} exceeds n_routed_experts={config.n_routed_experts}")
     if len(config.layer_types) != config.num_hidden_layers:
         raise bad(f"len(layer_types)={len(config.layer_types)} != num_hidden_layers={config.num_hidden_layers}")
     if unknown := [t for t in config.layer_types if t not in LAYER_TYPES]:
@@ -204,14 +214,43 @@ def _validate_quantization(config: ModelConfig, bad) -> None:
         raise bad(f"expert_dtype={config.expert_dtype!r} is not supported (fp4 or fp8)")
 
 
-def load_model_config(checkpoint: str | Path) -> ModelConfig:
-    path = Path(checkpoint) / "config.json"
+# Keys config.json may carry beyond ModelConfig's fields: the legacy ones `_normalise` folds in, and their types.
+_LEGACY_KEYS = {"compress_ratios": "list", "compress_rate_csa": "int", "compress_rate_hca": "int",
+                "num_hash_layers": "int", "qk_rope_head_dim": "int", "rope_scaling": "dict | None"}
+
+
+def config_keys() -> dict[str, str]:
+    """Every key of config.json this engine reads, and its type as annotated (`int`, `float`, `list[str] | None`, ...):
+    what `hf_overrides` may set (backend/config.py checks them)."""
+    keys = {f.name: f.type for f in fields(ModelConfig) if f.init}
+    keys.update(_LEGACY_KEYS)
+    return keys
+
+
+def config_path(checkpoint: str | Path) -> Path:
+    """A checkpoint's config.json, or the checkpoint itself when it is a config file (load_format=dummy serves
+    docs/configs/*.config.json as they are)."""
+    path = Path(checkpoint)
+    return path if path.is_file() else path / "config.json"
+
+
+def checkpoint_directory(checkpoint: str | Path) -> Path:
+    """Where a checkpoint's other files (tokenizer, generation_config.json) would be: the directory of its config."""
+    return config_path(checkpoint).parent
+
+
+def load_model_config(checkpoint: str | Path, overrides: dict | None = None) -> ModelConfig:
+    """The ModelConfig of `checkpoint` (a directory, or a config.json file); `overrides` (hf_overrides) replace
+    config.json's top-level keys before anything is read from it."""
+    path = config_path(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint}")
     raw = json.loads(path.read_text())
+    source = f"{path} with hf_overrides {overrides}" if overrides else str(path)
+    raw.update(overrides or {})
     if raw.get("model_type") != "deepseek_v4":
-        raise UnsupportedCheckpoint(f"{path}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
-    return parse_model_config(raw, str(path))
+        raise UnsupportedCheckpoint(f"{source}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
+    return parse_model_config(raw, source)
 
 
 def parse_model_config(raw: dict, source: str = "config") -> ModelConfig:

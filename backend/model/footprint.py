@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from backend.model.checkpoint import expected_shapes, is_fp32_parameter
 from backend.model.config import ModelConfig
-from backend.model.quantization import FP8_BLOCK, FP8_LINEARS, MXFP4_BLOCK
+from backend.model.quantization import FP8_BLOCK, MXFP4_BLOCK, ROUTED_EXPERTS, kept_quantized, published_format
 
 FORMATS = ("published", "fp8", "dequantize")
-_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -48,15 +47,12 @@ def tensor_bytes(name: str, shape: tuple[int, ...], config: ModelConfig, fmt: st
         return _numel(shape) * (4 if is_fp32_parameter(name) else dtype_bytes)
     if any(marker in name for marker in _FP32_ON_DISK):
         return _numel(shape) * 4
-    if config.quantization_config is None or (fmt == "fp8" and name.endswith("o_a_proj.weight")):
+    stored = published_format(name, config)
+    if stored is None or (fmt == "fp8" and not kept_quantized(name)):
         return _numel(shape) * 2
-    if name.endswith(_EXPERTS):
-        if config.expert_dtype == "fp8":
-            return _fp8_bytes(shape, scale_bytes=4)
+    if stored == "mxfp4":
         return _numel(shape) // 2 + _numel(shape) // MXFP4_BLOCK
-    if name.endswith(FP8_LINEARS):
-        return _fp8_bytes(shape, scale_bytes=1)
-    return _numel(shape) * 2
+    return _fp8_bytes(shape, scale_bytes=4 if name.endswith(ROUTED_EXPERTS) else 1)  # FP8 experts: float32 scales
 
 
 def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=None,
@@ -66,9 +62,43 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
     (backend/parallel/layout.py), what one rank holds (split like the main layers'). `data_parallel`: the ranks run
     data-parallel attention (the layout splits the experts only), so each computes its own requests' logits with the
     whole LM head."""
+    parts = dict.fromkeys(PARTS, 0)
+    for part, _, _, size in _tensor_bytes_by_part(config, fmt, dtype_bytes, layout, draft_layers, data_parallel):
+        parts[part] += size
+    return parts
+
+
+def experts_reached(num_experts: int, top_k: int, tokens: int) -> float:
+    """The distinct experts `tokens` tokens reach when each picks `top_k` of `num_experts` uniformly, expected:
+    E (1 - (1 - k / E)^B). k at one token, all E as B grows (V4-Flash's 256 top-6: 6 at 1, 80 at 16, 203 at 64)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def step_weight_bytes(config: ModelConfig, fmt: str, tokens: int, layout=None,
+                      data_parallel: bool = False) -> dict[str, float]:
+    """The bytes of weights a forward of `tokens` tokens (all ranks' under expert parallelism) must read, by part, as
+    weight_bytes counts them (the draft layer not served): every tensor whole, but the routed experts' the fraction
+    the tokens reach (`experts_reached`, uniform routing) and the tables read by token (the embedding, a hash
+    layer's tid2eid) one row a token."""
+    reached = experts_reached(config.n_routed_experts, config.num_experts_per_tok, tokens) / config.n_routed_experts
+    parts = dict.fromkeys(PARTS, 0.0)
+    for part, name, shape, size in _tensor_bytes_by_part(config, fmt, 2, layout, 0, data_parallel):
+        if name.endswith(ROUTED_EXPERTS):
+            size *= reached
+        elif name == "model.embed_tokens.weight" or name.endswith(".tid2eid"):
+            size *= min(1.0, tokens / shape[0])
+        parts[part] += size
+    return parts
+
+
+PARTS = ("embed+head", "attention", "routed experts", "other", "draft layer (mtp)")
+
+
+def _tensor_bytes_by_part(config: ModelConfig, fmt: str, dtype_bytes: int, layout, draft_layers: int,
+                          data_parallel: bool):
+    """(part, name, shape, bytes) of every tensor weight_bytes counts."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    parts = {"embed+head": 0, "attention": 0, "routed experts": 0, "other": 0, "draft layer (mtp)": 0}
     # (the published files hold every MTP layer; the engine the ones speculative decoding serves)
     shapes = expected_shapes(config, config.num_nextn_predict_layers if fmt == "published" else draft_layers)
     if layout is not None:
@@ -77,15 +107,14 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
         if data_parallel:
             shapes["lm_head.weight"] = head
     for name, shape in shapes.items():
-        size = tensor_bytes(name, shape, config, fmt, dtype_bytes)
-        if name.startswith("model.mtp."):
-            parts["draft layer (mtp)"] += size
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            parts["embed+head"] += size
-        elif name.endswith(_EXPERTS):
-            parts["routed experts"] += size
-        elif ".self_attn." in name:
-            parts["attention"] += size
-        else:
-            parts["other"] += size
-    return parts
+        yield _part_of(name), name, shape, tensor_bytes(name, shape, config, fmt, dtype_bytes)
+
+
+def _part_of(name: str) -> str:
+    if name.startswith("model.mtp."):
+        return "draft layer (mtp)"
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "embed+head"
+    if name.endswith(ROUTED_EXPERTS):
+        return "routed experts"
+    return "attention" if ".self_attn." in name else "other"

@@ -25,6 +25,23 @@ from kernels.quant_formats import (E4M3_MAX, FP4_VALUES, FP8_BLOCK, MXFP4_BLOCK,
 FP8_LINEARS = ("q_a_proj.weight", "q_b_proj.weight", "self_attn.kv_proj.weight", "o_a_proj.weight",
                "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
                "shared_experts.up_proj.weight", "shared_experts.down_proj.weight", ".e_proj.weight", ".h_proj.weight")
+ROUTED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")  # the engine's merged routed experts [E, N, K]
+
+
+def published_format(name: str, config) -> str | None:
+    """How DeepSeek's checkpoint of `config` stores engine tensor `name`: "fp8" (e4m3 + block scales), "mxfp4" (the
+    routed experts with expert_dtype fp4), or None (bf16/fp32: an unquantized config, or a tensor never quantized)."""
+    if config.quantization_config is None:
+        return None
+    if name.endswith(ROUTED_EXPERTS):
+        return "mxfp4" if config.expert_dtype == "fp4" else "fp8"
+    return "fp8" if name.endswith(FP8_LINEARS) else None
+
+
+def kept_quantized(name: str) -> bool:
+    """Whether weight_format=fp8 keeps a quantized tensor as published: the routed experts and the FP8 linears, but
+    o_a_proj, which is dequantized, as DeepSeek's own inference does (its grouped product is not a plain GEMM)."""
+    return name.endswith(ROUTED_EXPERTS) or (name.endswith(FP8_LINEARS) and not name.endswith("o_a_proj.weight"))
 
 
 # --- writing (scripts/make_checkpoint.py, tests) ------------------------------------------------------

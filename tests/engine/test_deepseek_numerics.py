@@ -24,7 +24,7 @@ from backend.config import ConfigError, EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams, Sequence
 
-from .harness import LOGITS_TOL, EngineHarness, Reference, Tracked
+from .harness import LOGITS_TOL, EngineHarness, Reference, Tracked, compare
 
 NOISE = 1e-6  # relative: about ten times the fp32 differences between two implementations of the same math
 NOISE_SEEDS = 3
@@ -68,11 +68,19 @@ def _prompt(length: int, seed: int) -> list[int]:
     return torch.randint(2, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _check(harness, oracle, nudged_oracles, tracked: Tracked) -> None:
+def _check(harness, oracle, nudged_oracles, tracked: Tracked, exact_until_a_selection_parts: bool = False) -> None:
     """Up to the first position where the engine and the oracle part (a rounding boundary straddled), to 1e-4, as
-    without the roundings; from there on, within twice what the nudged oracles move."""
+    without the roundings; from there on, within twice what the nudged oracles move.
+
+    exact_until_a_selection_parts: where the engine is known to part nowhere (the published layout: 1.2e-6 at every
+    position), every position to 1e-4 up to the first near-tie of an indexer selection, the one parting the test can
+    tell from an error (harness.compare). The nudged oracles there move by up to ~2.5 logits from the 6th position on,
+    so their rule alone lets a lost rounding through (HCA entries left unrounded: 1.4 logits)."""
     ids = tracked.seq.prompt_ids
-    expected, _ = oracle.run(ids)
+    expected, records = oracle.run(ids)
+    if exact_until_a_selection_parts:
+        config = harness.config
+        compare(tracked, expected, records, config.csa_rate, config.index_topk)
     harness.free(tracked)
     harness.kv.check()
     positions = sorted(tracked.logits)
@@ -277,7 +285,7 @@ def test_published_layout_against_the_oracle(deepseek_published_checkpoint, publ
     engine = EngineHarness(deepseek_published_checkpoint, numerics="deepseek", weight_format=weight_format)
     assert engine.model.quantize_activations
     for tracked in _chunks_beside_decodes(engine):
-        _check(engine, *published_oracles["bf16 values"], tracked)
+        _check(engine, *published_oracles["bf16 values"], tracked, exact_until_a_selection_parts=True)
 
 
 def test_published_layout_and_fp8_cache_with_the_triton_kernels(deepseek_published_checkpoint, published_oracles):
@@ -288,7 +296,7 @@ def test_published_layout_and_fp8_cache_with_the_triton_kernels(deepseek_publish
     tracked = Tracked(Sequence("triton", _prompt(140, 4)))
     for size in (61, 70) + (1,) * 9:  # across the first HCA entry (position 127), then decodes
         engine.step([(tracked, size)])
-    _check(engine, *published_oracles["bf16 cache"], tracked)
+    _check(engine, *published_oracles["bf16 cache"], tracked, exact_until_a_selection_parts=True)
 
 
 def test_the_activation_quantization_is_really_on(deepseek_published_checkpoint, published_oracles):

@@ -4,7 +4,9 @@ write the references' bytes.
 
 The pools of tests/kernels/test_attention.py and test_indexer.py are packed (their NaN pages too: a NaN entry packs to
 NaN scales, so a stray read still shows), and each kernel's output on the packed pool must equal, bit for bit, its
-output on the decoded pool: one launch differs from the other only in how a key reaches the registers.
+output on the decoded pool: one launch differs from the other only in how a key reaches the registers. The reads are
+checked at DeepSeek-V4's widths too (head_dim 512 with 64 rope dims, index_head_dim 128), each group of an entry at its
+own scale: a group read at another's scale shows only where an entry has several groups.
 """
 
 from __future__ import annotations
@@ -21,34 +23,58 @@ from test_attention import MIXED, make_batch
 from test_indexer import make_inputs
 
 HEAD_DIM, ROPE_DIM = 128, 64  # one e4m3 group of 64 and 64 bf16 rope values: 64 + 128 + 8 = 200 bytes
+# DeepSeek-V4's widths: 7 e4m3 groups of 64 beside the 64 rope values (584 bytes), indexer keys of 128 (4 FP4 groups).
+# Only there can a group's values be read at another group's scale: the tests at HEAD_DIM have a single group.
+V4_HEAD_DIM, V4_INDEX_HEAD_DIM = 512, 128
 
 
-def _packed_and_decoded(pool: torch.Tensor):
-    packed = pack_kv_fp8(pool, ROPE_DIM)
-    return packed, unpack_kv_fp8(packed, HEAD_DIM, ROPE_DIM, pool.dtype)
+def _groups_at_their_own_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x with each group of `group` columns at another magnitude (2^-3 .. 2^3, cycling): every group of an entry gets
+    its own power-of-two scale, where random values of one magnitude would mostly share one."""
+    factors = torch.exp2(torch.arange(x.shape[-1] // group) % 7 - 3.0).repeat_interleave(group)
+    return x * factors.to(x.dtype)
+
+
+def _packed_and_decoded(pool: torch.Tensor, head_dim: int = HEAD_DIM):
+    packed = pack_kv_fp8(_groups_at_their_own_scales(pool, 64), ROPE_DIM)
+    return packed, unpack_kv_fp8(packed, head_dim, ROPE_DIM, pool.dtype)
 
 
 def test_layout_widths():
-    assert kv_fp8_entry_bytes(512, 64) == 584 and kv_fp8_entry_bytes(HEAD_DIM, ROPE_DIM) == 200
-    assert indexer_fp4_entry_bytes(128) == 68
+    assert kv_fp8_entry_bytes(V4_HEAD_DIM, ROPE_DIM) == 584 and kv_fp8_entry_bytes(HEAD_DIM, ROPE_DIM) == 200
+    assert indexer_fp4_entry_bytes(V4_INDEX_HEAD_DIM) == 68
 
 
-@pytest.mark.parametrize("mode", ["window", "hca", "csa"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_reads_fp8_entries_as_their_values(mode, dtype):
-    q, sinks, scale, kwargs = make_batch(MIXED, num_heads=4, head_dim=HEAD_DIM, window=11, page_size=4, dtype=dtype,
-                                         mode=mode, compress_rate=4, topk=12, seed=7)
+def _check_fp8_reads(seqs, head_dim, dtype, mode, **batch):
+    """Each implementation's output on the packed pools equals, bit for bit, its output on the values they decode to."""
+    q, sinks, scale, kwargs = make_batch(seqs, num_heads=4, head_dim=head_dim, dtype=dtype, mode=mode, compress_rate=4,
+                                         **batch)
     packed, decoded = dict(kwargs), dict(kwargs)
     for name in ("window_kv", "comp_kv"):
         if name in kwargs:
-            packed[name], decoded[name] = _packed_and_decoded(kwargs[name])
-            assert packed[name].dtype == torch.uint8 and packed[name].shape[-1] == 200
+            packed[name], decoded[name] = _packed_and_decoded(kwargs[name], head_dim)
+            assert packed[name].dtype == torch.uint8
+            assert packed[name].shape[-1] == kv_fp8_entry_bytes(head_dim, ROPE_DIM)
     for implementation, options in ((sparse_paged_attention_reference, {}),
                                     (sparse_paged_attention_triton, dict(num_splits=1, block_n=16))):
         expected = implementation(q, sinks, scale, **decoded, **options)
         actual = implementation(q, sinks, scale, **packed, rope_dim=ROPE_DIM, **options)
         assert not actual.isnan().any()
         assert torch.equal(actual, expected), implementation.__name__
+
+
+@pytest.mark.parametrize("mode", ["window", "hca", "csa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_reads_fp8_entries_as_their_values(mode, dtype):
+    _check_fp8_reads(MIXED, HEAD_DIM, dtype, mode, window=11, page_size=4, topk=12, seed=7)
+
+
+@pytest.mark.parametrize("mode", ["window", "hca", "csa"])
+def test_attention_reads_v4_wide_fp8_entries_as_their_values(mode):
+    """V4's 584-byte entries, each of their 7 groups at its own scale; a short batch (decodes and a chunk) keeps the
+    interpreter quick at 512 dims."""
+    _check_fp8_reads([(0, 1), (37, 1), (13, 2)], V4_HEAD_DIM, torch.bfloat16, mode, window=11, page_size=4, topk=6,
+                     seed=5)
 
 
 def test_attention_split_kv_reads_fp8_entries():
@@ -62,14 +88,15 @@ def test_attention_split_kv_reads_fp8_entries():
                                                      block_n=16), expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_indexer_reads_fp4_keys_as_their_values(dtype):
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64),
+                                            (torch.bfloat16, V4_INDEX_HEAD_DIM)])
+def test_indexer_reads_fp4_keys_as_their_values(dtype, head_dim):
     q, weights, scale, token_seq, token_pos, index_k, table, rate = make_inputs(
-        [(0, 1), (4, 1), (70, 1), (0, 9), (33, 6)], num_heads=8, head_dim=64, page_size=8, compress_rate=4,
+        [(0, 1), (4, 1), (70, 1), (0, 9), (33, 6)], num_heads=8, head_dim=head_dim, page_size=8, compress_rate=4,
         dtype=dtype, seed=3)
-    packed = pack_indexer_fp4(hadamard_rotate(index_k))
-    assert packed.dtype == torch.uint8 and packed.shape[-1] == 34
-    decoded = unpack_indexer_fp4(packed, 64, dtype)
+    packed = pack_indexer_fp4(_groups_at_their_own_scales(hadamard_rotate(index_k), 32))
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == indexer_fp4_entry_bytes(head_dim)
+    decoded = unpack_indexer_fp4(packed, head_dim, dtype)
     for implementation, options in ((indexer_scores_reference, {}), (indexer_scores_triton, dict(block_e=16))):
         expected = implementation(q, weights, scale, token_seq, token_pos, decoded, table, rate, **options)
         actual = implementation(q, weights, scale, token_seq, token_pos, packed, table, rate, **options)

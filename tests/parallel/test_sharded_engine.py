@@ -231,3 +231,20 @@ def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, t
         assert sharded.stats()["num_accepted_tokens"] > 0
     finally:
         sharded.shutdown()
+
+
+def test_worker_ranks_build_their_dummy_shards_from_the_overridden_config(parallel_checkpoint, tmp_path):
+    """generate.py's --load-format dummy and --hf-overrides reach the worker processes: each rank plans the
+    overridden config and builds its own random shard (a rank that read the 4-layer config, or looked for weight
+    files in a directory holding only config.json, would fail the step)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text((parallel_checkpoint / "config.json").read_text())
+    ids_file = tmp_path / "ids.json"
+    ids_file.write_text(json.dumps([[5, 6, 7], list(range(2, 140))]))
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), "--checkpoint",
+                             str(tmp_path / "model"), "--load-format", "dummy", "--hf-overrides",
+                             '{"num_hidden_layers": 3}', "--input-ids-file", str(ids_file), "--max-tokens", "6",
+                             "--device", "cpu", "--ignore-eos", "--tensor-parallel-size", "2",
+                             "--expert-parallel-size", "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [len(r["output_ids"]) for r in json.loads(result.stdout)] == [6, 6]

@@ -66,3 +66,26 @@ def test_cross_field_values_fail_before_a_repository_is_written(tmp_path, tiny_c
     with pytest.raises(ConfigError, match=f"'{name}'"):
         mmr.make_repository(tmp_path, sets, str(tiny_checkpoint))
     assert not (tmp_path / "dsv4").exists()
+
+
+FLASH = REPO_ROOT / "docs" / "configs" / "deepseek-v4-flash.config.json"
+
+
+def test_dummy_weights_of_a_published_config_file_with_overrides(tmp_path):
+    config = mmr.make_repository(tmp_path, {"load_format": "dummy", "hf_overrides": '{"num_hidden_layers": 2}'},
+                                 str(FLASH))
+    params = mmr.read_parameters(config.read_text())
+    assert (params["load_format"], params["hf_overrides"]) == ("dummy", '{"num_hidden_layers": 2}')
+    assert params["checkpoint"] == str(FLASH)
+
+
+@pytest.mark.parametrize("sets, message", [
+    ({"load_format": "dummy", "hf_overrides": '{"num_hidden_layers": 0}'}, "'hf_overrides'.*num_hidden_layers=0"),
+    ({"load_format": "dummy", "hf_overrides": '{"num_hiden_layers": 2}'}, "'hf_overrides'.*'num_hiden_layers'"),
+    ({"load_format": "dummy", "hf_overrides": "num_hidden_layers=2"}, "'hf_overrides'.*not JSON"),
+    ({"hf_overrides": '{"num_hidden_layers": 2}'}, "'checkpoint'.*load_format=dummy"),  # no weights in a config file
+])
+def test_bad_overrides_of_a_config_file_fail_before_a_repository_is_written(tmp_path, sets, message):
+    with pytest.raises(ConfigError, match=message):
+        mmr.make_repository(tmp_path, sets, str(FLASH))
+    assert not (tmp_path / "dsv4").exists()

@@ -45,3 +45,24 @@ def test_the_decode_step_estimate_splits_attention_work_by_data_parallel_ranks()
         assert dp.weight_gb > tp.weight_gb  # the whole attention and head
     assert estimate(config, "dp", 8, 256, 1 << 20).roofline_ms < estimate(config, "tp", 8, 256, 1 << 20).roofline_ms
     assert estimate(config, "dp", 8, 256, 8192).roofline_ms > estimate(config, "tp", 8, 256, 8192).roofline_ms
+
+
+def test_the_decode_step_reads_only_the_experts_its_batch_reaches():
+    """k experts of each layer at one request (the shared expert is read whole, as every other weight), all of them
+    as the batch grows: E (1 - (1 - k / E)^B) for uniform routing."""
+    from backend.model.footprint import weight_bytes
+
+    config = _flash()
+    held = weight_bytes(config, "fp8")
+    k, experts = config.num_experts_per_tok, config.n_routed_experts
+    one = estimate(config, "tp", 1, 1, 8192)
+    assert one.expert_gb == round(held["routed experts"] * k / experts / 1e9, 2)
+    others = sum(held.values()) - held["routed experts"] - held["draft layer (mtp)"]
+    # the tables read by token, one row of each: the embedding and the hash layers' tid2eid
+    hash_layers = config.mlp_layer_types.count("hash_moe")
+    others -= (config.vocab_size - 1) * (2 * config.hidden_size + hash_layers * 8 * k)
+    assert abs(one.weight_gb - one.expert_gb - others / 1e9) <= 0.01
+    assert 0.98 * held["routed experts"] / 1e9 <= estimate(config, "tp", 1, 1024, 8192).expert_gb
+    assert estimate(config, "tp", 1, 16, 8192).expert_gb < 0.4 * held["routed experts"] / 1e9
+    # per rank under expert parallelism: the rank's share of what the whole batch reaches
+    assert abs(estimate(config, "tp", 8, 1, 8192).expert_gb * 8 - one.expert_gb) <= 0.02

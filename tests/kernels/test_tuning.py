@@ -1,0 +1,45 @@
+"""kernels/tuning.py: per-device tuned configurations, the nearest tuned count, and the default everywhere else."""
+
+from __future__ import annotations
+
+from kernels import tuning
+
+TABLE = {"attention": {"dtype=bfloat16,head_dim=512,mode=csa": {1: dict(BLOCK_N=16), 64: dict(BLOCK_N=32),
+                                                                256: dict(BLOCK_N=64)}}}
+DEFAULT = dict(BLOCK_N=8, num_warps=4)
+
+
+def _asked(tokens, **shape):
+    return tuning.tuned("attention", dict(dtype="bfloat16", head_dim=512, mode="csa", tokens=tokens, **shape), DEFAULT)
+
+
+def test_the_nearest_tuned_count_over_the_default():
+    with tuning.using(TABLE):
+        assert _asked(1) == dict(BLOCK_N=16, num_warps=4)
+        assert _asked(100)["BLOCK_N"] == 32 and _asked(200)["BLOCK_N"] == 64 and _asked(4096)["BLOCK_N"] == 64
+        assert _asked(160)["BLOCK_N"] == 32  # a tie goes to the smaller count
+
+
+def test_an_untuned_shape_or_kernel_gets_the_default():
+    with tuning.using(TABLE):
+        assert _asked(64, heads=8) == DEFAULT
+        assert tuning.tuned("indexer", dict(head_dim=128, tokens=1), DEFAULT) == DEFAULT
+
+
+def test_off_a_gpu_the_default():
+    tuning.load(None)
+    assert _asked(64) == DEFAULT
+
+
+def test_the_file_round_trip_and_its_name(tmp_path):
+    path = tmp_path / "device.json"
+    tuning.write_table(path, TABLE, device="NVIDIA H200")
+    assert tuning.read_table(path) == TABLE
+    assert tuning.device_file("NVIDIA H200").name == "NVIDIA_H200.json"
+    assert tuning.device_file("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_a_plan_is_recorded_with_its_key_and_default():
+    with tuning.recording() as requests:
+        _asked(7)
+    assert requests == [("attention", "dtype=bfloat16,head_dim=512,mode=csa", 7, DEFAULT)]

@@ -1,0 +1,72 @@
+"""scripts/tune_kernels.py on CPU (--device cpu --tiny, the kernels under the interpreter): the file it writes is read
+back by kernels/tuning.py and changes the launch plans of the kernels it tuned."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import tuning
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from scripts.bench_kernels import (DRY, decode_positions, fp4_indexer_inputs, fp8_attention_inputs,  # noqa: E402
+                                   fp8_layout_shapes, fp8_linear_weight)
+
+
+@pytest.fixture(scope="module")
+def tuned_file(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tune") / "cpu.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "tune_kernels.py"), "--device", "cpu", "--tiny",
+                             "--repeat", "1", "--out", str(out)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def _launch_options(plan) -> dict:
+    """The tiles and launch options of a plan's first launch."""
+    kwargs = plan[1][0][3]
+    return {k: v for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("num_warps", "num_stages")}
+
+
+def _plans():
+    """The plans of the tiny sweeps' kernels at one decode token (the MoE's: its configuration at one token's pairs)."""
+    from kernels.attention import plan_sparse_paged_attention
+    from kernels.fp8_gemm import plan_fp8_gemm
+    from kernels.indexer import plan_indexer_scores
+    from kernels.moe import moe_config
+
+    s, gen = fp8_layout_shapes(DRY), torch.Generator().manual_seed(0)
+    args, kwargs, _ = fp8_attention_inputs(torch, s, torch.device("cpu"), decode_positions(s, 1), "csa")
+    indexer_args, _ = fp4_indexer_inputs(torch, s, torch.device("cpu"), decode_positions(s, 1))
+    n, k = DRY.fp8_linears["irregular"]
+    return {"attention": _launch_options(plan_sparse_paged_attention(*args, **kwargs)),
+            "indexer": _launch_options(plan_indexer_scores(*indexer_args)),
+            "fp8_gemm": _launch_options(plan_fp8_gemm(torch.randn(1, k).to(torch.bfloat16),
+                                                      *fp8_linear_weight(torch, "cpu", n, k, gen))),
+            "moe": moe_config(DRY.top_k, DRY.num_experts, DRY.hidden, DRY.moe_inter)}
+
+
+def test_the_written_configurations_change_the_plans(tuned_file):
+    written = json.loads(tuned_file.read_text())
+    assert written["device"] == "cpu" and set(written["kernels"]) == {"attention", "indexer", "fp8_gemm", "moe"}
+    default = _plans()
+    tuning.load(tuned_file)
+    try:
+        tuned = _plans()
+    finally:
+        tuning.load(None)
+    table = tuning.read_table(tuned_file)
+    for kernel, plan in tuned.items():
+        (config_at_one_token,) = [by_count[DRY.top_k if kernel == "moe" else 1] for by_count in table[kernel].values()]
+        assert plan != default[kernel], kernel
+        assert all(plan[k] == v for k, v in config_at_one_token.items() if k in plan), (kernel, plan)
