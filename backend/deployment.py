@@ -20,10 +20,11 @@ import torch
 from backend.config import ConfigError, EngineConfig
 from backend.host_memory import keep_freed_host_memory
 from backend.memory.kv_manager import KVCacheManager
-from backend.model.checkpoint import load_weights
+from backend.model.checkpoint import load_weights, tensor_names
 from backend.model.config import ModelConfig, load_model_config
 from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
+from backend.model.weight_names import draft_layer_index
 from backend.parallel.comm import Communicator
 from backend.parallel.layout import ParallelLayout
 from kernels.dispatch import KernelDispatch, default_mode
@@ -46,10 +47,8 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dt
     """The pools the config asks for; ConfigError when they could not serve a single request. DeepSeek's numerics
     keep the compressor rings in fp32 (its compressors project, keep state and pool in fp32)."""
     speculative = config.num_speculative_tokens
-    if speculative and model_config.num_nextn_predict_layers < 1:
-        raise ConfigError(f"parameter 'num_speculative_tokens': {speculative} needs the checkpoint's MTP layer "
-                          f"(mtp.0.*, num_nextn_predict_layers >= 1) to draft with; {config.checkpoint} has none: "
-                          "set num_speculative_tokens to 0")
+    if speculative:
+        _check_draft_layer(config, model_config)
     kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
                         page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
                         device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
@@ -67,6 +66,22 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dt
             f"positions (num_tokens * swa_full_tokens_ratio), fewer than one sliding window needs "
             f"({window.pages_per_running_request()}); raise num_tokens or swa_full_tokens_ratio")
     return kv
+
+
+def _check_draft_layer(config: EngineConfig, model_config) -> None:
+    """Speculative decoding drafts with the checkpoint's MTP layer: config.json must declare one, and (weights read
+    from files) the files must hold it. transformers' save_pretrained writes config.json's num_nextn_predict_layers but
+    not the layer, so the tensor index (or the files' headers: no weight is read) is checked here, before the load."""
+    problem = None
+    if model_config.num_nextn_predict_layers < 1:
+        problem = "has none (num_nextn_predict_layers is 0 in its config.json)"
+    elif config.load_format != "dummy" and 0 not in map(draft_layer_index, tensor_names(config.checkpoint)):
+        problem = ("declares one in its config.json (num_nextn_predict_layers >= 1) but its files hold no mtp.0.* "
+                   "tensor (what transformers' save_pretrained writes)")
+    if problem:
+        raise ConfigError(f"parameter 'num_speculative_tokens': {config.num_speculative_tokens} drafts with the "
+                          f"checkpoint's MTP layer (mtp.0.*), and {config.checkpoint} {problem}: set "
+                          "num_speculative_tokens to 0")
 
 
 def resolve_weight_format(config: EngineConfig, model_config, device: str) -> str:

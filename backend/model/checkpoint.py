@@ -142,6 +142,11 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
     return out
 
 
+def tensor_names(checkpoint: str | Path) -> list[str]:
+    """The tensors a checkpoint's files hold, from its index or the files' headers (no weight is read)."""
+    return list(_weight_files(Path(checkpoint)))
+
+
 def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype, device,
                  weight_format: str = "dequantize", layout: ParallelLayout | None = None,
                  draft_layers: int = 0) -> dict[str, torch.Tensor]:

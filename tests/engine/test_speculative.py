@@ -195,6 +195,27 @@ def test_speculation_without_a_draft_layer_or_beyond_the_limits_is_refused(tiny_
         _engine(tiny_checkpoint, num_speculative_tokens=1, **small_window)
 
 
+def test_a_declared_mtp_layer_missing_from_the_files_is_refused_before_any_weight_is_read(tiny_checkpoint, tmp_path):
+    """What transformers' save_pretrained writes: config.json declares the MTP layer, the files do not hold it. The
+    deployment check (what make_model_repository.py runs, reading no weight) names the parameter."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from backend.deployment import check_deployment
+
+    no_mtp = tmp_path / "no-mtp-tensors"
+    shutil.copytree(tiny_checkpoint, no_mtp)
+    for path in no_mtp.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(path).items() if ".mtp." not in f".{k}"}, path)
+    (no_mtp / "model.safetensors.index.json").unlink(missing_ok=True)
+    config = EngineConfig(checkpoint=str(no_mtp), device="cpu", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="num_speculative_tokens.*files hold no mtp.0"):
+        check_deployment(config)
+    assert check_deployment(EngineConfig(checkpoint=str(no_mtp), device="cpu")) > 0  # and without drafts it serves
+    check_deployment(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", num_speculative_tokens=2))
+
+
 def test_the_published_fp8_layout_speculates_exactly(deepseek_published_checkpoint):
     """DeepSeek's layout with FP8 linears (the MTP layer's e_proj/h_proj among them) and MXFP4 experts, served with
     DeepSeek's numerics and the fp8 KV cache (the draft layer's window too): the same greedy tokens with k = 2."""
