@@ -13,6 +13,8 @@ shared memory; a table of every compiled kernel is printed either way.
 
   python scripts/check_kernels_compile.py            # all models, all cases
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
+  python scripts/check_kernels_compile.py --sass "moe fp8 .*T=256"   # and what each main loop issues per weight
+                                                     # byte, from its SASS (scripts/kernel_sass.py)
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import re
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # kernels must be JIT functions, not interpreted
@@ -51,6 +55,7 @@ from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: 
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
+from scripts.kernel_sass import describe, loop_profile  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -93,6 +98,7 @@ class Compiled:
     spill_bytes: int  # stack + local memory
     wgmma: bool
     seconds: float
+    loop: str = ""  # --sass: what the main loop issues per iteration and per weight byte
 
     @property
     def problem(self) -> str:
@@ -316,18 +322,42 @@ def _key(kernel, args, kwargs) -> str:
                  sorted(attrs.items(), key=str), options.num_warps, options.num_stages))
 
 
-def _resource_usage(cubin: bytes) -> dict:
+def _cuobjdump(cubin: bytes, option: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], check=True, capture_output=True,
-                              text=True).stdout
-    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+        return subprocess.run([str(CUOBJDUMP), option, f.name], check=True, capture_output=True, text=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    line = next(ln for ln in _cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in ln)
     return {k: int(v) for k, v in (field.split(":") for field in line.split() if ":" in field and "[" not in field)}
 
 
-def compile_case(index: int) -> list[tuple[str, Compiled]]:
-    """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels)."""
+_WEIGHT_BYTES = {0: 2.0, 1: 1.0, 2: 0.5}  # per element, by the MoE kernels' WEIGHT_FORMAT (bf16, fp8, mxfp4)
+
+
+def weight_bytes_per_iteration(kernel: str, kwargs: dict) -> float | None:
+    """Bytes of weights one program streams per iteration of its main loop (None: a kernel that streams none)."""
+    if kernel == "_fp8_gemm_kernel":
+        return kwargs["BLOCK_N"] * kwargs["BLOCK_K"]
+    if kernel in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+        tiles = 2 if kernel == "_moe_gate_up_kernel" else 1  # gate and up
+        return tiles * kwargs["BLOCK_N"] * kwargs["BLOCK_K"] * _WEIGHT_BYTES[kwargs["WEIGHT_FORMAT"]]
+    return None
+
+
+def _loop_line(kernel: str, kwargs: dict, num_warps: int, cubin: bytes) -> str:
+    body = loop_profile(_cuobjdump(cubin, "-sass"))
+    if body is None:
+        return "no loop"
+    weight_bytes = weight_bytes_per_iteration(kernel, kwargs)
+    return describe(body, weight_bytes / (32 * num_warps) if weight_bytes else None)
+
+
+def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
+    """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels);
+    sass: also profile each kernel's main loop."""
     model, case, launches = cases()[index]
     results = []
     for kernel, _grid, args, kwargs in launches:
@@ -339,10 +369,11 @@ def compile_case(index: int) -> list[tuple[str, Compiled]]:
         tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("IS_SPLIT",
                                                                                                "COMP_MODE"))
         config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
+        loop = _loop_line(kernel.fn.__name__, kwargs, options.num_warps, compiled.asm["cubin"]) if sass else ""
         results.append((_key(kernel, args, kwargs), Compiled(
             kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
             spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
-            seconds=time.time() - start)))
+            seconds=time.time() - start, loop=loop)))
     return results
 
 
@@ -361,17 +392,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="compile only the CI subset")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
+    parser.add_argument("--sass", metavar="REGEX", help="only the cases whose 'model case' matches, each with what "
+                        "its main loop issues per iteration and per weight byte")
     options = parser.parse_args()
 
     all_cases = cases()
-    selected = [i for i, (model, case, _) in enumerate(all_cases) if not options.quick or (model, case) in QUICK]
+    selected = [i for i, (model, case, _) in enumerate(all_cases)
+                if (not options.quick or (model, case) in QUICK)
+                and (not options.sass or re.search(options.sass, f"{model} {case}"))]
     selected = _unique_cases(selected, all_cases)
     start = time.time()
+    compile_one = partial(compile_case, sass=bool(options.sass))
     if options.jobs > 1:
         with ProcessPoolExecutor(options.jobs) as pool:
-            per_case = list(pool.map(compile_case, selected))
+            per_case = list(pool.map(compile_one, selected))
     else:
-        per_case = [compile_case(i) for i in selected]
+        per_case = [compile_one(i) for i in selected]
     rows, seen = [], set()
     for key, row in (r for results in per_case for r in results):
         if key not in seen:
@@ -384,6 +420,8 @@ def main() -> int:
     for r in rows:
         print(f"{r.kernel:<32} {r.registers:>4} {r.shared:>8} {r.spill_bytes:>5} {str(r.wgmma):>5} "
               f"{r.seconds:>5.1f}  {r.config}")
+        if r.loop:
+            print(f"{'':<32} loop: {r.loop}")
     problems = [r for r in rows if r.problem]
     print(f"\n{len(rows)} kernels compiled for sm_90 in {time.time() - start:.0f} s; "
           f"{len(problems)} with problems")
