@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import is_interpreting
-from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_scale_codes, quantize_groups, round_to_e4m3,
-                                   scale_to_float)
+from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, quantize_groups,
+                                   round_to_e4m3, scale_to_float)
 
 GROUP = FP8_BLOCK  # K group of the activation scales = the weight's block size
 
@@ -129,6 +129,38 @@ def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, num_tokens, k, stride_xt, stride_qt, stride_st, BLOCK_T: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    """Program (BLOCK_T rows, GROUPS groups of 128 columns): DeepSeek's act_quant, e4m3 values and their scales."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    row_mask = rows < num_tokens
+    mask = row_mask[:, None] & (cols < k)[None, :]  # a partial last group: zeros, which change neither amax nor values
+    offsets = rows[:, None].to(tl.int64) * stride_xt + cols[None, :]
+    grid, scale = e4m3_groups(tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32), BLOCK_T, GROUPS * 128)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qt + cols[None, :], grid.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows[:, None].to(tl.int64) * stride_st + groups[None, :], scale,
+             mask=row_mask[:, None] & (groups < tl.cdiv(k, 128))[None, :])
+
+
+def plan_act_quant(x: torch.Tensor):
+    """`quantize_activations_reference` as one launch: ((x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32),
+    launches), tiles of 8 rows x 512 columns. For the GEMMs that read x more than once (each column tile of a
+    prefill, each expert column tile of the MoE), which then load one byte per value and no amax."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
+    num_tokens, k = x.shape
+    x_q = torch.empty((num_tokens, k), dtype=torch.float8_e4m3fn, device=x.device)
+    x_s = torch.empty((num_tokens, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return (x_q, x_s), []
+    block_t, groups = 8, min(4, triton.next_power_of_2(x_s.shape[1]))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(x_s.shape[1], groups))
+    args = (x, x_q, x_s, num_tokens, k, x.stride(0), x_q.stride(0), x_s.stride(0))
+    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(BLOCK_T=block_t, GROUPS=groups, num_warps=4))]
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

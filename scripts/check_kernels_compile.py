@@ -151,12 +151,13 @@ def indexer_launches(m: dict, num_tokens: int, fp4: bool = False):
 
 
 def _experts(fmt: str, num_experts: int, n: int, k: int, halves: int):
-    """Expert weights [E, N, K] as the kernel takes them: bf16, or QuantizedExperts as published."""
+    """Expert weights [E, N, K] as the kernel takes them: bf16, fp8 as published, mxfp4 repacked for the kernels."""
     if fmt == "bf16":
         return _meta(num_experts, n, k)
     if fmt == "mxfp4":
-        return QuantizedExperts("mxfp4", _meta(num_experts, n, k // 2, dtype=torch.int8),
-                                _meta(num_experts, n, k // 32, dtype=torch.uint8), (num_experts, n, k), n)
+        chunks = -(-k // 128)
+        return QuantizedExperts("mxfp4_kernel", _meta(num_experts, n, 16 * chunks, dtype=torch.int32),
+                                _meta(num_experts, n, 4 * chunks, dtype=torch.uint8), (num_experts, n, k), n)
     rows = n // halves
     scale = _meta(num_experts, halves * -(-rows // 128), -(-k // 128), dtype=torch.float32)
     return QuantizedExperts("fp8", _meta(num_experts, n, k, dtype=torch.float8_e4m3fn), scale, (num_experts, n, k), rows)
