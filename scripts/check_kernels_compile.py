@@ -303,7 +303,7 @@ def cases() -> list[tuple[str, str, list]]:
             out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))
             out.append(("v4-flash", f"moe {fmt} deepseek T={t}", moe_launches(flash, t, fmt, deepseek=True)))
     for name, (n, k) in FP8_LINEARS.items():
-        for t in (1, 64, 4096):
+        for t in (1, 16, 32, 64, 256, 4096):  # each variant fp8_gemm_config picks (swap-AB, split-K, act_quant ahead)
             out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k)))
     return out
 
@@ -356,6 +356,9 @@ def _loop_line(kernel: str, kwargs: dict, num_warps: int, cubin: bytes) -> str:
     return describe(body, weight_bytes / (32 * num_warps) if weight_bytes else None)
 
 
+_VARIANT_KWARGS = ("IS_SPLIT", "COMP_MODE", "SPLIT_K", "SWAP_AB", "PREQUANTIZED", "WEIGHT_FORMAT", "QUANTIZE_H")
+
+
 def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
     """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels);
     sass: also profile each kernel's main loop."""
@@ -367,8 +370,7 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET,
                                   options=options.__dict__)
         usage = _resource_usage(compiled.asm["cubin"])
-        tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("IS_SPLIT",
-                                                                                               "COMP_MODE"))
+        tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in _VARIANT_KWARGS)
         config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
         loop = _loop_line(kernel.fn.__name__, kwargs, options.num_warps, compiled.asm["cubin"]) if sass else ""
         results.append((_key(kernel, args, kwargs), Compiled(
