@@ -138,8 +138,10 @@ def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, stride_xt, stride
 def _fp8_dot(a, b, NATIVE_FP8_DOT: tl.constexpr):
     """a @ b of e4m3 operands: wgmma fp8 on Hopper; under the interpreter their float32 values, exactly."""
     if NATIVE_FP8_DOT:
-        return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        product = tl.dot(a, b)
+    else:
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return product
 
 
 SWAP_AB_MAX_TOKENS = 64  # up to here the tokens take the MMA's N side (wgmma's M is 64 rows: 16 tokens waste 3/4)

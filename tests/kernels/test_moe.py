@@ -412,3 +412,18 @@ def test_deepseek_order_rounds_where_deepseeks_moe_rounds():
     assert torch.equal(mixed, deepseek_moe_forward(x, ids, weights, w_gate_up, w_down, shared, LIMIT))
     for early in (dict(round_swiglu=True), dict(round_routed=True)):
         assert not torch.equal(mixed, deepseek_moe_forward(x, ids, weights, w_gate_up, w_down, shared, LIMIT, **early))
+
+
+@pytest.mark.parametrize("swap_ab", [True, False])
+@pytest.mark.parametrize("deepseek", [False, True])
+def test_fp8_experts_in_either_orientation(swap_ab, deepseek):
+    """moe_config puts fp8 weights on the MMA's M side; a config (a tuned table's) may put the tokens there instead,
+    for e4m3 x e4m3 products and for bf16 ones, and each computes the reference's sums."""
+    x, ids, weights, w_gate_up, w_down = make_inputs(9, 4, 2, hidden=128, inter=128, dtype=torch.float32, seed=12)
+    (q_gate_up, deq_gate_up), (q_down, deq_down) = fp8_experts(w_gate_up, 2), fp8_experts(w_down, 1)
+    order = dict(deepseek_order=deepseek, quantize_hidden=deepseek)
+    tiles = dict(BLOCK_M=16, SWAP_AB=swap_ab, gate_up=dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=2),
+                 down=dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2))
+    expected = fused_moe_reference(x, ids, weights, deq_gate_up, deq_down, LIMIT, **order)
+    actual = fused_moe_triton(x, ids, weights, q_gate_up, q_down, LIMIT, config=tiles, **order)
+    assert_close_but_for_straddles(actual, expected, atol=1e-4, rtol=1e-4)
