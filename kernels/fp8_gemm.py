@@ -231,20 +231,25 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, num_tokens, k, stride_xt, stride_qt, 
              mask=row_mask[:, None] & (groups < tl.cdiv(k, 128))[None, :])
 
 
-def plan_act_quant(x: torch.Tensor):
+def act_quant_config(k: int) -> dict:
+    """Tiles of 8 rows x 4 groups of 128 columns (fewer groups where K has fewer)."""
+    return dict(BLOCK_T=8, GROUPS=min(4, triton.next_power_of_2(triton.cdiv(k, GROUP))), num_warps=4)
+
+
+def plan_act_quant(x: torch.Tensor, *, config: dict | None = None):
     """`quantize_activations_reference` as one launch: ((x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32),
-    launches), tiles of 8 rows x 512 columns. For the GEMMs that read x more than once (each column tile of a
-    prefill, each expert column tile of the MoE), which then load one byte per value and no amax."""
+    launches). For the GEMMs that read x more than once (each column tile of a prefill, each expert column tile of
+    the MoE), which then load one byte per value and no amax. config overrides `act_quant_config`."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
     num_tokens, k = x.shape
     x_q = torch.empty((num_tokens, k), dtype=torch.float8_e4m3fn, device=x.device)
     x_s = torch.empty((num_tokens, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return (x_q, x_s), []
-    block_t, groups = 8, min(4, triton.next_power_of_2(x_s.shape[1]))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(x_s.shape[1], groups))
+    cfg = config or act_quant_config(k)
+    grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]), triton.cdiv(x_s.shape[1], cfg["GROUPS"]))
     args = (x, x_q, x_s, num_tokens, k, x.stride(0), x_q.stride(0), x_s.stride(0))
-    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(BLOCK_T=block_t, GROUPS=groups, num_warps=4))]
+    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg))]
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
