@@ -6,6 +6,7 @@ import os
 from functools import lru_cache
 
 import torch
+import triton
 import triton.language as tl
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; used off a CUDA device (interpreter, compile check)
@@ -87,3 +88,31 @@ def compiled_programs_per_sm(kernel, make_args, kwargs, device: torch.device, ke
         registers, shared = compiled.n_regs, compiled.metadata.shared
     _OCCUPANCY[key] = programs_per_sm(registers, num_warps, shared)
     return _OCCUPANCY[key]
+
+
+SPLIT_COUNTERS = 64  # per device: the tiles of one launch whose programs split a reduction (kernels/mhc.py, fp8_gemm.py)
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Per-device int32 counters, zeroed once, for kernels whose last program to finish a tile reduces the others'
+    partial sums: each launch leaves the counters it used at zero again (no memset: a CUDA graph can replay it). One
+    stream at a time may run such launches on a device (they share these counters)."""
+    key = str(device)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+@triton.jit
+def last_to_arrive(counter_ptr, index, arrivals):
+    """Whether this program is the last of `arrivals` to bump counter `index` (a split_counters entry), once its
+    partial sums are stored: a barrier orders all of its stores before its one thread's acq_rel bump, so the last
+    sees every other's; the last sets the counter back to zero."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + index, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    last = done == arrivals - 1
+    if last:
+        tl.store(counter_ptr + index, 0)
+    return last

@@ -65,8 +65,8 @@ class KernelDispatch:
                                     **order)
         w_gate_up, w_down = (w.dequantize().to(x.dtype) if isinstance(w, QuantizedExperts) else w
                              for w in (w_gate_up, w_down))
-        out = fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, **order)
-        return out if out_dtype is None else out.to(out_dtype)
+        return fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
+                                   **order)
 
     def linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight."""

@@ -11,14 +11,19 @@ Layouts: x [T, K] (fp32/bf16/fp16, last dimension contiguous), w_q [N, K] float8
 [ceil(N/128), ceil(K/128)] float8_e8m0fnu or float32; out [T, N] in x's dtype. N and K need not be
 multiples of 128 (partial blocks are masked and their scales still apply).
 
-Kernel (`fp8_gemm_triton`): grid (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N)); each program walks K in 128-wide
-steps (BLOCK_K = the group), quantizes its x rows of that group in registers (the activation is read
-once per column tile, never written), multiplies FP8 by FP8 (wgmma on Hopper) and adds the block's
-product times s_x and S_w into an fp32 accumulator. Under Triton's interpreter, which has no FP8
-dot and whose fp32 -> e4m3 cast rounds wrongly (124.8 -> 64, ties away from even), the rounding to
-e4m3 is done in fp32 arithmetic (`round_to_e4m3`, round-to-nearest-even as the GPU's cvt) and the
-dot in fp32: the same values. The torch reference (`fp8_gemm_reference`) quantizes the same way and multiplies the
-dequantized operands in fp32.
+Kernel (`fp8_gemm_triton`): grid (cdiv(T, BLOCK_M), cdiv(N, BLOCK_N), SPLIT_K); each program walks its share of K in
+128-wide steps (BLOCK_K = the group), multiplies FP8 by FP8 (wgmma on Hopper) and adds each step's product times s_x
+and S_w into an fp32 accumulator, as DeepSeek's own fp8_gemm does. `fp8_gemm_config` picks the variant by shape:
+  - SWAP_AB (up to 64 tokens): the product computed transposed, W @ x^T, the weight's columns on wgmma's 64-row
+    side and the tokens on its N side (16 tokens on the M side would take mma.sync and an fp16 upcast of the weight);
+  - SPLIT_K (too few tiles for the SMs: narrow N at decode): programs share a tile's K steps, the last to finish adds
+    their partial sums (split counters, kernels/common.py) and stores, in one launch;
+  - PREQUANTIZED (from 17 tokens): x act_quant'ed once by a launch ahead (`plan_act_quant`) and read as e4m3;
+    otherwise each step quantizes its x rows in registers (at decode, where x is a few rows).
+Under Triton's interpreter, which has no FP8 dot and whose fp32 -> e4m3 cast rounds wrongly (124.8 -> 64, ties away
+from even), the rounding to e4m3 is done in fp32 arithmetic (`round_to_e4m3`, round-to-nearest-even as the GPU's
+cvt) and the dot in fp32: the same values. The torch reference (`fp8_gemm_reference`) quantizes the same way and
+multiplies the dequantized operands in fp32.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import is_interpreting
-from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_scale_codes, quantize_groups, round_to_e4m3,
-                                   scale_to_float)
+from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, is_interpreting, last_to_arrive, num_sms,
+                            split_counters)
+from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, quantize_groups,
+                                   round_to_e4m3, scale_to_float)
 from kernels.tuning import tuned
 
 GROUP = FP8_BLOCK  # K group of the activation scales = the weight's block size
@@ -51,49 +57,120 @@ class Fp8Weight(NamedTuple):
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    x_ptr, w_ptr, w_scale_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr,
     # sizes
     num_tokens, n, k,
     # strides (the last dimension of every tensor is contiguous)
-    stride_xt, stride_wn, stride_sn, stride_ot,
+    stride_xt, stride_xs, stride_wn, stride_sn, stride_ot,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr,
 ):
-    """Program (token tile m, column tile n): out[rows, cols] = sum over K groups of the scaled FP8 products."""
+    """Program (token tile m, column tile n, K split s): out[rows, cols] = the sum over its K groups of the scaled FP8
+    products; with SPLIT_K > 1 the last split of a tile to finish adds the others' partial sums and stores.
+
+    SWAP_AB: the product is computed transposed, W [BLOCK_N, K] @ x^T, so that the weight's columns fill Hopper's
+    64-row wgmma and the few tokens its N side. PREQUANTIZED: x was act_quant'ed ahead (xs its scales); otherwise
+    each step quantizes its x tile in registers."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     row_mask, col_mask = rows < num_tokens, cols < n
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    w_scale_ptrs = w_scale_ptr + (cols // BLOCK_K) * stride_sn  # [BLOCK_N], advanced one group per step
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        k_mask = offs_k < k - k0
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        _, x_scale = e4m3_scale_codes(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]: DeepSeek's act_quant scales
-        x_s = tl.minimum(tl.maximum(x / x_scale[:, None], -448.0), 448.0)
-        w_q = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if NATIVE_FP8_DOT:
-            block = tl.dot(x_s.to(tl.float8e4nv), w_q)
+    per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x_q, x_scale = _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, stride_xt, stride_xs, SWAP_AB,
+                                        PREQUANTIZED, NATIVE_FP8_DOT)
+        w_scale = tl.load(w_scale_ptr + (cols // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=col_mask, other=0.0)
+        if SWAP_AB:
+            w_q = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                          mask=col_mask[:, None] & (ks < k)[None, :], other=0.0)
+            acc += _fp8_dot(w_q, x_q, NATIVE_FP8_DOT) * w_scale[:, None] * x_scale[None, :]
         else:
-            block = tl.dot(round_to_e4m3(x_s), w_q.to(tl.float32), input_precision="ieee")
-        w_scale = tl.load(w_scale_ptrs, mask=col_mask, other=0.0).to(tl.float32)
-        acc += block * x_scale[:, None] * w_scale[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        w_scale_ptrs += 1
+            w_q = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                          mask=(ks < k)[:, None] & col_mask[None, :], other=0.0)
+            acc += _fp8_dot(x_q, w_q, NATIVE_FP8_DOT) * x_scale[:, None] * w_scale[None, :]
+    if SPLIT_K > 1:
+        # partials [tiles, splits, tile]; the last split to bump the tile's counter (acq_rel: it sees every other
+        # split's partial) adds them in split order (deterministic) and stores
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        TILE: tl.constexpr = BLOCK_M * BLOCK_N
+        offsets = tl.reshape(tl.arange(0, TILE), acc.shape)
+        tl.store(partial_ptr + (tile * SPLIT_K + split).to(tl.int64) * TILE + offsets, acc)
+        if not last_to_arrive(counter_ptr, tile, SPLIT_K):
+            return
+        acc = tl.zeros(acc.shape, tl.float32)
+        for other in range(SPLIT_K):
+            acc += tl.load(partial_ptr + (tile * SPLIT_K + other).to(tl.int64) * TILE + offsets, cache_modifier=".cg")
+    if SWAP_AB:
+        acc = tl.trans(acc)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def fp8_gemm_config(num_tokens: int, n: int) -> dict:
-    """Tiles: a 16-row tile for decode batches, 64 or 128 rows for prefill chunks; 128 columns."""
+@triton.jit
+def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, stride_xt, stride_xs, SWAP_AB: tl.constexpr,
+                     PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr):
+    """The step's e4m3 activations of `rows` at columns ks = k0.. (one 128-wide group), [BLOCK_M, BLOCK_K] or transposed
+    (SWAP_AB), and their scales [BLOCK_M]: loaded as act_quant left them (PREQUANTIZED), else quantized here; as
+    float32 values on the e4m3 grid under the interpreter (no FP8 dot there)."""
+    if SWAP_AB:
+        offsets = rows[None, :].to(tl.int64) * stride_xt + ks[:, None]
+        mask = row_mask[None, :] & (ks < k)[:, None]
+    else:
+        offsets = rows[:, None].to(tl.int64) * stride_xt + ks[None, :]
+        mask = row_mask[:, None] & (ks < k)[None, :]
+    AXIS: tl.constexpr = 0 if SWAP_AB else 1  # the K axis
+    if PREQUANTIZED:
+        x_q = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+        x_scale = tl.load(xs_ptr + rows * stride_xs + k0 // 128, mask=row_mask, other=0.0)
+        if not NATIVE_FP8_DOT:
+            x_q = x_q.to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        _, x_scale = e4m3_scale_codes(tl.max(tl.abs(x), axis=AXIS))  # DeepSeek's act_quant scales
+        x_s = tl.clamp(x / tl.expand_dims(x_scale, AXIS), -448.0, 448.0)
+        x_q = x_s.to(tl.float8e4nv) if NATIVE_FP8_DOT else round_to_e4m3(x_s)
+    return x_q, x_scale
+
+
+@triton.jit
+def _fp8_dot(a, b, NATIVE_FP8_DOT: tl.constexpr):
+    """a @ b of e4m3 operands: wgmma fp8 on Hopper; under the interpreter their float32 values, exactly."""
+    if NATIVE_FP8_DOT:
+        product = tl.dot(a, b)
+    else:
+        product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return product
+
+
+SWAP_AB_MAX_TOKENS = 64  # up to here the tokens take the MMA's N side (wgmma's M is 64 rows: 16 tokens waste 3/4)
+QUANTIZE_AHEAD_MIN_TOKENS = 17  # from here x is act_quant'ed once ahead: each column tile would quantize it again
+
+
+def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> dict:
+    """Tiles and variant of one FP8 GEMM, by shape.
+
+    Up to 64 tokens the product is computed transposed (SWAP_AB): 128 weight columns on the MMA's M side (two
+    64-row wgmma), the tokens on its N side (16, 32 or 64); more tokens take 64 or 128 rows a tile. With fewer
+    tiles than half the SMs (a narrow N at decode: wkv, wq_a), SPLIT_K programs share each tile's K steps (at least
+    two each), so that enough SMs stream the weight; the last to finish adds the partial sums. From 17 tokens x is
+    act_quant'ed once ahead (one launch) rather than in every column tile's registers.
+    """
     fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731 (tl.dot needs >= 16)
-    block_m = 16 if num_tokens <= 16 else (64 if num_tokens <= 256 else 128)
-    return tuned("fp8_gemm", dict(n=n, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
-                 dict(BLOCK_M=min(block_m, fit(num_tokens)), BLOCK_N=min(128, fit(n)),
-                      num_warps=4 if block_m <= 64 else 8, num_stages=3))
+    swap = num_tokens <= SWAP_AB_MAX_TOKENS
+    block_m = min(fit(num_tokens), 64) if swap else (64 if num_tokens <= 256 else 128)
+    block_n = min(128, fit(n))
+    tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)
+    steps = triton.cdiv(k, GROUP)
+    split_k = 1
+    if tiles < num_sms // 2 and tiles <= SPLIT_COUNTERS:
+        split_k = max(1, min(steps // 2, triton.cdiv(num_sms, tiles)))
+    return tuned("fp8_gemm", dict(n=n, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
+                 dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, SWAP_AB=swap,
+                      PREQUANTIZED=num_tokens >= QUANTIZE_AHEAD_MIN_TOKENS, num_warps=4 if block_m <= 64 else 8,
+                      num_stages=3))
 
 
 def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None):
@@ -104,13 +181,20 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
     out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, []
-    cfg = config or fp8_gemm_config(num_tokens, n)
+    cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device))
+    (x_in, x_scale), quantize = plan_act_quant(x) if cfg["PREQUANTIZED"] else ((x, x), [])
+    grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
+    split = cfg["SPLIT_K"] > 1
+    assert not split or grid[0] * grid[1] <= SPLIT_COUNTERS, f"split-K takes at most {SPLIT_COUNTERS} tiles"
+    partial = torch.empty((grid[0] * grid[1] * grid[2] * cfg["BLOCK_M"] * cfg["BLOCK_N"],) if split else (1,),
+                          dtype=torch.float32, device=x.device)
     scale_arg = scale_to_float(w_scale).contiguous()
-    args = (x, w_q, scale_arg, out, num_tokens, n, k, x.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
-    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP,
-                  NATIVE_FP8_DOT=not is_interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    return out, [(_fp8_gemm_kernel, grid, args, kwargs)]
+    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), num_tokens, n, k, x_in.stride(0),
+            x_scale.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
+    kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SPLIT_K=cfg["SPLIT_K"],
+                  SWAP_AB=cfg["SWAP_AB"], PREQUANTIZED=cfg["PREQUANTIZED"], NATIVE_FP8_DOT=not is_interpreting(),
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, quantize + [(_fp8_gemm_kernel, grid, args, kwargs)]
 
 
 def _check_fp8_gemm_inputs(x, w_q, w_scale):
@@ -131,6 +215,43 @@ def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, num_tokens, k, stride_xt, stride_qt, stride_st, BLOCK_T: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    """Program (BLOCK_T rows, GROUPS groups of 128 columns): DeepSeek's act_quant, e4m3 values and their scales."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    row_mask = rows < num_tokens
+    mask = row_mask[:, None] & (cols < k)[None, :]  # a partial last group: zeros, which change neither amax nor values
+    offsets = rows[:, None].to(tl.int64) * stride_xt + cols[None, :]
+    grid, scale = e4m3_groups(tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32), BLOCK_T, GROUPS * 128)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qt + cols[None, :], grid.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + rows[:, None].to(tl.int64) * stride_st + groups[None, :], scale,
+             mask=row_mask[:, None] & (groups < tl.cdiv(k, 128))[None, :])
+
+
+def act_quant_config(k: int) -> dict:
+    """Tiles of 8 rows x 4 groups of 128 columns (fewer groups where K has fewer)."""
+    return dict(BLOCK_T=8, GROUPS=min(4, triton.next_power_of_2(triton.cdiv(k, GROUP))), num_warps=4)
+
+
+def plan_act_quant(x: torch.Tensor, *, config: dict | None = None):
+    """`quantize_activations_reference` as one launch: ((x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32),
+    launches). For the GEMMs that read x more than once (each column tile of a prefill, each expert column tile of
+    the MoE), which then load one byte per value and no amax. config overrides `act_quant_config`."""
+    assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
+    num_tokens, k = x.shape
+    x_q = torch.empty((num_tokens, k), dtype=torch.float8_e4m3fn, device=x.device)
+    x_s = torch.empty((num_tokens, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return (x_q, x_s), []
+    cfg = config or act_quant_config(k)
+    grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]), triton.cdiv(x_s.shape[1], cfg["GROUPS"]))
+    args = (x, x_q, x_s, num_tokens, k, x.stride(0), x_q.stride(0), x_s.stride(0))
+    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg))]
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

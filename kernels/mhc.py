@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import DEFAULT_NUM_SMS, num_sms
+from kernels.common import DEFAULT_NUM_SMS, SPLIT_COUNTERS, last_to_arrive, num_sms, split_counters
 
 
 # --- references (the model's math, casts included) ----------------------------------------------------------------
@@ -171,12 +171,8 @@ def _hc_collapse_kernel(
         tl.store(partial_ptr + rows[:, None] + 1 + cols_pp[None, :], acc_pp)
         if not HEAD:
             tl.store(partial_ptr + rows[:, None] + 1 + WIDTH_PP + cols_c[None, :], acc_c)
-        tl.debug_barrier()  # all of this program's partials are written before its one thread bumps the counter
-        done = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
-        tl.debug_barrier()
-        if done < num_splits - 1:
+        if not last_to_arrive(counter_ptr, block, num_splits):
             return
-        tl.store(counter_ptr + block, 0)  # ready for the next launch (no memset: a CUDA graph can replay this)
         sumsq = tl.zeros([BLOCK_T], tl.float32)
         acc_pp = tl.zeros([BLOCK_T, WIDTH_PP], tl.float32)
         acc_c = tl.zeros([BLOCK_T, P * P], tl.float32)
@@ -283,19 +279,7 @@ def _hc_mix_kernel(
 
 
 # --- host wrappers ------------------------------------------------------------------------------------------------
-_MAX_BLOCKS_SPLIT = 64  # counters kept per device: token blocks of a launch that splits its inputs
-
-
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """Per-device int32 counters, zeroed once; each split launch leaves the ones it used at zero again. One
-    stream at a time may run split collapse launches on a device (they share these counters)."""
-    key = str(device)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_MAX_BLOCKS_SPLIT, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
+_MAX_BLOCKS_SPLIT = SPLIT_COUNTERS  # token blocks of a launch that splits its inputs: one counter each
 
 
 def collapse_config(num_tokens: int, hidden: int, hc_mult: int, num_sms: int = DEFAULT_NUM_SMS) -> dict:
@@ -364,7 +348,7 @@ def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_ep
                               device=device)
     else:
         partial = fn  # never touched
-    counters = _counters(device)  # touched only by split launches; passed always: one signature
+    counters = split_counters(device)  # touched only by split launches; passed always: one signature
     args = (streams, fn, base, scale, norm_weight if norm_weight is not None else base, post, comb, x, partial,
             counters, num_tokens, splits, streams.stride(0), streams.stride(1), x.stride(0), float(eps),
             float(hc_eps))

@@ -39,11 +39,18 @@ blocks past the last used one (block_expert -1) are at the end of the order and 
 Shared expert activation (`swiglu_triton`, reference `clamped_swiglu`): [T, 2I] gate|up product -> [T, I], one
 launch, so the shared expert is GEMM -> swiglu -> GEMM.
 
-Quantized experts (`QuantizedExperts`, the published formats, dequantized in the kernel as each tile is loaded):
-  fp8    data [E, N, K] float8_e4m3fn, scale [E, H * ceil(R/128), ceil(K/128)] float32: the 128x128 block scales of
-         each of the H halves of R rows (gate_up: H = 2 halves of I rows, w1 then w3; down: H = 1 of D rows)
-  mxfp4  data [E, N, K/2] int8 (two e2m1 codes per byte, low nibble = even k), scale [E, N, K/32] e8m0
-         (float8_e8m0fnu or its uint8 bytes)
+Quantized experts (`QuantizedExperts`):
+  fp8           data [E, N, K] float8_e4m3fn, scale [E, H * ceil(R/128), ceil(K/128)] float32: the 128x128 block
+                scales of each of the H halves of R rows (gate_up: H = 2 halves of I rows, w1 then w3; down: H = 1)
+  mxfp4         as published: data [E, N, K/2] int8 (two e2m1 codes per byte, low nibble = even k), scale
+                [E, N, K/32] e8m0 (float8_e8m0fnu or its uint8 bytes); the references read it
+  mxfp4_kernel  the same codes repacked for the kernels (`for_kernels`, once at load; quant_formats.repack_mxfp4):
+                data [E, N, Kp/8] int32, scale [E, N, Kp/32] uint8, Kp = K rounded up to 128
+Their GEMMs put the weights on the MMA's M side (swap-AB: a decode step's 16 tokens of an expert would fill a
+quarter of Hopper's 64-row wgmma; 64 or 128 weight rows fill it) and step K by 128: one fp8 block scale, one mxfp4
+chunk. fp8 converts its tile to bf16 through fp32 (no F2F) and scales each step's product per weight row; with
+quantize_hidden (DeepSeek's numerics) x and h are e4m3 with per-128 scales and the product is e4m3 x e4m3 (wgmma fp8),
+scaled per weight row and token: DeepSeek's own fp8_gemm. mxfp4 decodes its words into bf16 operands in registers.
 """
 
 from __future__ import annotations
@@ -55,9 +62,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype
-from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, dequantize_mxfp4, e2m1_value, simulate_e4m3_groups,
-                                   simulate_quantization)
+from kernels.common import TL_DTYPES, compute_dtype, is_interpreting
+from kernels.fp8_gemm import plan_act_quant
+from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, MXFP4_CHUNK, dequantize_mxfp4, e4m3_groups,
+                                   mxfp4_words_to_values, repack_mxfp4, round_to_dtype, simulate_quantization,
+                                   unpack_mxfp4)
 from kernels.tuning import tuned
 
 
@@ -219,9 +228,9 @@ def route_hash_triton(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: to
 
 
 class QuantizedExperts(NamedTuple):
-    """Routed expert weights as published (see the module docstring); `shape` is the logical [E, N, K]."""
+    """Routed expert weights, quantized (see the module docstring); `shape` is the logical [E, N, K]."""
 
-    format: str  # "fp8" or "mxfp4"
+    format: str  # "fp8", "mxfp4" (as published) or "mxfp4_kernel" (`for_kernels`: the layout the kernels read)
     data: torch.Tensor
     scale: torch.Tensor
     shape: tuple[int, int, int]
@@ -230,6 +239,8 @@ class QuantizedExperts(NamedTuple):
     def dequantize(self) -> torch.Tensor:
         """[E, N, K] float32, the reference's view of the weights."""
         num_experts, n, k = self.shape
+        if self.format == "mxfp4_kernel":
+            return dequantize_mxfp4(*unpack_mxfp4(self.data, self.scale, k))
         if self.format == "mxfp4":
             return dequantize_mxfp4(self.data, self.scale.view(torch.uint8))
         r = self.rows_per_half  # each half has its own grid of 128 x 128 block scales
@@ -238,37 +249,136 @@ class QuantizedExperts(NamedTuple):
         per_row = halves.reshape(num_experts, n, -1).repeat_interleave(FP8_BLOCK, -1)[..., :k]
         return self.data.float() * per_row
 
+    def for_kernels(self) -> QuantizedExperts:
+        """The weights in the layout the kernels read: MXFP4 repacked (`repack_mxfp4`, expert by expert: no temporary
+        of the whole tensor), FP8 as published. Done once, when a model that runs the kernels is built."""
+        if self.format != "mxfp4":
+            return self
+        parts = [repack_mxfp4(self.data[e], self.scale[e]) for e in range(self.shape[0])]
+        return self._replace(format="mxfp4_kernel", data=torch.stack([words for words, _ in parts]),
+                             scale=torch.stack([scale for _, scale in parts]))
+
 
 DENSE, FP8, MXFP4 = 0, 1, 2
-FP8_SCALE_BLOCK, MXFP4_SCALE_BLOCK = 128, 32  # the K extent of one scale: 128 x 128 blocks, 32-column groups
+QUANTIZED_BLOCK_K = 128  # K step of the quantized experts: one fp8 scale block, one mxfp4 chunk, one act_quant group
 GROUP_SIZE_M = 8  # row blocks per launch group (the standard Triton matmul value)
-_FORMATS = {"fp8": FP8, "mxfp4": MXFP4}
+_FORMATS = {"fp8": FP8, "mxfp4_kernel": MXFP4}
 
 
 @triton.jit
-def _expert_weight_tile(w_ptr, expert, rows, ks, mask, stride_we, stride_wn, WEIGHT_FORMAT: tl.constexpr,
-                        COMPUTE_DTYPE: tl.constexpr):
-    """W[expert, rows, ks] as a [BLOCK_K, BLOCK_N] tile in COMPUTE_DTYPE (rows [1, BLOCK_N], ks [BLOCK_K, 1]), before
-    its block scales (`_expert_tile_scale`): e4m3 and e2m1 values are exact in bf16, so the tile converts without a
-    float32 copy and the scales multiply the tile's product instead, once per column."""
+def _activation_tile(ptr, scale_ptr, rows, row_mask, k0, k_size, stride_row, stride_scale, BLOCK_K: tl.constexpr,
+                     QUANTIZED: tl.constexpr, KEEP_FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+                     COMPUTE_DTYPE: tl.constexpr):
+    """The K step's activations of `rows` (int64 row offsets): [BLOCK_M, BLOCK_K], or [BLOCK_K, BLOCK_M] with SWAP_AB;
+    and their scales. QUANTIZED: stored as e4m3 with one scale per row and 128 columns (BLOCK_K divides 128), kept as
+    e4m3 with the scales [BLOCK_M] for an FP8 dot (KEEP_FP8), else dequantized (exact in bf16); otherwise the values
+    (scale 1)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if SWAP_AB:
+        a = tl.load(ptr + rows[None, :] * stride_row + ks[:, None], mask=row_mask[None, :] & (ks < k_size)[:, None],
+                    other=0.0)
+    else:
+        a = tl.load(ptr + rows[:, None] * stride_row + ks[None, :], mask=row_mask[:, None] & (ks < k_size)[None, :],
+                    other=0.0)
+    scale = 1.0
+    if QUANTIZED:
+        scale = tl.load(scale_ptr + rows * stride_scale + k0 // 128, mask=row_mask, other=0.0)
+        if not KEEP_FP8:
+            a = a.to(tl.float32) * (scale[None, :] if SWAP_AB else scale[:, None])
+            scale = 1.0
+    if not KEEP_FP8:
+        a = a.to(COMPUTE_DTYPE)
+    return a, scale
+
+
+@triton.jit
+def _accumulate(acc, a, a_scale, w_ptr, s_ptr, expert, w_rows, w_row_mask, k0, k_size, rows_per_half, stride_we,
+                stride_wn, stride_se, stride_sn, BLOCK_K: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
+                SWAP_AB: tl.constexpr, FP8_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc plus one K step's product of the activation tile `a` and W[expert, w_rows, k0:k0 + BLOCK_K].
+
+    acc [BLOCK_M, BLOCK_N] += a @ W^T, or with SWAP_AB acc [BLOCK_N, BLOCK_M] += W @ a (a [BLOCK_K, BLOCK_M]): the
+    weight rows on the MMA's M side, where they fill Hopper's 64-row wgmma and the tokens its narrow N side. fp8: the
+    e4m3 tile converted to COMPUTE_DTYPE (or, FP8_DOT, multiplied as e4m3 by e4m3 activations), the product scaled
+    per weight row by its 128 x 128 block scale (and per token by the activations' scale a_scale); mxfp4 (SWAP_AB):
+    the repacked tile decoded with its scales (quant_formats.mxfp4_words_to_values) straight into the MMA operand."""
+    # (one return at the end: Triton compiles the statements after a return in a constexpr branch too)
     if WEIGHT_FORMAT == 2:
-        byte = tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks // 2, mask=mask, other=0).to(tl.int32)
-        return e2m1_value((byte >> ((ks % 2) * 4)) & 0xF).to(COMPUTE_DTYPE)
-    return tl.load(w_ptr + expert * stride_we + rows * stride_wn + ks, mask=mask, other=0.0).to(COMPUTE_DTYPE)
+        words = tl.load(w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + k0 // 8 + tl.arange(0, 16)[None, :],
+                        mask=w_row_mask[:, None], other=0)
+        scales = tl.load(s_ptr + expert * stride_se + w_rows * stride_sn + k0 // 128, mask=w_row_mask, other=0)
+        acc = tl.dot(mxfp4_words_to_values(words, scales, COMPUTE_DTYPE), a, acc, input_precision=DOT_PRECISION)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if SWAP_AB:
+            w = tl.load(w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + ks[None, :],
+                        mask=w_row_mask[:, None] & (ks < k_size)[None, :], other=0.0)
+        else:
+            w = tl.load(w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + ks[:, None],
+                        mask=(ks < k_size)[:, None] & w_row_mask[None, :], other=0.0)
+        if WEIGHT_FORMAT == 0:
+            acc = _oriented_dot(w.to(COMPUTE_DTYPE), a, acc, SWAP_AB, DOT_PRECISION)
+        else:
+            # an FP8 dot takes the default precision; under the interpreter it is an fp32 one (exact)
+            PRECISION: tl.constexpr = (None if NATIVE_FP8 else "ieee") if FP8_DOT else DOT_PRECISION
+            if FP8_DOT and not NATIVE_FP8:
+                a = a.to(tl.float32)
+            product = _oriented_dot(_fp8_operand(w, FP8_DOT, NATIVE_FP8, COMPUTE_DTYPE), a, None, SWAP_AB, PRECISION)
+            acc += product * _fp8_scales(s_ptr, expert, w_rows, k0, w_row_mask, stride_se, stride_sn, rows_per_half,
+                                         a_scale, SWAP_AB, FP8_DOT)
+    return acc
 
 
 @triton.jit
-def _expert_tile_scale(s_ptr, expert, rows, k0, col_mask, stride_se, stride_sn, rows_per_half,
-                       WEIGHT_FORMAT: tl.constexpr):
-    """The block scales [1, BLOCK_N] (fp32) of a quantized tile whose K range starts at k0 and lies in one scale block
-    (BLOCK_K divides 128 for fp8, 32 for mxfp4: `_check_quantized_tiles`): fp8, one scale per 128 x 128 block, the
-    rows of each half on their own grid; mxfp4, one e8m0 per row and 32 columns."""
-    if WEIGHT_FORMAT == 1:
-        blocks = (rows_per_half + 127) // 128
-        scale_rows = (rows // rows_per_half) * blocks + (rows % rows_per_half) // 128
-        return tl.load(s_ptr + expert * stride_se + scale_rows * stride_sn + k0 // 128, mask=col_mask, other=0.0)
-    e8m0 = tl.load(s_ptr + expert * stride_se + rows * stride_sn + k0 // 32, mask=col_mask, other=127)
-    return tl.exp2((e8m0.to(tl.int32) & 0xFF).to(tl.float32) - 127.0)
+def _fp8_operand(w, FP8_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """An e4m3 weight tile as the MMA takes it: converted to COMPUTE_DTYPE through fp32 (no F2F), or kept e4m3 for an
+    FP8 dot (as its fp32 values under the interpreter, which has no FP8 dot: exact)."""
+    if not FP8_DOT:
+        w = w.to(tl.float32).to(COMPUTE_DTYPE)
+    elif not NATIVE_FP8:
+        w = w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _fp8_scales(s_ptr, expert, w_rows, k0, w_row_mask, stride_se, stride_sn, rows_per_half, a_scale,
+                SWAP_AB: tl.constexpr, FP8_DOT: tl.constexpr):
+    """What multiplies one K step's fp8 product: each weight row's block scale, times each token's activation scale
+    for an FP8 dot; broadcast along the product's tokens."""
+    ROWS: tl.constexpr = 1 if SWAP_AB else 0  # the axis along which a weight row's scale broadcasts
+    scale = tl.expand_dims(_fp8_row_scales(s_ptr, expert, w_rows, k0, w_row_mask, stride_se, stride_sn,
+                                           rows_per_half), ROWS)
+    if FP8_DOT:
+        scale = scale * tl.expand_dims(a_scale, 1 - ROWS)
+    return scale
+
+
+@triton.jit
+def _oriented_dot(w, a, acc, SWAP_AB: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """w @ a with SWAP_AB (weight rows first), else a @ w."""
+    if SWAP_AB:
+        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+    else:
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _fp8_row_scales(s_ptr, expert, rows, k0, row_mask, stride_se, stride_sn, rows_per_half):
+    """The fp8 block scales [len(rows)] of weight rows for the K block at k0: one per 128 x 128 block, the rows of
+    each half (w1, w3) on their own grid."""
+    blocks = (rows_per_half + 127) // 128
+    scale_rows = (rows // rows_per_half) * blocks + (rows % rows_per_half) // 128
+    return tl.load(s_ptr + expert * stride_se + scale_rows * stride_sn + k0 // 128, mask=row_mask, other=0.0)
+
+
+@triton.jit
+def _by_rows(acc, SWAP_AB: tl.constexpr):
+    """An accumulator as [BLOCK_M, BLOCK_N] (token rows first), whichever side of the MMA the weights took."""
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
@@ -284,20 +394,23 @@ def _grouped_tile(pid, num_row_blocks, num_col_tiles, GROUP_SIZE_M: tl.constexpr
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_gate_up_kernel(
     # pointers
-    x_ptr, w_ptr, s_ptr, h_ptr, sorted_pairs_ptr, block_expert_ptr, topk_weights_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, h_ptr, hs_ptr, sorted_pairs_ptr, block_expert_ptr, topk_weights_ptr,
     # sizes
     num_pairs, max_blocks, top_k, hidden, inter, swiglu_limit, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_hm,
+    stride_xt, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_hm, stride_hs,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr, QUANTIZE_H: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr, QUANTIZE_H: tl.constexpr, OUT_DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T).
 
-    WEIGHT_FIRST (DeepSeek's order): h is multiplied by the pair's routing weight here, not after the down
-    projection; QUANTIZE_H: then rounded to h's dtype and act_quant'ed, e4m3 per 128 columns (BLOCK_N % 128 == 0)."""
+    WEIGHT_FIRST (DeepSeek's Expert.forward): the gate and up products rounded to OUT_DTYPE (its linears' outputs),
+    SwiGLU and the pair's routing weight in fp32, one rounding to OUT_DTYPE. QUANTIZE_H (DeepSeek's act_quant of both
+    GEMMs' inputs): x is read as e4m3 with its scales (xs), and h is stored so, e4m3 per 128 columns (BLOCK_N % 128
+    == 0) with its scales in hs."""
     block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last used block
@@ -308,58 +421,58 @@ def _moe_gate_up_kernel(
     tokens = (pairs // top_k).to(tl.int64)
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < inter
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_shape: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
+    acc_gate = tl.zeros(acc_shape, tl.float32)
+    acc_up = tl.zeros(acc_shape, tl.float32)
+    FP8_DOT: tl.constexpr = WEIGHT_FORMAT == 1 and QUANTIZE_H
     for k0 in range(0, hidden, BLOCK_K):
-        k_mask = offs_k < hidden - k0
-        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        ks = (k0 + offs_k)[:, None]  # [BLOCK_K, 1]
-        w_gate = _expert_weight_tile(w_ptr, expert, cols[None, :], ks, w_mask, stride_we, stride_wn, WEIGHT_FORMAT,
-                                     COMPUTE_DTYPE)
-        w_up = _expert_weight_tile(w_ptr, expert, (cols + inter)[None, :], ks, w_mask, stride_we, stride_wn,
-                                   WEIGHT_FORMAT, COMPUTE_DTYPE)
-        if WEIGHT_FORMAT == 0:
-            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=DOT_PRECISION)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-        else:  # the tile's products, scaled per column
-            acc_gate += tl.dot(a, w_gate, input_precision=DOT_PRECISION) * _expert_tile_scale(
-                s_ptr, expert, cols[None, :], k0, col_mask[None, :], stride_se, stride_sn, rows_per_half,
-                WEIGHT_FORMAT)
-            acc_up += tl.dot(a, w_up, input_precision=DOT_PRECISION) * _expert_tile_scale(
-                s_ptr, expert, (cols + inter)[None, :], k0, col_mask[None, :], stride_se, stride_sn, rows_per_half,
-                WEIGHT_FORMAT)
-        x_ptrs += BLOCK_K
-    gate = tl.minimum(acc_gate, swiglu_limit)
-    up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+        a, a_scale = _activation_tile(x_ptr, xs_ptr, tokens, row_mask, k0, hidden, stride_xt, stride_xs, BLOCK_K,
+                                      QUANTIZE_H, FP8_DOT, SWAP_AB, COMPUTE_DTYPE)
+        acc_gate = _accumulate(acc_gate, a, a_scale, w_ptr, s_ptr, expert, cols, col_mask, k0, hidden, rows_per_half,
+                               stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, WEIGHT_FORMAT, SWAP_AB, FP8_DOT,
+                               NATIVE_FP8, COMPUTE_DTYPE, DOT_PRECISION)
+        acc_up = _accumulate(acc_up, a, a_scale, w_ptr, s_ptr, expert, cols + inter, col_mask, k0, hidden,
+                             rows_per_half, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K, WEIGHT_FORMAT, SWAP_AB,
+                             FP8_DOT, NATIVE_FP8, COMPUTE_DTYPE, DOT_PRECISION)
+    gate, up = _by_rows(acc_gate, SWAP_AB), _by_rows(acc_up, SWAP_AB)
+    if WEIGHT_FIRST:
+        gate, up = round_to_dtype(gate, OUT_DTYPE), round_to_dtype(up, OUT_DTYPE)
+    gate = tl.minimum(gate, swiglu_limit)
+    up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
     h = gate * tl.sigmoid(gate) * up
     if WEIGHT_FIRST:
-        h = h.to(h_ptr.dtype.element_ty).to(tl.float32)  # the SwiGLU in the dtype, as the reference computes it
-        h = (h * tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]).to(h_ptr.dtype.element_ty)
-        if QUANTIZE_H:
-            h = simulate_e4m3_groups(h.to(tl.float32), BLOCK_M, BLOCK_N)
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+        h = round_to_dtype(h * tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None], OUT_DTYPE)
+    h_offsets = rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    if QUANTIZE_H:
+        grid, scale = e4m3_groups(h, BLOCK_M, BLOCK_N)
+        tl.store(h_ptr + h_offsets, grid.to(h_ptr.dtype.element_ty), mask=mask)
+        groups = col_tile * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(hs_ptr + rows[:, None].to(tl.int64) * stride_hs + groups[None, :], scale,
+                 mask=row_mask[:, None] & (groups < tl.cdiv(inter, 128))[None, :])
+    else:
+        tl.store(h_ptr + h_offsets, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_blocks"])
 def _moe_down_kernel(
     # pointers
-    h_ptr, w_ptr, s_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
+    h_ptr, hs_ptr, w_ptr, s_ptr, topk_weights_ptr, out_ptr, sorted_pairs_ptr, block_expert_ptr,
     # sizes
     num_pairs, max_blocks, top_k, hidden, inter, rows_per_half,
     # strides (the last dimension of every tensor is contiguous)
-    stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    stride_hm, stride_hs, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr, WEIGHT_FIRST: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, WEIGHT_FIRST: tl.constexpr, QUANTIZE_H: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """Program (row block b, hidden columns n): out[token, n] += weight * (h[rows] @ W_down[e, n]^T), in fp32.
 
-    PER_PAIR_OUTPUT stores row `pair` of a [T * k, D] buffer instead of adding into row `token` atomically.
+    WEIGHT_FIRST: the weight is already in h, and each pair's product is rounded to OUT_DTYPE (DeepSeek's w2 output)
+    before the fp32 sum. QUANTIZE_H: h is read as e4m3 with its scales. PER_PAIR_OUTPUT stores row `pair` of a
+    [T * k, D] buffer instead of adding into row `token` atomically.
     """
     block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
@@ -370,22 +483,18 @@ def _moe_down_kernel(
     row_mask = pairs < num_pairs
     cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < hidden
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), tl.float32)
+    FP8_DOT: tl.constexpr = WEIGHT_FORMAT == 1 and QUANTIZE_H
     for k0 in range(0, inter, BLOCK_K):
-        k_mask = offs_k < inter - k0
-        a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
-        w = _expert_weight_tile(w_ptr, expert, cols[None, :], (k0 + offs_k)[:, None],
-                                k_mask[:, None] & col_mask[None, :], stride_we, stride_wn, WEIGHT_FORMAT, COMPUTE_DTYPE)
-        if WEIGHT_FORMAT == 0:
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * _expert_tile_scale(
-                s_ptr, expert, cols[None, :], k0, col_mask[None, :], stride_se, stride_sn, rows_per_half,
-                WEIGHT_FORMAT)
-        h_ptrs += BLOCK_K
-    if not WEIGHT_FIRST:
+        a, a_scale = _activation_tile(h_ptr, hs_ptr, rows.to(tl.int64), row_mask, k0, inter, stride_hm, stride_hs,
+                                      BLOCK_K, QUANTIZE_H, FP8_DOT, SWAP_AB, COMPUTE_DTYPE)
+        acc = _accumulate(acc, a, a_scale, w_ptr, s_ptr, expert, cols, col_mask, k0, inter, rows_per_half, stride_we,
+                          stride_wn, stride_se, stride_sn, BLOCK_K, WEIGHT_FORMAT, SWAP_AB, FP8_DOT, NATIVE_FP8,
+                          COMPUTE_DTYPE, DOT_PRECISION)
+    acc = _by_rows(acc, SWAP_AB)
+    if WEIGHT_FIRST:
+        acc = round_to_dtype(acc, OUT_DTYPE)
+    else:
         acc *= tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     if PER_PAIR_OUTPUT:
@@ -397,42 +506,48 @@ def _moe_down_kernel(
 
 def moe_config(num_pairs: int, num_experts: int, hidden: int, inter: int, weight_format: int = DENSE,
                quantize_hidden: bool = False) -> dict:
-    """BLOCK_M from the mean (token, slot) pairs per expert; tiles and launch options for both GEMMs.
+    """BLOCK_M from the mean (token, slot) pairs per expert; the orientation and tiles of both GEMMs.
 
-    Quantized experts are converted into registers tile by tile (their values exact in bf16), and each K tile lies in
-    one block of their scales, which then multiply the tile's product: fp8 keeps the dense tiles (K tiles of 64 or
-    128 in 128-wide scale blocks); mxfp4 takes K tiles of 32, its scale groups, and two stages (the e2m1 decode's
-    integer tile beside the converted one; sm_90, scripts/check_kernels_compile.py).
+    Quantized experts put the weight rows on the MMA's M side (SWAP_AB; BLOCK_N of 64 or 128: one or two 64-row
+    wgmma per warpgroup) and the row block's tokens on its N side (BLOCK_M 16 at decode), K steps of 128 (one fp8
+    scale block, one mxfp4 chunk): on 16 tokens' rows the MMA would be mma.sync, with fp8 weights upcast to fp16 for
+    an e4m3 product, and fp8 converted to bf16 issues fewer instructions per byte swapped too (sm_90 SASS, Triton
+    3.7: 4.1 against 4.4 at decode, 4.8 against 9.2 in prefill). Dense experts keep the tokens on the M side.
     """
     per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        block_m = 16
+    block_m = 16 if per_expert <= 16 else (32 if per_expert <= 48 else 64)
+    swap_ab = _weights_on_the_m_side(weight_format)
+    if swap_ab:
+        wide = block_m > 16 or quantize_hidden  # quantize_hidden: h is act_quant'ed in 128-column groups in a tile
+        warps = 4 if block_m == 16 else 8  # from 32 tokens, two warpgroups share the 128 weight rows (no spills)
+        gate_up = dict(BLOCK_N=128 if wide else 64, BLOCK_K=QUANTIZED_BLOCK_K, num_warps=warps,
+                       num_stages=4 if block_m < 64 else 3)
+        down = dict(BLOCK_N=128, BLOCK_K=QUANTIZED_BLOCK_K, num_warps=warps, num_stages=4)
+    elif block_m == 16:
         gate_up = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
         down = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    elif per_expert <= 48:
-        block_m = 32
+    elif block_m == 32:
         gate_up = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
         down = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
     else:
-        block_m = 64
         gate_up = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
         down = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
     # small models: no tile wider than its matrix (rounded up to a power of two >= 16, tl.dot's minimum)
     fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731
-    gate_up.update(BLOCK_K=min(gate_up["BLOCK_K"], fit(hidden)), BLOCK_N=min(gate_up["BLOCK_N"], fit(inter)))
-    down.update(BLOCK_K=min(down["BLOCK_K"], fit(inter)), BLOCK_N=min(down["BLOCK_N"], fit(hidden)))
-    if weight_format == MXFP4:
-        for tile in (gate_up, down):
-            tile.update(BLOCK_K=min(tile["BLOCK_K"], MXFP4_SCALE_BLOCK), num_stages=min(tile["num_stages"], 2))
-    if weight_format != DENSE and block_m >= 32:
-        gate_up["num_warps"] = 8  # two converted tiles, two partial products, two accumulators: more threads
+    if not swap_ab:
+        gate_up["BLOCK_K"], down["BLOCK_K"] = min(gate_up["BLOCK_K"], fit(hidden)), min(down["BLOCK_K"], fit(inter))
+    gate_up["BLOCK_N"], down["BLOCK_N"] = min(gate_up["BLOCK_N"], fit(inter)), min(down["BLOCK_N"], fit(hidden))
     if quantize_hidden:  # h is act_quant'ed in groups of 128 columns inside the gate/up tile
         gate_up["BLOCK_N"] = max(gate_up["BLOCK_N"], FP8_ACT_BLOCK)
-    if weight_format == FP8 and gate_up["BLOCK_N"] >= 128:  # two converted [K, 128] tiles: halve K to stay unspilled
-        gate_up["BLOCK_K"] = min(gate_up["BLOCK_K"], 64)
     shape = dict(experts=num_experts, hidden=hidden, inter=inter, format=("dense", "fp8", "mxfp4")[weight_format],
                  quantize_hidden=quantize_hidden, pairs=num_pairs)  # tuned per device (kernels/tuning.py)
-    return tuned("moe", shape, dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, gate_up=gate_up, down=down))
+    return tuned("moe", shape, dict(BLOCK_M=block_m, GROUP_SIZE_M=GROUP_SIZE_M, SWAP_AB=swap_ab, gate_up=gate_up,
+                                    down=down))
+
+
+def _weights_on_the_m_side(weight_format: int) -> bool:
+    """moe_config's SWAP_AB (see there), also for a config that does not say."""
+    return weight_format != DENSE
 
 
 def max_align_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -567,7 +682,8 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     """Check the inputs, align the pairs, allocate buffers; return (finish, launches) without launching.
 
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
-    deepseek_order / quantize_hidden: as in `fused_moe_reference`.
+    deepseek_order / quantize_hidden: as in `fused_moe_reference`; quantize_hidden adds one launch ahead, x's
+    act_quant to e4m3 and its scales (kernels/fp8_gemm.py), and h is kept so between the two GEMMs.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
@@ -578,14 +694,10 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     if num_pairs == 0:
         return (lambda: torch.zeros_like(x, dtype=out_dtype or x.dtype)), []
     weight_format = _weight_format(w_gate_up)
-    cfg = config or moe_config(num_pairs, num_experts, hidden, inter, weight_format=weight_format,
-                               quantize_hidden=quantize_hidden)
-    scale_block = {FP8: FP8_SCALE_BLOCK, MXFP4: MXFP4_SCALE_BLOCK}.get(weight_format)
-    assert scale_block is None or all(scale_block % cfg[gemm]["BLOCK_K"] == 0 for gemm in ("gate_up", "down")), \
-        f"quantized experts: BLOCK_K must divide their scale block of {scale_block} (each K tile has one scale)"
-    assert not quantize_hidden or (deepseek_order and inter % FP8_ACT_BLOCK == 0
-                                   and cfg["gate_up"]["BLOCK_N"] % FP8_ACT_BLOCK == 0), \
-        f"quantize_hidden: DeepSeek's order, groups of {FP8_ACT_BLOCK} intermediate columns within a tile"
+    cfg = {"SWAP_AB": _weights_on_the_m_side(weight_format),
+           **(config or moe_config(num_pairs, num_experts, hidden, inter, weight_format=weight_format,
+                                   quantize_hidden=quantize_hidden))}
+    _check_tiles(cfg, weight_format, hidden, inter, deepseek_order, quantize_hidden)
     block_m, group_size_m = cfg["BLOCK_M"], cfg.get("GROUP_SIZE_M", GROUP_SIZE_M)
     out_rows = num_pairs if per_pair_output else num_tokens
     # per-pair rows of left-out pairs (another rank's experts) are never written: zeroed up front
@@ -593,32 +705,31 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     (sorted_pairs, block_expert), align = plan_moe_align(topk_ids.contiguous(), num_experts, block_m,
                                                          zero=None if per_pair_output else out)
     max_blocks = block_expert.shape[0]
-    dot_dtype = compute_dtype(x.dtype)
-    precision = "ieee" if dot_dtype == tl.float32 else "tf32"
+    (x_in, x_scale), quantize = plan_act_quant(x) if quantize_hidden else ((x, x), [])
+    h_dtype = torch.float8_e4m3fn if quantize_hidden else x.dtype
+    h = torch.empty((max_blocks * block_m, inter), dtype=h_dtype, device=x.device)
+    h_scale = torch.empty((h.shape[0], triton.cdiv(inter, FP8_ACT_BLOCK)), dtype=torch.float32, device=x.device) \
+        if quantize_hidden else h  # (unread without quantize_hidden)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    h = torch.empty((max_blocks * block_m, inter), dtype=x.dtype, device=x.device)
-
-    g = cfg["gate_up"]
+    dot_dtype = compute_dtype(x.dtype)
+    common = dict(BLOCK_M=block_m, COMPUTE_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+                  WEIGHT_FORMAT=weight_format, GROUP_SIZE_M=group_size_m, WEIGHT_FIRST=bool(deepseek_order),
+                  QUANTIZE_H=bool(quantize_hidden), OUT_DTYPE=TL_DTYPES[x.dtype], NATIVE_FP8=not is_interpreting(),
+                  SWAP_AB=bool(cfg["SWAP_AB"]))
+    g, d = cfg["gate_up"], cfg["down"]
     (gu_data, gu_scale, gu_rows), (d_data, d_scale, d_rows) = _kernel_weights(w_gate_up), _kernel_weights(w_down)
-    gate_up_args = (x, gu_data, gu_scale, h, sorted_pairs, block_expert, weights, num_pairs, max_blocks, top_k,
-                    hidden, inter,
-                    float(swiglu_limit), gu_rows, x.stride(0), gu_data.stride(0), gu_data.stride(1),
-                    gu_scale.stride(0), gu_scale.stride(1), h.stride(0))
-    gate_up_kwargs = dict(BLOCK_M=block_m, BLOCK_N=g["BLOCK_N"], BLOCK_K=g["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
-                          DOT_PRECISION=precision, WEIGHT_FORMAT=weight_format, GROUP_SIZE_M=group_size_m,
-                          WEIGHT_FIRST=bool(deepseek_order), QUANTIZE_H=bool(quantize_hidden),
-                          num_warps=g["num_warps"], num_stages=g["num_stages"])
-    d = cfg["down"]
-    down_args = (h, d_data, d_scale, weights, out, sorted_pairs, block_expert, num_pairs, max_blocks, top_k, hidden,
-                 inter, d_rows,
-                 h.stride(0), d_data.stride(0), d_data.stride(1), d_scale.stride(0), d_scale.stride(1), out.stride(0))
-    down_kwargs = dict(BLOCK_M=block_m, BLOCK_N=d["BLOCK_N"], BLOCK_K=d["BLOCK_K"], COMPUTE_DTYPE=dot_dtype,
-                       DOT_PRECISION=precision, PER_PAIR_OUTPUT=per_pair_output, WEIGHT_FORMAT=weight_format,
-                       GROUP_SIZE_M=group_size_m, WEIGHT_FIRST=bool(deepseek_order), num_warps=d["num_warps"],
-                       num_stages=d["num_stages"])
-    launches = align + [
-        (_moe_gate_up_kernel, (max_blocks * triton.cdiv(inter, g["BLOCK_N"]),), gate_up_args, gate_up_kwargs),
-        (_moe_down_kernel, (max_blocks * triton.cdiv(hidden, d["BLOCK_N"]),), down_args, down_kwargs),
+    gate_up_args = (x_in, x_scale, gu_data, gu_scale, h, h_scale, sorted_pairs, block_expert, weights, num_pairs,
+                    max_blocks, top_k, hidden, inter, float(swiglu_limit), gu_rows, x_in.stride(0), x_scale.stride(0),
+                    gu_data.stride(0), gu_data.stride(1), gu_scale.stride(0), gu_scale.stride(1), h.stride(0),
+                    h_scale.stride(0))
+    down_args = (h, h_scale, d_data, d_scale, weights, out, sorted_pairs, block_expert, num_pairs, max_blocks, top_k,
+                 hidden, inter, d_rows, h.stride(0), h_scale.stride(0), d_data.stride(0), d_data.stride(1),
+                 d_scale.stride(0), d_scale.stride(1), out.stride(0))
+    launches = quantize + align + [
+        (_moe_gate_up_kernel, (max_blocks * triton.cdiv(inter, g["BLOCK_N"]),), gate_up_args,
+         dict(common, **_tiles(g))),
+        (_moe_down_kernel, (max_blocks * triton.cdiv(hidden, d["BLOCK_N"]),), down_args,
+         dict(common, PER_PAIR_OUTPUT=per_pair_output, **_tiles(d))),
     ]
 
     def finish():
@@ -628,23 +739,42 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     return finish, launches
 
 
+def _tiles(gemm: dict) -> dict:
+    return dict(BLOCK_N=gemm["BLOCK_N"], BLOCK_K=gemm["BLOCK_K"], num_warps=gemm["num_warps"],
+                num_stages=gemm["num_stages"])
+
+
+def _check_tiles(cfg: dict, weight_format: int, hidden: int, inter: int, deepseek_order: bool,
+                 quantize_hidden: bool) -> None:
+    block_ks = [cfg[gemm]["BLOCK_K"] for gemm in ("gate_up", "down")]
+    assert weight_format != MXFP4 or (cfg["SWAP_AB"] and block_ks == [QUANTIZED_BLOCK_K] * 2), \
+        f"mxfp4 experts: the weights on the MMA's M side (SWAP_AB), K steps of one {QUANTIZED_BLOCK_K}-wide chunk"
+    assert weight_format != FP8 or all(QUANTIZED_BLOCK_K % block_k == 0 for block_k in block_ks), \
+        f"fp8 experts: K steps within one {QUANTIZED_BLOCK_K}-wide block of their scales"
+    assert not quantize_hidden or (deepseek_order and hidden % FP8_ACT_BLOCK == 0 and inter % FP8_ACT_BLOCK == 0
+                                   and cfg["gate_up"]["BLOCK_N"] % FP8_ACT_BLOCK == 0
+                                   and all(FP8_ACT_BLOCK % block_k == 0 for block_k in block_ks)), \
+        f"quantize_hidden: DeepSeek's order, groups of {FP8_ACT_BLOCK} columns of x and h within a tile"
+
+
 def _weight_format(w) -> int:
     return _FORMATS[w.format] if isinstance(w, QuantizedExperts) else DENSE
 
 
 def _kernel_weights(w):
     """(data, scale, rows_per_half) as the kernels take them; a dense weight stands in for its own
-    scale (the dense kernels never read it)."""
+    scale (the dense kernels never read it). mxfp4's scales are read four at a time, as int32."""
     if not isinstance(w, QuantizedExperts):
         return w, w, w.shape[1]
-    if w.format == "mxfp4":
-        return w.data.view(torch.uint8), w.scale.view(torch.uint8), w.rows_per_half
+    if w.format == "mxfp4_kernel":
+        return w.data, w.scale.view(torch.int32), w.rows_per_half
     return w.data, w.scale, w.rows_per_half
 
 
 def _check_quantized(name: str, w: QuantizedExperts) -> None:
     num_experts, n, k = w.shape
-    assert w.format in _FORMATS, f"{name}: format must be fp8 or mxfp4, got {w.format!r}"
+    assert w.format != "mxfp4", f"{name}: MXFP4 experts are read in the kernels' layout: QuantizedExperts.for_kernels()"
+    assert w.format in _FORMATS, f"{name}: format must be fp8 or mxfp4_kernel, got {w.format!r}"
     assert n % w.rows_per_half == 0, f"{name}: {n} rows are not whole halves of {w.rows_per_half}"
     if w.format == "fp8":
         assert w.data.dtype == torch.float8_e4m3fn and tuple(w.data.shape) == w.shape, f"{name}: fp8 data [E, N, K]"
@@ -652,8 +782,10 @@ def _check_quantized(name: str, w: QuantizedExperts) -> None:
         assert tuple(w.scale.shape) == (num_experts, blocks, triton.cdiv(k, 128)) and w.scale.dtype == torch.float32, (
             f"{name}: fp8 scales must be float32 [E, {blocks}, {triton.cdiv(k, 128)}], got {tuple(w.scale.shape)}")
     else:
-        assert k % 32 == 0 and tuple(w.data.shape) == (num_experts, n, k // 2), f"{name}: mxfp4 data [E, N, K/2]"
-        assert tuple(w.scale.shape) == (num_experts, n, k // 32), f"{name}: mxfp4 scales [E, N, K/32]"
+        chunks = triton.cdiv(k, MXFP4_CHUNK)
+        assert w.data.dtype == torch.int32 and tuple(w.data.shape) == (num_experts, n, 16 * chunks), \
+            f"{name}: mxfp4_kernel words int32 [E, N, {16 * chunks}]"
+        assert tuple(w.scale.shape) == (num_experts, n, 4 * chunks), f"{name}: mxfp4_kernel scales [E, N, {4 * chunks}]"
     assert w.data.stride(-1) == 1 and w.scale.stride(-1) == 1, f"{name}: last dimensions contiguous"
 
 
@@ -665,12 +797,12 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
     assert tuple(w_gate_up.shape) == (num_experts, two_inter, hidden) and two_inter % 2 == 0, \
         "w_gate_up must be [E, 2I, D]"
     assert tuple(w_down.shape) == (num_experts, hidden, two_inter // 2), "w_down must be [E, D, I]"
-    assert _weight_format(w_gate_up) == _weight_format(w_down), "both expert weights in one format"
     for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
         if isinstance(w, QuantizedExperts):
             _check_quantized(name, w)
         else:
             assert w.dtype == x.dtype and w.stride(2) == 1, f"{name}: x's dtype, last dimension contiguous"
+    assert _weight_format(w_gate_up) == _weight_format(w_down), "both expert weights in one format"
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens, "topk_ids must be [T, k]"
     assert topk_ids.dtype == torch.int64, f"topk_ids must be int64, got {topk_ids.dtype}"
     assert topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(), "topk_weights must be [T, k]"
@@ -761,10 +893,19 @@ def fused_moe_reference(
     *,
     deepseek_order: bool = False,
     quantize_hidden: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """deepseek_order: the routing weight multiplies the SwiGLU output before the down projection (DeepSeek's
-    Expert.forward; transformers applies it after); quantize_hidden: that product, rounded to x's dtype, is then
-    act_quant'ed (e4m3 per 128, DeepSeek's numerics on FP8/FP4 experts)."""
+    """The routed experts, [T, D] in x's dtype (or out_dtype), each GEMM's output rounded to x's dtype.
+
+    transformers' order: SwiGLU in x's dtype, the routing weight after the down projection, the pairs summed in fp32
+    and the sum rounded to x's dtype (then cast to out_dtype). deepseek_order (DeepSeek's Expert.forward and
+    MoE.forward): SwiGLU and the routing weight in fp32, rounded once before the down projection, and the pairs'
+    products summed in fp32, returned unrounded with out_dtype=torch.float32 (DeepSeek adds the shared expert to that
+    sum before its one rounding). quantize_hidden: DeepSeek's act_quant (e4m3 per 128 columns) of both GEMMs' inputs,
+    x and the weighted SwiGLU output, as its FP8/FP4 linears quantize their inputs (on x already so rounded, as the
+    model passes it, a no-op)."""
+    if quantize_hidden:
+        x = simulate_quantization(x, FP8_ACT_BLOCK, "e4m3")
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     num_experts = w_gate_up.shape[0]
     flat_ids = topk_ids.reshape(-1)
@@ -779,17 +920,19 @@ def fused_moe_reference(
         pairs = order[start : start + count]
         tokens = token_of[start : start + count]
         start += count
-        hidden = clamped_swiglu(F.linear(x[tokens], w_gate_up[expert]), swiglu_limit)
+        gate_up = F.linear(x[tokens], w_gate_up[expert])
         weight = topk_weights.reshape(-1)[pairs, None].float()
         if deepseek_order:
-            hidden = (hidden.float() * weight).to(x.dtype)
+            hidden = (clamped_swiglu(gate_up.float(), swiglu_limit) * weight).to(x.dtype)
             if quantize_hidden:
                 hidden = simulate_quantization(hidden, FP8_ACT_BLOCK, "e4m3")
             contribution = F.linear(hidden, w_down[expert]).float()
         else:
-            contribution = F.linear(hidden, w_down[expert]).float() * weight
+            contribution = F.linear(clamped_swiglu(gate_up, swiglu_limit), w_down[expert]).float() * weight
         out.index_add_(0, tokens, contribution)
-    return out.to(x.dtype)
+    if not deepseek_order:  # transformers rounds the routed sum before the shared expert is added to it
+        out = out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)
 
 
 # The names the engine's KernelDispatch looks up (`<op>_reference`).

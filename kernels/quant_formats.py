@@ -12,6 +12,8 @@ checkpoint loader (through backend/model/quantization.py, which also writes them
 - MXFP4 (routed experts, `expert_dtype: "fp4"`): `X.weight` int8 [N, K/2], two e2m1 codes per byte
   (low nibble = even k), and `X.scale` e8m0 [N, K/32]: W[n, k] = FP4[code] * 2^(S[n, k // 32] - 127).
 - e8m0: byte b means 2^(b - 127) (0xFF is NaN); the scale multiplies, it is not an inverse.
+- MXFP4 in the kernels' layout (`repack_mxfp4`, a load-time repack for the MoE kernels): the same codes and scales,
+  arranged so that registers turn them into bf16 with a few integer operations (see the section below).
 
 Every dequantized value is exact in bf16 and fp32: an e4m3 or e2m1 value (3 or 1 mantissa bits)
 times a power of two.
@@ -59,6 +61,57 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
     values = torch.stack((table[low], table[high]), dim=-1).flatten(-2)  # [N, K]: low nibble = even k
     return values * scale_to_float(scale).repeat_interleave(MXFP4_BLOCK, -1)
+
+
+# --- MXFP4 weights in the kernels' layout ---------------------------------------------------------------------------
+# Hopper has no FP4 tensor cores: the MoE kernels turn e2m1 codes into bf16 in registers and multiply in bf16. As
+# published, two codes share a byte and the bytes of a row follow K, so a register of codes decodes only through
+# per-value shifts and selects. Repacked, each row is cut into chunks of 128 K values (K padded with zero codes), a
+# chunk into 16 int32 words; word w holds, for each of the chunk's four 32-wide scale groups j, the pair
+# k = 32 j + 2 w + (0, 1), its four bits (sign, exponent 2 bits, mantissa) at MXFP4_BIT_POSITIONS[j] of the word's
+# low (even k) or high (odd k) 16 bits. Group j's two codes then become two bf16 bit patterns (sign at bit 15,
+# exponent and mantissa at bits 8..6: the bf16 value fp4 x 2^-126, exact) with one mask for j = 0, a shift and a mask
+# for j = 1, 2 (3 j bits left) and three for j = 3 (`mxfp4_words_to_values`); one bf16 multiply by 2^(e - 1) applies
+# the group's e8m0 code e and the missing 2^126. The pair lies in one register as the MMA operand wants it. The scales
+# stay e8m0 bytes [N, K/32] (padded with 127), a chunk's four read as one int32. Codes above 128 (scales above 2)
+# would overflow the bf16 multiplier and are refused; DeepSeek's published weights use scales far below 1.
+MXFP4_CHUNK = 128
+MXFP4_BIT_POSITIONS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))  # (sign, e1, e0, m) per group
+MXFP4_MAX_SCALE_CODE = 128
+
+
+def repack_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(words int32 [..., N, Kp / 8], scales uint8 [..., N, Kp / 32]) in the kernels' layout from the published codes
+    [..., N, K/2] (int8 or uint8, low nibble = even k) and e8m0 scales [..., N, K/32]; Kp = K rounded up to 128."""
+    codes = packed.view(torch.uint8)
+    k = 2 * codes.shape[-1]
+    padded = -(-k // MXFP4_CHUNK) * MXFP4_CHUNK
+    codes = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2).to(torch.int32)  # [..., N, K]
+    codes = torch.nn.functional.pad(codes, (0, padded - k)).unflatten(-1, (-1, 4, 16, 2))  # [.., chunk, j, w, lane]
+    words = torch.zeros(codes.shape[:-3] + (16,), dtype=torch.int32, device=codes.device)
+    for j, positions in enumerate(MXFP4_BIT_POSITIONS):
+        for lane in range(2):
+            code = codes[..., j, :, lane]
+            for bit, position in zip((3, 2, 1, 0), positions):
+                words |= ((code >> bit) & 1) << (position + 16 * lane)  # bit 31: int32's sign bit, as intended
+    scale = scale.view(torch.uint8)
+    if scale.numel() and int(scale.max()) > MXFP4_MAX_SCALE_CODE:
+        raise ValueError(f"MXFP4 scales above 2 (e8m0 codes above {MXFP4_MAX_SCALE_CODE}) do not fit the kernels' "
+                         f"bf16 multiplier; the largest here is code {int(scale.max())}")
+    scale = torch.nn.functional.pad(scale, (0, padded // MXFP4_BLOCK - scale.shape[-1]), value=127)
+    return words.flatten(-2), scale.contiguous()
+
+
+def unpack_mxfp4(words: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published (codes uint8 [..., N, K/2], e8m0 scales uint8 [..., N, K/32]) from `repack_mxfp4`'s layout."""
+    bits = words.unflatten(-1, (-1, 16)).to(torch.int64) & 0xFFFFFFFF  # [..., N, chunk, w]
+    groups = []
+    for positions in MXFP4_BIT_POSITIONS:
+        lanes = [sum(((bits >> (position + 16 * lane)) & 1) << bit for bit, position in zip((3, 2, 1, 0), positions))
+                 for lane in range(2)]
+        groups.append(torch.stack(lanes, dim=-1).flatten(-2))  # [..., N, chunk, 32]: k = 2 w + lane
+    codes = torch.stack(groups, dim=-2).flatten(-3)[..., :k].to(torch.uint8)  # [..., N, K]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scale[..., :k // MXFP4_BLOCK].view(torch.uint8)
 
 
 # --- DeepSeek's activation quantizers (the semantics of its inference/kernel.py) -----------------------------------
@@ -328,14 +381,61 @@ def e2m1_value(code):
 
 
 @triton.jit
-def simulate_e4m3_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """DeepSeek's in-place act_quant of a float32 tile [ROWS, COLS] in groups of 128 columns (COLS % 128 == 0): each
-    value rounded to e4m3 at its group's power-of-two scale, times the scale; `simulate_quantization(x, 128, "e4m3")`
-    in registers."""
+def e4m3_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """DeepSeek's act_quant of a float32 tile [ROWS, COLS] in groups of 128 columns (COLS % 128 == 0): (values on the
+    e4m3 grid [ROWS, COLS] as float32, each group's power-of-two scale [ROWS, COLS // 128]); `quantize_groups(x, 128,
+    "e4m3")` in registers."""
     groups = tl.reshape(x, [ROWS, COLS // 128, 128])
     _, scale = e4m3_scale_codes(tl.max(tl.abs(groups), 2))
     grid = round_to_e4m3(tl.clamp(groups / scale[:, :, None], -448.0, 448.0))
-    return tl.reshape(grid * scale[:, :, None], [ROWS, COLS])
+    return tl.reshape(grid, [ROWS, COLS]), scale
+
+
+@triton.jit
+def round_to_dtype(v, DTYPE: tl.constexpr):
+    """float32 values rounded to DTYPE (to nearest, ties to even) and back to float32: the rounding a store in DTYPE
+    makes, kept in registers. bf16 from the bits, because the interpreter's float32 -> bf16 cast truncates."""
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    else:
+        return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def mxfp4_words_to_values(words, scale_words, DTYPE: tl.constexpr):
+    """One 128-wide K chunk of `repack_mxfp4`'s layout, words [R, 16] int32 and scale_words [R] int32 (the chunk's four
+    e8m0 codes, group j in byte j), as values [R, 128] in DTYPE: 2 to 6 integer operations per word and group, then
+    one multiply per value (`_mxfp4_group`)."""
+    w = words.to(tl.uint32, bitcast=True)
+    codes = scale_words.to(tl.uint32, bitcast=True)
+    group0 = _mxfp4_group(w & 0x81C081C0, codes & 0xFF, DTYPE)
+    group1 = _mxfp4_group((w << 3) & 0x81C081C0, (codes >> 8) & 0xFF, DTYPE)
+    group2 = _mxfp4_group((w << 6) & 0x81C081C0, (codes >> 16) & 0xFF, DTYPE)
+    group3 = _mxfp4_group(((w << 1) & 0x80008000) | ((w >> 5) & 0x01000100) | ((w >> 4) & 0x00C000C0), codes >> 24,
+                          DTYPE)
+    return concat_columns(concat_columns(group0, group1), concat_columns(group2, group3))
+
+
+@triton.jit
+def _mxfp4_group(pairs, code, DTYPE: tl.constexpr):
+    """Words [R, 16] each holding the bf16 bit patterns (fp4 x 2^-126) of the pair k = 2 w, 2 w + 1 in its low and high
+    16 bits -> [R, 32] values times 2^(code - 127): the multiplier 2^(code - 1) also restores the 2^126."""
+    ROWS: tl.constexpr = pairs.shape[0]
+    bits = tl.join((pairs & 0xFFFF).to(tl.uint16), (pairs >> 16).to(tl.uint16)).reshape(ROWS, 2 * pairs.shape[1])
+    if DTYPE == tl.float32:  # the bf16 patterns widened by their bits (the interpreter's cast drops subnormals)
+        values = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        values = bits.to(tl.bfloat16, bitcast=True).to(DTYPE)
+    multiplier = ((code.to(tl.int32) + 126) << 23).to(tl.float32, bitcast=True)
+    return values * multiplier.to(DTYPE)[:, None]
+
+
+@triton.jit
+def concat_columns(a, b):
+    """[R, C] and [R, C] -> [R, 2C], a's columns first (a join: no data moves between threads)."""
+    ROWS: tl.constexpr = a.shape[0]
+    return tl.join(a, b).permute(0, 2, 1).reshape(ROWS, 2 * a.shape[1])
 
 
 @triton.jit

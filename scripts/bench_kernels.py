@@ -6,12 +6,14 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
               (window only), CSA (window + top-512) and HCA (window + all 1/128 entries) layers
   indexer     the same decode batches and prefill chunk (CSA, 64 heads x 128)
   moe         256 experts top-6, hidden 4096, intermediate 2048, at 1..256 decode tokens and 4096 prefill tokens
-  moe_q       the same MoE cases with the experts as published (fp8 with block scales, mxfp4), dequantized in the
-              kernel; "ref" is the bf16 kernel on the dequantized weights, so "x ref" is the speed-up of serving them
-              quantized
-  fp8_gemm    the FP8 linears of V4-Flash (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) at 1, 64 and 4096 tokens,
-              checked against fp8_gemm_reference; "ref" is the same product as a bf16 F.linear (cuBLAS) on the
-              dequantized weight, so "x ref" is the FP8 kernel's speed-up over serving the weight in bf16
+  moe_q       the same MoE cases with the experts as published (fp8 with block scales, mxfp4 repacked for the
+              kernels once, outside the timing), in transformers' numerics (bf16 activations) and in DeepSeek's
+              ("deepseek": its order, x and h act_quant'ed: fp8 runs e4m3 x e4m3); "ref" is the bf16 kernel on the
+              dequantized weights, so "x ref" is the speed-up of serving them quantized
+  fp8_gemm    the FP8 linears of V4-Flash (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) at 1, 16, 32, 64 and 4096
+              tokens (each variant fp8_gemm_config picks), checked against fp8_gemm_reference; "ref" is the same
+              product as a bf16 F.linear (cuBLAS) on the dequantized weight, so "x ref" is the FP8 kernel's
+              speed-up over serving the weight in bf16
   mhc         the hyper-connection collapse (+ RMSNorm), mix (+ a second, fp32 block output) and head collapse on
               bf16 streams [T, 4, 4096] at the decode batches and the prefill chunk
   glue        the rest of a layer's launches at the decode batches and the prefill chunk: RMSNorm+RoPE (q_a; q per
@@ -75,11 +77,11 @@ FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, in
               moe_decode_tokens=[1, 8, 32, 64, 128, 256],
               fp8_linears={"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                            "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)},
-              fp8_tokens=[1, 64, 4096], q_lora_rank=1024, rope_dim=64, vocab=129280)
+              fp8_tokens=[1, 16, 32, 64, 4096], q_lora_rank=1024, rope_dim=64, vocab=129280)
 DRY = Shapes(head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8, hidden=64, moe_inter=32,
              num_experts=8, top_k=2, window=16, csa_rate=4, hca_rate=16, page_size=8, context=72,
              decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5],
-             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5], q_lora_rank=48, rope_dim=16, vocab=1000)
+             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5, 20], q_lora_rank=48, rope_dim=16, vocab=1000)
 
 
 @dataclass
@@ -455,21 +457,29 @@ def bench_moe_quantized(torch, s, device, timer, options):
 
     results = []
     gen = torch.Generator(device=device).manual_seed(1)
+    # DeepSeek's numerics act_quant x and h in groups of 128 (the dry run's widths are too narrow)
+    numerics = {"": {}, "deepseek ": dict(deepseek_order=True, quantize_hidden=True)}
+    if s.hidden % 128 or s.moe_inter % 128:
+        del numerics["deepseek "]
     for fmt, weight_bytes in (("fp8", 1.0), ("mxfp4", 0.5 + 1 / 32)):
         gate_up = quantized_experts(torch, device, fmt, s.num_experts, 2 * s.moe_inter, s.hidden, 2, gen)
         down = quantized_experts(torch, device, fmt, s.num_experts, s.hidden, s.moe_inter, 1, gen)
         bf16 = (_dequantized_bf16(torch, gate_up), _dequantized_bf16(torch, down))
-        for num_tokens in [*s.moe_decode_tokens, s.prefill_tokens]:
-            x, ids, weights, *_ = moe_inputs(torch, s, device, num_tokens, bf16)
-            name = f"{fmt} {'prefill' if num_tokens == s.prefill_tokens else 'decode'} T={num_tokens}"
-            actual = fused_moe_triton(x, ids, weights, gate_up, down, 10.0)
-            expected = fused_moe_reference(x, ids, weights, *bf16, 10.0)
-            error = _max_error(torch, actual, expected, *TOLERANCES["moe"])
-            ms = timer(lambda: fused_moe_triton(x, ids, weights, gate_up, down, 10.0))
-            ref_ms = None if options.skip_reference else timer(lambda: fused_moe_triton(x, ids, weights, *bf16, 10.0))
-            status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
-            print(f"  {'moe_q':<10} {name:<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  {status}", flush=True)
-            results.append(Result("moe_q", name, ms, ref_ms, *moe_work(s, ids, weight_bytes), error))
+        gate_up, down = gate_up.for_kernels(), down.for_kernels()  # mxfp4 repacked, as the model does at load
+        for label, order in numerics.items():
+            for num_tokens in [*s.moe_decode_tokens, s.prefill_tokens]:
+                x, ids, weights, *_ = moe_inputs(torch, s, device, num_tokens, bf16)
+                name = f"{fmt} {label}{'prefill' if num_tokens == s.prefill_tokens else 'decode'} T={num_tokens}"
+                actual = fused_moe_triton(x, ids, weights, gate_up, down, 10.0, **order)
+                expected = fused_moe_reference(x, ids, weights, *bf16, 10.0, **order)
+                error = _max_error(torch, actual, expected, *TOLERANCES["moe"])
+                ms = timer(lambda: fused_moe_triton(x, ids, weights, gate_up, down, 10.0, **order))
+                ref_ms = None if options.skip_reference else timer(
+                    lambda: fused_moe_triton(x, ids, weights, *bf16, 10.0))
+                status = "ok" if error <= 1 else f"MISMATCH (normalised error {error:.3g} > 1)"
+                print(f"  {'moe_q':<10} {name:<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  {status}",
+                      flush=True)
+                results.append(Result("moe_q", name, ms, ref_ms, *moe_work(s, ids, weight_bytes), error))
     return results
 
 

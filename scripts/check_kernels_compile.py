@@ -13,8 +13,8 @@ shared memory; a table of every compiled kernel is printed either way.
 
   python scripts/check_kernels_compile.py            # all models, all cases
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
-  python scripts/check_kernels_compile.py --sass "v4-flash attention csa fp8 kv decode T=256"
-      # what the case's kernels execute per key tile: the SASS instruction mix of each loop, per KV byte
+  python scripts/check_kernels_compile.py --sass "moe fp8 .*T=256"   # and what each main loop issues per byte it
+                                                     # streams (weights, or keys), from its SASS (scripts/kernel_sass.py)
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # kernels must be JIT functions, not interpreted
@@ -55,6 +55,7 @@ from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: 
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
+from scripts.kernel_sass import describe, loop_profile  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -97,6 +98,7 @@ class Compiled:
     spill_bytes: int  # stack + local memory
     wgmma: bool
     seconds: float
+    loop: str = ""  # --sass: what the main loop issues per iteration and per weight byte
 
     @property
     def problem(self) -> str:
@@ -149,12 +151,13 @@ def indexer_launches(m: dict, num_tokens: int, fp4: bool = False):
 
 
 def _experts(fmt: str, num_experts: int, n: int, k: int, halves: int):
-    """Expert weights [E, N, K] as the kernel takes them: bf16, or QuantizedExperts as published."""
+    """Expert weights [E, N, K] as the kernel takes them: bf16, fp8 as published, mxfp4 repacked for the kernels."""
     if fmt == "bf16":
         return _meta(num_experts, n, k)
     if fmt == "mxfp4":
-        return QuantizedExperts("mxfp4", _meta(num_experts, n, k // 2, dtype=torch.int8),
-                                _meta(num_experts, n, k // 32, dtype=torch.uint8), (num_experts, n, k), n)
+        chunks = -(-k // 128)
+        return QuantizedExperts("mxfp4_kernel", _meta(num_experts, n, 16 * chunks, dtype=torch.int32),
+                                _meta(num_experts, n, 4 * chunks, dtype=torch.uint8), (num_experts, n, k), n)
     rows = n // halves
     scale = _meta(num_experts, halves * -(-rows // 128), -(-k // 128), dtype=torch.float32)
     return QuantizedExperts("fp8", _meta(num_experts, n, k, dtype=torch.float8_e4m3fn), scale, (num_experts, n, k), rows)
@@ -300,7 +303,7 @@ def cases() -> list[tuple[str, str, list]]:
             out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))
             out.append(("v4-flash", f"moe {fmt} deepseek T={t}", moe_launches(flash, t, fmt, deepseek=True)))
     for name, (n, k) in FP8_LINEARS.items():
-        for t in (1, 64, 4096):
+        for t in (1, 16, 32, 64, 256, 4096):  # each variant fp8_gemm_config picks (swap-AB, split-K, act_quant ahead)
             out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k)))
     return out
 
@@ -320,85 +323,31 @@ def _key(kernel, args, kwargs) -> str:
                  sorted(attrs.items(), key=str), options.num_warps, options.num_stages))
 
 
-def _cuobjdump(cubin: bytes, flag: str) -> str:
+def _cuobjdump(cubin: bytes, option: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([str(CUOBJDUMP), flag, f.name], check=True, capture_output=True, text=True).stdout
+        return subprocess.run([str(CUOBJDUMP), option, f.name], check=True, capture_output=True, text=True).stdout
 
 
 def _resource_usage(cubin: bytes) -> dict:
-    text = _cuobjdump(cubin, "-res-usage")
-    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    line = next(ln for ln in _cuobjdump(cubin, "-res-usage").splitlines() if "REG:" in ln)
     return {k: int(v) for k, v in (field.split(":") for field in line.split() if ":" in field and "[" not in field)}
 
 
-def _compile(kernel, args, kwargs):
-    signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+_WEIGHT_BYTES = {0: 2.0, 1: 1.0, 2: 0.5}  # per element, by the MoE kernels' WEIGHT_FORMAT (bf16, fp8, mxfp4)
 
 
-def compile_case(index: int) -> list[tuple[str, Compiled]]:
-    """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels)."""
-    model, case, launches = cases()[index]
-    results = []
-    for kernel, _grid, args, kwargs in launches:
-        start = time.time()
-        compiled = _compile(kernel, args, kwargs)
-        options = compiled.metadata
-        usage = _resource_usage(compiled.asm["cubin"])
-        tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in ("IS_SPLIT",
-                                                                                               "COMP_MODE"))
-        config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
-        results.append((_key(kernel, args, kwargs), Compiled(
-            kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
-            spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
-            seconds=time.time() - start)))
-    return results
-
-
-# --- what a loop executes: the SASS instruction mix of each loop body ----------------------------------------------
-# Classes of the instructions that say how a key tile reaches the tensor cores; the rest are counted in "other".
-SASS_CLASSES = {
-    "LDG.8": r"LDG\.E(\.EL)?\.(U8|S8)", "LDG.16": r"LDG\.E(\.EL)?\.(U16|S16)", "LDG.64": r"LDG\.E(\.EL)?\.64",
-    "LDG.128": r"LDG\.E(\.EL)?\.128", "LDG.32": r"LDG\.E(\.EL)?(\.CONSTANT)?$",
-    "cp.async.128": r"LDGSTS\.E(\.BYPASS)?\.128", "cp.async": r"LDGSTS\.E(\.BYPASS)?(\.(32|64))?$",
-    "shared": r"(LDS|STS|LDSM|STSM)",
-    "convert": r"(F2F|F2FP|I2F|F2I|HADD2\.F32)", "permute": r"PRMT", "fp32 mul/fma": r"(FMUL|FFMA)",
-    "mma": r"(HMMA|HGMMA|QGMMA|IMMA)", "int division": r"(MUFU\.RCP|CALL)",
-}
-
-
-def _instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, opcode with modifiers, predicate dropped) of every SASS instruction."""
-    out = []
-    for match in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass):
-        out.append((int(match.group(1), 16), match.group(2), match.group(3)))
-    return out
-
-
-def sass_bodies(cubin: bytes) -> list[tuple[str, int, Counter]]:
-    """(name, instructions, instruction classes) of each loop body (a backward branch's range), in program order,
-    then of the whole kernel (what a program runs when its key tile is read outside any loop, as the indexer's)."""
-    instructions = _instructions(_cuobjdump(cubin, "-sass"))
-    ranges = []
-    for address, opcode, operands in instructions:
-        target = re.search(r"0x([0-9a-f]+)", operands) if opcode == "BRA" else None
-        if target and int(target.group(1), 16) < address:
-            ranges.append((f"loop {len(ranges)}", int(target.group(1), 16), address))
-    ranges.append(("kernel", instructions[0][0], instructions[-1][0]))
-    bodies = []
-    for name, lo, hi in ranges:
-        body = [opcode for address, opcode, _ in instructions if lo <= address <= hi]
-        classes = Counter({cls: sum(1 for op in body if re.match(pattern, op)) for cls, pattern in
-                           SASS_CLASSES.items()})
-        bodies.append((name, len(body), classes))
-    return bodies
-
-
-def _key_bytes_per_program(kernel, args, kwargs) -> float | None:
-    """Bytes of keys one loop iteration (or program) of the attention or indexer kernel accounts for: its key tile,
-    shared by the attention's head blocks (each reads the tile), so that counts per byte compare tiles."""
+def streamed_bytes_per_iteration(kernel, args, kwargs) -> float | None:
+    """Bytes one program streams per iteration of its main loop: weights (FP8 GEMM, MoE) or keys (attention,
+    indexer: the key tile, shared by the attention's head blocks, each of which reads it, so that counts per byte
+    compare tiles); None for a kernel that streams neither."""
+    name = kernel.fn.__name__
+    if name == "_fp8_gemm_kernel":
+        return kwargs["BLOCK_N"] * kwargs["BLOCK_K"]
+    if name in ("_moe_gate_up_kernel", "_moe_down_kernel"):
+        tiles = 2 if name == "_moe_gate_up_kernel" else 1  # gate and up
+        return tiles * kwargs["BLOCK_N"] * kwargs["BLOCK_K"] * _WEIGHT_BYTES[kwargs["WEIGHT_FORMAT"]]
     names = dict(zip(kernel.arg_names, args))
     pool = names.get("comp_kv_ptr" if kwargs.get("COMP_MODE") else "window_kv_ptr", names.get("index_k_ptr"))
     rows = kwargs.get("BLOCK_N", kwargs.get("BLOCK_E"))
@@ -408,24 +357,38 @@ def _key_bytes_per_program(kernel, args, kwargs) -> float | None:
     return rows * pool.shape[-1] * pool.element_size() / readers
 
 
-def print_sass_mix(name: str) -> int:
-    """The instruction mix of each loop of the case's kernels: instructions a warp issues per iteration, and (in
-    brackets) all warps' per byte of keys."""
-    found = [(model, case, launches) for model, case, launches in cases() if f"{model} {case}" == name]
-    if not found:
-        print(f"no case {name!r}; the cases are the table's configs (model and case)", file=sys.stderr)
-        return 2
-    for kernel, _grid, args, kwargs in found[0][2]:
+def _loop_line(kernel, args, kwargs: dict, num_warps: int, cubin: bytes) -> str:
+    body = loop_profile(_cuobjdump(cubin, "-sass"))
+    streamed = streamed_bytes_per_iteration(kernel, args, kwargs)
+    return describe(body, streamed / (32 * num_warps) if streamed else None)
+
+
+def _compile(kernel, args, kwargs):
+    signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+
+
+_VARIANT_KWARGS = ("IS_SPLIT", "COMP_MODE", "SPLIT_K", "SWAP_AB", "PREQUANTIZED", "WEIGHT_FORMAT", "QUANTIZE_H")
+
+
+def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
+    """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels);
+    sass: also profile each kernel's main loop."""
+    model, case, launches = cases()[index]
+    results = []
+    for kernel, _grid, args, kwargs in launches:
+        start = time.time()
         compiled = _compile(kernel, args, kwargs)
-        warps, key_bytes = compiled.metadata.num_warps, _key_bytes_per_program(kernel, args, kwargs)
+        options = compiled.metadata
         usage = _resource_usage(compiled.asm["cubin"])
-        print(f"{kernel.fn.__name__}: {usage['REG']} registers, spills {usage.get('STACK', 0) + usage.get('LOCAL', 0)} "
-              f"B, shared {compiled.metadata.shared} B, {warps} warps, {key_bytes or 0:g} key bytes an iteration")
-        per_byte = (lambda n: f" ({n * warps / key_bytes:.3f}/B)") if key_bytes else (lambda n: "")  # noqa: E731
-        for body, length, classes in sass_bodies(compiled.asm["cubin"]):
-            mix = ", ".join(f"{k} {v}{per_byte(v)}" for k, v in classes.items() if v)
-            print(f"  {body}: {length} instructions a warp{per_byte(length)}; {mix}")
-    return 0
+        tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in _VARIANT_KWARGS)
+        config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
+        loop = _loop_line(kernel, args, kwargs, options.num_warps, compiled.asm["cubin"]) if sass else ""
+        results.append((_key(kernel, args, kwargs), Compiled(
+            kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
+            spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
+            seconds=time.time() - start, loop=loop)))
+    return results
 
 
 def _unique_cases(selected: list[int], all_cases) -> list[int]:
@@ -443,20 +406,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="compile only the CI subset")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
-    parser.add_argument("--sass", metavar="CASE", help="print the SASS instruction mix of one case's loops instead")
+    parser.add_argument("--sass", metavar="REGEX", help="only the cases whose 'model case' matches, each with what "
+                        "its main loop issues per iteration and per byte it streams (weights or keys)")
     options = parser.parse_args()
-    if options.sass:
-        return print_sass_mix(options.sass)
 
     all_cases = cases()
-    selected = [i for i, (model, case, _) in enumerate(all_cases) if not options.quick or (model, case) in QUICK]
+    selected = [i for i, (model, case, _) in enumerate(all_cases)
+                if (not options.quick or (model, case) in QUICK)
+                and (not options.sass or re.search(options.sass, f"{model} {case}"))]
     selected = _unique_cases(selected, all_cases)
     start = time.time()
+    compile_one = partial(compile_case, sass=bool(options.sass))
     if options.jobs > 1:
         with ProcessPoolExecutor(options.jobs) as pool:
-            per_case = list(pool.map(compile_case, selected))
+            per_case = list(pool.map(compile_one, selected))
     else:
-        per_case = [compile_case(i) for i in selected]
+        per_case = [compile_one(i) for i in selected]
     rows, seen = [], set()
     for key, row in (r for results in per_case for r in results):
         if key not in seen:
@@ -469,6 +434,8 @@ def main() -> int:
     for r in rows:
         print(f"{r.kernel:<32} {r.registers:>4} {r.shared:>8} {r.spill_bytes:>5} {str(r.wgmma):>5} "
               f"{r.seconds:>5.1f}  {r.config}")
+        if r.loop:
+            print(f"{'':<32} loop: {r.loop}")
     problems = [r for r in rows if r.problem]
     print(f"\n{len(rows)} kernels compiled for sm_90 in {time.time() - start:.0f} s; "
           f"{len(problems)} with problems")

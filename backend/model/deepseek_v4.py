@@ -49,6 +49,7 @@ from backend.parallel.layout import ParallelLayout
 from kernels.compressor import entry_destinations, round_stored_entries
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
+from kernels.moe import QuantizedExperts
 from kernels.quant_formats import (FP8_ACT_BLOCK, hadamard_rotate, simulate_indexer_fp4, simulate_kv_fp8,
                                    simulate_quantization)
 
@@ -70,6 +71,8 @@ class DeepseekV4Model:
         self.device = device
         self.dtype = dtype
         self.kernels = kernels or KernelDispatch()
+        if self.kernels.use_triton(torch.empty(0, device=device)):
+            self._experts_for_kernels()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
         # The blocks: the main layers, then the MTP layers loaded (speculative decoding's drafts, DeepSeek's
         # MTPBlock: sliding-window attention, top-k routing), numbered on as the window pool numbers them.
@@ -307,6 +310,13 @@ class DeepseekV4Model:
         weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=self.device)
         for i in range(c.num_hidden_layers):
             self._experts_of_every_rank(self.prefixes[i] + "mlp.", x, ids, weights, dp_token_counts)
+
+    def _experts_for_kernels(self) -> None:
+        """Quantized experts repacked, in place and tensor by tensor, into the layout the MoE kernels read (MXFP4;
+        QuantizedExperts.for_kernels); the torch references read either layout."""
+        for name, weight in self.w.items():
+            if isinstance(weight, QuantizedExperts):
+                self.w[name] = weight.for_kernels()
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         """The input of one of DeepSeek's FP8/FP4 linears as its inference quantizes it (act_quant: e4m3 per 128,

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.quant_formats import (FP4_MAX, FP4_VALUES, hadamard_rotate, power_of_two_scale, quantize_groups,
-                                   round_e2m1, simulate_e4m3_groups, simulate_quantization)
+                                   round_e2m1, e4m3_groups, simulate_quantization)
 
 INV = {m: float(torch.tensor(1 / m, dtype=torch.float32)) for m in (448.0, 6.0)}  # the kernel's float32 constants
 
@@ -146,13 +146,15 @@ def test_layouts_that_cannot_apply_are_refused_with_the_widths():
 
 
 @triton.jit
-def _simulate_in_registers(x_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _quantize_in_registers(x_ptr, grid_ptr, scale_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
     offsets = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    tl.store(out_ptr + offsets, simulate_e4m3_groups(tl.load(x_ptr + offsets), ROWS, COLS))
+    grid, scale = e4m3_groups(tl.load(x_ptr + offsets), ROWS, COLS)
+    tl.store(grid_ptr + offsets, grid)
+    tl.store(scale_ptr + tl.arange(0, ROWS)[:, None] * (COLS // 128) + tl.arange(0, COLS // 128)[None, :], scale)
 
 
 def test_the_in_register_act_quant_is_the_reference_at_its_edges():
-    """simulate_e4m3_groups (the fused MoE's act_quant of the down projection's input) against simulate_quantization:
+    """e4m3_groups (the fused MoE's act_quant of the down projection's input) against quantize_groups:
     random groups, a zero group, a group whose amax is 448 times a power of two, values that round up into the next
     binade, ties, and e4m3 subnormals."""
     gen = torch.Generator().manual_seed(0)
@@ -162,6 +164,7 @@ def test_the_in_register_act_quant_is_the_reference_at_its_edges():
     x[3, :128] = torch.linspace(3.9, 4.0, 128)  # with amax 4, the scale is 2^-6: 3.9.. rounds up to 4 in e4m3
     x[4, :128] = 448.0 * (torch.arange(128) % 7 + 0.5) / 8  # halfway between neighbours at 448's scale
     x[5, :128] = torch.linspace(-2.0 ** -8, 2.0 ** -8, 128) * 448.0 * 2.0 ** -6  # subnormals after scaling
-    out = torch.empty_like(x)
-    _simulate_in_registers[(1,)](x, out, ROWS=16, COLS=256)
-    assert torch.equal(out, simulate_quantization(x, 128, "e4m3"))
+    grid, scale = torch.empty_like(x), torch.empty(16, 2)
+    _quantize_in_registers[(1,)](x, grid, scale, ROWS=16, COLS=256)
+    expected_grid, expected_scale = quantize_groups(x, 128, "e4m3")
+    assert torch.equal(grid, expected_grid) and torch.equal(scale, expected_scale)

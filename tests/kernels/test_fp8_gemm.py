@@ -62,3 +62,52 @@ def test_bad_inputs_are_refused_before_launch():
         fp8_gemm_triton(torch.randn(2, 128), w_q, w_scale[:, :0])
     with pytest.raises(AssertionError, match="float8_e4m3fn"):
         fp8_gemm_triton(torch.randn(2, 128), w_q.float(), w_scale)
+
+
+@pytest.mark.parametrize("swap_ab", [True, False])
+@pytest.mark.parametrize("prequantized", [True, False])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_every_variant_matches_the_reference(swap_ab, prequantized, split_k):
+    """Each variant fp8_gemm_config can pick, forced by config at irregular sizes: the product transposed (the weight's
+    columns on the MMA's M side) or not, x act_quant'ed ahead or in registers, K split over programs (5 steps in 3
+    splits: one split of one step) whose last adds the partial sums."""
+    from kernels.fp8_gemm import plan_fp8_gemm
+
+    w_q, w_scale = _weight(150, 600, 5)
+    x = torch.randn(19, 600, generator=torch.Generator().manual_seed(6)) * 3
+    config = dict(BLOCK_M=32 if swap_ab else 16, BLOCK_N=64, SPLIT_K=split_k, SWAP_AB=swap_ab, PREQUANTIZED=prequantized,
+                  num_warps=4, num_stages=2)
+    got, launches = plan_fp8_gemm(x, w_q, w_scale, config=config)
+    assert len(launches) == 1 + prequantized
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    expected = fp8_gemm_reference(x, w_q, w_scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=ACCUMULATOR_ERROR * expected.abs().max().item())
+    from kernels.common import split_counters
+    assert not split_counters(x.device).any(), "a split launch leaves its counters at zero"
+
+
+def test_the_plan_picks_the_variant_by_shape():
+    """V4-Flash's linears: up to 64 tokens the product is transposed, the narrow ones (wkv's 512 and wq_a's 1024
+    columns) split K at decode, and from 17 tokens x is quantized once ahead."""
+    from kernels.fp8_gemm import fp8_gemm_config
+
+    wkv, wq_b = fp8_gemm_config(1, 512, 4096), fp8_gemm_config(1, 32768, 1024)
+    assert wkv["SWAP_AB"] and wkv["SPLIT_K"] == 16 and not wkv["PREQUANTIZED"]  # 4 tiles x 16 = 64 programs
+    assert wq_b["SWAP_AB"] and wq_b["SPLIT_K"] == 1 and wq_b["BLOCK_M"] == 16
+    assert fp8_gemm_config(64, 1024, 4096)["SPLIT_K"] == 16 and fp8_gemm_config(64, 1024, 4096)["PREQUANTIZED"]
+    prefill = fp8_gemm_config(4096, 32768, 1024)
+    assert not prefill["SWAP_AB"] and prefill["SPLIT_K"] == 1 and prefill["BLOCK_M"] == 128
+
+
+def test_act_quant_kernel_is_the_reference():
+    """plan_act_quant (one launch: x act_quant'ed for the GEMMs that read it more than once) equals
+    quantize_activations_reference, at a K with a partial last group."""
+    from kernels.fp8_gemm import plan_act_quant
+
+    x = torch.randn(11, 300, generator=torch.Generator().manual_seed(7)) * torch.logspace(-2, 2, 11)[:, None]
+    (x_q, x_s), launches = plan_act_quant(x)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    expected_q, expected_s = quantize_activations_reference(x)
+    assert torch.equal(x_q.float(), expected_q.float()) and torch.equal(x_s, expected_s)
