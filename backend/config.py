@@ -51,7 +51,7 @@ class EngineConfig:
     # attention entry's nope values to e4m3 per 64 and the indexer's keys and queries rotated and to e2m1 per 32
     # (kernels/quant_formats.py), the router's logits and the LM head in fp32, the routing weight before the
     # experts' down projection, and on quantized checkpoints the FP8/FP4 linears' inputs act_quant'ed (e4m3 per 128).
-    # The mHC mix and the compressors (projections, rings, pooling) are fp32 too (README "Numerics").
+    # The mHC mix and the compressors (projections, rings, pooling) are fp32 too (docs/numerics.md).
     # auto (the default): deepseek on a quantized checkpoint the roundings apply to (DeepSeek's published ones),
     # else transformers.
     numerics: str = "auto"
@@ -59,7 +59,7 @@ class EngineConfig:
     # e4m3 with a power-of-two scale per 64, its rope values bf16: 584 bytes for V4 against 1,024; the indexer's
     # keys rotated and e2m1 with a scale per 32: 68 bytes against 256), which holds exactly what numerics=deepseek
     # rounds the entries to, so it needs those numerics. auto: fp8 where numerics=deepseek runs on CUDA or on a
-    # quantized checkpoint and the widths fit the layout, else the model's dtype (README "Numerics").
+    # quantized checkpoint and the widths fit the layout, else the model's dtype (docs/numerics.md).
     kv_cache_dtype: str = "auto"
     # Scheduling. `mixed` (stall-free batches) is what keeps a long prompt from starving the requests that are
     # decoding (docs/seed-bug-report.md); `prefill_first` is the historical order, kept for comparison.
@@ -103,7 +103,7 @@ class EngineConfig:
     # same padded step eagerly (how the graph path is tested without a GPU). None: on for CUDA only.
     cuda_graphs: bool | None = None
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
-    # run on one: README "Threads"). None: torch's count where the engine is built (the cores).
+    # run on one: docs/host-loop.md#threads). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
     # Parallelism (backend/parallel/layout.py): ranks = max of the three; each is 1 or that many. Rank 0 is
     # this engine, ranks 1.. worker processes it starts, one per device. Data-parallel attention (each rank its own

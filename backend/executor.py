@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # Steps with fewer tokens (decodes, small mixed steps) are thousands of tiny ops: one intra-op thread
 # runs them as fast as two on the main thread, while two in a worker thread (a second OpenMP team)
-# made them 3.0-3.3x slower (README "Threads"); prefill chunks gain from the cores.
+# made them 3.0-3.3x slower (docs/host-loop.md#threads); prefill chunks gain from the cores.
 SMALL_STEP_TOKENS = 64
 
 

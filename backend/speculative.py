@@ -25,7 +25,7 @@ Rolling back a rejected draft is moving the request's position back (`Scheduler.
   where its emitted tokens end.
 
 The host learns the accepted count with the step's output, so steps with speculation run one at a time (overlap
-scheduling waits for each step's output; README "Speculative decoding"). Under tensor/expert parallelism every rank
+scheduling waits for each step's output; docs/speculative.md). Under tensor/expert parallelism every rank
 runs the forward and each draft pass on the batch rank 0 broadcasts, each keeping its own copy of the streams the
 next pass reads; rank 0 alone verifies and draws.
 """

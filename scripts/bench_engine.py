@@ -52,8 +52,8 @@ def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> f
 
 def time_reference(model, batch: list[list[int]], max_tokens: int) -> float:
     """One batched generate() when the prompts have equal lengths, else one generate() per prompt; on one intra-op
-    thread, as the engine runs decode steps (README "Threads"; it sets the count of the thread its steps run on,
-    which with overlap scheduling is not this one)."""
+    thread, as the engine runs decode steps (docs/host-loop.md#threads; it sets the count of the thread its steps run
+    on, which with overlap scheduling is not this one)."""
     groups = [batch] if len({len(p) for p in batch}) == 1 else [[p] for p in batch]
     torch.set_num_threads(1)
     start = time.perf_counter()

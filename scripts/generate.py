@@ -43,7 +43,7 @@ def parse_args(argv=None):
     parser.add_argument("--weight-format", choices=["auto", "dequantize", "fp8"], default="auto",
                         help="quantized checkpoints: dequantize at load, or keep FP8/MXFP4 (auto: fp8 on CUDA)")
     parser.add_argument("--numerics", choices=["auto", "transformers", "deepseek"], default=EngineConfig.numerics,
-                        help="deepseek: also DeepSeek's roundings of the KV entries and indexer (README Numerics)")
+                        help="deepseek: also DeepSeek's roundings of the KV entries and indexer (docs/numerics.md)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "fp8"], default=EngineConfig.kv_cache_dtype,
                         help="fp8: the pools store DeepSeek's layout (584-byte entries, FP4 indexer keys; needs "
                              "--numerics deepseek)")
@@ -55,15 +55,15 @@ def parse_args(argv=None):
                         help="ranks each running its own requests' attention (with --expert-parallel-size: the same)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.enable_prefix_caching,
-                        help="reuse computed prompt prefixes across the prompts (README 'Prefix caching')")
+                        help="reuse computed prompt prefixes across the prompts (docs/prefix-caching.md)")
     parser.add_argument("--prefix-cache-entries", type=int, default=EngineConfig.prefix_cache_entries)
     parser.add_argument("--prefix-cache-end-entries", type=int, default=EngineConfig.prefix_cache_end_entries)
     parser.add_argument("--policy", choices=["mixed", "prefill_first"], default=EngineConfig.policy)
     parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.overlap_scheduling,
-                        help="schedule step N+1 while step N runs (README 'The host loop')")
+                        help="schedule step N+1 while step N runs (docs/host-loop.md)")
     parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
-                        help="draft tokens per decode from the checkpoint's MTP layer (README 'Speculative decoding')")
+                        help="draft tokens per decode from the checkpoint's MTP layer (docs/speculative.md)")
     return parser.parse_args(argv)
 
 

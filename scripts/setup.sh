@@ -74,6 +74,14 @@ PYTRITON_DIR="$SITE_PACKAGES/pytriton/tritonserver"
 LIBS_DIR="$SITE_PACKAGES/nvidia_pytriton.libs"
 
 # 3. tritonserver laid out from the wheel, with the stub for this Python.
+# The wheel records only its own version; the server's release is printed by a running server alone (server_version in
+# its start-up table), so the wheels requirements.txt has pinned are mapped here.
+server_version() {
+  case "$1" in
+    0.7.0) echo 2.51.0 ;;
+    *) echo "(release: server_version in its start-up log)" ;;
+  esac
+}
 TRITON_STAMP="$TRITON_HOME/.stamp"
 triton_key="nvidia-pytriton=$PYTRITON_VERSION python=$PY_VERSION site=$SITE_PACKAGES"
 if [ -f "$TRITON_STAMP" ] && [ "$(cat "$TRITON_STAMP")" = "$triton_key" ] && [ -x "$TRITON_HOME/bin/tritonserver" ]; then
@@ -82,7 +90,7 @@ else
   [ -d "$PYTRITON_DIR" ] || die "$PYTRITON_DIR missing: is nvidia-pytriton installed?"
   stub="$PYTRITON_DIR/python_backend_stubs/$PY_VERSION/triton_python_backend_stub"
   [ -x "$stub" ] || die "no Python backend stub for Python $PY_VERSION in $PYTRITON_DIR/python_backend_stubs"
-  say "laying out tritonserver $PYTRITON_VERSION (nvidia-pytriton) in $TRITON_HOME"
+  say "laying out tritonserver $(server_version "$PYTRITON_VERSION") from the nvidia-pytriton $PYTRITON_VERSION wheel in $TRITON_HOME"
   rm -rf "$TRITON_HOME"
   mkdir -p "$TRITON_HOME/lib"
   cp -r "$PYTRITON_DIR/bin" "$PYTRITON_DIR/backends" "$PYTRITON_DIR/caches" "$TRITON_HOME/"

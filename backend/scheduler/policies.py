@@ -2,7 +2,7 @@
 
 A policy decides what a step carries, using the scheduler's building blocks (`schedule_decodes`,
 `schedule_prefills`, `prefill_budget`); a budget decides how many prefill tokens a step may take.
-See docs/seed-bug-report.md for the failure they answer and README "The problem" for the rules:
+See docs/seed-bug-report.md for the failure they answer and docs/scheduling.md for the rules:
 
 - `PrefillFirst`: the historical `prefill(budget) or decode()`; with `interleave_every=N`, after N
   consecutive prefill steps one decode step if a decode is runnable (never an idle step instead);

@@ -172,7 +172,7 @@ def test_cancelling_a_stream_frees_its_pages(server):
 
 def test_a_cpu_server_runs_single_threaded_mkl_and_steps_on_every_cpu(server):
     """model.py sets MKL_NUM_THREADS=1 before torch loads (MKL's threads slowed the engine thread's prefill 2x,
-    README "Threads") and, as torch then defaults to one thread, gives the engine the CPUs as cpu_threads."""
+    docs/host-loop.md#threads) and, as torch then defaults to one thread, gives the engine the CPUs as cpu_threads."""
     if "MKL_NUM_THREADS" in os.environ:
         pytest.skip("the server inherits this run's MKL_NUM_THREADS, which model.py keeps")
     log = server.log_path.read_text()  # the model logs both as it builds the engine

@@ -26,8 +26,8 @@ def _repo_root(hint: str, model_dir: str) -> Path:
 
 def _single_threaded_mkl(params: dict) -> None:
     """MKL's own threads, used from the engine's thread, made CPU prefill steps 1.9x slower than on a main thread;
-    single-threaded MKL costs a main thread nothing (README "Threads"). Only the environment, read once when torch
-    loads MKL, does it, and torch then defaults to one intra-op thread: `cpu_threads` defaults to the CPUs here.
+    single-threaded MKL costs a main thread nothing (docs/host-loop.md#threads). Only the environment, read once when
+    torch loads MKL, does it, and torch then defaults to one intra-op thread: `cpu_threads` defaults to the CPUs here.
     A MKL_NUM_THREADS the server was started with is kept. Only for CPU deployments (decided before torch is
     imported: device cpu, or auto on a machine without NVIDIA devices): MKL computes nothing of a GPU step."""
     device = params.get("device", "").strip() or "auto"
