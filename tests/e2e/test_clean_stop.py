@@ -10,7 +10,7 @@ Two failures this catches, both seen before: the stub crashing in a metric famil
 constrained request (every stop), and a stub left running for nobody, its threads waiting forever for the GIL a blocked
 backend call held when tritonserver exited.
 
-DSV4_STOP_CYCLES sets the number of cycles (3 by default; the README's claim was measured with 10).
+DSV4_STOP_CYCLES sets the number of cycles (3 by default; docs/serving.md "Stopping the server" quotes 10).
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
 from .conftest import CHECKPOINT, _make_repository
-from .triton_helpers import GrpcStreams, TritonServer, grpc_inputs
+from .triton_helpers import (CRASH_MARKERS, EXIT_TIMEOUT_S, REPO_ROOT, GrpcStreams, TritonServer, free_ports,
+                             group_members, grpc_inputs, http_post, server_env, wait_for)
 
 CYCLES = int(os.environ.get("DSV4_STOP_CYCLES", "3"))
 LONG_PROMPT_TOKENS = 1500  # prefilled in 128-token chunks: 12 steps
@@ -86,3 +90,54 @@ def test_the_server_stops_cleanly_after_mixed_traffic(repository, tmp_path, cycl
         server.stop(signal.SIGINT if cycle % 2 == 0 else signal.SIGTERM)
     assert server.unclean_stop() == [], f"{server.unclean_stop()}\n{server.log_tail()}"
     assert server.stop_s < 8, f"the stop took {server.stop_s:.1f} s"
+
+
+def _stub_shm_region(pgid: int) -> str | None:
+    """The shm region named on the command line of the group's Python-backend stub."""
+    for pid in group_members(pgid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if argv[0].endswith(b"triton_python_backend_stub"):
+            return argv[2].decode()
+    return None
+
+
+def _ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_serve_sh_stops_cleanly_on_ctrl_c(tmp_path):
+    """The README's command as a user runs it (`bash scripts/serve.sh --set num_speculative_tokens=2`, on free ports),
+    a constrained request and a streamed one, then Ctrl-C: exit status 0, nothing in the log of a crash, no process
+    and no shm region left."""
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path / "serve.log"
+    command = ["bash", "scripts/serve.sh", "--set", "num_speculative_tokens=2", "--set", "device=cpu",
+               "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    with open(log, "wb") as out:
+        serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                 env={**server_env(), "DSV4_SKIP_SETUP": "1"}, start_new_session=True)
+    try:
+        assert wait_for(lambda: serve.poll() is None and _ready(http), timeout=180), log.read_text()[-3000:]
+        shm = _stub_shm_region(serve.pid)
+        base = f"http://127.0.0.1:{http}/v2/models/dsv4"
+        status, body = http_post(f"{base}/generate", {"text_input": "Is it spam?", "max_tokens": 8, "parameters": {
+            "temperature": 0, "guided_decoding": json.dumps({"choice": ["yes", "no"]})}})
+        assert status == 200 and json.loads(body)["text_output"].endswith(("yes", "no")), body
+        status, body = http_post(f"{base}/generate_stream", {"text_input": "The quick brown fox", "max_tokens": 16,
+                                                             "stream": True})
+        assert status == 200 and body.count(b"data:") >= 2, body
+        serve.send_signal(signal.SIGINT)
+        returncode = serve.wait(timeout=EXIT_TIMEOUT_S + 10)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
+    text = log.read_text(errors="replace")
+    assert returncode == 0, text[-3000:]
+    assert not [marker for marker in CRASH_MARKERS if marker in text], text[-3000:]
+    assert wait_for(lambda: not group_members(serve.pid), timeout=5), f"left behind: {group_members(serve.pid)}"
+    assert shm and not Path("/dev/shm", shm).exists()

@@ -103,7 +103,18 @@ class TritonServer:
     def grpc_url(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start(self) -> "TritonServer":
+    def start(self, attempts: int = 3) -> "TritonServer":
+        """Start on free ports. A port found free can be taken by another process before tritonserver binds it (it
+        then exits at start-up): that is retried on new ports."""
+        for attempt in range(attempts):
+            try:
+                return self._start()
+            except RuntimeError as exc:
+                if "already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self) -> "TritonServer":
         if not TRITON_BIN.exists():
             raise RuntimeError(f"{TRITON_BIN} missing: run `bash scripts/setup.sh` (scripts/test.sh does)")
         self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
