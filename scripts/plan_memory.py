@@ -31,10 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.memory.kv_manager import KVCacheManager  # noqa: E402
+from backend.memory.kv_manager import KVCacheManager, model_kv_layout  # noqa: E402
 from backend.model.config import load_model_config, parse_model_config  # noqa: E402
 from backend.model.footprint import weight_bytes  # noqa: E402
 from backend.parallel.layout import ParallelLayout  # noqa: E402
+from kernels.modes import Numerics  # noqa: E402
 
 GIB = 2**30
 
@@ -45,10 +46,11 @@ def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: 
     compressor state, and the prefix cache's ring snapshots (the compressor state in bf16, or with fp8, which
     implies DeepSeek's numerics, in fp32 as its compressors keep it). Speculative decoding adds the draft layer's
     window, a lookahead to each request's window and positions to the rings."""
+    numerics = Numerics.of("deepseek" if kv_cache_dtype == "fp8" else "transformers", quantized_checkpoint=True)
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
                         max_running_requests=max_running, dtype=torch.bfloat16, device="meta",
-                        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else torch.bfloat16,
-                        state_dtype=torch.float32 if kv_cache_dtype == "fp8" else torch.bfloat16,
+                        kv_layout=model_kv_layout(config, torch.bfloat16, fp8=kv_cache_dtype == "fp8"),
+                        state_dtype=numerics.compressor_dtype(torch.bfloat16),
                         draft_layers=1 if speculative_tokens else 0, speculative_tokens=speculative_tokens)
     if prefix_cache_entries:
         kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries, prefix_cache_end_entries)

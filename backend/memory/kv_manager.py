@@ -33,7 +33,7 @@ from backend.memory.page_allocator import OutOfPages
 from backend.memory.paged_pool import PagedPool, PageRun
 from backend.memory.window_pool import WindowPool
 from backend.model.config import CSA, HCA, ModelConfig
-from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
+from kernels.modes import KVLayout
 
 
 @dataclass(eq=False)
@@ -53,15 +53,17 @@ class RequestPages:
 
 @dataclass
 class LayerMemory:
-    """The tensors one layer reads and writes (views into the pools; None where the layer has none).
+    """The tensors one layer reads and writes (views into the pools; None where the layer has none), and how they
+    store entries.
 
     window_kv [pages, page_size, Dh]; compressed_kv [pages, page_size, Dh] and index_k
-    [pages, page_size, Di] for CSA, compressed_kv for HCA (with kv_cache_dtype fp8: uint8, the entries' bytes);
-    `pool` names the compressed pool;
+    [pages, page_size, Di] for CSA, compressed_kv for HCA (in the fp8 layout: uint8, the entries' bytes,
+    kv_layout.entry_width / index_key_width of them); `pool` names the compressed pool;
     `state[stream] = (kv ring, gate ring)`, each [slots, ring, width], for the layer's compressors.
     """
 
     window_kv: torch.Tensor
+    kv_layout: KVLayout
     pool: str | None = None
     compress_rate: int = 0
     compressed_kv: torch.Tensor | None = None
@@ -69,13 +71,10 @@ class LayerMemory:
     state: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def _entry_widths(model: ModelConfig, kv_cache_dtype: torch.dtype | str) -> tuple[int, int, torch.dtype]:
-    """(attention entry width, indexer key width, pool dtype): values of the model's widths, or bytes of the fp8
-    layout."""
-    if kv_cache_dtype == "fp8":
-        return (kv_fp8_entry_bytes(model.head_dim, model.qk_rope_head_dim),
-                indexer_fp4_entry_bytes(model.index_head_dim), torch.uint8)
-    return model.head_dim, model.index_head_dim, kv_cache_dtype
+def model_kv_layout(model: ModelConfig, dtype: torch.dtype, fp8: bool = False) -> KVLayout:
+    """The layout of `model`'s entries in the pools: values in `dtype`, or DeepSeek's fp8 bytes."""
+    widths = dict(head_dim=model.head_dim, rope_dim=model.qk_rope_head_dim, index_head_dim=model.index_head_dim)
+    return KVLayout.deepseek_fp8(**widths) if fp8 else KVLayout.values(dtype, **widths)
 
 
 def _pages(entries: int, page_size: int, partial_pages: int) -> int:
@@ -86,14 +85,13 @@ def _pages(entries: int, page_size: int, partial_pages: int) -> int:
 class KVCacheManager:
     def __init__(self, model: ModelConfig, *, num_tokens: int, swa_full_tokens_ratio: float, page_size: int,
                  max_running_requests: int, dtype: torch.dtype, device: str | torch.device,
-                 max_step_tokens: int | None = None, kv_cache_dtype: torch.dtype | str | None = None,
+                 max_step_tokens: int | None = None, kv_layout: KVLayout | None = None,
                  state_dtype: torch.dtype | None = None, draft_layers: int = 0, speculative_tokens: int = 0):
         """`max_step_tokens`: the most tokens one request computes in a step (bounds a window run's length,
-        hence the window table's width; None: the whole window pool). `kv_cache_dtype`: what the paged pools
-        store, a float dtype (None: `dtype`) or "fp8", DeepSeek's byte layout (uint8 pools:
-        kernels/quant_formats.py). `state_dtype`: the compressor rings' (None: `dtype`; numerics=deepseek keeps
-        them in fp32, as DeepSeek's compressors run). `draft_layers`: the checkpoint's MTP layers served as
-        speculative drafts (sliding-window layers: a layer more in the window pool each). `speculative_tokens` (k):
+        hence the window table's width; None: the whole window pool). `kv_layout`: how the paged pools store
+        entries (kernels/modes.py; None: values in `dtype`). `state_dtype`: the compressor rings' (None: `dtype`;
+        DeepSeek's numerics keep them in fp32, as its compressors run). `draft_layers`: the checkpoint's MTP layers
+        served as speculative drafts (sliding-window layers: a layer more in the window pool each). `speculative_tokens` (k):
         a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the window's lookahead), and
         every compressor ring keeps k positions more than its windows read, so that the ring writes of rejected
         draft positions only ever overwrite positions no continuation reads: rolling a request back is moving its
@@ -101,7 +99,8 @@ class KVCacheManager:
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
-        entry, index_key, pool_dtype = _entry_widths(model, kv_cache_dtype or dtype)
+        self.kv_layout = layout = kv_layout or model_kv_layout(model, dtype)
+        entry, index_key, pool_dtype = layout.entry_width, layout.index_key_width, layout.dtype
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
         self.num_main_layers, self.speculative_tokens = model.num_hidden_layers, speculative_tokens
@@ -133,11 +132,6 @@ class KVCacheManager:
                        for pool in self._pools}
         for pool in self._pools:
             self.tables[pool.name][self.state_pool.scratch_slot] = pool.scratch_page
-
-    @property
-    def fp8(self) -> bool:
-        """Whether the pools hold DeepSeek's fp8 layout (kv_cache_dtype fp8)."""
-        return self.window_pool.kv.dtype == torch.uint8
 
     def _table_width(self, pool: PagedPool, max_step_tokens: int | None) -> int:
         """Columns of a pool's table: the most logical pages one request's run can span."""
@@ -185,7 +179,7 @@ class KVCacheManager:
         return self._state_rings[stream][1]
 
     def _layer_memory(self, i: int) -> LayerMemory:
-        memory = LayerMemory(window_kv=self.window_pool.kv[i])
+        memory = LayerMemory(window_kv=self.window_pool.kv[i], kv_layout=self.kv_layout)
         if i >= self.num_main_layers:  # a draft (MTP) layer: sliding window only
             return memory
         layer_type = self.model.layer_types[i]
