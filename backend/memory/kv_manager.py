@@ -31,6 +31,7 @@ from backend.memory.compressed_pool import CompressedPool
 from backend.memory.compressor_state import CompressorStatePool
 from backend.memory.page_allocator import OutOfPages
 from backend.memory.paged_pool import PagedPool, PageRun
+from backend.memory.prefix_cache import PrefixCache, PrefixPages
 from backend.memory.window_pool import WindowPool
 from backend.model.config import CSA, HCA, ModelConfig
 from kernels.modes import KVLayout
@@ -145,8 +146,6 @@ class KVCacheManager:
         """Before any request: the state pool gets `max_entries` spare slots, where the cache keeps its ring
         snapshots: `max_end_entries` (default: all) full ones, which a request's end needs, and light ones holding
         only the rings a continuation from a block boundary reads."""
-        from backend.memory.prefix_cache import PrefixCache
-
         assert not self._live and self.prefix_cache is None, "enable prefix caching before serving"
         max_end_entries = max_entries if max_end_entries is None else max_end_entries
         assert 0 <= max_end_entries <= max_entries, (max_end_entries, max_entries)
@@ -165,13 +164,62 @@ class KVCacheManager:
             streams.add("hca")
         return frozenset(streams)
 
-    def track(self, pages: RequestPages) -> None:
-        """A handle given memory outside `try_extend` (a restored prefix) is accounted for like the others, and its
-        rows of the block tables are written."""
-        self._live.add(pages)
-        pages.quiet_until = 0
-        for name, run in pages.runs.items():
+    # --- the prefix cache's interface ------------------------------------------------------------------
+    def pin(self, seq, length: int) -> PrefixPages:
+        """The pages a state of `seq` at `length` needs (the window of the next position, the compressed entries
+        before it), each with one reference more, for a holder other than `seq`."""
+        runs = seq.pages.runs
+        window_first = self.window_pool.first_needed_page(length)
+        run = runs["window"]
+        window = run.pages[window_first - run.first:-(-length // self.page_size) - run.first]
+        assert window_first >= run.first and len(window) == -(-length // self.page_size) - window_first, \
+            "the window pages of a prefix state are held"
+        pinned = PrefixPages(window_first, window, {
+            name: runs[name].pages[:pool.pages_for_tokens(length)] if name in runs else []
+            for name, pool in self.compressed_pools.items()})
+        for name, pages in pinned.by_pool():
+            self.paged_pool(name).allocator.retain(pages)
+        return pinned
+
+    def unpin(self, pinned: PrefixPages) -> None:
+        """Its holder lets go of `pinned`: a reference less on each page (freed where it was the last)."""
+        for name, pages in pinned.by_pool():
+            self.paged_pool(name).allocator.free(pages)
+
+    def adopt(self, seq, pinned: PrefixPages, length: int) -> list[tuple[str, int, int]] | None:
+        """`seq` (holding no memory) continues from `length` positions with the pages of `pinned`: a state slot of
+        its own, the pages shared by reference but a partly filled last one (the request writes its next slots
+        there), which it gets a page of its own for. Returns the page copies (pool, from, to) the caller makes before
+        the request's next step; None, nothing changed, when the slot or a page is short. The token counts are the
+        scheduler's."""
+        partial = {name: self._last_page_partial(name, length) for name, _ in pinned.by_pool()}
+        if self.state_pool.num_free < 1 or any(partial[name] and self.paged_pool(name).num_free < 1
+                                               for name in partial):
+            return None
+        pages = seq.pages = RequestPages(slot=self.state_pool.acquire())
+        copies = []
+        for name, cached in pinned.by_pool():
+            pool, run = self.paged_pool(name), pages.run(name)
+            run.first = pinned.window_first if pool is self.window_pool else 0
+            run.pages = cached[:-1] if partial[name] else list(cached)
+            pool.allocator.retain(run.pages)
+            if partial[name]:
+                (copy,) = pool.allocator.allocate(1)
+                copies.append((name, cached[-1], copy))
+                run.pages.append(copy)
             self._write_table(name, pages.slot, run, 0)
+        self._live.add(pages)
+        return copies
+
+    def paged_pool(self, name: str) -> PagedPool:
+        return self.window_pool if name == self.window_pool.name else self.compressed_pools[name]
+
+    def _last_page_partial(self, pool: str, length: int) -> bool:
+        """Whether the state at `length` leaves the last of its pages of `pool` partly filled."""
+        if pool == self.window_pool.name:
+            return length % self.page_size != 0
+        compressed = self.compressed_pools[pool]
+        return (length // compressed.compress_rate) % compressed.page_size != 0
 
     # --- the model's interface ---------------------------------------------------------------------
     def ring_length(self, stream: str) -> int:
