@@ -18,9 +18,6 @@ import torch
 
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
 
-NUMERICS = ("transformers", "deepseek")
-
-
 @dataclass(frozen=True)
 class Numerics:
     """What the forward computes beyond transformers' DeepseekV4ForCausalLM: the roundings DeepSeek's own inference
@@ -42,10 +39,11 @@ class Numerics:
     def of(cls, name: str, quantized_checkpoint: bool) -> "Numerics":
         """`name`'s numerics: act_quant applies to a quantized checkpoint's FP8/FP4 linears only (a bf16 checkpoint
         runs plain GEMMs in DeepSeek's code too)."""
-        if name not in NUMERICS:
-            raise ValueError(f"numerics must be one of {NUMERICS}, got {name!r}")
         if name == "transformers":
             return cls()
+        if name != "deepseek":
+            raise ValueError(f"numerics are 'transformers' or 'deepseek' (backend/config.py resolves 'auto'), "
+                             f"got {name!r}")
         return cls(name, fp32_router=True, fp32_head=True, fp32_mix=True, fp32_compressors=True,
                    round_kv_entries=True, round_indexer=True, act_quant=quantized_checkpoint,
                    routing_weight_first=True)
