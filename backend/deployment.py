@@ -23,12 +23,12 @@ from backend.config import ConfigError, EngineConfig
 from backend.host_memory import keep_freed_host_memory
 from backend.memory.kv_manager import KVCacheManager, model_kv_layout
 from backend.model.checkpoint import load_weights, tensor_names
+from backend.model.comm import Communicator
 from backend.model.config import ModelConfig, load_model_config
 from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
+from backend.model.parallel_layout import ParallelLayout
 from backend.model.weight_names import draft_layer_index
-from backend.parallel.comm import Communicator
-from backend.parallel.layout import ParallelLayout
 from kernels.dispatch import KernelDispatch, default_mode
 from kernels.modes import KVLayout, Numerics
 

@@ -9,11 +9,11 @@ Reads config.json only (no weight). Weights come from backend/model/footprint.py
 holds with --weight-format `dequantize` (every weight in bf16) or `fp8` (kept as published: FP8
 linears, MXFP4 or FP8 experts, with their scales); the published checkpoint's size on disk (with
 the mtp.* draft layer) is printed beside them, to compare with the real shards. Per device is what
-ONE rank of the parallel layout holds, tensor by tensor (the MTP layer too with --num-speculative-tokens) (backend/parallel/layout.py: split heads and
-groups, split or sliced experts, the vocabulary-parallel head, everything else replicated). The KV
-pools are not split: DeepSeek-V4 has one K=V head and the compressors are replicated, so every rank
-keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after the rank's
-weights and --reserve-gib of activations, less the sliding windows and compressor state of
+ONE rank of the parallel layout holds, tensor by tensor (the MTP layer too with --num-speculative-tokens)
+(backend/model/parallel_layout.py: split heads and groups, split or sliced experts, the vocabulary-parallel head,
+everything else replicated). The KV pools are not split: DeepSeek-V4 has one K=V head and the compressors are
+replicated, so every rank keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after
+the rank's weights and --reserve-gib of activations, less the sliding windows and compressor state of
 --max-running-requests requests and the ring snapshots of --prefix-cache-entries cached prefixes,
 divided by the compressed pools' bytes per position.
 """
@@ -34,7 +34,7 @@ from backend.config import EngineConfig  # noqa: E402
 from backend.memory.kv_manager import KVCacheManager, model_kv_layout  # noqa: E402
 from backend.model.config import load_model_config, parse_model_config  # noqa: E402
 from backend.model.footprint import weight_bytes  # noqa: E402
-from backend.parallel.layout import ParallelLayout  # noqa: E402
+from backend.model.parallel_layout import ParallelLayout  # noqa: E402
 from kernels.modes import Numerics  # noqa: E402
 
 GIB = 2**30

@@ -92,11 +92,11 @@ class KVCacheManager:
         hence the window table's width; None: the whole window pool). `kv_layout`: how the paged pools store
         entries (kernels/modes.py; None: values in `dtype`). `state_dtype`: the compressor rings' (None: `dtype`;
         DeepSeek's numerics keep them in fp32, as its compressors run). `draft_layers`: the checkpoint's MTP layers
-        served as speculative drafts (sliding-window layers: a layer more in the window pool each). `speculative_tokens` (k):
-        a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the window's lookahead), and
-        every compressor ring keeps k positions more than its windows read, so that the ring writes of rejected
-        draft positions only ever overwrite positions no continuation reads: rolling a request back is moving its
-        position, never a copy (backend/speculative.py)."""
+        served as speculative drafts (sliding-window layers: a layer more in the window pool each).
+        `speculative_tokens` (k): a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the
+        window's lookahead), and every compressor ring keeps k positions more than its windows read, so that the ring
+        writes of rejected draft positions only ever overwrite positions no continuation reads: rolling a request back
+        is moving its position, never a copy (backend/speculative.py)."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window

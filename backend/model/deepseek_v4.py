@@ -24,7 +24,7 @@ what DeepSeek's would). Pools in DeepSeek's fp8 layout (`KVLayout`, handed over 
 values as its bytes: the kernels that store the entries encode them, and the attention and indexer kernels decode
 them as they read.
 
-Under a `ParallelLayout` of several ranks (backend/parallel/layout.py) the weights are this rank's parts:
+Under a `ParallelLayout` of several ranks (backend/model/parallel_layout.py) the weights are this rank's parts:
 the attention runs its share of the heads and groups and all-reduces the output projection, the MoE
 its experts (or its slice of every expert) plus its slice of the shared expert, summed in one
 all-reduce, and the LM head its rows of the vocabulary, all-gathered. Every rank runs the same forward
@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from backend.model.comm import Communicator
 from backend.model.config import CSA, SLIDING, ModelConfig
 from backend.model.forward_batch import ForwardBatch
-from backend.model.rotary import Rotary
+from backend.model.parallel_layout import ParallelLayout
 from backend.model.projections import (ATTENTION_INPUT, FP32_ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT,
                                        SHARED_EXPERT_INPUT, fuse_projections)
-from backend.parallel.comm import Communicator
-from backend.parallel.layout import ParallelLayout
+from backend.model.rotary import Rotary
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_ACT_BLOCK, simulate_indexer_fp4, simulate_quantization

@@ -246,7 +246,7 @@ def test_auto_picks_deepseeks_numerics_and_fp8_only_where_they_apply(tiny_checkp
     transformers elsewhere; kv_cache_dtype=auto: fp8 where DeepSeek's numerics run on CUDA or a quantized checkpoint."""
     from backend.deployment import resolve_kv_layout, resolve_numerics
     from backend.model.config import load_model_config
-    from backend.parallel.layout import ParallelLayout
+    from backend.model.parallel_layout import ParallelLayout
 
     configs = {name: load_model_config(path) for name, path in (
         ("tiny", tiny_checkpoint), ("shaped", deepseek_shaped_checkpoint), ("published", deepseek_published_checkpoint),

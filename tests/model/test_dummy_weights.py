@@ -21,7 +21,7 @@ from backend.engine import LLMEngine
 from backend.model.checkpoint import CheckpointError, load_weights
 from backend.model.config import load_model_config
 from backend.model.dummy_weights import dummy_weights
-from backend.parallel.layout import ParallelLayout
+from backend.model.parallel_layout import ParallelLayout
 from backend.request import SamplingParams
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts

@@ -13,7 +13,7 @@ import torch
 
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
-from backend.parallel.comm import Communicator
+from backend.model.comm import Communicator
 from kernels.modes import KVLayout, Numerics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,8 @@ def test_each_mode_is_one_object_shared_by_the_pools_the_dispatch_and_the_model(
 # the numerics' name (its fields say what each rounding is).
 MODE_SNIFFS = re.compile(r"\.dtype\s*(==|!=|\bin\b)|torch\.uint8|numerics\s*==|deepseek_numerics")
 MODE_READERS = ["backend/model/deepseek_v4.py", "backend/model/projections.py", "backend/model/forward_batch.py",
-                "kernels/dispatch.py", *sorted(str(p.relative_to(REPO)) for p in (REPO / "backend/memory").glob("*.py"))]
+                "kernels/dispatch.py",
+                *sorted(str(path.relative_to(REPO)) for path in (REPO / "backend/memory").glob("*.py"))]
 
 
 @pytest.mark.parametrize("path", MODE_READERS)
