@@ -132,9 +132,9 @@ class KernelDispatch:
 
     def compress_and_store(self, kv, gate, state_kv, state_gate, plan, *args, pool, block_table, kv_layout: KVLayout,
                            indexer: bool, entry_dtype: torch.dtype) -> None:
-        """Run one compressor (compress_into_pool's arguments) and store the entries it closes into `pool` as `kv_layout`
-        keeps them: the fp8 layout's attention entries encoded by the kernel where it stores them, its FP4 indexer
-        keys rotated first (a torch pass) and then encoded."""
+        """Run one compressor (compress_into_pool's arguments) and store the entries it closes into `pool` as
+        `kv_layout` keeps them: the fp8 layout's attention entries encoded by the kernel where it stores them, its FP4
+        indexer keys rotated first (a torch pass) and then encoded."""
         inputs = (kv, gate, state_kv, state_gate, plan, *args)
         if indexer and kv_layout.fp8:
             entries = self.compress_entries(*inputs, entry_dtype=entry_dtype)
@@ -153,7 +153,9 @@ class KernelDispatch:
             return None
         if indexer:
             return simulate_indexer_fp4 if self.numerics.round_indexer else None
-        return (lambda entries: simulate_kv_fp8(entries, kv_layout.rope_dim)) if self.numerics.round_kv_entries else None
+        if not self.numerics.round_kv_entries:
+            return None
+        return lambda entries: simulate_kv_fp8(entries, kv_layout.rope_dim)
 
     def route_topk(self, logits, *args, **kwargs):
         return self._fused("moe", "route_topk", logits, logits, *args, **kwargs)
