@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
 
@@ -24,10 +26,6 @@ NUMERICS = ("auto", "transformers", "deepseek")
 LOAD_FORMATS = ("auto", "dummy")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the parameter."""
 
 
 @dataclass
@@ -105,7 +103,7 @@ class EngineConfig:
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: docs/host-loop.md#threads). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
-    # Parallelism (backend/parallel/layout.py): ranks = max of the three; each is 1 or that many. Rank 0 is
+    # Parallelism (backend/model/parallel_layout.py): ranks = max of the three; each is 1 or that many. Rank 0 is
     # this engine, ranks 1.. worker processes it starts, one per device. Data-parallel attention (each rank its own
     # requests' attention and pools, the ranks meeting at the MoE layers) combines with expert parallelism only.
     tensor_parallel_size: int = 1

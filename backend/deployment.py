@@ -6,7 +6,9 @@
 Rank 0's engine (backend/engine.py) and every worker rank (backend/parallel/group.py) call these two, so a worker
 imports only what a forward needs: not the engine, the tokenizer, the scheduler or the sampler. Every choice the
 config leaves to `auto` (weight format, numerics, KV cache dtype) is resolved here once, from the config and the
-checkpoint's config.json, and refused with a ConfigError naming the parameter when it cannot work.
+checkpoint's config.json, and refused with a ConfigError naming the parameter when it cannot work. The numerics and
+the KV cache's layout become typed objects here (kernels/modes.py), which the pools, the kernel dispatch and the model
+are built with.
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ import torch
 
 from backend.config import ConfigError, EngineConfig
 from backend.host_memory import keep_freed_host_memory
-from backend.memory.kv_manager import KVCacheManager
+from backend.memory.kv_manager import KVCacheManager, model_kv_layout
 from backend.model.checkpoint import load_weights, tensor_names
+from backend.model.comm import Communicator
 from backend.model.config import ModelConfig, load_model_config
 from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
+from backend.model.parallel_layout import ParallelLayout
 from backend.model.weight_names import draft_layer_index
-from backend.parallel.comm import Communicator
-from backend.parallel.layout import ParallelLayout
 from kernels.dispatch import KernelDispatch, default_mode
+from kernels.modes import KVLayout, Numerics
 
 
 @dataclass
@@ -37,22 +40,23 @@ class Deployment:
     model_config: ModelConfig
     layout: ParallelLayout  # the ranks' split (rank 0's view; a worker loads with its own rank)
     weight_format: str  # "dequantize" or "fp8"
-    numerics: str  # "transformers" or "deepseek"
-    kv_cache_dtype: object  # a torch dtype, or "fp8" (DeepSeek's byte layout)
+    numerics: Numerics
+    kv_layout: KVLayout
     draft_layers: int  # the MTP layers loaded for speculative decoding (0: none)
     kv: KVCacheManager
 
 
-def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_cache_dtype, numerics: str) -> KVCacheManager:
-    """The pools the config asks for; ConfigError when they could not serve a single request. DeepSeek's numerics
-    keep the compressor rings in fp32 (its compressors project, keep state and pool in fp32)."""
+def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_layout: KVLayout,
+                  numerics: Numerics) -> KVCacheManager:
+    """The pools the config asks for; ConfigError when they could not serve a single request. The compressor rings
+    are kept in the numerics' compressor dtype (DeepSeek's compressors project, keep state and pool in fp32)."""
     speculative = config.num_speculative_tokens
     if speculative:
         _check_draft_layer(config, model_config)
     kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
                         page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
-                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-                        state_dtype=torch.float32 if numerics == "deepseek" else dtype,
+                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_layout=kv_layout,
+                        state_dtype=numerics.compressor_dtype(dtype),
                         draft_layers=1 if speculative else 0, speculative_tokens=speculative)
     if kv.max_request_positions() == 0:
         window = kv.window_pool
@@ -96,41 +100,41 @@ def resolve_weight_format(config: EngineConfig, model_config, device: str) -> st
     return config.weight_format
 
 
-def resolve_kv_cache_dtype(config: EngineConfig, model_config, numerics: str, device: str, dtype):
-    """What the pools store: "fp8" (DeepSeek's byte layout) or a float dtype. `auto`: fp8 where DeepSeek's numerics
-    run on CUDA (the memory it frees is the point) or on a quantized checkpoint (the layout its model was trained
-    for), else the model's dtype."""
+def resolve_kv_layout(config: EngineConfig, model_config, numerics: Numerics, device: str, dtype) -> KVLayout:
+    """What the pools store: DeepSeek's fp8 byte layout, or values of a float dtype. `auto`: fp8 where DeepSeek's
+    numerics run on CUDA (the memory it frees is the point) or on a quantized checkpoint (the layout its model was
+    trained for), else the model's dtype."""
+    roundings = numerics.round_kv_entries and numerics.round_indexer  # what the fp8 layout holds exactly
     if config.kv_cache_dtype == "fp8":
         problem = _kv_groups_problem(model_config)
         if problem:
             raise ConfigError(f"parameter 'kv_cache_dtype': the fp8 layout needs {problem}")
-        if numerics != "deepseek":
+        if not roundings:
             raise ConfigError("parameter 'kv_cache_dtype': 'fp8' stores DeepSeek's roundings of the entries and its "
                               "rotated indexer keys, which numerics=transformers does not compute: set "
                               "numerics=deepseek (or auto, on a DeepSeek checkpoint)")
-        return "fp8"
-    if config.kv_cache_dtype == "bfloat16":
-        if dtype != torch.bfloat16:
-            raise ConfigError(f"parameter 'kv_cache_dtype': 'bfloat16' needs dtype bfloat16 (the pools store the "
-                              f"model's values), this deployment computes in {dtype}; use auto or fp8")
-        return torch.bfloat16
+        return model_kv_layout(model_config, dtype, fp8=True)
+    if config.kv_cache_dtype == "bfloat16" and dtype != torch.bfloat16:
+        raise ConfigError(f"parameter 'kv_cache_dtype': 'bfloat16' needs dtype bfloat16 (the pools store the "
+                          f"model's values), this deployment computes in {dtype}; use auto or fp8")
     quantized = model_config.quantization_config is not None
-    if numerics == "deepseek" and (device == "cuda" or quantized):
-        return "fp8"
-    return dtype
+    fp8 = config.kv_cache_dtype == "auto" and roundings and (device == "cuda" or quantized)
+    return model_kv_layout(model_config, dtype, fp8=fp8)
 
 
-def resolve_numerics(config: EngineConfig, model_config, layout: ParallelLayout) -> str:
-    """`deepseek` or `transformers`. `auto`: DeepSeek's numerics on a quantized checkpoint its roundings apply to
+def resolve_numerics(config: EngineConfig, model_config, layout: ParallelLayout) -> Numerics:
+    """DeepSeek's or transformers'. `auto`: DeepSeek's numerics on a quantized checkpoint its roundings apply to
     (DeepSeek's published checkpoints: the model was trained with them), transformers' otherwise (the unquantized
     checkpoints, the built-in one among them, are what transformers is the reference for). `deepseek` on a checkpoint
     the roundings cannot apply to is refused naming the parameter."""
     problem = _kv_groups_problem(model_config) or _linear_groups_problem(model_config, layout)
     if config.numerics == "deepseek" and problem:
         raise ConfigError(f"parameter 'numerics': 'deepseek' needs {problem}")
-    if config.numerics == "auto":
-        return "deepseek" if model_config.quantization_config is not None and not problem else "transformers"
-    return config.numerics
+    quantized = model_config.quantization_config is not None
+    name = config.numerics
+    if name == "auto":
+        name = "deepseek" if quantized and not problem else "transformers"
+    return Numerics.of(name, quantized_checkpoint=quantized)
 
 
 def _kv_groups_problem(c) -> str | None:
@@ -168,26 +172,25 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
     layout.check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
     numerics = resolve_numerics(config, model_config, layout)
-    kv_cache_dtype = resolve_kv_cache_dtype(config, model_config, numerics, config.resolved_device(), dtype)
-    kv = _memory_pools(config, model_config, dtype, device, kv_cache_dtype, numerics)
+    kv_layout = resolve_kv_layout(config, model_config, numerics, config.resolved_device(), dtype)
+    kv = _memory_pools(config, model_config, dtype, device, kv_layout, numerics)
     if config.enable_prefix_caching:
         kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
                                  config.prefix_cache_end_entries)
-    return Deployment(model_config, layout, weight_format, numerics, kv_cache_dtype,
+    return Deployment(model_config, layout, weight_format, numerics, kv_layout,
                       1 if config.num_speculative_tokens else 0, kv)
 
 
 def load_model(config: EngineConfig, deployment: Deployment, device, dtype, layout: ParallelLayout,
                comm: Communicator) -> DeepseekV4Model:
     """The shard of rank `layout.rank` (all of the model on one rank), its MTP layers too when speculative decoding
-    serves them, with its kernel dispatch: read from the checkpoint, or with load_format=dummy built at random on
-    `device` (backend/model/dummy_weights.py)."""
+    serves them, with its kernel dispatch (the deployment's numerics): read from the checkpoint, or with
+    load_format=dummy built at random on `device` (backend/model/dummy_weights.py)."""
     build = dummy_weights if config.load_format == "dummy" else partial(load_weights, config.checkpoint)
     weights = build(deployment.model_config, dtype, device, deployment.weight_format, layout=layout,
                     draft_layers=deployment.draft_layers)
-    kernels = KernelDispatch(default_mode(config.use_reference_kernels))
-    return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
-                           numerics=deployment.numerics)
+    kernels = KernelDispatch(default_mode(config.use_reference_kernels), deployment.numerics)
+    return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm)
 
 
 def check_deployment(config: EngineConfig) -> int:

@@ -21,7 +21,7 @@ so the host's work for a step hides behind the device's work for the step before
 the tokens step N samples feed step N+1 on the device). Without overlap each step is scheduled, run and
 reported before the next. The engine thread only schedules, builds, launches and reports.
 
-Data-parallel attention (`data_parallel_size` W > 1, backend/parallel/layout.py): each rank serves its own
+Data-parallel attention (`data_parallel_size` W > 1, backend/model/parallel_layout.py): each rank serves its own
 requests over its own pools, and this engine decides for all of them. It keeps one scheduler per rank, each over
 that rank's page bookkeeping (rank 0's pools are real, the others' are planned on the meta device: the memory lives
 in the worker processes), places each arriving request on the least loaded rank (`_place`), and in every step
@@ -54,13 +54,13 @@ from backend.config import DEFAULT_CHECKPOINT, EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
 from backend.memory.kv_manager import KVCacheManager
+from backend.model.comm import Communicator
 from backend.model.config import checkpoint_directory
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
 from backend.model.staging import BatchStager
 from backend.model.static_batch import static_key
 from backend.output_processor import OutputProcessor
-from backend.parallel.comm import Communicator
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import SamplerState

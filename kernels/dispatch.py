@@ -8,6 +8,10 @@ Modes: `auto` (the default); `reference` runs the references on CUDA too, for co
 given); `triton` runs the kernels whatever the device — on CPU tensors that takes
 TRITON_INTERPRET=1, which is how the tests check the engine's calls into the kernels without a
 GPU. The model calls only the methods below, so every hot path has one seam.
+
+A dispatch carries the deployment's `Numerics` (kernels/modes.py) and applies them where the kernels take a mode
+(the mHC mix, the experts, the entries stored into the KV pools, as the pools' `KVLayout` keeps them); the model
+reads the rest of them from here.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import sparse_paged_attention_reference
+from kernels.compressor import entry_destinations, round_stored_entries
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
+from kernels.modes import KVLayout, Numerics
 from kernels.moe import QuantizedExperts, fused_moe_reference
+from kernels.quant_formats import hadamard_rotate, simulate_indexer_fp4, simulate_kv_fp8
 
 MODES = ("auto", "reference", "triton")
 def default_mode(use_reference: bool = False) -> str:
@@ -29,10 +36,11 @@ def default_mode(use_reference: bool = False) -> str:
 
 
 class KernelDispatch:
-    def __init__(self, mode: str = "auto"):
+    def __init__(self, mode: str = "auto", numerics: Numerics = Numerics()):
         if mode not in MODES:
             raise ValueError(f"kernel dispatch mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        self.numerics = numerics
 
     def use_triton(self, tensor: torch.Tensor) -> bool:
         return self.mode == "triton" or (self.mode == "auto" and tensor.is_cuda)
@@ -52,12 +60,11 @@ class KernelDispatch:
         return indexer_scores_reference(q, *args, **kwargs)
 
     def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *,
-                  out_dtype: torch.dtype | None = None, deepseek_order: bool = False,
-                  quantize_hidden: bool = False) -> torch.Tensor:
-        """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch);
-        deepseek_order / quantize_hidden: DeepSeek's routing-weight order and act_quant of the down projection's
-        input (kernels/moe.py)."""
-        order = dict(deepseek_order=deepseek_order, quantize_hidden=quantize_hidden)
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch). The
+        numerics choose the routing weight's place and the act_quant of the down projection's input
+        (kernels/moe.py's deepseek_order and quantize_hidden)."""
+        order = dict(deepseek_order=self.numerics.routing_weight_first, quantize_hidden=self.numerics.act_quant)
         if self.use_triton(x):
             from kernels.moe import fused_moe_triton
 
@@ -90,9 +97,9 @@ class KernelDispatch:
         """mHC collapse + the block's RMSNorm -> (post, comb, x)."""
         return self._fused("mhc", "hc_collapse", streams, streams, *args, **kwargs)
 
-    def hc_mix(self, streams, *args, **kwargs):
-        """mHC mix of one (or the sum of two) block outputs into the streams."""
-        return self._fused("mhc", "hc_mix", streams, streams, *args, **kwargs)
+    def hc_mix(self, streams, *args):
+        """mHC mix of one (or the sum of two) block outputs into the streams (in fp32 under DeepSeek's numerics)."""
+        return self._fused("mhc", "hc_mix", streams, streams, *args, fp32_mix=self.numerics.fp32_mix)
 
     def hc_head(self, streams, *args, **kwargs):
         return self._fused("mhc", "hc_head", streams, streams, *args, **kwargs)
@@ -110,8 +117,45 @@ class KernelDispatch:
         return self._fused("compressor", "compress_entries", kv, kv, *args, **kwargs)
 
     def store_indexer_fp4(self, keys, pool, rows) -> None:
-        """Rotated indexer keys encoded as FP4 pairs with their scales into rows of a uint8 pool."""
+        """Rotated indexer keys encoded as FP4 pairs with their scales into rows of a pool of the fp8 layout."""
         self._fused("kv_store", "store_indexer_fp4", keys, keys, pool, rows)
+
+    # --- entries into the KV pools, as their layout keeps them and the numerics round them ------------------------
+    def store_window_entries(self, kv, norm_weight, eps: float, cos, sin, pool, index, kv_layout: KVLayout) -> None:
+        """Each token's K=V entry (normed, rotated) into slot `index` of the window pool, as `kv_layout` stores it (the
+        fp8 layout: encoded by the kernel where it stores it)."""
+        self.norm_rope(kv, norm_weight, eps, cos=cos, sin=sin, out=pool, out_index=index)
+        rounding = self._rounding_of_stored(kv_layout, indexer=False)
+        if rounding is not None:
+            rows = pool.view(-1, pool.shape[-1])
+            rows[index] = rounding(rows[index])
+
+    def compress_and_store(self, kv, gate, state_kv, state_gate, plan, *args, pool, block_table, kv_layout: KVLayout,
+                           indexer: bool, entry_dtype: torch.dtype) -> None:
+        """Run one compressor (compress_into_pool's arguments) and store the entries it closes into `pool` as
+        `kv_layout` keeps them: the fp8 layout's attention entries encoded by the kernel where it stores them, its FP4
+        indexer keys rotated first (a torch pass) and then encoded."""
+        inputs = (kv, gate, state_kv, state_gate, plan, *args)
+        if indexer and kv_layout.fp8:
+            entries = self.compress_entries(*inputs, entry_dtype=entry_dtype)
+            if plan.num_entries:
+                self.store_indexer_fp4(hadamard_rotate(entries), pool, entry_destinations(plan, pool, block_table))
+            return
+        self.compress_into_pool(*inputs, pool, block_table, entry_dtype=entry_dtype)
+        rounding = self._rounding_of_stored(kv_layout, indexer)
+        if rounding is not None:
+            round_stored_entries(pool, plan, block_table, rounding)
+
+    def _rounding_of_stored(self, kv_layout: KVLayout, indexer: bool):
+        """What DeepSeek's numerics round a stored entry (an indexer key if `indexer`) to, applied after a pool of
+        values stored it; None where nothing is rounded, or the fp8 layout's encoding is that rounding."""
+        if kv_layout.fp8:
+            return None
+        if indexer:
+            return simulate_indexer_fp4 if self.numerics.round_indexer else None
+        if not self.numerics.round_kv_entries:
+            return None
+        return lambda entries: simulate_kv_fp8(entries, kv_layout.rope_dim)
 
     def route_topk(self, logits, *args, **kwargs):
         return self._fused("moe", "route_topk", logits, logits, *args, **kwargs)

@@ -75,7 +75,7 @@ def fitting_layers(config_path, overrides: dict, memory_gib: float, batch: int, 
     """The most layers (of the config's own) whose weights (as published, fp8) and pools for `batch` + 1 requests of
     `context` positions, fp8, fit `memory_gib` with RESERVE_GIB to spare (scripts/plan_memory.py's plan)."""
     from backend.model.config import load_model_config
-    from backend.parallel.layout import ParallelLayout
+    from backend.model.parallel_layout import ParallelLayout
     from scripts.plan_memory import plan
 
     total = load_model_config(config_path, overrides).num_hidden_layers
@@ -114,7 +114,7 @@ class Bench:
     def __init__(self, torch, args, config):
         from backend.deployment import load_model, plan_deployment
         from backend.model.graph_runner import DecodeGraphs
-        from backend.parallel.comm import Communicator
+        from backend.model.comm import Communicator
         from scripts.bench_kernels import Timer
 
         self.torch, self.args = torch, args

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.model.config import CSA, HCA, parse_model_config  # noqa: E402
 from backend.model.footprint import step_weight_bytes  # noqa: E402
-from backend.parallel.layout import ParallelLayout  # noqa: E402
+from backend.model.parallel_layout import ParallelLayout  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
 

@@ -9,11 +9,11 @@ Reads config.json only (no weight). Weights come from backend/model/footprint.py
 holds with --weight-format `dequantize` (every weight in bf16) or `fp8` (kept as published: FP8
 linears, MXFP4 or FP8 experts, with their scales); the published checkpoint's size on disk (with
 the mtp.* draft layer) is printed beside them, to compare with the real shards. Per device is what
-ONE rank of the parallel layout holds, tensor by tensor (the MTP layer too with --num-speculative-tokens) (backend/parallel/layout.py: split heads and
-groups, split or sliced experts, the vocabulary-parallel head, everything else replicated). The KV
-pools are not split: DeepSeek-V4 has one K=V head and the compressors are replicated, so every rank
-keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after the rank's
-weights and --reserve-gib of activations, less the sliding windows and compressor state of
+ONE rank of the parallel layout holds, tensor by tensor (the MTP layer too with --num-speculative-tokens)
+(backend/model/parallel_layout.py: split heads and groups, split or sliced experts, the vocabulary-parallel head,
+everything else replicated). The KV pools are not split: DeepSeek-V4 has one K=V head and the compressors are
+replicated, so every rank keeps the same pools. Capacity = what is left of --gpu-memory-gib x --utilization after
+the rank's weights and --reserve-gib of activations, less the sliding windows and compressor state of
 --max-running-requests requests and the ring snapshots of --prefix-cache-entries cached prefixes,
 divided by the compressed pools' bytes per position.
 """
@@ -31,10 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.memory.kv_manager import KVCacheManager  # noqa: E402
+from backend.memory.kv_manager import KVCacheManager, model_kv_layout  # noqa: E402
 from backend.model.config import load_model_config, parse_model_config  # noqa: E402
 from backend.model.footprint import weight_bytes  # noqa: E402
-from backend.parallel.layout import ParallelLayout  # noqa: E402
+from backend.model.parallel_layout import ParallelLayout  # noqa: E402
+from kernels.modes import Numerics  # noqa: E402
 
 GIB = 2**30
 
@@ -45,10 +46,11 @@ def kv_geometry(config, page_size: int, max_running: int, prefix_cache_entries: 
     compressor state, and the prefix cache's ring snapshots (the compressor state in bf16, or with fp8, which
     implies DeepSeek's numerics, in fp32 as its compressors keep it). Speculative decoding adds the draft layer's
     window, a lookahead to each request's window and positions to the rings."""
+    numerics = Numerics.of("deepseek" if kv_cache_dtype == "fp8" else "transformers", quantized_checkpoint=True)
     kv = KVCacheManager(config, num_tokens=1 << 20, swa_full_tokens_ratio=0.25, page_size=page_size,
                         max_running_requests=max_running, dtype=torch.bfloat16, device="meta",
-                        kv_cache_dtype="fp8" if kv_cache_dtype == "fp8" else torch.bfloat16,
-                        state_dtype=torch.float32 if kv_cache_dtype == "fp8" else torch.bfloat16,
+                        kv_layout=model_kv_layout(config, torch.bfloat16, fp8=kv_cache_dtype == "fp8"),
+                        state_dtype=numerics.compressor_dtype(torch.bfloat16),
                         draft_layers=1 if speculative_tokens else 0, speculative_tokens=speculative_tokens)
     if prefix_cache_entries:
         kv.enable_prefix_caching(math.lcm(128, page_size), prefix_cache_entries, prefix_cache_end_entries)

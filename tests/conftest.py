@@ -85,7 +85,7 @@ def alt_checkpoint(tmp_path_factory) -> Path:
 
 
 # The tiny checkpoint with enough heads, output groups, experts and intermediate columns to split 4 ways
-# (backend/parallel/layout.py): tensor and expert parallelism tests.
+# (backend/model/parallel_layout.py): tensor and expert parallelism tests.
 PARALLEL_CONFIG = dict(num_attention_heads=8, o_groups=4, n_routed_experts=8, moe_intermediate_size=32)
 
 

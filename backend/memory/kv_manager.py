@@ -31,9 +31,10 @@ from backend.memory.compressed_pool import CompressedPool
 from backend.memory.compressor_state import CompressorStatePool
 from backend.memory.page_allocator import OutOfPages
 from backend.memory.paged_pool import PagedPool, PageRun
+from backend.memory.prefix_cache import PrefixCache, PrefixPages
 from backend.memory.window_pool import WindowPool
 from backend.model.config import CSA, HCA, ModelConfig
-from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
+from kernels.modes import KVLayout
 
 
 @dataclass(eq=False)
@@ -53,15 +54,17 @@ class RequestPages:
 
 @dataclass
 class LayerMemory:
-    """The tensors one layer reads and writes (views into the pools; None where the layer has none).
+    """The tensors one layer reads and writes (views into the pools; None where the layer has none), and how they
+    store entries.
 
     window_kv [pages, page_size, Dh]; compressed_kv [pages, page_size, Dh] and index_k
-    [pages, page_size, Di] for CSA, compressed_kv for HCA (with kv_cache_dtype fp8: uint8, the entries' bytes);
-    `pool` names the compressed pool;
+    [pages, page_size, Di] for CSA, compressed_kv for HCA (in the fp8 layout: uint8, the entries' bytes,
+    kv_layout.entry_width / index_key_width of them); `pool` names the compressed pool;
     `state[stream] = (kv ring, gate ring)`, each [slots, ring, width], for the layer's compressors.
     """
 
     window_kv: torch.Tensor
+    kv_layout: KVLayout
     pool: str | None = None
     compress_rate: int = 0
     compressed_kv: torch.Tensor | None = None
@@ -69,13 +72,10 @@ class LayerMemory:
     state: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
-def _entry_widths(model: ModelConfig, kv_cache_dtype: torch.dtype | str) -> tuple[int, int, torch.dtype]:
-    """(attention entry width, indexer key width, pool dtype): values of the model's widths, or bytes of the fp8
-    layout."""
-    if kv_cache_dtype == "fp8":
-        return (kv_fp8_entry_bytes(model.head_dim, model.qk_rope_head_dim),
-                indexer_fp4_entry_bytes(model.index_head_dim), torch.uint8)
-    return model.head_dim, model.index_head_dim, kv_cache_dtype
+def model_kv_layout(model: ModelConfig, dtype: torch.dtype, fp8: bool = False) -> KVLayout:
+    """The layout of `model`'s entries in the pools: values in `dtype`, or DeepSeek's fp8 bytes."""
+    widths = dict(head_dim=model.head_dim, rope_dim=model.qk_rope_head_dim, index_head_dim=model.index_head_dim)
+    return KVLayout.deepseek_fp8(**widths) if fp8 else KVLayout.values(dtype, **widths)
 
 
 def _pages(entries: int, page_size: int, partial_pages: int) -> int:
@@ -86,22 +86,22 @@ def _pages(entries: int, page_size: int, partial_pages: int) -> int:
 class KVCacheManager:
     def __init__(self, model: ModelConfig, *, num_tokens: int, swa_full_tokens_ratio: float, page_size: int,
                  max_running_requests: int, dtype: torch.dtype, device: str | torch.device,
-                 max_step_tokens: int | None = None, kv_cache_dtype: torch.dtype | str | None = None,
+                 max_step_tokens: int | None = None, kv_layout: KVLayout | None = None,
                  state_dtype: torch.dtype | None = None, draft_layers: int = 0, speculative_tokens: int = 0):
         """`max_step_tokens`: the most tokens one request computes in a step (bounds a window run's length,
-        hence the window table's width; None: the whole window pool). `kv_cache_dtype`: what the paged pools
-        store, a float dtype (None: `dtype`) or "fp8", DeepSeek's byte layout (uint8 pools:
-        kernels/quant_formats.py). `state_dtype`: the compressor rings' (None: `dtype`; numerics=deepseek keeps
-        them in fp32, as DeepSeek's compressors run). `draft_layers`: the checkpoint's MTP layers served as
-        speculative drafts (sliding-window layers: a layer more in the window pool each). `speculative_tokens` (k):
-        a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the window's lookahead), and
-        every compressor ring keeps k positions more than its windows read, so that the ring writes of rejected
-        draft positions only ever overwrite positions no continuation reads: rolling a request back is moving its
-        position, never a copy (backend/speculative.py)."""
+        hence the window table's width; None: the whole window pool). `kv_layout`: how the paged pools store
+        entries (kernels/modes.py; None: values in `dtype`). `state_dtype`: the compressor rings' (None: `dtype`;
+        DeepSeek's numerics keep them in fp32, as its compressors run). `draft_layers`: the checkpoint's MTP layers
+        served as speculative drafts (sliding-window layers: a layer more in the window pool each).
+        `speculative_tokens` (k): a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the
+        window's lookahead), and every compressor ring keeps k positions more than its windows read, so that the ring
+        writes of rejected draft positions only ever overwrite positions no continuation reads: rolling a request back
+        is moving its position, never a copy (backend/speculative.py)."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
-        entry, index_key, pool_dtype = _entry_widths(model, kv_cache_dtype or dtype)
+        self.kv_layout = layout = kv_layout or model_kv_layout(model, dtype)
+        entry, index_key, pool_dtype = layout.entry_width, layout.index_key_width, layout.dtype
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
         self.num_main_layers, self.speculative_tokens = model.num_hidden_layers, speculative_tokens
@@ -134,11 +134,6 @@ class KVCacheManager:
         for pool in self._pools:
             self.tables[pool.name][self.state_pool.scratch_slot] = pool.scratch_page
 
-    @property
-    def fp8(self) -> bool:
-        """Whether the pools hold DeepSeek's fp8 layout (kv_cache_dtype fp8)."""
-        return self.window_pool.kv.dtype == torch.uint8
-
     def _table_width(self, pool: PagedPool, max_step_tokens: int | None) -> int:
         """Columns of a pool's table: the most logical pages one request's run can span."""
         if pool is self.window_pool:
@@ -151,8 +146,6 @@ class KVCacheManager:
         """Before any request: the state pool gets `max_entries` spare slots, where the cache keeps its ring
         snapshots: `max_end_entries` (default: all) full ones, which a request's end needs, and light ones holding
         only the rings a continuation from a block boundary reads."""
-        from backend.memory.prefix_cache import PrefixCache
-
         assert not self._live and self.prefix_cache is None, "enable prefix caching before serving"
         max_end_entries = max_entries if max_end_entries is None else max_end_entries
         assert 0 <= max_end_entries <= max_entries, (max_end_entries, max_entries)
@@ -171,13 +164,62 @@ class KVCacheManager:
             streams.add("hca")
         return frozenset(streams)
 
-    def track(self, pages: RequestPages) -> None:
-        """A handle given memory outside `try_extend` (a restored prefix) is accounted for like the others, and its
-        rows of the block tables are written."""
-        self._live.add(pages)
-        pages.quiet_until = 0
-        for name, run in pages.runs.items():
+    # --- the prefix cache's interface ------------------------------------------------------------------
+    def pin(self, seq, length: int) -> PrefixPages:
+        """The pages a state of `seq` at `length` needs (the window of the next position, the compressed entries
+        before it), each with one reference more, for a holder other than `seq`."""
+        runs = seq.pages.runs
+        window_first = self.window_pool.first_needed_page(length)
+        run = runs["window"]
+        window = run.pages[window_first - run.first:-(-length // self.page_size) - run.first]
+        assert window_first >= run.first and len(window) == -(-length // self.page_size) - window_first, \
+            "the window pages of a prefix state are held"
+        pinned = PrefixPages(window_first, window, {
+            name: runs[name].pages[:pool.pages_for_tokens(length)] if name in runs else []
+            for name, pool in self.compressed_pools.items()})
+        for name, pages in pinned.by_pool():
+            self.paged_pool(name).allocator.retain(pages)
+        return pinned
+
+    def unpin(self, pinned: PrefixPages) -> None:
+        """Its holder lets go of `pinned`: a reference less on each page (freed where it was the last)."""
+        for name, pages in pinned.by_pool():
+            self.paged_pool(name).allocator.free(pages)
+
+    def adopt(self, seq, pinned: PrefixPages, length: int) -> list[tuple[str, int, int]] | None:
+        """`seq` (holding no memory) continues from `length` positions with the pages of `pinned`: a state slot of
+        its own, the pages shared by reference but a partly filled last one (the request writes its next slots
+        there), which it gets a page of its own for. Returns the page copies (pool, from, to) the caller makes before
+        the request's next step; None, nothing changed, when the slot or a page is short. The token counts are the
+        scheduler's."""
+        partial = {name: self._last_page_partial(name, length) for name, _ in pinned.by_pool()}
+        if self.state_pool.num_free < 1 or any(partial[name] and self.paged_pool(name).num_free < 1
+                                               for name in partial):
+            return None
+        pages = seq.pages = RequestPages(slot=self.state_pool.acquire())
+        copies = []
+        for name, cached in pinned.by_pool():
+            pool, run = self.paged_pool(name), pages.run(name)
+            run.first = pinned.window_first if pool is self.window_pool else 0
+            run.pages = cached[:-1] if partial[name] else list(cached)
+            pool.allocator.retain(run.pages)
+            if partial[name]:
+                (copy,) = pool.allocator.allocate(1)
+                copies.append((name, cached[-1], copy))
+                run.pages.append(copy)
             self._write_table(name, pages.slot, run, 0)
+        self._live.add(pages)
+        return copies
+
+    def paged_pool(self, name: str) -> PagedPool:
+        return self.window_pool if name == self.window_pool.name else self.compressed_pools[name]
+
+    def _last_page_partial(self, pool: str, length: int) -> bool:
+        """Whether the state at `length` leaves the last of its pages of `pool` partly filled."""
+        if pool == self.window_pool.name:
+            return length % self.page_size != 0
+        compressed = self.compressed_pools[pool]
+        return (length // compressed.compress_rate) % compressed.page_size != 0
 
     # --- the model's interface ---------------------------------------------------------------------
     def ring_length(self, stream: str) -> int:
@@ -185,7 +227,7 @@ class KVCacheManager:
         return self._state_rings[stream][1]
 
     def _layer_memory(self, i: int) -> LayerMemory:
-        memory = LayerMemory(window_kv=self.window_pool.kv[i])
+        memory = LayerMemory(window_kv=self.window_pool.kv[i], kv_layout=self.kv_layout)
         if i >= self.num_main_layers:  # a draft (MTP) layer: sliding window only
             return memory
         layer_type = self.model.layer_types[i]

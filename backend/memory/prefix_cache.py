@@ -36,7 +36,9 @@ request's own rings after its step, when the next step (already launched) may ha
 boundary that a decode reaches has its last token still in flight when it is reserved: its digest is
 computed when it is kept.
 
-Copies between pages and slots (a restore's, a request end's snapshot) are not made here: they are queued
+The pages are the memory manager's (backend/memory/kv_manager.py): an entry's are pinned (`pin`) and let go
+(`unpin`) through it, and a restore hands them to the request (`adopt`); the scheduler counts the restored positions
+computed. Copies between pages and slots (a restore's, a request end's snapshot) are not made here: they are queued
 (`take_pending`) and made by whoever runs the steps, in order with them (`apply`; the engine's executor and
 every worker rank), so that a copy never races a step in flight.
 Eviction is least recently used. Using an entry uses every shorter boundary of the same tokens too, so a
@@ -62,12 +64,25 @@ import numpy as np
 
 
 @dataclass
+class PrefixPages:
+    """The pages a request's state at a position P needs, held (a reference each) by a holder other than the request:
+    a cache entry, or a step's reservation of one (KVCacheManager.pin)."""
+
+    window_first: int  # logical page of window[0]
+    window: list[int]  # the window of the next position; the last page partly filled when P is not a page boundary
+    compressed: dict[str, list[int]]  # pool -> pages of logical pages [0, n): the entries before P
+
+    def by_pool(self):
+        """(pool name, pages) for the window pool, then each compressed pool."""
+        yield "window", self.window
+        yield from self.compressed.items()
+
+
+@dataclass
 class CachedPrefix:
     key: bytes  # the block digest (a boundary), or the digest of anchor + tail (an end)
     length: int  # P, positions
-    window_first: int  # logical page of window_pages[0]
-    window_pages: list[int]  # the last one partly filled when P is not a page boundary
-    compressed: dict[str, list[int]]  # pool -> pages of logical pages [0, n)
+    pages: PrefixPages
     snapshot: int  # slot in the snapshot tensors
     last_used: int = 0
     anchor: bytes | None = None  # an end entry: the digest of its last full block (b"" before the first)
@@ -85,9 +100,7 @@ class ReservedSnapshot:
     key: bytes | None  # the boundary's block digest (None: its last token was not on the host yet)
     snapshot: int  # index of the snapshot
     slot: int  # the state-pool slot that holds it
-    window_first: int
-    window_pages: list[int]
-    compressed: dict[str, list[int]]
+    pages: PrefixPages
     # Where the chunk ends: the copy of the request's rings into the slot, made right after the step's forward
     # (the step's own copy, so a step that never runs makes none).
     copy_after: tuple | None = None
@@ -163,33 +176,16 @@ class PrefixCache:
         return entry.length if entry is not None and self.restore(seq, entry) else 0
 
     def restore(self, seq, entry: CachedPrefix) -> bool:
-        """Give `seq` (holding no memory) the memory of `entry`; False (nothing changed) when the copies of
-        the partly filled pages or the state slot cannot be allocated."""
-        from backend.memory.kv_manager import RequestPages
-
-        kv = self.kv
-        partial = {name: self._is_partial(name, entry.length) for name in entry.compressed}
-        window_partial = entry.length % kv.page_size != 0
-
-        def room() -> bool:  # a state slot, and a page for each partly filled page to copy
-            return (kv.state_pool.num_free >= 1 and (not window_partial or kv.window_pool.num_free >= 1)
-                    and all(not partial[name] or kv.compressed_pools[name].num_free >= 1 for name in partial))
-
-        while not room():  # other entries' pages go first (this one is kept: its pages are about to be shared)
+        """Give `seq` (holding no memory) the memory of `entry` (its first entry.length positions are then computed:
+        the caller counts them); False (nothing changed) when the copies of the partly filled pages or the state
+        slot cannot be allocated."""
+        # other entries' pages go first (this one is kept: its pages are about to be shared)
+        while (copies := self.kv.adopt(seq, entry.pages, entry.length)) is None:
             if not self.evict_one(keep=entry):
                 return False
-        pages = RequestPages()
-        pages.slot = kv.state_pool.acquire()
-        self._do(("load", entry.snapshot, pages.slot))
-        window = pages.run("window")
-        window.first = entry.window_first
-        window.pages = self._share(kv.window_pool, entry.window_pages, copy_last=window_partial)
-        for name, cached in entry.compressed.items():
-            run = pages.run(name)
-            run.first, run.pages = 0, self._share(kv.compressed_pools[name], cached, copy_last=partial[name])
-        seq.pages = pages
-        kv.track(pages)
-        seq.num_computed_tokens = entry.length
+        self._do(("load", entry.snapshot, seq.pages.slot))
+        for name, src, dst in copies:
+            self._do(("page", name, src, dst))
         self._touch(entry, self._chain(seq, (entry.length - 1) // self.block_tokens))
         return True
 
@@ -200,10 +196,6 @@ class PrefixCache:
         if num_cached:
             self.stats.hits += 1
             self.stats.cached_tokens += num_cached
-
-    def _is_partial(self, name: str, length: int) -> bool:
-        pool = self.kv.compressed_pools[name]
-        return (length // pool.compress_rate) % pool.page_size != 0
 
     # --- register -----------------------------------------------------------------------------
     def reserve(self, seq, start: int, end: int) -> list[ReservedSnapshot]:
@@ -227,7 +219,7 @@ class PrefixCache:
             if key is not None:
                 self._reserved_keys.add(key)
             r = ReservedSnapshot(position, key, snapshot, self.kv.state_pool.spare_slot(snapshot),
-                                 *self._pin(seq, position))
+                                 self.kv.pin(seq, position))
             if position == end:  # where the step ends: its rings as they stand after it, copied right after it
                 r.copy_after = ("save", seq.pages.slot, snapshot)
             self._reserved[id(r)] = r
@@ -249,41 +241,19 @@ class PrefixCache:
                 self.release_reserved([r])  # unknown, or kept (or about to be) by another request
                 continue
             self._unreserve(r)
-            self._add_entry(key, r.position, r.snapshot, r.window_first, r.window_pages, r.compressed,
-                            digests[:block - 1])
+            self._add_entry(key, r.position, r.snapshot, r.pages, digests[:block - 1])
 
     def release_reserved(self, reserved: list[ReservedSnapshot]) -> None:
         """The reserved states are void (their step failed, or an entry for them exists already)."""
         for r in reserved:
             self._unreserve(r)
             self._give_snapshot(r.snapshot)
-            self._unpin(r.window_pages, r.compressed)
+            self.kv.unpin(r.pages)
 
     def _unreserve(self, r: ReservedSnapshot) -> None:
         del self._reserved[id(r)]
         if r.key is not None:
             self._reserved_keys.discard(r.key)
-
-    def _pin(self, seq, length: int) -> tuple[int, list[int], dict[str, list[int]]]:
-        """(first logical window page, window pages, compressed pages per pool) a state of `seq` at `length` needs,
-        each with one reference more: the window of the next position, and the compressed entries before it."""
-        kv, runs = self.kv, seq.pages.runs
-        window_first = kv.window_pool.first_needed_page(length)
-        run = runs["window"]
-        window_pages = run.pages[window_first - run.first:-(-length // kv.page_size) - run.first]
-        assert window_first >= run.first and len(window_pages) == -(-length // kv.page_size) - window_first, \
-            "the window pages of a prefix state are held"
-        compressed = {name: runs[name].pages[:pool.pages_for_tokens(length)] if name in runs else []
-                      for name, pool in kv.compressed_pools.items()}
-        kv.window_pool.allocator.retain(window_pages)
-        for name, pages in compressed.items():
-            kv.compressed_pools[name].allocator.retain(pages)
-        return window_first, window_pages, compressed
-
-    def _unpin(self, window_pages: list[int], compressed: dict[str, list[int]]) -> None:
-        self.kv.window_pool.allocator.free(window_pages)
-        for name, pages in compressed.items():
-            self.kv.compressed_pools[name].allocator.free(pages)
 
     @property
     def num_reserved(self) -> int:
@@ -322,15 +292,15 @@ class PrefixCache:
             return None
         snapshot = self._take_snapshot(full=True)
         self._do(("save", seq.pages.slot, snapshot))
-        return self._add_entry(key, length, snapshot, *self._pin(seq, length), ancestors)
+        return self._add_entry(key, length, snapshot, self.kv.pin(seq, length), ancestors)
 
-    def _add_entry(self, key: bytes, length: int, snapshot: int, window_first: int, window_pages: list[int],
-                   compressed: dict[str, list[int]], ancestors: list[bytes]) -> CachedPrefix:
+    def _add_entry(self, key: bytes, length: int, snapshot: int, pages: PrefixPages,
+                   ancestors: list[bytes]) -> CachedPrefix:
         """An entry for a state at `length` (its rings in `snapshot`), holding the pages given (pinned for it)."""
-        entry = self._entries[key] = CachedPrefix(key, length, window_first, window_pages, compressed, snapshot)
+        entry = self._entries[key] = CachedPrefix(key, length, pages, snapshot)
         self._touch(entry, ancestors)
-        for pool, pages in self._pages_of(entry):
-            self._held.setdefault(pool.name, Counter()).update(pages)
+        for pool, held in pages.by_pool():
+            self._held.setdefault(pool, Counter()).update(held)
         self.stats.registered += 1
         return entry
 
@@ -342,12 +312,6 @@ class PrefixCache:
         for digest in ancestors:
             if digest in self._entries:
                 self._entries[digest].last_used = now
-
-    def _pages_of(self, entry: CachedPrefix):
-        """(pool, the pages `entry` holds in it) for every paged pool."""
-        yield self.kv.window_pool, entry.window_pages
-        for name, pages in entry.compressed.items():
-            yield self.kv.compressed_pools[name], pages
 
     # --- snapshot slots -------------------------------------------------------------------------
     @property
@@ -362,17 +326,6 @@ class PrefixCache:
         (self._free_light if self.kv.state_pool.is_light(snapshot) else self._free_full).append(snapshot)
 
     # --- tensor copies (replayed by the other ranks) ----------------------------------------------
-    def _share(self, pool, cached: list[int], copy_last: bool) -> list[int]:
-        """A request's pages in `pool` from an entry's: shared by reference, the last one copied into a page of
-        its own when `copy_last` (partly filled: the request writes its next slots there)."""
-        shared = cached[:-1] if copy_last else cached
-        pool.allocator.retain(shared)
-        if not copy_last:
-            return list(shared)
-        (copy,) = pool.allocator.allocate(1)
-        self._do(("page", pool.name, cached[-1], copy))
-        return [*shared, copy]
-
     def _do(self, op: tuple) -> None:
         self._pending.append(op)
 
@@ -389,7 +342,7 @@ class PrefixCache:
         for op in ops:
             if op[0] == "page":
                 _, name, src, dst = op
-                pool = self.kv.window_pool if name == "window" else self.kv.compressed_pools[name]
+                pool = self.kv.paged_pool(name)
                 for tensor in pool.tensors.values():
                     tensor[:, dst].copy_(tensor[:, src])
             elif op[0] == "save":
@@ -414,7 +367,7 @@ class PrefixCache:
             # pages a longer entry holds too cost nothing to keep; running requests are not counted: they give
             # their window pages back as they advance
             own_window_pages = 0
-            for page in e.window_pages:  # (a loop, not a generator: ties can be the whole cache)
+            for page in e.pages.window:  # (a loop, not a generator: ties can be the whole cache)
                 own_window_pages += held_count(page) == 1
             return e.last_used, e.request_end, -own_window_pages, -e.length
 
@@ -435,9 +388,9 @@ class PrefixCache:
             self._ends[entry.anchor].remove(entry)
             if not self._ends[entry.anchor]:
                 del self._ends[entry.anchor]
-        for pool, pages in self._pages_of(entry):
-            pool.allocator.free(pages)
-            held = self._held[pool.name]
+        self.kv.unpin(entry.pages)
+        for pool, pages in entry.pages.by_pool():
+            held = self._held[pool]
             held.subtract(pages)
             for page in [page for page in pages if not held[page]]:
                 del held[page]
@@ -460,7 +413,5 @@ class PrefixCache:
         """The page lists the entries, and the reservations of steps in flight, hold in `pool` (for
         KVCacheManager.check)."""
         holders = [*self._entries.values(), *self._reserved.values()]
-        if pool == "window":
-            return [h.window_pages for h in holders]
-        return [h.compressed[pool] for h in holders]
+        return [h.pages.window if pool == "window" else h.pages.compressed[pool] for h in holders]
 

@@ -12,5 +12,6 @@
 - `staging`: a step's metadata packed into one buffer, one copy to the device.
 - `graph_runner`: the static buffers and CUDA graphs of decode steps.
 - `footprint`, `weight_names`: memory arithmetic and checkpoint names.
+- `parallel_layout`, `comm`: how the model is split over ranks (who holds what) and the collectives its forward calls.
 - `deepseek_v4`: the forward over a ragged batch and the paged pools of backend/memory.
 """

@@ -15,7 +15,7 @@ With weight_format="fp8" quantized weights stay as published instead: the FP8 li
 `kernels.moe.QuantizedExperts` (FP8 or packed MXFP4 with their scales); `o_a_proj` is dequantized,
 as DeepSeek's own inference does (its grouped product is not a plain GEMM).
 
-With a `ParallelLayout` of several ranks (backend/parallel/layout.py) each rank loads only its part:
+With a `ParallelLayout` of several ranks (backend/model/parallel_layout.py) each rank loads only its part:
 routed experts of other ranks are never read; a dense tensor split across ranks is read as a slice
 (safetensors' get_slice); an FP8/MXFP4 tensor split across ranks is read whole (one tensor at a time)
 and cut on its block grid: kept FP8 needs the cut on a 128-block boundary, MXFP4 columns on a
@@ -32,10 +32,10 @@ import torch
 from safetensors import safe_open
 
 from backend.model.config import CSA, HCA, SLIDING, ModelConfig
+from backend.model.parallel_layout import ParallelLayout, Shard
 from backend.model.quantization import (FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape,
                                         kept_quantized, scale_to_float)
 from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target
-from backend.parallel.layout import ParallelLayout, Shard
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
 
@@ -151,8 +151,9 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
                  weight_format: str = "dequantize", layout: ParallelLayout | None = None,
                  draft_layers: int = 0) -> dict[str, torch.Tensor]:
     """The engine's tensors (names of backend/model/checkpoint.expected_shapes) from `checkpoint`: this rank's
-    parts of them under `layout` (backend/parallel/layout.py; None: one rank holds everything). `draft_layers`: how
-    many of the checkpoint's MTP layers to load (speculative decoding); the others are skipped."""
+    parts of them under `layout` (backend/model/parallel_layout.py; None: one rank holds everything).
+    `draft_layers`: how many of the checkpoint's MTP layers to load (speculative decoding); the others are
+    skipped."""
     from tqdm import tqdm
 
     checkpoint, parallel = Path(checkpoint), layout

@@ -14,16 +14,17 @@ reference: the same math), and the linears that read the same input are one GEMM
 (scripts/count_launches.py) and no host synchronisation: every shape comes from the batch's host-side
 metadata (ForwardBatch). The pools' tensors are reached only through `kv.layer(i)`.
 
-`numerics="deepseek"` adds the roundings DeepSeek's own inference applies (its model was trained with them):
-each attention entry, window and compressed, is rounded where it is stored (the nope values to e4m3 per 64), the
-indexer's keys and queries are rotated and rounded to e2m1 per 32, the router's logits, the LM head, the mHC
-mix and the compressors (projections, rings, pooling) are fp32, the experts apply the routing weight before their
-down projection, and on a quantized checkpoint the inputs of DeepSeek's FP8/FP4 linears are act_quant'ed
-(kernels/quant_formats.py has the roundings; the attention and indexer then read what DeepSeek's would).
-With kv_cache_dtype fp8 the pools hold those values in DeepSeek's byte layout: the kernels that store the entries
-encode them, and the attention and indexer kernels decode them as they read.
+DeepSeek's numerics (`Numerics`, kernels/modes.py, carried by the dispatch) add the roundings its own inference
+applies (its model was trained with them): each attention entry, window and compressed, is rounded where it is
+stored (the nope values to e4m3 per 64), the indexer's keys and queries are rotated and rounded to e2m1 per 32, the
+router's logits, the LM head, the mHC mix and the compressors (projections, rings, pooling) are fp32, the experts
+apply the routing weight before their down projection, and on a quantized checkpoint the inputs of DeepSeek's
+FP8/FP4 linears are act_quant'ed (kernels/quant_formats.py has the roundings; the attention and indexer then read
+what DeepSeek's would). Pools in DeepSeek's fp8 layout (`KVLayout`, handed over with each layer's tensors) hold those
+values as its bytes: the kernels that store the entries encode them, and the attention and indexer kernels decode
+them as they read.
 
-Under a `ParallelLayout` of several ranks (backend/parallel/layout.py) the weights are this rank's parts:
+Under a `ParallelLayout` of several ranks (backend/model/parallel_layout.py) the weights are this rank's parts:
 the attention runs its share of the heads and groups and all-reduces the output projection, the MoE
 its experts (or its slice of every expert) plus its slice of the shared expert, summed in one
 all-reduce, and the LM head its rows of the vocabulary, all-gathered. Every rank runs the same forward
@@ -35,34 +36,33 @@ its own pools with the whole attention and LM head, and with expert parallelism 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from backend.memory.kv_manager import KVCacheManager, LayerMemory
+from backend.model.comm import Communicator
 from backend.model.config import CSA, SLIDING, ModelConfig
 from backend.model.forward_batch import ForwardBatch
-from backend.model.rotary import Rotary
+from backend.model.parallel_layout import ParallelLayout
 from backend.model.projections import (ATTENTION_INPUT, FP32_ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT,
                                        SHARED_EXPERT_INPUT, fuse_projections)
-from backend.parallel.comm import Communicator
-from backend.parallel.layout import ParallelLayout
-from kernels.compressor import entry_destinations, round_stored_entries
+from backend.model.rotary import Rotary
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
-from kernels.quant_formats import (FP8_ACT_BLOCK, hadamard_rotate, simulate_indexer_fp4, simulate_kv_fp8,
-                                   simulate_quantization)
+from kernels.quant_formats import FP8_ACT_BLOCK, simulate_indexer_fp4, simulate_quantization
+
+if TYPE_CHECKING:  # the forward is handed the pools; it never makes them
+    from backend.memory.kv_manager import KVCacheManager, LayerMemory
 
 
 class DeepseekV4Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
                  kernels: KernelDispatch | None = None, layout: ParallelLayout = ParallelLayout(),
-                 comm: Communicator = Communicator(), numerics: str = "transformers"):
+                 comm: Communicator = Communicator()):
+        """`kernels` carries the deployment's numerics (kernels/modes.py): the model's own ops follow them too."""
         self.config = config
-        self.deepseek_numerics = numerics == "deepseek"
-        # DeepSeek's FP8/FP4 linears quantize their inputs (act_quant, e4m3 per 128): on its quantized checkpoints
-        # only, whatever weight_format keeps in memory (a bf16 checkpoint runs plain GEMMs in DeepSeek's code too).
-        self.quantize_activations = self.deepseek_numerics and config.quantization_config is not None
         self.layout, self.comm = layout, comm
         split = layout.tensor_parallel_size if layout.attention_split else 1
         self.local_heads, self.local_groups = config.num_attention_heads // split, config.o_groups // split
@@ -71,6 +71,7 @@ class DeepseekV4Model:
         self.device = device
         self.dtype = dtype
         self.kernels = kernels or KernelDispatch()
+        self.numerics = self.kernels.numerics
         if self.kernels.use_triton(torch.empty(0, device=device)):
             self._experts_for_kernels()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
@@ -83,8 +84,8 @@ class DeepseekV4Model:
                          + [f"model.mtp.{j}." for j in range(self.num_draft_layers)])
         self.layer_types = config.layer_types + [SLIDING] * self.num_draft_layers
         self.mlp_types = config.mlp_layer_types + ["moe"] * self.num_draft_layers
-        quantized_input = QUANTIZED_ATTENTION_INPUT if self.quantize_activations else frozenset()
-        fp32_input = FP32_ATTENTION_INPUT if self.deepseek_numerics else frozenset()  # DeepSeek's fp32 compressors
+        quantized_input = QUANTIZED_ATTENTION_INPUT if self.numerics.act_quant else frozenset()
+        fp32_input = FP32_ATTENTION_INPUT if self.numerics.fp32_compressors else frozenset()
         self.attention_input = [fuse_projections(weights, p, ATTENTION_INPUT, quantized_input, fp32_input)
                                 for p in self.prefixes]
         self.shared_expert_input = [fuse_projections(weights, p, SHARED_EXPERT_INPUT) for p in self.prefixes]
@@ -140,15 +141,14 @@ class DeepseekV4Model:
                                     w[prefix + "hc_head.hc_scale"], eps=c.rms_norm_eps, hc_eps=c.hc_eps,
                                     norm_weight=w[prefix + "norm.weight"])
         head = w["lm_head.weight"]
-        logits = (F.linear(last.float(), head.float()) if self.deepseek_numerics else F.linear(last, head).float())
+        logits = F.linear(last.float(), head.float()) if self.numerics.fp32_head else F.linear(last, head).float()
         return self.comm.all_gather_last(logits) if self.layout.vocabulary_parallel else logits
 
     def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
         k, w, p = self.kernels, self.w, self.prefixes[i]
         post, comb, x = k.hc_collapse(streams, w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"],
                                       w[p + "input_layernorm.weight"], **self.hc)
-        mix = dict(fp32_mix=self.deepseek_numerics)  # DeepSeek's hc_post: the mix in fp32, rounded once
-        streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb, **mix)
+        streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
         post, comb, x = k.hc_collapse(streams, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
                                       w[p + "post_attention_layernorm.weight"], **self.hc)
         routed, shared = self._moe(i, x, batch.input_ids, batch.dp_token_counts)
@@ -157,7 +157,7 @@ class DeepseekV4Model:
                 routed, shared = self.comm.all_reduce(routed + shared.float()), None
             else:
                 routed = self.comm.all_reduce(routed)
-        return k.hc_mix(streams, routed, post, comb, shared, **mix)
+        return k.hc_mix(streams, routed, post, comb, shared)
 
     # --- attention --------------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope,
@@ -192,12 +192,8 @@ class DeepseekV4Model:
 
     def _store_window_entries(self, kv_proj, norm_weight, cos, sin, batch: ForwardBatch, memory: LayerMemory) -> None:
         """Each token's K=V entry (normed, rotated) into its window slot, as the pool stores it."""
-        k, c, pool = self.kernels, self.config, memory.window_kv
-        k.norm_rope(kv_proj, norm_weight, c.rms_norm_eps, cos=cos, sin=sin, out=pool,
-                    out_index=batch.window_write_index)  # straight into the window pool (fp8: quantized there)
-        if self.deepseek_numerics and pool.dtype != torch.uint8:  # the entries as DeepSeek stores them
-            window = pool.view(-1, c.head_dim)
-            window[batch.window_write_index] = simulate_kv_fp8(window[batch.window_write_index], c.qk_rope_head_dim)
+        self.kernels.store_window_entries(kv_proj, norm_weight, self.config.rms_norm_eps, cos, sin, memory.window_kv,
+                                          batch.window_write_index, memory.kv_layout)
 
     def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
         c, p, g = self.config, self.prefixes[i] + "self_attn.", self.local_groups
@@ -212,22 +208,11 @@ class DeepseekV4Model:
         """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
         c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.{prefix}"
         state_kv, state_gate = memory.state[stream]
-        inputs = (proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
-                  batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps,
-                  *entry_rope[stream])
-        if stream == "indexer" and pool_tensor.dtype == torch.uint8:  # FP4 keys: rotated first (a torch pass)
-            entries = self.kernels.compress_entries(*inputs, entry_dtype=self.dtype)
-            plan = batch.plans[stream]
-            if plan.num_entries:
-                rows = entry_destinations(plan, pool_tensor, block_table)
-                self.kernels.store_indexer_fp4(hadamard_rotate(entries), pool_tensor, rows)
-            return
-        # (an fp8 pool: the kernel quantizes each entry where it stores it)
-        self.kernels.compress_into_pool(*inputs, pool_tensor, block_table, entry_dtype=self.dtype)
-        if self.deepseek_numerics and pool_tensor.dtype != torch.uint8:
-            rounding = (simulate_indexer_fp4 if stream == "indexer"
-                        else lambda entries: simulate_kv_fp8(entries, c.qk_rope_head_dim))
-            round_stored_entries(pool_tensor, batch.plans[stream], block_table, rounding)
+        self.kernels.compress_and_store(
+            proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
+            batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps, *entry_rope[stream],
+            pool=pool_tensor, block_table=block_table, kv_layout=memory.kv_layout, indexer=stream == "indexer",
+            entry_dtype=self.dtype)
 
     def _indexer_topk(self, i, proj, q_residual, batch, memory: LayerMemory, compress_cos_sin,
                       entry_rope) -> torch.Tensor:
@@ -241,7 +226,7 @@ class DeepseekV4Model:
                                                                              c.index_head_dim)
         # the indexer's queries use the compress rope, as its keys do
         q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1])
-        if self.deepseek_numerics:
+        if self.numerics.round_indexer:
             q = simulate_indexer_fp4(q)
         weights = proj["self_attn.compressor.indexer.scorer.weights_proj"]  # the head scaling goes with the softmax's
         scale = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
@@ -260,7 +245,7 @@ class DeepseekV4Model:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
         gate = w[p + "gate.weight"]
-        router_logits = F.linear(x.float(), gate.float()) if self.deepseek_numerics else k.linear(x, gate)
+        router_logits = F.linear(x.float(), gate.float()) if self.numerics.fp32_router else k.linear(x, gate)
         if self.mlp_types[i] == "hash_moe":
             ids, weights = k.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
         else:
@@ -280,8 +265,7 @@ class DeepseekV4Model:
         if self.first_expert:
             ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
         return self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                                      self.config.swiglu_limit, out_dtype=torch.float32,
-                                      deepseek_order=self.deepseek_numerics, quantize_hidden=self.quantize_activations)
+                                      self.config.swiglu_limit, out_dtype=torch.float32)
 
     def _experts_of_every_rank(self, p: str, x, ids, weights, dp_token_counts: tuple[int, ...]) -> torch.Tensor:
         """Data-parallel ranks with split experts: every rank's tokens and routings all-gathered (padded to the largest
@@ -320,8 +304,8 @@ class DeepseekV4Model:
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         """The input of one of DeepSeek's FP8/FP4 linears as its inference quantizes it (act_quant: e4m3 per 128,
-        power-of-two scales), on a quantized checkpoint under numerics=deepseek; otherwise x."""
-        return simulate_quantization(x, FP8_ACT_BLOCK, "e4m3") if self.quantize_activations else x
+        power-of-two scales), on a quantized checkpoint under DeepSeek's numerics; otherwise x."""
+        return simulate_quantization(x, FP8_ACT_BLOCK, "e4m3") if self.numerics.act_quant else x
 
     def _quantized_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x @ weight^T for one of DeepSeek's FP8/FP4 linears: an Fp8Weight's GEMM act_quants x in registers

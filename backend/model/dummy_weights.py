@@ -26,8 +26,8 @@ import torch
 from backend.model.checkpoint import (check_quantized_part, empty_quantized_experts, expected_shapes, expert_part,
                                       is_fp32_parameter)
 from backend.model.config import ModelConfig
+from backend.model.parallel_layout import ParallelLayout
 from backend.model.quantization import FP4_VALUES, ROUTED_EXPERTS, fp8_block_shape, kept_quantized, published_format
-from backend.parallel.layout import ParallelLayout
 from kernels.fp8_gemm import Fp8Weight
 
 _SLICE = 1 << 24  # values drawn at a time: a 64 MiB float32 temporary at most

@@ -59,9 +59,9 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
                  draft_layers: int = 0, data_parallel: bool = False) -> dict[str, int]:
     """Bytes by part: embeddings + head, attention, routed experts, the rest, the draft layer (the published
     checkpoint's, or in the engine's formats the `draft_layers` speculative decoding serves); with a ParallelLayout
-    (backend/parallel/layout.py), what one rank holds (split like the main layers'). `data_parallel`: the ranks run
-    data-parallel attention (the layout splits the experts only), so each computes its own requests' logits with the
-    whole LM head."""
+    (backend/model/parallel_layout.py), what one rank holds (split like the main layers'). `data_parallel`: the ranks
+    run data-parallel attention (the layout splits the experts only), so each computes its own requests' logits with
+    the whole LM head."""
     parts = dict.fromkeys(PARTS, 0)
     for part, _, _, size in _tensor_bytes_by_part(config, fmt, dtype_bytes, layout, draft_layers, data_parallel):
         parts[part] += size

@@ -19,13 +19,16 @@ state slot) before the forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from backend.memory.kv_manager import KVCacheManager, RequestPages
 from backend.model.compressor import CompressionPlan, build_decode_plan, build_plan
 from backend.model.staging import map_leaves
 from backend.model.static_batch import StaticKey, entries_per_row, pad_plan
+
+if TYPE_CHECKING:  # the pools are handed in, never made here
+    from backend.memory.kv_manager import KVCacheManager, RequestPages
 
 
 @dataclass(slots=True)
@@ -57,8 +60,8 @@ class ForwardBatch:
     # pool name -> the most entries any token of the batch may attend to (host int: the indexer's score
     # width, so that no kernel wrapper reads positions back from the device)
     max_entries: dict[str, int]
-    # data-parallel attention (backend/parallel/layout.py): every rank's token count this step, in rank order (host
-    # ints: the MoE exchange pads to the largest without reading sizes back); () on a single rank
+    # data-parallel attention (backend/model/parallel_layout.py): every rank's token count this step, in rank order
+    # (host ints: the MoE exchange pads to the largest without reading sizes back); () on a single rank
     dp_token_counts: tuple[int, ...] = ()
 
     @property

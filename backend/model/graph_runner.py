@@ -22,14 +22,16 @@ static-shape step runs eagerly: this is how the logic of the graph path is teste
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from backend.memory.kv_manager import KVCacheManager
 from backend.model.forward_batch import ForwardBatch, build_forward_batch
 from backend.model.staging import BatchStager, StagedBatch
 from backend.model.static_batch import StaticKey, is_decode_batch, row_bucket
+
+if TYPE_CHECKING:  # the pools are handed in, never made here
+    from backend.memory.kv_manager import KVCacheManager
 
 
 @dataclass

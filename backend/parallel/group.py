@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
-from backend.parallel.comm import DistributedCommunicator
-from backend.parallel.layout import ParallelLayout
+from backend.model.comm import DistributedCommunicator
+from backend.model.parallel_layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

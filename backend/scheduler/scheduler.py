@@ -121,7 +121,8 @@ class PrefixCacheHooks(Protocol):
     """What the scheduler asks of the prefix cache (backend/memory/prefix_cache.py; `NoPrefixCache` when off)."""
 
     def match(self, seq: Sequence) -> int:
-        """Restore the longest cached prefix of `seq` (holding nothing) into it; the positions restored."""
+        """Restore the memory of the longest cached prefix of `seq` (holding nothing) into it; the positions restored
+        (the scheduler counts them computed)."""
 
     def record_admission(self, num_tokens: int, num_cached: int) -> None:
         """A request of `num_tokens` positions was admitted, `num_cached` of them restored."""
@@ -595,6 +596,8 @@ class Scheduler:
             if seq.num_placeholders:
                 return  # preempted while its last token was in flight: admitted once that token is in
             cached = 0 if seq.pages is not None else self.prefix_cache.match(seq)
+            if cached:
+                seq.num_computed_tokens = cached  # the positions the restored pages hold
             num_tokens = min(seq.num_uncomputed_tokens, left)
             if not self._allocate(seq, num_tokens):
                 if cached:  # it waits holding nothing, like every waiting request

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from backend.memory.kv_manager import KVCacheManager
+from backend.memory.kv_manager import KVCacheManager, model_kv_layout
 from backend.model.checkpoint import load_weights
 from backend.model.config import load_model_config
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.request import Sequence
 from kernels.dispatch import KernelDispatch
+from kernels.modes import Numerics
 
 LOGITS_TOL = 1e-4
 NEAR_TIE_REL = 1e-4  # a selection difference counts as a near-tie below this relative margin
@@ -184,15 +185,17 @@ class EngineHarness:
     def __init__(self, checkpoint, page_size: int = 16, num_tokens: int = 16384, max_running_requests: int = 8,
                  swa_full_tokens_ratio: float = 0.5, kernel_mode: str = "auto", weight_format: str = "dequantize",
                  numerics: str = "transformers", dtype: torch.dtype = torch.float32,
-                 kv_cache_dtype: torch.dtype | str | None = None):
+                 kv_cache_dtype: str | None = None):
+        """`numerics`: "transformers" or "deepseek"; `kv_cache_dtype` "fp8": DeepSeek's fp8 layout (else values)."""
         self.config = load_model_config(checkpoint)
         weights = load_weights(checkpoint, self.config, dtype, "cpu", weight_format)
-        self.model = DeepseekV4Model(self.config, weights, "cpu", dtype, KernelDispatch(kernel_mode),
-                                     numerics=numerics)
+        modes = Numerics.of(numerics, quantized_checkpoint=self.config.quantization_config is not None)
+        self.model = DeepseekV4Model(self.config, weights, "cpu", dtype, KernelDispatch(kernel_mode, modes))
         self.kv = KVCacheManager(self.config, num_tokens=num_tokens, swa_full_tokens_ratio=swa_full_tokens_ratio,
                                  page_size=page_size, max_running_requests=max_running_requests,
-                                 dtype=dtype, device="cpu", kv_cache_dtype=kv_cache_dtype,
-                                 state_dtype=torch.float32 if numerics == "deepseek" else dtype)
+                                 dtype=dtype, device="cpu",
+                                 kv_layout=model_kv_layout(self.config, dtype, fp8=kv_cache_dtype == "fp8"),
+                                 state_dtype=modes.compressor_dtype(dtype))
         self.model.indexer_observer = self._observe
         self._rows: list[Tracked] = []
 

@@ -23,6 +23,7 @@ import torch
 from backend.config import ConfigError, EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams, Sequence
+from kernels.modes import Numerics
 
 from .harness import LOGITS_TOL, EngineHarness, Reference, Tracked, compare
 
@@ -243,25 +244,26 @@ def test_auto_picks_deepseeks_numerics_and_fp8_only_where_they_apply(tiny_checkp
                                                                       parallel_checkpoint_published):
     """numerics=auto: deepseek on a quantized checkpoint the roundings apply to (as DeepSeek publishes them),
     transformers elsewhere; kv_cache_dtype=auto: fp8 where DeepSeek's numerics run on CUDA or a quantized checkpoint."""
-    from backend.deployment import resolve_kv_cache_dtype, resolve_numerics
+    from backend.deployment import resolve_kv_layout, resolve_numerics
     from backend.model.config import load_model_config
-    from backend.parallel.layout import ParallelLayout
+    from backend.model.parallel_layout import ParallelLayout
 
     configs = {name: load_model_config(path) for name, path in (
         ("tiny", tiny_checkpoint), ("shaped", deepseek_shaped_checkpoint), ("published", deepseek_published_checkpoint),
         ("tiny published", parallel_checkpoint_published))}
     auto, single = EngineConfig(), ParallelLayout()
-    assert {name: resolve_numerics(auto, c, single) for name, c in configs.items()} == {
+    assert {name: resolve_numerics(auto, c, single).name for name, c in configs.items()} == {
         "tiny": "transformers", "shaped": "transformers", "published": "deepseek", "tiny published": "transformers"}
-    assert resolve_numerics(auto, configs["published"], ParallelLayout(2, 2)) == "transformers"  # 64-wide slices
+    assert resolve_numerics(auto, configs["published"], ParallelLayout(2, 2)).name == "transformers"  # 64-wide slices
     published, shaped = configs["published"], configs["shaped"]
-    assert resolve_kv_cache_dtype(auto, published, "deepseek", "cpu", torch.float32) == "fp8"  # quantized
-    assert resolve_kv_cache_dtype(auto, shaped, "deepseek", "cuda", torch.bfloat16) == "fp8"
-    assert resolve_kv_cache_dtype(auto, shaped, "deepseek", "cpu", torch.float32) == torch.float32
-    assert resolve_kv_cache_dtype(auto, shaped, "transformers", "cuda", torch.bfloat16) == torch.bfloat16
+    deepseek, transformers = Numerics.of("deepseek", True), Numerics.of("transformers", False)
+    assert resolve_kv_layout(auto, published, deepseek, "cpu", torch.float32).name == "fp8"  # quantized
+    assert resolve_kv_layout(auto, shaped, deepseek, "cuda", torch.bfloat16).name == "fp8"
+    assert resolve_kv_layout(auto, shaped, deepseek, "cpu", torch.float32).name == "float32"
+    assert resolve_kv_layout(auto, shaped, transformers, "cuda", torch.bfloat16).name == "bfloat16"
     engine = LLMEngine(EngineConfig(checkpoint=str(deepseek_published_checkpoint), device="cpu"))
     try:
-        assert engine.model.deepseek_numerics and engine.kv.fp8
+        assert engine.model.numerics == Numerics.of("deepseek", quantized_checkpoint=True) and engine.kv.kv_layout.fp8
     finally:
         engine.shutdown()
 
@@ -283,7 +285,7 @@ def _chunks_beside_decodes(engine: EngineHarness) -> tuple[Tracked, Tracked]:
 def test_published_layout_against_the_oracle(deepseek_published_checkpoint, published_oracles, weight_format):
     """Weights kept as published (FP8 GEMMs, MXFP4 experts) or dequantized at load: the same numerics."""
     engine = EngineHarness(deepseek_published_checkpoint, numerics="deepseek", weight_format=weight_format)
-    assert engine.model.quantize_activations
+    assert engine.model.numerics.act_quant
     for tracked in _chunks_beside_decodes(engine):
         _check(engine, *published_oracles["bf16 values"], tracked, exact_until_a_selection_parts=True)
 

@@ -224,7 +224,7 @@ def test_the_published_fp8_layout_speculates_exactly(deepseek_published_checkpoi
     settings = dict(weight_format="fp8", numerics="deepseek", kv_cache_dtype="fp8")
     expected = _ids(_generate(_engine(deepseek_published_checkpoint, **settings), prompts, params))
     engine = _engine(deepseek_published_checkpoint, num_speculative_tokens=2, **settings)
-    assert isinstance(engine.model.w["model.mtp.0.e_proj.weight"], Fp8Weight) and engine.kv.fp8
+    assert isinstance(engine.model.w["model.mtp.0.e_proj.weight"], Fp8Weight) and engine.kv.kv_layout.fp8
     assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
     assert engine.stats()["num_accepted_tokens"] > 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.memory.kv_manager import KVCacheManager
+from backend.memory.kv_manager import KVCacheManager, model_kv_layout
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.graph_runner import DecodeGraphs
 from backend.model.staging import BatchStager
@@ -26,7 +26,8 @@ PROMPT_LENGTHS = [3, 126, 127, 254, 60]  # next positions cross 4-, 128- and 256
 
 def _kv(harness: EngineHarness, kv_cache_dtype=None) -> KVCacheManager:
     return KVCacheManager(harness.config, num_tokens=16384, swa_full_tokens_ratio=0.5, page_size=16,
-                          max_running_requests=8, dtype=torch.float32, device="cpu", kv_cache_dtype=kv_cache_dtype)
+                          max_running_requests=8, dtype=torch.float32, device="cpu",
+                          kv_layout=model_kv_layout(harness.config, torch.float32, fp8=kv_cache_dtype == "fp8"))
 
 
 class _Decoder:

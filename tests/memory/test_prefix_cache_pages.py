@@ -5,6 +5,8 @@ in a full one), and a page is free only when no request and no cache entry holds
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,7 +46,8 @@ def test_any_sequence_of_operations_conserves_pages(operations):
             entry = cache.lookup(seq)
             if entry is not None:
                 assert entry.length < seq.num_tokens and (entry.length % 128 == 0 or entry.request_end)
-                cache.restore(seq, entry)
+                if cache.restore(seq, entry):
+                    seq.num_computed_tokens = entry.length  # as the scheduler counts a restore
             live.append(seq)
         elif op == "compute" and live:  # one step of one request, as the scheduler and the engine run it
             seq = live[value % len(live)]
@@ -106,6 +109,34 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     cache.clear()
     kv.check()
     assert all(used == 0 for used in kv.pages_used().values())
+
+
+def test_a_restore_takes_its_pages_from_the_memory_manager_and_leaves_the_count_to_the_scheduler():
+    """KVCacheManager.adopt gives a request (holding nothing) an entry's pages: shared by reference, a partly filled
+    last page copied into one of its own, all or nothing; the positions it holds are the scheduler's to count."""
+    kv = _manager(num_tokens=2048, ratio=0.5, page_size=16, max_running=2)
+    kv.enable_prefix_caching(128, max_entries=4)
+    cache = kv.prefix_cache
+    first = Sequence("a", list(range(2, 300)))
+    _step(kv, first, 192, finish=True)  # its end: 12 window pages, 48 CSA entries (3 pages), 1 HCA entry
+    entry = cache.lookup(second := Sequence("b", list(range(2, 194)) + [1, 1]))
+    assert entry.length == 192 and entry.request_end
+    cache.take_pending()
+    blocker = Sequence("c", list(range(900, 1000)))
+    kv.extend(blocker, 1)  # the last free state slot: no room for the restore, and nothing of the cache to evict
+    assert kv.adopt(second, entry.pages, entry.length) is None and second.pages is None
+    kv.free(blocker)
+    assert cache.restore(second, entry) and second.num_computed_tokens == 0
+    (_, name, src, dst), = [op for op in cache.take_pending() if op[0] == "page"]
+    assert name == "hca" and src == first.pages.runs["hca"].pages[0] and second.pages.runs["hca"].pages == [dst]
+    assert second.pages.runs["csa"].pages == first.pages.runs["csa"].pages  # whole pages: shared
+    kv.check()
+    for seq in (first, second):
+        kv.free(seq)
+    cache.clear()
+    kv.check()
+    source = (Path(__file__).parents[2] / "backend/memory/prefix_cache.py").read_text()
+    assert ".allocator" not in source and "num_computed_tokens =" not in source  # the manager's, the scheduler's
 
 
 def _entries(cache) -> int:

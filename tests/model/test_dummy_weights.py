@@ -21,7 +21,7 @@ from backend.engine import LLMEngine
 from backend.model.checkpoint import CheckpointError, load_weights
 from backend.model.config import load_model_config
 from backend.model.dummy_weights import dummy_weights
-from backend.parallel.layout import ParallelLayout
+from backend.model.parallel_layout import ParallelLayout
 from backend.request import SamplingParams
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
@@ -118,7 +118,7 @@ def test_v4_flash_config_file_served_with_dummy_weights(weight_format):
     engine = LLMEngine(EngineConfig(checkpoint=str(FLASH), load_format="dummy", hf_overrides=TINY_FLASH, device="cpu",
                                     weight_format=weight_format, num_speculative_tokens=1, num_tokens=8192,
                                     max_num_batched_tokens=1024))
-    assert (engine.deployment.numerics, engine.deployment.kv_cache_dtype) == ("deepseek", "fp8")
+    assert (engine.deployment.numerics.name, engine.deployment.kv_layout.name) == ("deepseek", "fp8")
     assert engine.tokenizer.get_vocab_size() == 512 and engine.vocab_size == 1024
     logits, forward = [], engine.model.forward
 

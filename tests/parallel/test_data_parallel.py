@@ -28,8 +28,8 @@ from backend.deployment import load_model, plan_deployment
 from backend.engine import LLMEngine
 from backend.executor import StepCopies
 from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.model.parallel_layout import ParallelLayout
 from backend.parallel.group import RankGroup, RankGroupError
-from backend.parallel.layout import ParallelLayout
 from backend.request import EngineUnavailable, SamplingParams, Sequence
 
 CHUNK = 64

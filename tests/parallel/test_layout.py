@@ -8,7 +8,7 @@ import torch
 from backend.config import ConfigError, EngineConfig
 from backend.model.checkpoint import expected_shapes, load_weights
 from backend.model.config import load_model_config
-from backend.parallel.layout import ParallelLayout, Shard
+from backend.model.parallel_layout import ParallelLayout, Shard
 
 
 def test_shards_of_each_kind_of_tensor():

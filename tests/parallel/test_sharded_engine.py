@@ -204,7 +204,7 @@ def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepsee
     single = _engine(deepseek_published_checkpoint)
     sharded = _engine(deepseek_published_checkpoint, expert_parallel_size=2)
     try:
-        assert single.kv.fp8 and sharded.kv.fp8 and sharded.model.deepseek_numerics
+        assert single.kv.kv_layout.fp8 and sharded.kv.kv_layout.fp8 and sharded.model.numerics.name == "deepseek"
         one, many = _Driver(single, prompts), _Driver(sharded, prompts)
         for work in _steps(prompts):
             torch.testing.assert_close(many.step(work), one.step(work), rtol=0, atol=1e-5)

@@ -10,7 +10,7 @@ from estimate_decode_step import estimate
 from plan_memory import plan
 
 from backend.model.config import parse_model_config
-from backend.parallel.layout import ParallelLayout
+from backend.model.parallel_layout import ParallelLayout
 
 FLASH = Path(__file__).resolve().parents[2] / "docs" / "configs" / "deepseek-v4-flash.config.json"
 

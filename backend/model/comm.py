@@ -2,7 +2,7 @@
 
 `Communicator()` is the single-rank one: every collective returns its input. `DistributedCommunicator`
 runs them in a torch.distributed process group; the model calls only these methods
-(backend/parallel/layout.py says where).
+(backend/model/parallel_layout.py says where).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.config import ConfigError
+from backend.errors import ConfigError
 
 
 @dataclass(frozen=True)
