@@ -292,13 +292,18 @@ def test_published_layout_against_the_oracle(deepseek_published_checkpoint, publ
 
 def test_published_layout_and_fp8_cache_with_the_triton_kernels(deepseek_published_checkpoint, published_oracles):
     """FP8 GEMMs, the MXFP4 experts with the down projection's input quantized in the gate/up kernel, and the KV
-    cache in the fp8 layout, all through the Triton kernels under the interpreter."""
+    cache in the fp8 layout, all through the Triton kernels under the interpreter.
+
+    Not held exact up to an indexer near-tie, as the torch path is: the kernels sum in another fp32 order (the
+    experts' weights on the MMA's M side), so an activation can land on the other side of one of act_quant's e4m3
+    rounding boundaries (tests/kernels/test_moe.py bounds that to one row in a batch); from the first such parting
+    on, the engine is held to what the nudged oracles move."""
     engine = EngineHarness(deepseek_published_checkpoint, numerics="deepseek", weight_format="fp8",
                            kv_cache_dtype="fp8", kernel_mode="triton")
     tracked = Tracked(Sequence("triton", _prompt(140, 4)))
     for size in (61, 70) + (1,) * 9:  # across the first HCA entry (position 127), then decodes
         engine.step([(tracked, size)])
-    _check(engine, *published_oracles["bf16 cache"], tracked, exact_until_a_selection_parts=True)
+    _check(engine, *published_oracles["bf16 cache"], tracked)
 
 
 def test_the_activation_quantization_is_really_on(deepseek_published_checkpoint, published_oracles):
