@@ -173,6 +173,7 @@ class StepExecutor:
             self._queue.put(None)
             self._thread.join(timeout)
             self._thread = None
+        self.sampler.grammars.close()
 
     def _loop(self) -> None:
         while True:

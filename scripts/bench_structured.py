@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine, tokenizer_directory  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
-from backend.structured.grammar import GrammarService  # noqa: E402
+from backend.structured.grammar import GrammarBatch, GrammarService, default_mask_workers  # noqa: E402
 from backend.structured.params import guided_decoding_from_sampling  # noqa: E402
 from scripts.bench_host_overhead import spread  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
@@ -280,7 +280,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def large_vocab_pass(service: GrammarService, options) -> dict:
     """Compile every schema (a miss each), then time batched mask fills and accepts per step."""
-    from backend.structured.grammar import GrammarBatch
     from kernels.token_bitmask import allowed_tokens
 
     compile_ms, grammars = {}, {}
@@ -292,37 +291,60 @@ def large_vocab_pass(service: GrammarService, options) -> dict:
         grammars[name] = grammar
     names = list(grammars)
     generator = torch.Generator().manual_seed(options.seed)
+    fills = mask_fills(options.mask_workers)
     steps = {}
     for batch in options.large_batches:
         rows = [service.prepare(grammars[names[i % len(names)]].guided) for i in range(batch)]
-        masks = torch.empty(batch, (options.large_vocab + 31) // 32, dtype=torch.int32)
-        fill_ms, accept_ms, walker = [], [], GrammarBatch()
-        for _ in range(options.large_steps):
-            started = time.perf_counter()
-            walker.fill(rows, masks)
-            fill_ms.append(1e3 * (time.perf_counter() - started))
-            allowed = allowed_tokens(masks, options.large_vocab)
+        masks = {name: torch.empty(batch, (options.large_vocab + 31) // 32, dtype=torch.int32) for name in fills}
+        fill_ms, accept_ms = {name: [] for name in fills}, []
+        for step in range(options.large_steps):
+            order = list(fills)[step % len(fills):] + list(fills)[:step % len(fills)]  # no method always first
+            for name in order:
+                started = time.perf_counter()
+                fills[name](rows, masks[name])
+                fill_ms[name].append(1e3 * (time.perf_counter() - started))
+            reference = masks[order[0]]
+            assert all(torch.equal(m, reference) for m in masks.values()), "the mask fills disagree"
+            allowed = allowed_tokens(reference, options.large_vocab)
             tokens = torch.multinomial(allowed.float(), 1, generator=generator).flatten().tolist()
             started = time.perf_counter()
-            walker.accept(rows, tokens)
+            GrammarBatch.accept(rows, tokens)
             accept_ms.append(1e3 * (time.perf_counter() - started))
             for row in rows:
                 if row.done:  # the end of its document: walk it again
                     row.matcher.reset()
                     row.done = False
-        steps[batch] = {"fill_ms_median": statistics.median(fill_ms), "fill_ms_p90": p90(fill_ms),
+        steps[batch] = {"fill_ms_median": {name: statistics.median(v) for name, v in fill_ms.items()},
+                        "fill_ms_p90": {name: p90(v) for name, v in fill_ms.items()},
                         "accept_ms_median": statistics.median(accept_ms), "accept_ms_p90": p90(accept_ms)}
     return {"compile_ms": compile_ms, "steps": steps}
+
+
+def mask_fills(worker_counts: list[int]) -> dict:
+    """The ways to fill a step's masks, side by side: the engine's (GrammarBatch: a persistent pool of N threads),
+    and XGrammar's batch call on its own N threads (what the engine did before: a new thread pool every call)."""
+    import xgrammar as xgr
+
+    fills = {}
+    for n in worker_counts:
+        fills[f"pool {n}"] = GrammarBatch(workers=n).fill
+        own = xgr.BatchGrammarMatcher(max_threads=n)
+        fills[f"xgrammar {n}"] = lambda rows, masks, own=own: own.batch_fill_next_token_bitmask(
+            [r.matcher for r in rows], masks)
+    return fills
 
 
 def print_large_vocab(result: dict, options, tokenizer: str) -> None:
     miss = list(result["compile_ms"].values())
     print(f"\nvocabulary of {options.large_vocab} tokens ({tokenizer}): compile (miss) median "
           f"{statistics.median(miss):.1f} ms, p90 {p90(miss):.1f} ms, max {max(miss):.1f} ms over {len(miss)} schemas")
-    print(f"{'rows':>5} | {'fill ms/step':>12} {'p90':>7} | {'accept ms/step':>14} {'p90':>7} | {'fill us/row':>11}")
+    print("mask fill per step, median (p90), ms: the engine's persistent pool of N threads ('pool N') beside "
+          "XGrammar's batch call on N threads of its own ('xgrammar N', a new pool every call)")
+    methods = list(next(iter(result["steps"].values()))["fill_ms_median"])
+    print(f"{'rows':>5} | " + " | ".join(f"{m:>18}" for m in methods) + f" | {'accept ms':>9}")
     for batch, r in result["steps"].items():
-        print(f"{batch:>5} | {r['fill_ms_median']:>12.3f} {r['fill_ms_p90']:>7.3f} | {r['accept_ms_median']:>14.3f} "
-              f"{r['accept_ms_p90']:>7.3f} | {1e3 * r['fill_ms_median'] / batch:>11.1f}")
+        cells = [f"{r['fill_ms_median'][m]:>8.3f} ({r['fill_ms_p90'][m]:>7.3f})" for m in methods]
+        print(f"{batch:>5} | " + " | ".join(cells) + f" | {r['accept_ms_median']:>9.3f}")
 
 
 def run_large_vocab(options) -> dict:
@@ -398,6 +420,8 @@ def main() -> int:
     parser.add_argument("--stop-token-id", type=int, help="with --tokenizer: its end-of-sequence id")
     parser.add_argument("--large-batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--large-steps", type=int, default=40)
+    parser.add_argument("--mask-workers", type=int, nargs="+", default=sorted({1, default_mask_workers()}),
+                        help="with --large-vocab: the thread counts of the mask fills compared")
     parser.add_argument("--json", type=Path, default=RESULTS / "bench_structured.json")
     parser.add_argument("--csv", type=Path, default=RESULTS / "bench_structured.csv", help="the throughput table")
     parser.add_argument("--plot", type=Path, default=RESULTS / "bench_structured.png")

@@ -7,9 +7,10 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 import xgrammar as xgr
 
-from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarService, choice_grammar
+from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarBatch, GrammarService, _shares, choice_grammar
 from backend.structured.params import GuidedDecoding
 
 from .conftest import TINY_TOKENIZER, guided
@@ -150,3 +151,42 @@ def test_properties_are_generated_in_the_schemas_order(service):
     constraint = guided({"json": schema})
     assert _matches(service, constraint, b'{"reasoning": "because", "answer": 42}')
     assert not _matches(service, constraint, b'{"answer": 42, "reasoning": "because"}')
+
+
+@pytest.mark.parametrize("rows,workers,shares", [
+    (1, 8, [(0, 1)]), (31, 4, [(0, 31)]), (32, 4, [(0, 16), (16, 32)]), (100, 4, [(0, 25), (25, 50), (50, 75),
+                                                                                    (75, 100)]),
+])
+def test_mask_rows_are_shared_out_in_contiguous_ranges_of_at_least_16(rows, workers, shares):
+    assert _shares(rows, workers, GrammarBatch.ROWS_PER_SHARE) == shares
+
+
+def test_masks_filled_by_several_workers_equal_one_workers(service):
+    """Rows at different places of different grammars (one ended, whose mask allows only stop tokens), filled on the
+    persistent pool: every mask equals XGrammar's own fill of that row, and the rows no token can follow are found."""
+    constraints = [guided({"json": {"type": "object", "properties": {"n": {"type": "integer"}}}}),
+                   guided({"regex": "[a-c]+x"}), guided({"choice": ["yes", "no"]})]
+    prefixes = [[b"", b'{"n": ', b'{"n": 12', b'{"n": 1}'], [b"", b"ab", b"abx"], [b"", b"ye", b"yes"]]
+    grammars = []
+    for i in range(70):
+        which = i % 3
+        grammar = service.prepare(constraints[which])
+        grammar.future.result(timeout=30)
+        assert grammar.matcher.accept_string(prefixes[which][i % len(prefixes[which])])
+        grammars.append(grammar)
+    one, several = GrammarBatch(workers=1), GrammarBatch(workers=3)
+    try:
+        expected = xgr.allocate_token_bitmask(len(grammars), 512)
+        got = xgr.allocate_token_bitmask(len(grammars) + 2, 512)  # padding rows stay untouched
+        got.fill_(-7)
+        stuck_one = one.fill(grammars, expected)
+        stuck_several = several.fill(grammars, got)
+        assert torch.equal(got[:len(grammars)], expected) and (got[len(grammars):] == -7).all()
+        assert stuck_several == stuck_one
+        for i, grammar in enumerate(grammars[:6]):
+            alone = xgr.allocate_token_bitmask(1, 512)
+            grammar.matcher.fill_next_token_bitmask(alone, 0)
+            assert torch.equal(alone[0], got[i])
+    finally:
+        one.close()
+        several.close()
