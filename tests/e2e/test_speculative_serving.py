@@ -31,9 +31,22 @@ def test_speculative_streams_equal_the_tokens_without_speculation(speculative_se
         expected = [r["output_ids"] for r in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
     finally:
         engine.shutdown()
+    # The same drafts offline: greedy verifies accept the same drafts however the requests are batched, so the
+    # server's counters must come to exactly the offline engine's.
+    drafting = LLMEngine(EngineConfig(checkpoint=str(CHECKPOINT), device="cpu", num_speculative_tokens=2))
+    try:
+        drafting.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+        offline = drafting.stats()
+    finally:
+        drafting.shutdown()
     results = stream_all(speculative_server, prompts, MAX_TOKENS)
     assert [r.error for r in results] == [None] * len(prompts)
     assert [r.ids for r in results] == expected
-    drafts = speculative_server.metric_values("dsv4_spec_draft_tokens_total")
-    assert wait_for(lambda: sum(speculative_server.metric_values("dsv4_spec_draft_tokens_total").values()) > 0), drafts
-    assert "dsv4_spec_accepted_tokens_total" in speculative_server.metrics_text()
+
+    def counted(family: str) -> float:
+        return sum(speculative_server.metric_values(family).values())
+
+    assert offline["num_draft_tokens"] > 0
+    assert wait_for(lambda: counted("dsv4_spec_draft_tokens_total") == offline["num_draft_tokens"]), (
+        counted("dsv4_spec_draft_tokens_total"), offline["num_draft_tokens"])
+    assert counted("dsv4_spec_accepted_tokens_total") == offline["num_accepted_tokens"]
