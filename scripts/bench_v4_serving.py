@@ -79,10 +79,20 @@ def server_env(bundle: Path | None, out: Path) -> dict[str, str]:
         unpacked = out / "bundle"
         unpacked.mkdir(parents=True, exist_ok=True)
         subprocess.run(["tar", "xJf", str(bundle), "-C", str(unpacked)], check=True)
+        _stub_for_this_python(unpacked)
         given = {"TRITON_HOME": str(unpacked / "tritonserver"), "PERF_ANALYZER": str(unpacked / "perf_analyzer")}
     env = subprocess.run(["bash", "-c", f"source {REPO / 'scripts' / 'env.sh'} && env -0"], capture_output=True,
                          check=True, env={**os.environ, **given}).stdout
     return dict(item.split("=", 1) for item in env.decode().split("\0") if "=" in item)
+
+
+def _stub_for_this_python(unpacked: Path) -> None:
+    """Put the backend stub built for python3's version (the bundle carries every one the wheel ships) in place."""
+    version = subprocess.run(["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True).stdout.strip()
+    stub = unpacked / "stubs" / version / "triton_python_backend_stub"
+    if stub.exists():  # else the packed one stays, and the check below names the mismatch
+        shutil.copy2(stub, unpacked / "tritonserver" / "backends" / "python" / stub.name)
 
 
 def missing_for_serving(env: dict[str, str]) -> list[str]:
