@@ -15,7 +15,10 @@ under each policy of --policies:
 Timestamps are taken as tokens come out of the engine (the callback), never from a log. The
 default chunk (565 tokens) splits the default 32768-token attacker into 58 chunks, as in the
 report (200,019 tokens in 58 chunks of 3456). A policy may be listed more than once (repetitions,
-e.g. `--policies prefill_first,itl:150,itl:150,itl:150`); each run is a row.
+e.g. `--policies prefill_first,itl:150,prefill_first,itl:150`); each run is a row, and a line per policy gives the
+median and the spread (min-max) of the attacker's TTFT over prefill_first's median and of the victim's worst gap over
+the ITL target. `--no-overlap-scheduling` runs the loop without overlap; `--attacker-prompt-tokens 8192
+--victim-tokens 200`, a shorter run.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def engine_config(policy: str, args) -> EngineConfig:
     kwargs = dict(**checkpoint_settings(args), device=args.device, prefill_chunk_tokens=args.prefill_chunk_tokens,
                   max_running_requests=4, max_num_batched_tokens=max(8192, args.prefill_chunk_tokens + 4),
                   num_tokens=2 * (args.attacker_prompt_tokens + args.victim_tokens), swa_full_tokens_ratio=0.25,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching, overlap_scheduling=args.overlap_scheduling)
     if policy.startswith("interleave:"):
         kwargs.update(policy="prefill_first", decode_interleave_every=int(policy.split(":")[1]))
     elif policy.startswith("itl:"):
@@ -148,6 +151,30 @@ def print_table(rows: list[dict], thresholds: list[float]) -> None:
         print(" | ".join(f"{c:>13}" for c in cells))
 
 
+def print_summary(rows: list[dict]) -> None:
+    """Per policy over its runs, median (min-max): the attacker's TTFT against prefill_first's median, and the victim's
+    worst gap against the ITL target. A noisy machine shows in the spread: report it, never the best run."""
+    rows = [row for row in rows if row["attacker_ttft_s"] is not None]  # (not `alone`, nor an attacker that failed)
+    first = [row["attacker_ttft_s"] for row in rows if row["policy"] == "prefill_first"]
+    print()
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        runs = [row for row in rows if row["policy"] == policy]
+        ttfts = [r["attacker_ttft_s"] for r in runs]
+        line = f"{policy}: {len(runs)} run{'s' if len(runs) > 1 else ''}, attacker TTFT {_spread(ttfts, '{:.2f}')} s"
+        if first:
+            base = statistics.median(first)
+            line += f", / prefill_first's median {_spread([t / base for t in ttfts], '{:.2f}x')}"
+        if runs[0]["itl_target_ms"] is not None:
+            gaps = [r["victim_max_gap_s"] * 1e3 / r["itl_target_ms"] for r in runs]
+            line += f", worst gap / target {_spread(gaps, '{:.2f}x')}"
+        print(line)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    median, low, high = (fmt.format(v) for v in (statistics.median(values), min(values), max(values)))
+    return median if len(values) == 1 else f"{median} ({low}-{high})"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -184,6 +211,8 @@ def main() -> None:
     parser.add_argument("--gap-thresholds", type=float, nargs="+", default=[0.5, 2.0])
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineConfig.enable_prefix_caching, help="the engine default: on")
+    parser.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
+                        default=EngineConfig.overlap_scheduling, help="the engine default: on")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
@@ -194,6 +223,7 @@ def main() -> None:
         rows.append(run_policy(policy.strip(), args))
     print()
     print_table(rows, args.gap_thresholds)
+    print_summary(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2))

@@ -15,7 +15,11 @@ Three parts, each robust on its own to a noisy machine (CPU step times vary by +
   shape never learns the change as work;
 - the calibration: the recent ratios actual / predicted. `predict_upper` is the point prediction
   times their `quantile` (0.9): a chunk sized by it keeps about 90 % of steps under the target
-  rather than half.
+  rather than half. Only the ratios of steps of about the same size count (predicted at least
+  `comparable_fraction` of it): a small step's relative noise is no guide to a large one's. A decode
+  step of a few milliseconds doubles when a thread wakes late or the host's work for the next step
+  runs beside it (the overlapped loop); a 150 ms step does not. Calibrated by the decodes before it,
+  a long prompt's first chunks were sized for half the target.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ class StepCostModel:
 
     def __init__(self, decay: float = 0.99, ridge: float = 1e-6, cusum_slack: float = 0.15,
                  cusum_threshold: float = 1.0, quantile: float = 0.9, quantile_window: int = 64,
-                 min_ratios: int = 8, default_upper_ratio: float = 1.3, warm_up: int = 20, refit_every: int = 1):
+                 min_ratios: int = 8, default_upper_ratio: float = 1.3, comparable_fraction: float = 0.5,
+                 warm_up: int = 20, refit_every: int = 1):
         """`refit_every`: observations between two fits of the shape. 1 (an ITL target sizes every step by the
         model); more when the predictions are only recorded (a fit is a few small solves: host time each step)."""
         self.decay = decay
@@ -89,7 +94,8 @@ class StepCostModel:
         self.cusum_threshold = cusum_threshold
         self.quantile = quantile
         self.min_ratios = min_ratios
-        self.default_upper_ratio = default_upper_ratio  # used until min_ratios ratios are known
+        self.default_upper_ratio = default_upper_ratio  # used until min_ratios comparable ratios are known
+        self.comparable_fraction = comparable_fraction
         self.warm_up = warm_up  # observations before drift is looked for (a young shape mispredicts anyway)
         n = self.NUM_FEATURES
         self._gram = np.zeros((n, n))  # sum of weight * x x^T
@@ -98,6 +104,7 @@ class StepCostModel:
         self._accepted: np.ndarray | None = None  # the last fit that kept a work term
         self.level = 1.0
         self._recent: deque[_Observation] = deque(maxlen=quantile_window)  # newest last
+        self._calibration: tuple[np.ndarray, np.ndarray] | None = None  # (predicted, ratio) of _recent, made on use
         self._cusum = {+1: _Run(), -1: _Run()}
         self.num_observations = 0
         self.num_level_shifts = 0
@@ -111,7 +118,8 @@ class StepCostModel:
         self._moment = self.decay * self._moment + x * normalised
         self._gram = self.decay * self._gram + np.outer(x, x)
         ratio = duration_s / predicted if predicted is not None and duration_s > 0 else None
-        self._recent.append(_Observation(x, normalised, ratio))
+        self._recent.append(_Observation(x, normalised, predicted, ratio))
+        self._calibration = None
         self.num_observations += 1
         self.max_prefill_seen = max(self.max_prefill_seen, features.prefill_tokens)
         if ratio is not None and self.num_observations > self.warm_up:
@@ -137,8 +145,9 @@ class StepCostModel:
         for age, obs in enumerate(list(reversed(self._recent))[:num_steps]):
             self._moment -= self.decay ** age * obs.x * obs.normalised * (1.0 - 1.0 / factor)
             obs.normalised /= factor
-            obs.ratio = None if obs.ratio is None else obs.ratio / factor
-        self._coef = None
+            if obs.ratio is not None:
+                obs.predicted, obs.ratio = obs.predicted * factor, obs.ratio / factor
+        self._coef, self._calibration = None, None
 
     # --- predicting -------------------------------------------------------------------------------
     def predict(self, features: StepFeatures) -> float | None:
@@ -149,17 +158,25 @@ class StepCostModel:
             self._coef, self._observations_at_fit = self._solve(), self.num_observations
         return self.level * max(float(self._coef @ np.asarray(features.vector())), 1e-6)
 
-    def upper_ratio(self) -> float:
-        """The `quantile` of recent actual / predicted ratios (a default until enough are known)."""
-        ratios = [obs.ratio for obs in self._recent if obs.ratio is not None]
-        if len(ratios) < self.min_ratios:
+    def upper_ratio(self, predicted_s: float = 0.0) -> float:
+        """The `quantile` of the recent actual / predicted ratios of steps predicted at least `comparable_fraction`
+        of `predicted_s` (every recent step by default); a default until `min_ratios` of them are known."""
+        predicted, ratios = self._calibration_arrays()
+        comparable = ratios[predicted >= self.comparable_fraction * predicted_s]
+        if len(comparable) < self.min_ratios:
             return self.default_upper_ratio
-        return float(np.quantile(np.asarray(ratios), self.quantile))
+        return float(np.quantile(comparable, self.quantile))
+
+    def _calibration_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._calibration is None:
+            known = [obs for obs in self._recent if obs.ratio is not None]
+            self._calibration = (np.array([obs.predicted for obs in known]), np.array([obs.ratio for obs in known]))
+        return self._calibration
 
     def predict_upper(self, features: StepFeatures) -> float | None:
         """The time `quantile` of such steps stay under: what a step is sized by."""
         predicted = self.predict(features)
-        return None if predicted is None else predicted * self.upper_ratio()
+        return None if predicted is None else predicted * self.upper_ratio(predicted)
 
     def max_prefill_tokens(self, target_s: float, base: StepFeatures, context: int, lo: int, hi: int) -> int:
         """The most prefill tokens in [lo, hi] whose step (base + them) is predicted (upper) <= target_s.
@@ -213,7 +230,8 @@ class StepCostModel:
 class _Observation:
     x: np.ndarray
     normalised: float  # duration / level at the time (moved when the level moves)
-    ratio: float | None  # duration / predicted, None before the model had data
+    predicted: float | None  # the prediction for the step (moved with the level), None before the model had data
+    ratio: float | None  # duration / predicted (None likewise)
 
 
 @dataclass

@@ -2,10 +2,12 @@
 
 With `overlap_scheduling` the engine learns what a step sampled one step late: a request that stopped in
 step N may already have a decode in step N+1 (its token is dropped), a cancel or a deadline lands while a
-step of the request is in flight. These tests compare the two loops token for token (greedy and seeded
-sampling, log-probabilities, preemption, the prefix cache, static decode steps, prefill_first), check that
-nothing is ever reported after a request's final output, that every page is freed exactly once, and that
-on CPU the forward really runs on the executor's thread beside the scheduling one.
+step of the request is in flight. These tests compare the two loops output for output over requests that end
+every way a request can (a stop token, a stop string, a cancel, a deadline, max_tokens: tests/engine/endings.py)
+beside others that go on (greedy and seeded sampling, log-probabilities, preemption, the prefix cache, static
+decode steps, prefill_first), check that nothing is ever reported after a request's final output, that every
+page is freed exactly once, and that on CPU the forward really runs on the executor's thread beside the
+scheduling one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.request import FinishReason, RequestOutput, SamplingParams, Sequence
+from tests.engine import endings
 
 
 def _engine(checkpoint, **settings) -> LLMEngine:
@@ -35,7 +38,7 @@ def _shared_prefixes() -> list[list[int]]:
     gen = torch.Generator().manual_seed(4)
     history = torch.randint(2, 500, (300,), generator=gen).tolist()
     return [history[:n] + torch.randint(2, 500, (k,), generator=gen).tolist() for n, k in
-            ((300, 5), (256, 1), (129, 70), (100, 40))]
+            ((300, 5), (256, 1), (129, 70), (100, 40), (300, 20), (200, 9))]
 
 
 def _all_pages_free(engine: LLMEngine) -> bool:
@@ -45,32 +48,41 @@ def _all_pages_free(engine: LLMEngine) -> bool:
 
 GREEDY = SamplingParams(max_tokens=30, ignore_eos=True)
 SAMPLED = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, top_k=50, seed=s, logprobs=2,
-                          repetition_penalty=1.2, frequency_penalty=0.3) for s in range(4)]
+                          repetition_penalty=1.2, frequency_penalty=0.3) for s in range(6)]
 
 CASES = {
-    "preemption": (dict(num_tokens=512, swa_full_tokens_ratio=1.0), lambda: _prompts(4, 100), GREEDY),
+    # (four prompts of 120 fill the pool's 32 pages of 16 positions: the running requests outgrow it at once)
+    "preemption": (dict(num_tokens=512, swa_full_tokens_ratio=1.0), lambda: _prompts(6, 120), GREEDY),
     "prefix cache": (dict(prefill_chunk_tokens=48, num_tokens=4096), _shared_prefixes, GREEDY),
     "static decode steps": (dict(cuda_graphs=True, num_tokens=512, swa_full_tokens_ratio=1.0),
-                            lambda: _prompts(4, 90, seed=3), GREEDY),
-    "prefill_first": (dict(policy="prefill_first", decode_interleave_every=2), lambda: _prompts(4, 150, 1), GREEDY),
-    "sampled, penalties, logprobs": (dict(), lambda: _prompts(4, 70, seed=2), SAMPLED),
+                            lambda: _prompts(6, 90, seed=3), GREEDY),
+    "prefill_first": (dict(policy="prefill_first", decode_interleave_every=2), lambda: _prompts(6, 150, 1), GREEDY),
+    "sampled, penalties, logprobs": (dict(), lambda: _prompts(6, 70, seed=2), SAMPLED),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_outputs_are_the_same_with_overlap_on_and_off(tiny_checkpoint, case):
+def test_outputs_are_the_same_with_overlap_on_and_off(tiny_checkpoint, monkeypatch, case):
+    """Six requests, ending by a stop token, a stop string, a cancel, a deadline and max_tokens, among others that
+    go on: the same outputs (tokens, text, log-probabilities, finish reasons, nothing after a final) with either
+    loop, although with overlap each ending is learnt while the request's next step is in flight."""
     settings, prompts, params = CASES[case]
     prompts = prompts()
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    free_runs = _engine(tiny_checkpoint, **settings).generate(prompts, params)
+    requests = endings.with_endings(prompts, params, free_runs)
     off = _engine(tiny_checkpoint, overlap_scheduling=False, **settings)
     on = _engine(tiny_checkpoint, **settings)
     assert on.overlap and not off.overlap
-    expected, got = off.generate(prompts, params), on.generate(prompts, params)
-    for key in ("output_ids", "finish_reason", "logprobs"):
-        assert [r.get(key) for r in got] == [r.get(key) for r in expected], key
+    expected = endings.run(off, requests, endings.FakeClock(monkeypatch))
+    got = endings.run(on, requests, endings.FakeClock(monkeypatch))
+    assert got == expected and all(stream.ends_once for stream in got)
+    endings.assert_same_logprobs(got, expected)
+    assert endings.finish_reasons(expected) == {"stop", "cancelled", "timeout", "length"}
     if case == "preemption":
         assert on.stats()["num_preemptions"] > 0
     if case == "prefix cache":  # (how much is restored may differ: with overlap an entry is kept a step later)
-        assert sum(r["num_cached_tokens"] for r in got) > 0
+        assert on.stats()["prefix_cache"]["hits"] > 0
     for engine in (on, off):
         assert _all_pages_free(engine)
         engine.shutdown()

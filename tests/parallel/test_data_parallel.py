@@ -31,6 +31,7 @@ from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.parallel_layout import ParallelLayout
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.request import EngineUnavailable, SamplingParams, Sequence
+from tests.engine import endings
 
 CHUNK = 64
 POOLS = dict(device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5)
@@ -127,6 +128,11 @@ def single(parallel_checkpoint):
     return LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), **POOLS))
 
 
+@pytest.fixture(scope="module")
+def single_without_overlap(parallel_checkpoint):
+    return LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), overlap_scheduling=False, **POOLS))
+
+
 # Uneven: one rank has the long prompts, another a short one, another none at first; steps where a rank has no
 # request run its MoE exchange alone.
 LENGTHS = {2: [[300, 1], [37, 150, 70]], 4: [[300], [1, 37], [150, 70, 9], []]}
@@ -209,21 +215,26 @@ GENERATE_LENGTHS = (1, 37, 150, 300, 600, 5, 64)
 
 
 @pytest.mark.parametrize("dp,ep,overlap", [(2, 2, True), (2, 2, False), (2, 1, True)])
-def test_the_engine_over_ranks_generates_the_single_rank_tokens(parallel_checkpoint, single, dp, ep, overlap,
-                                                                tmp_path):
+def test_the_engine_over_ranks_generates_the_single_rank_tokens(parallel_checkpoint, single, single_without_overlap,
+                                                                dp, ep, overlap, tmp_path, monkeypatch):
+    """Requests spread over the ranks that end every way a request can (a stop token, a stop string, a cancel, a
+    deadline, max_tokens: tests/engine/endings.py): the single rank's outputs, token for token. The reference runs
+    without overlap: it learns each ending before it schedules the request's next step."""
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in GENERATE_LENGTHS]
-    params = SamplingParams(max_tokens=10, temperature=0.0)
-    expected = single.generate(prompts, params)
+    params = [SamplingParams(max_tokens=16, temperature=0.0)] * len(prompts)
+    requests = endings.with_endings(prompts, params, single.generate(prompts, params))
+    expected = endings.run(single_without_overlap, requests, endings.FakeClock(monkeypatch))
     step_log = tmp_path / "steps.jsonl"
     engine = _dp_engine(parallel_checkpoint, data_parallel_size=dp, expert_parallel_size=ep, step_log=str(step_log),
                         overlap_scheduling=overlap)
     try:
-        got = engine.generate(prompts, params)
+        got = endings.run(engine, requests, endings.FakeClock(monkeypatch))
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    assert got == expected and all(stream.ends_once for stream in got)
+    assert endings.finish_reasons(expected) == {"stop", "cancelled", "timeout", "length"}
     assert engine.overlap == overlap
     ranks = stats["ranks"]
     assert [r["rank"] for r in ranks] == list(range(dp)) and all(r["load_tokens"] == 0 for r in ranks)
