@@ -234,7 +234,10 @@ class GrammarBatch:
         return (~masks[:len(matchers)].any(dim=1)).nonzero().flatten().tolist()
 
     def _fill_rows(self, matchers: list, masks: torch.Tensor, start: int, end: int) -> None:
-        self._batch.batch_fill_next_token_bitmask(matchers[start:end], masks, list(range(start, end)))
+        if start == 0 and end == len(matchers):  # all rows on this thread: XGrammar's own row order
+            self._batch.batch_fill_next_token_bitmask(matchers, masks)
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers[start:end], masks, list(range(start, end)))
 
     def close(self) -> None:
         if self._helpers is not None:
