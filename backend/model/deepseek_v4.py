@@ -99,7 +99,7 @@ class DeepseekV4Model:
     def forward(self, batch: ForwardBatch, kv: KVCacheManager, return_streams: bool = False):
         """Logits [R, vocab] (fp32) at `batch.logits_token_index`; with `return_streams`, (logits, the last layer's
         residual streams [T, N, D] before the hyper-head: what the MTP layer drafts from)."""
-        c, w, k = self.config, self.w, self.kernels
+        c, w = self.config, self.w
         hidden = w["model.embed_tokens.weight"][batch.input_ids]  # [T, D]
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, D]
         rope = {label: r.cos_sin(batch.positions, self.dtype) for label, r in self.rotary.items()}

@@ -99,7 +99,7 @@ def test_a_second_request_shares_the_first_ones_pages_and_copies_its_partial_one
     assert second.pages.runs["csa"].pages == first.pages.runs["csa"].pages[:4]
     # holders: a, b, the entry at 256 and (for the first 32 entries, 2 pages) the entry at 128
     assert [csa.allocator.refs(p) for p in second.pages.runs["csa"].pages] == [4, 4, 3, 3]
-    hca = kv.compressed_pools["hca"]  # 2 entries of a 16-entry page: partly filled, so b got its own copy
+    # hca: 2 entries of a 16-entry page, partly filled, so b got its own copy
     assert second.pages.runs["hca"].pages != first.pages.runs["hca"].pages[:1]
     window = second.pages.runs["window"]
     assert window.pages == first.pages.runs["window"].pages[window.first - first.pages.runs["window"].first:][:len(window.pages)]
