@@ -97,7 +97,7 @@ class LLMEngine:
             for kv in [plan_deployment(config, "meta", self.dtype).kv]]  # pages without memory: it is the rank's
         self.scheduler = self.ranks[0].scheduler
         self._placement_lock = threading.Lock()
-        self._placed: dict[str, tuple[DataParallelRank, int]] = {}  # live request -> (its rank, its load there)
+        self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go
         # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
         # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
         cache = self.kv.prefix_cache
@@ -151,14 +151,13 @@ class LLMEngine:
         if self.unavailable:
             raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
         self.limits.check(seq.prompt_ids, seq.sampling)
-        seq.on_output = on_output
         seq.stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
             () if seq.sampling.ignore_eos else self.eos_token_ids)
         if seq.sampling.guided_decoding is not None:  # parsed here (a bad grammar is refused), compiled later
             seq.grammar = self.grammars.prepare(seq.sampling.guided_decoding)
         seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids, seq.grammar)
         limit = self.config.max_queue_size
-        rank = self._place(seq)
+        rank = self._place(seq, on_output)
         try:
             added = rank.scheduler.add(seq, max_waiting=limit)
         except BaseException:
@@ -172,15 +171,15 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         with self._placement_lock:
             placed = self._placed.get(request_id)
-        return placed is not None and placed[0].scheduler.abort(request_id)
+        return placed is not None and placed.rank.scheduler.abort(request_id)
 
     def rank_of(self, request_id: str) -> int | None:
         """The data-parallel rank serving a live request (0 on one rank), or None."""
         with self._placement_lock:
             placed = self._placed.get(request_id)
-        return placed[0].rank if placed is not None else None
+        return placed.rank.rank if placed is not None else None
 
-    def _place(self, seq: Sequence) -> "DataParallelRank":
+    def _place(self, seq: Sequence, on_output: Callable[[RequestOutput], None]) -> "DataParallelRank":
         """The rank that serves `seq`: the one with the least load, counted in tokens (its live requests' prompts and
         max_tokens: what they will hold in memory and compute), so that the ranks' memory use and tokens per step
         stay balanced; but a prompt whose first prefix-cache block an earlier prompt started with goes where that
@@ -202,14 +201,18 @@ class LLMEngine:
                 if len(self._affinity) > self._max_affinity:
                     self._affinity.popitem(last=False)
             rank.load += load
-            self._placed[seq.request_id] = (rank, load)
+            self._placed[seq.request_id] = Placement(rank, load, on_output)
         return rank
 
     def _unplace(self, request_id: str) -> None:
         with self._placement_lock:
-            placed = self._placed.pop(request_id, None)
-            if placed is not None:
-                placed[0].load -= placed[1]
+            self._unplace_locked(request_id)
+
+    def _unplace_locked(self, request_id: str) -> "Placement | None":
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            placed.rank.load -= placed.load
+        return placed
 
     def start(self) -> None:
         if self._thread is None:
@@ -341,7 +344,7 @@ class LLMEngine:
             host_s = time.perf_counter() - started
             for plan, handle in launched:
                 if handle is not None:
-                    plan.host_s = host_s
+                    plan.timing.host_s = host_s
         took_in = bool(self._in_flight)
         if took_in:
             self._take_in(self._in_flight.popleft())
@@ -407,7 +410,7 @@ class LLMEngine:
         device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
         cache = kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device, spec)
+        return StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device, spec, plan.timing)
 
     def _spec_job(self, plan: StepPlan) -> SpecJob:
         """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
@@ -441,22 +444,24 @@ class LLMEngine:
                 self.unavailable = str(handle.exception)
                 for rank in self.ranks:
                     rank.scheduler.abort_all()
-        for update in scheduler.update_from_output(plan, output):
-            self._send(update.seq, update.tokens, update.finished, update.error, update.logprobs)
+        for out in scheduler.update_from_output(plan, output):
+            self._send(out)
 
     def _report_end(self, seq: Sequence, error: str | None) -> None:
         """The final output of a request the scheduler ended (cancelled, timed out or failed)."""
-        self._send(seq, [], True, error, None)
+        self._send(RequestOutput.of(seq, [], finished=True, error=error))
 
-    def _send(self, seq: Sequence, token_ids: list[int], finished: bool, error: str | None, logprobs) -> None:
-        if finished:
-            self._unplace(seq.request_id)
+    def _send(self, output: RequestOutput) -> None:
+        """An output to its request's consumer (the request's last: its placement ends)."""
+        with self._placement_lock:
+            placed = self._placed.get(output.request_id) if not output.finished else self._unplace_locked(
+                output.request_id)
+        if placed is None:
+            return
         try:
-            seq.on_output(RequestOutput(seq.request_id, token_ids, "", finished,
-                                        seq.finish_reason if finished else None, len(seq.prompt_ids),
-                                        len(seq.output_ids), error, logprobs, seq.num_cached_tokens or 0))
+            placed.on_output(output)
         except Exception:  # a broken consumer must not take the engine down
-            logger.exception("on_output callback failed for request %r", seq.request_id)
+            logger.exception("on_output callback failed for request %r", output.request_id)
 
 
 @dataclass(eq=False)
@@ -467,6 +472,15 @@ class DataParallelRank:
     kv: KVCacheManager
     scheduler: Scheduler
     load: int = 0  # tokens of its live requests (prompt + max_tokens), under the engine's placement lock
+
+
+@dataclass(eq=False, slots=True)
+class Placement:
+    """A live request as the engine placed it: its rank, the load it counts there, where its outputs go."""
+
+    rank: DataParallelRank
+    load: int
+    on_output: Callable[[RequestOutput], None]
 
 
 def _total_cache_stats(snapshots: list[dict]) -> dict:

@@ -2,7 +2,7 @@
 
     executor = StepExecutor(model, kv, graphs=..., group=..., asynchronous=True)
     handle = executor.submit(job)       # asynchronous: returns at once; else after running the step
-    output = handle.result()            # StepOutput: one token per sampling row, or the error
+    output = handle.result()            # StepOutput: the tokens of each sampling row, or the error
 
 Asynchronous (the engine's `overlap_scheduling`), one thread, `dsv4-device`, runs the jobs one after
 another: on CUDA it is the thread that launches the kernels (the host thread only enqueues the next
@@ -39,7 +39,7 @@ from backend.model.forward_batch import ForwardBatch
 from backend.model.staging import StagedBatch
 from backend.model.static_batch import StaticKey
 from backend.sampler import Sampler, SamplerState
-from backend.scheduler import StepOutput
+from backend.scheduler import StepOutput, StepTiming
 from backend.speculative import Drafter, SpecJob, Verifier
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class StepJob:
     static_key: StaticKey | None = None  # a decode step at static shapes (CUDA graphs)
     has_tokens_from_device: bool = False  # some token_source_slot >= 0
     spec: SpecJob | None = None  # speculative decoding: verify rows, and the draft layer proposes the next drafts
+    timing: StepTiming = field(default_factory=StepTiming)  # the step's record of times (its plan's), filled here
 
 
 class StepHandle:
@@ -84,8 +85,11 @@ class StepHandle:
     def failed(cls, exception: BaseException) -> "StepHandle":
         """The handle of a step that could not even be launched (its requests fail like a failed forward's)."""
         handle = cls()
-        handle._set(StepOutput(error=f"internal error: {exception}"), exception=exception)
+        handle._fail(exception)
         return handle
+
+    def _fail(self, exception: BaseException) -> None:
+        self._set(StepOutput(error=f"internal error: {exception}"), exception=exception)
 
     def _set(self, output: StepOutput | None, finish=None, exception: BaseException | None = None) -> None:
         self._output, self._finish, self.exception = output, finish, exception
@@ -153,14 +157,16 @@ class StepExecutor:
                 if job is None:
                     continue
                 rows = len(job.samplers)
-                sampled = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling)
-                self._last_tokens_of(rank)[job.batch.logits_slot[:rows]] = sampled.tokens.cpu()
-                handle._set(_sampled_output(sampled, sampled.tokens.tolist(), duration_s, dp_padding_tokens=padding))
+                job.timing.duration_s, job.timing.dp_padding_tokens = duration_s, padding
+                output = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling,
+                                           job.timing)
+                self._last_tokens_of(rank)[job.batch.logits_slot[:rows]] = output.sampled.cpu()
+                handle._set(output.read_sampled(output.sampled.tolist()))
         except Exception as exc:  # noqa: BLE001 (the engine fails the steps' requests; RankGroupError: all of them)
             logger.exception("data-parallel step failed")
             for handle in handles:
                 if handle is not None and not handle._done.is_set():
-                    handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
+                    handle._fail(exc)
 
     def _last_tokens_of(self, rank: int) -> torch.Tensor:
         if rank not in self._rank_last_tokens:
@@ -189,7 +195,7 @@ class StepExecutor:
             handle._set(*self._step(job))
         except Exception as exc:  # noqa: BLE001 (the engine fails the step's requests and keeps serving)
             logger.exception("step failed")
-            handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
+            handle._fail(exc)
 
     def _step(self, job: StepJob):
         cuda = self.device.type == "cuda"
@@ -203,13 +209,14 @@ class StepExecutor:
             return self._speculative_step(job, started), None
         logits, batch = self._forward(job)
         num_rows = len(job.samplers)
-        sampled = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling)
-        tokens = sampled.tokens
+        output = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling, job.timing)
+        tokens = output.sampled
         self.last_tokens[batch.logits_slot[:num_rows].to(self.device)] = tokens  # (a group's batch is on the host)
         self._apply(job.copies.after)
 
         if not cuda:
-            return _sampled_output(sampled, tokens.tolist(), time.perf_counter() - started), None
+            job.timing.duration_s = time.perf_counter() - started
+            return output.read_sampled(tokens.tolist()), None
         end.record()
         host = torch.empty(num_rows, dtype=torch.long, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -218,7 +225,8 @@ class StepExecutor:
 
         def finish() -> StepOutput:
             copied.synchronize()
-            return _sampled_output(sampled, host.tolist(), begin.elapsed_time(end) / 1e3)
+            job.timing.duration_s = begin.elapsed_time(end) / 1e3
+            return output.read_sampled(host.tolist())
 
         return None, finish
 
@@ -233,20 +241,13 @@ class StepExecutor:
         else:
             batch = job.device_batch
             logits, streams = self.model.forward(batch, self.kv, return_streams=True)
-        verdict = self.verifier.verify(logits, job.samplers, job.spec)
+        output = self.verifier.verify(logits, job.samplers, job.spec, job.timing)
         drafting = time.perf_counter()
-        drafts = self.drafter.propose(batch, streams, job.spec, verdict, job.samplers)
-        draft_s = time.perf_counter() - drafting
+        output.drafts = self.drafter.propose(batch, streams, job.spec, output, job.samplers)
+        job.timing.draft_s = time.perf_counter() - drafting
         self._apply(job.copies.after)
-        logprobs = verdict.logprobs or []
-        return StepOutput(
-            [tokens[0] for tokens in verdict.emitted],
-            [lp[0] if lp else None for lp in logprobs] or None,
-            time.perf_counter() - started, row_ends=verdict.row_ends, mask_fill_s=verdict.mask_fill_s,
-            grammar_accept_s=verdict.grammar_accept_s,
-            more_tokens={r: tokens[1:] for r, tokens in enumerate(verdict.emitted) if len(tokens) > 1},
-            more_logprobs={r: lp[1:] for r, lp in enumerate(logprobs) if lp and len(lp) > 1},
-            drafts=drafts, draft_s=draft_s)
+        job.timing.duration_s = time.perf_counter() - started
+        return output
 
     def _forward(self, job: StepJob) -> tuple[torch.Tensor, ForwardBatch]:
         """The step's logits, and the batch they came from (on the device but for a group's)."""
@@ -274,12 +275,6 @@ class StepExecutor:
     def _apply(self, copies: list[tuple]) -> None:
         if copies:
             self.kv.prefix_cache.apply(copies)
-
-
-def _sampled_output(sampled, token_ids: list[int], duration_s: float, **more) -> StepOutput:
-    """A step's output from the sampler's result (its tokens read to the host as `token_ids`)."""
-    return StepOutput(token_ids, sampled.logprobs, duration_s, row_ends=sampled.row_ends,
-                      mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s, **more)
 
 
 _threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,6 +42,7 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.parallel.group import draft_pass
 from backend.sampler import Sampler, SamplerState, filter_logits
 from backend.request import TokenLogprobs
+from backend.scheduler.plan import StepOutput, StepTiming
 
 
 @dataclass
@@ -69,17 +70,6 @@ class SpecJob:
         return [0, *itertools.accumulate(1 + len(row.drafts) for row in self.rows)][:-1]
 
 
-@dataclass
-class Verdict:
-    """The tokens each sampling row emits, their log-probabilities (None: nobody asked), the rows a grammar ended."""
-
-    emitted: list[list[int]]
-    logprobs: list[list[TokenLogprobs] | None] | None
-    row_ends: dict[int, str | None] = field(default_factory=dict)
-    mask_fill_s: float = 0.0
-    grammar_accept_s: float = 0.0
-
-
 class Verifier:
     """Turns a step's logits (1 row per ordinary sampling row, 1 + k per verify row) into emitted tokens."""
 
@@ -87,23 +77,24 @@ class Verifier:
         self.sampler = sampler
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
-    def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob) -> Verdict:
+    def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob,
+               timing: StepTiming | None = None) -> StepOutput:
+        """The tokens each sampling row emits (the step's StepOutput, its host times in `timing`), their
+        log-probabilities, the rows a grammar ended."""
         rows, firsts = job.rows, job.first_logits_rows()
-        emitted: list[list[int]] = [[] for _ in rows]
+        output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
         # Ordinary rows (prefill ends, decodes without drafts, constrained requests): the sampler, in one call.
         single = [r for r, row in enumerate(rows) if not row.drafts]
-        verdict = Verdict(emitted, None)
         if single:
             index = torch.tensor([firsts[r] for r in single], device=logits.device)
             states_single = [states[r] for r in single]
-            sampled = self.sampler.step(logits[index], states_single, all(s.plain for s in states_single))
-            for i, (r, token) in enumerate(zip(single, sampled.tokens.tolist())):
-                emitted[r] = [token]
-                if sampled.logprobs is not None and sampled.logprobs[i] is not None:
-                    logprobs[r] = [sampled.logprobs[i]]
-            verdict.row_ends = {single[i]: end for i, end in sampled.row_ends.items()}
-            verdict.mask_fill_s, verdict.grammar_accept_s = sampled.mask_fill_s, sampled.grammar_accept_s
+            sampled = self.sampler.step(logits[index], states_single, all(s.plain for s in states_single),
+                                        output.timing)
+            for i, (r, token) in enumerate(zip(single, sampled.sampled.tolist())):
+                output.tokens[r] = [token]
+                logprobs[r] = sampled.row_logprobs(i)
+            output.ends = {single[i]: end for i, end in sampled.ends.items()}
         argmax = None  # every logits row's, read once for the greedy rows without penalties
         for r, row in enumerate(rows):
             if not row.drafts:
@@ -113,10 +104,10 @@ class Verifier:
             if state.params.temperature == 0.0 and not state.has_penalties:  # its targets are the raw logits'
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
                 best = argmax[span]
-            emitted[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts), best)
+            output.tokens[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts), best)
         if any(lp is not None for lp in logprobs):
-            verdict.logprobs = logprobs
-        return verdict
+            output.logprobs = logprobs
+        return output
 
     def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int], best: list[int] | None = None):
         """(emitted tokens, their log-probabilities or None) of one verify row: logits [1 + k, V]; `best`: their
@@ -177,17 +168,17 @@ class Drafter:
         return draft_pass(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
 
     @torch.inference_mode()
-    def propose(self, batch: ForwardBatch, streams: torch.Tensor, job: SpecJob, verdict: Verdict,
+    def propose(self, batch: ForwardBatch, streams: torch.Tensor, job: SpecJob, output: StepOutput,
                 states: list[SamplerState]) -> dict[int, list[int]]:
-        """Sampling row -> its drafts for the next step (rows that draft only)."""
-        rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in verdict.row_ends]
-        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, verdict))
+        """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits."""
+        rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in output.ends]
+        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         if not rows:  # the draft layer's window still takes in this step's positions
             self._pass(first, batch.logits_token_index[:0], streams)
             return {}
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits token number (emitted - 1).
-        picks = [firsts[r] + len(verdict.emitted[r]) - 1 for r in rows]
+        picks = [firsts[r] + len(output.tokens[r]) - 1 for r in rows]
         index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]
         logits, hidden = self._pass(first, index, streams)
         positions = batch.positions[index].tolist()
@@ -212,12 +203,12 @@ class Drafter:
         return drafts
 
     @staticmethod
-    def _next_ids(batch: ForwardBatch, job: SpecJob, verdict: Verdict) -> torch.Tensor:
+    def _next_ids(batch: ForwardBatch, job: SpecJob, output: StepOutput) -> torch.Tensor:
         """Each position's next token: the host's (prompt tokens), or the token the step emitted after it (every
         logits token: a verify's i-th emits its i-th token; past the emitted ones, any token: those positions are
         rejected and rewritten later)."""
         after = []
-        for row, tokens in zip(job.rows, verdict.emitted):
+        for row, tokens in zip(job.rows, output.tokens):
             count = 1 + len(row.drafts)
             after += (tokens + tokens[-1:] * count)[:count] if tokens else [0] * count
         after += [0] * (len(batch.logits_token_index) - len(after))  # (a static batch's padding rows)

@@ -5,10 +5,10 @@ One step is one engine forward over a ragged batch. The engine drives the schedu
     plan = scheduler.schedule(now=time.monotonic())     # StepPlan, or None: nothing to schedule now
     send final responses for plan.aborted               # cancelled, timed out or failed by the scheduler
     if plan.chunks:
-        run the forward and the sampler over plan.chunks (asynchronously)
+        run the forward and the sampler over plan.chunks (asynchronously): a StepOutput
     ... later, in step order:
-    updates = scheduler.update_from_output(plan, StepOutput(tokens=..., duration_s=...))
-    stream each update's token; the finished ones get their final response
+    outputs = scheduler.update_from_output(plan, output)   # one RequestOutput per request the step advanced
+    send each; the finished ones are the requests' final responses
 
 With overlap (`max_steps_in_flight=2`) the engine schedules step N+1 before step N's output is in:
 the scheduler counts the tokens step N samples as placeholders (`Sequence.num_placeholders`), so a
@@ -55,7 +55,7 @@ rejected drafts (a pointer move: nothing they wrote is read before it is written
 
 Structured outputs: an arrival with a grammar (`seq.grammar`) waits aside until it is compiled (off the engine
 thread), then joins the waiting queue; a grammar that failed to compile ends it with its message (`seq.error`).
-Requests without one never wait for it. A step's output may end a request by its grammar (`output.row_ends`).
+Requests without one never wait for it. A step's output may end a request by its grammar (`output.ends`).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from backend.request import FinishReason, Sequence, SequenceStatus
+from backend.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
-from backend.scheduler.plan import ScheduledChunk, SeqUpdate, StepOutput, StepPlan
+from backend.scheduler.plan import ScheduledChunk, StepOutput, StepPlan
 from backend.scheduler.policies import FixedBudget, ItlTargetBudget, make_policy
 from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord, mean_accepted_length
 
@@ -335,9 +335,9 @@ class Scheduler:
         self._commit(plan, now)
         return plan
 
-    def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
+    def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         """The output of the oldest step in flight: append each sampled token, end the requests it stops, keep the
-        prefix states it reached; returns what to report, in plan order.
+        prefix states it reached; returns what to report, in plan order (the step's token lists, not copied).
 
         A token of a request that ended meanwhile (cancelled, timed out, stopped by the step before) is dropped. A
         failed step (`output.error`) fails every request it carried; nothing it may have half-written is kept.
@@ -346,22 +346,18 @@ class Scheduler:
             raise RuntimeError(f"update_from_output() for step {plan.step_index}, which is not the oldest in flight")
         inflight = self._inflight.popleft()
         record = inflight.record
-        updates = (self._fail_step(plan, output.error) if output.error is not None
+        outputs = (self._fail_step(plan, output.error) if output.error is not None
                    else self._apply(plan, output, record))
         record.mean_accepted_length = mean_accepted_length(record.num_verifies, record.num_accepted_tokens)
-        record.draft_s = output.draft_s
-        record.dp_padding_tokens = output.dp_padding_tokens
-        record.duration_s = output.duration_s
-        record.mask_fill_s, record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
-        record.host_s = plan.host_s
+        record.timing = output.timing
         if output.error is None:
-            self.cost_model.observe(inflight.features, output.duration_s)
+            self.cost_model.observe(inflight.features, output.timing.duration_s)
         if self._step_log is not None:
             self._step_log.write(record)
-        return updates
+        return outputs
 
-    def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[SeqUpdate]:
-        updates, cache, rows = [], self.prefix_cache, itertools.count()
+    def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[RequestOutput]:
+        outputs, cache, rows = [], self.prefix_cache, itertools.count()
         for chunk in plan.chunks:
             seq = chunk.seq
             row = next(rows) if chunk.samples else None
@@ -371,37 +367,37 @@ class Scheduler:
                 self._keep_verified_snapshots(chunk, 0)
                 continue
             seq.num_placeholders -= 1
-            if output.row_ends.get(row) is not None:
+            if output.ends.get(row) is not None:
                 self._keep_verified_snapshots(chunk, 0)
-                seq.error = output.row_ends[row]  # the constraint cannot go on: the token is not kept
+                seq.error = output.ends[row]  # the constraint cannot go on: the token is not kept
                 self._retire(seq, FinishReason.ERROR)
-                updates.append(SeqUpdate(seq, [], None, True, seq.error))
+                outputs.append(RequestOutput.of(seq, [], finished=True, error=seq.error))
                 continue
-            emitted, reason = output.row_tokens(row), None
+            emitted, reason = output.tokens[row], None
             kept = 0
             for token in emitted:  # (a verify emits its accepted drafts' successors too: each stop holds per token)
                 seq.append_output(token)
                 kept += 1
-                if token in seq.stop_ids or (row in output.row_ends and kept == len(emitted)):  # (a grammar's end)
+                if token in seq.stop_ids or (row in output.ends and kept == len(emitted)):  # (a grammar's end)
                     reason = FinishReason.STOP
                 elif len(seq.output_ids) >= seq.sampling.max_tokens:
                     reason = FinishReason.LENGTH
                 if reason is not None:
                     break
             logprobs = output.row_logprobs(row)
-            logprobs = None if logprobs is None else logprobs[:kept]
-            self._keep_verified_snapshots(chunk, len(emitted))  # (once its tokens are known: they key the entries)
+            if kept < len(emitted):
+                emitted, logprobs = emitted[:kept], logprobs and logprobs[:kept]
+            self._keep_verified_snapshots(chunk, len(output.tokens[row]))  # (once its tokens are known: they key
+            # the entries)
             if chunk.drafts and seq.num_preemptions == chunk.epoch:
-                self._settle_verify(seq, chunk, len(emitted), record)
+                self._settle_verify(seq, chunk, len(output.tokens[row]), record)
             seq.draft_tokens = output.drafts.get(row, [])
-            if reason is None:
-                updates.append(SeqUpdate(seq, emitted, logprobs, False))
-                continue
-            if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
-                cache.register_end(seq, chunk.start + kept if chunk.drafts else chunk.end)
-            self._retire(seq, reason)
-            updates.append(SeqUpdate(seq, emitted[:kept], logprobs, True))
-        return updates
+            if reason is not None:
+                if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
+                    cache.register_end(seq, chunk.start + kept if chunk.drafts else chunk.end)
+                self._retire(seq, reason)
+            outputs.append(RequestOutput.of(seq, emitted, logprobs, finished=reason is not None))
+        return outputs
 
     def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_emitted: int) -> None:
         """A verify's prefix states become cache entries up to its accepted positions (the state at its first
@@ -424,14 +420,14 @@ class Scheduler:
             tally.num_accepted_tokens += num_emitted - 1
             tally.num_verifies += 1
 
-    def _fail_step(self, plan: StepPlan, error: str) -> list[SeqUpdate]:
-        updates = []
+    def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+        outputs = []
         for chunk in plan.chunks:
             self.prefix_cache.release_reserved(chunk.snapshots)
             if chunk.seq.status is not SequenceStatus.FINISHED:
                 self._retire(chunk.seq, FinishReason.ERROR)
-                updates.append(SeqUpdate(chunk.seq, [], None, True, error))
-        return updates
+                outputs.append(RequestOutput.of(chunk.seq, [], finished=True, error=error))
+        return outputs
 
     def close(self) -> None:
         """Close the step log."""
