@@ -52,7 +52,7 @@ from tokenizers import Tokenizer
 from backend.chat import ChatTemplate
 from backend.config import DEFAULT_CHECKPOINT, EngineConfig
 from backend.deployment import load_model, plan_deployment
-from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
+from backend.executor import StepExecutor, StepHandle, StepJob, default_cpu_threads
 from backend.memory.kv_manager import KVCacheManager
 from backend.model.config import checkpoint_directory
 from backend.model.forward_batch import BatchRow, build_forward_batch
@@ -62,6 +62,7 @@ from backend.model.static_batch import static_key
 from backend.output_processor import OutputProcessor
 from backend.parallel.comm import Communicator
 from backend.parallel.group import RankGroup, RankGroupError
+from backend.runner import Forward, GroupRunner, ModelRunner, StepCopies
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.sampler import SamplerState
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
@@ -122,11 +123,16 @@ class LLMEngine:
             self.group.wait_ready()
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
+        keep_streams = bool(self.num_speculative_tokens)  # the draft layer reads the verify's residual streams
         self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
-                                           capture=self.device == "cuda", return_streams=bool(self.num_speculative_tokens))
+                                           capture=self.device == "cuda", return_streams=keep_streams)
                               if config.resolved_cuda_graphs() else None)
-        self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
-                                     asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
+        if self.group is not None and not self.layout.data_parallel:  # every rank runs every step
+            self.runner = GroupRunner(self.group, self.model, self.kv, self.decode_graphs, keep_streams)
+        else:
+            self.runner = ModelRunner(self.model, self.kv, self.decode_graphs, keep_streams)
+        self.executor = StepExecutor(self.runner, self.kernels, asynchronous=self.overlap,
+                                     cpu_threads=config.cpu_threads or default_cpu_threads())
         self._stager = BatchStager(self.device, depth=2)
         self._in_flight: deque[list] = deque()  # launched (one (plan, handle) per rank), output not taken in yet
         self._thread: threading.Thread | None = None
@@ -379,7 +385,7 @@ class LLMEngine:
         elif len(jobs) == 1:
             handles = [self.executor.submit(jobs[0])]
         else:  # data-parallel ranks: one lock-step forward
-            handles = self.executor.submit_data_parallel(jobs)
+            handles = self.executor.submit_data_parallel(self.group, jobs)
         return [(plan, failed.get(rank.rank, handle)) for rank, plan, handle in zip(self.ranks, plans, handles)]
 
     def _job(self, plan: StepPlan, kv) -> StepJob:
@@ -404,13 +410,18 @@ class LLMEngine:
         graphs = self.decode_graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         batch = build_forward_batch(rows, kv, pad_to=key)
-        staged = self._stager.stage(batch) if self.group is None else None  # a group's batch goes out as host tensors
-        # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);
-        # a static one into its graph's buffers by the executor, in step order.
-        device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
         cache = kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device, spec, plan.timing)
+        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, spec, plan.timing)
+
+    def _forward(self, batch, copies: StepCopies, key, reads_previous_tokens: bool) -> Forward:
+        """The step's Forward (backend/runner.py). A group's batch goes out as host tensors; otherwise a dynamic step's
+        is packed and copied to the device from here (ordered after the steps launched before it), a static one's
+        packed for the runner to copy into its graph's buffers, in step order."""
+        staged = self._stager.stage(batch) if self.group is None or key is not None else None
+        if key is None and self.group is None:
+            batch = self._stager.to_device(staged)
+        return Forward(batch, copies, key, staged, reads_previous_tokens)
 
     def _spec_job(self, plan: StepPlan) -> SpecJob:
         """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
-from backend.parallel.group import draft_pass
+from backend.runner import Draft
 from backend.sampler import Sampler, SamplerState, filter_logits
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
@@ -155,32 +155,27 @@ def _accepted_prefix(drafts: list[int], best: list[int]) -> list[int]:
 
 
 class Drafter:
-    """Proposes each row's drafts with the MTP layer (see the module docstring); with a rank group, every rank runs
-    each draft pass (backend/parallel/group.py), rank 0 draws."""
+    """Proposes each row's drafts with the MTP layer (see the module docstring); each pass runs on the step's runner
+    (backend/runner.py: with a rank group, every rank runs it), which keeps the streams the next pass reads."""
 
-    def __init__(self, model, kv, group=None):
-        self.model, self.kv, self.group = model, kv, group
-
-    def _pass(self, batch: ForwardBatch, logits_index: torch.Tensor, hidden: torch.Tensor, hidden_rows=None):
-        """(logits at `logits_index`, the streams there): one draft pass reading `hidden` (or its `hidden_rows`)."""
-        if self.group is not None:
-            return self.group.draft(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
-        return draft_pass(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
+    def __init__(self, runner):
+        self.runner = runner
 
     @torch.inference_mode()
-    def propose(self, batch: ForwardBatch, streams: torch.Tensor, job: SpecJob, output: StepOutput,
+    def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
                 states: list[SamplerState]) -> dict[int, list[int]]:
-        """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits."""
+        """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
+        first pass reads the step's own streams (the runner kept them)."""
         rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in output.ends]
         first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         if not rows:  # the draft layer's window still takes in this step's positions
-            self._pass(first, batch.logits_token_index[:0], streams)
+            self.runner.draft(Draft(first, batch.logits_token_index[:0]))
             return {}
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits token number (emitted - 1).
         picks = [firsts[r] + len(output.tokens[r]) - 1 for r in rows]
         index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]
-        logits, hidden = self._pass(first, index, streams)
+        logits = self.runner.draft(Draft(first, index))
         positions = batch.positions[index].tolist()
         drafts = {r: [] for r in rows}
         for r in rows:
@@ -195,9 +190,9 @@ class Drafter:
             if not live:
                 break
             chain = [BatchRow(job.rows[rows[i]].pages, [tokens[i]], positions[i] + step, True) for i in live]
-            chain_batch = build_forward_batch(chain, self.kv, device=batch.input_ids.device)
-            logits, hidden = self._pass(chain_batch, chain_batch.logits_token_index, hidden,
-                                        torch.tensor(live, device=hidden.device))
+            chain_batch = build_forward_batch(chain, self.runner.kv, device=batch.input_ids.device)
+            logits = self.runner.draft(Draft(chain_batch, chain_batch.logits_token_index,
+                                             torch.tensor(live, device=batch.input_ids.device)))
             rows, positions = [rows[i] for i in live], [positions[i] for i in live]
             tokens = self._draw(logits, [states[r] for r in rows])
         return drafts

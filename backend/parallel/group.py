@@ -3,16 +3,16 @@
     group = RankGroup.start(config, layout)        # spawns ranks 1..N-1, each loads its shard
     model = load_model(config, deployment, ..., layout, group.comm)   # rank 0's own shard, meanwhile
     group.wait_ready()
-    logits = group.forward(model, kv, host_batch, copies)  # every rank runs the same forward on its shard
+    runner = GroupRunner(group, model, kv)         # backend/runner.py: every rank runs each Forward / Draft
     group.close()                                  # workers exit; the process group is destroyed
 
 Rank 0 is the engine that model.py holds (scheduler, sampler, its own shard). Ranks
 1..N-1 are processes it starts (torch.multiprocessing, spawn, one per device, daemonic so they die
-with it). Each step rank 0 broadcasts the step's ForwardBatch (host tensors: token ids, positions,
-page tables, compression plans; pickled over a gloo group), with the tensor copies rank 0's prefix
-cache asked for around it, and every rank makes those copies and runs `DeepseekV4Model.forward`
-on its shard and its own copy of the pools, which every rank keeps identical by running the same
-writes; only rank 0 samples. Tensor collectives run in the default
+with it). Each step rank 0 broadcasts the step's `Forward` (its ForwardBatch as host tensors: token ids,
+positions, page tables, compression plans; pickled over a gloo group, with the tensor copies rank 0's prefix
+cache asked for around it), and every rank runs it on its own `ModelRunner`: the copies and
+`DeepseekV4Model.forward` on its shard and its own copy of the pools, which every rank keeps identical by running
+the same writes; only rank 0 samples. Tensor collectives run in the default
 group (NCCL on CUDA, gloo on CPU). A worker that dies, or a collective that times out
 (`collective_timeout_s`), raises `RankGroupError` on rank 0: the engine then fails what is in flight
 and stops serving (see backend/engine.py).
@@ -41,6 +41,7 @@ from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.parallel.comm import DistributedCommunicator
 from backend.parallel.layout import ParallelLayout
+from backend.runner import Draft, Forward, ModelRunner, StepCopies, Stop
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +77,14 @@ def _join(spec: GroupSpec, rank: int):
     return DistributedCommunicator(), control
 
 
+@dataclass(frozen=True, slots=True)
+class DataParallelForward:
+    """Data-parallel ranks' lock-step forward: each rank's batch (or None) and copies follow, scattered."""
+
+
 def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     """A worker rank (process `index` of its node is rank first_rank + index): join, load the shard, then run
-    every step rank 0 broadcasts until it sends None."""
+    every message rank 0 broadcasts (`Forward`, `Draft`) on its own ModelRunner until `Stop`."""
     rank = first_rank + index
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
@@ -87,60 +93,33 @@ def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     device = spec.device(rank)
     config, dtype = spec.config, spec.config.resolved_dtype()
     deployment = plan_deployment(config, device, dtype)  # the same pools as rank 0
-    kv = deployment.kv
     model = load_model(config, deployment, device, dtype, layout, comm)
+    runner = ModelRunner(model, deployment.kv, keep_streams=bool(config.num_speculative_tokens))
     dist.barrier(group=control)  # loaded
-    hidden = None  # speculative decoding: the streams the next draft pass reads (rank 0 keeps the same)
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control)
-        if message[0] is None:
-            break
-        kind, *args = message[0]
-        if kind == "draft":
-            batch, logits_index, hidden_rows = args
-            hidden = draft_pass(model, kv, _on(batch, device), hidden, logits_index, hidden_rows)[1]
-            continue
-        if kind == "data_parallel":  # this rank's own batch (or none) follows, scattered
-            mine = [None]
-            dist.scatter_object_list(mine, None, src=0, group=control)
-            logits = _data_parallel_step(model, kv, *mine[0], device)
-            dist.gather_object(None if logits is None else logits.cpu(), None, dst=0, group=control)
-            continue
-        before, batch, after, keep_streams = args  # rank 0's prefix cache asked for copies around the step: the same
-        out = _between_copies(kv, before, after, lambda: model.forward(_on(batch, device), kv,
-                                                                       return_streams=keep_streams))
-        hidden = out[1] if keep_streams else None
+        match message[0]:
+            case Forward() as step:
+                runner.forward(step)
+            case Draft() as step:
+                runner.draft(step)
+            case DataParallelForward():  # this rank's own batch (or none) follows, scattered
+                mine = [None]
+                dist.scatter_object_list(mine, None, src=0, group=control)
+                logits = _data_parallel_step(runner, *mine[0])
+                dist.gather_object(None if logits is None else logits.cpu(), None, dst=0, group=control)
+            case Stop():
+                break
     dist.destroy_process_group()
 
 
-def _between_copies(kv, before, after, run):
-    """run() between the prefix cache's copies before and after a step (what rank 0's cache asked for)."""
-    if before:
-        kv.prefix_cache.apply(before)
-    out = run()
-    if after:
-        kv.prefix_cache.apply(after)
-    return out
-
-
-def _data_parallel_step(model, kv, before, batch, after, counts, device):
-    """One data-parallel rank's part of a step: the prefix-cache copies around its own batch and that batch's forward
-    (logits for its own rows), or, without a batch, its part of the MoE exchanges alone."""
-    return _between_copies(kv, before, after, lambda: model.forward(_on(batch, device), kv) if batch is not None
-                           else model.idle_forward(counts))
-
-
-def draft_pass(model, kv, batch, hidden, logits_index, hidden_rows):
-    """One pass of the MTP layer (backend/speculative.py) as every rank runs it: it reads `hidden` (all rows, or
-    `hidden_rows` of them), returns (logits, the streams at `logits_index`: what a chained pass reads next)."""
-    logits, streams = model.draft(batch, kv, hidden if hidden_rows is None else hidden[hidden_rows], logits_index)
-    return logits, streams[logits_index]
-
-
-def _on(batch, device):
-    """The broadcast host batch on `device` (no copy when that is the host)."""
-    return batch if torch.device(device).type == "cpu" else batch.to(device)
+def _data_parallel_step(runner: ModelRunner, batch, copies: StepCopies, counts):
+    """One data-parallel rank's part of a step: its own batch's forward (logits for its own rows) with the prefix
+    cache's copies around it, or, without a batch, its part of the MoE exchanges alone."""
+    if batch is None:
+        return runner.model.idle_forward(counts)
+    return runner.forward(Forward(batch, copies))[0]
 
 
 def ranks_per_node(world_size: int) -> int:
@@ -214,48 +193,36 @@ class RankGroup:
             raise RankGroupError(self.broken) from exc
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
 
-    def forward(self, model, kv, batch, copies, return_streams: bool = False):
-        """Broadcast the host batch and the prefix cache's copies around it (StepCopies, which rank 0's executor
-        makes itself), run this rank's forward; RankGroupError if any rank is gone. `return_streams`: every rank
-        keeps the residual streams for the draft passes that follow (speculative decoding)."""
-        return self._broadcast(("forward", copies.before, batch, copies.after, return_streams),
-                               lambda: model.forward(_on(batch, model.device), kv, return_streams=return_streams))
-
-    def forward_data_parallel(self, model, kv, batches: list, copies: list) -> list:
+    def forward_data_parallel(self, runner: ModelRunner, batches: list, copies: list) -> list:
         """Data-parallel attention (ParallelLayout.data_parallel): rank r runs batches[r] (a ForwardBatch, or None:
         no request there this step) over its own pools, with copies[r] (StepCopies) around it; every rank learns all
-        ranks' token counts, which the MoE exchange pads to. Rank 0's copies are made here too (its pools are `kv`).
+        ranks' token counts, which the MoE exchange pads to. Rank 0's part runs on `runner`.
         Returns rank r's logits for each rank r that had a batch (None for the others), gathered on rank 0."""
         counts = tuple(b.num_tokens if b is not None else 0 for b in batches)
         for batch in batches:
             if batch is not None:
                 batch.dp_token_counts = counts
-        payloads = [(c.before, b, c.after, counts) for b, c in zip(batches, copies)]
+        payloads = [(b, c, counts) for b, c in zip(batches, copies)]
 
         def run():
             dist.scatter_object_list([None], payloads, src=0, group=self.control)
-            own = _data_parallel_step(model, kv, *payloads[0], model.device)
+            own = _data_parallel_step(runner, *payloads[0])
             gathered = [None] * len(batches)  # the workers' logits come over the control group (host tensors)
             dist.gather_object(None, gathered, dst=0, group=self.control)
             gathered[0] = own
             return gathered
 
-        return self._broadcast(("data_parallel",), run)
+        return self.run(DataParallelForward(), run)
 
-    def draft(self, model, kv, batch, hidden, logits_index, hidden_rows):
-        """`draft_pass` on every rank (each reads the streams it kept); rank 0's result."""
-        return self._broadcast(("draft", batch, logits_index, hidden_rows),
-                               lambda: draft_pass(model, kv, _on(batch, model.device), hidden, logits_index,
-                                                  hidden_rows))
-
-    def _broadcast(self, message, run):
-        """Send every worker `message`, run rank 0's part; RankGroupError if any rank is gone."""
+    def run(self, message, run_own):
+        """Send every worker `message` (a Forward or a Draft: backend/runner.py), then run rank 0's part
+        (`run_own()`, its result returned); RankGroupError if any rank is gone."""
         if self.broken:
             raise RankGroupError(self.broken)
         try:
             self._check_workers()
             dist.broadcast_object_list([message], src=0, group=self.control)
-            return run()
+            return run_own()
         except RankGroupError:
             raise
         except Exception as exc:  # a collective failed or timed out: the group cannot step again
@@ -274,7 +241,7 @@ class RankGroup:
         deadline = time.monotonic() + timeout
         if not self.broken:
             try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
+                dist.broadcast_object_list([Stop()], src=0, group=self.control)
             except Exception:  # noqa: BLE001 (a broken group: the workers are terminated below)
                 pass
         for p in self._processes:

@@ -26,7 +26,7 @@ import torch
 from backend.config import ConfigError, EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.engine import LLMEngine
-from backend.executor import StepCopies
+from backend.runner import ModelRunner, StepCopies
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.parallel.group import RankGroup, RankGroupError
 from backend.parallel.layout import ParallelLayout
@@ -56,7 +56,8 @@ class _DataParallelRanks:
 
     def forward(self, rows_per_rank: list[list[BatchRow]]) -> list:
         batches = [build_forward_batch(rows, kv) if rows else None for rows, kv in zip(rows_per_rank, self.kv)]
-        return self.group.forward_data_parallel(self.model, self.pools, batches, [StepCopies()] * len(batches))
+        return self.group.forward_data_parallel(ModelRunner(self.model, self.pools), batches,
+                                                [StepCopies()] * len(batches))
 
 
 def _work(prompt_lengths):
