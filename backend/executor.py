@@ -108,49 +108,6 @@ class StepExecutor:
             self._queue.put((job, handle))
         return handle
 
-    def submit_data_parallel(self, group, jobs: list[StepJob | None]) -> list[StepHandle | None]:
-        """Data-parallel ranks' steps in one lock-step forward (RankGroup.forward_data_parallel): jobs[r] is rank r's
-        (None: no request there this step; it still takes part in the MoE exchanges). One handle per job, each rank's
-        rows sampled on their own, synchronously. If the forward fails, every job fails with it."""
-        handles = [StepHandle() if job is not None else None for job in jobs]
-        started = time.perf_counter()
-        try:
-            for rank, job in enumerate(jobs):  # decode tokens the step before sampled, from that rank's own buffer
-                if job is not None and job.forward.reads_previous_tokens:
-                    batch = job.forward.batch
-                    source = batch.token_source_slot
-                    last = self._last_tokens_of(rank)
-                    batch.input_ids.copy_(torch.where(source >= 0, last[source.clamp(min=0)], batch.input_ids))
-            _use_intra_op_threads(self.cpu_threads if any(j is not None and j.forward.batch.num_tokens >=
-                                                          self.small_step_tokens for j in jobs) else 1)
-            logits = group.forward_data_parallel(self.runner, [j.forward.batch if j else None for j in jobs],
-                                                 [j.forward.copies if j else None for j in jobs])
-            duration_s = time.perf_counter() - started
-            counts = [j.forward.batch.num_tokens if j is not None else 0 for j in jobs]
-            padding = len(counts) * max(counts) - sum(counts) if self.runner.model.layout.moe_exchange else 0
-            for rank, (job, handle, rank_logits) in enumerate(zip(jobs, handles, logits)):
-                if job is None:
-                    continue
-                rows = len(job.samplers)
-                job.timing.duration_s, job.timing.dp_padding_tokens = duration_s, padding
-                output = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling,
-                                           job.timing)
-                self._last_tokens_of(rank)[job.forward.batch.logits_slot[:rows]] = output.sampled.cpu()
-                handle._set(output.read_sampled(output.sampled.tolist()))
-        except Exception as exc:  # noqa: BLE001 (the engine fails the steps' requests; RankGroupError: all of them)
-            logger.exception("data-parallel step failed")
-            for handle in handles:
-                if handle is not None and not handle._done.is_set():
-                    handle._fail(exc)
-        return handles
-
-    def _last_tokens_of(self, rank: int) -> torch.Tensor:
-        if not hasattr(self, "_rank_last_tokens"):
-            self._rank_last_tokens = {}
-        if rank not in self._rank_last_tokens:
-            self._rank_last_tokens[rank] = torch.zeros(self.runner.last_tokens.shape, dtype=torch.long)
-        return self._rank_last_tokens[rank]
-
     def close(self, timeout: float = 10.0) -> None:
         """Finish the steps submitted, then stop the thread."""
         if self._thread is not None:
@@ -179,6 +136,8 @@ class StepExecutor:
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
+        if job.forward.batch is None:  # data-parallel: the other ranks' step, this rank's part of their exchanges
+            return self._idle(job), None
         _use_intra_op_threads(1 if job.forward.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
         logits, batch = self.runner.forward(job.forward)
         if job.spec is not None:
@@ -202,6 +161,12 @@ class StepExecutor:
             return output.read_sampled(host.tolist())
 
         return None, finish
+
+    def _idle(self, job: StepJob) -> StepOutput:
+        self.runner.forward(job.forward)
+        if job.spec is not None:
+            self.drafter.idle(job.spec)
+        return StepOutput(timing=job.timing)
 
     def _verify(self, job: StepJob, logits: torch.Tensor, batch, started: float) -> StepOutput:
         """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py). The

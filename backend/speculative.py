@@ -65,6 +65,11 @@ class SpecJob:
     rows: list[DraftRow]
     num_speculative_tokens: int
 
+    @classmethod
+    def idle(cls, num_speculative_tokens: int) -> "SpecJob | None":
+        """A data-parallel rank's step without a batch: its draft passes are the other ranks' exchanges alone."""
+        return cls(torch.empty(0, dtype=torch.long), [], num_speculative_tokens) if num_speculative_tokens else None
+
     def first_logits_rows(self) -> list[int]:
         """Each sampling row's first row of the step's logits (a verify row has 1 + drafts of them)."""
         return [0, *itertools.accumulate(1 + len(row.drafts) for row in self.rows)][:-1]
@@ -165,16 +170,15 @@ class Drafter:
     def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
                 states: list[SamplerState]) -> dict[int, list[int]]:
         """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
-        first pass reads the step's own streams (the runner kept them)."""
+        first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
+        and k - 1 chained ones (a rank whose rows ran out of pages, or that has none, runs them empty)."""
         rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in output.ends]
         first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
-        if not rows:  # the draft layer's window still takes in this step's positions
-            self.runner.draft(Draft(first, batch.logits_token_index[:0]))
-            return {}
         firsts = job.first_logits_rows()
-        # The row's last emitted position: its logits token number (emitted - 1).
+        # The row's last emitted position: its logits token number (emitted - 1). (No row: the draft layer's window
+        # still takes in this step's positions.)
         picks = [firsts[r] + len(output.tokens[r]) - 1 for r in rows]
-        index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]
+        index = batch.logits_token_index[torch.tensor(picks, dtype=torch.long, device=batch.input_ids.device)]
         logits = self.runner.draft(Draft(first, index))
         positions = batch.positions[index].tolist()
         drafts = {r: [] for r in rows}
@@ -185,17 +189,25 @@ class Drafter:
             for r, token in zip(rows, tokens):
                 drafts[r].append(token)
             # Chained drafts: one position further, from the draft layer's own streams, while the row has pages.
-            live = [i for i, r in enumerate(rows) if step < job.num_speculative_tokens
-                    and positions[i] + step < job.rows[r].lookahead_end]
-            if not live:
+            live = [i for i, r in enumerate(rows) if positions[i] + step < job.rows[r].lookahead_end]
+            if step == job.num_speculative_tokens or not (live or self.runner.sync.lock_step):
                 break
-            chain = [BatchRow(job.rows[rows[i]].pages, [tokens[i]], positions[i] + step, True) for i in live]
-            chain_batch = build_forward_batch(chain, self.runner.kv, device=batch.input_ids.device)
-            logits = self.runner.draft(Draft(chain_batch, chain_batch.logits_token_index,
-                                             torch.tensor(live, device=batch.input_ids.device)))
-            rows, positions = [rows[i] for i in live], [positions[i] for i in live]
-            tokens = self._draw(logits, [states[r] for r in rows])
+            rows, positions, tokens = [rows[i] for i in live], [positions[i] for i in live], [tokens[i] for i in live]
+            chain = [BatchRow(job.rows[r].pages, [token], position + step, True)
+                     for r, token, position in zip(rows, tokens, positions)]
+            logits = self.runner.draft(self._chain(chain, live, batch.input_ids.device) if live else None)
+            tokens = self._draw(logits, [states[r] for r in rows]) if live else []
         return drafts
+
+    def idle(self, job: SpecJob) -> None:
+        """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes."""
+        for _ in range(job.num_speculative_tokens):
+            self.runner.draft(None)
+
+    def _chain(self, rows: list[BatchRow], live: list[int], device) -> Draft:
+        """A chained pass over `rows`, reading the streams the last pass kept at rows `live`."""
+        batch = build_forward_batch(rows, self.runner.kv, device=device)
+        return Draft(batch, batch.logits_token_index, torch.tensor(live, device=device))
 
     @staticmethod
     def _next_ids(batch: ForwardBatch, job: SpecJob, output: StepOutput) -> torch.Tensor:

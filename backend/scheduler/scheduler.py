@@ -184,8 +184,7 @@ class Scheduler:
     def __init__(self, config: "EngineConfig", memory: MemoryManager, prefill_chunk_tokens: int, *,
                  prefix_cache: PrefixCacheHooks | None = None, max_steps_in_flight: int = 1,
                  cost_model: StepCostModel | None = None, step_history: int = 10_000,
-                 min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS, rank: int = 0,
-                 work_changed: threading.Condition | None = None):
+                 min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS, rank: int = 0):
         if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be a positive integer, got {prefill_chunk_tokens!r}")
         self.memory = memory
@@ -217,9 +216,8 @@ class Scheduler:
         self._front_ranks = itertools.count(-1, -1)
         self._inflight: deque[_Inflight] = deque()  # committed steps whose output is not in yet, oldest first
         self._next_step_index = 0
-        # Shared with other threads, under _lock. Data-parallel ranks' schedulers share one condition, so that the
-        # engine waits for work on any of them (`wait_for_any`).
-        self._work_changed = work_changed or threading.Condition(threading.Lock())
+        # Shared with other threads, under _lock.
+        self._work_changed = threading.Condition(threading.Lock())
         self._lock = self._work_changed
         self._inbox: list[Sequence] = []
         self._abort_requests: set[str] = set()
@@ -297,14 +295,6 @@ class Scheduler:
         """Block until has_work() (add/abort from another thread) or timeout; returns has_work()."""
         with self._work_changed:
             return self._work_changed.wait_for(self._has_work_locked, timeout)
-
-    @staticmethod
-    def wait_for_any(schedulers: list["Scheduler"], timeout: float | None = None) -> bool:
-        """wait_for_work over several schedulers that share one condition (data-parallel ranks)."""
-        condition = schedulers[0]._work_changed
-        assert all(s._work_changed is condition for s in schedulers), "the schedulers must share their condition"
-        with condition:
-            return condition.wait_for(lambda: any(s._has_work_locked() for s in schedulers), timeout)
 
     def wake(self) -> None:
         """Wake wait_for_work() callers, e.g. so that the engine loop notices a shutdown."""
