@@ -20,9 +20,10 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    host; with it, max(device, host). With --real-forward the model's own forward runs instead (on a GPU:
    what overlap gains for real).
 3. Rank 0's host time per decode step with data-parallel ranks (--data-parallel-sizes, e.g. 1 2): every rank
-   --dp-rows requests at --dp-context, expert parallelism over the same ranks (the ranks agree on every step), the
-   stub forward in every rank's process, over gloo. Each rank runs its own engine, so rank 0's step should cost what
-   one rank's does: the ratio to data_parallel_size 1 is printed.
+   --dp-rows requests at --dp-context, the stub forward in every rank's process, over gloo; the ranks alone (whole
+   experts: they never meet) and with expert parallelism over them (they agree on every step: the step's time
+   includes waiting for that agreement, printed beside it). Each rank runs its own engine, so rank 0's step should
+   cost what one rank's does: the ratio to data_parallel_size 1 is printed.
 4. The same on paper for more ranks than the machine holds (--simulate-ranks, e.g. 1 2 4 8): one engine at
    --dp-rows requests, and for each other rank simulated, --dp-rows outputs a step packed as a rank packs them
    (backend/parallel/data_parallel.py OutputBatch), unpacked and passed on by rank 0's receiving thread as it
@@ -126,12 +127,14 @@ def decoding(engine: LLMEngine, rows: int, context: int, steps: int) -> queue.Si
     return outputs
 
 
-def time_steps(engine: LLMEngine, steps: int) -> list[float]:
+def time_steps(engine: LLMEngine, steps: int, clock=time.perf_counter) -> list[float]:
+    """Each step's time on `clock` (time.thread_time: the engine thread's CPU time, what it did itself, whatever
+    other processes take of the cores meanwhile)."""
     times = []
     for _ in range(steps):
-        started = time.perf_counter()
+        started = clock()
         engine.step()
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
     return times
 
 
@@ -172,14 +175,16 @@ def submit_all(engine: LLMEngine, count: int, context: int, on_output) -> None:
         engine.submit(Sequence(f"r{r}-{time.monotonic_ns()}", prompt, params), on_output)
 
 
-def rank0_host_per_step(options, ranks: int) -> float:
-    """Part 3: rank 0's median decode step, --dp-rows requests on each of `ranks` data-parallel ranks (with expert
-    parallelism over them: the ranks agree on every step), every rank's forward the stub."""
+def rank0_host_per_step(options, ranks: int, expert_parallel: bool) -> tuple[float, float, float]:
+    """Part 3: rank 0's median decode step (wall time), the median time of it spent waiting for the ranks'
+    agreement, and its median CPU time on the engine thread, with --dp-rows requests on each of `ranks` data-parallel
+    ranks (`expert_parallel`: over them too, the ranks agree on every step), every rank's forward the stub."""
     from backend.model.config import load_model_config
 
     stub_every_forward(load_model_config(checkpoint_settings(options)["checkpoint"]).vocab_size)
-    layout = dict(data_parallel_size=ranks, expert_parallel_size=ranks) if ranks > 1 else {}
+    layout = dict(data_parallel_size=ranks, expert_parallel_size=ranks if expert_parallel else 1) if ranks > 1 else {}
     engine = LLMEngine(engine_config(options, options.dp_rows, options.dp_context, True, **layout))
+    waits = _timed(engine.core.sync, "agree") if engine.core.sync.lock_step else []  # (not the shared ALONE)
     seen: dict[str, int] = {}
     lock = threading.Lock()
 
@@ -194,9 +199,27 @@ def rank0_host_per_step(options, ranks: int) -> float:
         for _ in range(WARM_UP_STEPS):
             engine.step()
         assert engine.scheduler.num_running == options.dp_rows
-        return statistics.median(time_steps(engine, options.steps))
+        waits.clear()
+        step = statistics.median(time_steps(engine, options.steps))
+        waited = statistics.median(waits) if waits else 0.0
+        return step, waited, statistics.median(time_steps(engine, options.steps, time.thread_time))
     finally:
         engine.shutdown()
+
+
+def _timed(obj, name: str) -> list[float]:
+    """The times of every call of obj.name from now on (on the instance)."""
+    times, call = [], getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - started)
+
+    setattr(obj, name, timed)
+    return times
 
 
 def simulated_rank0(options, ranks: int) -> dict:
@@ -223,16 +246,17 @@ def simulated_rank0(options, ranks: int) -> dict:
 
         receiver = threading.Thread(target=receive, daemon=True)
         receiver.start()
-        times = []
+        times, cpu = [], []
         for _ in range(options.steps):
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             engine.step()
             times.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - started_cpu)
             stepped.set()
         done.set()
         receiver.join()
         sent = sum(len(f) for f in frames[0]) / rows if frames else 0.0
-        return {"engine_ms": 1e3 * statistics.median(times),
+        return {"engine_ms": 1e3 * statistics.median(times), "engine_cpu_ms": 1e3 * statistics.median(cpu),
                 "receiving_ms": 1e3 * statistics.median(receiving) if receiving else 0.0, "bytes_per_request": sent}
     finally:
         engine.shutdown()
@@ -272,26 +296,33 @@ def simulate(options, results: dict) -> None:
     runs = {ranks: [simulated_rank0(options, ranks) for _ in range(options.repeats)] for ranks in options.simulate_ranks}
     results["simulated_ranks"] = {str(ranks): {key: spread([run[key] for run in values]) for key in values[0]}
                                   for ranks, values in runs.items()}
-    print(f"\nsimulated ranks, {options.dp_rows} requests each at {options.dp_context}: rank 0's engine-thread ms/step, "
-          f"its receiving thread's ms/step, bytes a rank sends per request (median, min-max over runs)")
+    print(f"\nsimulated ranks, {options.dp_rows} requests each at {options.dp_context}: rank 0's engine-thread ms/step "
+          f"(wall, CPU), its receiving thread's ms/step, bytes a rank sends per request (median, min-max over runs)")
     for ranks, cell in results["simulated_ranks"].items():
         print(f"  {ranks:>2} ranks: " + ", ".join(f"{key} {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
                                                   for key, v in cell.items()))
 
 
 def data_parallel(options, results: dict) -> None:
-    runs = {ranks: [] for ranks in options.data_parallel_sizes}
-    for _ in range(options.repeats):  # each repetition measures every size in turn
-        for ranks in runs:
-            runs[ranks].append(1e3 * rank0_host_per_step(options, ranks))
-    results["data_parallel"] = {str(ranks): spread(values) for ranks, values in runs.items()}
-    base = runs.get(1)
-    print(f"\ndata-parallel ranks (expert parallelism over them), {options.dp_rows} requests each at "
-          f"{options.dp_context}, stub forward over gloo: rank 0's ms/step (median, min-max over runs)")
-    for ranks, values in runs.items():
-        s = spread(values)
-        ratio = f", {s['median'] / statistics.median(base):.2f}x one rank's" if base else ""
-        print(f"  {ranks} ranks: {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}){ratio}")
+    layouts = [(ranks, ep) for ranks in options.data_parallel_sizes for ep in ((False, True) if ranks > 1 else
+                                                                             (False,))]
+    runs: dict[tuple, list] = {layout: [] for layout in layouts}
+    for _ in range(options.repeats):  # each repetition measures every layout in turn
+        for layout in layouts:
+            runs[layout].append([1e3 * t for t in rank0_host_per_step(options, *layout)])
+    keys = ("step_ms", "agreement_ms", "cpu_ms")
+    results["data_parallel"] = {f"{r}{'+ep' if ep else ''}": {key: spread([v[i] for v in values])
+                                                              for i, key in enumerate(keys)}
+                                for (r, ep), values in runs.items()}
+    print(f"\ndata-parallel ranks, {options.dp_rows} requests each at {options.dp_context}, stub forward over gloo: "
+          f"rank 0's step (wall ms), of it waiting for the ranks' agreement, its engine thread's CPU ms; each the "
+          f"median, min-max over runs, and the ratio to one rank's")
+    base = results["data_parallel"].get("1")
+    for name, cell in results["data_parallel"].items():
+        print(f"  {name:>5} ranks: " + ", ".join(
+            f"{key} {cell[key]['median']:.2f} ({cell[key]['min']:.2f}-{cell[key]['max']:.2f})"
+            + (f" {cell[key]['median'] / base[key]['median']:.2f}x" if base and key != "agreement_ms" else "")
+            for key in keys))
 
 
 def main() -> int:
