@@ -221,10 +221,13 @@ class LLMEngine:
 
     def _unplace(self, request_id: str) -> "Placement | None":
         with self._placement_lock:
-            placed = self._placed.pop(request_id, None)
-            if placed is not None:
-                placed.rank.load -= placed.load
-                self._by_handle.pop(placed.handle, None)
+            return self._unplace_locked(request_id)
+
+    def _unplace_locked(self, request_id: str) -> "Placement | None":
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            placed.rank.load -= placed.load
+            self._by_handle.pop(placed.handle, None)
         return placed
 
     def start(self) -> None:
@@ -370,22 +373,18 @@ class LLMEngine:
 
     # --- outputs --------------------------------------------------------------------------------------
     def _send_all(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            self._send(output)
-
-    def _send(self, output: RequestOutput) -> None:
-        """An output to its request's consumer (the request's last: its placement ends)."""
-        if output.finished:
-            placed = self._unplace(output.request_id)
-        else:
-            with self._placement_lock:
-                placed = self._placed.get(output.request_id)
-        if placed is None:
-            return
-        try:
-            placed.on_output(output)
-        except Exception:  # a broken consumer must not take the engine down
-            logger.exception("on_output callback failed for request %r", output.request_id)
+        """Outputs to their requests' consumers (a request's last: its placement ends), under one look at the
+        placements."""
+        with self._placement_lock:
+            placements = [self._unplace_locked(out.request_id) if out.finished else self._placed.get(out.request_id)
+                          for out in outputs]
+        for output, placed in zip(outputs, placements):
+            if placed is None:  # (failed here already)
+                continue
+            try:
+                placed.on_output(output)
+            except Exception:  # a broken consumer must not take the engine down
+                logger.exception("on_output callback failed for request %r", output.request_id)
 
     def _receive_loop(self) -> None:
         """The other data-parallel ranks' outputs (and stats), passed on as they come; a rank gone fails every
@@ -400,16 +399,19 @@ class LLMEngine:
                 return
 
     def _take_outputs(self, batch: OutputBatch) -> None:
+        """Another rank's outputs of a step, as the requests' RequestOutputs."""
         if batch.stats is not None:
             self.ranks[batch.rank].snapshot = batch.stats
-        for handle, tokens, reason, cached, error, logprobs in batch.rows():
-            with self._placement_lock:
-                placed = self._by_handle.get(handle)
-            if placed is None:  # (failed here already)
-                continue
-            placed.num_output += len(tokens)
-            self._send(RequestOutput(placed.request_id, tokens, "", reason is not None, reason, placed.num_input,
-                                     placed.num_output, error, logprobs, cached))
+        rows = list(batch.rows())
+        with self._placement_lock:
+            placements = [self._by_handle.get(row[0]) for row in rows]
+        outputs = []
+        for placed, (_, tokens, reason, cached, error, logprobs) in zip(placements, rows):
+            if placed is not None:  # (else failed here already)
+                placed.num_output += len(tokens)
+                outputs.append(RequestOutput(placed.request_id, tokens, "", reason is not None, reason,
+                                             placed.num_input, placed.num_output, error, logprobs, cached))
+        self._send_all(outputs)
         self.scheduler.wake()  # (generate() may wait for these)
 
     def _fail_everywhere(self, reason: str) -> None:
@@ -422,9 +424,8 @@ class LLMEngine:
         self.core.fail_all(reason)
         with self._placement_lock:
             elsewhere = list(self._by_handle.values())
-        for placed in elsewhere:
-            self._send(RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
-                                     placed.num_output, reason, None, 0))
+        self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
+                                      placed.num_output, reason, None, 0) for placed in elsewhere])
         if self.group is not None and self.group.links is not None:
             self.group.links.stop_all()
         self.scheduler.wake()

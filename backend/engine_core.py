@@ -187,21 +187,22 @@ class EngineCore:
     def _build(self, plan: StepPlan) -> StepJob:
         """The step's batch, built on the host over this rank's pages, with what the executor needs to run it."""
         rows, samplers, from_device, plain, copies_after = [], [], False, True, []
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            known = chunk.end <= len(seq.token_ids) or bool(chunk.drafts)  # else the token of the step in flight
+        for chunk in plan.chunks:  # (once per row every step: plain local reads)
+            seq, start, drafts = chunk.seq, chunk.start, chunk.drafts
+            end = start + chunk.num_tokens
+            known = end <= len(seq.token_ids) or bool(drafts)  # else the token of the step in flight
             from_device |= not known
             snapshots = ()
             if chunk.snapshots:  # inside the chunk: written by its plan; where it ends: copied after the forward
                 snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.copy_after is None)
                 copies_after += [r.copy_after for r in chunk.snapshots if r.copy_after is not None]
-            tokens = seq.token_ids[chunk.start:chunk.start + 1] + list(chunk.drafts) if chunk.drafts else (
-                seq.token_ids[chunk.start:chunk.end] if known else [0])
-            rows.append(BatchRow(seq.pages, tokens, chunk.start, chunk.samples, snapshots, not known,
-                                 num_logits=1 + len(chunk.drafts)))
+            tokens = seq.token_ids[start:start + 1] + list(drafts) if drafts else (
+                seq.token_ids[start:end] if known else [0])
+            rows.append(BatchRow(seq.pages, tokens, start, chunk.samples, snapshots, not known, 1 + len(drafts)))
             if chunk.samples:
-                samplers.append(seq.sampler_state)
-                plain &= seq.sampler_state.plain
+                state = seq.sampler_state
+                samplers.append(state)
+                plain &= state.plain
         spec = self._spec_job(plan) if self.num_speculative_tokens else None
         graphs = self.runner.graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None

@@ -120,6 +120,8 @@ class MemoryManager(Protocol):
 class PrefixCacheHooks(Protocol):
     """What the scheduler asks of the prefix cache (backend/memory/prefix_cache.py; `NoPrefixCache` when off)."""
 
+    block_tokens: int | None  # its blocks' length: only a chunk across a boundary reserves (None: nothing does)
+
     def match(self, seq: Sequence) -> int:
         """Restore the longest cached prefix of `seq` (holding nothing) into it; the positions restored."""
 
@@ -141,6 +143,8 @@ class PrefixCacheHooks(Protocol):
 
 class NoPrefixCache:
     """Prefix caching off."""
+
+    block_tokens = None
 
     def match(self, seq: Sequence) -> int:
         return 0
@@ -347,51 +351,61 @@ class Scheduler:
         return outputs
 
     def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[RequestOutput]:
-        outputs, cache, rows = [], self.prefix_cache, itertools.count()
+        """(Once per sampling row every step: what only some rows need is looked at only where it is there.)"""
+        outputs, cache, row = [], self.prefix_cache, -1
+        tokens, ends, drafts, logprobs = output.tokens, output.ends, output.drafts, output.logprobs
         for chunk in plan.chunks:
             seq = chunk.seq
-            row = next(rows) if chunk.samples else None
+            row += chunk.samples
             if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
                 cache.keep_reserved(seq, chunk.snapshots)
-            if seq.status is SequenceStatus.FINISHED or row is None:  # (ended while the step ran: token dropped)
+            if seq.status is SequenceStatus.FINISHED or not chunk.samples:  # (ended while the step ran: dropped)
                 self._keep_verified_snapshots(chunk, 0)
                 continue
             seq.num_placeholders -= 1
-            if output.ends.get(row) is not None:
+            if ends and ends.get(row) is not None:
                 self._keep_verified_snapshots(chunk, 0)
-                seq.error = output.ends[row]  # the constraint cannot go on: the token is not kept
+                seq.error = ends[row]  # the constraint cannot go on: the token is not kept
                 self._retire(seq, FinishReason.ERROR)
                 outputs.append(RequestOutput.of(seq, [], finished=True, error=seq.error))
                 continue
-            emitted, reason = output.tokens[row], None
-            kept = 0
-            for token in emitted:  # (a verify emits its accepted drafts' successors too: each stop holds per token)
-                seq.append_output(token)
-                kept += 1
-                if token in seq.stop_ids or (row in output.ends and kept == len(emitted)):  # (a grammar's end)
-                    reason = FinishReason.STOP
-                elif len(seq.output_ids) >= seq.sampling.max_tokens:
-                    reason = FinishReason.LENGTH
-                if reason is not None:
-                    break
-            logprobs = output.row_logprobs(row)
+            emitted = tokens[row]
+            kept, reason = self._append(seq, emitted, grammar_ended=bool(ends) and row in ends)
+            row_logprobs = logprobs[row] if logprobs is not None else None
             if kept < len(emitted):
-                emitted, logprobs = emitted[:kept], logprobs and logprobs[:kept]
-            self._keep_verified_snapshots(chunk, len(output.tokens[row]))  # (once its tokens are known: they key
-            # the entries)
-            if chunk.drafts and seq.num_preemptions == chunk.epoch:
-                self._settle_verify(seq, chunk, len(output.tokens[row]), record)
-            seq.draft_tokens = output.drafts.get(row, [])
+                emitted, row_logprobs = emitted[:kept], row_logprobs and row_logprobs[:kept]
+            if chunk.drafts:
+                self._keep_verified_snapshots(chunk, len(tokens[row]))  # (once its tokens are known: they key them)
+                if seq.num_preemptions == chunk.epoch:
+                    self._settle_verify(seq, chunk, len(tokens[row]), record)
+            if drafts or seq.draft_tokens:
+                seq.draft_tokens = drafts.get(row, [])
             if reason is not None:
                 if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
                     cache.register_end(seq, chunk.start + kept if chunk.drafts else chunk.end)
                 self._retire(seq, reason)
-            outputs.append(RequestOutput.of(seq, emitted, logprobs, finished=reason is not None))
+            outputs.append(RequestOutput.of(seq, emitted, row_logprobs, finished=reason is not None))
         return outputs
+
+    @staticmethod
+    def _append(seq: Sequence, emitted: list[int], grammar_ended: bool) -> tuple[int, FinishReason | None]:
+        """Append the tokens a row emitted, up to the first that ends the request (a verify emits its accepted
+        drafts' successors too: each stop holds per token); (how many were kept, why it ended or None)."""
+        kept, reason, stop_ids, max_tokens = 0, None, seq.stop_ids, seq.sampling.max_tokens
+        for token in emitted:
+            seq.append_output(token)
+            kept += 1
+            if token in stop_ids or (grammar_ended and kept == len(emitted)):  # (a grammar's end: its last token)
+                reason = FinishReason.STOP
+            elif len(seq.output_ids) >= max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        return kept, reason
 
     def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_emitted: int) -> None:
         """A verify's prefix states become cache entries up to its accepted positions (the state at its first
-        position's end always stands); those of rejected drafts are void."""
+        position's end always stands); those of rejected drafts are void. (Nothing for any other chunk.)"""
         if not (chunk.drafts and chunk.snapshots):
             return
         valid_end = chunk.start + max(1, num_emitted)
@@ -524,16 +538,18 @@ class Scheduler:
         return any(seq.is_decode for seq in self._running)
 
     def schedule_decodes(self, plan: StepPlan) -> None:
-        """One token for each running decode, oldest first, preempting the newest on memory shortage."""
-        running, limit = SequenceStatus.RUNNING, self.max_num_batched_tokens
+        """One token for each running decode, oldest first, preempting the newest on memory shortage. (Once per
+        running request every step: the common case, a decode whose pages are already there, is kept short.)"""
+        running, limit, memory = SequenceStatus.RUNNING, self.max_num_batched_tokens, self.memory
         for seq in list(self._running):  # (a copy: preemption changes the list)
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                drafts = self._drafts_to_verify(seq)
+                drafts = self._drafts_to_verify(seq) if seq.draft_tokens else ()
                 allocated = 2 * len(drafts) if drafts else 1  # the verify's positions, then the draft chain's
-                if self._allocate_or_preempt(plan, seq, allocated):
-                    self._add_chunk(plan, seq, 1 + len(drafts), is_decode=True, drafts=drafts, allocated=allocated)
+                if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
+                    plan.add(ScheduledChunk(seq, 1 + len(drafts), seq.num_computed_tokens, True, True,
+                                            seq.num_preemptions, drafts=drafts, allocated=allocated))
 
     @staticmethod
     def _drafts_to_verify(seq: Sequence) -> tuple[int, ...]:
@@ -668,12 +684,14 @@ class Scheduler:
     def _commit(self, plan: StepPlan, now: float) -> None:
         plan.step_index = self._next_step_index
         self._next_step_index += 1
-        decode_stalled = any(seq.is_decode for seq in self._running if not plan.has_chunk(seq))
-        cache = self.prefix_cache
+        decode_stalled = len(plan.chunks) < len(self._running) and any(
+            seq.is_decode for seq in self._running if not plan.has_chunk(seq))
+        cache, block = self.prefix_cache, self.prefix_cache.block_tokens
         for chunk in plan.chunks:  # the step computes these tokens; the sampling ones add a token in flight
-            seq = chunk.seq
-            chunk.snapshots = cache.reserve(seq, chunk.start, chunk.end)  # block boundaries the step snapshots
-            seq.num_computed_tokens = chunk.end
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            if block is not None and start // block != end // block:  # block boundaries the step snapshots
+                chunk.snapshots = cache.reserve(seq, start, end)
+            seq.num_computed_tokens = end
             if chunk.samples:
                 seq.num_placeholders += 1
         plan.kind = StepKind.of(plan.num_prefill_tokens, plan.num_decode_tokens)
