@@ -98,7 +98,8 @@ class EngineConfig:
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
     # Decode steps at static (bucketed) shapes, replayed from CUDA graphs on CUDA; on CPU, True runs the
-    # same padded step eagerly (how the graph path is tested without a GPU). None: on for CUDA only.
+    # same padded step eagerly (how the graph path is tested without a GPU). None: on for CUDA with one rank (graphs
+    # of several ranks' steps capture their collectives: asked for with True, not yet run on GPUs).
     cuda_graphs: bool | None = None
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: docs/host-loop.md#threads). None: torch's count where the engine is built (the cores).
@@ -182,13 +183,8 @@ class EngineConfig:
         _check(self.data_parallel_size == 1 or self.tensor_parallel_size == 1, "data_parallel_size",
                self.data_parallel_size, "1 with tensor_parallel_size > 1 (data-parallel attention gives each rank "
                "whole attention heads; combine it with expert_parallel_size)")
-        _check(self.data_parallel_size == 1 or not self.num_speculative_tokens, "data_parallel_size",
-               self.data_parallel_size, "1 with num_speculative_tokens > 0 (the draft passes do not run on "
-               "data-parallel ranks yet)")
         _check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
                self.collective_timeout_s, "a number of seconds > 0")
-        _check(not (self.cuda_graphs and world > 1), "cuda_graphs", self.cuda_graphs,
-               "unset or false with tensor/expert parallelism (graphs of sharded steps are not supported yet)")
         _check(is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens", self.num_speculative_tokens,
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")

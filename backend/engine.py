@@ -1,4 +1,4 @@
-"""The engine: schedule -> build -> launch on its thread; the forward and the sampler on the executor's.
+"""The engine: the admission gate, the placement of requests on data-parallel ranks, and rank 0's engine loop.
 
     engine = LLMEngine(EngineConfig(checkpoint=...))
     engine.start()                                   # the loop thread
@@ -6,29 +6,22 @@
     engine.abort(request_id)                         # from any thread; effective at the next step
     engine.shutdown()
 
-`on_output(RequestOutput)` is called on the engine thread once per step that produced a token for the
-request, and exactly once with `finished=True`. The outputs carry token ids, not text: detokenization and
-stop strings are the consumer's, off the engine thread (backend/output_processor.py; the Triton adapter
-runs it on its response thread). `generate()` runs the same loop on the caller's thread for offline use
-(scripts, tests, benchmarks), with the output processor inline.
+`on_output(RequestOutput)` is called once per step that produced a token for the request, and exactly once with
+`finished=True`: on the engine thread for the requests this process serves, on the `dsv4-ranks` thread for those of
+other data-parallel ranks. The outputs carry token ids, not text: detokenization and stop strings are the
+consumer's, off the engine thread (backend/output_processor.py; the Triton adapter runs it on its response thread).
+`generate()` runs the same loop on the caller's thread for offline use (scripts, tests, benchmarks), with the output
+processor inline.
 
-The loop (`step()`), with `overlap_scheduling` (the default):
+The loop itself is rank 0's `EngineCore` (backend/engine_core.py): schedule step N+1, build and launch it while step
+N runs, take step N's output in, send its outputs (overlap scheduling; backend/executor.py).
 
-    schedule step N+1 -> build its batch -> launch it      while step N runs on the executor
-    wait for step N's output -> update the scheduler -> report its tokens
-
-so the host's work for a step hides behind the device's work for the step before (backend/executor.py:
-the tokens step N samples feed step N+1 on the device). Without overlap each step is scheduled, run and
-reported before the next. The engine thread only schedules, builds, launches and reports.
-
-Data-parallel attention (`data_parallel_size` W > 1, backend/model/parallel_layout.py): each rank serves its own
-requests over its own pools, and this engine decides for all of them. It keeps one scheduler per rank, each over
-that rank's page bookkeeping (rank 0's pools are real, the others' are planned on the meta device: the memory lives
-in the worker processes), places each arriving request on the least loaded rank (`_place`), and in every step
-schedules each rank, runs all ranks' batches as one lock-step forward (`StepExecutor.submit_data_parallel`), and gives
-each rank's scheduler its own output. Starvation guarantees, ITL targets, preemption, deadlines and the prefix
-cache are each rank's scheduler's, as on one rank. With overlap, all ranks' step N+1 is scheduled and built while
-their step N runs, as on one rank (each rank's sampled tokens kept in its own last-token buffer).
+Data-parallel attention (`data_parallel_size` W > 1, backend/model/parallel_layout.py): every rank is a whole engine over
+its own pools; ranks 1.. run theirs in their own processes (backend/parallel/data_parallel.py). This engine places
+each arriving request on a rank (`_place`: the least loaded, unless a rank that served its prompt's first cache
+block is loaded little more), sends it there (or queues it in its own core for rank 0), and passes each rank's
+outputs on as they come back. Starvation guarantees, ITL targets, preemption, deadlines, the prefix cache, grammars
+and speculative decoding are each rank's own, as on one rank.
 
 Start-up order: the config was validated when it was built; the checkpoint's config.json is read, the
 deployment resolved and the memory pools sized (backend/deployment.py), the chunk budget resolved — so a
@@ -37,37 +30,32 @@ deployment that cannot work fails before any weight is read — and only then ar
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass
-from pathlib import Path
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate
-from backend.config import DEFAULT_CHECKPOINT, EngineConfig
+from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
-from backend.executor import StepCopies, StepExecutor, StepHandle, StepJob, default_cpu_threads
-from backend.memory.kv_manager import KVCacheManager
-from backend.model.comm import Communicator
-from backend.model.config import checkpoint_directory
-from backend.model.forward_batch import BatchRow, build_forward_batch
-from backend.model.graph_runner import DecodeGraphs
-from backend.model.staging import BatchStager
-from backend.model.static_batch import static_key
+from backend.engine_core import EngineCore, eos_token_ids, grammar_service, tokenizer_directory
 from backend.output_processor import OutputProcessor
-from backend.parallel.group import RankGroup, RankGroupError
+from backend.model.comm import Communicator, RankGroupError
+from backend.parallel.data_parallel import OutputBatch
+from backend.parallel.group import RankGroup
+from backend.parallel.messages import Arrival, Cancel
+from backend.parallel.sync import ALONE
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
-from backend.sampler import SamplerState
-from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.rank_main import worker_main
+from backend.runner import make_runner
 from backend.scheduler.step_record import StepCounters
-from backend.speculative import DraftRow, SpecJob
-from backend.structured.grammar import GrammarService
+
+__all__ = ["LLMEngine", "tokenizer_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,44 +65,20 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
-        checkpoint, tokenizer = checkpoint_directory(config.checkpoint), tokenizer_directory(config)
+        tokenizer = tokenizer_directory(config)
         self.deployment = plan_deployment(config, self.device, self.dtype)
         self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
                                                           self.deployment.kv)
-        prefill_chunk_tokens = resolve_prefill_chunk_tokens(config, self.kv)
-        # Speculative decoding (backend/speculative.py): a verify's emitted count decides where the next step starts,
-        # so its steps are not overlapped.
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens
-        work_changed = threading.Condition(threading.Lock())  # every rank's scheduler wakes the one loop
-
-        def scheduler(kv, rank: int) -> Scheduler:
-            return Scheduler(config, kv, prefill_chunk_tokens, prefix_cache=kv.prefix_cache,
-                             max_steps_in_flight=2 if self.overlap else 1, rank=rank, work_changed=work_changed)
-
-        self.ranks = [DataParallelRank(0, self.kv, scheduler(self.kv, 0))] + [
-            DataParallelRank(r, kv, scheduler(kv, r)) for r in range(1, config.data_parallel_size)
-            for kv in [plan_deployment(config, "meta", self.dtype).kv]]  # pages without memory: it is the rank's
-        self.scheduler = self.ranks[0].scheduler
-        self._placement_lock = threading.Lock()
-        self._placed: dict[str, tuple[DataParallelRank, int]] = {}  # live request -> (its rank, its load there)
-        # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
-        # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
-        cache = self.kv.prefix_cache
-        self._affinity_tokens = cache.block_tokens if cache is not None and len(self.ranks) > 1 else None
-        self._affinity: OrderedDict[int, DataParallelRank] = OrderedDict()
-        self._max_affinity = config.prefix_cache_entries * len(self.ranks)
         self.tokenizer = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
         self.chat_template = ChatTemplate.from_checkpoint(tokenizer)  # None: `messages` requests are refused
-        self.eos_token_ids = _eos_token_ids(checkpoint, self.model_config)
-        # Structured outputs: the grammars of constrained requests, compiled on their own thread.
-        self.grammars = GrammarService(tokenizer / "tokenizer.json", vocab_size=self.model_config.vocab_size,
-                                       stop_token_ids=self.eos_token_ids)
+        self.eos_token_ids = eos_token_ids(config, self.model_config)
+        # Structured outputs: the grammars of constrained requests, compiled on their own threads.
+        self.grammars = grammar_service(config, self.model_config)
         self.limits = RequestLimits(self.model_config.vocab_size, config.max_tokens_limit,
                                     self.kv.max_request_positions())
         self.layout = self.deployment.layout
         # Several ranks: the workers start loading their shards while this rank loads its own.
-        self.group = RankGroup.start(config, self.layout) if self.layout.world_size > 1 else None
+        self.group = RankGroup.start(config, self.layout, worker_main) if self.layout.world_size > 1 else None
         self.model = load_model(config, self.deployment, self.device, self.dtype, self.layout,
                                 self.group.comm if self.group else Communicator())
         self.kernels = self.model.kernels
@@ -122,66 +86,113 @@ class LLMEngine:
             self.group.wait_ready()
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
-        self.decode_graphs = (DecodeGraphs(self.model, self.kv, config.max_running_requests,
-                                           capture=self.device == "cuda", return_streams=bool(self.num_speculative_tokens))
-                              if config.resolved_cuda_graphs() else None)
-        self.executor = StepExecutor(self.model, self.kv, graphs=self.decode_graphs, group=self.group,
-                                     asynchronous=self.overlap, cpu_threads=config.cpu_threads or default_cpu_threads())
-        self._stager = BatchStager(self.device, depth=2)
-        self._in_flight: deque[list] = deque()  # launched (one (plan, handle) per rank), output not taken in yet
+        sync = self.group.sync if self.group is not None else ALONE
+        follows = self.group if self.group is not None and not self.layout.data_parallel else None
+        self.core = EngineCore(config, self.kv, make_runner(config, self.model, self.kv, follows, sync), self.kernels,
+                               self.grammars, send=self._send_all, rank=0, sync=sync, elsewhere=self._served_elsewhere)
+        self.ranks = [DataParallelRank(r) for r in range(config.data_parallel_size)]
+        self._placement_lock = threading.Lock()
+        self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go
+        self._by_handle: dict[int, Placement] = {}  # the live requests other ranks serve, by their handle
+        self._handles = itertools.count()
+        # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
+        # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
+        cache = self.kv.prefix_cache
+        self._affinity_tokens = cache.block_tokens if cache is not None and len(self.ranks) > 1 else None
+        self._affinity: OrderedDict[int, DataParallelRank] = OrderedDict()
+        self._max_affinity = config.prefix_cache_entries * len(self.ranks)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._stats = self._snapshot_stats()
+        self._local_stats = self.core.snapshot()
+        self._receiver: threading.Thread | None = None
+        if len(self.ranks) > 1:  # the other ranks' outputs, passed on as they come
+            self._receiver = threading.Thread(target=self._receive_loop, name="dsv4-ranks", daemon=True)
+            self._receiver.start()
         logger.info("engine ready: device=%s dtype=%s weights=%s kernels=%s overlap=%s capacity=%s bytes/token=%s "
-                    "prefill_chunk_tokens=%d num_speculative_tokens=%d", self.device, self.dtype, self.weight_format,
-                    self.kernels.mode, self.overlap, self.kv.capacity(), self.kv.bytes_per_token(),
-                    self.scheduler.prefill_chunk_tokens, self.num_speculative_tokens)
+                    "prefill_chunk_tokens=%d num_speculative_tokens=%d ranks=%d", self.device, self.dtype,
+                    self.weight_format, self.kernels.mode, self.overlap, self.kv.capacity(), self.kv.bytes_per_token(),
+                    self.scheduler.prefill_chunk_tokens, self.num_speculative_tokens, self.layout.world_size)
 
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    # Rank 0's engine, as the scripts and tests reach into it.
+    scheduler = property(lambda self: self.core.scheduler)
+    executor = property(lambda self: self.core.executor)
+    runner = property(lambda self: self.core.runner)
+    decode_graphs = property(lambda self: self.core.runner.graphs)
+    overlap = property(lambda self: self.core.overlap)
+    num_speculative_tokens = property(lambda self: self.core.num_speculative_tokens)
+
     # --- any thread ---------------------------------------------------------------------------------
     def submit(self, seq: Sequence, on_output: Callable[[RequestOutput], None]) -> None:
-        """The admission gate: queue a request, or raise ValueError with a message for the client.
+        """The admission gate: queue a request on the rank that will serve it, or raise ValueError with a message
+        for the client.
 
-        Checks what this deployment allows (RequestLimits: vocabulary, max_tokens_limit, the
-        positions the memory can ever hold) and that the id is not in use (Scheduler.add).
+        Checks what this deployment allows (RequestLimits: vocabulary, max_tokens_limit, the positions the memory
+        can ever hold), the grammar (parsed here), and that the id is not in use; a full queue (max_queue_size, per
+        rank) is refused with EngineUnavailable.
         """
         if self.unavailable:
             raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
         self.limits.check(seq.prompt_ids, seq.sampling)
-        seq.on_output = on_output
-        seq.stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
+        stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
             () if seq.sampling.ignore_eos else self.eos_token_ids)
-        if seq.sampling.guided_decoding is not None:  # parsed here (a bad grammar is refused), compiled later
-            seq.grammar = self.grammars.prepare(seq.sampling.guided_decoding)
-        seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids, seq.grammar)
-        limit = self.config.max_queue_size
-        rank = self._place(seq)
+        placed = self._place(seq, on_output)
         try:
-            added = rank.scheduler.add(seq, max_waiting=limit)
+            added = self._queue(seq, stop_ids, placed)
+        except RankGroupError as exc:  # (the rank is gone: the receiving thread is failing everything)
+            self._unplace(seq.request_id)
+            raise EngineUnavailable(f"the model cannot serve: {exc}") from None
         except BaseException:
             self._unplace(seq.request_id)
             raise
         if not added:
             self._unplace(seq.request_id)
             self.num_rejected_queue_full += 1
+            limit = self.config.max_queue_size
             raise EngineUnavailable(f"the queue is full ({limit} requests waiting, max_queue_size); retry later")
+        if self.core.sync.lock_step:  # every rank takes up its agreements again (backend/parallel/sync.py)
+            self.core.sync.wake()
+            self.group.links.wake_all(but=placed.rank.rank)
+            self.scheduler.wake()
+
+    def _queue(self, seq: Sequence, stop_ids: frozenset[int], placed: "Placement") -> bool:
+        """Queue `seq` on its rank: rank 0's own scheduler, or the rank's process (whose queue rank 0 counts as the
+        requests it sent there that have had no output yet)."""
+        limit = self.config.max_queue_size
+        if placed.rank.rank == 0:
+            self.core.prepare(seq, stop_ids)
+            return self.core.add(seq, max_waiting=limit)
+        if seq.sampling.guided_decoding is not None:  # refused here if invalid; the rank compiles it
+            self.grammars.check(seq.sampling.guided_decoding)
+        with self._placement_lock:
+            queued = sum(1 for p in self._by_handle.values() if p.rank is placed.rank and not p.num_output)
+            if limit is not None and queued > limit:
+                return False
+        self.group.links.send(placed.rank.rank, Arrival(placed.handle, seq.request_id, seq.prompt_ids, seq.sampling,
+                                                        seq.priority, stop_ids))
+        return True
 
     def abort(self, request_id: str) -> bool:
         with self._placement_lock:
             placed = self._placed.get(request_id)
-        return placed is not None and placed[0].scheduler.abort(request_id)
+        if placed is None:
+            return False
+        if placed.rank.rank == 0:
+            return self.core.abort(request_id)
+        self.group.links.send(placed.rank.rank, Cancel(request_id))
+        return True
 
     def rank_of(self, request_id: str) -> int | None:
         """The data-parallel rank serving a live request (0 on one rank), or None."""
         with self._placement_lock:
             placed = self._placed.get(request_id)
-        return placed[0].rank if placed is not None else None
+        return placed.rank.rank if placed is not None else None
 
-    def _place(self, seq: Sequence) -> "DataParallelRank":
-        """The rank that serves `seq`: the one with the least load, counted in tokens (its live requests' prompts and
+    def _place(self, seq: Sequence, on_output: Callable[[RequestOutput], None]) -> "Placement":
+        """Where `seq` goes: the rank with the least load, counted in tokens (its live requests' prompts and
         max_tokens: what they will hold in memory and compute), so that the ranks' memory use and tokens per step
         stay balanced; but a prompt whose first prefix-cache block an earlier prompt started with goes where that
         one went (its cache may hold the prefix), unless that rank's load exceeds the least by more than this
@@ -202,14 +213,22 @@ class LLMEngine:
                 if len(self._affinity) > self._max_affinity:
                     self._affinity.popitem(last=False)
             rank.load += load
-            self._placed[seq.request_id] = (rank, load)
-        return rank
+            placed = Placement(rank, load, on_output, seq.request_id, len(seq.prompt_ids), next(self._handles))
+            self._placed[seq.request_id] = placed
+            if rank.rank:
+                self._by_handle[placed.handle] = placed
+        return placed
 
-    def _unplace(self, request_id: str) -> None:
+    def _unplace(self, request_id: str) -> "Placement | None":
         with self._placement_lock:
-            placed = self._placed.pop(request_id, None)
-            if placed is not None:
-                placed[0].load -= placed[1]
+            return self._unplace_locked(request_id)
+
+    def _unplace_locked(self, request_id: str) -> "Placement | None":
+        placed = self._placed.pop(request_id, None)
+        if placed is not None:
+            placed.rank.load -= placed.load
+            self._by_handle.pop(placed.handle, None)
+        return placed
 
     def start(self) -> None:
         if self._thread is None:
@@ -227,29 +246,38 @@ class LLMEngine:
         if self._thread is not None:
             self._thread.join(_left(deadline))
             self._thread = None
-        self.executor.close(_left(deadline))
-        for rank in self.ranks:
-            rank.scheduler.close()
+        self.core.close(_left(deadline))
+        self._end_lock_step()
         self.grammars.close()
         if self.group is not None:
             self.group.close(_left(deadline))
             self.group = None
+        if self._receiver is not None:
+            self._receiver.join(_left(deadline))
+            self._receiver = None
+
+    def _end_lock_step(self) -> None:
+        """Ranks in lock-step that are still agreeing (not all idle) leave their loops at one last agreement."""
+        sync = self.core.sync
+        if sync.lock_step and sync.ready() and not sync.broken:
+            try:
+                sync.agree(0, False, stop=True)
+            except Exception:  # noqa: BLE001 (a broken group: its workers are terminated)
+                logger.warning("the data-parallel ranks could not be told to stop; they are terminated")
 
     def stats(self) -> dict:
-        """A snapshot of the counters and pool usage, safe to read from any thread.
+        """A snapshot of the counters and pool usage, safe to read from any thread: rank 0's as its engine thread
+        left it after its latest step, the other data-parallel ranks' as they last sent theirs.
 
-        The engine thread refreshes it after every step (and at start); readers get the latest
-        complete snapshot and never see structures the engine thread is changing.
+        With data parallelism: the ranks' counters, requests and prefix caches added up, pool usage the mean over the
+        ranks (their pools are alike), and each rank's own under "ranks".
         """
-        return self._stats
-
-    def _snapshot_stats(self) -> dict:
-        """With data parallelism: the ranks' counters, requests and prefix caches added up, pool usage the mean over the
-        ranks (their pools are alike), and each rank's own under "ranks"."""
-        counters = StepCounters.total([rank.scheduler.counters for rank in self.ranks])
-        ranks = [{"rank": rank.rank, "num_running": rank.scheduler.num_running,
-                  "num_waiting": rank.scheduler.num_waiting, "pool_usage": rank.kv.usage(),
-                  "pages_used": rank.kv.pages_used(), "load_tokens": rank.load} for rank in self.ranks]
+        snapshots = [self._local_stats] + [rank.snapshot or _idle_snapshot(rank.rank, self._local_stats)
+                                           for rank in self.ranks[1:]]
+        counters = StepCounters.total([s["counters"] for s in snapshots])
+        ranks = [{**{k: v for k, v in s.items() if k not in ("counters", "prefix_cache")},
+                  "num_preemptions": s["counters"].num_preemptions, "load_tokens": rank.load}
+                 for rank, s in zip(self.ranks, snapshots)]
         return {
             "steps_by_kind": dict(counters.steps_by_kind),
             "longest_prefill_streak": counters.longest_prefill_streak,
@@ -268,7 +296,7 @@ class LLMEngine:
             "pages_used": {pool: sum(r["pages_used"][pool] for r in ranks) for pool in ranks[0]["pages_used"]},
             "ranks": ranks,
             "unavailable": self.unavailable,
-            "prefix_cache": _total_cache_stats([rank.kv.prefix_cache.snapshot_stats() for rank in self.ranks])
+            "prefix_cache": _total_cache_stats([s["prefix_cache"] for s in snapshots])
             if self.kv.prefix_cache is not None else None,
             "grammars": self.grammars.stats(),
         }
@@ -279,7 +307,8 @@ class LLMEngine:
 
     # --- offline use --------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[dict]:
-        """Submit every prompt at once (so they batch), run to completion on this thread."""
+        """Submit every prompt at once (so they batch), run to completion on this thread (the outputs of other
+        data-parallel ranks come in on their receiving thread meanwhile)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         results = [{"output_ids": [], "text": "", "finish_reason": None} for _ in prompts]
@@ -295,9 +324,9 @@ class LLMEngine:
                 if out.logprobs is not None:
                     results[index].setdefault("logprobs", []).extend(out.logprobs)
                 if out.finished:
-                    results[index]["finish_reason"] = out.finish_reason.value
                     results[index]["error"] = out.error
                     results[index]["num_cached_tokens"] = out.num_cached_tokens
+                    results[index]["finish_reason"] = out.finish_reason.value
             return on_output
 
         for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -306,18 +335,21 @@ class LLMEngine:
             self.submit(seq, collect(i))
         while any(r["finish_reason"] is None for r in results):
             if not self.step():
-                if not any(rank.scheduler.num_awaiting_grammar for rank in self.ranks):
+                if not (self.scheduler.num_awaiting_grammar or self._served_elsewhere()):
                     raise RuntimeError("engine idle with unfinished requests")
-                self._wait_for_work(timeout=1.0)  # a grammar being compiled
+                self._wait_for_work(timeout=0.05)  # a grammar being compiled, or other ranks' requests
         self.drain()
         return results
 
     def drain(self) -> None:
         """Run until nothing is in flight or left to do: the step launched for requests that have ended, the aborts
         of requests that stopped at a stop string (offline use, on the caller's thread)."""
-        while self._in_flight or any(rank.scheduler.has_work() for rank in self.ranks):
-            if not self.step():
-                break
+        while self.step():
+            pass
+
+    def _served_elsewhere(self) -> bool:
+        with self._placement_lock:
+            return bool(self._by_handle)
 
     # --- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -329,148 +361,111 @@ class LLMEngine:
                 logger.exception("engine step failed")
 
     def _wait_for_work(self, timeout: float) -> bool:
-        return Scheduler.wait_for_any([rank.scheduler for rank in self.ranks], timeout)
+        return self.scheduler.wait_for_work(timeout)
 
     def step(self) -> bool:
-        """One iteration: schedule and launch a step (on every data-parallel rank at once), and take in the output of
-        the one launched before it (with overlap) or of this one; False when there was nothing to do."""
-        started = time.perf_counter()
-        plans = [rank.scheduler.schedule() for rank in self.ranks]
-        launched = self._launch(plans)
-        if launched is not None:
-            host_s = time.perf_counter() - started
-            for plan, handle in launched:
-                if handle is not None:
-                    plan.host_s = host_s
-        took_in = bool(self._in_flight)
-        if took_in:
-            self._take_in(self._in_flight.popleft())
-        if launched is not None:
-            if self.overlap:
-                self._in_flight.append(launched)
-            else:
-                self._take_in(launched)
-        self._stats = self._snapshot_stats()
-        return any(plan is not None for plan in plans) or took_in
+        """One iteration of rank 0's engine (EngineCore.step); False when there was nothing to do."""
+        went_on = self.core.step()
+        if self.core.unavailable and not self.unavailable:  # its group broke: no rank can serve
+            self._fail_everywhere(self.core.unavailable)
+        self._local_stats = self.core.snapshot()
+        return went_on
 
-    def _launch(self, plans: list[StepPlan | None]) -> list[tuple[StepPlan, StepHandle | None]] | None:
-        """Report what each rank's scheduler ended, build each rank's batch on the host and hand them to the executor
-        (returns at once with overlap): one (plan, handle) per rank, the handle None where the rank has no step (with
-        data parallelism it still takes part in the forward's MoE exchanges); None when no rank has one."""
-        jobs, failed = [], {}
-        for rank, plan in zip(self.ranks, plans):
-            for seq in plan.aborted if plan is not None else ():
-                self._report_end(seq, error=_scheduler_error(seq) or self.unavailable)
-            job = None
-            if plan is not None and plan.chunks:
-                try:
-                    job = self._job(plan, rank.kv)
-                except Exception as exc:  # the step is committed: its requests fail when it is taken in
-                    logger.exception("building step %s (rank %d) failed", plan.step_index, rank.rank)
-                    failed[rank.rank] = StepHandle.failed(exc)
-            jobs.append(job)
-        if not any(jobs):
-            handles = [None] * len(jobs)
-            if not failed:
-                return None
-        elif len(jobs) == 1:
-            handles = [self.executor.submit(jobs[0])]
-        else:  # data-parallel ranks: one lock-step forward
-            handles = self.executor.submit_data_parallel(jobs)
-        return [(plan, failed.get(rank.rank, handle)) for rank, plan, handle in zip(self.ranks, plans, handles)]
+    # --- outputs --------------------------------------------------------------------------------------
+    def _send_all(self, outputs: list[RequestOutput]) -> None:
+        """Outputs to their requests' consumers (a request's last: its placement ends), under one look at the
+        placements."""
+        with self._placement_lock:
+            placements = [self._unplace_locked(out.request_id) if out.finished else self._placed.get(out.request_id)
+                          for out in outputs]
+        for output, placed in zip(outputs, placements):
+            if placed is None:  # (failed here already)
+                continue
+            try:
+                placed.on_output(output)
+            except Exception:  # a broken consumer must not take the engine down
+                logger.exception("on_output callback failed for request %r", output.request_id)
 
-    def _job(self, plan: StepPlan, kv) -> StepJob:
-        """The step's batch, built on the host over `kv` (its rank's pages), with what the executor needs to run it."""
-        rows, samplers, from_device, plain, copies_after = [], [], False, True, []
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            known = chunk.end <= len(seq.token_ids) or bool(chunk.drafts)  # else the token of the step in flight
-            from_device |= not known
-            snapshots = ()
-            if chunk.snapshots:  # inside the chunk: written by its plan; where it ends: copied after the forward
-                snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.copy_after is None)
-                copies_after += [r.copy_after for r in chunk.snapshots if r.copy_after is not None]
-            tokens = seq.token_ids[chunk.start:chunk.start + 1] + list(chunk.drafts) if chunk.drafts else (
-                seq.token_ids[chunk.start:chunk.end] if known else [0])
-            rows.append(BatchRow(seq.pages, tokens, chunk.start, chunk.samples, snapshots, not known,
-                                 num_logits=1 + len(chunk.drafts)))
-            if chunk.samples:
-                samplers.append(seq.sampler_state)
-                plain &= seq.sampler_state.plain
-        spec = self._spec_job(plan) if self.num_speculative_tokens else None
-        graphs = self.decode_graphs
-        key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
-        batch = build_forward_batch(rows, kv, pad_to=key)
-        staged = self._stager.stage(batch) if self.group is None else None  # a group's batch goes out as host tensors
-        # A dynamic step's batch is copied to the device from here (ordered after the steps launched before it);
-        # a static one into its graph's buffers by the executor, in step order.
-        device_batch = self._stager.to_device(staged) if key is None and self.group is None else None
-        cache = kv.prefix_cache
-        copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return StepJob(batch, staged, device_batch, samplers, plain, copies, key, from_device, spec)
+    def _receive_loop(self) -> None:
+        """The other data-parallel ranks' outputs (and stats), passed on as they come; a rank gone fails every
+        request and the engine refuses later ones."""
+        links = self.group.links
+        while not self._stop.is_set():
+            batch = links.receive(timeout_s=0.1)
+            if batch is not None:
+                self._take_outputs(batch)
+            elif self.group is not None and self.group.check():
+                self._fail_everywhere(self.group.broken)
+                return
 
-    def _spec_job(self, plan: StepPlan) -> SpecJob:
-        """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
-        knows it (-1 where this step emits it), and each sampling row's drafts and pages."""
-        next_ids, rows = [], []
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            if chunk.drafts:
-                next_ids += [-1] * chunk.num_tokens
-            else:
-                following = seq.token_ids[chunk.start + 1:chunk.end + 1]
-                next_ids += following + [-1] * (chunk.num_tokens - len(following))
-            if chunk.samples:
-                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.start + chunk.allocated,
-                                     wants_drafts=seq.grammar is None))
-        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
+    def _take_outputs(self, batch: OutputBatch) -> None:
+        """Another rank's outputs of a step, as the requests' RequestOutputs."""
+        if batch.stats is not None:
+            self.ranks[batch.rank].snapshot = batch.stats
+        rows = list(batch.rows())
+        with self._placement_lock:
+            placements = [self._by_handle.get(row[0]) for row in rows]
+        outputs = []
+        for placed, (_, tokens, reason, cached, error, logprobs) in zip(placements, rows):
+            if placed is not None:  # (else failed here already)
+                placed.num_output += len(tokens)
+                outputs.append(RequestOutput(placed.request_id, tokens, "", reason is not None, reason,
+                                             placed.num_input, placed.num_output, error, logprobs, cached))
+        self._send_all(outputs)
+        self.scheduler.wake()  # (generate() may wait for these)
 
-    def _take_in(self, launched: list[tuple[StepPlan, StepHandle | None]]) -> None:
-        """A step's outputs (`_launch`), each rank's to its scheduler."""
-        for rank, (plan, handle) in zip(self.ranks, launched):
-            if handle is not None:
-                self._take_in_rank(plan, handle, rank.scheduler)
-
-    def _take_in_rank(self, plan: StepPlan, handle: StepHandle, scheduler: Scheduler) -> None:
-        """One rank's step output: its scheduler's accounting, then each request's token (or its failure)."""
-        output = handle.result()
-        if output.error is not None:
-            logger.error("step %s failed (%s); failing its %d requests", plan.step_index, output.error,
-                         len(plan.chunks))
-            if isinstance(handle.exception, RankGroupError):  # no later step can run: end every request
-                self.unavailable = str(handle.exception)
-                for rank in self.ranks:
-                    rank.scheduler.abort_all()
-        for update in scheduler.update_from_output(plan, output):
-            self._send(update.seq, update.tokens, update.finished, update.error, update.logprobs)
-
-    def _report_end(self, seq: Sequence, error: str | None) -> None:
-        """The final output of a request the scheduler ended (cancelled, timed out or failed)."""
-        self._send(seq, [], True, error, None)
-
-    def _send(self, seq: Sequence, token_ids: list[int], finished: bool, error: str | None, logprobs) -> None:
-        if finished:
-            self._unplace(seq.request_id)
-        try:
-            seq.on_output(RequestOutput(seq.request_id, token_ids, "", finished,
-                                        seq.finish_reason if finished else None, len(seq.prompt_ids),
-                                        len(seq.output_ids), error, logprobs, seq.num_cached_tokens or 0))
-        except Exception:  # a broken consumer must not take the engine down
-            logger.exception("on_output callback failed for request %r", seq.request_id)
+    def _fail_everywhere(self, reason: str) -> None:
+        """A rank is gone: every live request ends with an error (rank 0's at its next step, the others' now), the
+        surviving ranks stop, later requests are refused."""
+        with self._placement_lock:
+            if self.unavailable:
+                return
+            self.unavailable = reason
+        self.core.fail_all(reason)
+        with self._placement_lock:
+            elsewhere = list(self._by_handle.values())
+        self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
+                                      placed.num_output, reason, None, 0) for placed in elsewhere])
+        if self.group is not None and self.group.links is not None:
+            self.group.links.stop_all()
+        self.scheduler.wake()
 
 
 @dataclass(eq=False)
 class DataParallelRank:
-    """One data-parallel rank as the engine sees it: its page bookkeeping, its scheduler, the load placed on it."""
+    """One data-parallel rank as rank 0 sees it: the load placed on it and (another rank's) its latest stats."""
 
     rank: int
-    kv: KVCacheManager
-    scheduler: Scheduler
     load: int = 0  # tokens of its live requests (prompt + max_tokens), under the engine's placement lock
+    snapshot: dict | None = None  # EngineCore.snapshot() as the rank last sent it
 
 
-def _total_cache_stats(snapshots: list[dict]) -> dict:
-    """Data-parallel ranks' prefix-cache stats (PrefixCache.snapshot_stats) added up."""
+@dataclass(eq=False, slots=True)
+class Placement:
+    """A live request as the engine placed it: its rank, the load it counts there, where its outputs go; for another
+    rank's request, what its outputs need from here."""
+
+    rank: DataParallelRank
+    load: int
+    on_output: Callable[[RequestOutput], None]
+    request_id: str
+    num_input: int
+    handle: int
+    num_output: int = field(default=0)
+
+
+def _idle_snapshot(rank: int, like: dict) -> dict:
+    """A rank that has sent no stats yet: nothing running, nothing used (its pools are like rank 0's)."""
+    zero_pools = {pool: 0 * value for pool, value in like["pool_usage"].items()}
+    return {**like, "rank": rank, "counters": StepCounters(), "num_running": 0, "num_waiting": 0, "num_steps": 0,
+            "pool_usage": zero_pools, "pages_used": {pool: 0 for pool in like["pages_used"]},
+            "pages_held_by_requests": None, "prefix_cache": None}
+
+
+def _total_cache_stats(snapshots: list[dict | None]) -> dict:
+    """Data-parallel ranks' prefix-cache stats (PrefixCache.snapshot_stats) added up (a rank yet to send its own
+    counts nothing)."""
+    snapshots = [s for s in snapshots if s is not None]
     if len(snapshots) == 1:
         return snapshots[0]
     total = {key: sum(s[key] for s in snapshots) for key in snapshots[0] if key != "pages"}
@@ -480,29 +475,3 @@ def _total_cache_stats(snapshots: list[dict]) -> dict:
 
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
-
-
-def _scheduler_error(seq: Sequence) -> str | None:
-    if seq.finish_reason is FinishReason.ERROR:
-        return seq.error or "the request no longer fits in the memory pools"
-    return None
-
-
-def tokenizer_directory(config: EngineConfig) -> Path:
-    """Where the tokenizer is: the checkpoint's directory; with load_format=dummy and no tokenizer.json there, the
-    built-in checkpoint's. Its vocabulary may then be smaller than the model's (512 against V4's 129,280): the ids
-    beyond it are served as ids, and decode to no text (tokenizers skips ids it does not know)."""
-    directory = checkpoint_directory(config.checkpoint)
-    if config.load_format == "dummy" and not (directory / "tokenizer.json").is_file():
-        logger.warning("no tokenizer.json in %s: using the built-in checkpoint's (%s)", directory, DEFAULT_CHECKPOINT)
-        return DEFAULT_CHECKPOINT
-    return directory
-
-
-def _eos_token_ids(checkpoint: Path, config) -> list[int]:
-    path = checkpoint / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return list(eos) if isinstance(eos, list) else [eos]
-    return config.eos_token_ids

@@ -1,8 +1,8 @@
-"""Where steps run: the prefix cache's copies, the forward and the sampler, strictly in step order.
+"""Where steps run: the forward and the sampler (or the verifier and the drafts), strictly in step order.
 
-    executor = StepExecutor(model, kv, graphs=..., group=..., asynchronous=True)
+    executor = StepExecutor(runner, kernels, asynchronous=True)
     handle = executor.submit(job)       # asynchronous: returns at once; else after running the step
-    output = handle.result()            # StepOutput: one token per sampling row, or the error
+    output = handle.result()            # StepOutput: the tokens of each sampling row, or the error
 
 Asynchronous (the engine's `overlap_scheduling`), one thread, `dsv4-device`, runs the jobs one after
 another: on CUDA it is the thread that launches the kernels (the host thread only enqueues the next
@@ -10,15 +10,13 @@ step's metadata copy, so it schedules step N+1 while step N runs), on CPU it is 
 CUDA stream (the forward really runs beside the scheduling thread). Otherwise `submit` runs the step
 on the caller's thread.
 
-A job carries the step's batch, already copied to the device by the host thread (one copy of one packed
-buffer, backend/model/staging.py; a static-shape step's is copied here, into its graph's buffers, in
-step order), the sampler state of each sampling row, and the copies the prefix cache asked for before
-and after the forward. What runs here is what a GPU step costs the host beside the kernels, so it is
-kept small: a step whose rows all decode greedily samples with one argmax. Each
-step writes the tokens it samples into `last_tokens[state slot]` on the device; a row of the next step
-whose token the host has not seen yet (`token_source_slot`) reads it from there before the forward: no
-host round trip between two steps. On CUDA the tokens then travel to the host asynchronously (pinned
-memory and an event), and `result()` waits for that copy, not for the executor.
+One step path for every layout: the job's `Forward` goes to the runner (backend/runner.py: this process's model,
+eager or from a CUDA graph, or every rank of a group; it makes the prefix cache's copies around the forward and
+feeds decodes the previous step's tokens), then the sampler draws one token per sampling row and the runner keeps
+them for the next step, or, with speculative decoding, the verifier settles each row's drafts and the drafter
+proposes the next ones. What runs here is what a GPU step costs the host beside the kernels, so it is kept small: a
+step whose rows all decode greedily samples with one argmax. On CUDA the tokens then travel to the host
+asynchronously (pinned memory and an event), and `result()` waits for that copy, not for the executor.
 
 Every job runs in the order it was submitted, on one stream: what a step writes is in place before the
 next step reads it, and a page or slot freed by the scheduler while a step is in flight is written by
@@ -35,11 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.model.forward_batch import ForwardBatch
-from backend.model.staging import StagedBatch
-from backend.model.static_batch import StaticKey
+from backend.runner import Forward, ModelRunner
 from backend.sampler import Sampler, SamplerState
-from backend.scheduler import StepOutput
+from backend.scheduler import StepOutput, StepTiming
 from backend.speculative import Drafter, SpecJob, Verifier
 
 logger = logging.getLogger(__name__)
@@ -51,24 +47,12 @@ SMALL_STEP_TOKENS = 64
 
 
 @dataclass
-class StepCopies:
-    """The prefix cache's copies (backend/memory/prefix_cache.py `apply`) around a step's forward."""
-
-    before: list[tuple] = field(default_factory=list)
-    after: list[tuple] = field(default_factory=list)
-
-
-@dataclass
 class StepJob:
-    batch: ForwardBatch  # host tensors (what a rank group broadcasts)
-    staged: StagedBatch | None  # the same, packed into one host buffer (not for a rank group's batch)
-    device_batch: ForwardBatch | None  # the same on the device (a dynamic step's; static ones: copied here)
+    forward: Forward  # the batch (on the device, or host tensors for a group), its copies, its static shape
     samplers: list[SamplerState]  # one per sampling row: the batch's first logits rows
     plain_sampling: bool = False  # every row greedy, without penalties or log-probabilities: one argmax
-    copies: StepCopies = field(default_factory=StepCopies)
-    static_key: StaticKey | None = None  # a decode step at static shapes (CUDA graphs)
-    has_tokens_from_device: bool = False  # some token_source_slot >= 0
     spec: SpecJob | None = None  # speculative decoding: verify rows, and the draft layer proposes the next drafts
+    timing: StepTiming = field(default_factory=StepTiming)  # the step's record of times (its plan's), filled here
 
 
 class StepHandle:
@@ -84,8 +68,11 @@ class StepHandle:
     def failed(cls, exception: BaseException) -> "StepHandle":
         """The handle of a step that could not even be launched (its requests fail like a failed forward's)."""
         handle = cls()
-        handle._set(StepOutput(error=f"internal error: {exception}"), exception=exception)
+        handle._fail(exception)
         return handle
+
+    def _fail(self, exception: BaseException) -> None:
+        self._set(StepOutput(error=f"internal error: {exception}"), exception=exception)
 
     def _set(self, output: StepOutput | None, finish=None, exception: BaseException | None = None) -> None:
         self._output, self._finish, self.exception = output, finish, exception
@@ -99,17 +86,13 @@ class StepHandle:
 
 
 class StepExecutor:
-    def __init__(self, model, kv, *, graphs=None, group=None, asynchronous: bool, cpu_threads: int):
-        self.model, self.kv, self.graphs, self.group = model, kv, graphs, group
-        self.device = torch.device(model.device)
+    def __init__(self, runner: ModelRunner, kernels, *, asynchronous: bool, cpu_threads: int):
+        self.runner = runner
+        self.device = runner.device
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
-        self.sampler = Sampler(model.kernels)
-        self.verifier, self.drafter = Verifier(self.sampler), Drafter(model, kv, group)
-        self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
-        # Data-parallel ranks: each rank's state slots are its own, so each has its own last-token buffer (on the host:
-        # its batches go out over the control group); made on first use.
-        self._rank_last_tokens: dict[int, torch.Tensor] = {}
+        self.sampler = Sampler(kernels)
+        self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if asynchronous:
@@ -125,48 +108,6 @@ class StepExecutor:
             self._queue.put((job, handle))
         return handle
 
-    def submit_data_parallel(self, jobs: list[StepJob | None]) -> list[StepHandle | None]:
-        """Data-parallel ranks' steps in one lock-step forward (RankGroup.forward_data_parallel): jobs[r] is rank r's
-        (None: no request there this step; it still takes part in the MoE exchanges). One handle per job, each rank's
-        rows sampled on their own; asynchronous as `submit` is. If the forward fails, every job fails with it."""
-        handles = [StepHandle() if job is not None else None for job in jobs]
-        if self._queue is None:
-            self._run_data_parallel(jobs, handles)
-        else:
-            self._queue.put((jobs, handles))
-        return handles
-
-    def _run_data_parallel(self, jobs: list[StepJob | None], handles: list[StepHandle | None]) -> None:
-        started = time.perf_counter()
-        try:
-            for rank, job in enumerate(jobs):  # decode tokens the step before sampled (overlap), from that rank's own
-                if job is not None and job.has_tokens_from_device:
-                    self._take_tokens_from_device(job.batch, self._last_tokens_of(rank))
-            _use_intra_op_threads(self.cpu_threads if any(j is not None and j.batch.num_tokens >= self.small_step_tokens
-                                                          for j in jobs) else 1)
-            logits = self.group.forward_data_parallel(self.model, self.kv, [j.batch if j else None for j in jobs],
-                                                      [j.copies if j else StepCopies() for j in jobs])
-            duration_s = time.perf_counter() - started
-            counts = [j.batch.num_tokens if j is not None else 0 for j in jobs]
-            padding = len(counts) * max(counts) - sum(counts) if self.model.layout.moe_exchange else 0
-            for rank, (job, handle, rank_logits) in enumerate(zip(jobs, handles, logits)):
-                if job is None:
-                    continue
-                rows = len(job.samplers)
-                sampled = self.sampler.step(rank_logits[:rows].to(self.device), job.samplers, job.plain_sampling)
-                self._last_tokens_of(rank)[job.batch.logits_slot[:rows]] = sampled.tokens.cpu()
-                handle._set(_sampled_output(sampled, sampled.tokens.tolist(), duration_s, dp_padding_tokens=padding))
-        except Exception as exc:  # noqa: BLE001 (the engine fails the steps' requests; RankGroupError: all of them)
-            logger.exception("data-parallel step failed")
-            for handle in handles:
-                if handle is not None and not handle._done.is_set():
-                    handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
-
-    def _last_tokens_of(self, rank: int) -> torch.Tensor:
-        if rank not in self._rank_last_tokens:
-            self._rank_last_tokens[rank] = torch.zeros(self.last_tokens.shape, dtype=torch.long)
-        return self._rank_last_tokens[rank]
-
     def close(self, timeout: float = 10.0) -> None:
         """Finish the steps submitted, then stop the thread."""
         if self._thread is not None:
@@ -180,37 +121,35 @@ class StepExecutor:
             item = self._queue.get()
             if item is None:
                 return
-            if isinstance(item[0], list):  # (jobs, handles) of data-parallel ranks
-                self._run_data_parallel(*item)
-            else:
-                self._run(*item)
+            self._run(*item)
 
     def _run(self, job: StepJob, handle: StepHandle) -> None:
         try:
             handle._set(*self._step(job))
         except Exception as exc:  # noqa: BLE001 (the engine fails the step's requests and keeps serving)
             logger.exception("step failed")
-            handle._set(StepOutput(error=f"internal error: {exc}"), exception=exc)
+            handle._fail(exc)
 
     def _step(self, job: StepJob):
+        """(the output, None), or (None, a function that waits for the tokens' copy to the host and returns it)."""
         cuda = self.device.type == "cuda"
         started = time.perf_counter()
         if cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-        _use_intra_op_threads(1 if job.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
-        self._apply(job.copies.before)
+        if job.forward.batch is None:  # data-parallel: the other ranks' step, this rank's part of their exchanges
+            return self._idle(job), None
+        _use_intra_op_threads(1 if job.forward.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
+        logits, batch = self.runner.forward(job.forward)
         if job.spec is not None:
-            return self._speculative_step(job, started), None
-        logits, batch = self._forward(job)
+            return self._verify(job, logits, batch, started), None
         num_rows = len(job.samplers)
-        sampled = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling)
-        tokens = sampled.tokens
-        self.last_tokens[batch.logits_slot[:num_rows].to(self.device)] = tokens  # (a group's batch is on the host)
-        self._apply(job.copies.after)
-
+        output = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling, job.timing)
+        tokens = output.sampled
+        self.runner.keep_tokens(batch, tokens)
         if not cuda:
-            return _sampled_output(sampled, tokens.tolist(), time.perf_counter() - started), None
+            job.timing.duration_s = time.perf_counter() - started
+            return output.read_sampled(tokens.tolist()), None
         end.record()
         host = torch.empty(num_rows, dtype=torch.long, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
@@ -219,68 +158,26 @@ class StepExecutor:
 
         def finish() -> StepOutput:
             copied.synchronize()
-            return _sampled_output(sampled, host.tolist(), begin.elapsed_time(end) / 1e3)
+            job.timing.duration_s = begin.elapsed_time(end) / 1e3
+            return output.read_sampled(host.tolist())
 
         return None, finish
 
-    def _speculative_step(self, job: StepJob, started: float) -> StepOutput:
+    def _idle(self, job: StepJob) -> StepOutput:
+        self.runner.forward(job.forward)
+        if job.spec is not None:
+            self.drafter.idle(job.spec)
+        return StepOutput(timing=job.timing)
+
+    def _verify(self, job: StepJob, logits: torch.Tensor, batch, started: float) -> StepOutput:
         """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py). The
         host needs the emitted counts before it can place the next step, so this returns when all is done."""
-        if self.group is not None:  # every rank runs the forward, and keeps its streams for the draft passes
-            batch = job.batch
-            logits, streams = self.group.forward(self.model, self.kv, batch, job.copies, return_streams=True)
-        elif job.static_key is not None:  # verify rows alike (or plain decodes): padded, from a graph on CUDA
-            (logits, streams), batch = self.graphs.forward(job.static_key, job.staged, lambda _: None)
-        else:
-            batch = job.device_batch
-            logits, streams = self.model.forward(batch, self.kv, return_streams=True)
-        verdict = self.verifier.verify(logits, job.samplers, job.spec)
+        output = self.verifier.verify(logits, job.samplers, job.spec, job.timing)
         drafting = time.perf_counter()
-        drafts = self.drafter.propose(batch, streams, job.spec, verdict, job.samplers)
-        draft_s = time.perf_counter() - drafting
-        self._apply(job.copies.after)
-        logprobs = verdict.logprobs or []
-        return StepOutput(
-            [tokens[0] for tokens in verdict.emitted],
-            [lp[0] if lp else None for lp in logprobs] or None,
-            time.perf_counter() - started, row_ends=verdict.row_ends, mask_fill_s=verdict.mask_fill_s,
-            grammar_accept_s=verdict.grammar_accept_s,
-            more_tokens={r: tokens[1:] for r, tokens in enumerate(verdict.emitted) if len(tokens) > 1},
-            more_logprobs={r: lp[1:] for r, lp in enumerate(logprobs) if lp and len(lp) > 1},
-            drafts=drafts, draft_s=draft_s)
-
-    def _forward(self, job: StepJob) -> tuple[torch.Tensor, ForwardBatch]:
-        """The step's logits, and the batch they came from (on the device but for a group's)."""
-        if self.group is not None:  # every rank runs this batch: broadcast on the host, tokens resolved there
-            batch = job.batch
-            if job.has_tokens_from_device:
-                self._take_tokens_from_device(batch, self.last_tokens.cpu())
-            return self.group.forward(self.model, self.kv, batch, job.copies), batch
-
-        def prepare(batch: ForwardBatch) -> None:
-            if job.has_tokens_from_device:
-                self._take_tokens_from_device(batch, self.last_tokens)
-
-        if job.static_key is not None:
-            return self.graphs.forward(job.static_key, job.staged, prepare)
-        prepare(job.device_batch)
-        return self.model.forward(job.device_batch, self.kv), job.device_batch
-
-    @staticmethod
-    def _take_tokens_from_device(batch: ForwardBatch, last_tokens: torch.Tensor) -> None:
-        """Tokens whose id the previous step sampled: read from `last_tokens` by state slot (in place)."""
-        source = batch.token_source_slot
-        batch.input_ids.copy_(torch.where(source >= 0, last_tokens[source.clamp(min=0)], batch.input_ids))
-
-    def _apply(self, copies: list[tuple]) -> None:
-        if copies:
-            self.kv.prefix_cache.apply(copies)
-
-
-def _sampled_output(sampled, token_ids: list[int], duration_s: float, **more) -> StepOutput:
-    """A step's output from the sampler's result (its tokens read to the host as `token_ids`)."""
-    return StepOutput(token_ids, sampled.logprobs, duration_s, row_ends=sampled.row_ends,
-                      mask_fill_s=sampled.mask_fill_s, grammar_accept_s=sampled.grammar_accept_s, **more)
+        output.drafts = self.drafter.propose(batch, job.spec, output, job.samplers)
+        job.timing.draft_s = time.perf_counter() - drafting
+        job.timing.duration_s = time.perf_counter() - started
+        return output
 
 
 _threads_before_engines: int | None = None  # torch's intra-op threads before an engine first changed them

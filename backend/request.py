@@ -2,8 +2,8 @@
 
 A `Sequence` is one request's whole engine-side state, in one object: its tokens, how many of them
 already have their keys/values in the pools (`num_computed_tokens`), its sampling parameters, its
-status, and what the engine attaches at submit (the output callback, the stop ids, the sampler's
-state, the queue rank and the handle of its pages). The scheduler ends it (`finish()`) and frees
+status, and what the engine attaches at submit (the stop ids, the sampler's state, the queue rank and
+the handle of its pages; its outputs go where the engine placed it, `RequestOutput.of`). The scheduler ends it (`finish()`) and frees
 its memory.
 
 Token accounting, one owner (the scheduler, backend/scheduler/scheduler.py):
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -249,6 +249,13 @@ class RequestOutput:
     logprobs: list["TokenLogprobs"] | None = None  # one per new token, when the request asked for them
     num_cached_tokens: int = 0  # of the prompt's positions, those restored from the prefix cache
 
+    @classmethod
+    def of(cls, seq: "Sequence", token_ids: list[int], logprobs: "list[TokenLogprobs] | None" = None,
+           finished: bool = False, error: str | None = None) -> "RequestOutput":
+        """`seq`'s output after a step: its new tokens (the step's own list), or its end."""
+        return cls(seq.request_id, token_ids, "", finished, seq.finish_reason if finished else None,
+                   len(seq.prompt_ids), len(seq.output_ids), error, logprobs, seq.num_cached_tokens or 0)
+
 
 @dataclass
 class TokenLogprobs:
@@ -281,7 +288,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     # Attached by the engine (submit) and the scheduler.
-    on_output: Callable[[RequestOutput], None] | None = field(default=None, repr=False)
     stop_ids: frozenset[int] = field(default=frozenset(), repr=False)
     # The sampler's per-request state (generator, penalty counts): touched only where steps run
     # (backend/sampler.py), created by the engine at submit.

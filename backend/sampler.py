@@ -23,7 +23,7 @@ CUDA while the forward's kernels run); the masks go to the device in one copy fr
 sets the disallowed logits to -inf (kernels/token_bitmask.py): penalties, sampling and log-probabilities all see
 the masked logits. After sampling the grammars accept their tokens, again in one call (that reads the tokens on the
 host: on CUDA the one sync a step with constrained rows adds, on this thread). A row whose grammar reaches its
-end, or allows no token at all, is reported in `Sampled.row_ends`.
+end, or allows no token at all, is reported in the step's `StepOutput.ends`.
 
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set) are those of the distribution
 the token was drawn from: with temperature > 0, log_softmax of the penalised, temperature-scaled logits
@@ -34,12 +34,12 @@ logits themselves (temperature 1, nothing cut): without penalties, the model's o
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from backend.request import SamplingParams, TokenLogprobs
+from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarBatch
 from kernels.dispatch import KernelDispatch
 
@@ -144,19 +144,6 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
     return logits
 
 
-@dataclass
-class Sampled:
-    """A step's draw: one token per row (a [R] long tensor on the logits' device), the log-probabilities of the
-    rows that asked (None when none did), the rows a grammar ended (row -> None: its end, or an error message),
-    and the host time spent filling token masks and accepting the tokens into the grammars."""
-
-    tokens: torch.Tensor
-    logprobs: list | None = None
-    row_ends: dict[int, str | None] = field(default_factory=dict)
-    mask_fill_s: float = 0.0
-    grammar_accept_s: float = 0.0
-
-
 class Sampler:
     """Draws one token per row; row r belongs to states[r]. `kernels` (kernels/dispatch.py) applies token masks."""
 
@@ -167,24 +154,29 @@ class Sampler:
         self._host_rows: torch.Tensor | None = None  # long [rows]
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors; masks change them in place)
-    def step(self, logits: torch.Tensor, states: list[SamplerState], plain: bool = False) -> Sampled:
-        """Masks, penalties, one token per row (already observed by the states), log-probabilities. `plain`: every
-        state is (SamplerState.plain), so the tokens are the argmax."""
+    def step(self, logits: torch.Tensor, states: list[SamplerState], plain: bool = False,
+             timing: StepTiming | None = None) -> StepOutput:
+        """Masks, penalties, one token per row (already observed by the states), log-probabilities: a StepOutput whose
+        tokens are still `sampled` (a [R] long tensor on the logits' device), its host times in `timing` (the step's
+        record). `plain`: every state is (SamplerState.plain), so the tokens are the argmax."""
+        output = StepOutput(timing=timing or StepTiming())
         if plain:
-            return Sampled(torch.argmax(logits, dim=-1))
+            output.sampled = torch.argmax(logits, dim=-1)
+            return output
         constrained = [row for row, state in enumerate(states) if state.grammar is not None and not state.grammar.done]
-        row_ends: dict[int, str | None] = {}
-        mask_fill_s = self._mask(logits, states, constrained, row_ends) if constrained else 0.0
+        if constrained:
+            output.timing.mask_fill_s = self._mask(logits, states, constrained, output.ends)
         logits = apply_penalties(logits, states)
         tokens = self.sample(logits, states)
-        logprobs = None
         if any(state.params.logprobs is not None for state in states):
-            logprobs = self.logprobs(logits, states, tokens.tolist())
+            output.logprobs = [None if lp is None else [lp] for lp in self.logprobs(logits, states, tokens.tolist())]
         for row, state in enumerate(states):
             if state.has_penalties:
                 state.observe(tokens[row:row + 1])
-        accept_s = self._accept(tokens, states, constrained, row_ends) if constrained else 0.0
-        return Sampled(tokens, logprobs, row_ends, mask_fill_s, accept_s)
+        if constrained:
+            output.timing.grammar_accept_s = self._accept(tokens, states, constrained, output.ends)
+        output.sampled = tokens
+        return output
 
     def _mask(self, logits: torch.Tensor, states: list[SamplerState], rows: list[int],
               row_ends: dict[int, str | None]) -> float:

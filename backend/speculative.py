@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
-from backend.parallel.group import draft_pass
+from backend.runner import Draft
 from backend.sampler import Sampler, SamplerState, filter_logits
 from backend.request import TokenLogprobs
+from backend.scheduler.plan import StepOutput, StepTiming
 
 
 @dataclass
@@ -64,20 +65,14 @@ class SpecJob:
     rows: list[DraftRow]
     num_speculative_tokens: int
 
+    @classmethod
+    def idle(cls, num_speculative_tokens: int) -> "SpecJob | None":
+        """A data-parallel rank's step without a batch: its draft passes are the other ranks' exchanges alone."""
+        return cls(torch.empty(0, dtype=torch.long), [], num_speculative_tokens) if num_speculative_tokens else None
+
     def first_logits_rows(self) -> list[int]:
         """Each sampling row's first row of the step's logits (a verify row has 1 + drafts of them)."""
         return [0, *itertools.accumulate(1 + len(row.drafts) for row in self.rows)][:-1]
-
-
-@dataclass
-class Verdict:
-    """The tokens each sampling row emits, their log-probabilities (None: nobody asked), the rows a grammar ended."""
-
-    emitted: list[list[int]]
-    logprobs: list[list[TokenLogprobs] | None] | None
-    row_ends: dict[int, str | None] = field(default_factory=dict)
-    mask_fill_s: float = 0.0
-    grammar_accept_s: float = 0.0
 
 
 class Verifier:
@@ -87,23 +82,24 @@ class Verifier:
         self.sampler = sampler
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
-    def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob) -> Verdict:
+    def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob,
+               timing: StepTiming | None = None) -> StepOutput:
+        """The tokens each sampling row emits (the step's StepOutput, its host times in `timing`), their
+        log-probabilities, the rows a grammar ended."""
         rows, firsts = job.rows, job.first_logits_rows()
-        emitted: list[list[int]] = [[] for _ in rows]
+        output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
         # Ordinary rows (prefill ends, decodes without drafts, constrained requests): the sampler, in one call.
         single = [r for r, row in enumerate(rows) if not row.drafts]
-        verdict = Verdict(emitted, None)
         if single:
             index = torch.tensor([firsts[r] for r in single], device=logits.device)
             states_single = [states[r] for r in single]
-            sampled = self.sampler.step(logits[index], states_single, all(s.plain for s in states_single))
-            for i, (r, token) in enumerate(zip(single, sampled.tokens.tolist())):
-                emitted[r] = [token]
-                if sampled.logprobs is not None and sampled.logprobs[i] is not None:
-                    logprobs[r] = [sampled.logprobs[i]]
-            verdict.row_ends = {single[i]: end for i, end in sampled.row_ends.items()}
-            verdict.mask_fill_s, verdict.grammar_accept_s = sampled.mask_fill_s, sampled.grammar_accept_s
+            sampled = self.sampler.step(logits[index], states_single, all(s.plain for s in states_single),
+                                        output.timing)
+            for i, (r, token) in enumerate(zip(single, sampled.sampled.tolist())):
+                output.tokens[r] = [token]
+                logprobs[r] = sampled.row_logprobs(i)
+            output.ends = {single[i]: end for i, end in sampled.ends.items()}
         argmax = None  # every logits row's, read once for the greedy rows without penalties
         for r, row in enumerate(rows):
             if not row.drafts:
@@ -113,10 +109,10 @@ class Verifier:
             if state.params.temperature == 0.0 and not state.has_penalties:  # its targets are the raw logits'
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
                 best = argmax[span]
-            emitted[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts), best)
+            output.tokens[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts), best)
         if any(lp is not None for lp in logprobs):
-            verdict.logprobs = logprobs
-        return verdict
+            output.logprobs = logprobs
+        return output
 
     def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int], best: list[int] | None = None):
         """(emitted tokens, their log-probabilities or None) of one verify row: logits [1 + k, V]; `best`: their
@@ -164,32 +160,26 @@ def _accepted_prefix(drafts: list[int], best: list[int]) -> list[int]:
 
 
 class Drafter:
-    """Proposes each row's drafts with the MTP layer (see the module docstring); with a rank group, every rank runs
-    each draft pass (backend/parallel/group.py), rank 0 draws."""
+    """Proposes each row's drafts with the MTP layer (see the module docstring); each pass runs on the step's runner
+    (backend/runner.py: with a rank group, every rank runs it), which keeps the streams the next pass reads."""
 
-    def __init__(self, model, kv, group=None):
-        self.model, self.kv, self.group = model, kv, group
-
-    def _pass(self, batch: ForwardBatch, logits_index: torch.Tensor, hidden: torch.Tensor, hidden_rows=None):
-        """(logits at `logits_index`, the streams there): one draft pass reading `hidden` (or its `hidden_rows`)."""
-        if self.group is not None:
-            return self.group.draft(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
-        return draft_pass(self.model, self.kv, batch, hidden, logits_index, hidden_rows)
+    def __init__(self, runner):
+        self.runner = runner
 
     @torch.inference_mode()
-    def propose(self, batch: ForwardBatch, streams: torch.Tensor, job: SpecJob, verdict: Verdict,
+    def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
                 states: list[SamplerState]) -> dict[int, list[int]]:
-        """Sampling row -> its drafts for the next step (rows that draft only)."""
-        rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in verdict.row_ends]
-        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, verdict))
-        if not rows:  # the draft layer's window still takes in this step's positions
-            self._pass(first, batch.logits_token_index[:0], streams)
-            return {}
+        """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
+        first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
+        and k - 1 chained ones (a rank whose rows ran out of pages, or that has none, runs them empty)."""
+        rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in output.ends]
+        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         firsts = job.first_logits_rows()
-        # The row's last emitted position: its logits token number (emitted - 1).
-        picks = [firsts[r] + len(verdict.emitted[r]) - 1 for r in rows]
-        index = batch.logits_token_index[torch.tensor(picks, device=batch.logits_token_index.device)]
-        logits, hidden = self._pass(first, index, streams)
+        # The row's last emitted position: its logits token number (emitted - 1). (No row: the draft layer's window
+        # still takes in this step's positions.)
+        picks = [firsts[r] + len(output.tokens[r]) - 1 for r in rows]
+        index = batch.logits_token_index[torch.tensor(picks, dtype=torch.long, device=batch.input_ids.device)]
+        logits = self.runner.draft(Draft(first, index))
         positions = batch.positions[index].tolist()
         drafts = {r: [] for r in rows}
         for r in rows:
@@ -199,25 +189,33 @@ class Drafter:
             for r, token in zip(rows, tokens):
                 drafts[r].append(token)
             # Chained drafts: one position further, from the draft layer's own streams, while the row has pages.
-            live = [i for i, r in enumerate(rows) if step < job.num_speculative_tokens
-                    and positions[i] + step < job.rows[r].lookahead_end]
-            if not live:
+            live = [i for i, r in enumerate(rows) if positions[i] + step < job.rows[r].lookahead_end]
+            if step == job.num_speculative_tokens or not (live or self.runner.sync.lock_step):
                 break
-            chain = [BatchRow(job.rows[rows[i]].pages, [tokens[i]], positions[i] + step, True) for i in live]
-            chain_batch = build_forward_batch(chain, self.kv, device=batch.input_ids.device)
-            logits, hidden = self._pass(chain_batch, chain_batch.logits_token_index, hidden,
-                                        torch.tensor(live, device=hidden.device))
-            rows, positions = [rows[i] for i in live], [positions[i] for i in live]
-            tokens = self._draw(logits, [states[r] for r in rows])
+            rows, positions, tokens = [rows[i] for i in live], [positions[i] for i in live], [tokens[i] for i in live]
+            chain = [BatchRow(job.rows[r].pages, [token], position + step, True)
+                     for r, token, position in zip(rows, tokens, positions)]
+            logits = self.runner.draft(self._chain(chain, live, batch.input_ids.device) if live else None)
+            tokens = self._draw(logits, [states[r] for r in rows]) if live else []
         return drafts
 
+    def idle(self, job: SpecJob) -> None:
+        """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes."""
+        for _ in range(job.num_speculative_tokens):
+            self.runner.draft(None)
+
+    def _chain(self, rows: list[BatchRow], live: list[int], device) -> Draft:
+        """A chained pass over `rows`, reading the streams the last pass kept at rows `live`."""
+        batch = build_forward_batch(rows, self.runner.kv, device=device)
+        return Draft(batch, batch.logits_token_index, torch.tensor(live, device=device))
+
     @staticmethod
-    def _next_ids(batch: ForwardBatch, job: SpecJob, verdict: Verdict) -> torch.Tensor:
+    def _next_ids(batch: ForwardBatch, job: SpecJob, output: StepOutput) -> torch.Tensor:
         """Each position's next token: the host's (prompt tokens), or the token the step emitted after it (every
         logits token: a verify's i-th emits its i-th token; past the emitted ones, any token: those positions are
         rejected and rewritten later)."""
         after = []
-        for row, tokens in zip(job.rows, verdict.emitted):
+        for row, tokens in zip(job.rows, output.tokens):
             count = 1 + len(row.drafts)
             after += (tokens + tokens[-1:] * count)[:count] if tokens else [0] * count
         after += [0] * (len(batch.logits_token_index) - len(after))  # (a static batch's padding rows)

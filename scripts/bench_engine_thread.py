@@ -44,7 +44,7 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def step_median(engine: LLMEngine, first_step: int, kind: str) -> float:
-    steps = [r.duration_s for r in list(engine.scheduler.records)[first_step:] if r.kind.value == kind]
+    steps = [r.timing.duration_s for r in list(engine.scheduler.records)[first_step:] if r.kind.value == kind]
     return statistics.median(steps)
 
 

@@ -19,6 +19,16 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
    host; with it, max(device, host). With --real-forward the model's own forward runs instead (on a GPU:
    what overlap gains for real).
+3. Rank 0's host time per decode step with data-parallel ranks (--data-parallel-sizes, e.g. 1 2): every rank
+   --dp-rows requests at --dp-context, the stub forward in every rank's process, over gloo; the ranks alone (whole
+   experts: they never meet) and with expert parallelism over them (they agree on every step: the step's time
+   includes waiting for that agreement, printed beside it). Each rank runs its own engine, so rank 0's step should
+   cost what one rank's does: the ratio to data_parallel_size 1 is printed.
+4. The same on paper for more ranks than the machine holds (--simulate-ranks, e.g. 1 2 4 8): one engine at
+   --dp-rows requests, and for each other rank simulated, --dp-rows outputs a step packed as a rank packs them
+   (backend/parallel/data_parallel.py OutputBatch), unpacked and passed on by rank 0's receiving thread as it
+   would; rank 0's engine-thread step time, the receiving thread's time per step, and the bytes a rank sends per
+   request.
 
 Prefix caching is on, as by default (decodes reaching block boundaries are snapshotted; each snapshot
 references the request's compressed pages, a cost that grows with the context: --no-enable-prefix-caching
@@ -30,9 +40,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,12 +53,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.engine import LLMEngine  # noqa: E402
-from backend.request import SamplingParams, Sequence  # noqa: E402
+from backend.engine import LLMEngine, Placement  # noqa: E402
+from backend.model.deepseek_v4 import DeepseekV4Model  # noqa: E402
+from backend.parallel.data_parallel import OutputBatch  # noqa: E402
+from backend.request import RequestOutput, SamplingParams, Sequence  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 PREFILL_CHUNK = 65536
 WARM_UP_STEPS = 64
+# Data-parallel ranks are processes of their own (spawned: they import this script again); this variable tells them
+# to take the stub forward too.
+STUB_VOCAB = "DSV4_BENCH_STUB_VOCAB"
 
 
 def stub_forward(vocab: int, device, device_s: float = 0.0):
@@ -60,21 +77,39 @@ def stub_forward(vocab: int, device, device_s: float = 0.0):
     return forward
 
 
-def make_engine(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0) -> LLMEngine:
-    """An engine for `rows` requests of `context` tokens; its forward a stub sleeping `device_s` (None: the
-    model's own)."""
+def stub_every_forward(vocab: int) -> None:
+    """Every model of this process (and, through the environment, of the ranks it spawns) takes the stub forward:
+    zero logits at once, no MoE exchange (the ranks still agree on every step)."""
+    os.environ[STUB_VOCAB] = str(vocab)
+    DeepseekV4Model.forward = lambda self, batch, kv, **_: torch.zeros(batch.logits_token_index.shape[0], vocab,
+                                                                        device=self.device)
+    DeepseekV4Model.idle_forward = lambda self, counts, draft=False: None
+
+
+if STUB_VOCAB in os.environ:  # a data-parallel rank spawned by part 3
+    stub_every_forward(int(os.environ[STUB_VOCAB]))
+
+
+def engine_config(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0,
+                  **layout) -> EngineConfig:
+    """An engine for `rows` requests of `context` tokens (on each data-parallel rank of `layout`)."""
     window = 4 * (PREFILL_CHUNK + 256)  # the window pool: one chunk in flight and its window, and the decodes'
     # the prompts, what prefill steps decode meanwhile, the warm-up and the timed steps
     num_tokens = rows * (context + 2 * rows + WARM_UP_STEPS + options.steps + 64) + 4096
-    config = EngineConfig(**checkpoint_settings(options), device=options.device, dtype=options.dtype,
-                          max_running_requests=rows, max_num_batched_tokens=PREFILL_CHUNK,
-                          prefill_chunk_tokens=PREFILL_CHUNK, num_tokens=num_tokens,
-                          swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
-                          overlap_scheduling=overlap, cpu_threads=1,
-                          enable_prefix_caching=options.enable_prefix_caching,
-                          # a stub forward is host work only: a CUDA graph would capture it once and skip its sleep
-                          cuda_graphs=False if device_s is not None else None)
-    engine = LLMEngine(config)
+    return EngineConfig(**checkpoint_settings(options), device=options.device, dtype=options.dtype,
+                        max_running_requests=rows, max_num_batched_tokens=PREFILL_CHUNK,
+                        prefill_chunk_tokens=PREFILL_CHUNK, num_tokens=num_tokens,
+                        swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
+                        overlap_scheduling=overlap, cpu_threads=1,
+                        enable_prefix_caching=options.enable_prefix_caching,
+                        # a stub forward is host work only: a CUDA graph would capture it once and skip its sleep
+                        cuda_graphs=False if device_s is not None else None, **layout)
+
+
+def make_engine(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0) -> LLMEngine:
+    """An engine for `rows` requests of `context` tokens; its forward a stub sleeping `device_s` (None: the
+    model's own)."""
+    engine = LLMEngine(engine_config(options, rows, context, overlap, device_s))
     if device_s is not None:
         engine.model.forward = stub_forward(engine.vocab_size, engine.device, device_s)
     return engine
@@ -83,13 +118,7 @@ def make_engine(options, rows: int, context: int, overlap: bool, device_s: float
 def decoding(engine: LLMEngine, rows: int, context: int, steps: int) -> queue.SimpleQueue:
     """`rows` requests of `context` prompt tokens, prefilled; returns the queue their outputs go to."""
     outputs: queue.SimpleQueue = queue.SimpleQueue()
-    prompt = [2 + i % 250 for i in range(context)]
-    for r in range(rows):  # distinct prompts (nothing restored from the prefix cache), their lengths staggered so
-        # that decodes reach the cache's block boundaries at the same rate (rows / 128 a step) at every context
-        engine.submit(Sequence(f"r{r}-{time.monotonic_ns()}", [2 + r % 250] + prompt[1:context - r % 128],
-                               SamplingParams(max_tokens=min(engine.limits.max_request_positions - context,
-                                                             engine.limits.max_tokens_limit),
-                                              ignore_eos=True)), outputs.put)
+    submit_all(engine, rows, context, outputs.put)
     while engine.scheduler.num_waiting or any(s.is_prefill for s in engine.scheduler._running):
         engine.step()
     for _ in range(WARM_UP_STEPS):  # every request decoding, overlap's pipeline full, the prefill's cache churn past
@@ -98,12 +127,14 @@ def decoding(engine: LLMEngine, rows: int, context: int, steps: int) -> queue.Si
     return outputs
 
 
-def time_steps(engine: LLMEngine, steps: int) -> list[float]:
+def time_steps(engine: LLMEngine, steps: int, clock=time.perf_counter) -> list[float]:
+    """Each step's time on `clock` (time.thread_time: the engine thread's CPU time, what it did itself, whatever
+    other processes take of the cores meanwhile)."""
     times = []
     for _ in range(steps):
-        started = time.perf_counter()
+        started = clock()
         engine.step()
-        times.append(time.perf_counter() - started)
+        times.append(clock() - started)
     return times
 
 
@@ -130,8 +161,168 @@ def steps_per_second(options, overlap: bool) -> float:
         engine.shutdown()
 
 
+def prompts(count: int, context: int) -> list[list[int]]:
+    """Distinct prompts (nothing restored from the prefix cache), their lengths staggered so that decodes reach the
+    cache's block boundaries at the same rate (count / 128 a step) at every context."""
+    prompt = [2 + i % 250 for i in range(context)]
+    return [[2 + r % 250] + prompt[1:context - r % 128] for r in range(count)]
+
+
+def submit_all(engine: LLMEngine, count: int, context: int, on_output) -> None:
+    params = SamplingParams(max_tokens=min(engine.limits.max_request_positions - context,
+                                           engine.limits.max_tokens_limit), ignore_eos=True)
+    for r, prompt in enumerate(prompts(count, context)):
+        engine.submit(Sequence(f"r{r}-{time.monotonic_ns()}", prompt, params), on_output)
+
+
+def rank0_host_per_step(options, ranks: int, expert_parallel: bool) -> tuple[float, float, float]:
+    """Part 3: rank 0's median decode step (wall time), the median time of it spent waiting for the ranks'
+    agreement, and its median CPU time on the engine thread, with --dp-rows requests on each of `ranks` data-parallel
+    ranks (`expert_parallel`: over them too, the ranks agree on every step), every rank's forward the stub."""
+    from backend.model.config import load_model_config
+
+    stub_every_forward(load_model_config(checkpoint_settings(options)["checkpoint"]).vocab_size)
+    layout = dict(data_parallel_size=ranks, expert_parallel_size=ranks if expert_parallel else 1) if ranks > 1 else {}
+    engine = LLMEngine(engine_config(options, options.dp_rows, options.dp_context, True, **layout))
+    waits = _timed(engine.core.sync, "agree") if engine.core.sync.lock_step else []  # (not the shared ALONE)
+    seen: dict[str, int] = {}
+    lock = threading.Lock()
+
+    def count(out: RequestOutput) -> None:
+        with lock:
+            seen[out.request_id] = seen.get(out.request_id, 0) + 1
+
+    try:
+        submit_all(engine, options.dp_rows * ranks, options.dp_context, count)
+        while len(seen) < options.dp_rows * ranks:  # every request on every rank has its first token
+            engine.step()
+        for _ in range(WARM_UP_STEPS):
+            engine.step()
+        assert engine.scheduler.num_running == options.dp_rows
+        waits.clear()
+        step = statistics.median(time_steps(engine, options.steps))
+        waited = statistics.median(waits) if waits else 0.0
+        return step, waited, statistics.median(time_steps(engine, options.steps, time.thread_time))
+    finally:
+        engine.shutdown()
+
+
+def _timed(obj, name: str) -> list[float]:
+    """The times of every call of obj.name from now on (on the instance)."""
+    times, call = [], getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - started)
+
+    setattr(obj, name, timed)
+    return times
+
+
+def simulated_rank0(options, ranks: int) -> dict:
+    """Part 4: one engine at --dp-rows decoding requests, and `ranks - 1` more ranks' outputs (--dp-rows requests, one
+    token each) arriving every step, packed as a rank sends them, unpacked and passed on by a receiving thread as rank
+    0's is: rank 0's engine-thread step, the receiving thread's time per step, a rank's bytes per request."""
+    from backend.engine import DataParallelRank
+
+    rows, context = options.dp_rows, options.dp_context
+    engine = make_engine(options, rows, context, overlap=True)
+    try:
+        sink = decoding(engine, rows, context, options.steps)
+        frames = [_simulated_rank(engine, DataParallelRank(r), rows, context, sink) for r in range(1, ranks)]
+        stepped, done, receiving = threading.Event(), threading.Event(), []
+
+        def receive() -> None:  # what rank 0's dsv4-ranks thread does with each rank's outputs of a step
+            while not done.is_set():
+                if stepped.wait(0.1):
+                    stepped.clear()
+                    started = time.perf_counter()
+                    for rank_frames in frames:
+                        engine._take_outputs(OutputBatch.from_frames(rank_frames))
+                    receiving.append(time.perf_counter() - started)
+
+        receiver = threading.Thread(target=receive, daemon=True)
+        receiver.start()
+        times, cpu = [], []
+        for _ in range(options.steps):
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            engine.step()
+            times.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - started_cpu)
+            stepped.set()
+        done.set()
+        receiver.join()
+        sent = sum(len(f) for f in frames[0]) / rows if frames else 0.0
+        return {"engine_ms": 1e3 * statistics.median(times), "engine_cpu_ms": 1e3 * statistics.median(cpu),
+                "receiving_ms": 1e3 * statistics.median(receiving) if receiving else 0.0, "bytes_per_request": sent}
+    finally:
+        engine.shutdown()
+
+
+def _simulated_rank(engine: LLMEngine, rank, rows: int, context: int, sink) -> list[bytes]:
+    """A simulated rank's requests placed on it (as rank 0 places them), and one step's outputs of theirs, packed."""
+    engine.ranks.append(rank)
+    outputs, handles = [], {}
+    for r in range(rows):
+        request_id = f"rank{rank.rank}-{r}"
+        placed = Placement(rank, context, sink.put, request_id, context, next(engine._handles))
+        with engine._placement_lock:
+            engine._placed[request_id] = engine._by_handle[placed.handle] = placed
+        handles[request_id] = placed.handle
+        outputs.append(RequestOutput(request_id, [7 + r % 100], "", False, None, context, 1))
+    return OutputBatch.of(rank.rank, outputs, handles).frames()
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def stand_in(options, results: dict) -> None:
+    runs = {overlap: [steps_per_second(options, overlap) for _ in range(options.repeats)] for overlap in (False, True)}
+    results["device_stand_in"] = {str(k): spread(v) for k, v in runs.items()}
+    forward = "the model's forward" if options.real_forward else \
+        f"sleep {options.device_ms:g} ms (ideal {1e3 / options.device_ms:.0f})"
+    print(f"\nforward = {forward}, {options.sleep_rows} x {options.sleep_context} on {options.device}: steps/s "
+          f"(median, min-max over {options.repeats} runs)")
+    for overlap, values in runs.items():
+        s = spread(values)
+        print(f"  overlap {'on ' if overlap else 'off'}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})")
+
+
+def simulate(options, results: dict) -> None:
+    runs = {ranks: [simulated_rank0(options, ranks) for _ in range(options.repeats)] for ranks in options.simulate_ranks}
+    results["simulated_ranks"] = {str(ranks): {key: spread([run[key] for run in values]) for key in values[0]}
+                                  for ranks, values in runs.items()}
+    print(f"\nsimulated ranks, {options.dp_rows} requests each at {options.dp_context}: rank 0's engine-thread ms/step "
+          f"(wall, CPU), its receiving thread's ms/step, bytes a rank sends per request (median, min-max over runs)")
+    for ranks, cell in results["simulated_ranks"].items():
+        print(f"  {ranks:>2} ranks: " + ", ".join(f"{key} {v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
+                                                  for key, v in cell.items()))
+
+
+def data_parallel(options, results: dict) -> None:
+    layouts = [(ranks, ep) for ranks in options.data_parallel_sizes for ep in ((False, True) if ranks > 1 else
+                                                                             (False,))]
+    runs: dict[tuple, list] = {layout: [] for layout in layouts}
+    for _ in range(options.repeats):  # each repetition measures every layout in turn
+        for layout in layouts:
+            runs[layout].append([1e3 * t for t in rank0_host_per_step(options, *layout)])
+    keys = ("step_ms", "agreement_ms", "cpu_ms")
+    results["data_parallel"] = {f"{r}{'+ep' if ep else ''}": {key: spread([v[i] for v in values])
+                                                              for i, key in enumerate(keys)}
+                                for (r, ep), values in runs.items()}
+    print(f"\ndata-parallel ranks, {options.dp_rows} requests each at {options.dp_context}, stub forward over gloo: "
+          f"rank 0's step (wall ms), of it waiting for the ranks' agreement, its engine thread's CPU ms; each the "
+          f"median, min-max over runs, and the ratio to one rank's")
+    base = results["data_parallel"].get("1")
+    for name, cell in results["data_parallel"].items():
+        print(f"  {name:>5} ranks: " + ", ".join(
+            f"{key} {cell[key]['median']:.2f} ({cell[key]['min']:.2f}-{cell[key]['max']:.2f})"
+            + (f" {cell[key]['median'] / base[key]['median']:.2f}x" if base and key != "agreement_ms" else "")
+            for key in keys))
 
 
 def main() -> int:
@@ -149,6 +340,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--skip-host", action="store_true", help="only the device stand-in")
+    parser.add_argument("--skip-stand-in", action="store_true", help="no device stand-in (part 2)")
+    parser.add_argument("--data-parallel-sizes", type=int, nargs="*", default=[],
+                        help="part 3: rank 0's step with these many data-parallel ranks (processes; e.g. 1 2)")
+    parser.add_argument("--simulate-ranks", type=int, nargs="*", default=[],
+                        help="part 4: rank 0's step with these many ranks simulated (e.g. 1 2 4 8)")
+    parser.add_argument("--dp-rows", type=int, default=128)
+    parser.add_argument("--dp-context", type=int, default=1024)
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -178,15 +376,12 @@ def main() -> int:
                 results["growth"].append(growth)
                 print(f"{rows:>5} overlap {'on ' if overlap else 'off'}: {growth['median']:.2f}x "
                       f"({growth['min']:.2f}-{growth['max']:.2f})")
-    runs = {overlap: [steps_per_second(options, overlap) for _ in range(options.repeats)] for overlap in (False, True)}
-    results["device_stand_in"] = {str(k): spread(v) for k, v in runs.items()}
-    forward = "the model's forward" if options.real_forward else \
-        f"sleep {options.device_ms:g} ms (ideal {1e3 / options.device_ms:.0f})"
-    print(f"\nforward = {forward}, {options.sleep_rows} x {options.sleep_context} on {options.device}: steps/s "
-          f"(median, min-max over {options.repeats} runs)")
-    for overlap, values in runs.items():
-        s = spread(values)
-        print(f"  overlap {'on ' if overlap else 'off'}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})")
+    if not options.skip_stand_in:
+        stand_in(options, results)
+    if options.simulate_ranks:
+        simulate(options, results)
+    if options.data_parallel_sizes:  # (last: it stubs every model of this process)
+        data_parallel(options, results)
     if options.json:
         options.json.parent.mkdir(parents=True, exist_ok=True)
         options.json.write_text(json.dumps(results, indent=2))

@@ -104,9 +104,9 @@ def run_policy(policy: str, args) -> dict:
 def summarize(policy: str, engine: LLMEngine, victim: Trace, attacker: Trace, args) -> dict:
     gaps = [b - a for a, b in zip(victim.token_times, victim.token_times[1:])]
     records = [r for r in engine.scheduler.records if r.time >= victim.submitted]
-    prefill = [r.duration_s for r in records if r.kind.value == "prefill"]
-    decode = [r.duration_s for r in records if r.kind.value == "decode"]
-    mixed = [r.duration_s for r in records if r.kind.value == "mixed"]
+    prefill = [r.timing.duration_s for r in records if r.kind.value == "prefill"]
+    decode = [r.timing.duration_s for r in records if r.kind.value == "decode"]
+    mixed = [r.timing.duration_s for r in records if r.kind.value == "mixed"]
     end = max(victim.token_times[-1], attacker.token_times[-1] if attacker.token_times else 0.0)
     return {
         "policy": policy,
@@ -130,7 +130,7 @@ def summarize(policy: str, engine: LLMEngine, victim: Trace, attacker: Trace, ar
         "cost_model_level_shifts": engine.scheduler.cost_model.num_level_shifts,
         # For the plot: victim token times and the prefill-carrying steps, relative to the victim's submit.
         "victim_token_times_s": [t - victim.submitted for t in victim.token_times],
-        "prefill_spans_s": [(r.time - victim.submitted, r.duration_s) for r in records if r.num_prefill_tokens],
+        "prefill_spans_s": [(r.time - victim.submitted, r.timing.duration_s) for r in records if r.num_prefill_tokens],
     }
 
 

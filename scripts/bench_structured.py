@@ -122,9 +122,9 @@ def run_cell(engine: LLMEngine, batch: list[list[int]], num_constrained: int, ma
     measured = decode[1:]  # steps 2 .. n: intervals [time[k], time[k+1]] for k = 2 .. n-1
     periods = [b.time - a.time for a, b in zip(measured, measured[1:])]
     tokens = sum(r.num_decode_tokens for r in measured[:-1])
-    durations = [r.duration_s for r in decode]
-    masks = [r.mask_fill_s for r in decode]
-    accepts = [r.grammar_accept_s for r in decode]
+    durations = [r.timing.duration_s for r in decode]
+    masks = [r.timing.mask_fill_s for r in decode]
+    accepts = [r.timing.grammar_accept_s for r in decode]
     return {"tokens_per_s": tokens / sum(periods),
             "end_to_end_tokens_per_s": len(batch) * max_tokens / wall_s, "wall_s": wall_s,
             "decode_steps": len(decode), "step_ms": 1e3 * statistics.median(durations),

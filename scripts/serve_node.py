@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import EngineConfig  # noqa: E402
-from backend.parallel.group import run_node  # noqa: E402
+from backend.rank_main import run_node  # noqa: E402
 from make_model_repository import parse_sets  # noqa: E402  (scripts/ is this script's first path entry)
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 import torch
 
 
+class RankGroupError(RuntimeError):
+    """A worker died or a collective failed: this model instance cannot run another step."""
+
+
 class Communicator:
     rank = 0
     world_size = 1

@@ -283,16 +283,17 @@ class DeepseekV4Model:
         return self.comm.reduce_scatter_rows(routed)[:local]
 
     @torch.inference_mode()
-    def idle_forward(self, dp_token_counts: tuple[int, ...]) -> None:
+    def idle_forward(self, dp_token_counts: tuple[int, ...], draft: bool = False) -> None:
         """A data-parallel rank with no request in this step: its part of every MoE layer's exchange (no tokens of its
-        own; its experts still serve the other ranks'), as SGLang's and vLLM's idle data-parallel ranks do."""
+        own; its experts still serve the other ranks'), as SGLang's and vLLM's idle data-parallel ranks do; `draft`:
+        of the MTP layer's, in a draft pass (speculative decoding)."""
         if not self.layout.moe_exchange:
             return
         c = self.config
         x = torch.empty(0, c.hidden_size, dtype=self.dtype, device=self.device)
         ids = torch.empty(0, c.num_experts_per_tok, dtype=torch.long, device=self.device)
         weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=self.device)
-        for i in range(c.num_hidden_layers):
+        for i in [c.num_hidden_layers] if draft else range(c.num_hidden_layers):
             self._experts_of_every_rank(self.prefixes[i] + "mlp.", x, ids, weights, dp_token_counts)
 
     def _experts_for_kernels(self) -> None:

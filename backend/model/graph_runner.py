@@ -12,7 +12,10 @@ recorded on the first step of that key: the forward runs once on a batch made on
 every Triton kernel for these shapes), then is captured on the same buffer. Every step copies its
 packed batch into the buffer (one copy), lets `prepare` fill in what only the device knows (the
 tokens the step before sampled), and replays. Graphs share one memory pool. Prefill and mixed steps
-run eagerly (their shapes are not bucketed). Speculative decoding's verify steps (rows of 1 + k tokens alike) have
+run eagerly (their shapes are not bucketed). With several ranks every rank replays its own graphs: a tensor/expert-
+parallel group's ranks all take the same key (the same batch), and data-parallel ranks in lock-step replay only when
+their own padded count is the largest of the step's (the one their MoE exchange pads to, as when captured), else run
+the static step eagerly (backend/runner.py). Speculative decoding's verify steps (rows of 1 + k tokens alike) have
 their own keys; the draft layer's passes after them run eagerly.
 
 With capture=False (any device; the engine's `cuda_graphs` parameter on CPU) the same padded,
@@ -60,17 +63,22 @@ class DecodeGraphs:
     def accepts(self, rows) -> bool:
         return is_decode_batch(rows) and len(rows) <= self.max_rows
 
-    def forward(self, key: StaticKey, staged: StagedBatch, prepare: Callable[[ForwardBatch], None]) -> tuple:
+    def forward(self, key: StaticKey, staged: StagedBatch, prepare: Callable[[ForwardBatch], None],
+                replay: bool = True) -> tuple:
         """Logits [key.rows * key.tokens_per_row, vocab] of the packed static batch `staged` (padded to `key`; with
         return_streams, (logits, streams)), and the static batch they came from; `prepare(batch)` runs on the static
-        buffers after the copy, before the forward."""
+        buffers after the copy, before the forward. `replay` False: eagerly on the same buffers (a data-parallel
+        step whose MoE exchange pads to another rank's larger count than the graph's own)."""
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._new_step(key, staged)
+            buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
+            step = self._steps[key] = _StaticStep(buffer, staged.to_device(buffer), staged.layout)
         assert staged.layout == step.layout, f"a batch of key {key} with another layout"
+        if replay and self.capture and step.graph is None:
+            self._capture(step, key, prepare)
         staged.copy_into(step.buffer)
         prepare(step.batch)
-        if step.graph is None:
+        if step.graph is None or not replay:
             return self._forward(step.batch), step.batch
         step.graph.replay()
         return step.output, step.batch
@@ -78,19 +86,18 @@ class DecodeGraphs:
     def _forward(self, batch: ForwardBatch):
         return self.model.forward(batch, self.kv, return_streams=self.return_streams)
 
-    def _new_step(self, key: StaticKey, staged: StagedBatch) -> _StaticStep:
-        buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
-        step = _StaticStep(buffer, staged.to_device(buffer), staged.layout)
-        if self.capture:
-            padding = self._warm_up.stage(build_forward_batch([], self.kv, pad_to=key))
-            assert padding.layout == step.layout
-            padding.copy_into(buffer)  # padding rows only: every write goes to the scratch page and slot
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._forward(step.batch)  # compiles the kernels, warms the allocator
-            torch.cuda.current_stream().wait_stream(side)
-            step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self._pool):
-                step.output = self._forward(step.batch)
-        return step
+    def _capture(self, step: _StaticStep, key: StaticKey, prepare: Callable[[ForwardBatch], None]) -> None:
+        """Record the graph of `key` on a batch of padding rows only (every write goes to the scratch page and slot),
+        after one warm-up forward (it compiles every Triton kernel for these shapes)."""
+        padding = self._warm_up.stage(build_forward_batch([], self.kv, pad_to=key))
+        assert padding.layout == step.layout
+        padding.copy_into(step.buffer)
+        prepare(step.batch)  # (what only the step knows: a data-parallel step's token counts)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(step.batch)
+        torch.cuda.current_stream().wait_stream(side)
+        step.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(step.graph, pool=self._pool):
+            step.output = self._forward(step.batch)

@@ -1,18 +1,18 @@
 """Rank 0 and its worker processes: one model instance over N ranks, with torch.distributed.
 
-    group = RankGroup.start(config, layout)        # spawns ranks 1..N-1, each loads its shard
+    group = RankGroup.start(config, layout, worker_main)   # spawns ranks 1..N-1 (backend/rank_main.py)
     model = load_model(config, deployment, ..., layout, group.comm)   # rank 0's own shard, meanwhile
     group.wait_ready()
-    logits = group.forward(model, kv, host_batch, copies)  # every rank runs the same forward on its shard
+    runner = GroupRunner(group, model, kv)         # backend/runner.py: every rank runs each Forward / Draft
     group.close()                                  # workers exit; the process group is destroyed
 
 Rank 0 is the engine that model.py holds (scheduler, sampler, its own shard). Ranks
 1..N-1 are processes it starts (torch.multiprocessing, spawn, one per device, daemonic so they die
-with it). Each step rank 0 broadcasts the step's ForwardBatch (host tensors: token ids, positions,
-page tables, compression plans; pickled over a gloo group), with the tensor copies rank 0's prefix
-cache asked for around it, and every rank makes those copies and runs `DeepseekV4Model.forward`
-on its shard and its own copy of the pools, which every rank keeps identical by running the same
-writes; only rank 0 samples. Tensor collectives run in the default
+with it) and run backend/rank_main.py. Each step rank 0 broadcasts the step's `Forward` (its ForwardBatch as host tensors: token ids,
+positions, page tables, compression plans; pickled over a gloo group, with the tensor copies rank 0's prefix
+cache asked for around it), and every rank runs it on its own `ModelRunner`: the copies and
+`DeepseekV4Model.forward` on its shard and its own copy of the pools, which every rank keeps identical by running
+the same writes; only rank 0 samples. Tensor collectives run in the default
 group (NCCL on CUDA, gloo on CPU). A worker that dies, or a collective that times out
 (`collective_timeout_s`), raises `RankGroupError` on rank 0: the engine then fails what is in flight
 and stops serving (see backend/engine.py).
@@ -33,22 +33,21 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from backend.config import EngineConfig
-from backend.deployment import load_model, plan_deployment
-from backend.model.comm import DistributedCommunicator
+from backend.model.comm import DistributedCommunicator, RankGroupError
 from backend.model.parallel_layout import ParallelLayout
+from backend.parallel.data_parallel import RankLinks
+from backend.parallel.messages import Stop
+from backend.parallel.sync import ALONE, LockStep
 
 logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-class RankGroupError(RuntimeError):
-    """A worker died or a collective failed: this model instance cannot run another step."""
 
 
 @dataclass(frozen=True)
@@ -65,82 +64,25 @@ class GroupSpec:
             else "cpu"
 
 
-def _join(spec: GroupSpec, rank: int):
-    """init_process_group for `rank`; returns (communicator for tensors, gloo group for the step's batch)."""
+def join(spec: GroupSpec, rank: int):
+    """init_process_group for `rank`; returns (communicator for tensors, gloo group for the step's batch, how the
+    data-parallel ranks keep in step)."""
     cuda = spec.config.resolved_device() == "cuda"
     if cuda:
         torch.cuda.set_device(spec.device(rank))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method, rank=rank,
                             world_size=spec.layout.world_size, timeout=timedelta(seconds=spec.timeout_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s)) if cuda else None
-    return DistributedCommunicator(), control
+    lock_step = spec.layout.data_parallel and spec.layout.moe_exchange  # ranks that meet in every forward
+    sync = LockStep(spec.layout.world_size, spec.timeout_s) if lock_step else ALONE
+    return DistributedCommunicator(), control, sync
 
 
-def _worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
-    """A worker rank (process `index` of its node is rank first_rank + index): join, load the shard, then run
-    every step rank 0 broadcasts until it sends None."""
-    rank = first_rank + index
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
-    comm, control = _join(spec, rank)
-    layout = ParallelLayout.from_config(spec.config, rank)
-    device = spec.device(rank)
-    config, dtype = spec.config, spec.config.resolved_dtype()
-    deployment = plan_deployment(config, device, dtype)  # the same pools as rank 0
-    kv = deployment.kv
-    model = load_model(config, deployment, device, dtype, layout, comm)
-    dist.barrier(group=control)  # loaded
-    hidden = None  # speculative decoding: the streams the next draft pass reads (rank 0 keeps the same)
-    while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        if message[0] is None:
-            break
-        kind, *args = message[0]
-        if kind == "draft":
-            batch, logits_index, hidden_rows = args
-            hidden = draft_pass(model, kv, _on(batch, device), hidden, logits_index, hidden_rows)[1]
-            continue
-        if kind == "data_parallel":  # this rank's own batch (or none) follows, scattered
-            mine = [None]
-            dist.scatter_object_list(mine, None, src=0, group=control)
-            logits = _data_parallel_step(model, kv, *mine[0], device)
-            dist.gather_object(None if logits is None else logits.cpu(), None, dst=0, group=control)
-            continue
-        before, batch, after, keep_streams = args  # rank 0's prefix cache asked for copies around the step: the same
-        out = _between_copies(kv, before, after, lambda: model.forward(_on(batch, device), kv,
-                                                                       return_streams=keep_streams))
-        hidden = out[1] if keep_streams else None
-    dist.destroy_process_group()
-
-
-def _between_copies(kv, before, after, run):
-    """run() between the prefix cache's copies before and after a step (what rank 0's cache asked for)."""
-    if before:
-        kv.prefix_cache.apply(before)
-    out = run()
-    if after:
-        kv.prefix_cache.apply(after)
-    return out
-
-
-def _data_parallel_step(model, kv, before, batch, after, counts, device):
-    """One data-parallel rank's part of a step: the prefix-cache copies around its own batch and that batch's forward
-    (logits for its own rows), or, without a batch, its part of the MoE exchanges alone."""
-    return _between_copies(kv, before, after, lambda: model.forward(_on(batch, device), kv) if batch is not None
-                           else model.idle_forward(counts))
-
-
-def draft_pass(model, kv, batch, hidden, logits_index, hidden_rows):
-    """One pass of the MTP layer (backend/speculative.py) as every rank runs it: it reads `hidden` (all rows, or
-    `hidden_rows` of them), returns (logits, the streams at `logits_index`: what a chained pass reads next)."""
-    logits, streams = model.draft(batch, kv, hidden if hidden_rows is None else hidden[hidden_rows], logits_index)
-    return logits, streams[logits_index]
-
-
-def _on(batch, device):
-    """The broadcast host batch on `device` (no copy when that is the host)."""
-    return batch if torch.device(device).type == "cpu" else batch.to(device)
+def ready(control, inbox: str | None) -> list[str | None]:
+    """Every rank has loaded its shard: the ranks' inboxes (data parallelism; else None), in rank order."""
+    inboxes = [None] * dist.get_world_size()
+    dist.all_gather_object(inboxes, inbox, group=control)
+    return inboxes
 
 
 def ranks_per_node(world_size: int) -> int:
@@ -151,27 +93,16 @@ def ranks_per_node(world_size: int) -> int:
     return world_size // nodes
 
 
-def spawn_ranks(spec: GroupSpec, first_rank: int, count: int):
-    """Start ranks first_rank .. first_rank + count - 1 as daemonic processes (they die with this one)."""
+def spawn_ranks(spec: GroupSpec, first_rank: int, count: int, main: Callable):
+    """Start ranks first_rank .. first_rank + count - 1 as daemonic processes (they die with this one), each running
+    main(index, spec, first_rank) (backend/rank_main.py)."""
     import torch.multiprocessing as mp
 
     if count == 0:
         return None
     mp.set_executable(_python())
-    return mp.start_processes(_worker_main, args=(spec, first_rank), nprocs=count, join=False, daemon=True,
+    return mp.start_processes(main, args=(spec, first_rank), nprocs=count, join=False, daemon=True,
                               start_method="spawn")
-
-
-def run_node(config: EngineConfig, node_rank: int) -> None:
-    """Another node's ranks (scripts/serve_node.py): spawn them, wait until rank 0 ends the group."""
-    layout = ParallelLayout.from_config(config)
-    per_node = ranks_per_node(layout.world_size)
-    if not os.environ.get("MASTER_ADDR") or not 0 < node_rank < layout.world_size // per_node:
-        raise RankGroupError("a worker node needs MASTER_ADDR / MASTER_PORT and 0 < NODE_RANK < NNODES")
-    spec = GroupSpec(config, layout, "env://", config.collective_timeout_s)
-    context = spawn_ranks(spec, first_rank=node_rank * per_node, count=per_node)
-    while not context.join():  # raises if a rank fails; True once all exited
-        pass
 
 
 def _free_port() -> int:
@@ -189,73 +120,44 @@ def _python() -> str:
 
 
 class RankGroup:
-    def __init__(self, spec: GroupSpec, context, control):
-        self.spec, self.control = spec, control
+    def __init__(self, spec: GroupSpec, context, control, sync, links: RankLinks | None):
+        self.spec, self.control, self.sync, self.links = spec, control, sync, links
         self._processes = context.processes if context is not None else []  # this node's workers
         self.comm = DistributedCommunicator()
         self.broken: str | None = None
 
     @classmethod
-    def start(cls, config: EngineConfig, layout: ParallelLayout) -> "RankGroup":
-        """Spawn this node's other ranks and join the group as rank 0 (then load, then `wait_ready`)."""
+    def start(cls, config: EngineConfig, layout: ParallelLayout, main: Callable) -> "RankGroup":
+        """Spawn this node's other ranks, each running `main` (backend/rank_main.py), and join the group as rank 0
+        (then load, then `wait_ready`)."""
         init_method = "env://" if os.environ.get("MASTER_ADDR") else f"tcp://127.0.0.1:{_free_port()}"
         spec = GroupSpec(config, layout, init_method, config.collective_timeout_s)
-        context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1)
-        _, control = _join(spec, 0)
-        return cls(spec, context, control)
+        context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1, main=main)
+        _, control, sync = join(spec, 0)
+        return cls(spec, context, control, sync, RankLinks() if layout.data_parallel else None)
 
     def wait_ready(self) -> None:
-        """Return once every worker has loaded its shard (rank 0 loads its own in the meantime)."""
+        """Return once every worker has loaded its shard (rank 0 loads its own in the meantime); data-parallel ranks'
+        inboxes connected."""
         try:
-            dist.barrier(group=self.control)
+            inboxes = ready(self.control, self.links.address if self.links else None)
+            if self.links is not None:
+                self.links.connect({rank: inbox for rank, inbox in enumerate(inboxes) if rank})
         except Exception as exc:
             self.broken = f"a worker failed while loading its shard: {exc}"
             self.close()
             raise RankGroupError(self.broken) from exc
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
 
-    def forward(self, model, kv, batch, copies, return_streams: bool = False):
-        """Broadcast the host batch and the prefix cache's copies around it (StepCopies, which rank 0's executor
-        makes itself), run this rank's forward; RankGroupError if any rank is gone. `return_streams`: every rank
-        keeps the residual streams for the draft passes that follow (speculative decoding)."""
-        return self._broadcast(("forward", copies.before, batch, copies.after, return_streams),
-                               lambda: model.forward(_on(batch, model.device), kv, return_streams=return_streams))
-
-    def forward_data_parallel(self, model, kv, batches: list, copies: list) -> list:
-        """Data-parallel attention (ParallelLayout.data_parallel): rank r runs batches[r] (a ForwardBatch, or None:
-        no request there this step) over its own pools, with copies[r] (StepCopies) around it; every rank learns all
-        ranks' token counts, which the MoE exchange pads to. Rank 0's copies are made here too (its pools are `kv`).
-        Returns rank r's logits for each rank r that had a batch (None for the others), gathered on rank 0."""
-        counts = tuple(b.num_tokens if b is not None else 0 for b in batches)
-        for batch in batches:
-            if batch is not None:
-                batch.dp_token_counts = counts
-        payloads = [(c.before, b, c.after, counts) for b, c in zip(batches, copies)]
-
-        def run():
-            dist.scatter_object_list([None], payloads, src=0, group=self.control)
-            own = _data_parallel_step(model, kv, *payloads[0], model.device)
-            gathered = [None] * len(batches)  # the workers' logits come over the control group (host tensors)
-            dist.gather_object(None, gathered, dst=0, group=self.control)
-            gathered[0] = own
-            return gathered
-
-        return self._broadcast(("data_parallel",), run)
-
-    def draft(self, model, kv, batch, hidden, logits_index, hidden_rows):
-        """`draft_pass` on every rank (each reads the streams it kept); rank 0's result."""
-        return self._broadcast(("draft", batch, logits_index, hidden_rows),
-                               lambda: draft_pass(model, kv, _on(batch, model.device), hidden, logits_index,
-                                                  hidden_rows))
-
-    def _broadcast(self, message, run):
-        """Send every worker `message`, run rank 0's part; RankGroupError if any rank is gone."""
+    def run(self, message, run_own):
+        """Send every worker `message` (a Forward or a Draft: backend/runner.py), then run rank 0's part
+        (`run_own()`, its result returned); RankGroupError if any rank is gone."""
         if self.broken:
             raise RankGroupError(self.broken)
         try:
             self._check_workers()
             dist.broadcast_object_list([message], src=0, group=self.control)
-            return run()
+            return run_own()
         except RankGroupError:
             raise
         except Exception as exc:  # a collective failed or timed out: the group cannot step again
@@ -268,13 +170,23 @@ class RankGroup:
             self.broken = f"worker process gone: {', '.join(dead)}"
             raise RankGroupError(self.broken)
 
+    def check(self) -> str | None:
+        """Why the group cannot serve (a worker is gone), or None."""
+        try:
+            self._check_workers()
+        except RankGroupError:
+            pass
+        return self.broken
+
     def close(self, timeout: float = 30.0) -> None:
         """Tell the workers to exit, wait for them `timeout` seconds in all (terminate stragglers), leave the process
         group."""
         deadline = time.monotonic() + timeout
-        if not self.broken:
+        if self.links is not None:  # data-parallel ranks listen to their sockets
+            self.links.stop_all()
+        elif not self.broken:
             try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
+                dist.broadcast_object_list([Stop()], src=0, group=self.control)
             except Exception:  # noqa: BLE001 (a broken group: the workers are terminated below)
                 pass
         for p in self._processes:
@@ -282,5 +194,7 @@ class RankGroup:
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+        if self.links is not None:
+            self.links.close()
         if dist.is_initialized():
             dist.destroy_process_group()

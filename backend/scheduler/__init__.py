@@ -6,17 +6,17 @@
 - `policies`: what a step carries (`PrefillFirst` with its interleave counter, `Mixed`) and how
   many prefill tokens it may take (`FixedBudget`, `ItlTargetBudget`); the derived chunk budget.
 - `cost_model`: the step-cost model behind the ITL target.
-- `plan`: `StepPlan` and `ScheduledChunk`, one step's decision; `StepOutput`, what it returned;
-  `SeqUpdate`, what that did to one request.
-- `step_record`: one record per step, counters, the JSON-lines step log.
+- `plan`: `StepPlan` and `ScheduledChunk`, one step's decision; `StepOutput`, what it returned (the sampler's and
+  the verifier's one result type).
+- `step_record`: one record per step with its `StepTiming`, counters, the JSON-lines step log.
 """
 
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
-from backend.scheduler.plan import ScheduledChunk, SeqUpdate, StepOutput, StepPlan
+from backend.scheduler.plan import ScheduledChunk, StepOutput, StepPlan
 from backend.scheduler.policies import resolve_prefill_chunk_tokens
 from backend.scheduler.scheduler import MemoryManager, NoPrefixCache, PrefixCacheHooks, Scheduler
-from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord
+from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord, StepTiming
 
-__all__ = ["MemoryManager", "NoPrefixCache", "PrefixCacheHooks", "ScheduledChunk", "Scheduler", "SeqUpdate",
+__all__ = ["MemoryManager", "NoPrefixCache", "PrefixCacheHooks", "ScheduledChunk", "Scheduler",
            "StepCostModel", "StepCounters", "StepFeatures", "StepKind", "StepLog", "StepOutput", "StepPlan",
-           "StepRecord", "resolve_prefill_chunk_tokens"]
+           "StepRecord", "StepTiming", "resolve_prefill_chunk_tokens"]

@@ -1,4 +1,4 @@
-"""What the scheduler decides for one step, what the step returns, and what the engine then reports."""
+"""What the scheduler decides for one step, and what the step returns (its tokens, their timing)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from backend.request import Sequence
-from backend.scheduler.step_record import StepKind
+from backend.scheduler.step_record import StepKind, StepTiming
 
 if TYPE_CHECKING:
     from backend.request import TokenLogprobs
@@ -58,7 +58,7 @@ class StepPlan:
     num_cached_tokens: int = 0  # prompt positions admissions in this step took from the prefix cache
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    host_s: float = 0.0  # the engine's time to schedule, build and launch this step (set by the engine)
+    timing: StepTiming = field(default_factory=StepTiming)  # filled by the engine and the executor
     _scheduled: set[Sequence] = field(default_factory=set, init=False, repr=False)  # seqs with a chunk
 
     @property
@@ -79,43 +79,30 @@ class StepPlan:
 
 @dataclass
 class StepOutput:
-    """What a step returned: a token per sampling chunk, in plan order, or the error that failed it."""
+    """What a step produced, from the sampler or the verifier to the responses: per sampling row (plan order) the
+    tokens it emits, in order (a verify row: its accepted drafts' successors too), or the error that failed the step.
 
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list["TokenLogprobs | None"] | None = None  # per sampling chunk, when any request asked
-    duration_s: float = 0.0  # the step's device time
+    The scheduler's `update_from_output` is its one reader: it hands each row's token list and log-probabilities on
+    to the request's `RequestOutput` as they are.
+    """
+
+    tokens: list[list[int]] = field(default_factory=list)
+    # per sampling row, each emitted token's log-probabilities (None for a row that did not ask), when any row asked
+    logprobs: "list[list[TokenLogprobs] | None] | None" = None
+    # Rows whose request the step ended by its output constraint: None, the grammar's end was reached (finish_reason
+    # "stop"); a message, it could not go on (finish_reason "error").
+    ends: dict[int, str | None] = field(default_factory=dict)
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # speculative decoding: each row's next drafts
+    timing: StepTiming = field(default_factory=StepTiming)
     error: str | None = None
-    # Sampling rows (by index in `tokens`) whose request the step ended by its output constraint: None, the
-    # grammar's end was reached (finish_reason "stop"); a message, it could not go on (finish_reason "error").
-    row_ends: dict[int, str | None] = field(default_factory=dict)
-    mask_fill_s: float = 0.0  # filling the constrained rows' token masks (host time, beside the forward)
-    grammar_accept_s: float = 0.0  # advancing their grammars by the sampled tokens (host time, after sampling)
-    # Speculative decoding (backend/speculative.py), by sampling row: the tokens a verify row emits after its first
-    # (`tokens[row]`): its accepted drafts' successors; their log-probabilities; the drafts for the row's next step.
-    more_tokens: dict[int, list[int]] = field(default_factory=dict)
-    more_logprobs: dict[int, list] = field(default_factory=dict)
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    draft_s: float = 0.0  # the draft layer's forwards (inside duration_s)
-    # Data-parallel attention: the rows every rank's MoE exchange computed for nothing in this lock-step forward (each
-    # rank padded to the largest rank's tokens: ranks x largest - all tokens)
-    dp_padding_tokens: int = 0
+    # The sampler's tokens, one per row, where it drew them (a tensor on the logits' device) until they are read to
+    # the host into `tokens` (`read_sampled`).
+    sampled: object = None
 
-    def row_tokens(self, row: int) -> list[int]:
-        """Every token sampling row `row` emitted, in order."""
-        return [self.tokens[row], *self.more_tokens.get(row, ())]
+    def read_sampled(self, host_tokens: list[int]) -> "StepOutput":
+        """The sampled tokens as read to the host: one token per row."""
+        self.tokens, self.sampled = [[token] for token in host_tokens], None
+        return self
 
-    def row_logprobs(self, row: int) -> list | None:
-        if self.logprobs is None or self.logprobs[row] is None:
-            return None
-        return [self.logprobs[row], *self.more_logprobs.get(row, ())]
-
-
-@dataclass
-class SeqUpdate:
-    """What a step's output did to one request: its new tokens (none: it failed), and whether it ended."""
-
-    seq: Sequence
-    tokens: list[int]
-    logprobs: "list[TokenLogprobs] | None"
-    finished: bool
-    error: str | None = None
+    def row_logprobs(self, row: int) -> "list[TokenLogprobs] | None":
+        return None if self.logprobs is None else self.logprobs[row]

@@ -5,10 +5,10 @@ One step is one engine forward over a ragged batch. The engine drives the schedu
     plan = scheduler.schedule(now=time.monotonic())     # StepPlan, or None: nothing to schedule now
     send final responses for plan.aborted               # cancelled, timed out or failed by the scheduler
     if plan.chunks:
-        run the forward and the sampler over plan.chunks (asynchronously)
+        run the forward and the sampler over plan.chunks (asynchronously): a StepOutput
     ... later, in step order:
-    updates = scheduler.update_from_output(plan, StepOutput(tokens=..., duration_s=...))
-    stream each update's token; the finished ones get their final response
+    outputs = scheduler.update_from_output(plan, output)   # one RequestOutput per request the step advanced
+    send each; the finished ones are the requests' final responses
 
 With overlap (`max_steps_in_flight=2`) the engine schedules step N+1 before step N's output is in:
 the scheduler counts the tokens step N samples as placeholders (`Sequence.num_placeholders`), so a
@@ -55,7 +55,7 @@ rejected drafts (a pointer move: nothing they wrote is read before it is written
 
 Structured outputs: an arrival with a grammar (`seq.grammar`) waits aside until it is compiled (off the engine
 thread), then joins the waiting queue; a grammar that failed to compile ends it with its message (`seq.error`).
-Requests without one never wait for it. A step's output may end a request by its grammar (`output.row_ends`).
+Requests without one never wait for it. A step's output may end a request by its grammar (`output.ends`).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
-from backend.request import FinishReason, Sequence, SequenceStatus
+from backend.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
-from backend.scheduler.plan import ScheduledChunk, SeqUpdate, StepOutput, StepPlan
+from backend.scheduler.plan import ScheduledChunk, StepOutput, StepPlan
 from backend.scheduler.policies import FixedBudget, ItlTargetBudget, make_policy
 from backend.scheduler.step_record import StepCounters, StepKind, StepLog, StepRecord, mean_accepted_length
 
@@ -120,6 +120,8 @@ class MemoryManager(Protocol):
 class PrefixCacheHooks(Protocol):
     """What the scheduler asks of the prefix cache (backend/memory/prefix_cache.py; `NoPrefixCache` when off)."""
 
+    block_tokens: int | None  # its blocks' length: only a chunk across a boundary reserves (None: nothing does)
+
     def match(self, seq: Sequence) -> int:
         """Restore the memory of the longest cached prefix of `seq` (holding nothing) into it; the positions restored
         (the scheduler counts them computed)."""
@@ -142,6 +144,8 @@ class PrefixCacheHooks(Protocol):
 
 class NoPrefixCache:
     """Prefix caching off."""
+
+    block_tokens = None
 
     def match(self, seq: Sequence) -> int:
         return 0
@@ -185,8 +189,7 @@ class Scheduler:
     def __init__(self, config: "EngineConfig", memory: MemoryManager, prefill_chunk_tokens: int, *,
                  prefix_cache: PrefixCacheHooks | None = None, max_steps_in_flight: int = 1,
                  cost_model: StepCostModel | None = None, step_history: int = 10_000,
-                 min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS, rank: int = 0,
-                 work_changed: threading.Condition | None = None):
+                 min_prefill_chunk_tokens: int = MIN_PREFILL_CHUNK_TOKENS, rank: int = 0):
         if not isinstance(prefill_chunk_tokens, int) or prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be a positive integer, got {prefill_chunk_tokens!r}")
         self.memory = memory
@@ -218,9 +221,8 @@ class Scheduler:
         self._front_ranks = itertools.count(-1, -1)
         self._inflight: deque[_Inflight] = deque()  # committed steps whose output is not in yet, oldest first
         self._next_step_index = 0
-        # Shared with other threads, under _lock. Data-parallel ranks' schedulers share one condition, so that the
-        # engine waits for work on any of them (`wait_for_any`).
-        self._work_changed = work_changed or threading.Condition(threading.Lock())
+        # Shared with other threads, under _lock.
+        self._work_changed = threading.Condition(threading.Lock())
         self._lock = self._work_changed
         self._inbox: list[Sequence] = []
         self._abort_requests: set[str] = set()
@@ -299,14 +301,6 @@ class Scheduler:
         with self._work_changed:
             return self._work_changed.wait_for(self._has_work_locked, timeout)
 
-    @staticmethod
-    def wait_for_any(schedulers: list["Scheduler"], timeout: float | None = None) -> bool:
-        """wait_for_work over several schedulers that share one condition (data-parallel ranks)."""
-        condition = schedulers[0]._work_changed
-        assert all(s._work_changed is condition for s in schedulers), "the schedulers must share their condition"
-        with condition:
-            return condition.wait_for(lambda: any(s._has_work_locked() for s in schedulers), timeout)
-
     def wake(self) -> None:
         """Wake wait_for_work() callers, e.g. so that the engine loop notices a shutdown."""
         with self._work_changed:
@@ -336,9 +330,9 @@ class Scheduler:
         self._commit(plan, now)
         return plan
 
-    def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[SeqUpdate]:
+    def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         """The output of the oldest step in flight: append each sampled token, end the requests it stops, keep the
-        prefix states it reached; returns what to report, in plan order.
+        prefix states it reached; returns what to report, in plan order (the step's token lists, not copied).
 
         A token of a request that ended meanwhile (cancelled, timed out, stopped by the step before) is dropped. A
         failed step (`output.error`) fails every request it carried; nothing it may have half-written is kept.
@@ -347,66 +341,72 @@ class Scheduler:
             raise RuntimeError(f"update_from_output() for step {plan.step_index}, which is not the oldest in flight")
         inflight = self._inflight.popleft()
         record = inflight.record
-        updates = (self._fail_step(plan, output.error) if output.error is not None
+        outputs = (self._fail_step(plan, output.error) if output.error is not None
                    else self._apply(plan, output, record))
         record.mean_accepted_length = mean_accepted_length(record.num_verifies, record.num_accepted_tokens)
-        record.draft_s = output.draft_s
-        record.dp_padding_tokens = output.dp_padding_tokens
-        record.duration_s = output.duration_s
-        record.mask_fill_s, record.grammar_accept_s = output.mask_fill_s, output.grammar_accept_s
-        record.host_s = plan.host_s
+        record.timing = output.timing
         if output.error is None:
-            self.cost_model.observe(inflight.features, output.duration_s)
+            self.cost_model.observe(inflight.features, output.timing.duration_s)
         if self._step_log is not None:
             self._step_log.write(record)
-        return updates
+        return outputs
 
-    def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[SeqUpdate]:
-        updates, cache, rows = [], self.prefix_cache, itertools.count()
+    def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[RequestOutput]:
+        """(Once per sampling row every step: what only some rows need is looked at only where it is there.)"""
+        outputs, cache, row = [], self.prefix_cache, -1
+        tokens, ends, drafts, logprobs = output.tokens, output.ends, output.drafts, output.logprobs
         for chunk in plan.chunks:
             seq = chunk.seq
-            row = next(rows) if chunk.samples else None
+            row += chunk.samples
             if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
                 cache.keep_reserved(seq, chunk.snapshots)
-            if seq.status is SequenceStatus.FINISHED or row is None:  # (ended while the step ran: token dropped)
+            if seq.status is SequenceStatus.FINISHED or not chunk.samples:  # (ended while the step ran: dropped)
                 self._keep_verified_snapshots(chunk, 0)
                 continue
             seq.num_placeholders -= 1
-            if output.row_ends.get(row) is not None:
+            if ends and ends.get(row) is not None:
                 self._keep_verified_snapshots(chunk, 0)
-                seq.error = output.row_ends[row]  # the constraint cannot go on: the token is not kept
+                seq.error = ends[row]  # the constraint cannot go on: the token is not kept
                 self._retire(seq, FinishReason.ERROR)
-                updates.append(SeqUpdate(seq, [], None, True, seq.error))
+                outputs.append(RequestOutput.of(seq, [], finished=True, error=seq.error))
                 continue
-            emitted, reason = output.row_tokens(row), None
-            kept = 0
-            for token in emitted:  # (a verify emits its accepted drafts' successors too: each stop holds per token)
-                seq.append_output(token)
-                kept += 1
-                if token in seq.stop_ids or (row in output.row_ends and kept == len(emitted)):  # (a grammar's end)
-                    reason = FinishReason.STOP
-                elif len(seq.output_ids) >= seq.sampling.max_tokens:
-                    reason = FinishReason.LENGTH
-                if reason is not None:
-                    break
-            logprobs = output.row_logprobs(row)
-            logprobs = None if logprobs is None else logprobs[:kept]
-            self._keep_verified_snapshots(chunk, len(emitted))  # (once its tokens are known: they key the entries)
-            if chunk.drafts and seq.num_preemptions == chunk.epoch:
-                self._settle_verify(seq, chunk, len(emitted), record)
-            seq.draft_tokens = output.drafts.get(row, [])
-            if reason is None:
-                updates.append(SeqUpdate(seq, emitted, logprobs, False))
-                continue
-            if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
-                cache.register_end(seq, chunk.start + kept if chunk.drafts else chunk.end)
-            self._retire(seq, reason)
-            updates.append(SeqUpdate(seq, emitted[:kept], logprobs, True))
-        return updates
+            emitted = tokens[row]
+            kept, reason = self._append(seq, emitted, grammar_ended=bool(ends) and row in ends)
+            row_logprobs = logprobs[row] if logprobs is not None else None
+            if kept < len(emitted):
+                emitted, row_logprobs = emitted[:kept], row_logprobs and row_logprobs[:kept]
+            if chunk.drafts:
+                self._keep_verified_snapshots(chunk, len(tokens[row]))  # (once its tokens are known: they key them)
+                if seq.num_preemptions == chunk.epoch:
+                    self._settle_verify(seq, chunk, len(tokens[row]), record)
+            if drafts or seq.draft_tokens:
+                seq.draft_tokens = drafts.get(row, [])
+            if reason is not None:
+                if seq.num_preemptions == chunk.epoch:  # (preempted meanwhile, it holds no memory to keep)
+                    cache.register_end(seq, chunk.start + kept if chunk.drafts else chunk.end)
+                self._retire(seq, reason)
+            outputs.append(RequestOutput.of(seq, emitted, row_logprobs, finished=reason is not None))
+        return outputs
+
+    @staticmethod
+    def _append(seq: Sequence, emitted: list[int], grammar_ended: bool) -> tuple[int, FinishReason | None]:
+        """Append the tokens a row emitted, up to the first that ends the request (a verify emits its accepted
+        drafts' successors too: each stop holds per token); (how many were kept, why it ended or None)."""
+        kept, reason, stop_ids, max_tokens = 0, None, seq.stop_ids, seq.sampling.max_tokens
+        for token in emitted:
+            seq.append_output(token)
+            kept += 1
+            if token in stop_ids or (grammar_ended and kept == len(emitted)):  # (a grammar's end: its last token)
+                reason = FinishReason.STOP
+            elif len(seq.output_ids) >= max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        return kept, reason
 
     def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_emitted: int) -> None:
         """A verify's prefix states become cache entries up to its accepted positions (the state at its first
-        position's end always stands); those of rejected drafts are void."""
+        position's end always stands); those of rejected drafts are void. (Nothing for any other chunk.)"""
         if not (chunk.drafts and chunk.snapshots):
             return
         valid_end = chunk.start + max(1, num_emitted)
@@ -425,14 +425,14 @@ class Scheduler:
             tally.num_accepted_tokens += num_emitted - 1
             tally.num_verifies += 1
 
-    def _fail_step(self, plan: StepPlan, error: str) -> list[SeqUpdate]:
-        updates = []
+    def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+        outputs = []
         for chunk in plan.chunks:
             self.prefix_cache.release_reserved(chunk.snapshots)
             if chunk.seq.status is not SequenceStatus.FINISHED:
                 self._retire(chunk.seq, FinishReason.ERROR)
-                updates.append(SeqUpdate(chunk.seq, [], None, True, error))
-        return updates
+                outputs.append(RequestOutput.of(chunk.seq, [], finished=True, error=error))
+        return outputs
 
     def close(self) -> None:
         """Close the step log."""
@@ -539,16 +539,18 @@ class Scheduler:
         return any(seq.is_decode for seq in self._running)
 
     def schedule_decodes(self, plan: StepPlan) -> None:
-        """One token for each running decode, oldest first, preempting the newest on memory shortage."""
-        running, limit = SequenceStatus.RUNNING, self.max_num_batched_tokens
+        """One token for each running decode, oldest first, preempting the newest on memory shortage. (Once per
+        running request every step: the common case, a decode whose pages are already there, is kept short.)"""
+        running, limit, memory = SequenceStatus.RUNNING, self.max_num_batched_tokens, self.memory
         for seq in list(self._running):  # (a copy: preemption changes the list)
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                drafts = self._drafts_to_verify(seq)
+                drafts = self._drafts_to_verify(seq) if seq.draft_tokens else ()
                 allocated = 2 * len(drafts) if drafts else 1  # the verify's positions, then the draft chain's
-                if self._allocate_or_preempt(plan, seq, allocated):
-                    self._add_chunk(plan, seq, 1 + len(drafts), is_decode=True, drafts=drafts, allocated=allocated)
+                if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
+                    plan.add(ScheduledChunk(seq, 1 + len(drafts), seq.num_computed_tokens, True, True,
+                                            seq.num_preemptions, drafts=drafts, allocated=allocated))
 
     @staticmethod
     def _drafts_to_verify(seq: Sequence) -> tuple[int, ...]:
@@ -685,12 +687,14 @@ class Scheduler:
     def _commit(self, plan: StepPlan, now: float) -> None:
         plan.step_index = self._next_step_index
         self._next_step_index += 1
-        decode_stalled = any(seq.is_decode for seq in self._running if not plan.has_chunk(seq))
-        cache = self.prefix_cache
+        decode_stalled = len(plan.chunks) < len(self._running) and any(
+            seq.is_decode for seq in self._running if not plan.has_chunk(seq))
+        cache, block = self.prefix_cache, self.prefix_cache.block_tokens
         for chunk in plan.chunks:  # the step computes these tokens; the sampling ones add a token in flight
-            seq = chunk.seq
-            chunk.snapshots = cache.reserve(seq, chunk.start, chunk.end)  # block boundaries the step snapshots
-            seq.num_computed_tokens = chunk.end
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            if block is not None and start // block != end // block:  # block boundaries the step snapshots
+                chunk.snapshots = cache.reserve(seq, start, end)
+            seq.num_computed_tokens = end
             if chunk.samples:
                 seq.num_placeholders += 1
         plan.kind = StepKind.of(plan.num_prefill_tokens, plan.num_decode_tokens)

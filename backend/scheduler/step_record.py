@@ -26,10 +26,23 @@ class StepKind(str, enum.Enum):
             return cls.MIXED
         return cls.PREFILL if num_prefill_tokens else cls.DECODE
 
+@dataclass
+class StepTiming:
+    """One step's times, each filled where it is measured, kept whole by the step's record (StepRecord.timing)."""
+
+    host_s: float = 0.0  # the engine's time to schedule, build and launch the step
+    duration_s: float = 0.0  # the step's device time (speculative decoding: its draft passes included)
+    mask_fill_s: float = 0.0  # filling the constrained rows' token masks (host time, beside the forward)
+    grammar_accept_s: float = 0.0  # advancing their grammars by the sampled tokens (host time, after sampling)
+    draft_s: float = 0.0  # the draft layer's forwards (inside duration_s)
+    # Data-parallel attention: the rows every rank's MoE exchange computed for nothing in this step (each rank padded
+    # to the largest rank's tokens: ranks x largest - all tokens)
+    dp_padding_tokens: int = 0
+
 
 @dataclass
 class StepRecord:
-    """One forward, as scheduled; `duration_s` and `host_s` are filled in when its output is in."""
+    """One forward, as scheduled; its `timing` and its verifies are filled in when its output is in."""
 
     step_index: int
     kind: StepKind
@@ -45,25 +58,20 @@ class StepRecord:
     predicted_s: float | None = None  # the step-cost model's prediction, when it has data
     itl_infeasible: bool = False  # the ITL target was out of reach even with the minimum prefill chunk
     num_cached_tokens: int = 0  # prompt positions this step's admissions took from the prefix cache
-    duration_s: float | None = None  # the step's device time (filled in when its output is in)
-    host_s: float | None = None  # the engine thread's time to schedule, build and launch it
-    # Structured outputs (filled in with the output): host time filling its constrained rows' token masks, and
-    # advancing their grammars by the tokens sampled.
-    mask_fill_s: float = 0.0
-    grammar_accept_s: float = 0.0
+    timing: StepTiming | None = None  # the step's times (filled in when its output is in)
     # Speculative decoding (filled in with the output): its verifies, the draft tokens they checked and accepted,
-    # the tokens a verify emitted on average (accepted + 1; None without verifies), the draft layer's time.
+    # the tokens a verify emitted on average (accepted + 1; None without verifies).
     num_verifies: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     mean_accepted_length: float | None = None
-    draft_s: float = 0.0
     rank: int = 0  # the data-parallel rank whose step this is (each rank's scheduler records its own)
-    dp_padding_tokens: int = 0  # the lock-step forward's padding over all ranks (filled in with the output)
 
     def to_json(self) -> str:
+        """One flat JSON object: the record's fields and its timing's."""
         data = asdict(self)
         data["kind"] = self.kind.value
+        data.update(data.pop("timing") or {})
         return json.dumps(data, sort_keys=True)
 
 

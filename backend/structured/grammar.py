@@ -77,6 +77,11 @@ class GrammarService:
             raise ValueError(grammar.error)
         return grammar
 
+    def check(self, guided: GuidedDecoding) -> None:
+        """Parse only: ValueError for an invalid constraint (a request another data-parallel rank serves is compiled
+        by that rank's service)."""
+        self._parse(guided)
+
     def take_compile_seconds(self) -> list[float]:
         """The compile times recorded since the last call (each compilation's, once)."""
         with self._lock:

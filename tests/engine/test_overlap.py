@@ -205,10 +205,10 @@ def test_the_next_step_is_launched_while_a_step_runs(tiny_checkpoint, monkeypatc
 def test_a_step_that_cannot_even_be_built_fails_its_requests_and_the_engine_goes_on(tiny_checkpoint, monkeypatch):
     """An exception while building a step's batch (after the scheduler committed it) fails that step's requests
     like a failed forward; the scheduler is not left waiting for an output that never comes."""
-    import backend.engine
+    import backend.engine_core
 
     engine = _engine(tiny_checkpoint)
-    real_build, calls = backend.engine.build_forward_batch, []
+    real_build, calls = backend.engine_core.build_forward_batch, []
 
     def flaky_build(*args, **kwargs):
         calls.append(1)
@@ -216,7 +216,7 @@ def test_a_step_that_cannot_even_be_built_fails_its_requests_and_the_engine_goes
             raise RuntimeError("injected build fault")
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(backend.engine, "build_forward_batch", flaky_build)
+    monkeypatch.setattr(backend.engine_core, "build_forward_batch", flaky_build)
     (failed,) = engine.generate(_prompts(1, 30), SamplingParams(max_tokens=10, ignore_eos=True))
     assert failed["finish_reason"] == "error" and "injected build fault" in failed["error"]
     assert _all_pages_free(engine)

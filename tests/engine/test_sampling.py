@@ -126,7 +126,7 @@ def test_penalties_follow_openai_and_vllm_definitions():
     plain = _seqs([SamplingParams()])
     assert apply_penalties(logits, plain) is logits  # no penalty: no copy
     # greedy follows the penalised logits: a repeated top token gives way, and the state observes what it drew
-    tokens = Sampler().step(logits, [state]).tokens
+    tokens = Sampler().step(logits, [state]).sampled
     assert tokens.tolist() == [2]
     assert apply_penalties(logits, [state])[0, 2] == 0.5 / 2 - 0.5 - 0.25
 
@@ -161,16 +161,16 @@ def test_grammar_masks_come_before_sampling_and_end_the_row_on_its_stop_token(ti
         logits = torch.randn(2, 512, generator=generator)
         logits[0, ord("x") - 29] = 100.0  # (some token the grammar never allows is the best one)
         sampled = sampler.step(logits.clone(), states)
-        assert sampled.tokens[1] == logits[1].argmax() and sampled.mask_fill_s > 0
-        text.append(int(sampled.tokens[0]))
-        if sampled.row_ends:
+        assert sampled.sampled[1] == logits[1].argmax() and sampled.timing.mask_fill_s > 0
+        text.append(int(sampled.sampled[0]))
+        if sampled.ends:
             break
-    assert sampled.row_ends == {0: None} and text[-1] == 1 and grammar.done  # ended on the stop token
+    assert sampled.ends == {0: None} and text[-1] == 1 and grammar.done  # ended on the stop token
     from tokenizers import Tokenizer
 
     assert Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json")).decode(text[:-1]) in ("no", "yes")
     again = sampler.step(logits.clone(), states)  # a step already in flight for the ended request: left alone
-    assert again.tokens[0] == logits[0].argmax() and not again.row_ends
+    assert again.sampled[0] == logits[0].argmax() and not again.ends
 
 
 def test_a_row_that_no_token_can_continue_is_left_unmasked_and_reported(tmp_path):
@@ -184,9 +184,9 @@ def test_a_row_that_no_token_can_continue_is_left_unmasked_and_reported(tmp_path
     state = SamplerState(SamplingParams(), [0], grammar)
     sampler = Sampler()
     first = sampler.step(torch.tensor([[0.0, 5.0, 1.0]]), [state])
-    assert first.tokens.tolist() == [0] and not first.row_ends  # only "a" fits
+    assert first.sampled.tolist() == [0] and not first.ends  # only "a" fits
     logits = torch.tensor([[0.0, 5.0, 1.0]])
     second = sampler.step(logits.clone(), [state])
-    assert second.row_ends == {0: "the output constraint cannot be continued: no token of this model's vocabulary "
+    assert second.ends == {0: "the output constraint cannot be continued: no token of this model's vocabulary "
                                    "fits it"}
-    assert second.tokens.tolist() == [1] and grammar.done  # unmasked (its token is not kept)
+    assert second.sampled.tolist() == [1] and grammar.done  # unmasked (its token is not kept)

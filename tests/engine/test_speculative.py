@@ -41,15 +41,15 @@ class OracleDrafter(Drafter):
     probability `error_rate` (so verifies accept some drafts and reject the rest)."""
 
     def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int):
-        super().__init__(drafter.model, drafter.kv, drafter.group)
+        super().__init__(drafter.runner)
         self.reference, self.error_rate, self.vocab = reference, error_rate, vocab
         self.emitted: Counter = Counter()
         self.random = random.Random(0)
 
-    def propose(self, batch, streams, job, verdict, states):
-        drafts = super().propose(batch, streams, job, verdict, states)
+    def propose(self, batch, job, output, states):
+        drafts = super().propose(batch, job, output, states)
         for r, row in enumerate(job.rows):
-            self.emitted[row.request_id] += len(verdict.emitted[r])
+            self.emitted[row.request_id] += len(output.tokens[r])
         for r, proposed in drafts.items():
             request_id = job.rows[r].request_id
             index, done = int(request_id.split("-")[1]), self.emitted[request_id]
@@ -275,7 +275,7 @@ class ModeDrafter(Drafter):
     without it."""
 
     def __init__(self, drafter: Drafter, samples: list[list[int]], vocab: int):
-        super().__init__(drafter.model, drafter.kv, drafter.group)
+        super().__init__(drafter.runner)
         self.vocab, self.outputs = vocab, {}
         follows: dict[tuple, Counter] = {}
         for out in samples:
@@ -283,10 +283,10 @@ class ModeDrafter(Drafter):
                 follows.setdefault(tuple(out[:i]), Counter())[out[i]] += 1
         self.mode = {history: counts.most_common(1)[0][0] for history, counts in follows.items()}
 
-    def propose(self, batch, streams, job, verdict, states):
-        drafts = super().propose(batch, streams, job, verdict, states)
+    def propose(self, batch, job, output, states):
+        drafts = super().propose(batch, job, output, states)
         for r, row in enumerate(job.rows):
-            self.outputs.setdefault(row.request_id, []).extend(verdict.emitted[r])
+            self.outputs.setdefault(row.request_id, []).extend(output.tokens[r])
         for r, proposed in drafts.items():
             history = list(self.outputs[job.rows[r].request_id])
             for _ in proposed:

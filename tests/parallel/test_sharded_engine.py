@@ -21,9 +21,9 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.executor import StepCopies
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.request import SamplingParams, Sequence
+from backend.runner import Forward
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_LENGTHS = (1, 37, 150, 300)
@@ -63,10 +63,7 @@ class _Driver:
             ids = seq.token_ids[start:start + n]
             rows.append(BatchRow(seq.pages, ids, start, start + n >= len(seq.prompt_ids)))
         batch = build_forward_batch(rows, engine.kv, "cpu")
-        if engine.group is None:
-            logits = engine.model.forward(batch, engine.kv)
-        else:
-            logits = engine.group.forward(engine.model, engine.kv, batch, StepCopies())
+        logits, _ = engine.runner.forward(Forward(batch))  # (a group's: every rank runs it)
         sampled = iter(logits.argmax(-1).tolist())
         for (r, n), row in zip(work, rows):
             seq = self.seqs[r]

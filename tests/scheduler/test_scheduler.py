@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from backend.config import ConfigError, EngineConfig
 from backend.request import FinishReason, RequestLimits, SamplingParams, Sequence, SequenceStatus
-from backend.scheduler import Scheduler, StepCostModel, StepKind, StepOutput, resolve_prefill_chunk_tokens
+from backend.scheduler import Scheduler, StepCostModel, StepKind, StepOutput, StepTiming, resolve_prefill_chunk_tokens
 
 FIRST_TOKEN = 1000
 
@@ -172,17 +172,17 @@ class FakeEngine:
             assert seq.num_computed_tokens == chunk.end, "scheduling a step advances its requests"
             if chunk.samples:
                 assert seq.num_placeholders >= 1
-                tokens.append(FIRST_TOKEN + self.sampled[seq.request_id])
+                tokens.append([FIRST_TOKEN + self.sampled[seq.request_id]])
                 self.sampled[seq.request_id] += 1
         duration = self.cost(plan)
         self.plans.append(plan)
         self.durations.append(duration)
-        return StepOutput(tokens, duration_s=duration)
+        return StepOutput(tokens, timing=StepTiming(duration_s=duration))
 
     def _take_in(self, plan, output: StepOutput) -> None:
-        for update in self.scheduler.update_from_output(plan, output):
-            if update.finished:
-                self._final(update.seq)
+        for out in self.scheduler.update_from_output(plan, output):
+            if out.finished:
+                self.finals.setdefault(out.request_id, []).append(out.finish_reason)
 
     def _final(self, seq) -> None:
         assert seq.status is SequenceStatus.FINISHED
@@ -940,7 +940,7 @@ def test_records_and_counters():
     assert counters.steps_by_kind == {"prefill": 5, "decode": 9, "mixed": 0}
     assert counters.longest_prefill_streak == 4 and counters.decode_stalls == 4
     assert [r.step_index for r in scheduler.records] == [11, 12, 13]
-    assert all(r.duration_s == 0.01 for r in scheduler.records)
+    assert all(r.timing.duration_s == 0.01 for r in scheduler.records)
     first = next(p for p in engine.plans if p.step_index == 2)
     assert (first.num_prefill_tokens, first.num_decode_tokens) == (10, 0)
 
@@ -955,8 +955,8 @@ def test_schedule_refuses_to_run_ahead_of_the_outputs():
     with pytest.raises(RuntimeError, match="update_from_output"):
         scheduler.schedule()
     with pytest.raises(RuntimeError, match="not the oldest"):
-        scheduler.update_from_output(second, StepOutput([7]))
-    scheduler.update_from_output(first, StepOutput([7]))
+        scheduler.update_from_output(second, StepOutput([[7]]))
+    scheduler.update_from_output(first, StepOutput([[7]]))
     assert first.chunks[0].seq.output_ids == [7] and first.chunks[0].seq.num_placeholders == 1
 
 
@@ -1092,9 +1092,9 @@ class GrammarEndingEngine(FakeEngine):
         sampling = [chunk.seq.request_id for chunk in plan.chunks if chunk.samples]
         for row, rid in enumerate(sampling):
             if (rid, self.sampled[rid]) == ("done", 3):
-                output.row_ends[row] = None
+                output.ends[row] = None
             elif (rid, self.sampled[rid]) == ("stuck", 2):
-                output.row_ends[row] = "no token can follow"
+                output.ends[row] = "no token can follow"
         return output
 
 

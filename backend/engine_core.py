@@ -1,0 +1,287 @@
+"""One rank's engine: its scheduler over its pools, the batches it builds and the steps it runs.
+
+    core = EngineCore(config, kv, runner, kernels, grammars, send=deliver, rank=r, sync=ALONE)
+    core.add(prepared_sequence, max_waiting)     # any thread
+    core.abort(request_id)                       # any thread; effective at the next step
+    core.step()                                  # its loop's thread: one iteration
+
+The single-rank engine runs one; with data-parallel attention every rank's process runs its own over its own pools
+(backend/parallel/data_parallel.py), the same loop:
+
+    schedule step N+1 -> build its batch -> (agree with the other ranks) -> launch it   while step N runs
+    wait for step N's output -> the scheduler takes it in -> send its RequestOutputs
+
+so the host's work for a step hides behind the device's work for the step before (overlap scheduling, the
+default; the tokens step N samples feed step N+1 on the device: backend/runner.py). Without overlap, or with
+speculative decoding (a verify's emitted count decides where the next step starts), each step is scheduled, run and
+taken in before the next. `send` receives each step's outputs: on rank 0 the engine hands them to the requests'
+consumers; another rank packs them for rank 0.
+
+Ranks whose MoE layers exchange tokens must run every forward together: `sync` (a `LockStep`) makes them agree
+before each step on every rank's token count (what the exchange pads to) and on whether any rank still has work; a
+rank without a batch then runs the exchanges alone (an idle forward), and when no rank has work they all stop
+stepping until rank 0 wakes them. One rank alone, or ranks that never meet, use `ALONE`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from backend.config import DEFAULT_CHECKPOINT, EngineConfig
+from backend.executor import StepExecutor, StepHandle, StepJob, default_cpu_threads
+from backend.model.config import checkpoint_directory
+from backend.model.forward_batch import BatchRow, build_forward_batch
+from backend.model.staging import BatchStager
+from backend.model.static_batch import static_key
+from backend.model.comm import RankGroupError
+from backend.parallel.sync import ALONE, Agreement, StepSync
+from backend.request import FinishReason, RequestOutput, Sequence
+from backend.runner import Forward, ModelRunner, StepCopies
+from backend.sampler import SamplerState
+from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.speculative import DraftRow, SpecJob
+from backend.structured.grammar import GrammarService
+
+logger = logging.getLogger(__name__)
+
+WAITING_POLL_S = 0.001  # in lock-step, while every rank only waits (for a grammar), the agreements' period
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, kv, runner: ModelRunner, kernels, grammars: GrammarService, *,
+                 send: Callable[[list[RequestOutput]], None], rank: int = 0, sync: StepSync = ALONE,
+                 elsewhere: Callable[[], bool] = lambda: False):
+        """`elsewhere()`: work of other ranks this one knows of (rank 0: the requests it placed there and has not
+        had the last output of), which keeps ranks in lock-step agreeing until it is done."""
+        self.config, self.kv, self.runner, self.grammars, self.send = config, kv, runner, grammars, send
+        self.rank, self.sync, self.elsewhere = rank, sync, elsewhere
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens
+        self.scheduler = Scheduler(config, kv, resolve_prefill_chunk_tokens(config, kv),
+                                   prefix_cache=kv.prefix_cache, max_steps_in_flight=2 if self.overlap else 1,
+                                   rank=rank)
+        self.executor = StepExecutor(runner, kernels, asynchronous=self.overlap,
+                                     cpu_threads=config.cpu_threads or default_cpu_threads())
+        self._stager = BatchStager(runner.device, depth=2)
+        # launched, not taken in yet: each iteration's steps (its own, and its part of other ranks' when it had none)
+        self._in_flight: deque[list[tuple[StepPlan | None, StepHandle]]] = deque()
+        self.unavailable: str | None = None  # why this rank can no longer step (its group is broken)
+        self.stopped = False  # rank 0 ended the lock-step: this rank's loop is over
+
+    # --- any thread ---------------------------------------------------------------------------------
+    def prepare(self, seq: Sequence, stop_ids: frozenset[int]) -> None:
+        """What a request needs on the rank that serves it: its stop ids, its grammar (parsed now: a bad one raises
+        ValueError; compiled on the grammar threads) and its sampler state."""
+        seq.stop_ids = stop_ids
+        if seq.sampling.guided_decoding is not None:
+            seq.grammar = self.grammars.prepare(seq.sampling.guided_decoding)
+        seq.sampler_state = SamplerState(seq.sampling, seq.prompt_ids, seq.grammar)
+
+    def add(self, seq: Sequence, max_waiting: int | None = None) -> bool:
+        return self.scheduler.add(seq, max_waiting=max_waiting)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    # --- the loop's thread ----------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Work of its own: requests, aborts to report, steps in flight."""
+        return bool(self._in_flight) or self.scheduler.has_work()
+
+    def step(self) -> bool:
+        """One iteration: schedule and launch a step, take in the output of the one launched before it (with
+        overlap) or of this one. Returns whether to go on: this rank (in lock-step: some rank) had work."""
+        if not self.sync.ready():  # every rank went idle: none agrees again until woken (LockStep)
+            return False
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        for seq in plan.aborted if plan is not None else ():
+            self._report_end(seq)
+        job, build_error = self._job(plan) if plan is not None and plan.chunks else (None, None)
+        agreed, broken = self._agree(job.forward.batch.num_tokens if job is not None else 0)
+        if agreed.stop:
+            self.stopped = True
+            return False
+        launched = self._launch(plan, job, build_error or broken, agreed)
+        if launched and plan is not None:
+            plan.timing.host_s = time.perf_counter() - started
+        took_in = bool(self._in_flight)
+        if took_in:
+            self._take_in_all(self._in_flight.popleft())
+        if launched:
+            if self.overlap:
+                self._in_flight.append(launched)
+            else:
+                self._take_in_all(launched)
+        if self.sync.lock_step and agreed.has_work and not agreed.stepped and not took_in:
+            time.sleep(WAITING_POLL_S)  # every rank waits (a grammar compiling): agree again a little later
+        return agreed.has_work
+
+    def close(self, timeout: float) -> None:
+        self.executor.close(timeout)
+        self.scheduler.close()
+
+    def fail_all(self, reason: str) -> None:
+        """The rank can step no more: every live request ends with `reason` at the next step."""
+        self.unavailable = reason
+        self.scheduler.abort_all()
+
+    def snapshot(self) -> dict:
+        """This rank's counters, requests, pools and prefix cache (what the engine's stats add up); the pages live
+        requests hold only when none runs (that walks every page: not at every step of a busy rank)."""
+        scheduler, kv = self.scheduler, self.kv
+        return {"rank": self.rank, "counters": scheduler.counters, "num_running": scheduler.num_running,
+                "num_waiting": scheduler.num_waiting, "num_steps": scheduler.counters.num_steps,
+                "pool_usage": kv.usage(), "pages_used": kv.pages_used(),
+                "pages_held_by_requests": None if scheduler.num_running else kv.pages_held_by_requests(),
+                "prefix_cache": kv.prefix_cache.snapshot_stats() if kv.prefix_cache is not None else None}
+
+    # --- a step ---------------------------------------------------------------------------------------
+    def _agree(self, num_tokens: int) -> tuple[Agreement, RankGroupError | None]:
+        """The ranks' agreement on this step (alone: this rank's own); a broken group fails every request."""
+        has_work = self.busy or (self.sync.lock_step and (self.scheduler.num_awaiting_grammar > 0 or self.elsewhere()))
+        try:
+            return self.sync.agree(num_tokens, has_work), None
+        except RankGroupError as exc:
+            self.fail_all(str(exc))
+            return Agreement((num_tokens,), has_work), exc
+
+    def _launch(self, plan: StepPlan | None, job: StepJob | None, failure: Exception | None,
+                agreed: Agreement) -> list[tuple[StepPlan | None, StepHandle]]:
+        """What this iteration runs: its step (or, one that failed before it could run, the failure that ends its
+        requests), or, other ranks in lock-step stepping without it, its part of their MoE exchanges."""
+        runs = job is not None and failure is None
+        launched = []
+        if plan is not None and plan.chunks:
+            launched.append((plan, self._submit(job, agreed.counts) if runs else StepHandle.failed(failure)))
+        if not runs and agreed.stepped and self.sync.lock_step and not self.unavailable:
+            idle = Forward(None, dp_token_counts=agreed.counts)
+            launched.append((None, self.executor.submit(StepJob(idle, [], spec=SpecJob.idle(
+                self.num_speculative_tokens)))))
+        return launched
+
+    def _submit(self, job: StepJob, counts: tuple[int, ...]) -> StepHandle:
+        if len(counts) > 1:  # the MoE exchange pads every rank to the largest
+            job.timing.dp_padding_tokens = len(counts) * max(counts) - sum(counts)
+            job.forward = replace(job.forward, dp_token_counts=counts)
+        return self.executor.submit(job)
+
+    def _job(self, plan: StepPlan) -> tuple[StepJob | None, Exception | None]:
+        """The step's job, or (the step is committed: its requests fail when it is taken in) why it could not be
+        built."""
+        try:
+            return self._build(plan), None
+        except Exception as exc:
+            logger.exception("building step %s (rank %d) failed", plan.step_index, self.rank)
+            return None, exc
+
+    def _build(self, plan: StepPlan) -> StepJob:
+        """The step's batch, built on the host over this rank's pages, with what the executor needs to run it."""
+        rows, samplers, from_device, plain, copies_after = [], [], False, True, []
+        for chunk in plan.chunks:  # (once per row every step: plain local reads)
+            seq, start, drafts = chunk.seq, chunk.start, chunk.drafts
+            end = start + chunk.num_tokens
+            known = end <= len(seq.token_ids) or bool(drafts)  # else the token of the step in flight
+            from_device |= not known
+            snapshots = ()
+            if chunk.snapshots:  # inside the chunk: written by its plan; where it ends: copied after the forward
+                snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.copy_after is None)
+                copies_after += [r.copy_after for r in chunk.snapshots if r.copy_after is not None]
+            tokens = seq.token_ids[start:start + 1] + list(drafts) if drafts else (
+                seq.token_ids[start:end] if known else [0])
+            rows.append(BatchRow(seq.pages, tokens, start, chunk.samples, snapshots, not known, 1 + len(drafts)))
+            if chunk.samples:
+                state = seq.sampler_state
+                samplers.append(state)
+                plain &= state.plain
+        spec = self._spec_job(plan) if self.num_speculative_tokens else None
+        graphs = self.runner.graphs
+        key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
+        batch = build_forward_batch(rows, self.kv, pad_to=key)
+        cache = self.kv.prefix_cache
+        copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
+        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, spec, plan.timing)
+
+    def _forward(self, batch, copies: StepCopies, key, reads_previous_tokens: bool) -> Forward:
+        """The step's Forward (backend/runner.py). A group's batch goes out as host tensors; otherwise a dynamic step's
+        is packed and copied to the device from here (ordered after the steps launched before it), a static one's
+        packed for the runner to copy into its graph's buffers, in step order."""
+        sent = self.runner.sends_host_batches
+        staged = self._stager.stage(batch) if not sent or key is not None else None
+        if key is None and not sent:
+            batch = self._stager.to_device(staged)
+        return Forward(batch, copies, key, staged, reads_previous_tokens)
+
+    def _spec_job(self, plan: StepPlan) -> SpecJob:
+        """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
+        knows it (-1 where this step emits it), and each sampling row's drafts and pages."""
+        next_ids, rows = [], []
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if chunk.drafts:
+                next_ids += [-1] * chunk.num_tokens
+            else:
+                following = seq.token_ids[chunk.start + 1:chunk.end + 1]
+                next_ids += following + [-1] * (chunk.num_tokens - len(following))
+            if chunk.samples:
+                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.start + chunk.allocated,
+                                     wants_drafts=seq.grammar is None))
+        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
+
+    def _take_in_all(self, launched: list[tuple[StepPlan | None, StepHandle]]) -> None:
+        for plan, handle in launched:
+            self._take_in(plan, handle)
+
+    def _take_in(self, plan: StepPlan | None, handle: StepHandle) -> None:
+        """A step's output: the scheduler's accounting, then each request's tokens (or its failure). An idle step
+        (`plan` None) has no output, but may have failed the group."""
+        output = handle.result()
+        if isinstance(handle.exception, RankGroupError):  # no later step can run: end every request
+            self.fail_all(str(handle.exception))
+        if plan is None:
+            return
+        if output.error is not None:
+            logger.error("step %s failed (%s); failing its %d requests", plan.step_index, output.error,
+                         len(plan.chunks))
+        self.send(self.scheduler.update_from_output(plan, output))
+
+    def _report_end(self, seq: Sequence) -> None:
+        """The final output of a request the scheduler ended (cancelled, timed out or failed)."""
+        error = ((seq.error or "the request no longer fits in the memory pools")
+                 if seq.finish_reason is FinishReason.ERROR else None)
+        self.send([RequestOutput.of(seq, [], finished=True, error=error or self.unavailable)])
+
+
+def tokenizer_directory(config: EngineConfig) -> Path:
+    """Where the tokenizer is: the checkpoint's directory; with load_format=dummy and no tokenizer.json there, the
+    built-in checkpoint's. Its vocabulary may then be smaller than the model's (512 against V4's 129,280): the ids
+    beyond it are served as ids, and decode to no text (tokenizers skips ids it does not know)."""
+    directory = checkpoint_directory(config.checkpoint)
+    if config.load_format == "dummy" and not (directory / "tokenizer.json").is_file():
+        logger.warning("no tokenizer.json in %s: using the built-in checkpoint's (%s)", directory, DEFAULT_CHECKPOINT)
+        return DEFAULT_CHECKPOINT
+    return directory
+
+
+def eos_token_ids(config: EngineConfig, model_config) -> list[int]:
+    path = checkpoint_directory(config.checkpoint) / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [eos]
+    return model_config.eos_token_ids
+
+
+def grammar_service(config: EngineConfig, model_config) -> GrammarService:
+    """The grammars of the requests a rank serves, compiled on its own threads."""
+    return GrammarService(tokenizer_directory(config) / "tokenizer.json", vocab_size=model_config.vocab_size,
+                          stop_token_ids=eos_token_ids(config, model_config))

@@ -1,0 +1,260 @@
+"""Data-parallel ranks, each a whole engine over its own pools; rank 0 places the requests and answers them.
+
+    links = RankLinks()                                 # rank 0: its inbox
+    links.connect({rank: inbox address})                # once the ranks are ready (they report their inboxes)
+    links.send(rank, Arrival(...)) / Cancel / Wake / Stop
+    batch = links.receive(timeout_s)                    # rank 0's receiving thread: a rank's OutputBatch, or None
+    serve_rank(core, link)                              # every other rank's process (link: RankLink, connected
+                                                        # to rank 0's inbox): its engine's loop
+
+Every data-parallel rank's process runs the loop a single-rank engine runs (backend/engine_core.py: scheduler,
+batch building, forward, sampling, grammar masks, speculative verify and drafts) over its own pools, as SGLang's
+scheduler per DP rank and vLLM's EngineCore per DP rank do. Rank 0 (the engine in tritonserver's process,
+backend/engine.py) places each request on a rank by load and prefix affinity and sends it there (`Arrival`: the
+prompt, the sampling parameters, the stop ids, rank 0's handle for it); aborts follow it (`Cancel`). Each step a rank
+sends back only what the responses need, packed in arrays (`OutputBatch`: per request its handle, its new tokens,
+whether and why it ended, its prefix-cache hits; errors and log-probabilities, which only some requests carry, beside
+them): 14 bytes a request for one token. Its counters, requests and pools come with it every STATS_EVERY_S.
+
+Messages travel over ZeroMQ (PUSH/PULL, one socket from rank 0 to each rank's inbox, one from all ranks back),
+pickled: every rank binds its inbox and reports its address when it is ready (the group's ready barrier gathers
+them), then connects to the others'. The MoE exchanges keep ranks in
+step where they meet (backend/parallel/sync.py, `LockStep`): every request that arrives wakes every rank (`Wake`), so
+ranks that all went idle take up their agreements together again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket as _socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+
+from backend.model.comm import RankGroupError
+from backend.parallel.messages import Arrival, Cancel, Stop, Wake
+from backend.request import FinishReason, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+STATS_EVERY_S = 0.2  # a rank sends its stats snapshot at most this often (and whenever it goes idle)
+_REASONS = list(FinishReason)  # a finished row's code: its index + 1 (0: not finished)
+
+
+@dataclass
+class OutputBatch:
+    """One rank's outputs of a step, as arrays (see the module docstring), and now and then its stats."""
+
+    rank: int
+    handles: np.ndarray  # int32 [R]
+    counts: np.ndarray  # uint8 [R]: each row's new tokens
+    finished: np.ndarray  # int8 [R]: 0, or the finish reason's index + 1
+    num_cached: np.ndarray  # int32 [R]: the request's prompt positions the prefix cache served
+    tokens: np.ndarray  # int32 [sum(counts)]
+    extras: dict[int, tuple]  # row -> (error, logprobs), for the rows that carry either
+    stats: dict | None = None
+
+    ARRAYS = ("handles", "counts", "finished", "num_cached", "tokens")
+    DTYPES = (np.int32, np.uint8, np.int8, np.int32, np.int32)
+
+    @classmethod
+    def of(cls, rank: int, outputs: list[RequestOutput], handle_of: dict[str, int],
+           stats: dict | None = None) -> "OutputBatch":
+        tokens = [t for out in outputs for t in out.new_token_ids]
+        return cls(rank, np.fromiter((handle_of[out.request_id] for out in outputs), np.int32, len(outputs)),
+                   np.fromiter((len(out.new_token_ids) for out in outputs), np.uint8, len(outputs)),
+                   np.fromiter((_REASONS.index(out.finish_reason) + 1 if out.finished else 0 for out in outputs),
+                               np.int8, len(outputs)),
+                   np.fromiter((out.num_cached_tokens for out in outputs), np.int32, len(outputs)),
+                   np.array(tokens, dtype=np.int32),
+                   {row: (out.error, out.logprobs) for row, out in enumerate(outputs)
+                    if out.error is not None or out.logprobs is not None}, stats)
+
+    def frames(self) -> list[bytes]:
+        """What goes over the wire: a small pickled header, then each array's bytes."""
+        return [pickle.dumps((self.rank, self.extras, self.stats))] + [getattr(self, a).tobytes() for a in self.ARRAYS]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> "OutputBatch":
+        rank, extras, stats = pickle.loads(frames[0])
+        arrays = [np.frombuffer(f, dtype=t) for f, t in zip(frames[1:], cls.DTYPES)]
+        return cls(rank, *arrays, extras, stats)
+
+    def rows(self):
+        """(handle, tokens, finish reason or None, num_cached, error, logprobs) of each row."""
+        ends = np.cumsum(self.counts, dtype=np.int64).tolist()
+        tokens = self.tokens.tolist()
+        start = 0
+        for row, (handle, end, code, cached) in enumerate(zip(self.handles.tolist(), ends, self.finished.tolist(),
+                                                               self.num_cached.tolist())):
+            error, logprobs = self.extras.get(row, (None, None))
+            yield handle, tokens[start:end], _REASONS[code - 1] if code else None, cached, error, logprobs
+            start = end
+
+
+class RankLinks:
+    """Rank 0's sockets: one PULL from every other rank (bound before they start: its address goes to them), and one
+    PUSH to each rank's own inbox (connected once they are ready, `connect`: a connected socket queues what it is
+    sent until the rank takes it). Sends may come from any thread (under a lock) and never wait: a rank that has
+    stopped taking messages (gone) refuses them; `receive` from one thread only."""
+
+    def __init__(self):
+        self._context = zmq.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self.address = _bind(self._inbox)
+        self._to: dict[int, zmq.Socket] = {}
+        self._lock = threading.Lock()
+
+    def connect(self, inboxes: dict[int, str]) -> None:
+        """Each rank's inbox, as the ranks reported them when ready."""
+        for rank, address in inboxes.items():
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self._to[rank] = socket
+
+    def send(self, rank: int, message) -> None:
+        """RankGroupError if the rank takes no message."""
+        with self._lock:
+            try:
+                self._to[rank].send_pyobj(message, zmq.NOBLOCK)
+            except zmq.Again:
+                raise RankGroupError(f"data-parallel rank {rank} takes no requests") from None
+
+    def wake_all(self, but: int | None = None) -> None:
+        self._tell_all(Wake(), but)
+
+    def stop_all(self) -> None:
+        self._tell_all(Stop())
+
+    def _tell_all(self, message, but: int | None = None) -> None:
+        """`message` to every rank but `but` that takes it (a rank gone is left out)."""
+        with self._lock:
+            for rank, socket in self._to.items():
+                if rank != but:
+                    try:
+                        socket.send_pyobj(message, zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass
+
+    def receive(self, timeout_s: float) -> OutputBatch | None:
+        if not self._inbox.poll(int(timeout_s * 1000)):
+            return None
+        return OutputBatch.from_frames(self._inbox.recv_multipart(copy=True))
+
+    def close(self) -> None:
+        with self._lock:
+            self._inbox.close(linger=0)
+            for socket in self._to.values():
+                socket.close(linger=0)
+            self._context.term()
+
+
+class RankLink:
+    """A data-parallel rank's sockets: its inbox (bound: its address goes to rank 0 when the rank is ready), and a
+    PUSH to rank 0's."""
+
+    def __init__(self):
+        self._context = zmq.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self.address = _bind(self._inbox)
+        self._outbox = self._context.socket(zmq.PUSH)
+        self._outbox.setsockopt(zmq.LINGER, 5000)  # (its last outputs still reach rank 0 when it exits)
+
+    def connect(self, rank_0: str) -> None:
+        """Rank 0's inbox, as the ranks' ready barrier gave it."""
+        self._outbox.connect(rank_0)
+
+    def receive(self, timeout_s: float | None) -> list:
+        """Every message waiting, after waiting up to `timeout_s` for the first (None: as long as it takes)."""
+        messages = []
+        if self._inbox.poll(None if timeout_s is None else int(timeout_s * 1000)):
+            while True:
+                try:
+                    messages.append(self._inbox.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        return messages
+
+    def send(self, batch: OutputBatch) -> None:
+        self._outbox.send_multipart(batch.frames(), copy=False)
+
+    def close(self) -> None:
+        self._inbox.close(linger=0)
+        self._outbox.close()
+        self._context.term()
+
+
+def _bind(socket: zmq.Socket) -> str:
+    """Bind `socket` to a free port of this host; the address other nodes reach it at (on one node: loopback)."""
+    master = os.environ.get("MASTER_ADDR")
+    if master is None:
+        return f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
+    port = socket.bind_to_random_port("tcp://0.0.0.0")
+    with _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM) as probe:  # the interface that reaches rank 0's host
+        probe.connect((master, 9))
+        return f"tcp://{probe.getsockname()[0]}:{port}"
+
+
+def serve_rank(core, link: RankLink) -> None:
+    """A data-parallel rank's loop (every rank but 0): take in what rank 0 sent, step its engine, send back the step's
+    outputs; until `Stop` (or, in lock-step, rank 0's stop agreement), or until its group is broken. Waits for
+    messages while it has nothing to do (in lock-step: while every rank is idle)."""
+    outbox: list[RequestOutput] = []
+    core.send = outbox.extend
+    handles: dict[str, int] = {}  # request id -> rank 0's handle
+    parent, stats_due = os.getppid(), 0.0
+    while os.getppid() == parent:  # (an orphan, whose rank 0 was killed, exits)
+        for message in link.receive(_wait_s(core)):
+            match message:
+                case Arrival() as arrival:
+                    _admit(core, arrival, handles, outbox)
+                    core.sync.wake()
+                case Wake():
+                    core.sync.wake()
+                case Cancel(request_id=request_id):  # (a request that ended meanwhile: nothing to wake for)
+                    core.abort(request_id)
+                case Stop():
+                    return
+        if not core.sync.ready():
+            continue
+        active = core.step()
+        if core.stopped:
+            return
+        now = time.monotonic()
+        stats = core.snapshot() if now >= stats_due or not active else None
+        if outbox or stats is not None:
+            link.send(OutputBatch.of(core.rank, outbox, handles, stats))
+            for out in outbox:
+                if out.finished:
+                    handles.pop(out.request_id, None)
+            outbox.clear()
+            stats_due = now + STATS_EVERY_S if stats is not None else stats_due
+        if core.unavailable:  # its group is broken: no step can run again
+            return
+
+
+def _admit(core, arrival: Arrival, handles: dict[str, int], outbox: list[RequestOutput]) -> None:
+    seq = arrival.sequence()
+    handles[seq.request_id] = arrival.handle
+    try:
+        core.prepare(seq, arrival.stop_ids)
+        core.add(seq)
+    except ValueError as exc:  # (rank 0 checked it; a grammar this rank cannot compile still ends it here)
+        seq.finish(FinishReason.ERROR)
+        outbox.append(RequestOutput.of(seq, [], finished=True, error=str(exc)))
+
+
+def _wait_s(core) -> float | None:
+    """How long the loop may wait for a message: not at all while it has steps to run, a little while a grammar it
+    needs compiles, else until one comes (checking now and then that rank 0 lives)."""
+    if core.sync.lock_step:
+        return 0.0 if core.sync.ready() else 1.0
+    if core.busy:
+        return 0.0
+    return 0.002 if core.scheduler.num_awaiting_grammar else 1.0

@@ -1,0 +1,98 @@
+"""How data-parallel ranks keep in step: one small agreement before each forward.
+
+    agreed = sync.agree(num_tokens, has_work)     # every rank's tokens this step, and whether any rank has work
+    if agreed.stepped: run this rank's batch, or (none) its part of the MoE exchanges alone
+
+With expert parallelism the data-parallel ranks meet at every MoE layer (backend/model/deepseek_v4.py), so every
+forward must run on every rank, each padded to the largest rank's tokens. `LockStep` makes them agree first, as
+vLLM's data-parallel coordinator and SGLang's idle batches do: one all-gather of (tokens, has work, stop) over a gloo
+group of their own (the engine thread's alone, in step order; the forwards' collectives run in the default group).
+A rank without a batch then runs an idle forward; speculative decoding's draft passes agree the same way, one pass at
+a time. When no rank has work they all stop agreeing (`ready()` turns False) until woken: rank 0 wakes itself and
+every other rank whenever a request arrives (backend/parallel/data_parallel.py), so an idle group makes no
+collective at all, and none can time out. `ALONE` is the agreement of a rank that never meets another.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from backend.model.comm import RankGroupError
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    counts: tuple[int, ...]  # every rank's tokens this step, in rank order (alone: its own)
+    has_work: bool  # some rank has work: the ranks go on stepping
+    stop: bool = False  # rank 0 is shutting down: every rank leaves its loop
+
+    @property
+    def stepped(self) -> bool:
+        """Some rank runs a forward (every rank takes part)."""
+        return any(self.counts)
+
+
+class StepSync:
+    """A rank that never meets another (one rank, or data-parallel ranks with whole experts)."""
+
+    lock_step = False
+
+    def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
+        return Agreement((num_tokens,), has_work, stop)
+
+    def ready(self) -> bool:
+        """Whether to take part in the next agreement."""
+        return True
+
+    def wake(self) -> None:
+        pass
+
+
+ALONE = StepSync()
+
+
+class LockStep(StepSync):
+    """Data-parallel ranks whose MoE layers exchange tokens (see the module docstring)."""
+
+    lock_step = True
+
+    def __init__(self, world_size: int, timeout_s: float):
+        import torch.distributed as dist
+
+        self._dist, self.world_size = dist, world_size
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self._lock = threading.Lock()
+        self._wakes = 0  # wake() calls so far
+        self._idle_at: int | None = 0  # the wakes seen when every rank was found idle (None: not idle); idle at first
+        self.broken: str | None = None
+
+    def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
+        if self.broken:
+            raise RankGroupError(self.broken)
+        with self._lock:
+            wakes = self._wakes
+        mine = torch.tensor([num_tokens, int(has_work), int(stop)], dtype=torch.long)
+        every = [torch.empty(3, dtype=torch.long) for _ in range(self.world_size)]
+        try:
+            self._dist.all_gather(every, mine, group=self.group)
+        except Exception as exc:  # a rank is gone or silent: no rank can step again
+            self.broken = f"data-parallel ranks failed to agree on a step: {exc}"
+            raise RankGroupError(self.broken) from exc
+        table = torch.stack(every).tolist()
+        agreed = Agreement(tuple(row[0] for row in table), any(row[1] for row in table), any(row[2] for row in table))
+        with self._lock:
+            self._idle_at = None if agreed.has_work else wakes
+        return agreed
+
+    def ready(self) -> bool:
+        """False once every rank was found idle, until woken since."""
+        with self._lock:
+            return self._idle_at is None or self._wakes != self._idle_at
+
+    def wake(self) -> None:
+        with self._lock:
+            self._wakes += 1

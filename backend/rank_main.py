@@ -1,0 +1,90 @@
+"""What a worker rank's process runs (ranks 1..N-1, spawned by rank 0 or by scripts/serve_node.py on another node).
+
+    RankGroup.start(config, layout, worker_main)   # rank 0 (backend/engine.py)
+    run_node(config, node_rank)                    # every other node (scripts/serve_node.py)
+
+A worker joins the group, plans the same deployment as rank 0 and loads its shard (backend/deployment.py), reports
+ready, then serves until rank 0 ends it: under tensor/expert parallelism it follows rank 0's steps (`_follow`: every
+`Forward` and `Draft` rank 0 broadcasts, run on its own ModelRunner); under data parallelism it is a whole engine
+of its own (`_serve`: backend/engine_core.py over its own pools, backend/parallel/data_parallel.py's loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from backend.config import EngineConfig
+from backend.deployment import load_model, plan_deployment
+from backend.engine_core import EngineCore, grammar_service
+from backend.model.comm import RankGroupError
+from backend.parallel.data_parallel import RankLink, serve_rank
+from backend.parallel.group import GroupSpec, join, ranks_per_node, ready, spawn_ranks
+from backend.model.parallel_layout import ParallelLayout
+from backend.parallel.messages import Stop
+from backend.runner import Draft, Forward, ModelRunner, make_runner
+
+
+def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
+    """A worker rank (process `index` of its node is rank first_rank + index): join, load the shard, then serve."""
+    rank = first_rank + index
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
+    comm, control, sync = join(spec, rank)
+    layout = ParallelLayout.from_config(spec.config, rank)
+    device = spec.device(rank)
+    config, dtype = spec.config, spec.config.resolved_dtype()
+    deployment = plan_deployment(config, device, dtype)  # the same pools as rank 0
+    model = load_model(config, deployment, device, dtype, layout, comm)
+    runner = make_runner(config, model, deployment.kv, sync=sync)
+    link = RankLink() if layout.data_parallel else None
+    inboxes = ready(control, link.address if link else None)
+    if link is not None:
+        link.connect(inboxes[0])
+        _serve(config, rank, runner, link)
+    else:
+        _follow(runner, control)
+    dist.destroy_process_group()
+
+
+def _follow(runner: ModelRunner, control) -> None:
+    """A tensor/expert-parallel worker: run every message rank 0 broadcasts (`Forward`, `Draft`) on its own
+    ModelRunner, as rank 0 runs it, until `Stop`."""
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        match message[0]:
+            case Forward() as step:
+                runner.forward(step)
+            case Draft() as step:
+                runner.draft(step)
+            case Stop():
+                return
+
+
+def _serve(config: EngineConfig, rank: int, runner: ModelRunner, link: RankLink) -> None:
+    """A data-parallel rank: its own engine over its own pools, serving what rank 0 places on it."""
+    grammars = grammar_service(config, runner.model.config)
+    core = EngineCore(config, runner.kv, runner, runner.model.kernels, grammars, send=None, rank=rank,
+                      sync=runner.sync)
+    try:
+        serve_rank(core, link)
+    finally:
+        core.close(timeout=10.0)
+        grammars.close()
+        link.close()
+
+
+def run_node(config: EngineConfig, node_rank: int) -> None:
+    """Another node's ranks (scripts/serve_node.py): spawn them, wait until rank 0 ends the group."""
+    layout = ParallelLayout.from_config(config)
+    per_node = ranks_per_node(layout.world_size)
+    if not os.environ.get("MASTER_ADDR") or not 0 < node_rank < layout.world_size // per_node:
+        raise RankGroupError("a worker node needs MASTER_ADDR / MASTER_PORT and 0 < NODE_RANK < NNODES")
+    spec = GroupSpec(config, layout, "env://", config.collective_timeout_s)
+    context = spawn_ranks(spec, first_rank=node_rank * per_node, count=per_node, main=worker_main)
+    while not context.join():  # raises if a rank fails; True once all exited
+        pass

@@ -1,0 +1,96 @@
+"""Every data-parallel rank runs its own engine (backend/engine_core.py, backend/parallel/data_parallel.py).
+
+Speculative decoding with structured outputs and seeded sampling over DP=2 (+EP=2: the ranks in lock-step, the draft
+passes agreed one at a time) gives the single rank's tokens; what a rank sends rank 0 per step stays within 32 bytes a
+request; the other ranks' stats reach rank 0's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.engine import LLMEngine
+from backend.parallel.data_parallel import OutputBatch
+from backend.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
+from backend.structured.params import guided_decoding_from_sampling
+
+POOLS = dict(device="cpu", num_tokens=8192, page_size=16, swa_full_tokens_ratio=0.5)
+
+
+def _params() -> list[SamplingParams]:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    return [SamplingParams(max_tokens=16, temperature=0.8, seed=11, logprobs=2),
+            SamplingParams(max_tokens=24, guided_decoding=guided_decoding_from_sampling(
+                {"guided_decoding": {"json": schema}}, "test")),
+            SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=5, repetition_penalty=1.2),
+            SamplingParams(max_tokens=16, temperature=0.0, logprobs=1, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (2, 1)])
+def test_speculative_decoding_with_a_schema_and_seeded_sampling_over_ranks_gives_the_single_rank_tokens(
+        parallel_checkpoint, dp, ep):
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 80, 200, 33, 140)]
+    settings = dict(checkpoint=str(parallel_checkpoint), num_speculative_tokens=2, **POOLS)
+    single = LLMEngine(EngineConfig(**settings))
+    try:
+        expected = single.generate(prompts, _params())
+    finally:
+        single.shutdown()
+    engine = LLMEngine(EngineConfig(data_parallel_size=dp, expert_parallel_size=ep, **settings))
+    try:
+        got = engine.generate(prompts, _params())
+        ranks = {engine.rank_of(f"x{i}") for i in range(1)}  # (nothing live: None)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert ranks == {None}
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
+    assert [r["finish_reason"] for r in got] == [r["finish_reason"] for r in expected]
+    for one, many in zip(expected, got):
+        for a, b in zip(one.get("logprobs") or [], many.get("logprobs") or []):
+            assert a.rank == b.rank and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert stats["num_draft_tokens"] > 0 and all(rank["num_steps"] > 0 for rank in stats["ranks"])
+
+
+def test_an_output_batch_carries_a_request_in_at_most_32_bytes():
+    """128 requests of one token each, a few of them ending (one with an error, one with log-probabilities): the
+    frames a rank sends are at most 32 bytes a request, and come back as they were."""
+    outputs = [RequestOutput(f"r{i}", [1000 + i], "", i % 40 == 0, FinishReason.LENGTH if i % 40 == 0 else None, 50,
+                             3, None, None, 128 * (i % 2)) for i in range(128)]
+    outputs[7] = RequestOutput("r7", [], "", True, FinishReason.ERROR, 50, 3, "the constraint cannot go on")
+    handles = {out.request_id: 10_000 + i for i, out in enumerate(outputs)}
+    plain = OutputBatch.of(3, outputs, handles, None).frames()
+    assert sum(len(frame) for frame in plain) <= 32 * len(outputs)
+    outputs[9] = RequestOutput("r9", [5, 6], "", False, None, 50, 3, None, [TokenLogprobs(-0.5, 1, [(5, -0.5)]),
+                                                                             TokenLogprobs(-1.0, 2, [(4, -0.2)])])
+    back = list(OutputBatch.from_frames(OutputBatch.of(3, outputs, handles, {"rank": 3}).frames()).rows())
+    assert [(h, t, r, c, e) for h, t, r, c, e, _ in back] == [
+        (handles[o.request_id], o.new_token_ids, o.finish_reason, o.num_cached_tokens, o.error) for o in outputs]
+    assert back[9][5][1].top == [(4, -0.2)] and back[8][5] is None
+    assert OutputBatch.from_frames(plain).handles.dtype == np.int32
+
+
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2, expert_parallel_size=2),
+                                    dict(tensor_parallel_size=2, expert_parallel_size=2)])
+def test_static_decode_steps_with_several_ranks_give_the_single_rank_tokens(parallel_checkpoint, layout):
+    """cuda_graphs=True on CPU runs the padded static steps eagerly, as a GPU replays them: every rank of a
+    tensor/expert-parallel group on the same key, data-parallel ranks each on their own (padded to the largest's)."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 40, 150, 70, 9)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    single = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), **POOLS))
+    try:
+        expected = [r["output_ids"] for r in single.generate(prompts, params)]
+    finally:
+        single.shutdown()
+    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, **layout, **POOLS))
+    try:
+        assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
+        assert engine.decode_graphs.keys  # rank 0's decodes ran at static shapes
+    finally:
+        engine.shutdown()
