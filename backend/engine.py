@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from tokenizers import Tokenizer
@@ -53,6 +53,7 @@ from backend.parallel.sync import ALONE
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
 from backend.rank_main import worker_main
 from backend.runner import make_runner
+from backend.scheduler.scheduler import clock
 from backend.scheduler.step_record import StepCounters
 
 __all__ = ["LLMEngine", "tokenizer_directory"]
@@ -171,7 +172,10 @@ class LLMEngine:
             queued = sum(1 for p in self._by_handle.values() if p.rank is placed.rank and not p.num_output)
             if limit is not None and queued > limit:
                 return False
-        self.group.links.send(placed.rank.rank, Arrival(placed.handle, seq.request_id, seq.prompt_ids, seq.sampling,
+        if seq.sampling.timeout_ms is not None:  # (rank 0 keeps it, by its clock: Arrival)
+            placed.deadline_s = clock() + seq.sampling.timeout_ms / 1000.0
+        sampling = replace(seq.sampling, timeout_ms=None)
+        self.group.links.send(placed.rank.rank, Arrival(placed.handle, seq.request_id, seq.prompt_ids, sampling,
                                                         seq.priority, stop_ids))
         return True
 
@@ -182,8 +186,26 @@ class LLMEngine:
             return False
         if placed.rank.rank == 0:
             return self.core.abort(request_id)
-        self.group.links.send(placed.rank.rank, Cancel(request_id))
+        return self._end_elsewhere(placed, FinishReason.CANCELLED)
+
+    def _end_elsewhere(self, placed: "Placement", reason: FinishReason) -> bool:
+        """End another rank's request here, as its own scheduler would at its next step: from now on what the rank
+        sends for it is dropped (the steps it ran before the Cancel reached it), and its last output, when the rank
+        has freed it, carries `reason`. False if it had ended already."""
+        with self._placement_lock:
+            if placed.ending is not None or self._placed.get(placed.request_id) is not placed:
+                return False
+            placed.ending = reason
+        self.group.links.send(placed.rank.rank, Cancel(placed.request_id, reason))
         return True
+
+    def _expire_elsewhere(self) -> None:
+        """Other ranks' requests past their deadline end (rank 0 keeps their deadlines: Arrival)."""
+        now = clock()
+        with self._placement_lock:
+            expired = [p for p in self._by_handle.values() if p.deadline_s is not None and now >= p.deadline_s]
+        for placed in expired:
+            self._end_elsewhere(placed, FinishReason.TIMEOUT)
 
     def rank_of(self, request_id: str) -> int | None:
         """The data-parallel rank serving a live request (0 on one rank), or None."""
@@ -392,6 +414,7 @@ class LLMEngine:
         links = self.group.links
         while not self._stop.is_set():
             batch = links.receive(timeout_s=0.1)
+            self._expire_elsewhere()
             if batch is not None:
                 self._take_outputs(batch)
             elif self.group is not None and self.group.check():
@@ -407,10 +430,15 @@ class LLMEngine:
             placements = [self._by_handle.get(row[0]) for row in rows]
         outputs = []
         for placed, (_, tokens, reason, cached, error, logprobs) in zip(placements, rows):
-            if placed is not None:  # (else failed here already)
-                placed.num_output += len(tokens)
-                outputs.append(RequestOutput(placed.request_id, tokens, "", reason is not None, reason,
-                                             placed.num_input, placed.num_output, error, logprobs, cached))
+            if placed is None:  # (failed here already)
+                continue
+            if placed.ending is not None:  # ended here: only the rank's word that it let go of it passes
+                if reason is None:
+                    continue
+                tokens, reason, error, logprobs = [], placed.ending, None, None
+            placed.num_output += len(tokens)
+            outputs.append(RequestOutput(placed.request_id, tokens, "", reason is not None, reason,
+                                         placed.num_input, placed.num_output, error, logprobs, cached))
         self._send_all(outputs)
         self.scheduler.wake()  # (generate() may wait for these)
 
@@ -452,6 +480,8 @@ class Placement:
     num_input: int
     handle: int
     num_output: int = field(default=0)
+    deadline_s: float | None = None  # another rank's request with timeout_ms: when it passes, by clock()
+    ending: FinishReason | None = None  # another rank's request ended here (_end_elsewhere), its rank not yet told
 
 
 def _idle_snapshot(rank: int, like: dict) -> dict:

@@ -88,8 +88,8 @@ class EngineCore:
     def add(self, seq: Sequence, max_waiting: int | None = None) -> bool:
         return self.scheduler.add(seq, max_waiting=max_waiting)
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        return self.scheduler.abort(request_id, reason)
 
     # --- the loop's thread ----------------------------------------------------------------------------
     @property

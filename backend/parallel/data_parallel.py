@@ -217,8 +217,8 @@ def serve_rank(core, link: RankLink) -> None:
                     core.sync.wake()
                 case Wake():
                     core.sync.wake()
-                case Cancel(request_id=request_id):  # (a request that ended meanwhile: nothing to wake for)
-                    core.abort(request_id)
+                case Cancel(request_id=request_id, reason=reason):  # (one that ended meanwhile: nothing to wake)
+                    core.abort(request_id, reason)
                 case Stop():
                     return
         if not core.sync.ready():

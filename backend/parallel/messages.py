@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backend.request import SamplingParams, Sequence
+from backend.request import FinishReason, SamplingParams, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +19,9 @@ class Stop:
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """A request for the rank rank 0 placed it on: `handle` is rank 0's number for it (what its outputs carry)."""
+    """A request for the rank rank 0 placed it on: `handle` is rank 0's number for it (what its outputs carry).
+    Its deadline (timeout_ms) is rank 0's to keep, by rank 0's clock from its arrival there: the rank is sent the
+    request without one, and a `Cancel` with reason TIMEOUT when it passes."""
 
     handle: int
     request_id: str
@@ -34,7 +36,10 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
+    """End a request: cancelled by its client, or past the deadline rank 0 keeps for it."""
+
     request_id: str
+    reason: FinishReason = FinishReason.CANCELLED
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,7 +225,7 @@ class Scheduler:
         self._work_changed = threading.Condition(threading.Lock())
         self._lock = self._work_changed
         self._inbox: list[Sequence] = []
-        self._abort_requests: set[str] = set()
+        self._abort_requests: dict[str, FinishReason] = {}  # request id -> how it ends
         self._grammar_compiled = False  # a grammar some arrival awaits is ready: schedule() queues it
         self._live_ids: set[str] = set()  # every request added and not finished: ids are unique among them
 
@@ -256,22 +256,23 @@ class Scheduler:
             self._grammar_compiled = True
             self._work_changed.notify_all()
 
-    def abort(self, request_id: str) -> bool:
-        """Ask to cancel a request; takes effect at the next schedule(), which reports it in plan.aborted.
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """Ask to end a request (cancelled; or timed out, as rank 0 decides for another data-parallel rank's
+        requests); takes effect at the next schedule(), which reports it in plan.aborted.
 
         Returns False when no such request is live (unknown, or already finished).
         """
         with self._lock:
             if request_id not in self._live_ids:
                 return False
-            self._abort_requests.add(request_id)
+            self._abort_requests.setdefault(request_id, reason)
             self._work_changed.notify_all()
             return True
 
     def abort_all(self) -> None:
         """abort() every live request (the engine can no longer run a step)."""
         with self._lock:
-            self._abort_requests.update(self._live_ids)
+            self._abort_requests.update(dict.fromkeys(self._live_ids, FinishReason.CANCELLED))
             self._work_changed.notify_all()
 
     @property
@@ -321,7 +322,7 @@ class Scheduler:
         if len(self._inflight) >= self.max_steps_in_flight:
             raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight, the most allowed; "
                                "update_from_output() comes first")
-        now = time.monotonic() if now is None else now
+        now = clock() if now is None else now
         plan = StepPlan()
         self._take_arrivals_and_aborts(plan, now)
         self._build(plan)
@@ -445,7 +446,7 @@ class Scheduler:
     def _take_arrivals_and_aborts(self, plan: StepPlan, now: float) -> None:
         with self._lock:
             arrivals, self._inbox = self._inbox, []
-            aborts, self._abort_requests = self._abort_requests, set()
+            aborts, self._abort_requests = self._abort_requests, {}
             self._grammar_compiled = False
         for seq in arrivals:
             seq.arrival_s = now
@@ -458,10 +459,10 @@ class Scheduler:
                 self._enqueue(seq, front=False)
         if self._awaiting_grammar:
             self._queue_compiled(plan)
-        for request_id in aborts:
+        for request_id, reason in aborts.items():
             seq = self._by_id.get(request_id)
             if seq is not None:
-                self._end(plan, seq, FinishReason.CANCELLED)
+                self._end(plan, seq, reason)
         if self._with_deadline:
             for seq in [s for s in self._with_deadline if _past_deadline(s, now)]:
                 self._end(plan, seq, FinishReason.TIMEOUT)  # its memory is freed; the tokens it got were streamed
@@ -509,7 +510,7 @@ class Scheduler:
         self._with_deadline.discard(seq)
         with self._lock:
             self._live_ids.discard(seq.request_id)
-            self._abort_requests.discard(seq.request_id)
+            self._abort_requests.pop(seq.request_id, None)
 
     # --- building a step ----------------------------------------------------------------------
 
@@ -721,6 +722,12 @@ class Scheduler:
         self.policy.on_step(plan.kind)
         self.records.append(record)
         self._inflight.append(_Inflight(plan, record, features))
+
+
+def clock() -> float:
+    """The scheduler's clock: arrivals, aging and deadlines (rank 0's engine reads it for the deadlines of requests
+    another data-parallel rank serves)."""
+    return time.monotonic()
 
 
 def _past_deadline(seq: Sequence, now: float) -> bool:
