@@ -686,7 +686,7 @@ def bench_attention_fp8(torch, s, device, timer, options):
             lambda: sparse_paged_attention_reference(*args, **kwargs),
             lambda: sparse_paged_attention_reference(*_to_float(torch, args), **values),
             attention_work(s, positions, mode, entry_bytes), options))
-        del args, kwargs, values
+        args = kwargs = values = None  # (freed before the next case's inputs are made)
     return results
 
 
