@@ -233,8 +233,7 @@ class EngineCore:
                 following = seq.token_ids[chunk.start + 1:chunk.end + 1]
                 next_ids += following + [-1] * (chunk.num_tokens - len(following))
             if chunk.samples:
-                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.start + chunk.allocated,
-                                     wants_drafts=seq.grammar is None))
+                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.start + chunk.allocated))
         return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
 
     def _take_in_all(self, launched: list[tuple[StepPlan | None, StepHandle]]) -> None:

@@ -92,7 +92,7 @@ class StepExecutor:
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self.sampler = Sampler(kernels)
-        self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner)
+        self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner, self.sampler)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if asynchronous:

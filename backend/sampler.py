@@ -23,7 +23,9 @@ CUDA while the forward's kernels run); the masks go to the device in one copy fr
 sets the disallowed logits to -inf (kernels/token_bitmask.py): penalties, sampling and log-probabilities all see
 the masked logits. After sampling the grammars accept their tokens, again in one call (that reads the tokens on the
 host: on CUDA the one sync a step with constrained rows adds, on this thread). A row whose grammar reaches its
-end, or allows no token at all, is reported in the step's `StepOutput.ends`.
+end, or allows no token at all, is reported in the step's `StepOutput.ends`. Speculative decoding masks its verify
+rows and its drafts the same way (backend/speculative.py, through `HostMasks` and this sampler's fill pool), each
+position with the grammar's mask after the drafts before it.
 
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set) are those of the distribution
 the token was drawn from: with temperature > 0, log_softmax of the penalised, temperature-scaled logits
@@ -144,14 +146,43 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
     return logits
 
 
+class HostMasks:
+    """Token masks on their way to the logits: int32 rows filled on the host (pinned for CUDA logits), each with the
+    logits row it masks, sent in one copy and applied in place by one kernel (kernels/token_bitmask.py).
+
+    Each user keeps its own: the copy does not wait, so a buffer is filled again only once something has read the
+    logits it masked (the tokens drawn from them) back to the host."""
+
+    def __init__(self, kernels: KernelDispatch):
+        self.kernels = kernels
+        self._masks: torch.Tensor | None = None  # int32 [rows, words], reused
+        self._rows: torch.Tensor | None = None  # long [rows]
+
+    def buffers(self, num_rows: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(masks [num_rows, words], their logits rows [num_rows]) to fill, for masks over `logits`."""
+        words = (logits.shape[1] + 31) // 32
+        if self._masks is None or self._masks.shape[0] < num_rows or self._masks.shape[1] != words:
+            pinned = logits.is_cuda
+            self._masks = torch.empty(max(num_rows, 8), words, dtype=torch.int32, pin_memory=pinned)
+            self._rows = torch.empty(max(num_rows, 8), dtype=torch.long, pin_memory=pinned)
+        return self._masks[:num_rows], self._rows[:num_rows]
+
+    def apply(self, logits: torch.Tensor, num_rows: int) -> None:
+        """-inf, in place, where the first `num_rows` masks filled do not allow a token."""
+        if num_rows:
+            masks = self._masks[:num_rows].to(logits.device, non_blocking=True)
+            rows = self._rows[:num_rows].to(logits.device, non_blocking=True)
+            self.kernels.apply_token_bitmask(logits, masks, rows)
+
+
 class Sampler:
-    """Draws one token per row; row r belongs to states[r]. `kernels` (kernels/dispatch.py) applies token masks."""
+    """Draws one token per row; row r belongs to states[r]. `kernels` (kernels/dispatch.py) applies token masks;
+    `grammars` fills them (its pool also serves speculative decoding's masks)."""
 
     def __init__(self, kernels: KernelDispatch | None = None):
         self.kernels = kernels or KernelDispatch()
         self.grammars = GrammarBatch()
-        self._host_masks: torch.Tensor | None = None  # int32 [rows, words], reused (pinned for CUDA logits)
-        self._host_rows: torch.Tensor | None = None  # long [rows]
+        self._masks = HostMasks(self.kernels)
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors; masks change them in place)
     def step(self, logits: torch.Tensor, states: list[SamplerState], plain: bool = False,
@@ -165,7 +196,7 @@ class Sampler:
             return output
         constrained = [row for row, state in enumerate(states) if state.grammar is not None and not state.grammar.done]
         if constrained:
-            output.timing.mask_fill_s = self._mask(logits, states, constrained, output.ends)
+            output.timing.mask_fill_s += self._mask(logits, states, constrained, output.ends)
         logits = apply_penalties(logits, states)
         tokens = self.sample(logits, states)
         if any(state.params.logprobs is not None for state in states):
@@ -174,7 +205,7 @@ class Sampler:
             if state.has_penalties:
                 state.observe(tokens[row:row + 1])
         if constrained:
-            output.timing.grammar_accept_s = self._accept(tokens, states, constrained, output.ends)
+            output.timing.grammar_accept_s += self._accept(tokens, states, constrained, output.ends)
         output.sampled = tokens
         return output
 
@@ -184,23 +215,15 @@ class Sampler:
         A row whose mask allows nothing is left unmasked (its token is not kept) and reported. Returns the host time
         the masks took to fill."""
         started = time.perf_counter()
-        masks, indices = self._host_buffers(len(rows), (logits.shape[1] + 31) // 32, logits.is_cuda)
+        masks, indices = self._masks.buffers(len(rows), logits)
         indices.copy_(torch.tensor(rows))
         for i in self.grammars.fill([states[row].grammar for row in rows], masks):
             row_ends[rows[i]] = NO_TOKEN_CAN_FOLLOW
             masks[i].fill_(-1)
         fill_s = time.perf_counter() - started
         # (the host buffers are refilled at the next step only after _accept has read this step's tokens)
-        device_masks = masks.to(logits.device, non_blocking=True)
-        device_rows = indices.to(logits.device, non_blocking=True)
-        self.kernels.apply_token_bitmask(logits, device_masks, device_rows)
+        self._masks.apply(logits, len(rows))
         return fill_s
-
-    def _host_buffers(self, num_rows: int, words: int, pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._host_masks is None or self._host_masks.shape[0] < num_rows or self._host_masks.shape[1] != words:
-            self._host_masks = torch.empty(max(num_rows, 8), words, dtype=torch.int32, pin_memory=pinned)
-            self._host_rows = torch.empty(max(num_rows, 8), dtype=torch.long, pin_memory=pinned)
-        return self._host_masks[:num_rows], self._host_rows[:num_rows]
 
     def _accept(self, tokens: torch.Tensor, states: list[SamplerState], rows: list[int],
                 row_ends: dict[int, str | None]) -> float:

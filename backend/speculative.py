@@ -10,6 +10,16 @@ agrees with plus one token of its own after them (1 to k + 1 tokens):
   distribution after temperature, top-k/top-p/min-p and penalties (which count the drafts accepted before it), so
   the outputs are distributed as without speculation; the request's own generator draws everything (seeds hold).
 
+Constrained requests (structured outputs, backend/structured/grammar.py) draft and verify too, every distribution
+masked by the grammar as it would be at that position: the verify masks its i-th logits row with the grammar's mask
+after the drafts before it, and the drafter draws each draft under the mask after the drafts before it. The matcher
+takes the drafts tentatively to fill those masks (`GrammarLookahead`; each position's masks over the rows in one
+fill, all of a verify's in one copy and one kernel), then rolls back to the emitted tokens and takes the last one:
+greedy acceptance, rejection sampling and log-probabilities see the constrained distributions, so a row emits what
+it would emit without speculation. A draft the grammar cannot take ends the row's chain (the verify rejects it:
+its mask gives it probability 0); where no token can follow (the grammar ended at a draft), the row's tokens stop
+there and its end is reported as the sampler reports it.
+
 Then the MTP layer (DeepSeek's MTPBlock, `DeepseekV4Model.draft`) proposes the next step's drafts. Its first pass runs
 over every position of the step's batch, each with the main model's residual streams there and the *next* token's
 embedding (a prompt's next token, or the token the step emitted), which also fills its own sliding window (one layer
@@ -34,15 +44,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
 from backend.runner import Draft
-from backend.sampler import Sampler, SamplerState, filter_logits
+from backend.sampler import NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, filter_logits
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
+from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
 
 
 @dataclass
@@ -53,7 +65,6 @@ class DraftRow:
     pages: object  # the request's RequestPages (the draft chain writes the draft layer's window through them)
     drafts: tuple[int, ...]  # the drafts this row verifies (none: an ordinary sampling row)
     lookahead_end: int  # positions below this have pages: the draft chain stops before it
-    wants_drafts: bool  # propose drafts for its next step (not for constrained requests)
 
 
 @dataclass
@@ -80,6 +91,7 @@ class Verifier:
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
+        self.masks = HostMasks(sampler.kernels)
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
     def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob,
@@ -89,7 +101,7 @@ class Verifier:
         rows, firsts = job.rows, job.first_logits_rows()
         output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
-        # Ordinary rows (prefill ends, decodes without drafts, constrained requests): the sampler, in one call.
+        # Ordinary rows (prefill ends, decodes without drafts): the sampler, in one call.
         single = [r for r, row in enumerate(rows) if not row.drafts]
         if single:
             index = torch.tensor([firsts[r] for r in single], device=logits.device)
@@ -100,7 +112,10 @@ class Verifier:
                 output.tokens[r] = [token]
                 logprobs[r] = sampled.row_logprobs(i)
             output.ends = {single[i]: end for i, end in sampled.ends.items()}
+        constrained = [r for r, row in enumerate(rows) if row.drafts and _constrained(states[r])]
+        walk = self._mask_verify_rows(logits, states, job, constrained, output) if constrained else None
         argmax = None  # every logits row's, read once for the greedy rows without penalties
+        targets = {}  # verify row -> its target logits [1 + k, V]
         for r, row in enumerate(rows):
             if not row.drafts:
                 continue
@@ -109,14 +124,79 @@ class Verifier:
             if state.params.temperature == 0.0 and not state.has_penalties:  # its targets are the raw logits'
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
                 best = argmax[span]
-            output.tokens[r], logprobs[r] = self._verify_row(logits[span], state, list(row.drafts), best)
+            output.tokens[r], targets[r] = self._verify_row(logits[span], state, list(row.drafts), best)
+        if constrained:
+            self._settle_grammars(walk, states, constrained, output)
+        for r, row_targets in targets.items():
+            logprobs[r] = self._observe(row_targets, states[r], output.tokens[r])
         if any(lp is not None for lp in logprobs):
             output.logprobs = logprobs
         return output
 
+    def _mask_verify_rows(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob, rows: list[int],
+                          output: StepOutput) -> GrammarLookahead:
+        """Mask the constrained verify rows' 1 + k logits rows, each with the grammar's mask after the row's drafts
+        before it: position by position, the grammars still walking fill their masks (one call) and take their
+        drafts there; one copy and one kernel then apply every mask. A row whose first position no token fits ends,
+        as the sampler ends it. Returns the walk: the matchers hold the drafts they took (`_settle_grammars`)."""
+        started = time.perf_counter()
+        firsts, walk, filled = job.first_logits_rows(), GrammarLookahead(), 0
+        masks, targets = self.masks.buffers(sum(1 + len(job.rows[r].drafts) for r in rows), logits)
+        for position in range(1 + max(len(job.rows[r].drafts) for r in rows)):
+            at = [r for r in rows if position <= len(job.rows[r].drafts) and walk.open(states[r].grammar)]
+            if not at:
+                break
+            grammars = [states[r].grammar for r in at]
+            block = masks[filled:filled + len(at)]
+            for i in self.sampler.grammars.fill(grammars, block):
+                block[i].fill_(-1)  # nothing fits: left unmasked, the row's tokens stop before this position
+                walk.block(grammars[i])
+                if position == 0:
+                    output.ends[at[i]] = NO_TOKEN_CAN_FOLLOW
+            targets[filled:filled + len(at)] = torch.tensor([firsts[r] + position for r in at])
+            filled += len(at)
+            drafting = [r for r in at if position < len(job.rows[r].drafts) and walk.open(states[r].grammar)]
+            if drafting:
+                walk.take([states[r].grammar for r in drafting], [job.rows[r].drafts[position] for r in drafting])
+        output.timing.mask_fill_s += time.perf_counter() - started
+        self.masks.apply(logits, filled)
+        return walk
+
+    def _settle_grammars(self, walk: GrammarLookahead, states: list[SamplerState], rows: list[int],
+                         output: StepOutput) -> None:
+        """The constrained verify rows' matchers end holding exactly the emitted tokens: back to the accepted drafts
+        among those they took, then on by the token after them (one call). Where no token could follow the drafts
+        a matcher took (its grammar ended there: reported), the row's tokens stop there."""
+        started = time.perf_counter()
+        keep, cut, final = {}, [], []
+        for r in rows:
+            grammar, emitted = states[r].grammar, output.tokens[r]
+            if r in output.ends:  # no token could follow its emitted ones: the request fails
+                grammar.done = True
+                continue
+            taken = walk.taken.get(grammar, 0)
+            keep[grammar] = held = min(len(emitted) - 1, taken)
+            if held == taken and walk.blocked(grammar):
+                output.tokens[r] = emitted[:held]
+                cut.append(r)
+            else:
+                final.append(r)
+        walk.rollback(keep)
+        for r in cut:
+            if states[r].grammar.matcher.is_terminated():
+                states[r].grammar.done = True
+                output.ends[r] = None
+        rejected, ended = self.sampler.grammars.accept([states[r].grammar for r in final],
+                                                       [output.tokens[r][keep[states[r].grammar]] for r in final])
+        for i in rejected:  # (drawn under the grammar's mask: only a mask that allowed nothing gets here)
+            output.ends[final[i]] = NO_TOKEN_FITS
+        for i in ended:
+            output.ends[final[i]] = None
+        output.timing.grammar_accept_s += time.perf_counter() - started
+
     def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int], best: list[int] | None = None):
-        """(emitted tokens, their log-probabilities or None) of one verify row: logits [1 + k, V]; `best`: their
-        argmax, when the step already read it."""
+        """(emitted tokens, the target logits [1 + k, V] they were drawn from) of one verify row: logits [1 + k, V];
+        `best`: their argmax, when the step already read it."""
         params = state.params
         targets = logits
         if state.has_penalties:  # position i sees the outputs so far and the drafts before it
@@ -127,12 +207,16 @@ class Verifier:
             emitted = _accepted_prefix(drafts, best if best is not None else targets.argmax(dim=-1).tolist())
         else:
             emitted = self._rejection_sample(targets.float().cpu(), state, drafts)
+        return emitted, targets
+
+    def _observe(self, targets: torch.Tensor, state: SamplerState, emitted: list[int]) -> list[TokenLogprobs] | None:
+        """A verify row's emitted tokens seen by its penalties; their log-probabilities, each token's from the target
+        row it was drawn from, when the request asks for them."""
         if state.has_penalties:
-            state.observe(torch.tensor(emitted, device=logits.device))
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = self.sampler.logprobs(targets[:len(emitted)], [state] * len(emitted), emitted)
-        return emitted, logprobs
+            state.observe(torch.tensor(emitted, device=targets.device))
+        if state.params.logprobs is None:
+            return None
+        return self.sampler.logprobs(targets[:len(emitted)], [state] * len(emitted), emitted)
 
     @staticmethod
     def _rejection_sample(targets: torch.Tensor, state: SamplerState, drafts: list[int]) -> list[int]:
@@ -161,10 +245,13 @@ def _accepted_prefix(drafts: list[int], best: list[int]) -> list[int]:
 
 class Drafter:
     """Proposes each row's drafts with the MTP layer (see the module docstring); each pass runs on the step's runner
-    (backend/runner.py: with a rank group, every rank runs it), which keeps the streams the next pass reads."""
+    (backend/runner.py: with a rank group, every rank runs it), which keeps the streams the next pass reads. A
+    constrained row's drafts are drawn under its grammar's masks (`sampler`'s mask pool, masks of its own)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, sampler: Sampler):
         self.runner = runner
+        self.sampler = sampler
+        self.masks = HostMasks(sampler.kernels)
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
@@ -172,7 +259,7 @@ class Drafter:
         """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
         first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
         and k - 1 chained ones (a rank whose rows ran out of pages, or that has none, runs them empty)."""
-        rows = [r for r, row in enumerate(job.rows) if row.wants_drafts and r not in output.ends]
+        rows = [r for r in range(len(job.rows)) if r not in output.ends]
         first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits token number (emitted - 1). (No row: the draft layer's window
@@ -184,19 +271,26 @@ class Drafter:
         drafts = {r: [] for r in rows}
         for r in rows:
             states[r].draft_probs = []
-        tokens = self._draw(logits, [states[r] for r in rows])
+        walk = GrammarLookahead()  # constrained rows: their matchers take the drafts, rolled back at the end
+        tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing)
         for step in range(1, job.num_speculative_tokens + 1):
             for r, token in zip(rows, tokens):
-                drafts[r].append(token)
-            # Chained drafts: one position further, from the draft layer's own streams, while the row has pages.
-            live = [i for i, r in enumerate(rows) if positions[i] + step < job.rows[r].lookahead_end]
+                if token is not None:  # (None: its grammar can take no draft there)
+                    drafts[r].append(token)
+            # Chained drafts: one position further, from the draft layer's own streams, while the row has pages (and
+            # its grammar, if any, takes more drafts).
+            live = [i for i, r in enumerate(rows)
+                    if positions[i] + step < job.rows[r].lookahead_end and walk.open(states[r].grammar)]
             if step == job.num_speculative_tokens or not (live or self.runner.sync.lock_step):
                 break
             rows, positions, tokens = [rows[i] for i in live], [positions[i] for i in live], [tokens[i] for i in live]
             chain = [BatchRow(job.rows[r].pages, [token], position + step, True)
                      for r, token, position in zip(rows, tokens, positions)]
             logits = self.runner.draft(self._chain(chain, live, batch.input_ids.device) if live else None)
-            tokens = self._draw(logits, [states[r] for r in rows]) if live else []
+            tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing) if live else []
+        rolling_back = time.perf_counter()
+        walk.rollback()
+        output.timing.grammar_accept_s += time.perf_counter() - rolling_back
         return drafts
 
     def idle(self, job: SpecJob) -> None:
@@ -225,14 +319,46 @@ class Drafter:
         next_ids[batch.logits_token_index] = torch.tensor(after, dtype=torch.long, device=next_ids.device)
         return next_ids
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
+    def _draw(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
+              timing: StepTiming) -> list[int | None]:
         """One draft per row: the argmax for greedy requests, else a draw from the draft distribution q (filtered as
-        the request samples), which the state keeps for the verify's rejection rule."""
+        the request samples), which the state keeps for the verify's rejection rule. A constrained row draws under
+        its grammar's mask after its drafts so far, and its matcher takes the draft (`walk`); None where no token
+        fits."""
+        unfit = self._mask(logits, states, walk, timing)
         tokens = logits.argmax(dim=-1).tolist()
         for i, state in enumerate(states):
-            if state.params.temperature > 0.0:
+            if i in unfit:
+                tokens[i] = None
+            elif state.params.temperature > 0.0:
                 q = torch.softmax(filter_logits(logits[i].float().cpu(), state.params), dim=-1)
                 tokens[i] = state.draw(q)
                 state.draft_probs.append(q)
+        drafted = [i for i, state in enumerate(states) if _constrained(state) and tokens[i] is not None]
+        if drafted:
+            started = time.perf_counter()
+            walk.take([states[i].grammar for i in drafted], [tokens[i] for i in drafted])
+            timing.mask_fill_s += time.perf_counter() - started
         return tokens
+
+    def _mask(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
+              timing: StepTiming) -> set[int]:
+        """Mask the constrained rows' draft logits (in place) with their grammars' masks after their drafts so far:
+        one fill, one copy, one kernel. Returns the rows no token fits (their walk blocked)."""
+        rows = [i for i, state in enumerate(states) if _constrained(state)]
+        if not rows:
+            return set()
+        started = time.perf_counter()
+        masks, targets = self.masks.buffers(len(rows), logits)
+        targets.copy_(torch.tensor(rows))
+        unfit = {rows[i] for i in self.sampler.grammars.fill([states[i].grammar for i in rows], masks)}
+        for i in unfit:
+            walk.block(states[i].grammar)
+        timing.mask_fill_s += time.perf_counter() - started
+        self.masks.apply(logits, len(rows))
+        return unfit
+
+
+def _constrained(state: SamplerState) -> bool:
+    """A row whose grammar still constrains its tokens."""
+    return state.grammar is not None and not state.grammar.done

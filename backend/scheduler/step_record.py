@@ -32,8 +32,11 @@ class StepTiming:
 
     host_s: float = 0.0  # the engine's time to schedule, build and launch the step
     duration_s: float = 0.0  # the step's device time (speculative decoding: its draft passes included)
-    mask_fill_s: float = 0.0  # filling the constrained rows' token masks (host time, beside the forward)
-    grammar_accept_s: float = 0.0  # advancing their grammars by the sampled tokens (host time, after sampling)
+    # Host time of the constrained rows' grammars. Filling their token masks (beside the forward; speculative decoding:
+    # every verify position's and draft's, the matchers' tentative steps through the drafts included) ...
+    mask_fill_s: float = 0.0
+    # ... and advancing them by the emitted tokens (after sampling; speculative decoding: rolling the drafts back too)
+    grammar_accept_s: float = 0.0
     draft_s: float = 0.0  # the draft layer's forwards (inside duration_s)
     # Data-parallel attention: the rows every rank's MoE exchange computed for nothing in this step (each rank padded
     # to the largest rank's tokens: ranks x largest - all tokens)

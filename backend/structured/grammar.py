@@ -6,6 +6,9 @@
     batch = GrammarBatch()               # the executor, per step, for all its constrained rows at once:
     batch.fill(grammars, masks)          #   the next tokens' masks (returns the rows no token can follow)
     batch.accept(grammars, tokens)       #   advance the matchers by the sampled tokens
+    walk = GrammarLookahead()            # speculative decoding: the matchers take drafts tentatively,
+    walk.take(grammars, drafts)          #   so that the mask after each can be filled,
+    walk.rollback()                      #   then go back to the emitted tokens
 
 Admission parses the grammar on the caller's thread (the Triton adapter's, never the engine's), so an invalid
 schema, regex or EBNF is refused at once with XGrammar's message. Compiling (the per-token tables over the
@@ -18,7 +21,11 @@ tokenizer cannot produce its output) fails every request that uses it, with a me
 A request's matcher (`RequestGrammar.matcher`) is created and used only on the thread that runs the steps
 (backend/executor.py), like its sampler state: it accepts each token that thread samples for the request, so it
 is never behind the step being prepared. Tokens of a live request are never dropped (preemption keeps them and
-recomputes), so the matcher needs no rollback; a request that ended meanwhile is skipped (`done`).
+recomputes), so the matcher never goes back behind an emitted token; a request that ended meanwhile is skipped
+(`done`). Speculative decoding (backend/speculative.py) walks it ahead of them only within a step: the drafter draws
+each draft under the mask after the drafts before it, the verifier masks each position with the mask after the
+drafts before it, the matcher taking those drafts tentatively (`GrammarLookahead`) and rolling them back with
+XGrammar's `rollback` before the step ends, so that it then holds exactly the emitted tokens.
 """
 
 from __future__ import annotations
@@ -265,6 +272,57 @@ class GrammarBatch:
                 continue
             grammar.done = True
         return rejected, ended
+
+
+class GrammarLookahead:
+    """Matchers walked ahead of their emitted tokens through a step's drafts (speculative decoding), so that the mask
+    after each draft can be filled, then rolled back (XGrammar's `rollback`).
+
+    A grammar's walk is open while it has taken every draft given so far; it stops at a draft the grammar cannot take,
+    and is *blocked* where no mask can follow: after a draft that ends the grammar (XGrammar fills no mask after a
+    stop token), or where no token fits (`block`). The walk is per step: `rollback` before the step ends."""
+
+    def __init__(self):
+        self.taken: dict[RequestGrammar, int] = {}  # drafts each walked matcher holds beyond the emitted tokens
+        self._stopped: set[RequestGrammar] = set()
+        self._blocked: set[RequestGrammar] = set()
+
+    def open(self, grammar: RequestGrammar | None) -> bool:
+        """Whether the grammar takes further drafts (no grammar: any draft)."""
+        return grammar is None or grammar not in self._stopped
+
+    def blocked(self, grammar: RequestGrammar) -> bool:
+        """Whether no token can follow the drafts it took (its emitted tokens stop there)."""
+        return grammar in self._blocked
+
+    def take(self, grammars: list[RequestGrammar], tokens: list[int]) -> list[bool]:
+        """Each open grammar takes its draft (one call); returns which did (a draft not taken stops the walk)."""
+        import xgrammar as xgr
+
+        taken = xgr.BatchGrammarMatcher.batch_accept_token([g.matcher for g in grammars], tokens)
+        for grammar, ok in zip(grammars, taken):
+            if not ok:
+                self._stopped.add(grammar)
+                continue
+            self.taken[grammar] = self.taken.get(grammar, 0) + 1
+            if grammar.matcher.is_terminated():
+                self.block(grammar)
+        return taken
+
+    def block(self, grammar: RequestGrammar) -> None:
+        """No token can follow the drafts the grammar took: its walk ends there."""
+        self._stopped.add(grammar)
+        self._blocked.add(grammar)
+
+    def rollback(self, keep: dict[RequestGrammar, int] | None = None) -> None:
+        """Each walked matcher back to `keep[grammar]` of the drafts it took (none by default); the walk is over."""
+        keep = keep or {}
+        for grammar, taken in self.taken.items():
+            if taken > keep.get(grammar, 0):
+                grammar.matcher.rollback(taken - keep.get(grammar, 0))
+        self.taken.clear()
+        self._stopped.clear()
+        self._blocked.clear()
 
 
 def default_mask_workers() -> int:

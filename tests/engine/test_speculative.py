@@ -5,14 +5,19 @@ acceptance, partial acceptance and the rollback of V4's state after it, `OracleD
 draft proposals) still runs the real MTP layer, then replaces its drafts by the reference continuation with some
 tokens corrupted: the target model accepts some drafts, rejects the rest, and must still produce the reference
 tokens. The acceptance rule for sampled requests is checked statistically on the verifier itself, and through the
-engine with drafts of a known distribution (`ModeDrafter`).
+engine with drafts of a known distribution (`ModeDrafter`). Constrained requests (a regex, a JSON schema) draft and
+verify under their grammars' masks: the same greedy tokens and log-probabilities as without drafts, every sampled
+output valid, every draft one the grammar takes (`GrammarCheckingDrafter`).
 """
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from collections import Counter
 
+import jsonschema
 import pytest
 import torch
 
@@ -41,7 +46,7 @@ class OracleDrafter(Drafter):
     probability `error_rate` (so verifies accept some drafts and reject the rest)."""
 
     def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int):
-        super().__init__(drafter.runner)
+        super().__init__(drafter.runner, drafter.sampler)
         self.reference, self.error_rate, self.vocab = reference, error_rate, vocab
         self.emitted: Counter = Counter()
         self.random = random.Random(0)
@@ -275,7 +280,7 @@ class ModeDrafter(Drafter):
     without it."""
 
     def __init__(self, drafter: Drafter, samples: list[list[int]], vocab: int):
-        super().__init__(drafter.runner)
+        super().__init__(drafter.runner, drafter.sampler)
         self.vocab, self.outputs = vocab, {}
         follows: dict[tuple, Counter] = {}
         for out in samples:
@@ -356,3 +361,123 @@ def test_verify_rows_and_the_draft_layer_through_the_triton_kernels(tiny_checkpo
     engine.model.kernels.mode = "triton"
     assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
     assert engine.stats()["num_accepted_tokens"] > 0
+
+
+# --- constrained requests ------------------------------------------------------------------------------------------
+
+REGEX = r"(\d{3}-){4}[a-z ]{12}"  # (a random model keeps to it only through the masks)
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+CONSTRAINTS = [{"regex": REGEX}, {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}]
+
+
+def _constrained_params(temperature: float = 0.0, seed: int = 0, **extra) -> list[SamplingParams]:
+    """A regex and a JSON schema twice each, and a request without a constraint beside them."""
+    constrained = [SamplingParams.from_dict({"max_tokens": 96, "temperature": temperature, "seed": seed + i,
+                                             "guided_decoding": constraint, **extra})
+                   for i, constraint in enumerate(CONSTRAINTS * 2)]
+    free = SamplingParams(max_tokens=24, temperature=temperature, seed=seed + 9, ignore_eos=True, **extra)
+    return constrained + [free]
+
+
+def _assert_valid(results, params) -> None:
+    """Every constrained output is complete (its grammar's end) and in its language."""
+    for r, p in zip(results, params):
+        guided = p.guided_decoding
+        if guided is None:
+            continue
+        assert r["finish_reason"] == "stop", (guided.spec, r)
+        if guided.kind == "regex":
+            assert re.fullmatch(guided.spec, r["text"]), r["text"]
+        else:
+            jsonschema.validate(json.loads(r["text"]), json.loads(guided.spec))
+
+
+class GrammarCheckingDrafter(Drafter):
+    """The real drafts, checked: each constrained row's are a path its grammar takes from where its matcher stands
+    (so the matcher was rolled back to the emitted tokens), nothing after a draft that ends the grammar."""
+
+    def __init__(self, drafter: Drafter):
+        super().__init__(drafter.runner, drafter.sampler)
+        self.constrained_drafts = 0
+        self.invalid: list[list[int]] = []  # draft chains their grammar does not take
+
+    def propose(self, batch, job, output, states):
+        drafts = super().propose(batch, job, output, states)
+        for r, proposed in drafts.items():
+            if states[r].grammar is None:
+                continue
+            matcher = states[r].grammar.matcher.fork()
+            if not all(not matcher.is_terminated() and matcher.accept_token(token) for token in proposed):
+                self.invalid.append(proposed)
+            self.constrained_drafts += len(proposed)
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def constrained_reference(tiny_checkpoint):
+    """k = 0 greedy outputs of the constrained requests alone (the engine's draft counters are then theirs)."""
+    prompts, params = _prompts([3, 40, 9, 70], seed=8), _constrained_params()[:4]
+    results = _generate(_engine(tiny_checkpoint), prompts, params)
+    _assert_valid(results, params)
+    return prompts, params, results
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_constrained_greedy_outputs_with_speculation_equal_those_without(tiny_checkpoint, constrained_reference, k):
+    """Drafts from the reference outputs, 30 % corrupted (a corrupted draft is mostly one the grammar cannot take;
+    the true ones run up to the grammar's stop token): the same tokens and endings as without drafts, and the
+    engine's counters show drafts of constrained rows proposed, some accepted, some rejected."""
+    prompts, params, expected = constrained_reference
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    got = _generate(engine, prompts, params, dict(enumerate(_ids(expected))))
+    assert _ids(got) == _ids(expected)
+    assert [r["finish_reason"] for r in got] == [r["finish_reason"] for r in expected]
+    stats = engine.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats["mean_accepted_length"] > 1.0
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_constrained_sampled_outputs_stay_valid_with_speculation(tiny_checkpoint, k):
+    """Sampling (three seeds each) with the draft layer's own drafts, drawn under the grammars' masks: every output
+    is in its language, every draft is one its grammar takes, and some of the constrained rows' drafts are
+    accepted."""
+    prompts = _prompts([3, 40, 9, 70, 20], seed=9)
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    engine.executor.drafter = checking = GrammarCheckingDrafter(engine.executor.drafter)
+    for seed in (0, 100, 200):
+        params = _constrained_params(temperature=1.0, seed=seed)
+        _assert_valid(_generate(engine, prompts, params), params)
+    assert checking.invalid == []
+    stats = engine.stats()
+    assert checking.constrained_drafts > 0 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def _same_logprobs(got: list, expected: list) -> None:
+    """Per token: the same rank and top tokens, log-probabilities within 1e-4 (the verify's logits are computed in
+    a wider batch)."""
+    assert len(got) == len(expected)
+    for position, (a, b) in enumerate(zip(got, expected)):
+        assert a.rank == b.rank and abs(a.logprob - b.logprob) < 1e-4, (position, a, b)
+        finite = [(t, v) for t, v in b.top if v != float("-inf")]  # (tokens a mask cut have no order)
+        assert [t for t, _ in a.top[:len(finite)]] == [t for t, _ in finite], (position, a, b)
+        assert all(abs(v - w) < 1e-4 for (_, v), (_, w) in zip(a.top, finite)), (position, a, b)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_logprobs_with_speculation_equal_those_without(tiny_checkpoint, k):
+    """logprobs=3, unconstrained and constrained: each emitted token's log-probabilities are those of the target row
+    it was decided at (drafts accepted, so a verify emits several), masked as without drafts."""
+    prompts = _prompts([3, 40, 9, 70, 20], seed=10)
+    params = _constrained_params(logprobs=3)
+    expected = _generate(_engine(tiny_checkpoint), prompts, params)
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    got = _generate(engine, prompts, params, dict(enumerate(_ids(expected))))
+    assert _ids(got) == _ids(expected)
+    assert engine.stats()["num_accepted_tokens"] > 0
+    for a, b in zip(got, expected):
+        _same_logprobs(a["logprobs"], b["logprobs"])

@@ -10,7 +10,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarBatch, GrammarService, _shares, choice_grammar
+from backend.structured.grammar import (NO_TOKEN_CAN_FOLLOW, GrammarBatch, GrammarLookahead, GrammarService, _shares,
+                                       choice_grammar)
 from backend.structured.params import GuidedDecoding
 
 from .conftest import TINY_TOKENIZER, guided
@@ -190,3 +191,30 @@ def test_masks_filled_by_several_workers_equal_one_workers(service):
     finally:
         one.close()
         several.close()
+
+
+def test_a_lookahead_takes_drafts_tentatively_stops_where_the_grammar_does_and_rolls_back(service):
+    """Speculative decoding's walk: drafts taken one by one (the mask after them differs), a draft the grammar
+    cannot take stops the walk, a stop token blocks it (no mask follows), and rollback leaves the matcher where it
+    was, or holding the drafts kept."""
+    from tokenizers import Tokenizer
+
+    token = {c: Tokenizer.from_file(str(TINY_TOKENIZER)).encode(c, add_special_tokens=False).ids[0] for c in "abxz"}
+    grammar = service.prepare(guided({"regex": "[a-c]{2}x"}))
+    grammar.future.result(timeout=30)
+
+    def mask() -> torch.Tensor:
+        out = xgr.allocate_token_bitmask(1, 512)
+        grammar.matcher.fill_next_token_bitmask(out, 0)
+        return out
+
+    start, walk = mask(), GrammarLookahead()
+    assert walk.take([grammar], [token["a"]]) == [True] and walk.open(grammar) and walk.taken[grammar] == 1
+    assert walk.take([grammar], [token["z"]]) == [False] and not walk.open(grammar) and not walk.blocked(grammar)
+    walk.rollback()
+    assert torch.equal(mask(), start) and walk.open(grammar) and walk.open(None)
+    for draft in (token["a"], token["b"], token["x"], 1):  # 1: the stop token, which ends the grammar
+        walk.take([grammar], [draft])
+    assert walk.blocked(grammar) and not walk.open(grammar) and grammar.matcher.is_terminated()
+    walk.rollback({grammar: 2})  # "ab" emitted
+    assert not grammar.matcher.is_terminated() and grammar.matcher.accept_token(token["x"])
