@@ -147,8 +147,8 @@ class DraftChains:
         return list(self._chains)
 
     def run(self, chain: DraftChain, hidden: torch.Tensor) -> torch.Tensor:
-        """The drafts [k, key.rows] on the device: row i of line s is chained pass s's argmax at its row i; `hidden`
-        the verify step's streams [T, N, D]."""
+        """The drafts [k, key.rows] on the device, line s pass s's argmax at each of its rows (line 0: the first
+        pass's); `hidden` the verify step's streams [T, N, D]."""
         staged = self._stager.stage(chain)
         step = self._chains.get(chain.chain_key)
         if step is None:
