@@ -8,6 +8,8 @@ the oracle's drafts (30 % corrupted) rows accept different counts, so their chai
 (the layer's own drafts, nearly all rejected, one max_tokens) the last verifies carry fewer than k drafts, and their
 chains stop where the rows' pages end (`DraftRow.lookahead_end`). With `cut_chains`, every other static step's rows
 end their pages sooner, each row at its own place, so that within one chain some rows stop while others go on.
+A stand-in for CUDA graphs (`_EagerGraph`) checks what recording a chain assumes: its warm-up on the first step's own
+inputs changes nothing, and every replay reads the buffers the later steps copy in.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from backend.model import graph_runner
 from backend.model.static_batch import StaticKey
 from backend.request import SamplingParams
 from backend.sampler import SamplerState
@@ -81,10 +84,33 @@ def references(tiny_checkpoint):
     return out
 
 
-def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool):
+class _EagerGraph:
+    """A CUDA graph's stand-in on CPU: `graph_runner._record` runs the chain as a warm-up, then once more for the
+    output buffers (a capture records instead), and each replay runs it again into those buffers."""
+
+    replays = 0
+
+    def __init__(self, run):
+        self.run = run
+        run()  # the warm-up, on the first step's own inputs
+        self.output = run()
+
+    def replay(self) -> None:
+        _EagerGraph.replays += 1
+        self.output.copy_(self.run())
+
+    @classmethod
+    def record(cls, run, pool):
+        graph = cls(run)
+        return graph, graph.output
+
+
+def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, capture: bool = False):
     engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8)
     if not static:
         engine.core.runner.draft_chains = None  # pass by pass, after the same static verify steps
+    if capture:
+        engine.core.runner.draft_chains.capture = True  # (recorded by `_record`, which the test replaces)
     drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
                                engine.vocab_size, scenario.get("cut_chains", False))
     engine.executor.drafter = drafter
@@ -107,6 +133,19 @@ def test_the_static_chain_drafts_what_the_eager_chain_drafts(tiny_checkpoint, re
     assert static.proposals == eager.proposals
     if k > 1 and not scenario.startswith("oracle drafts, 5"):
         assert static.short_static > 0  # chains stopped early
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_recorded_chain_replays_what_the_eager_chain_drafts(tiny_checkpoint, references, monkeypatch, k):
+    scenario = "oracle drafts, 5 rows"  # (most static steps: many replays of each recorded chain)
+    prompts, expected = references[scenario]
+    monkeypatch.setattr(graph_runner, "_record", _EagerGraph.record)
+    _EagerGraph.replays = 0
+    _, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=False)
+    tokens, recorded, engine = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=True,
+                                    capture=True)
+    assert tokens == expected and recorded.proposals == eager.proposals
+    assert _EagerGraph.replays == recorded.chains.count("static") > len(engine.core.runner.draft_chains.keys)
 
 
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
