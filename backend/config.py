@@ -97,7 +97,8 @@ class EngineConfig:
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
-    # Decode steps at static (bucketed) shapes, replayed from CUDA graphs on CUDA; on CPU, True runs the
+    # Decode steps at static (bucketed) shapes, replayed from CUDA graphs on CUDA (speculative decoding: verify steps,
+    # and the draft passes after one as one chain, backend/speculative.py); on CPU, True runs the
     # same padded step eagerly (how the graph path is tested without a GPU). None: on for CUDA with one rank (graphs
     # of several ranks' steps capture their collectives: asked for with True, not yet run on GPUs).
     cuda_graphs: bool | None = None

@@ -40,7 +40,7 @@ from backend.executor import StepExecutor, StepHandle, StepJob, default_cpu_thre
 from backend.model.config import checkpoint_directory
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.staging import BatchStager
-from backend.model.static_batch import static_key
+from backend.model.static_batch import StaticKey, static_key
 from backend.model.comm import RankGroupError
 from backend.parallel.sync import ALONE, Agreement, StepSync
 from backend.request import FinishReason, RequestOutput, Sequence
@@ -203,9 +203,9 @@ class EngineCore:
                 state = seq.sampler_state
                 samplers.append(state)
                 plain &= state.plain
-        spec = self._spec_job(plan) if self.num_speculative_tokens else None
         graphs = self.runner.graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
+        spec = self._spec_job(plan, key) if self.num_speculative_tokens else None
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         cache = self.kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
@@ -221,9 +221,10 @@ class EngineCore:
             batch = self._stager.to_device(staged)
         return Forward(batch, copies, key, staged, reads_previous_tokens)
 
-    def _spec_job(self, plan: StepPlan) -> SpecJob:
+    def _spec_job(self, plan: StepPlan, key: StaticKey | None) -> SpecJob:
         """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
-        knows it (-1 where this step emits it), and each sampling row's drafts and pages."""
+        knows it (-1 where this step emits it), each sampling row's drafts, positions and pages, the step's static
+        shape (`key`: its drafts may then come from one static chain)."""
         next_ids, rows = [], []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -233,8 +234,9 @@ class EngineCore:
                 following = seq.token_ids[chunk.start + 1:chunk.end + 1]
                 next_ids += following + [-1] * (chunk.num_tokens - len(following))
             if chunk.samples:
-                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.start + chunk.allocated))
-        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens)
+                rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.end - 1 - len(chunk.drafts),
+                                     chunk.start + chunk.allocated))
+        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens, key)
 
     def _take_in_all(self, launched: list[tuple[StepPlan | None, StepHandle]]) -> None:
         for plan, handle in launched:

@@ -5,8 +5,8 @@
 
 A worker joins the group, plans the same deployment as rank 0 and loads its shard (backend/deployment.py), reports
 ready, then serves until rank 0 ends it: under tensor/expert parallelism it follows rank 0's steps (`_follow`: every
-`Forward` and `Draft` rank 0 broadcasts, run on its own ModelRunner); under data parallelism it is a whole engine
-of its own (`_serve`: backend/engine_core.py over its own pools, backend/parallel/data_parallel.py's loop).
+`Forward`, `Draft` and `DraftChain` rank 0 broadcasts, run on its own ModelRunner); under data parallelism it is a
+whole engine of its own (`_serve`: backend/engine_core.py over its own pools, backend/parallel/data_parallel.py's loop).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from backend.parallel.data_parallel import RankLink, serve_rank
 from backend.parallel.group import GroupSpec, join, ranks_per_node, ready, spawn_ranks
 from backend.model.parallel_layout import ParallelLayout
 from backend.parallel.messages import Stop
-from backend.runner import Draft, Forward, ModelRunner, make_runner
+from backend.runner import Draft, DraftChain, Forward, ModelRunner, make_runner
 
 
 def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
@@ -51,8 +51,8 @@ def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
 
 
 def _follow(runner: ModelRunner, control) -> None:
-    """A tensor/expert-parallel worker: run every message rank 0 broadcasts (`Forward`, `Draft`) on its own
-    ModelRunner, as rank 0 runs it, until `Stop`."""
+    """A tensor/expert-parallel worker: run every message rank 0 broadcasts (`Forward`, `Draft`, `DraftChain`) on its
+    own ModelRunner, as rank 0 runs it, until `Stop`."""
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=control)
@@ -61,6 +61,8 @@ def _follow(runner: ModelRunner, control) -> None:
                 runner.forward(step)
             case Draft() as step:
                 runner.draft(step)
+            case DraftChain() as chain:
+                runner.draft_chain(chain)
             case Stop():
                 return
 

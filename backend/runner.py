@@ -5,6 +5,7 @@
     logits, batch = runner.forward(Forward(batch, copies, static_key, staged, reads_previous_tokens))
     runner.keep_tokens(batch, tokens)                                    # what the next step's decodes read
     logits = runner.draft(Draft(batch, logits_index, hidden_rows))       # speculative decoding's draft passes
+    drafts = runner.draft_chain(chain)                                   # or all k of them at a static shape
 
 One interface for every layout, and the one owner of what surrounds a forward:
 - the prefix cache's copies (`StepCopies`), made before and after the forward on every rank that holds pools;
@@ -16,10 +17,12 @@ One interface for every layout, and the one owner of what surrounds a forward:
   decoding is on (`keep_streams`);
 - data-parallel ranks in lock-step (backend/parallel/sync.py): every rank's token counts on the batch (what the MoE
   exchange pads to), and a rank without a batch (`Forward(None)`, `draft(None)`) takes part in the other ranks'
-  exchanges alone; each draft pass is agreed on first.
+  exchanges alone; each draft pass is agreed on first;
+- the draft passes after a static verify step, for rows that draft greedily: one static chain (`DraftChain`,
+  backend/model/graph_runner.py), replayed from a CUDA graph on CUDA, that returns every pass's drafts at once.
 
-`Forward` and `Draft` are also the messages rank 0 of a group sends its workers (backend/rank_main.py): a worker runs
-each on its own `ModelRunner` exactly as rank 0 does; `Stop` (backend/parallel/messages.py) ends it.
+`Forward`, `Draft` and `DraftChain` are also the messages rank 0 of a group sends its workers (backend/rank_main.py):
+a worker runs each on its own `ModelRunner` exactly as rank 0 does; `Stop` (backend/parallel/messages.py) ends it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backend.model.graph_runner import DecodeGraphs
+from backend.model.graph_runner import DecodeGraphs, DraftChain, DraftChains
 from backend.model.staging import BatchStager
 from backend.parallel.sync import ALONE, StepSync
 
@@ -82,6 +85,10 @@ class ModelRunner:
     def __init__(self, model, kv, graphs: DecodeGraphs | None = None, keep_streams: bool = False,
                  sync: StepSync = ALONE):
         self.model, self.kv, self.graphs, self.keep_streams, self.sync = model, kv, graphs, keep_streams, sync
+        # The static draft chains after static verify steps (speculative decoding with static steps, one rank or a
+        # group; data-parallel ranks in lock-step agree on each pass, so they draft pass by pass).
+        self.draft_chains = (DraftChains(graphs) if graphs is not None and keep_streams and not sync.lock_step
+                             else None)
         self.device = torch.device(model.device)
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
         self.hidden: torch.Tensor | None = None  # the streams the next draft pass reads (keep_streams)
@@ -129,6 +136,10 @@ class ModelRunner:
         self.hidden = streams[index]
         return logits
 
+    def draft_chain(self, chain: DraftChain) -> torch.Tensor:
+        """The drafts [k, rows] of a static chain (on the device), from the streams the verify step kept."""
+        return self.draft_chains.run(chain, self.hidden)
+
     def keep_tokens(self, batch: "ForwardBatch", tokens: torch.Tensor) -> None:
         """A step's sampled tokens (one per logits row, in order), where the next step's decodes read them."""
         self.last_tokens[batch.logits_slot[:len(tokens)].to(self.device)] = tokens
@@ -174,6 +185,11 @@ class GroupRunner(ModelRunner):
         message = Draft(_on(step.batch, cpu), step.logits_index.cpu(),
                         None if step.hidden_rows is None else step.hidden_rows.cpu())
         return self.group.run(message, lambda: ModelRunner.draft(self, step))
+
+    def draft_chain(self, chain: DraftChain) -> torch.Tensor:
+        # (built on the host: the workers get it as it is, each runs the chain over its own buffers; every rank's
+        # logits are the same, gathered or reduced alike, so each rank's argmax feeds its next pass the same ids)
+        return self.group.run(chain, lambda: ModelRunner.draft_chain(self, chain))
 
 
 def make_runner(config: "EngineConfig", model, kv, group: "RankGroup | None" = None,

@@ -25,6 +25,12 @@ over every position of the step's batch, each with the main model's residual str
 embedding (a prompt's next token, or the token the step emitted), which also fills its own sliding window (one layer
 more in the window pool); the first draft comes from the row's last emitted position. The next k - 1 drafts chain
 through the draft layer's own streams, one position further each (vLLM's and SGLang's scheme for DeepSeek).
+After a verify step at a static shape (`SpecJob.static_key`) whose drafting rows all draft greedily, the k passes
+run as one static chain (`DraftChain`, backend/model/graph_runner.py: a CUDA graph on CUDA): the chained passes'
+positions and pages are known on the host before it (a row drafts while its pages last, `DraftRow.lookahead_end`),
+each pass's argmax feeds the next on the device, and the host reads every draft once at the end. Sampled rows draw
+each draft from q with the request's generator on the host, so a step with one drafts pass by pass (eagerly), as
+does a data-parallel rank in lock-step (its ranks agree on every pass).
 
 Rolling back a rejected draft is moving the request's position back (`Scheduler._settle_verify`), never a copy:
 - window and compressed entries, indexer keys, and the draft layer's window entries at rejected positions lie past
@@ -50,6 +56,8 @@ from dataclasses import dataclass
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
+from backend.model.graph_runner import DraftChain
+from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
 from backend.sampler import NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, filter_logits
 from backend.request import TokenLogprobs
@@ -64,6 +72,7 @@ class DraftRow:
     request_id: str
     pages: object  # the request's RequestPages (the draft chain writes the draft layer's window through them)
     drafts: tuple[int, ...]  # the drafts this row verifies (none: an ordinary sampling row)
+    position: int  # the position of its first logits token (a verify row's first of 1 + k)
     lookahead_end: int  # positions below this have pages: the draft chain stops before it
 
 
@@ -75,6 +84,7 @@ class SpecJob:
     next_ids: torch.Tensor  # [T] long
     rows: list[DraftRow]
     num_speculative_tokens: int
+    static_key: StaticKey | None = None  # the step's static shape (a verify step whose rows all carry k drafts)
 
     @classmethod
     def idle(cls, num_speculative_tokens: int) -> "SpecJob | None":
@@ -236,6 +246,19 @@ class Verifier:
         return emitted
 
 
+def _emitted_after(job: SpecJob, output: StepOutput) -> list[int]:
+    """The token after each logits token of the step's rows, in order (what the draft layer's first pass embeds)."""
+    after = []
+    for row, tokens in zip(job.rows, output.tokens):
+        count = 1 + len(row.drafts)
+        after += (tokens + tokens[-1:] * count)[:count] if tokens else [0] * count
+    return after
+
+
+def _long(values: list) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
 def _accepted_prefix(drafts: list[int], best: list[int]) -> list[int]:
     """Greedy verification: the target's tokens up to and including its first disagreement with the drafts (all
     of them, and one more, when none disagrees)."""
@@ -260,17 +283,30 @@ class Drafter:
         first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
         and k - 1 chained ones (a rank whose rows ran out of pages, or that has none, runs them empty)."""
         rows = [r for r in range(len(job.rows)) if r not in output.ends]
-        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         firsts = job.first_logits_rows()
-        # The row's last emitted position: its logits token number (emitted - 1). (No row: the draft layer's window
-        # still takes in this step's positions.)
+        # The row's last emitted position: its logits row (emitted - 1) and its position. (No row: the draft
+        # layer's window still takes in this step's positions.)
         picks = [firsts[r] + len(output.tokens[r]) - 1 for r in rows]
-        index = batch.logits_token_index[torch.tensor(picks, dtype=torch.long, device=batch.input_ids.device)]
-        logits = self.runner.draft(Draft(first, index))
-        positions = batch.positions[index].tolist()
-        drafts = {r: [] for r in rows}
+        positions = [job.rows[r].position + len(output.tokens[r]) - 1 for r in rows]
         for r in rows:
             states[r].draft_probs = []
+        if self._static(job, [states[r] for r in rows]):
+            return self._propose_static(job, output, rows, picks, positions)
+        return self._propose_eager(batch, job, output, states, rows, picks, positions)
+
+    def _static(self, job: SpecJob, states: list[SamplerState]) -> bool:
+        """Whether the step's drafts come from one static chain: a static verify step, on a runner that has chains,
+        whose drafting rows all draft the argmax (greedy; no grammar masks a draft)."""
+        return (job.static_key is not None and self.runner.draft_chains is not None
+                and all(s.params.temperature == 0.0 and s.grammar is None for s in states))
+
+    def _propose_eager(self, batch: ForwardBatch, job: SpecJob, output: StepOutput, states: list[SamplerState],
+                       rows: list[int], picks: list[int], positions: list[int]) -> dict[int, list[int]]:
+        """Pass by pass: each pass's drafts drawn on the host before the next pass is built."""
+        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
+        index = batch.logits_token_index[torch.tensor(picks, dtype=torch.long, device=batch.input_ids.device)]
+        logits = self.runner.draft(Draft(first, index))
+        drafts = {r: [] for r in rows}
         walk = GrammarLookahead()  # constrained rows: their matchers take the drafts, rolled back at the end
         tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing)
         for step in range(1, job.num_speculative_tokens + 1):
@@ -293,6 +329,41 @@ class Drafter:
         output.timing.grammar_accept_s += time.perf_counter() - rolling_back
         return drafts
 
+    def _propose_static(self, job: SpecJob, output: StepOutput, rows: list[int], picks: list[int],
+                        positions: list[int]) -> dict[int, list[int]]:
+        """One static chain (DraftChain): planned on the host, its drafts read once."""
+        chain, order = self._static_chain(job, output, rows, picks, positions)
+        tokens = self.runner.draft_chain(chain).tolist()  # (the chain's one host sync)
+        drafts = {r: [] for r in rows}
+        for line, live in zip(tokens, order):  # pass s gives the rows it ran their draft s + 1
+            for i, token in zip(live, line):
+                drafts[rows[i]].append(token)
+        return drafts
+
+    def _static_chain(self, job: SpecJob, output: StepOutput, rows: list[int], picks: list[int],
+                      positions: list[int]) -> tuple[DraftChain, list[list[int]]]:
+        """The chain of the step's drafting rows, and each pass's rows (indices into `rows`, in its row order): the
+        first pass has them all, chained pass s those whose pages reach position + s (as the eager chain)."""
+        key, k = job.static_key, job.num_speculative_tokens
+        order = [list(range(len(rows)))]
+        for step in range(1, k):
+            order.append([i for i in order[-1] if positions[i] + step < job.rows[rows[i]].lookahead_end])
+        # (the verify's context bucket at least: a chain key per verify key, or two where the chain crosses a bucket)
+        ends = [positions[i] + step + 1 for step, live in enumerate(order[1:], 1) for i in live]
+        context = max(key.context, context_bucket(max(ends, default=1)))
+        passes = {step: build_forward_batch([BatchRow(job.rows[rows[i]].pages, [0], positions[i] + step, True)
+                                             for i in live], self.runner.kv, pad_to=StaticKey(key.rows, context))
+                  for step, live in enumerate(order[1:], 1)}
+        # A chained row continues its own row of the pass before; a padding row any row (its writes go to scratch).
+        sources = []
+        for before, live in zip(order, order[1:]):
+            place = {i: j for j, i in enumerate(before)}
+            sources.append([place[i] for i in live] + list(range(len(live), key.rows)))
+        padded_picks = picks + [0] * (key.rows - len(picks))
+        chain = DraftChain(key, self._next_ids_static(job, output, key), _long(padded_picks),
+                           _long(sources).view(k - 1, key.rows), passes, context)
+        return chain, order
+
     def idle(self, job: SpecJob) -> None:
         """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes."""
         for _ in range(job.num_speculative_tokens):
@@ -308,16 +379,19 @@ class Drafter:
         """Each position's next token: the host's (prompt tokens), or the token the step emitted after it (every
         logits token: a verify's i-th emits its i-th token; past the emitted ones, any token: those positions are
         rejected and rewritten later)."""
-        after = []
-        for row, tokens in zip(job.rows, output.tokens):
-            count = 1 + len(row.drafts)
-            after += (tokens + tokens[-1:] * count)[:count] if tokens else [0] * count
+        after = _emitted_after(job, output)
         after += [0] * (len(batch.logits_token_index) - len(after))  # (a static batch's padding rows)
         next_ids = torch.zeros(batch.num_tokens, dtype=torch.long)  # (padding rows' tokens follow the real ones)
         next_ids[:len(job.next_ids)] = job.next_ids
         next_ids = next_ids.to(batch.input_ids.device)
         next_ids[batch.logits_token_index] = torch.tensor(after, dtype=torch.long, device=next_ids.device)
         return next_ids
+
+    @staticmethod
+    def _next_ids_static(job: SpecJob, output: StepOutput, key: StaticKey) -> torch.Tensor:
+        """_next_ids of a static verify step, on the host: every token of its batch is a logits token."""
+        after = _emitted_after(job, output)
+        return _long(after + [0] * (key.rows * key.tokens_per_row - len(after)))
 
     def _draw(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
               timing: StepTiming) -> list[int | None]:

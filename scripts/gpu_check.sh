@@ -13,9 +13,12 @@
 #   7. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
 #      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt),
 #   8. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
-#      side, CUDA graphs on (decode steps and verify steps whose rows carry k drafts each; the draft passes run
-#      eagerly). The built-in checkpoint's drafts are random (almost never accepted): this measures what
-#      speculation costs, its worst case.
+#      side, CUDA graphs on (decode steps, verify steps whose rows carry k drafts each, and the draft passes after
+#      them as one static chain), the chain against the eager draft passes (--draft-chains static eager), and each
+#      verify step's cost over a decode step's with the speed-up it gives at V4-Flash's published acceptance
+#      (speculative_step_cost.csv, speculative_step_cost.png). The trained draft when checkpoints/dsv4-tiny-mtp is
+#      there, else the built-in checkpoint's random one (almost never accepted: what speculation costs, its worst
+#      case). speculative_v4: the same step costs at V4-Flash's widths (dummy weights, 4 layers and the MTP layer).
 #   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
@@ -46,8 +49,10 @@ MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft
 [ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
 # what each part took on an H200 (2026-12-04), with some room
 declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [tune]=200 [bench_kernels]=150 [host_loop]=60
-                  [speculative]=90 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
-limit+=([v4_shapes]=240 [v4_serving]=300)   # not yet run on a GPU: building the dummy model, compiling, the loads
+                  [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
+# not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
+# were measured beside the static ones)
+limit+=([v4_shapes]=240 [v4_serving]=300 [speculative_v4]=240)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
@@ -88,7 +93,12 @@ run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" 
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
   --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
 run speculative "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
-  --runs 3 --json "$RESULTS/speculative.json" --csv "$RESULTS/speculative.csv"
+  --draft-chains static eager --runs 3 --json "$RESULTS/speculative.json" --csv "$RESULTS/speculative.csv" \
+  --plot "$RESULTS/speculative.png"
+run speculative_v4 "$PY" scripts/bench_speculative.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
+  --hf-overrides '{"num_hidden_layers": 4}' --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 --max-tokens 32 \
+  --engine-settings '{"weight_format": "fp8", "numerics": "deepseek", "kv_cache_dtype": "fp8", "num_tokens": 16384}' \
+  --runs 3 --json "$RESULTS/speculative_v4.json" --csv "$RESULTS/speculative_v4.csv"
 
 if "$PY" -c "import xgrammar" 2>/dev/null; then
   run structured "$PY" scripts/bench_structured.py --device cuda --skip-compile --repeats 3 \
@@ -103,7 +113,7 @@ run v4_serving "$PY" scripts/bench_v4_serving.py --device cuda --measurement-int
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches tune bench_kernels host_loop speculative structured v4_shapes v4_serving; do
+for name in kernel_tests engine launches tune bench_kernels host_loop speculative speculative_v4 structured v4_shapes v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done

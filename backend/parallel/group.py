@@ -150,7 +150,7 @@ class RankGroup:
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
 
     def run(self, message, run_own):
-        """Send every worker `message` (a Forward or a Draft: backend/runner.py), then run rank 0's part
+        """Send every worker `message` (a Forward, a Draft or a DraftChain: backend/runner.py), then run rank 0's part
         (`run_own()`, its result returned); RankGroupError if any rank is gone."""
         if self.broken:
             raise RankGroupError(self.broken)

@@ -75,11 +75,14 @@ def test_an_output_batch_carries_a_request_in_at_most_32_bytes():
     assert OutputBatch.from_frames(plain).handles.dtype == np.int32
 
 
-@pytest.mark.parametrize("layout", [dict(data_parallel_size=2, expert_parallel_size=2),
-                                    dict(tensor_parallel_size=2, expert_parallel_size=2)])
-def test_static_decode_steps_with_several_ranks_give_the_single_rank_tokens(parallel_checkpoint, layout):
+@pytest.mark.parametrize("layout, k", [(dict(data_parallel_size=2, expert_parallel_size=2), 0),
+                                       (dict(tensor_parallel_size=2, expert_parallel_size=2), 0),
+                                       (dict(data_parallel_size=2, expert_parallel_size=2), 2)])
+def test_static_decode_steps_with_several_ranks_give_the_single_rank_tokens(parallel_checkpoint, layout, k):
     """cuda_graphs=True on CPU runs the padded static steps eagerly, as a GPU replays them: every rank of a
-    tensor/expert-parallel group on the same key, data-parallel ranks each on their own (padded to the largest's)."""
+    tensor/expert-parallel group on the same key, data-parallel ranks each on their own (padded to the largest's).
+    With k drafts, data-parallel ranks in lock-step draft pass by pass after their static verify steps (every pass
+    agreed on: no static chain)."""
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 40, 150, 70, 9)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -88,9 +91,12 @@ def test_static_decode_steps_with_several_ranks_give_the_single_rank_tokens(para
         expected = [r["output_ids"] for r in single.generate(prompts, params)]
     finally:
         single.shutdown()
-    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, **layout, **POOLS))
+    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, num_speculative_tokens=k,
+                                    **layout, **POOLS))
     try:
         assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
         assert engine.decode_graphs.keys  # rank 0's decodes ran at static shapes
+        if k:
+            assert engine.core.runner.draft_chains is None and engine.stats()["num_draft_tokens"] > 0
     finally:
         engine.shutdown()

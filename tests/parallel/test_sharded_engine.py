@@ -209,10 +209,12 @@ def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepsee
         sharded.shutdown()
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
-def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, tp, ep):
+@pytest.mark.parametrize("tp, ep, cuda_graphs", [(2, 1, False), (1, 2, False), (2, 1, True)])
+def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, tp, ep, cuda_graphs):
     """Speculative decoding with two ranks (every rank runs the verify forward and each draft pass, rank 0 draws):
-    with k = 2 and drafts that are partly right, the greedy tokens are the single rank's without speculation."""
+    with k = 2 and drafts that are partly right, the greedy tokens are the single rank's without speculation. With
+    cuda_graphs (static steps, eagerly on CPU) the draft passes after a static verify step are one static chain on
+    every rank (the workers run the DraftChain rank 0 sends)."""
     from tests.engine.test_speculative import OracleDrafter
 
     gen = torch.Generator().manual_seed(3)
@@ -220,12 +222,14 @@ def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, t
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     single = _engine(parallel_checkpoint)
     expected = [r["output_ids"] for r in single.generate(prompts, params)]
-    sharded = _engine(parallel_checkpoint, num_speculative_tokens=2, tensor_parallel_size=tp, expert_parallel_size=ep)
+    sharded = _engine(parallel_checkpoint, num_speculative_tokens=2, tensor_parallel_size=tp, expert_parallel_size=ep,
+                      cuda_graphs=cuda_graphs)
     try:
         executor = sharded.executor
         executor.drafter = OracleDrafter(executor.drafter, dict(enumerate(expected)), 0.3, sharded.vocab_size)
         assert [r["output_ids"] for r in sharded.generate(prompts, params)] == expected
         assert sharded.stats()["num_accepted_tokens"] > 0
+        assert bool(cuda_graphs) == bool(sharded.core.runner.draft_chains and sharded.core.runner.draft_chains.keys)
     finally:
         sharded.shutdown()
 

@@ -1,0 +1,161 @@
+"""The draft layer's static chain (DraftChain: what a CUDA graph replays after a static verify step) against the
+pass-by-pass chain, eagerly on CPU.
+
+Two engines with `cuda_graphs=True` (static verify steps) run the same requests: one drafts pass by pass (its runner
+has no chains), the other through the static chain. Every proposal of the MTP layer must be the same, request by
+request, and so must the generated tokens (those without speculation). Batches of 5 and 3 rows pad to 8 and 4; with
+the oracle's drafts (30 % corrupted) rows accept different counts, so their chained positions differ; in lock-step
+(the layer's own drafts, nearly all rejected, one max_tokens) the last verifies carry fewer than k drafts, and their
+chains stop where the rows' pages end (`DraftRow.lookahead_end`). With `cut_chains`, every other static step's rows
+end their pages sooner, each row at its own place, so that within one chain some rows stop while others go on.
+A stand-in for CUDA graphs (`_EagerGraph`) checks what recording a chain assumes: its warm-up on the first step's own
+inputs changes nothing, and every replay reads the buffers the later steps copy in.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+import torch
+
+from backend.model import graph_runner
+from backend.model.static_batch import StaticKey
+from backend.request import SamplingParams
+from backend.sampler import SamplerState
+from backend.speculative import Drafter, SpecJob
+
+from .test_speculative import OracleDrafter, _engine, _ids, _prompts
+
+SCENARIOS = {
+    "oracle drafts, 5 rows": dict(lengths=[1, 7, 30, 12, 20], error_rate=0.3),
+    "oracle drafts, chains cut": dict(lengths=[1, 7, 30, 12, 20], error_rate=0.3, cut_chains=True),
+    "lock-step, 3 rows": dict(lengths=[20, 20, 20], error_rate=None),
+}
+MAX_TOKENS = 40
+
+
+class RecordingDrafter(OracleDrafter):
+    """Keeps the draft layer's proposals (per request, in order) and which chain made them, then hands on the oracle's
+    drafts (error_rate None: the layer's own)."""
+
+    def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float | None, vocab: int,
+                 cut_chains: bool = False):
+        super().__init__(drafter, reference, error_rate or 0.0, vocab)
+        self.use_oracle, self.cut_chains, self.static_steps = error_rate is not None, cut_chains, 0
+        self.proposals: dict[int, list[list[int]]] = defaultdict(list)  # by the request's place in the batch
+        self.chains: list[str] = []  # per step: "static", "eager" or "eager after a static step"
+        self.short_static = 0  # static chains' rows given fewer than k drafts (their chain stopped early)
+
+    def propose(self, batch, job, output, states):
+        if self.cut_chains and job.static_key is not None:
+            self.static_steps += 1
+            if self.static_steps % 2:  # row r's pages end 1 + r % k positions after its verify's first
+                k = job.num_speculative_tokens
+                job = replace(job, rows=[replace(row, lookahead_end=min(row.lookahead_end, row.position + 1 + r % k))
+                                         for r, row in enumerate(job.rows)])
+        return (super() if self.use_oracle else super(OracleDrafter, self)).propose(batch, job, output, states)
+
+    def _propose_static(self, job, *args):
+        drafts = super()._propose_static(job, *args)
+        self.short_static += sum(len(d) < job.num_speculative_tokens for d in drafts.values())
+        return self._record("static", job, drafts)
+
+    def _propose_eager(self, batch, job, *args):
+        chain = "eager" if job.static_key is None else "eager after a static step"
+        return self._record(chain, job, super()._propose_eager(batch, job, *args))
+
+    def _record(self, chain: str, job, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+        self.chains.append(chain)
+        for r, proposed in drafts.items():
+            self.proposals[int(job.rows[r].request_id.split("-")[1])].append(list(proposed))
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint):
+    """Each scenario's prompts and their tokens without speculation."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = {}
+    for name, scenario in SCENARIOS.items():
+        prompts = _prompts(scenario["lengths"], seed=11)
+        out[name] = prompts, _ids(_engine(tiny_checkpoint, max_running_requests=8).generate(prompts, params))
+    return out
+
+
+class _EagerGraph:
+    """A CUDA graph's stand-in on CPU: `graph_runner._record` runs the chain as a warm-up, then once more for the
+    output buffers (a capture records instead), and each replay runs it again into those buffers."""
+
+    replays = 0
+
+    def __init__(self, run):
+        self.run = run
+        run()  # the warm-up, on the first step's own inputs
+        self.output = run()
+
+    def replay(self) -> None:
+        _EagerGraph.replays += 1
+        self.output.copy_(self.run())
+
+    @classmethod
+    def record(cls, run, pool):
+        graph = cls(run)
+        return graph, graph.output
+
+
+def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, capture: bool = False):
+    engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8)
+    if not static:
+        engine.core.runner.draft_chains = None  # pass by pass, after the same static verify steps
+    if capture:
+        engine.core.runner.draft_chains.capture = True  # (recorded by `_record`, which the test replaces)
+    drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
+                               engine.vocab_size, scenario.get("cut_chains", False))
+    engine.executor.drafter = drafter
+    tokens = _ids(engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    engine.kv.check()
+    return tokens, drafter, engine
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_static_chain_drafts_what_the_eager_chain_drafts(tiny_checkpoint, references, scenario, k):
+    prompts, expected = references[scenario]
+    eager_tokens, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=False)
+    static_tokens, static, engine = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=True)
+    assert eager_tokens == expected and static_tokens == expected
+    assert set(eager.chains) == {"eager", "eager after a static step"}
+    assert set(static.chains) == {"eager", "static"}  # every static step's drafts from a static chain
+    assert static.chains.count("static") == eager.chains.count("eager after a static step")
+    assert {5: 8, 3: 4}[len(prompts)] in {key.rows for key, _ in engine.core.runner.draft_chains.keys}  # padded
+    assert static.proposals == eager.proposals
+    if k > 1 and not scenario.startswith("oracle drafts, 5"):
+        assert static.short_static > 0  # chains stopped early
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_recorded_chain_replays_what_the_eager_chain_drafts(tiny_checkpoint, references, monkeypatch, k):
+    scenario = "oracle drafts, 5 rows"  # (most static steps: many replays of each recorded chain)
+    prompts, expected = references[scenario]
+    monkeypatch.setattr(graph_runner, "_record", _EagerGraph.record)
+    _EagerGraph.replays = 0
+    _, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=False)
+    tokens, recorded, engine = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=True,
+                                    capture=True)
+    assert tokens == expected and recorded.proposals == eager.proposals
+    assert _EagerGraph.replays == recorded.chains.count("static") > len(engine.core.runner.draft_chains.keys)
+
+
+def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
+    """A sampled row draws each draft from q with its own generator, a constrained row's drafts are masked by its
+    grammar (both on the host, between passes): a step with one drafts pass by pass, as does a dynamic step."""
+    drafter = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True).executor.drafter
+    job = SpecJob(torch.empty(0, dtype=torch.long), [], 2, StaticKey(rows=4, context=256, tokens_per_row=3))
+    greedy = SamplerState(SamplingParams(), [])
+    assert drafter._static(job, [greedy, greedy])
+    assert drafter._static(job, [SamplerState(SamplingParams(repetition_penalty=1.2), [])])  # (drafts: no penalty)
+    assert not drafter._static(job, [greedy, SamplerState(SamplingParams(temperature=0.7), [])])
+    assert not drafter._static(job, [greedy, SamplerState(SamplingParams(), [], grammar=object())])
+    assert not drafter._static(replace(job, static_key=None), [greedy])
