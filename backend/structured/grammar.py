@@ -38,6 +38,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from backend.structured.params import GuidedDecoding
@@ -243,7 +244,8 @@ class GrammarBatch:
         self._fill_rows(matchers, masks, *shares[0])
         for future in pending:
             future.result()
-        return (~masks[:len(matchers)].any(dim=1)).nonzero().flatten().tolist()
+        # (numpy's reduction runs on this thread; torch's may wait on intra-op threads another process holds)
+        return np.flatnonzero(~masks[:len(matchers)].numpy().any(axis=1)).tolist()
 
     def _fill_rows(self, matchers: list, masks: torch.Tensor, start: int, end: int) -> None:
         if start == 0 and end == len(matchers):  # all rows on this thread: XGrammar's own row order
