@@ -135,8 +135,11 @@ class LLMEngine:
         can ever hold), the grammar (parsed here), and that the id is not in use; a full queue (max_queue_size, per
         rank) is refused with EngineUnavailable.
         """
-        if self.unavailable:
-            raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
+        # (rank 0's core knows first: it fails its requests before this engine's step sees it, and a client that
+        # got that failure may send its next request at once)
+        unavailable = self.unavailable or self.core.unavailable
+        if unavailable:
+            raise EngineUnavailable(f"the model cannot serve: {unavailable}")
         self.limits.check(seq.prompt_ids, seq.sampling)
         stop_ids = frozenset(seq.sampling.stop_token_ids) | frozenset(
             () if seq.sampling.ignore_eos else self.eos_token_ids)

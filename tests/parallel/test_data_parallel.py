@@ -345,13 +345,26 @@ def test_cancellation_and_deadlines_on_the_ranks(parallel_checkpoint):
 
 
 def test_a_killed_worker_ends_the_requests_and_later_ones_are_refused(parallel_checkpoint):
+    """Both ranks' requests end with an error, and a request sent the moment a client learns of its failure (from
+    its output callback, before the engine's step has seen the failure) is refused as the later ones are."""
     engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=30)
     outputs: dict[str, list] = {}
+    resent: dict[str, str] = {}
+
+    def on_output(raw):
+        outputs.setdefault(raw.request_id, []).append(raw)
+        if raw.finished and raw.error:
+            try:
+                engine.submit(Sequence(f"resent-{raw.request_id}", [2, 3]), lambda _: None)
+                resent[raw.request_id] = "admitted"
+            except EngineUnavailable as exc:
+                resent[raw.request_id] = str(exc)
+
     try:
         engine.start()
         for i in range(2):
             engine.submit(Sequence(f"r{i}", list(range(2, 30)), SamplingParams(max_tokens=2000, ignore_eos=True)),
-                          lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
+                          on_output)
         while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
             time.sleep(0.01)
         os.kill(engine.group._processes[0].pid, signal.SIGKILL)
@@ -359,6 +372,7 @@ def test_a_killed_worker_ends_the_requests_and_later_ones_are_refused(parallel_c
         while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(outputs[f"r{i}"][-1].error for i in range(2))
+        assert sorted(resent) == ["r0", "r1"] and all("cannot serve" in why for why in resent.values()), resent
         with pytest.raises(EngineUnavailable, match="cannot serve"):
             engine.submit(Sequence("after", [2, 3]), lambda raw: None)
     finally:
