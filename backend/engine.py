@@ -20,8 +20,9 @@ Data-parallel attention (`data_parallel_size` W > 1, backend/model/parallel_layo
 its own pools; ranks 1.. run theirs in their own processes (backend/parallel/data_parallel.py). This engine places
 each arriving request on a rank (`_place`: the least loaded, unless a rank that served its prompt's first cache
 block is loaded little more), sends it there (or queues it in its own core for rank 0), and passes each rank's
-outputs on as they come back. Starvation guarantees, ITL targets, preemption, deadlines, the prefix cache, grammars
-and speculative decoding are each rank's own, as on one rank.
+outputs on as they come back. Starvation guarantees, ITL targets, preemption, the prefix cache, grammars and
+speculative decoding are each rank's own, as on one rank; cancels and deadlines of another rank's requests are
+decided here (`_end_elsewhere`), so that nothing reaches a client after its request ended.
 
 Start-up order: the config was validated when it was built; the checkpoint's config.json is read, the
 deployment resolved and the memory pools sized (backend/deployment.py), the chunk budget resolved — so a
