@@ -36,6 +36,10 @@ class Communicator:
 
 
 class DistributedCommunicator(Communicator):
+    """The collectives over a process group. A collective that fails (a rank died, or stayed silent past the group's
+    timeout) raises RankGroupError, as the rank group's own messages do: whoever runs the step then knows the group
+    is broken, not merely that one step failed."""
+
     def __init__(self, group=None):
         import torch.distributed as dist
 
@@ -45,7 +49,7 @@ class DistributedCommunicator(Communicator):
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.contiguous()
-        self._dist.all_reduce(tensor, group=self.group)
+        self._call(self._dist.all_reduce, tensor, group=self.group)
         return tensor
 
     def all_gather_last(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -59,14 +63,21 @@ class DistributedCommunicator(Communicator):
         rows = tensor.shape[0] // self.world_size
         if self._dist.get_backend(self.group) == "nccl":
             out = tensor.new_empty((rows, *tensor.shape[1:]))
-            self._dist.reduce_scatter_tensor(out, tensor, group=self.group)
+            self._call(self._dist.reduce_scatter_tensor, out, tensor, group=self.group)
             return out
         # gloo has no reduce-scatter: the whole sum, then this rank's rows (W times the traffic; CPU only)
-        self._dist.all_reduce(tensor, group=self.group)
+        self._call(self._dist.all_reduce, tensor, group=self.group)
         return tensor[self.rank * rows:(self.rank + 1) * rows]
 
     def _gathered(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._dist.all_gather(parts, tensor, group=self.group)
+        self._call(self._dist.all_gather, parts, tensor, group=self.group)
         return parts
+
+    @staticmethod
+    def _call(collective, *args, **kwargs) -> None:
+        try:
+            collective(*args, **kwargs)
+        except Exception as exc:
+            raise RankGroupError(f"a collective of the rank group failed: {exc}") from exc
