@@ -115,7 +115,9 @@ def run(engine, requests: list[Request], clock: FakeClock) -> list[Stream]:
         processor.add(seq.request_id, request.params)
         engine.submit(seq, _on_output(engine, processor, clock, request, stream))
     while any(stream.finish_reason is None for stream in streams):
-        assert engine.step(), "the engine went idle with requests unfinished"
+        if not engine.step():  # (rank 0 idle: another data-parallel rank may still serve requests, as in generate())
+            assert engine._served_elsewhere(), "the engine went idle with requests unfinished"
+            engine._wait_for_work(timeout=0.05)
     engine.drain()
     return streams
 
