@@ -333,6 +333,7 @@ class Drafter:
                         positions: list[int]) -> dict[int, list[int]]:
         """One static chain (DraftChain): planned on the host, its drafts read once."""
         chain, order = self._static_chain(job, output, rows, picks, positions)
+        output.timing.static_drafts = True
         tokens = self.runner.draft_chain(chain).tolist()  # (the chain's one host sync)
         drafts = {r: [] for r in rows}
         for line, live in zip(tokens, order):  # pass s gives the rows it ran their draft s + 1
