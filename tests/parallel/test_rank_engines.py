@@ -2,8 +2,9 @@
 
 Speculative decoding with structured outputs and seeded sampling over DP=2 (+EP=2: the ranks in lock-step, each
 step's draft passes agreed on at once) gives the single rank's tokens, and so do static draft chains on data-parallel
-ranks (a rank idle, ranks with different row counts, a rank drafting pass by pass beside one running its chain); what
-a rank sends rank 0 per step stays within 32 bytes a request; the other ranks' stats reach rank 0's.
+ranks (a rank idle, ranks with different row counts, a rank drafting pass by pass beside one running its chain), and
+constrained rows ending after their passes were agreed on; what a rank sends rank 0 per step stays within 32 bytes a
+request; the other ranks' stats reach rank 0's.
 """
 
 from __future__ import annotations
@@ -161,3 +162,25 @@ def test_a_rank_drafting_pass_by_pass_keeps_in_step_with_a_rank_running_its_stat
     verifies = [r for r in _steps(step_log) if r["num_verifies"]]
     static = {rank: any(r["static_drafts"] for r in verifies if r["rank"] == rank) for rank in (0, 1)}
     assert {r["rank"] for r in verifies} == {0, 1} and sorted(static.values()) == [False, True]
+
+
+def test_a_grammar_ending_rows_after_the_agreement_keeps_the_ranks_in_step(parallel_checkpoint):
+    """DP=2+EP=2, k=3, constrained requests on both ranks: a row whose grammar takes no more drafts leaves its rank's
+    later passes after their counts were agreed, so a pass brings fewer tokens than declared (rank 0's are counted);
+    the exchange still pads to the agreed largest, and the tokens are the single rank's."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(max_tokens=24, guided_decoding=guided_decoding_from_sampling(
+        {"guided_decoding": {"json": schema}}, "test"))
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 30, 12, 44)]
+    settings = dict(checkpoint=str(parallel_checkpoint), num_speculative_tokens=3, **POOLS)
+    expected = _single_rank_tokens(parallel_checkpoint, prompts, params, num_speculative_tokens=3)
+    engine = LLMEngine(EngineConfig(data_parallel_size=2, expert_parallel_size=2, **settings))
+    runner, fewer = engine.core.runner, []
+    draft = runner.draft
+    runner.draft = lambda step: fewer.append(step.batch.num_tokens < step.dp_token_counts[0]) or draft(step)
+    try:
+        assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
+    finally:
+        engine.shutdown()
+    assert any(fewer)
