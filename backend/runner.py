@@ -4,8 +4,9 @@
                                                                          # pools; GroupRunner: rank 0 of a group
     logits, batch = runner.forward(Forward(batch, copies, static_key, staged, reads_previous_tokens))
     runner.keep_tokens(batch, tokens)                                    # what the next step's decodes read
-    logits = runner.draft(Draft(batch, logits_index, hidden_rows))       # speculative decoding's draft passes
-    drafts = runner.draft_chain(chain)                                   # or all k of them at a static shape
+    counts = runner.agree_drafts(own_counts)                             # speculative decoding's k draft passes,
+    logits = runner.draft(Draft(batch, logits_index, hidden_rows, counts[s]))  # pass by pass (`idle_draft`: none
+    drafts = runner.draft_chain(replace(chain, dp_token_counts=counts))  # of its own), or one static chain
 
 One interface for every layout, and the one owner of what surrounds a forward:
 - the prefix cache's copies (`StepCopies`), made before and after the forward on every rank that holds pools;
@@ -16,10 +17,13 @@ One interface for every layout, and the one owner of what surrounds a forward:
   (`DecodeGraphs`, a step at a static shape), with the residual streams kept for the draft passes when speculative
   decoding is on (`keep_streams`);
 - data-parallel ranks in lock-step (backend/parallel/sync.py): every rank's token counts on the batch (what the MoE
-  exchange pads to), and a rank without a batch (`Forward(None)`, `draft(None)`) takes part in the other ranks'
-  exchanges alone; each draft pass is agreed on first;
+  exchange pads to), and a rank without a batch (`Forward(None)`, `idle_draft`) takes part in the other ranks'
+  exchanges alone; a step's k draft passes are agreed on once, before the first (`agree_drafts`: every rank's tokens
+  in each pass);
 - the draft passes after a static verify step, for rows that draft greedily: one static chain (`DraftChain`,
-  backend/model/graph_runner.py), replayed from a CUDA graph on CUDA, that returns every pass's drafts at once.
+  backend/model/graph_runner.py), replayed from a CUDA graph on CUDA, that returns every pass's drafts at once. In
+  lock-step its graph replays only where each pass's exchange pads to this rank's own count (as a decode graph's);
+  else the same chain runs eagerly at the agreed counts.
 
 `Forward`, `Draft` and `DraftChain` are also the messages rank 0 of a group sends its workers (backend/rank_main.py):
 a worker runs each on its own `ModelRunner` exactly as rank 0 does; `Stop` (backend/parallel/messages.py) ends it.
@@ -70,11 +74,14 @@ class Forward:
 @dataclass(frozen=True, slots=True)
 class Draft:
     """One pass of the MTP layer (backend/speculative.py) over `batch`, reading the streams the runner kept (all rows,
-    or `hidden_rows` of them); logits at `logits_index`, whose streams the next pass reads."""
+    or `hidden_rows` of them); logits at `logits_index`, whose streams the next pass reads. In lock-step, every rank's
+    tokens in this pass, agreed before the step's first pass (this rank's may be more than its batch holds, where a
+    grammar ended rows since: the exchange pads to the largest all the same)."""
 
     batch: "ForwardBatch"
     logits_index: torch.Tensor
     hidden_rows: torch.Tensor | None = None
+    dp_token_counts: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -85,10 +92,9 @@ class ModelRunner:
     def __init__(self, model, kv, graphs: DecodeGraphs | None = None, keep_streams: bool = False,
                  sync: StepSync = ALONE):
         self.model, self.kv, self.graphs, self.keep_streams, self.sync = model, kv, graphs, keep_streams, sync
-        # The static draft chains after static verify steps (speculative decoding with static steps, one rank or a
-        # group; data-parallel ranks in lock-step agree on each pass, so they draft pass by pass).
-        self.draft_chains = (DraftChains(graphs) if graphs is not None and keep_streams and not sync.lock_step
-                             else None)
+        # The static draft chains after static verify steps (speculative decoding with static steps: one rank, a
+        # group, or data-parallel ranks in lock-step, which agree on every pass of a chain at once).
+        self.draft_chains = DraftChains(graphs) if graphs is not None and keep_streams else None
         self.device = torch.device(model.device)
         self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
         self.hidden: torch.Tensor | None = None  # the streams the next draft pass reads (keep_streams)
@@ -120,16 +126,20 @@ class ModelRunner:
             out, self.hidden = out
         return out, batch
 
-    def draft(self, step: Draft | None) -> torch.Tensor | None:
-        """The pass's logits; its streams at the logits rows are what the next pass reads. In lock-step every rank
-        agrees on each pass first; None (this rank has no pass) takes part in the others' alone."""
-        counts = self.sync.agree(step.batch.num_tokens if step else 0, True).counts if self.sync.lock_step else ()
-        if step is None:
-            if any(counts):
-                self.model.idle_forward(counts, draft=True)
-            return None
+    def agree_drafts(self, counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Per draft pass of the step, every rank's tokens in it (`counts`: this rank's, one per pass, at most what
+        its batch will hold), agreed once before the first pass; () per pass where no rank meets another."""
+        return self.sync.agree_passes(counts) if self.sync.lock_step else tuple(() for _ in counts)
+
+    def idle_draft(self, counts: tuple[int, ...]) -> None:
+        """A draft pass without rows of this rank's: in lock-step, its part of the other ranks' exchanges."""
+        if any(counts):
+            self.model.idle_forward(counts, draft=True)
+
+    def draft(self, step: Draft) -> torch.Tensor:
+        """The pass's logits; its streams at the logits rows are what the next pass reads."""
         batch = _on(step.batch, self.device)
-        batch.dp_token_counts = counts
+        batch.dp_token_counts = step.dp_token_counts
         hidden = self.hidden if step.hidden_rows is None else self.hidden[step.hidden_rows.to(self.device)]
         index = step.logits_index.to(self.device)
         logits, streams = self.model.draft(batch, self.kv, hidden, index)
@@ -137,8 +147,13 @@ class ModelRunner:
         return logits
 
     def draft_chain(self, chain: DraftChain) -> torch.Tensor:
-        """The drafts [k, rows] of a static chain (on the device), from the streams the verify step kept."""
-        return self.draft_chains.run(chain, self.hidden)
+        """The drafts [k, rows] of a static chain (on the device), from the streams the verify step kept. In
+        lock-step, as a decode graph (`forward`), its graph replays only where every pass's MoE exchange pads to this
+        rank's own count, the count it was captured at (a captured exchange's size is fixed); where another rank
+        brings more to some pass, the same chain runs eagerly at the agreed counts."""
+        replay = all(not counts or own == max(counts)
+                     for own, counts in zip(chain.token_counts, chain.dp_token_counts))
+        return self.draft_chains.run(chain, self.hidden, replay)
 
     def keep_tokens(self, batch: "ForwardBatch", tokens: torch.Tensor) -> None:
         """A step's sampled tokens (one per logits row, in order), where the next step's decodes read them."""
@@ -183,7 +198,7 @@ class GroupRunner(ModelRunner):
     def draft(self, step: Draft) -> torch.Tensor:
         cpu = torch.device("cpu")  # (what the workers are sent: host tensors, each moves them to its own device)
         message = Draft(_on(step.batch, cpu), step.logits_index.cpu(),
-                        None if step.hidden_rows is None else step.hidden_rows.cpu())
+                        None if step.hidden_rows is None else step.hidden_rows.cpu(), step.dp_token_counts)
         return self.group.run(message, lambda: ModelRunner.draft(self, step))
 
     def draft_chain(self, chain: DraftChain) -> torch.Tensor:

@@ -29,8 +29,11 @@ After a verify step at a static shape (`SpecJob.static_key`) whose drafting rows
 run as one static chain (`DraftChain`, backend/model/graph_runner.py: a CUDA graph on CUDA): the chained passes'
 positions and pages are known on the host before it (a row drafts while its pages last, `DraftRow.lookahead_end`),
 each pass's argmax feeds the next on the device, and the host reads every draft once at the end. Sampled rows draw
-each draft from q with the request's generator on the host, so a step with one drafts pass by pass (eagerly), as
-does a data-parallel rank in lock-step (its ranks agree on every pass).
+each draft from q with the request's generator on the host, so a step with one drafts pass by pass (eagerly).
+Data-parallel ranks in lock-step (their MoE exchanges pad to the largest rank's tokens) agree once, before a step's
+first draft pass, on every rank's tokens in each of its k passes: a static chain's padded counts, an eager rank's
+rows whose pages reach each pass (a grammar may end some after the agreement: fewer), an idle rank's none; each rank
+then runs its k passes (its static chain, its eager passes, or its part of the others' exchanges) at those counts.
 
 Rolling back a rejected draft is moving the request's position back (`Scheduler._settle_verify`), never a copy:
 - window and compressed entries, indexer keys, and the draft layer's window entries at rejected positions lie past
@@ -281,7 +284,8 @@ class Drafter:
                 states: list[SamplerState]) -> dict[int, list[int]]:
         """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
         first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
-        and k - 1 chained ones (a rank whose rows ran out of pages, or that has none, runs them empty)."""
+        and k - 1 chained ones at the counts agreed before the first (a rank whose rows ran out of pages, or that
+        has none, takes part in the others' exchanges alone)."""
         rows = [r for r in range(len(job.rows)) if r not in output.ends]
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits row (emitted - 1) and its position. (No row: the draft
@@ -305,7 +309,8 @@ class Drafter:
         """Pass by pass: each pass's drafts drawn on the host before the next pass is built."""
         first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         index = batch.logits_token_index[torch.tensor(picks, dtype=torch.long, device=batch.input_ids.device)]
-        logits = self.runner.draft(Draft(first, index))
+        counts = self.runner.agree_drafts(self._eager_counts(batch, job, rows, positions))
+        logits = self.runner.draft(Draft(first, index, dp_token_counts=counts[0]))
         drafts = {r: [] for r in rows}
         walk = GrammarLookahead()  # constrained rows: their matchers take the drafts, rolled back at the end
         tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing)
@@ -322,17 +327,30 @@ class Drafter:
             rows, positions, tokens = [rows[i] for i in live], [positions[i] for i in live], [tokens[i] for i in live]
             chain = [BatchRow(job.rows[r].pages, [token], position + step, True)
                      for r, token, position in zip(rows, tokens, positions)]
-            logits = self.runner.draft(self._chain(chain, live, batch.input_ids.device) if live else None)
-            tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing) if live else []
+            if not live:
+                self.runner.idle_draft(counts[step])
+                continue
+            logits = self.runner.draft(self._chain(chain, live, batch.input_ids.device, counts[step]))
+            tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing)
         rolling_back = time.perf_counter()
         walk.rollback()
         output.timing.grammar_accept_s += time.perf_counter() - rolling_back
         return drafts
 
+    @staticmethod
+    def _eager_counts(batch: ForwardBatch, job: SpecJob, rows: list[int], positions: list[int]) -> tuple[int, ...]:
+        """This rank's tokens in each pass of its eager chain, known before the first: the step's batch, then the rows
+        whose pages reach the chained pass's position (their grammars may end some before it: at most these)."""
+        return (batch.num_tokens, *[sum(positions[i] + step < job.rows[r].lookahead_end for i, r in enumerate(rows))
+                                    for step in range(1, job.num_speculative_tokens)])
+
     def _propose_static(self, job: SpecJob, output: StepOutput, rows: list[int], picks: list[int],
                         positions: list[int]) -> dict[int, list[int]]:
-        """One static chain (DraftChain): planned on the host, its drafts read once."""
+        """One static chain (DraftChain): planned on the host, its passes agreed on at once (in lock-step), its
+        drafts read once."""
         chain, order = self._static_chain(job, output, rows, picks, positions)
+        chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
+        output.timing.static_drafts = True
         tokens = self.runner.draft_chain(chain).tolist()  # (the chain's one host sync)
         drafts = {r: [] for r in rows}
         for line, live in zip(tokens, order):  # pass s gives the rows it ran their draft s + 1
@@ -365,14 +383,16 @@ class Drafter:
         return chain, order
 
     def idle(self, job: SpecJob) -> None:
-        """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes."""
-        for _ in range(job.num_speculative_tokens):
-            self.runner.draft(None)
+        """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes (agreed on
+        at once, as theirs are)."""
+        for counts in self.runner.agree_drafts((0,) * job.num_speculative_tokens):
+            self.runner.idle_draft(counts)
 
-    def _chain(self, rows: list[BatchRow], live: list[int], device) -> Draft:
-        """A chained pass over `rows`, reading the streams the last pass kept at rows `live`."""
+    def _chain(self, rows: list[BatchRow], live: list[int], device, counts: tuple[int, ...]) -> Draft:
+        """A chained pass over `rows`, reading the streams the last pass kept at rows `live` (`counts`: the pass's
+        agreed tokens of every rank, in lock-step)."""
         batch = build_forward_batch(rows, self.runner.kv, device=device)
-        return Draft(batch, batch.logits_token_index, torch.tensor(live, device=device))
+        return Draft(batch, batch.logits_token_index, torch.tensor(live, device=device), counts)
 
     @staticmethod
     def _next_ids(batch: ForwardBatch, job: SpecJob, output: StepOutput) -> torch.Tensor:

@@ -273,7 +273,9 @@ class DeepseekV4Model:
         reduce-scattered back; this rank's tokens' routed output [T, D] fp32. Routing ids travel as fp32 (exact below
         2^24) beside the weights: one gather for both."""
         local, most = x.shape[0], max(dp_token_counts)
-        assert dp_token_counts[self.layout.rank] == local, "the step's token counts must hold this rank's"
+        # (at most what this rank declared: a draft pass's count is agreed before the step's first pass, and a grammar
+        # may end rows since; every rank pads to the same largest count all the same)
+        assert local <= dp_token_counts[self.layout.rank], "the step's token counts must hold this rank's"
         pad = most - local
         routing = torch.cat([F.pad(ids, (0, 0, 0, pad), value=-1).float(), F.pad(weights.float(), (0, 0, 0, pad))], 1)
         every_x = self.comm.all_gather_rows(F.pad(x, (0, 0, 0, pad)))

@@ -18,7 +18,10 @@ their own padded count is the largest of the step's (the one their MoE exchange 
 the static step eagerly (backend/runner.py). Speculative decoding's verify steps (rows of 1 + k tokens alike) have
 their own keys, and the draft layer's k passes after one (`DraftChains`) are one more static chain per verify key:
 the first pass over the verify's own static batch, the chained ones over decode batches padded to the same row
-bucket, each pass's argmax feeding the next on the device; one graph of the k passes, one read of the drafts.
+bucket, each pass's argmax feeding the next on the device; one graph of the k passes, one read of the drafts. Data-
+parallel ranks in lock-step agree on a chain's passes at once (each pass's token count on every rank), and replay
+its graph by the decode graphs' rule: only where every pass's exchange pads to the rank's own count, else they run
+the same chain eagerly at the agreed counts.
 
 With capture=False (any device; the engine's `cuda_graphs` parameter on CPU) the same padded,
 static-shape step runs eagerly: this is how the logic of the graph path is tested without a GPU.
@@ -108,7 +111,8 @@ class DraftChain:
     the first pass picks its logits and streams at `picks[i]` of the verify's batch; chained pass s (1..k-1) is a
     decode batch of the rows still drafting, at one position further each, whose row j continues row sources[s-1][j]
     of the pass before (its streams, its argmax as the input token). It is also what rank 0 of a group sends its
-    workers."""
+    workers. `dp_token_counts`: data-parallel ranks in lock-step, every rank's tokens in each pass (agreed; what each
+    pass's MoE exchange pads to the largest of)."""
 
     key: StaticKey  # the verify step's: the first pass runs over its static batch
     next_ids: torch.Tensor  # [key.rows * key.tokens_per_row] long: each position's next token (the first pass's ids)
@@ -116,10 +120,16 @@ class DraftChain:
     sources: torch.Tensor  # [k - 1, key.rows] long
     passes: dict[int, ForwardBatch]  # 1..k-1 -> chained pass s, padded to StaticKey(key.rows, context)
     context: int  # the chained passes' context bucket
+    dp_token_counts: tuple[tuple[int, ...], ...] = ()  # per pass, every rank's tokens (in lock-step)
 
     @property
     def chain_key(self) -> tuple[StaticKey, int]:
         return self.key, self.context
+
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        """This rank's tokens in each pass: the verify's static batch, then key.rows a chained pass."""
+        return (self.key.rows * self.key.tokens_per_row, *[self.key.rows] * len(self.passes))
 
 
 @dataclass
@@ -146,9 +156,11 @@ class DraftChains:
     def keys(self) -> list[tuple[StaticKey, int]]:
         return list(self._chains)
 
-    def run(self, chain: DraftChain, hidden: torch.Tensor) -> torch.Tensor:
+    def run(self, chain: DraftChain, hidden: torch.Tensor, replay: bool = True) -> torch.Tensor:
         """The drafts [k, key.rows] on the device, line s pass s's argmax at each of its rows (line 0: the first
-        pass's); `hidden` the verify step's streams [T, N, D]."""
+        pass's); `hidden` the verify step's streams [T, N, D]. `replay` False: eagerly on the same buffers at the
+        chain's agreed counts (a data-parallel step where some pass's MoE exchange pads to another rank's larger count
+        than the graph's own; a graph is only recorded on a step it could replay, so its counts are its own)."""
         staged = self._stager.stage(chain)
         step = self._chains.get(chain.chain_key)
         if step is None:
@@ -160,25 +172,28 @@ class DraftChains:
         assert staged.layout == step.layout, f"a draft chain of key {chain.chain_key} with another layout"
         staged.copy_into(step.buffer)
         step.hidden.copy_(hidden)
-        if self.capture and step.graph is None:
+        counts = chain.dp_token_counts or tuple(() for _ in chain.token_counts)
+        if replay and self.capture and step.graph is None:
             # (the warm-up runs on this chain's own inputs: it writes the draft layer's window entries the replay
             # then writes again, the same values)
-            step.graph, step.output = _record(lambda: self._passes(step), self.graphs.pool)
-        if step.graph is None:
-            return self._passes(step)
+            step.graph, step.output = _record(lambda: self._passes(step, counts), self.graphs.pool)
+        if step.graph is None or not replay:
+            return self._passes(step, counts)
         step.graph.replay()
         return step.output
 
-    def _passes(self, step: _StaticChain) -> torch.Tensor:
-        """The k passes, each row's draft the argmax of its logits (greedy drafts need nothing else)."""
+    def _passes(self, step: _StaticChain, counts: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+        """The k passes, each row's draft the argmax of its logits (greedy drafts need nothing else); pass s's MoE
+        exchange at `counts[s]` (the buffers' views hold the first chain's, not this one's)."""
         chain = step.chain
-        index = step.first.logits_token_index[chain.picks]
-        logits, streams = self.model.draft(step.first, self.kv, step.hidden, index)
+        first = replace(step.first, dp_token_counts=counts[0])
+        index = first.logits_token_index[chain.picks]
+        logits, streams = self.model.draft(first, self.kv, step.hidden, index)
         hidden, tokens = streams[index], logits.argmax(dim=-1)
         drafts = [tokens]
         for s, batch in chain.passes.items():
             source = chain.sources[s - 1]
-            batch = replace(batch, input_ids=tokens[source])
+            batch = replace(batch, input_ids=tokens[source], dp_token_counts=counts[s])
             logits, streams = self.model.draft(batch, self.kv, hidden[source], batch.logits_token_index)
             hidden, tokens = streams[batch.logits_token_index], logits.argmax(dim=-1)
             drafts.append(tokens)

@@ -7,10 +7,11 @@ With expert parallelism the data-parallel ranks meet at every MoE layer (backend
 forward must run on every rank, each padded to the largest rank's tokens. `LockStep` makes them agree first, as
 vLLM's data-parallel coordinator and SGLang's idle batches do: one all-gather of (tokens, has work, stop) over a gloo
 group of their own (the engine thread's alone, in step order; the forwards' collectives run in the default group).
-A rank without a batch then runs an idle forward; speculative decoding's draft passes agree the same way, one pass at
-a time. When no rank has work they all stop agreeing (`ready()` turns False) until woken: rank 0 wakes itself and
-every other rank whenever a request arrives (backend/parallel/data_parallel.py), so an idle group makes no
-collective at all, and none can time out. `ALONE` is the agreement of a rank that never meets another.
+A rank without a batch then runs an idle forward; speculative decoding's k draft passes after a step are agreed on
+once (`agree_passes`: every rank's tokens in each pass), so a rank may run them as one static chain. When no rank
+has work they all stop agreeing (`ready()` turns False) until woken: rank 0 wakes itself and every other rank
+whenever a request arrives (backend/parallel/data_parallel.py), so an idle group makes no collective at all, and none
+can time out. `ALONE` is the agreement of a rank that never meets another.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ class StepSync:
     def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
         return Agreement((num_tokens,), has_work, stop)
 
+    def agree_passes(self, counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Every rank's tokens in each of a step's draft passes (`counts`: this rank's, one per pass; the same number
+        of passes on every rank), agreed once: per pass, the ranks' counts in rank order (alone: its own)."""
+        return tuple((count,) for count in counts)
+
     def ready(self) -> bool:
         """Whether to take part in the next agreement."""
         return True
@@ -71,22 +77,29 @@ class LockStep(StepSync):
         self.broken: str | None = None
 
     def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
-        if self.broken:
-            raise RankGroupError(self.broken)
         with self._lock:
             wakes = self._wakes
-        mine = torch.tensor([num_tokens, int(has_work), int(stop)], dtype=torch.long)
-        every = [torch.empty(3, dtype=torch.long) for _ in range(self.world_size)]
+        table = self._gather([num_tokens, int(has_work), int(stop)])
+        agreed = Agreement(tuple(row[0] for row in table), any(row[1] for row in table), any(row[2] for row in table))
+        with self._lock:
+            self._idle_at = None if agreed.has_work else wakes
+        return agreed
+
+    def agree_passes(self, counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        return tuple(zip(*self._gather(list(counts))))
+
+    def _gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (as many on each), in rank order: one all-gather."""
+        if self.broken:
+            raise RankGroupError(self.broken)
+        mine = torch.tensor(values, dtype=torch.long)
+        every = [torch.empty(len(values), dtype=torch.long) for _ in range(self.world_size)]
         try:
             self._dist.all_gather(every, mine, group=self.group)
         except Exception as exc:  # a rank is gone or silent: no rank can step again
             self.broken = f"data-parallel ranks failed to agree on a step: {exc}"
             raise RankGroupError(self.broken) from exc
-        table = torch.stack(every).tolist()
-        agreed = Agreement(tuple(row[0] for row in table), any(row[1] for row in table), any(row[2] for row in table))
-        with self._lock:
-            self._idle_at = None if agreed.has_work else wakes
-        return agreed
+        return torch.stack(every).tolist()
 
     def ready(self) -> bool:
         """False once every rank was found idle, until woken since."""

@@ -9,7 +9,8 @@ the oracle's drafts (30 % corrupted) rows accept different counts, so their chai
 chains stop where the rows' pages end (`DraftRow.lookahead_end`). With `cut_chains`, every other static step's rows
 end their pages sooner, each row at its own place, so that within one chain some rows stop while others go on.
 A stand-in for CUDA graphs (`_EagerGraph`) checks what recording a chain assumes: its warm-up on the first step's own
-inputs changes nothing, and every replay reads the buffers the later steps copy in.
+inputs changes nothing, and every replay reads the buffers the later steps copy in; under data-parallel lock-step a
+recorded chain replays only where every pass's exchange pads to its own count.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import pytest
 import torch
 
 from backend.model import graph_runner
+from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey
 from backend.request import SamplingParams
+from backend.runner import ModelRunner
 from backend.sampler import SamplerState
 from backend.speculative import Drafter, SpecJob
 
@@ -159,3 +162,20 @@ def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
     assert not drafter._static(job, [greedy, SamplerState(SamplingParams(temperature=0.7), [])])
     assert not drafter._static(job, [greedy, SamplerState(SamplingParams(), [], grammar=object())])
     assert not drafter._static(replace(job, static_key=None), [greedy])
+
+
+def test_a_recorded_chain_replays_only_where_every_pass_pads_to_its_own_count():
+    """Data-parallel ranks in lock-step (as decode graphs): a chain's graph holds its passes' exchanges at its own
+    counts, so it replays only where each pass's agreed largest count is this rank's; else the chain runs eagerly."""
+    class Chains:  # (what the runner asks of its chains: replay or not)
+        def run(self, chain, hidden, replay):
+            return replay
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.draft_chains, runner.hidden = Chains(), None
+    chain = DraftChain(StaticKey(rows=4, context=256, tokens_per_row=3), None, None, None, {1: None, 2: None}, 256)
+    assert chain.token_counts == (12, 4, 4)
+    assert runner.draft_chain(chain)  # alone: no agreement
+    assert runner.draft_chain(replace(chain, dp_token_counts=((12, 6), (4, 4), (4, 0))))  # the largest (or tied)
+    assert not runner.draft_chain(replace(chain, dp_token_counts=((12, 6), (4, 8), (4, 0))))  # another's, pass 1
+    assert not runner.draft_chain(replace(chain, dp_token_counts=((12, 24), (4, 4), (4, 4))))  # the first pass's

@@ -1,11 +1,16 @@
 """Every data-parallel rank runs its own engine (backend/engine_core.py, backend/parallel/data_parallel.py).
 
-Speculative decoding with structured outputs and seeded sampling over DP=2 (+EP=2: the ranks in lock-step, the draft
-passes agreed one at a time) gives the single rank's tokens; what a rank sends rank 0 per step stays within 32 bytes a
+Speculative decoding with structured outputs and seeded sampling over DP=2 (+EP=2: the ranks in lock-step, each
+step's draft passes agreed on at once) gives the single rank's tokens, and so do static draft chains on data-parallel
+ranks (a rank idle, ranks with different row counts, a rank drafting pass by pass beside one running its chain), and
+constrained rows ending after their passes were agreed on; what a rank sends rank 0 per step stays within 32 bytes a
 request; the other ranks' stats reach rank 0's.
 """
 
 from __future__ import annotations
+
+import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -75,28 +80,107 @@ def test_an_output_batch_carries_a_request_in_at_most_32_bytes():
     assert OutputBatch.from_frames(plain).handles.dtype == np.int32
 
 
-@pytest.mark.parametrize("layout, k", [(dict(data_parallel_size=2, expert_parallel_size=2), 0),
-                                       (dict(tensor_parallel_size=2, expert_parallel_size=2), 0),
-                                       (dict(data_parallel_size=2, expert_parallel_size=2), 2)])
-def test_static_decode_steps_with_several_ranks_give_the_single_rank_tokens(parallel_checkpoint, layout, k):
+def _single_rank_tokens(checkpoint, prompts, params, **settings) -> list[list[int]]:
+    single = LLMEngine(EngineConfig(checkpoint=str(checkpoint), **settings, **POOLS))
+    try:
+        return [r["output_ids"] for r in single.generate(prompts, params)]
+    finally:
+        single.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(data_parallel_size=2, expert_parallel_size=2),
+                                    dict(tensor_parallel_size=2, expert_parallel_size=2)])
+def test_static_decode_steps_with_several_ranks_give_the_single_rank_tokens(parallel_checkpoint, layout):
     """cuda_graphs=True on CPU runs the padded static steps eagerly, as a GPU replays them: every rank of a
-    tensor/expert-parallel group on the same key, data-parallel ranks each on their own (padded to the largest's).
-    With k drafts, data-parallel ranks in lock-step draft pass by pass after their static verify steps (every pass
-    agreed on: no static chain)."""
+    tensor/expert-parallel group on the same key, data-parallel ranks each on their own (padded to the largest's)."""
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 40, 150, 70, 9)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    single = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), **POOLS))
-    try:
-        expected = [r["output_ids"] for r in single.generate(prompts, params)]
-    finally:
-        single.shutdown()
-    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, num_speculative_tokens=k,
-                                    **layout, **POOLS))
+    expected = _single_rank_tokens(parallel_checkpoint, prompts, params)
+    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, **layout, **POOLS))
     try:
         assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
         assert engine.decode_graphs.keys  # rank 0's decodes ran at static shapes
-        if k:
-            assert engine.core.runner.draft_chains is None and engine.stats()["num_draft_tokens"] > 0
     finally:
         engine.shutdown()
+
+
+def _steps(step_log) -> list[dict]:
+    """The step log's records, each with its rank and whether a static chain drafted after it."""
+    return [json.loads(line) for line in step_log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("ep, k", [(2, 1), (2, 2), (2, 3), (1, 2)])
+def test_data_parallel_ranks_draft_with_static_chains_and_give_the_single_rank_tokens(parallel_checkpoint, tmp_path,
+                                                                                       ep, k):
+    """After their static verify steps data-parallel ranks draft with static chains (cuda_graphs=True on CPU: eagerly
+    at the padded shapes), in lock-step (EP=2) at counts agreed once per step: rank 0's chains see the other rank
+    idle (its requests done) and with another row count than its own, every agreement has k passes; the tokens are
+    the single rank's."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 40, 150, 70, 9)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 14, 20, 8, 5)]
+    expected = _single_rank_tokens(parallel_checkpoint, prompts, params)
+    step_log = tmp_path / "steps.jsonl"
+    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, num_speculative_tokens=k,
+                                    data_parallel_size=2, expert_parallel_size=ep, step_log=str(step_log), **POOLS))
+    runner, agreed, chains = engine.core.runner, [], []  # rank 0's agreements and its static chains' counts
+    agree, draft_chain = runner.agree_drafts, runner.draft_chain
+    runner.agree_drafts = lambda counts: agreed.append(agree(counts)) or agreed[-1]
+    runner.draft_chain = lambda chain: chains.append(chain.dp_token_counts) or draft_chain(chain)
+    try:
+        assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
+    finally:
+        engine.shutdown()
+    static = Counter(r["rank"] for r in _steps(step_log) if r["static_drafts"])
+    assert static[0] == len(chains) > 0 and static[1] > 0  # both ranks drafted with static chains
+    if ep > 1:
+        assert all(len(passes) == k for passes in agreed)
+        firsts = [passes[0] for passes in chains]  # (rank 0's, rank 1's) tokens in each chain's first pass
+        assert any(other == 0 for _, other in firsts)  # rank 1 idle
+        assert any(0 < other != own for own, other in firsts)  # rank 1 with another row bucket
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_rank_drafting_pass_by_pass_keeps_in_step_with_a_rank_running_its_static_chain(parallel_checkpoint,
+                                                                                          tmp_path, k):
+    """DP=2+EP=2, one request a rank: rank A's is sampled (seeded: it drafts pass by pass, drawing on the host),
+    rank B's greedy (its static chain); each step's k passes agreed at once line up, and the tokens are the single
+    rank's (the seeded one's too)."""
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (30, 34)]
+    params = [SamplingParams(max_tokens=16, temperature=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True)]
+    expected = _single_rank_tokens(parallel_checkpoint, prompts, params, num_speculative_tokens=k, cuda_graphs=True)
+    step_log = tmp_path / "steps.jsonl"
+    engine = LLMEngine(EngineConfig(checkpoint=str(parallel_checkpoint), cuda_graphs=True, num_speculative_tokens=k,
+                                    data_parallel_size=2, expert_parallel_size=2, step_log=str(step_log), **POOLS))
+    try:
+        assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
+    finally:
+        engine.shutdown()
+    verifies = [r for r in _steps(step_log) if r["num_verifies"]]
+    static = {rank: any(r["static_drafts"] for r in verifies if r["rank"] == rank) for rank in (0, 1)}
+    assert {r["rank"] for r in verifies} == {0, 1} and sorted(static.values()) == [False, True]
+
+
+def test_a_grammar_ending_rows_after_the_agreement_keeps_the_ranks_in_step(parallel_checkpoint):
+    """DP=2+EP=2, k=3, constrained requests on both ranks: a row whose grammar takes no more drafts leaves its rank's
+    later passes after their counts were agreed, so a pass brings fewer tokens than declared (rank 0's are counted);
+    the exchange still pads to the agreed largest, and the tokens are the single rank's."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(max_tokens=24, guided_decoding=guided_decoding_from_sampling(
+        {"guided_decoding": {"json": schema}}, "test"))
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 30, 12, 44)]
+    settings = dict(checkpoint=str(parallel_checkpoint), num_speculative_tokens=3, **POOLS)
+    expected = _single_rank_tokens(parallel_checkpoint, prompts, params, num_speculative_tokens=3)
+    engine = LLMEngine(EngineConfig(data_parallel_size=2, expert_parallel_size=2, **settings))
+    runner, fewer = engine.core.runner, []
+    draft = runner.draft
+    runner.draft = lambda step: fewer.append(step.batch.num_tokens < step.dp_token_counts[0]) or draft(step)
+    try:
+        assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
+    finally:
+        engine.shutdown()
+    assert any(fewer)
