@@ -96,6 +96,7 @@ class LLMEngine:
         self._placement_lock = threading.Lock()
         self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go
         self._by_handle: dict[int, Placement] = {}  # the live requests other ranks serve, by their handle
+        self._with_deadline: set[Placement] = set()  # those of them whose deadline rank 0 keeps, not yet passed
         self._handles = itertools.count()
         # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
         # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
@@ -178,6 +179,8 @@ class LLMEngine:
                 return False
         if seq.sampling.timeout_ms is not None:  # (rank 0 keeps it, by its clock: Arrival)
             placed.deadline_s = clock() + seq.sampling.timeout_ms / 1000.0
+            with self._placement_lock:
+                self._with_deadline.add(placed)
         sampling = replace(seq.sampling, timeout_ms=None)
         self.group.links.send(placed.rank.rank, Arrival(placed.handle, seq.request_id, seq.prompt_ids, sampling,
                                                         seq.priority, stop_ids))
@@ -205,9 +208,12 @@ class LLMEngine:
 
     def _expire_elsewhere(self) -> None:
         """Other ranks' requests past their deadline end (rank 0 keeps their deadlines: Arrival)."""
+        if not self._with_deadline:  # (the common case, on every batch the ranks send: no look at the placements)
+            return
         now = clock()
         with self._placement_lock:
-            expired = [p for p in self._by_handle.values() if p.deadline_s is not None and now >= p.deadline_s]
+            expired = [p for p in self._with_deadline if now >= p.deadline_s]
+            self._with_deadline.difference_update(expired)
         for placed in expired:
             self._end_elsewhere(placed, FinishReason.TIMEOUT)
 
@@ -254,6 +260,7 @@ class LLMEngine:
         if placed is not None:
             placed.rank.load -= placed.load
             self._by_handle.pop(placed.handle, None)
+            self._with_deadline.discard(placed)
         return placed
 
     def start(self) -> None:
