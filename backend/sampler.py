@@ -217,9 +217,8 @@ class Sampler:
         started = time.perf_counter()
         masks, indices = self._masks.buffers(len(rows), logits)
         indices.copy_(torch.tensor(rows))
-        for i in self.grammars.fill([states[row].grammar for row in rows], masks):
+        for i in self.grammars.fill_or_unmask([states[row].grammar for row in rows], masks):
             row_ends[rows[i]] = NO_TOKEN_CAN_FOLLOW
-            masks[i].fill_(-1)
         fill_s = time.perf_counter() - started
         # (the host buffers are refilled at the next step only after _accept has read this step's tokens)
         self._masks.apply(logits, len(rows))

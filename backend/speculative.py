@@ -161,8 +161,7 @@ class Verifier:
                 break
             grammars = [states[r].grammar for r in at]
             block = masks[filled:filled + len(at)]
-            for i in self.sampler.grammars.fill(grammars, block):
-                block[i].fill_(-1)  # nothing fits: left unmasked, the row's tokens stop before this position
+            for i in self.sampler.grammars.fill_or_unmask(grammars, block):  # the row's tokens stop before it
                 walk.block(grammars[i])
                 if position == 0:
                     output.ends[at[i]] = NO_TOKEN_CAN_FOLLOW
@@ -445,7 +444,7 @@ class Drafter:
         started = time.perf_counter()
         masks, targets = self.masks.buffers(len(rows), logits)
         targets.copy_(torch.tensor(rows))
-        unfit = {rows[i] for i in self.sampler.grammars.fill([states[i].grammar for i in rows], masks)}
+        unfit = {rows[i] for i in self.sampler.grammars.fill_or_unmask([states[i].grammar for i in rows], masks)}
         for i in unfit:
             walk.block(states[i].grammar)
         timing.mask_fill_s += time.perf_counter() - started

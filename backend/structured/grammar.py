@@ -247,6 +247,14 @@ class GrammarBatch:
         # (numpy's reduction runs on this thread; torch's may wait on intra-op threads another process holds)
         return np.flatnonzero(~masks[:len(matchers)].numpy().any(axis=1)).tolist()
 
+    def fill_or_unmask(self, grammars: list[RequestGrammar], masks: torch.Tensor) -> list[int]:
+        """fill(), with the rows no token fits left unmasked (allowing every token: what their caller draws there is
+        not kept, it ends or stops those rows); returns those rows."""
+        unfit = self.fill(grammars, masks)
+        for i in unfit:
+            masks[i].fill_(-1)
+        return unfit
+
     def _fill_rows(self, matchers: list, masks: torch.Tensor, start: int, end: int) -> None:
         if start == 0 and end == len(matchers):  # all rows on this thread: XGrammar's own row order
             self._batch.batch_fill_next_token_bitmask(matchers, masks)
