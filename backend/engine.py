@@ -16,8 +16,8 @@ processor inline.
 The loop itself is rank 0's `EngineCore` (backend/engine_core.py): schedule step N+1, build and launch it while step
 N runs, take step N's output in, send its outputs (overlap scheduling; backend/executor.py).
 
-Data-parallel attention (`data_parallel_size` W > 1, backend/model/parallel_layout.py): every rank is a whole engine over
-its own pools; ranks 1.. run theirs in their own processes (backend/parallel/data_parallel.py). This engine places
+Data-parallel attention (`data_parallel_size` W > 1, backend/model/parallel_layout.py): every rank is a whole engine
+over its own pools; ranks 1.. run theirs in their own processes (backend/parallel/data_parallel.py). This engine places
 each arriving request on a rank (`_place`: the least loaded, unless a rank that served its prompt's first cache
 block is loaded little more), sends it there (or queues it in its own core for rank 0), and passes each rank's
 outputs on as they come back. Starvation guarantees, ITL targets, preemption, the prefix cache, grammars and
