@@ -212,8 +212,8 @@ def make_runner(config: "EngineConfig", model, kv, group: "RankGroup | None" = N
     """The runner of a rank's steps: with `group` (tensor/expert parallelism), rank 0's, which runs every step on
     every rank; else this process's own (one rank, a worker of a group, a data-parallel rank)."""
     keep_streams = bool(config.num_speculative_tokens)  # the draft layer reads the verify's residual streams
-    graphs = (DecodeGraphs(model, kv, config.max_running_requests, capture=torch.device(model.device).type == "cuda",
-                           return_streams=keep_streams) if config.resolved_cuda_graphs() else None)
+    graphs = (DecodeGraphs(model, kv, config.max_running_requests, capture=True, return_streams=keep_streams)
+              if config.resolved_cuda_graphs() else None)  # (off CUDA, closures recorded and replayed as graphs)
     if group is not None:
         return GroupRunner(group, model, kv, graphs, keep_streams)
     return ModelRunner(model, kv, graphs, keep_streams, sync)

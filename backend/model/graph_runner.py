@@ -7,9 +7,11 @@
 
 Per `StaticKey` (row bucket x context bucket, backend/model/static_batch.py) it keeps one device
 buffer holding the batch's metadata (the views the graph reads) and, when capturing, a graph
-recorded on the first step of that key: the forward runs once on a batch made only of padding rows
-(every write goes to the pools' scratch page and slot, so no request's memory changes; it compiles
-every Triton kernel for these shapes), then is captured on the same buffer. Every step copies its
+recorded on the first step of that key: that step runs eagerly on the buffer (it compiles every
+Triton kernel for these shapes), then its forward is captured on the same buffer, which runs
+nothing. So every step, the first included, runs its forward exactly once: a rank recording a graph
+makes its collectives as often as the ranks replaying theirs (a warm-up run before the capture made
+a data-parallel rank's MoE exchanges once more than the other ranks'). Every later step copies its
 packed batch into the buffer (one copy), lets `prepare` fill in what only the device knows (the
 tokens the step before sampled), and replays. Graphs share one memory pool. Prefill and mixed steps
 run eagerly (their shapes are not bucketed). With several ranks every rank replays its own graphs: a tensor/expert-
@@ -23,8 +25,10 @@ parallel ranks in lock-step agree on a chain's passes at once (each pass's token
 its graph by the decode graphs' rule: only where every pass's exchange pads to the rank's own count, else they run
 the same chain eagerly at the agreed counts.
 
-With capture=False (any device; the engine's `cuda_graphs` parameter on CPU) the same padded,
-static-shape step runs eagerly: this is how the logic of the graph path is tested without a GPU.
+Off CUDA a recorded "graph" is `ReplayedClosure`: recording keeps the forward's closure and runs nothing, a replay
+runs it on the static buffers. With the engine's `cuda_graphs` parameter on CPU this is how the graph path's logic
+(padded static steps, which step records, which replays, what a replay reads) is tested without a GPU;
+capture=False runs every static step eagerly on the same buffers.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from backend.model.forward_batch import ForwardBatch, build_forward_batch
+from backend.model.forward_batch import ForwardBatch
 from backend.model.staging import BatchStager, StagedBatch
 from backend.model.static_batch import StaticKey, is_decode_batch, row_bucket
 
@@ -47,8 +51,7 @@ class _StaticStep:
     buffer: torch.Tensor  # the packed metadata, on the device
     batch: ForwardBatch  # views into `buffer`
     layout: tuple
-    graph: "torch.cuda.CUDAGraph | None" = None
-    output: object = None  # the graph's output buffers (logits, or logits and streams)
+    graph: "CapturedGraph | ReplayedClosure | None" = None
 
 
 class DecodeGraphs:
@@ -58,12 +61,18 @@ class DecodeGraphs:
         self.model, self.kv, self.capture, self.return_streams = model, kv, capture, return_streams
         self.max_rows = row_bucket(max_rows)
         self._steps: dict[StaticKey, _StaticStep] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None  # (the draft chains record into it too)
-        self._warm_up = BatchStager(model.device, depth=1)
+        on_cuda = capture and torch.device(model.device).type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if on_cuda else None  # (the draft chains record into it too)
+        self.record = CapturedGraph if on_cuda else ReplayedClosure
 
     @property
     def keys(self) -> list[StaticKey]:
         return list(self._steps)
+
+    @property
+    def recorded(self) -> list["CapturedGraph | ReplayedClosure"]:
+        """The graphs recorded so far (closures off CUDA), one per key that has one."""
+        return [step.graph for step in self._steps.values() if step.graph is not None]
 
     def accepts(self, rows) -> bool:
         return is_decode_batch(rows) and len(rows) <= self.max_rows
@@ -79,14 +88,14 @@ class DecodeGraphs:
             buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
             step = self._steps[key] = _StaticStep(buffer, staged.to_device(buffer), staged.layout)
         assert staged.layout == step.layout, f"a batch of key {key} with another layout"
-        if replay and self.capture and step.graph is None:
-            self._capture(step, key, prepare)
         staged.copy_into(step.buffer)
         prepare(step.batch)
-        if step.graph is None or not replay:
-            return self._forward(step.batch), step.batch
-        step.graph.replay()
-        return step.output, step.batch
+        if step.graph is not None and replay:
+            return step.graph.replay(), step.batch
+        out = self._forward(step.batch)
+        if replay and self.capture:  # (after the eager step, which compiled every kernel: the capture runs nothing)
+            step.graph = self.record(lambda: self._forward(step.batch), self.pool)
+        return out, step.batch
 
     def _forward(self, batch: ForwardBatch):
         return self.model.forward(batch, self.kv, return_streams=self.return_streams)
@@ -94,14 +103,6 @@ class DecodeGraphs:
     def static_batch(self, key: StaticKey) -> ForwardBatch:
         """The static batch of `key` (views into its buffer): what its last step ran on."""
         return self._steps[key].batch
-
-    def _capture(self, step: _StaticStep, key: StaticKey, prepare: Callable[[ForwardBatch], None]) -> None:
-        """Record the graph of `key` on a batch of padding rows only (every write goes to the scratch page and slot)."""
-        padding = self._warm_up.stage(build_forward_batch([], self.kv, pad_to=key))
-        assert padding.layout == step.layout
-        padding.copy_into(step.buffer)
-        prepare(step.batch)  # (what only the step knows: a data-parallel step's token counts)
-        step.graph, step.output = _record(lambda: self._forward(step.batch), self.pool)
 
 
 @dataclass
@@ -139,8 +140,7 @@ class _StaticChain:
     layout: tuple
     hidden: torch.Tensor  # the verify step's residual streams, copied in before each run
     first: ForwardBatch  # the verify key's static batch, reading the chain's next ids
-    graph: "torch.cuda.CUDAGraph | None" = None
-    output: torch.Tensor | None = None
+    graph: "CapturedGraph | ReplayedClosure | None" = None
 
 
 class DraftChains:
@@ -155,6 +155,11 @@ class DraftChains:
     @property
     def keys(self) -> list[tuple[StaticKey, int]]:
         return list(self._chains)
+
+    @property
+    def recorded(self) -> list["CapturedGraph | ReplayedClosure"]:
+        """The chains' graphs recorded so far (closures off CUDA)."""
+        return [step.graph for step in self._chains.values() if step.graph is not None]
 
     def run(self, chain: DraftChain, hidden: torch.Tensor, replay: bool = True) -> torch.Tensor:
         """The drafts [k, key.rows] on the device, line s pass s's argmax at each of its rows (line 0: the first
@@ -173,14 +178,12 @@ class DraftChains:
         staged.copy_into(step.buffer)
         step.hidden.copy_(hidden)
         counts = chain.dp_token_counts or tuple(() for _ in chain.token_counts)
-        if replay and self.capture and step.graph is None:
-            # (the warm-up runs on this chain's own inputs: it writes the draft layer's window entries the replay
-            # then writes again, the same values)
-            step.graph, step.output = _record(lambda: self._passes(step, counts), self.graphs.pool)
-        if step.graph is None or not replay:
-            return self._passes(step, counts)
-        step.graph.replay()
-        return step.output
+        if step.graph is not None and replay:
+            return step.graph.replay()
+        drafts = self._passes(step, counts)
+        if replay and self.capture:  # (as a decode graph: recorded after the chain's first, eager, run)
+            step.graph = self.graphs.record(lambda: self._passes(step, counts), self.graphs.pool)
+        return drafts
 
     def _passes(self, step: _StaticChain, counts: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         """The k passes, each row's draft the argmax of its logits (greedy drafts need nothing else); pass s's MoE
@@ -200,15 +203,29 @@ class DraftChains:
         return torch.stack(drafts)
 
 
-def _record(run: Callable[[], object], pool) -> tuple["torch.cuda.CUDAGraph", object]:
-    """(graph, its output buffers) of `run`, after one warm-up run on a side stream (it compiles every Triton kernel
-    for these shapes)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        output = run()
-    return graph, output
+class CapturedGraph:
+    """The CUDA graph of `run` and its output buffers. Capturing runs nothing: it is recorded after an eager run of
+    the same step on the same buffers, which compiled every Triton kernel for these shapes (a kernel compiled during a
+    capture would load a module mid-capture)."""
+
+    def __init__(self, run: Callable[[], object], pool):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = run()
+
+    def replay(self):
+        """The output buffers, after the graph ran again on what its input buffers hold now."""
+        self.graph.replay()
+        return self.output
+
+
+class ReplayedClosure:
+    """What stands for a CUDA graph off CUDA: recording keeps `run` and runs nothing, as a capture; a replay runs it
+    on what the static buffers hold now. It binds what the closure bound when recorded (a draft chain's agreed
+    counts), as a graph does."""
+
+    def __init__(self, run: Callable[[], object], pool=None):
+        self.run = run
+
+    def replay(self):
+        return self.run()

@@ -8,9 +8,10 @@ the oracle's drafts (30 % corrupted) rows accept different counts, so their chai
 (the layer's own drafts, nearly all rejected, one max_tokens) the last verifies carry fewer than k drafts, and their
 chains stop where the rows' pages end (`DraftRow.lookahead_end`). With `cut_chains`, every other static step's rows
 end their pages sooner, each row at its own place, so that within one chain some rows stop while others go on.
-A stand-in for CUDA graphs (`_EagerGraph`) checks what recording a chain assumes: its warm-up on the first step's own
-inputs changes nothing, and every replay reads the buffers the later steps copy in; under data-parallel lock-step a
-recorded chain replays only where every pass's exchange pads to its own count.
+Off CUDA a recorded chain is a `ReplayedClosure` (graph_runner: recorded after the chain's first, eager, run; a
+replay runs the closure on the static buffers), which checks what recording a chain assumes: every replay reads the
+buffers the later steps copy in, and what the closure bound when recorded; under data-parallel lock-step a recorded
+chain replays only where every pass's exchange pads to its own count.
 """
 
 from __future__ import annotations
@@ -87,33 +88,10 @@ def references(tiny_checkpoint):
     return out
 
 
-class _EagerGraph:
-    """A CUDA graph's stand-in on CPU: `graph_runner._record` runs the chain as a warm-up, then once more for the
-    output buffers (a capture records instead), and each replay runs it again into those buffers."""
-
-    replays = 0
-
-    def __init__(self, run):
-        self.run = run
-        run()  # the warm-up, on the first step's own inputs
-        self.output = run()
-
-    def replay(self) -> None:
-        _EagerGraph.replays += 1
-        self.output.copy_(self.run())
-
-    @classmethod
-    def record(cls, run, pool):
-        graph = cls(run)
-        return graph, graph.output
-
-
-def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, capture: bool = False):
+def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool):
     engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8)
     if not static:
         engine.core.runner.draft_chains = None  # pass by pass, after the same static verify steps
-    if capture:
-        engine.core.runner.draft_chains.capture = True  # (recorded by `_record`, which the test replaces)
     drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
                                engine.vocab_size, scenario.get("cut_chains", False))
     engine.executor.drafter = drafter
@@ -142,13 +120,17 @@ def test_the_static_chain_drafts_what_the_eager_chain_drafts(tiny_checkpoint, re
 def test_a_recorded_chain_replays_what_the_eager_chain_drafts(tiny_checkpoint, references, monkeypatch, k):
     scenario = "oracle drafts, 5 rows"  # (most static steps: many replays of each recorded chain)
     prompts, expected = references[scenario]
-    monkeypatch.setattr(graph_runner, "_record", _EagerGraph.record)
-    _EagerGraph.replays = 0
+    replays = []
+    replay = graph_runner.ReplayedClosure.replay
+    monkeypatch.setattr(graph_runner.ReplayedClosure, "replay", lambda graph: replays.append(graph) or replay(graph))
     _, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=False)
-    tokens, recorded, engine = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=True,
-                                    capture=True)
+    tokens, recorded, engine = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, static=True)
     assert tokens == expected and recorded.proposals == eager.proposals
-    assert _EagerGraph.replays == recorded.chains.count("static") > len(engine.core.runner.draft_chains.keys)
+    recorded_chains = engine.core.runner.draft_chains.recorded
+    chain_replays = sum(graph in recorded_chains for graph in replays)
+    # each chain's first run is eager and records it; every later run replays what it recorded
+    assert len(recorded_chains) == len(engine.core.runner.draft_chains.keys)
+    assert chain_replays == recorded.chains.count("static") - len(recorded_chains) > 0
 
 
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):

@@ -177,12 +177,13 @@ def test_static_decode_steps_generate_the_same_tokens_as_dynamic_ones(tiny_check
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     expected = _engine(tiny_checkpoint, num_tokens=8192, cuda_graphs=False).generate(prompts, params)
     static = _engine(tiny_checkpoint, num_tokens=512, swa_full_tokens_ratio=1.0, cuda_graphs=True)
-    assert static.decode_graphs is not None and not static.decode_graphs.capture
+    assert static.decode_graphs is not None and static.decode_graphs.capture  # (closures recorded as graphs)
     got = static.generate(prompts, params)
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]
     assert static.stats()["num_preemptions"] > 0
     buckets = {key.rows for key in static.decode_graphs.keys}
     assert 4 in buckets and len(buckets) >= 2, buckets
+    assert len(static.decode_graphs.recorded) == len(static.decode_graphs.keys)  # every key's first step recorded
     assert _all_pages_free(static)
 
 
