@@ -173,10 +173,10 @@ class LLMEngine:
             return self.core.add(seq, max_waiting=limit)
         if seq.sampling.guided_decoding is not None:  # refused here if invalid; the rank compiles it
             self.grammars.check(seq.sampling.guided_decoding)
-        with self._placement_lock:
-            queued = sum(1 for p in self._by_handle.values() if p.rank is placed.rank and not p.num_output)
-            if limit is not None and queued > limit:
-                return False
+        if limit is not None:  # (a look at every placement: only where a limit asks for it)
+            with self._placement_lock:
+                if sum(1 for p in self._by_handle.values() if p.rank is placed.rank and not p.num_output) > limit:
+                    return False
         if seq.sampling.timeout_ms is not None:  # (rank 0 keeps it, by its clock: Arrival)
             placed.deadline_s = clock() + seq.sampling.timeout_ms / 1000.0
             with self._placement_lock:
