@@ -24,6 +24,7 @@ PARALLEL_SIZES = ("tensor_parallel_size", "expert_parallel_size", "data_parallel
 
 NUMERICS = ("auto", "transformers", "deepseek")
 LOAD_FORMATS = ("auto", "dummy")
+DRAFT_SAMPLING = ("auto", "argmax", "sample")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 
@@ -94,6 +95,13 @@ class EngineConfig:
     # draft tokens and emits up to one more than it accepts; 0: off. Steps with speculation run one at a time
     # (the host needs each step's accepted count to place the next).
     num_speculative_tokens: int = 0
+    # How a sampled request (temperature > 0) drafts: `argmax`, the draft layer's most likely token, verified as a
+    # draft distribution with all its mass there (vLLM's and SGLang's MTP drafts): every greedy or sampled row's drafts
+    # then come from one static chain (a CUDA graph) and cost no host work; `sample`, a draw from the draft layer's
+    # distribution on the host, pass by pass (accepted more often where both distributions are flat). `auto`: argmax
+    # with static decode steps (cuda_graphs), where the chain is a graph, else sample. Either way the emitted tokens
+    # are distributed as without speculation.
+    draft_sampling: str = "auto"
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
@@ -189,6 +197,8 @@ class EngineConfig:
         _check(is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens", self.num_speculative_tokens,
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")
+        _check(self.draft_sampling in DRAFT_SAMPLING, "draft_sampling", self.draft_sampling,
+               " or ".join(DRAFT_SAMPLING))
         if self.num_speculative_tokens:
             verify = self.max_running_requests * (1 + self.num_speculative_tokens)
             _check(self.max_num_batched_tokens >= verify, "num_speculative_tokens", self.num_speculative_tokens,
@@ -232,6 +242,11 @@ class EngineConfig:
         if self.cuda_graphs is None:
             return self.resolved_device() == "cuda" and self.world_size == 1
         return self.cuda_graphs
+
+    def resolved_draft_sampling(self) -> str:
+        if self.draft_sampling == "auto":
+            return "argmax" if self.resolved_cuda_graphs() else "sample"
+        return self.draft_sampling
 
     def resolved_dtype(self):
         import torch

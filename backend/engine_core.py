@@ -69,7 +69,8 @@ class EngineCore:
                                    prefix_cache=kv.prefix_cache, max_steps_in_flight=2 if self.overlap else 1,
                                    rank=rank)
         self.executor = StepExecutor(runner, kernels, asynchronous=self.overlap,
-                                     cpu_threads=config.cpu_threads or default_cpu_threads())
+                                     cpu_threads=config.cpu_threads or default_cpu_threads(),
+                                     sample_drafts=config.resolved_draft_sampling() == "sample")
         self._stager = BatchStager(runner.device, depth=2)
         # launched, not taken in yet: each iteration's steps (its own, and its part of other ranks' when it had none)
         self._in_flight: deque[list[tuple[StepPlan | None, StepHandle]]] = deque()

@@ -86,13 +86,14 @@ class StepHandle:
 
 
 class StepExecutor:
-    def __init__(self, runner: ModelRunner, kernels, *, asynchronous: bool, cpu_threads: int):
+    def __init__(self, runner: ModelRunner, kernels, *, asynchronous: bool, cpu_threads: int,
+                 sample_drafts: bool = False):
         self.runner = runner
         self.device = runner.device
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
         self.sampler = Sampler(kernels)
-        self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner, self.sampler)
+        self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner, self.sampler, sample_drafts)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if asynchronous:

@@ -4,11 +4,14 @@ With `num_speculative_tokens` k > 0 a decoding request's step is a *verify*: the
 the k draft tokens proposed for it (1 + k positions, logits at each), and the step emits the drafts the target model
 agrees with plus one token of its own after them (1 to k + 1 tokens):
 - greedy rows accept the longest prefix of drafts equal to the target's argmax, then emit the argmax after it;
-- sampled rows use rejection sampling (Leviathan et al. 2023): draft d_i, drawn from the draft distribution q_i, is
+- sampled rows use rejection sampling (Leviathan et al. 2023): draft d_i, from the draft distribution q_i, is
   accepted with probability min(1, p_i(d_i) / q_i(d_i)); the first rejection draws from max(0, p_i - q_i), and if all
-  are accepted one more token is drawn from p_k. Each emitted token is then distributed exactly as p, the target's
-  distribution after temperature, top-k/top-p/min-p and penalties (which count the drafts accepted before it), so
-  the outputs are distributed as without speculation; the request's own generator draws everything (seeds hold).
+  are accepted one more token is drawn from p_k. Under draft_sampling=argmax (auto's choice with static steps) a
+  sampled row drafts the draft layer's argmax, as vLLM's and SGLang's MTP drafts do: q_i is all on d_i, so d_i is accepted with probability
+  p_i(d_i) and a rejection draws from p_i without d_i; with draft_sampling=sample it draws d_i from q_i on the host.
+  Each emitted token is then distributed exactly as p, the target's distribution after temperature,
+  top-k/top-p/min-p and penalties (which count the drafts accepted before it), so the outputs are distributed as
+  without speculation; the request's own generator draws everything (seeds hold).
 
 Constrained requests (structured outputs, backend/structured/grammar.py) draft and verify too, every distribution
 masked by the grammar as it would be at that position: the verify masks its i-th logits row with the grammar's mask
@@ -25,11 +28,12 @@ over every position of the step's batch, each with the main model's residual str
 embedding (a prompt's next token, or the token the step emitted), which also fills its own sliding window (one layer
 more in the window pool); the first draft comes from the row's last emitted position. The next k - 1 drafts chain
 through the draft layer's own streams, one position further each (vLLM's and SGLang's scheme for DeepSeek).
-After a verify step at a static shape (`SpecJob.static_key`) whose drafting rows all draft greedily, the k passes
+After a verify step at a static shape (`SpecJob.static_key`) whose drafting rows all draft the argmax, the k passes
 run as one static chain (`DraftChain`, backend/model/graph_runner.py: a CUDA graph on CUDA): the chained passes'
 positions and pages are known on the host before it (a row drafts while its pages last, `DraftRow.lookahead_end`),
-each pass's argmax feeds the next on the device, and the host reads every draft once at the end. Sampled rows draw
-each draft from q with the request's generator on the host, so a step with one drafts pass by pass (eagerly).
+each pass's argmax feeds the next on the device, and the host reads every draft once at the end. Rows that draw
+on the host (constrained rows, under their grammar's masks; sampled rows under draft_sampling=sample, from q with the
+request's generator) draft pass by pass (eagerly), and so does a step with one.
 Data-parallel ranks in lock-step (their MoE exchanges pad to the largest rank's tokens) agree once, before a step's
 first draft pass, on every rank's tokens in each of its k passes: a static chain's padded counts, an eager rank's
 rows whose pages reach each pass (a grammar may end some after the agreement: fewer), an idle rank's none; each rank
@@ -233,15 +237,21 @@ class Verifier:
     @staticmethod
     def _rejection_sample(targets: torch.Tensor, state: SamplerState, drafts: list[int]) -> list[int]:
         """Leviathan et al.'s rule over the target distributions p_i (rows of `targets`, filtered as the request
-        samples) and the draft distributions q_i kept when the drafts were drawn."""
+        samples) and the draft distributions q_i kept when the drafts were drawn; none kept: argmax drafts, each q_i
+        all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i)."""
         probs = [torch.softmax(filter_logits(row, state.params), dim=-1) for row in targets]
         emitted = []
         for i, draft in enumerate(drafts):
-            p, q = probs[i], state.draft_probs[i]
-            if float(state.uniform()) * float(q[draft]) < float(p[draft]):
+            p = probs[i]
+            q = state.draft_probs[i] if state.draft_probs else None
+            if float(state.uniform()) * (1.0 if q is None else float(q[draft])) < float(p[draft]):
                 emitted.append(draft)
                 continue
-            residual = (p - q).clamp(min=0.0)
+            if q is None:
+                residual = p.clone()
+                residual[draft] = 0.0
+            else:
+                residual = (p - q).clamp(min=0.0)
             emitted.append(state.draw(residual / residual.sum() if float(residual.sum()) > 0 else p))
             return emitted
         emitted.append(state.draw(probs[len(drafts)]))
@@ -273,9 +283,12 @@ class Drafter:
     (backend/runner.py: with a rank group, every rank runs it), which keeps the streams the next pass reads. A
     constrained row's drafts are drawn under its grammar's masks (`sampler`'s mask pool, masks of its own)."""
 
-    def __init__(self, runner, sampler: Sampler):
+    def __init__(self, runner, sampler: Sampler, sample_drafts: bool = False):
+        """`sample_drafts` (draft_sampling=sample): sampled rows draw their drafts from the draft distribution on
+        the host, pass by pass; else every row drafts the argmax."""
         self.runner = runner
         self.sampler = sampler
+        self.sample_drafts = sample_drafts
         self.masks = HostMasks(sampler.kernels)
 
     @torch.inference_mode()
@@ -299,9 +312,13 @@ class Drafter:
 
     def _static(self, job: SpecJob, states: list[SamplerState]) -> bool:
         """Whether the step's drafts come from one static chain: a static verify step, on a runner that has chains,
-        whose drafting rows all draft the argmax (greedy; no grammar masks a draft)."""
+        whose drafting rows all draft the argmax (no grammar masks a draft, no row draws one on the host)."""
         return (job.static_key is not None and self.runner.draft_chains is not None
-                and all(s.params.temperature == 0.0 and s.grammar is None for s in states))
+                and all(s.grammar is None and not self._draws(s) for s in states))
+
+    def _draws(self, state: SamplerState) -> bool:
+        """Whether the row draws its drafts from the draft distribution (else it drafts the argmax)."""
+        return self.sample_drafts and state.params.temperature > 0.0
 
     def _propose_eager(self, batch: ForwardBatch, job: SpecJob, output: StepOutput, states: list[SamplerState],
                        rows: list[int], picks: list[int], positions: list[int]) -> dict[int, list[int]]:
@@ -414,8 +431,9 @@ class Drafter:
 
     def _draw(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
               timing: StepTiming) -> list[int | None]:
-        """One draft per row: the argmax for greedy requests, else a draw from the draft distribution q (filtered as
-        the request samples), which the state keeps for the verify's rejection rule. A constrained row draws under
+        """One draft per row: the argmax, or for sampled requests under draft_sampling=sample a draw from the draft
+        distribution q (filtered as the request samples), which the state keeps for the verify's rejection rule (an
+        argmax draft keeps none: its q is all on the draft). A constrained row drafts under
         its grammar's mask after its drafts so far, and its matcher takes the draft (`walk`); None where no token
         fits."""
         unfit = self._mask(logits, states, walk, timing)
@@ -423,7 +441,7 @@ class Drafter:
         for i, state in enumerate(states):
             if i in unfit:
                 tokens[i] = None
-            elif state.params.temperature > 0.0:
+            elif self._draws(state):
                 q = torch.softmax(filter_logits(logits[i].float().cpu(), state.params), dim=-1)
                 tokens[i] = state.draw(q)
                 state.draft_probs.append(q)

@@ -42,9 +42,12 @@ def prompts(count: int, length: int, vocab: int, mixed_lengths: bool = False) ->
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int) -> float:
+def time_engine(engine: LLMEngine, batch: list[list[int]], max_tokens: int, temperature: float = 0.0) -> float:
+    """Seconds to generate max_tokens for every prompt of `batch` (greedy, or sampled at `temperature`, seeded)."""
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature,
+                             seed=i if temperature else None) for i in range(len(batch))]
     start = time.perf_counter()
-    results = engine.generate(batch, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    results = engine.generate(batch, params)
     elapsed = time.perf_counter() - start
     assert all(len(r["output_ids"]) == max_tokens for r in results)
     return elapsed

@@ -13,7 +13,8 @@ costs against a plain decode step.
                                                                                # for a CPU host's memory)
 
 For each run (--runs, interleaved: every k at every concurrency, then the next run, so that a noisy machine's drift
-spreads over all cells), C prompts of --prompt-tokens generate --max-tokens tokens each (greedy, eos ignored) on an
+spreads over all cells), C prompts of --prompt-tokens generate --max-tokens tokens each (greedy, or sampled at
+--temperature; eos ignored) on an
 engine with num_speculative_tokens = k, built for each k in each run (its concurrencies and draft chains measured in
 turn) and shut down after it: one engine lives at a time (an idle second engine's overlap thread slowed the other's
 steps 2.8x on CPU, which is not what a server runs). Decode
@@ -55,20 +56,22 @@ from scripts.bench_results import write_csv  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 
-def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> float:
+def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+                        temperature: float = 0.0) -> float:
     """bench_engine.py's decode throughput: the max_tokens run's time beyond a 1-token run's (NaN where a busy machine
     made the 1-token run the longer: that run measured nothing)."""
-    decode = throughput(lambda batch, n: time_engine(engine, batch, n), prompts, max_tokens)[0]
+    decode = throughput(lambda batch, n: time_engine(engine, batch, n, temperature), prompts, max_tokens)[0]
     return decode if decode < len(prompts) * (max_tokens - 1) * 1e6 else math.nan  # (throughput's floor: 1 ns)
 
 
-def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int) -> tuple[float, float, float | None]:
+def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int,
+            temperature: float = 0.0) -> tuple[float, float, float | None]:
     """(decode tok/s, mean accepted length, step cost in s) of `prompts` on `engine`, after a short warm-up run."""
-    decode_tokens_per_s(engine, prompts, 4)
+    decode_tokens_per_s(engine, prompts, 4, temperature)
     counters, records = engine.scheduler.counters, engine.scheduler.records
     verifies, drafts_accepted = counters.num_verifies, counters.num_accepted_tokens
     records.clear()  # (the scheduler's last steps, a bounded deque: from here, this run's)
-    speed = decode_tokens_per_s(engine, prompts, max_tokens)
+    speed = decode_tokens_per_s(engine, prompts, max_tokens, temperature)
     verifies = counters.num_verifies - verifies
     emitted = verifies + counters.num_accepted_tokens - drafts_accepted
     return speed, emitted / verifies if verifies else 1.0, step_cost_s(list(records), len(prompts), k)
@@ -111,6 +114,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampled requests (seeded) instead of greedy ones; how they draft: --engine-settings "
+                             "'{\"draft_sampling\": \"sample\"}' (default argmax)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -138,10 +144,12 @@ def main() -> None:
     vocab = engine_for(0)
     batches = {c: torch.randint(2, vocab.vocab_size, (c, args.prompt_tokens), generator=g).tolist()
                for c in args.concurrency}
-    static_steps = vocab.core.runner.graphs is not None
+    # (sampled requests under draft_sampling=sample draw their drafts on the host: pass by pass, as without chains)
+    drafts_in_chains = vocab.core.runner.graphs is not None and not (
+        args.temperature > 0 and vocab.core.executor.drafter.sample_drafts)
     vocab.shutdown()
-    # (k, draft chain) cells: without static steps every chain is eager
-    chains = sorted(set(args.draft_chains), reverse=True) if static_steps else ["eager"]
+    # (k, draft chain) cells: without static chains every chain is eager
+    chains = sorted(set(args.draft_chains), reverse=True) if drafts_in_chains else ["eager"]
     cells = [(0, "-")] + [(k, chain) for k in ks if k for chain in chains]
     speeds: dict[tuple[int, int, str], list[float]] = {}
     accepted: dict[tuple[int, int, str], list[float]] = {}
@@ -156,7 +164,7 @@ def main() -> None:
                         # (the eager cell: the same engine with its static chains set aside, pass by pass)
                         engine.core.runner.draft_chains = static_chains if chain != "eager" else None
                         cell = c, k, chain
-                        speed, length, cost = measure(engine, batches[c], args.max_tokens, k)
+                        speed, length, cost = measure(engine, batches[c], args.max_tokens, k, args.temperature)
                         speeds.setdefault(cell, []).append(speed)
                         accepted.setdefault(cell, []).append(length)
                         costs.setdefault(cell, []).append(cost)
@@ -185,7 +193,8 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"device": args.device, "checkpoint": args.checkpoint, "rows": rows,
-                                         "acceptance": args.acceptance, "step_cost": cost_rows}, indent=2))
+                                         "temperature": args.temperature, "acceptance": args.acceptance,
+                                         "step_cost": cost_rows}, indent=2))
     if args.plot:
         plot(args, rows, cost_rows)
 

@@ -27,6 +27,7 @@ from backend.config import ConfigError, EngineConfig
     ({"prefix_cache_end_entries": -1}, "prefix_cache_end_entries"),
     ({"prefix_cache_entries": 16, "prefix_cache_end_entries": 17}, "prefix_cache_end_entries"),
     ({"load_format": "safetensors"}, "load_format"),
+    ({"draft_sampling": "greedy"}, "draft_sampling"),
     ({"checkpoint": "docs/configs/deepseek-v4-flash.config.json"}, "checkpoint"),  # a config file holds no weights
     ({"hf_overrides": [1]}, "hf_overrides"),
     ({"hf_overrides": {"num_hidden_layer": 2}}, "hf_overrides"),  # not a key of config.json
@@ -69,3 +70,12 @@ def test_hf_overrides_parse_from_json_and_keep_config_json_types():
     assert config.load_format == "dummy"
     assert config.hf_overrides == {"num_hidden_layers": 12, "rms_norm_eps": 1, "eos_token_id": [1, 2],
                                    "rope_scaling": None}  # an int where config.json has a float is a number too
+
+
+def test_draft_sampling_auto_drafts_the_argmax_only_where_the_draft_chain_is_static():
+    """auto: argmax drafts with static decode steps (the chain a graph: no host draw between its passes), else a
+    draw from the draft distribution; an explicit choice holds either way."""
+    assert EngineConfig(device="cpu", cuda_graphs=True).resolved_draft_sampling() == "argmax"
+    assert EngineConfig(device="cpu").resolved_draft_sampling() == "sample"
+    assert EngineConfig(device="cpu", draft_sampling="argmax").resolved_draft_sampling() == "argmax"
+    assert EngineConfig(device="cpu", cuda_graphs=True, draft_sampling="sample").resolved_draft_sampling() == "sample"

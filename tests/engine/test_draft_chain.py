@@ -134,16 +134,42 @@ def test_a_recorded_chain_replays_what_the_eager_chain_drafts(tiny_checkpoint, r
 
 
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
-    """A sampled row draws each draft from q with its own generator, a constrained row's drafts are masked by its
-    grammar (both on the host, between passes): a step with one drafts pass by pass, as does a dynamic step."""
+    """A constrained row's drafts are masked by its grammar, and under draft_sampling=sample a sampled row draws each
+    draft from q with its own generator (both on the host, between passes): a step with one drafts pass by pass, as
+    does a dynamic step. Under draft_sampling=argmax (auto's choice with cuda_graphs) a sampled row drafts in the
+    static chain."""
     drafter = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True).executor.drafter
     job = SpecJob(torch.empty(0, dtype=torch.long), [], 2, StaticKey(rows=4, context=256, tokens_per_row=3))
-    greedy = SamplerState(SamplingParams(), [])
+    greedy, sampled = SamplerState(SamplingParams(), []), SamplerState(SamplingParams(temperature=0.7), [])
     assert drafter._static(job, [greedy, greedy])
     assert drafter._static(job, [SamplerState(SamplingParams(repetition_penalty=1.2), [])])  # (drafts: no penalty)
-    assert not drafter._static(job, [greedy, SamplerState(SamplingParams(temperature=0.7), [])])
+    assert drafter._static(job, [greedy, sampled])
     assert not drafter._static(job, [greedy, SamplerState(SamplingParams(), [], grammar=object())])
     assert not drafter._static(replace(job, static_key=None), [greedy])
+    drafter.sample_drafts = True  # (draft_sampling=sample)
+    assert not drafter._static(job, [greedy, sampled]) and drafter._static(job, [greedy, greedy])
+
+
+def test_seeded_sampled_rows_draft_in_the_static_chain_what_they_draft_pass_by_pass(tiny_checkpoint):
+    """Under draft_sampling=argmax sampled rows (seeded, with penalties and log-probabilities) draft in the static
+    chain after static verify steps, and draw the same tokens as when they draft pass by pass after the same steps:
+    both propose the draft layer's argmax, so the verify draws alike."""
+    prompts = _prompts([5, 30, 12], seed=4)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7 + i, logprobs=1,
+                             repetition_penalty=1.1, ignore_eos=True) for i in range(len(prompts))]
+    outputs, static_steps = [], []
+    for static in (False, True):
+        engine = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True, max_running_requests=8)
+        if not static:
+            engine.core.runner.draft_chains = None
+        chains = []
+        propose = engine.executor.drafter._propose_static
+        engine.executor.drafter._propose_static = lambda *args: chains.append(1) or propose(*args)
+        outputs.append([(r["output_ids"], r["logprobs"]) for r in engine.generate(prompts, params)])
+        static_steps.append(len(chains))
+        engine.kv.check()
+    assert outputs[0] == outputs[1]
+    assert static_steps[0] == 0 and static_steps[1] > 5
 
 
 def test_a_recorded_chain_replays_only_where_every_pass_pads_to_its_own_count():

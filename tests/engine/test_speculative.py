@@ -46,7 +46,7 @@ class OracleDrafter(Drafter):
     probability `error_rate` (so verifies accept some drafts and reject the rest)."""
 
     def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int):
-        super().__init__(drafter.runner, drafter.sampler)
+        super().__init__(drafter.runner, drafter.sampler, drafter.sample_drafts)
         self.reference, self.error_rate, self.vocab = reference, error_rate, vocab
         self.emitted: Counter = Counter()
         self.random = random.Random(0)
@@ -150,10 +150,12 @@ def test_sampled_requests_keep_their_seeds_and_logprobs(tiny_checkpoint):
     assert all(len(r["logprobs"]) == len(r["output_ids"]) == 24 for r in first)
 
 
-def test_rejection_sampling_preserves_the_target_distribution():
+@pytest.mark.parametrize("argmax_drafts", [False, True], ids=["drafts drawn from q", "argmax drafts"])
+def test_rejection_sampling_preserves_the_target_distribution(argmax_drafts):
     """Leviathan et al.'s rule: whatever the draft distribution, each emitted token is distributed as the target's
     (checked over 20,000 verifies of 2 drafts: the first token's distribution, and the second's after a given
-    first; Pearson's chi-square below its 0.001 critical value for 5 degrees of freedom)."""
+    first; Pearson's chi-square below its 0.001 critical value for 5 degrees of freedom). Argmax drafts keep no q
+    (draft_sampling=argmax): the same rule with q all on the draft."""
     critical = 20.515  # chi-square, 5 degrees of freedom, p = 0.001
     vocab = 6
     target_logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 1.0, 0.0, 0.7],
@@ -165,8 +167,11 @@ def test_rejection_sampling_preserves_the_target_distribution():
     verifier, drafts_gen = Verifier(Sampler()), torch.Generator().manual_seed(5)
     first, second = Counter(), Counter()
     for _ in range(20000):
-        drafts = [int(torch.multinomial(q, 1, generator=drafts_gen)) for q in draft_probs]
-        state.draft_probs = list(draft_probs)
+        if argmax_drafts:
+            drafts, state.draft_probs = [int(q.argmax()) for q in draft_probs], []
+        else:
+            drafts = [int(torch.multinomial(q, 1, generator=drafts_gen)) for q in draft_probs]
+            state.draft_probs = list(draft_probs)
         emitted = verifier._rejection_sample(target_logits, state, drafts)
         first[emitted[0]] += 1
         if emitted[0] == 1 and len(emitted) > 1:
@@ -275,13 +280,13 @@ def test_the_draft_forward_is_deepseeks_mtp_block(tiny_checkpoint):
 
 class ModeDrafter(Drafter):
     """A deterministic draft for sampled requests: after the outputs so far, the next token sampling picked most
-    often after them without speculation, proposed with draft probability 1 (q = one-hot). The rule must keep p
-    whatever q is; with this q a draft is accepted with probability p(draft), often, and a rejection draws from p
-    without it."""
+    often after them without speculation, proposed with draft probability 1 (q = one-hot, kept as such with
+    `keep_q`, else left out as the argmax drafts leave it). The rule must keep p whatever q is; with this q a draft is
+    accepted with probability p(draft), often, and a rejection draws from p without it."""
 
-    def __init__(self, drafter: Drafter, samples: list[list[int]], vocab: int):
-        super().__init__(drafter.runner, drafter.sampler)
-        self.vocab, self.outputs = vocab, {}
+    def __init__(self, drafter: Drafter, samples: list[list[int]], vocab: int, keep_q: bool = True):
+        super().__init__(drafter.runner, drafter.sampler, drafter.sample_drafts)
+        self.vocab, self.outputs, self.keep_q = vocab, {}, keep_q
         follows: dict[tuple, Counter] = {}
         for out in samples:
             for i in range(len(out)):
@@ -298,7 +303,7 @@ class ModeDrafter(Drafter):
                 history.append(self.mode.get(tuple(history), 0))
             drafts[r] = history[len(history) - len(proposed):]
             states[r].draft_probs = [torch.nn.functional.one_hot(torch.tensor(d), self.vocab).float()
-                                     for d in drafts[r]]
+                                     for d in drafts[r]] if self.keep_q else []
         return drafts
 
 
@@ -318,10 +323,12 @@ def _homogeneity(first: list[int], second: list[int]) -> tuple[float, float]:
     return statistic, critical
 
 
-def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint):
+@pytest.mark.parametrize("keep_q", [True, False], ids=["q kept", "argmax drafts, no q"])
+def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint, keep_q):
     """400 seeded samples of 3 tokens from one prompt (temperature 1, top-k 6), without speculation and with k = 2
     drafts that are accepted or rejected often: the second and third tokens' distributions agree (chi-square
-    homogeneity at p = 0.001)."""
+    homogeneity at p = 0.001), whether the draft distribution is kept (one-hot) or left out as argmax drafts leave
+    it."""
     prompt, count = _prompts([12], seed=6)[0], 400
 
     def sample(engine, first_seed):
@@ -331,7 +338,7 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint):
 
     without = sample(_engine(tiny_checkpoint, max_running_requests=16), 0)
     engine = _engine(tiny_checkpoint, num_speculative_tokens=2, max_running_requests=16)
-    engine.executor.drafter = ModeDrafter(engine.executor.drafter, without, engine.vocab_size)
+    engine.executor.drafter = ModeDrafter(engine.executor.drafter, without, engine.vocab_size, keep_q)
     with_drafts = sample(engine, 10_000)
     stats = engine.stats()
     assert 0.2 * stats["num_draft_tokens"] < stats["num_accepted_tokens"] < 0.9 * stats["num_draft_tokens"]
@@ -401,7 +408,7 @@ class GrammarCheckingDrafter(Drafter):
     (so the matcher was rolled back to the emitted tokens), nothing after a draft that ends the grammar."""
 
     def __init__(self, drafter: Drafter):
-        super().__init__(drafter.runner, drafter.sampler)
+        super().__init__(drafter.runner, drafter.sampler, drafter.sample_drafts)
         self.constrained_drafts = 0
         self.invalid: list[list[int]] = []  # draft chains their grammar does not take
 
