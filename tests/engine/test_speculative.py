@@ -464,6 +464,31 @@ def test_constrained_sampled_outputs_stay_valid_with_speculation(tiny_checkpoint
     assert checking.constrained_drafts > 0 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 
+def test_constrained_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint):
+    """Under a grammar (the regex: digits first) 400 seeded samples of 3 tokens from one prompt, without speculation
+    and with k = 2 drafts accepted or rejected often (`ModeDrafter`: the constrained samples' most frequent next
+    token): the second and third tokens' distributions agree (chi-square homogeneity at p = 0.001), so the verify's
+    masks after each draft and the rejection rule give each emitted token its constrained distribution."""
+    prompt, count = _prompts([12], seed=6)[0], 400
+
+    def sample(engine, first_seed):
+        params = [SamplingParams.from_dict({"max_tokens": 3, "temperature": 1.0, "top_k": 6, "seed": first_seed + i,
+                                            "guided_decoding": {"regex": REGEX}}) for i in range(count)]
+        results = _generate(engine, [prompt] * count, params)
+        assert all(re.fullmatch(r"(\d{3}-){0,4}\d{0,3}", r["text"]) for r in results), [r["text"] for r in results]
+        return _ids(results)
+
+    without = sample(_engine(tiny_checkpoint, max_running_requests=16), 0)
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2, max_running_requests=16)
+    engine.executor.drafter = ModeDrafter(engine.executor.drafter, without, engine.vocab_size)
+    with_drafts = sample(engine, 10_000)
+    stats = engine.stats()
+    assert 0.1 * stats["num_draft_tokens"] < stats["num_accepted_tokens"] < 0.9 * stats["num_draft_tokens"]
+    for position in (1, 2):
+        statistic, critical = _homogeneity([o[position] for o in without], [o[position] for o in with_drafts])
+        assert statistic < critical, (position, statistic, critical)
+
+
 def _same_logprobs(got: list, expected: list) -> None:
     """Per token: the same rank and top tokens, log-probabilities within 1e-4 (the verify's logits are computed in
     a wider batch)."""
