@@ -106,9 +106,10 @@ class EngineConfig:
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
     # Decode steps at static (bucketed) shapes, replayed from CUDA graphs on CUDA (speculative decoding: verify steps,
-    # and the draft passes after one as one chain, backend/speculative.py); on CPU, True runs the
-    # same padded step eagerly (how the graph path is tested without a GPU). None: on for CUDA with one rank (graphs
-    # of several ranks' steps capture their collectives: asked for with True, not yet run on GPUs).
+    # and the draft passes after one as one chain, backend/speculative.py); on CPU, True runs the same padded steps,
+    # a closure recorded where CUDA captures a graph (how the graph path is tested without a GPU). None: on for CUDA
+    # with one rank (graphs of several ranks' steps capture their collectives: asked for with True, not yet run on
+    # GPUs).
     cuda_graphs: bool | None = None
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: docs/host-loop.md#threads). None: torch's count where the engine is built (the cores).

@@ -67,7 +67,8 @@ class SamplerState:
         self.generator: torch.Generator | None = None
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
-        # Speculative decoding: the distributions its sampled drafts were drawn from (backend/speculative.py).
+        # Speculative decoding: the distributions its sampled drafts were drawn from (backend/speculative.py; empty
+        # for argmax drafts, each all on its draft).
         self.draft_probs: list[torch.Tensor] = []
 
     def penalize(self, line: torch.Tensor, pending: list[int] = ()) -> None:

@@ -7,8 +7,9 @@ agrees with plus one token of its own after them (1 to k + 1 tokens):
 - sampled rows use rejection sampling (Leviathan et al. 2023): draft d_i, from the draft distribution q_i, is
   accepted with probability min(1, p_i(d_i) / q_i(d_i)); the first rejection draws from max(0, p_i - q_i), and if all
   are accepted one more token is drawn from p_k. Under draft_sampling=argmax (auto's choice with static steps) a
-  sampled row drafts the draft layer's argmax, as vLLM's and SGLang's MTP drafts do: q_i is all on d_i, so d_i is accepted with probability
-  p_i(d_i) and a rejection draws from p_i without d_i; with draft_sampling=sample it draws d_i from q_i on the host.
+  sampled row drafts the draft layer's argmax, as vLLM's and SGLang's MTP drafts do: q_i is all on d_i, so d_i is
+  accepted with probability p_i(d_i) and a rejection draws from p_i without d_i; with draft_sampling=sample it draws
+  d_i from q_i on the host.
   Each emitted token is then distributed exactly as p, the target's distribution after temperature,
   top-k/top-p/min-p and penalties (which count the drafts accepted before it), so the outputs are distributed as
   without speculation; the request's own generator draws everything (seeds hold).
