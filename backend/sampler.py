@@ -6,9 +6,11 @@ touched only there, so a step in flight and the host thread never share it; the 
 samples are observed by the state at once, so the next step's penalties include them even while
 the host has not seen them yet.
 
-Greedy rows (temperature 0) are one argmax over the batch; sampled rows are drawn one by one from
-their own `torch.Generator` (on the host), so a request with a seed gets the same tokens whatever it
-is batched with.
+Greedy rows (temperature 0) are one argmax over the batch. Sampled rows are filtered together where the logits are
+(`filter_logits_rows`: each row's temperature, top-k, top-p and min-p, a few batched kernels on a GPU instead of a
+copy of each row to the host and a host sort of 129K values), then each is drawn off its own `torch.Generator` on
+that device (exponential noise, one small launch a row, and one argmax: no host sync), so a request with a seed gets
+the same tokens whatever it is batched with.
 
 Penalties (`apply_penalties`, rows whose request sets them; the others are not touched or copied):
   repetition_penalty r (vLLM / HF): every token in the prompt or the output so far has its logit divided
@@ -65,6 +67,7 @@ class SamplerState:
         self.plain = (params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
                       and grammar is None)
         self.generator: torch.Generator | None = None
+        self._device_generator: torch.Generator | None = None  # (sampling on a GPU: Sampler.sample)
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
         # Speculative decoding: the distributions its sampled drafts were drawn from (backend/speculative.py; empty
@@ -102,18 +105,34 @@ class SamplerState:
     def draw(self, probs: torch.Tensor) -> int:
         return int(torch.multinomial(probs, 1, generator=self._generator()).item())
 
+    def exponential_like(self, probs: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise shaped and placed like `probs` [V], off the request's generator on that device (the host one
+        on CPU; on a GPU a second one, seeded alike): argmax(probs / noise) is a draw from probs, what
+        torch.multinomial draws for one sample (the same token off the same generator), without its host syncs."""
+        if probs.device.type == "cpu":
+            generator = self._generator()
+        else:
+            if self._device_generator is None:
+                self._device_generator = _seeded(torch.Generator(device=probs.device), self.params.seed)
+            generator = self._device_generator
+        return torch.empty_like(probs).exponential_(1.0, generator=generator)
+
     def uniform(self) -> float:
         """A draw from U[0, 1) off the request's generator (speculative decoding's acceptance test)."""
         return float(torch.rand(1, generator=self._generator()))
 
     def _generator(self) -> torch.Generator:
         if self.generator is None:
-            self.generator = torch.Generator()
-            if self.params.seed is not None:
-                self.generator.manual_seed(self.params.seed)
-            else:
-                self.generator.seed()
+            self.generator = _seeded(torch.Generator(), self.params.seed)
         return self.generator
+
+
+def _seeded(generator: torch.Generator, seed: int | None) -> torch.Generator:
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    return generator
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -132,6 +151,36 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted = cumulative - sorted_probs >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filter_logits` of every row of `logits` [R, V] at once (row r with params[r], temperature > 0), where the
+    logits are: [R, V] float32. Each cut runs only when some row asks for it, and leaves the other rows whole."""
+    device, vocab, rows = logits.device, logits.shape[-1], len(params)
+
+    def column(values: list, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).view(rows, 1)
+
+    logits = logits.float() / column([p.temperature for p in params])
+    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    if any(top_k):
+        kth = logits.topk(max(top_k), dim=-1).values.gather(1, column([max(k, 1) for k in top_k], torch.long) - 1)
+        kth = kth.masked_fill(column([k == 0 for k in top_k], torch.bool), float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not any(p.min_p > 0.0 or p.top_p < 1.0 for p in params):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        floor = column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # (as filter_logits: drop a token when the tokens before it already reach top_p; rows at top_p 1 keep all)
+        drop_sorted = (cumulative - sorted_probs >= column([p.top_p for p in params])) & column(
+            [p.top_p < 1.0 for p in params], torch.bool)
+        logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
     return logits
 
 
@@ -243,12 +292,18 @@ class Sampler:
         return time.perf_counter() - started
 
     def sample(self, logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-        """One token per row of the (penalised) logits [R, V]: greedy on the device, sampled rows on the host."""
+        """One token per row of the (penalised) logits [R, V], on their device: the argmax for greedy rows, a draw
+        off its own generator for each sampled row (filtered together)."""
         tokens = torch.argmax(logits, dim=-1)
-        for row, state in enumerate(states):
-            if state.params.temperature > 0.0:
-                probs = torch.softmax(filter_logits(logits[row].cpu(), state.params), dim=-1)
-                tokens[row] = state.draw(probs)
+        rows = [row for row, state in enumerate(states) if state.params.temperature > 0.0]
+        # (on a CPU one row at a time: a row of 129K logits and its sort stay in cache, the whole batch's do not)
+        share = len(rows) if logits.device.type != "cpu" else 1
+        for start in range(0, len(rows), share):
+            part = rows[start:start + share]
+            index = torch.tensor(part).to(logits.device, non_blocking=True)  # (a pageable copy: no wait)
+            probs = torch.softmax(filter_logits_rows(logits[index], [states[row].params for row in part]), dim=-1)
+            noise = torch.stack([states[row].exponential_like(line) for row, line in zip(part, probs)])
+            tokens[index] = (probs / noise).argmax(dim=-1)
         return tokens
 
     def logprobs(self, logits: torch.Tensor, states: list[SamplerState],

@@ -19,6 +19,8 @@
 #      (speculative_step_cost.csv, speculative_step_cost.png). The trained draft when checkpoints/dsv4-tiny-mtp is
 #      there, else the built-in checkpoint's random one (almost never accepted: what speculation costs, its worst
 #      case). speculative_v4: the same step costs at V4-Flash's widths (dummy weights, 4 layers and the MTP layer).
+#   sampling: drawing sampled rows at V4's vocabulary, filtered together on the device against each row on the host
+#      (scripts/bench_sampling.py, sampling.csv).
 #   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
@@ -52,7 +54,7 @@ declare -A limit=([kernel_tests]=90 [engine]=90 [launches]=30 [tune]=200 [bench_
                   [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
 # not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
 # were measured beside the static ones)
-limit+=([v4_shapes]=240 [v4_serving]=300 [speculative_v4]=240)
+limit+=([v4_shapes]=240 [v4_serving]=300 [speculative_v4]=240 [sampling]=40)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
@@ -106,6 +108,7 @@ if "$PY" -c "import xgrammar" 2>/dev/null; then
 else
   status[structured]="not run (xgrammar not installed)"
 fi
+run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
 run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
 run v4_serving "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
@@ -113,7 +116,8 @@ run v4_serving "$PY" scripts/bench_v4_serving.py --device cuda --measurement-int
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches tune bench_kernels host_loop speculative speculative_v4 structured v4_shapes v4_serving; do
+for name in kernel_tests engine launches tune bench_kernels host_loop speculative speculative_v4 structured sampling \
+    v4_shapes v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tokenizers import Tokenizer
 
 from backend.detokenizer import IncrementalDetokenizer
 from backend.request import SamplingParams
-from backend.sampler import Sampler, SamplerState, apply_penalties, filter_logits
+from backend.sampler import Sampler, SamplerState, apply_penalties, filter_logits, filter_logits_rows
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -60,6 +62,40 @@ def test_top_k_top_p_min_p_restrict_the_candidates():
     samples = _sample(logits.expand(64, -1).clone(), _seqs([SamplingParams(temperature=5.0, top_k=2, seed=i)
                                                             for i in range(64)]))
     assert set(samples) == {0, 1}
+
+
+def test_rows_filtered_together_cut_what_each_row_filtered_alone_cuts():
+    """filter_logits_rows (the sampler's: every sampled row at once, where the logits are) against filter_logits row
+    by row, each row with its own temperature and cuts, and rows with none beside rows with all three."""
+    logits = _logits(rows=7, vocab=300, seed=3)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.5, min_p=0.1),
+              SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05),
+              SamplingParams(temperature=2.0, top_k=1),
+              SamplingParams(temperature=1.0, top_k=300, top_p=0.95)]
+    together = filter_logits_rows(logits, params)
+    for row, p in enumerate(params):
+        alone = filter_logits(logits[row], p)
+        assert torch.equal(torch.isfinite(together[row]), torch.isfinite(alone)), p
+        assert torch.allclose(together[row][torch.isfinite(alone)], alone[torch.isfinite(alone)]), p
+    assert torch.isfinite(together[0]).all() and torch.isfinite(together[5]).sum() == 1
+
+
+def test_sampled_rows_are_distributed_as_their_filtered_distributions():
+    """256 draws of each of 3 rows sampled together (temperature and cuts of their own, a seed each): each row's
+    draws follow its own filtered distribution (Pearson's chi-square, p = 0.001)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3]] * 3)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3),
+              SamplingParams(temperature=2.0, top_p=0.8)]
+    states = _seqs([dataclasses.replace(p, seed=40 + i) for i, p in enumerate(params)])
+    draws = [Sampler().sample(logits, states).tolist() for _ in range(2000)]
+    for row, p in enumerate(params):
+        expected = torch.softmax(filter_logits(logits[row], p), -1) * len(draws)
+        observed = torch.bincount(torch.tensor([d[row] for d in draws]), minlength=6).float()
+        kept = expected > 0
+        assert (observed[~kept] == 0).all(), (row, observed)
+        statistic = float(((observed[kept] - expected[kept]) ** 2 / expected[kept]).sum())
+        assert statistic < {2: 10.828, 3: 13.816, 4: 16.266, 6: 20.515}[int(kept.sum())], (row, statistic)
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -1),
