@@ -102,8 +102,10 @@ class SamplerState:
             self._seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=line.device)] = True
             self._counts = torch.zeros(line.shape[0], dtype=torch.long, device=line.device)
 
-    def draw(self, probs: torch.Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self._generator()).item())
+    def draw_from(self, weights: torch.Tensor) -> int:
+        """A token drawn from `weights` [V] (probabilities, not necessarily normalized) where they are, off the
+        request's generator there (`exponential_like`): one host read of the token."""
+        return int((weights / self.exponential_like(weights)).argmax())
 
     def exponential_like(self, probs: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise shaped and placed like `probs` [V], off the request's generator on that device (the host one

@@ -67,7 +67,7 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
-from backend.sampler import NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, filter_logits
+from backend.sampler import NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, filter_logits, filter_logits_rows
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -223,7 +223,7 @@ class Verifier:
         if params.temperature == 0.0:
             emitted = _accepted_prefix(drafts, best if best is not None else targets.argmax(dim=-1).tolist())
         else:
-            emitted = self._rejection_sample(targets.float().cpu(), state, drafts)
+            emitted = self._rejection_sample(targets, state, drafts)
         return emitted, targets
 
     def _observe(self, targets: torch.Tensor, state: SamplerState, emitted: list[int]) -> list[TokenLogprobs] | None:
@@ -237,25 +237,30 @@ class Verifier:
 
     @staticmethod
     def _rejection_sample(targets: torch.Tensor, state: SamplerState, drafts: list[int]) -> list[int]:
-        """Leviathan et al.'s rule over the target distributions p_i (rows of `targets`, filtered as the request
-        samples) and the draft distributions q_i kept when the drafts were drawn; none kept: argmax drafts, each q_i
-        all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i)."""
-        probs = [torch.softmax(filter_logits(row, state.params), dim=-1) for row in targets]
+        """Leviathan et al.'s rule over the target distributions p_i (rows of `targets` [1 + k, V], filtered as the
+        request samples) and the draft distributions q_i kept when the drafts were drawn; none kept: argmax drafts,
+        each q_i all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i). With
+        argmax drafts the rows stay where the logits are: the host reads p_i(d_i) of each draft and the one token
+        drawn (the acceptance tests off the request's host generator, the draw off its generator there)."""
+        probs = torch.softmax(filter_logits_rows(targets, [state.params] * len(targets)), dim=-1)
+        if state.draft_probs:  # (q on the host: draft_sampling=sample drew the drafts there)
+            probs = probs.cpu()
+        on_drafts = probs[:len(drafts)].gather(1, _long(drafts).to(probs.device, non_blocking=True)[:, None])
         emitted = []
-        for i, draft in enumerate(drafts):
-            p = probs[i]
+        for i, (draft, p_draft) in enumerate(zip(drafts, on_drafts.flatten().tolist())):
             q = state.draft_probs[i] if state.draft_probs else None
-            if float(state.uniform()) * (1.0 if q is None else float(q[draft])) < float(p[draft]):
+            if float(state.uniform()) * (1.0 if q is None else float(q[draft])) < p_draft:
                 emitted.append(draft)
                 continue
             if q is None:
-                residual = p.clone()
+                residual = probs[i].clone()
                 residual[draft] = 0.0
             else:
-                residual = (p - q).clamp(min=0.0)
-            emitted.append(state.draw(residual / residual.sum() if float(residual.sum()) > 0 else p))
+                residual = (probs[i] - q).clamp(min=0.0)
+            # (a draw needs no normalizing; a residual of nothing, q at least p everywhere: p itself)
+            emitted.append(state.draw_from(torch.where(residual.sum() > 0, residual, probs[i])))
             return emitted
-        emitted.append(state.draw(probs[len(drafts)]))
+        emitted.append(state.draw_from(probs[len(drafts)]))
         return emitted
 
 
@@ -444,7 +449,7 @@ class Drafter:
                 tokens[i] = None
             elif self._draws(state):
                 q = torch.softmax(filter_logits(logits[i].float().cpu(), state.params), dim=-1)
-                tokens[i] = state.draw(q)
+                tokens[i] = state.draw_from(q)
                 state.draft_probs.append(q)
         drafted = [i for i, state in enumerate(states) if _constrained(state) and tokens[i] is not None]
         if drafted:
