@@ -298,11 +298,8 @@ class Sampler:
         off its own generator for each sampled row (filtered together)."""
         tokens = torch.argmax(logits, dim=-1)
         rows = [row for row, state in enumerate(states) if state.params.temperature > 0.0]
-        # (on a CPU one row at a time: a row of 129K logits and its sort stay in cache, the whole batch's do not)
-        share = len(rows) if logits.device.type != "cpu" else 1
-        for start in range(0, len(rows), share):
-            part = rows[start:start + share]
-            index = torch.tensor(part).to(logits.device, non_blocking=True)  # (a pageable copy: no wait)
+        for part in _shares(rows, logits.device):
+            index = _long_on(part, logits.device)
             probs = torch.softmax(filter_logits_rows(logits[index], [states[row].params for row in part]), dim=-1)
             noise = torch.stack([states[row].exponential_like(line) for row, line in zip(part, probs)])
             tokens[index] = (probs / noise).argmax(dim=-1)
@@ -310,22 +307,40 @@ class Sampler:
 
     def logprobs(self, logits: torch.Tensor, states: list[SamplerState],
                  tokens: list[int]) -> list[TokenLogprobs | None]:
-        """For each row whose request asked for them, the sampled token's log-probability and the top ones."""
-        out: list[TokenLogprobs | None] = []
-        for row, (state, token) in enumerate(zip(states, tokens)):
-            k = state.params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            dist = sampling_log_probs(logits[row].cpu(), state.params)
-            top = torch.topk(dist, k) if k else None
-            out.append(TokenLogprobs(float(dist[token]), int((dist > dist[token]).sum()) + 1,
-                                     [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))))
+        """For each row whose request asked for them, the sampled token's log-probability and the top ones, computed
+        where the logits are (rows in shares, as `sample`); the host reads only what it reports."""
+        out: list[TokenLogprobs | None] = [None] * len(states)
+        rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
+        for part in _shares(rows, logits.device):
+            params = [states[row].params for row in part]
+            dist = sampling_log_probs(logits[_long_on(part, logits.device)], params)
+            chosen = dist.gather(1, _long_on([tokens[row] for row in part], logits.device)[:, None])
+            ranks = ((dist > chosen).sum(dim=1) + 1).tolist()
+            top = dist.topk(max(p.logprobs for p in params), dim=-1)
+            top_ids, top_values, chosen = top.indices.tolist(), top.values.tolist(), chosen.flatten().tolist()
+            for i, (row, p) in enumerate(zip(part, params)):
+                out[row] = TokenLogprobs(chosen[i], ranks[i],
+                                         list(zip(top_ids[i][:p.logprobs], top_values[i][:p.logprobs])))
         return out
 
 
-def sampling_log_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probabilities [V] of the distribution a row is sampled from (see the module docstring)."""
-    if params.temperature > 0.0:
-        return torch.log_softmax(filter_logits(logits, params), dim=-1)
-    return torch.log_softmax(logits.float(), dim=-1)
+def _shares(rows: list[int], device: torch.device) -> list[list[int]]:
+    """`rows` in the shares one batched computation over the vocabulary takes: all of them on a GPU; one at a time on
+    a CPU, where a row of 129K logits and its sort stay in cache and a whole batch's do not."""
+    share = max(1, len(rows) if device.type != "cpu" else 1)
+    return [rows[start:start + share] for start in range(0, len(rows), share)]
+
+
+def _long_on(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)  # (from pageable memory: no wait)
+
+
+def sampling_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Log-probabilities [R, V] of the distributions rows of `logits` [R, V] are sampled from (see the module
+    docstring): with temperature > 0 the filtered logits' (filter_logits_rows), greedy the logits' own."""
+    dist = logits.float()
+    sampled = [row for row, p in enumerate(params) if p.temperature > 0.0]
+    if sampled:
+        index = _long_on(sampled, logits.device)
+        dist = dist.index_copy(0, index, filter_logits_rows(logits[index], [params[row] for row in sampled]))
+    return torch.log_softmax(dist, dim=-1)
