@@ -70,8 +70,8 @@ class SamplerState:
         self._device_generator: torch.Generator | None = None  # (sampling on a GPU: Sampler.sample)
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
-        # Speculative decoding: the distributions its sampled drafts were drawn from (backend/speculative.py; empty
-        # for argmax drafts, each all on its draft).
+        # Speculative decoding: the distributions its sampled drafts were drawn from, where the logits are
+        # (backend/speculative.py; empty for argmax drafts, each all on its draft).
         self.draft_probs: list[torch.Tensor] = []
 
     def penalize(self, line: torch.Tensor, pending: list[int] = ()) -> None:
@@ -298,11 +298,9 @@ class Sampler:
         off its own generator for each sampled row (filtered together)."""
         tokens = torch.argmax(logits, dim=-1)
         rows = [row for row, state in enumerate(states) if state.params.temperature > 0.0]
-        for part in _shares(rows, logits.device):
-            index = _long_on(part, logits.device)
-            probs = torch.softmax(filter_logits_rows(logits[index], [states[row].params for row in part]), dim=-1)
-            noise = torch.stack([states[row].exponential_like(line) for row, line in zip(part, probs)])
-            tokens[index] = (probs / noise).argmax(dim=-1)
+        for part in row_shares(rows, logits.device):
+            index = long_on(part, logits.device)
+            tokens[index] = draw_rows(logits[index], [states[row] for row in part])[0]
         return tokens
 
     def logprobs(self, logits: torch.Tensor, states: list[SamplerState],
@@ -311,10 +309,10 @@ class Sampler:
         where the logits are (rows in shares, as `sample`); the host reads only what it reports."""
         out: list[TokenLogprobs | None] = [None] * len(states)
         rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
-        for part in _shares(rows, logits.device):
+        for part in row_shares(rows, logits.device):
             params = [states[row].params for row in part]
-            dist = sampling_log_probs(logits[_long_on(part, logits.device)], params)
-            chosen = dist.gather(1, _long_on([tokens[row] for row in part], logits.device)[:, None])
+            dist = sampling_log_probs(logits[long_on(part, logits.device)], params)
+            chosen = dist.gather(1, long_on([tokens[row] for row in part], logits.device)[:, None])
             ranks = ((dist > chosen).sum(dim=1) + 1).tolist()
             top = dist.topk(max(p.logprobs for p in params), dim=-1)
             top_ids, top_values, chosen = top.indices.tolist(), top.values.tolist(), chosen.flatten().tolist()
@@ -324,14 +322,23 @@ class Sampler:
         return out
 
 
-def _shares(rows: list[int], device: torch.device) -> list[list[int]]:
+def draw_rows(logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [R], probabilities [R, V]) of sampled rows `logits` [R, V]: each row's filtered distribution
+    (filter_logits_rows) and a draw from it off its request's generator (`SamplerState.exponential_like`), where the
+    logits are."""
+    probs = torch.softmax(filter_logits_rows(logits, [state.params for state in states]), dim=-1)
+    noise = torch.stack([state.exponential_like(line) for state, line in zip(states, probs)])
+    return (probs / noise).argmax(dim=-1), probs
+
+
+def row_shares(rows: list[int], device: torch.device) -> list[list[int]]:
     """`rows` in the shares one batched computation over the vocabulary takes: all of them on a GPU; one at a time on
     a CPU, where a row of 129K logits and its sort stay in cache and a whole batch's do not."""
     share = max(1, len(rows) if device.type != "cpu" else 1)
     return [rows[start:start + share] for start in range(0, len(rows), share)]
 
 
-def _long_on(values: list[int], device: torch.device) -> torch.Tensor:
+def long_on(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)  # (from pageable memory: no wait)
 
 
@@ -341,6 +348,6 @@ def sampling_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> to
     dist = logits.float()
     sampled = [row for row, p in enumerate(params) if p.temperature > 0.0]
     if sampled:
-        index = _long_on(sampled, logits.device)
+        index = long_on(sampled, logits.device)
         dist = dist.index_copy(0, index, filter_logits_rows(logits[index], [params[row] for row in sampled]))
     return torch.log_softmax(dist, dim=-1)

@@ -67,7 +67,8 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
-from backend.sampler import NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, filter_logits, filter_logits_rows
+from backend.sampler import (NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, draw_rows, filter_logits_rows, long_on,
+                             row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -240,16 +241,18 @@ class Verifier:
         """Leviathan et al.'s rule over the target distributions p_i (rows of `targets` [1 + k, V], filtered as the
         request samples) and the draft distributions q_i kept when the drafts were drawn; none kept: argmax drafts,
         each q_i all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i). With
-        argmax drafts the rows stay where the logits are: the host reads p_i(d_i) of each draft and the one token
-        drawn (the acceptance tests off the request's host generator, the draw off its generator there)."""
+        The rows stay where the logits are (and the q_i, `Drafter._draw`): the host reads p_i(d_i) and q_i(d_i) of
+        the drafts and the one token drawn (the acceptance tests off the request's host generator, the draw off its
+        generator there)."""
         probs = torch.softmax(filter_logits_rows(targets, [state.params] * len(targets)), dim=-1)
-        if state.draft_probs:  # (q on the host: draft_sampling=sample drew the drafts there)
-            probs = probs.cpu()
-        on_drafts = probs[:len(drafts)].gather(1, _long(drafts).to(probs.device, non_blocking=True)[:, None])
+        on_drafts = long_on(drafts, probs.device)[:, None]
+        read = probs[:len(drafts)].gather(1, on_drafts)  # p_i(d_i), and beside it q_i(d_i) where q was kept
+        if state.draft_probs:
+            read = torch.cat([read, torch.stack(state.draft_probs).gather(1, on_drafts)], dim=1)
         emitted = []
-        for i, (draft, p_draft) in enumerate(zip(drafts, on_drafts.flatten().tolist())):
+        for i, (draft, values) in enumerate(zip(drafts, read.tolist())):
             q = state.draft_probs[i] if state.draft_probs else None
-            if float(state.uniform()) * (1.0 if q is None else float(q[draft])) < p_draft:
+            if float(state.uniform()) * (1.0 if q is None else values[1]) < values[0]:
                 emitted.append(draft)
                 continue
             if q is None:
@@ -444,13 +447,14 @@ class Drafter:
         fits."""
         unfit = self._mask(logits, states, walk, timing)
         tokens = logits.argmax(dim=-1).tolist()
-        for i, state in enumerate(states):
-            if i in unfit:
-                tokens[i] = None
-            elif self._draws(state):
-                q = torch.softmax(filter_logits(logits[i].float().cpu(), state.params), dim=-1)
-                tokens[i] = state.draw_from(q)
-                state.draft_probs.append(q)
+        for i in unfit:
+            tokens[i] = None
+        drawing = [i for i, state in enumerate(states) if i not in unfit and self._draws(state)]
+        for part in row_shares(drawing, logits.device):
+            drawn, q = draw_rows(logits[long_on(part, logits.device)], [states[i] for i in part])
+            for i, token, line in zip(part, drawn.tolist(), q):
+                tokens[i] = token
+                states[i].draft_probs.append(line)
         drafted = [i for i, state in enumerate(states) if _constrained(state) and tokens[i] is not None]
         if drafted:
             started = time.perf_counter()
