@@ -324,10 +324,15 @@ class Sampler:
 
 def draw_rows(logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [R], probabilities [R, V]) of sampled rows `logits` [R, V]: each row's filtered distribution
-    (filter_logits_rows) and a draw from it off its request's generator (`SamplerState.exponential_like`), where the
-    logits are."""
+    (filter_logits_rows) and a draw from it, where the logits are: a seeded request's off its own generator
+    (`SamplerState.exponential_like`: a launch a row), the others' noise in one launch off the device's own."""
     probs = torch.softmax(filter_logits_rows(logits, [state.params for state in states]), dim=-1)
-    noise = torch.stack([state.exponential_like(line) for state, line in zip(states, probs)])
+    noise = torch.empty_like(probs)
+    seeded = [row for row, state in enumerate(states) if state.params.seed is not None]
+    if len(seeded) < len(states):
+        noise.exponential_(1.0)
+    for row in seeded:
+        noise[row] = states[row].exponential_like(probs[row])
     return (probs / noise).argmax(dim=-1), probs
 
 

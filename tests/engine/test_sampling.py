@@ -82,12 +82,13 @@ def test_rows_filtered_together_cut_what_each_row_filtered_alone_cuts():
 
 
 def test_sampled_rows_are_distributed_as_their_filtered_distributions():
-    """256 draws of each of 3 rows sampled together (temperature and cuts of their own, a seed each): each row's
-    draws follow its own filtered distribution (Pearson's chi-square, p = 0.001)."""
+    """2000 draws of each of 3 rows sampled together (temperature and cuts of their own, a seed each but the first):
+    each row's draws follow its own filtered distribution (Pearson's chi-square, p = 0.001)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3]] * 3)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3),
               SamplingParams(temperature=2.0, top_p=0.8)]
-    states = _seqs([dataclasses.replace(p, seed=40 + i) for i, p in enumerate(params)])
+    # (row 0 without a seed: its noise comes off the device's generator)
+    states = _seqs([dataclasses.replace(p, seed=40 + i if i else None) for i, p in enumerate(params)])
     draws = [Sampler().sample(logits, states).tolist() for _ in range(2000)]
     for row, p in enumerate(params):
         expected = torch.softmax(filter_logits(logits[row], p), -1) * len(draws)
