@@ -8,9 +8,9 @@ the host has not seen them yet.
 
 Greedy rows (temperature 0) are one argmax over the batch. Sampled rows are filtered together where the logits are
 (`filter_logits_rows`: each row's temperature, top-k, top-p and min-p, a few batched kernels on a GPU instead of a
-copy of each row to the host and a host sort of 129K values), then each is drawn off its own `torch.Generator` on
-that device (exponential noise, one small launch a row, and one argmax: no host sync), so a request with a seed gets
-the same tokens whatever it is batched with.
+copy of each row to the host and a host sort of 129K values), then drawn there with exponential noise and one
+argmax (no host sync): a seeded request's noise off its own `torch.Generator` on that device (one small launch a
+row), so it gets the same tokens whatever it is batched with; the other rows' in one launch.
 
 Penalties (`apply_penalties`, rows whose request sets them; the others are not touched or copied):
   repetition_penalty r (vLLM / HF): every token in the prompt or the output so far has its logit divided
