@@ -98,7 +98,8 @@ class EngineConfig:
     # How a sampled request (temperature > 0) drafts: `argmax`, the draft layer's most likely token, verified as a
     # draft distribution with all its mass there (vLLM's and SGLang's MTP drafts): every greedy or sampled row's drafts
     # then come from one static chain (a CUDA graph) and cost no host work; `sample`, a draw from the draft layer's
-    # distribution on the host, pass by pass (accepted more often where both distributions are flat). `auto`: argmax
+    # distribution, pass by pass, the host reading each pass's drafts (accepted more often where both distributions
+    # are flat). `auto`: argmax
     # with static decode steps (cuda_graphs), where the chain is a graph, else sample. Either way the emitted tokens
     # are distributed as without speculation.
     draft_sampling: str = "auto"

@@ -9,7 +9,7 @@ agrees with plus one token of its own after them (1 to k + 1 tokens):
   are accepted one more token is drawn from p_k. Under draft_sampling=argmax (auto's choice with static steps) a
   sampled row drafts the draft layer's argmax, as vLLM's and SGLang's MTP drafts do: q_i is all on d_i, so d_i is
   accepted with probability p_i(d_i) and a rejection draws from p_i without d_i; with draft_sampling=sample it draws
-  d_i from q_i on the host.
+  d_i from q_i (where the logits are, pass by pass).
   Each emitted token is then distributed exactly as p, the target's distribution after temperature,
   top-k/top-p/min-p and penalties (which count the drafts accepted before it), so the outputs are distributed as
   without speculation; the request's own generator draws everything (seeds hold).
@@ -32,9 +32,10 @@ through the draft layer's own streams, one position further each (vLLM's and SGL
 After a verify step at a static shape (`SpecJob.static_key`) whose drafting rows all draft the argmax, the k passes
 run as one static chain (`DraftChain`, backend/model/graph_runner.py: a CUDA graph on CUDA): the chained passes'
 positions and pages are known on the host before it (a row drafts while its pages last, `DraftRow.lookahead_end`),
-each pass's argmax feeds the next on the device, and the host reads every draft once at the end. Rows that draw
-on the host (constrained rows, under their grammar's masks; sampled rows under draft_sampling=sample, from q with the
-request's generator) draft pass by pass (eagerly), and so does a step with one.
+each pass's argmax feeds the next on the device, and the host reads every draft once at the end. Rows whose drafts
+the host takes between passes (constrained rows, drafted under their grammar's masks; sampled rows under
+draft_sampling=sample, drawn from q off the request's generator) draft pass by pass (eagerly), and so does a step
+with one.
 Data-parallel ranks in lock-step (their MoE exchanges pad to the largest rank's tokens) agree once, before a step's
 first draft pass, on every rank's tokens in each of its k passes: a static chain's padded counts, an eager rank's
 rows whose pages reach each pass (a grammar may end some after the agreement: fewer), an idle rank's none; each rank
@@ -240,7 +241,7 @@ class Verifier:
     def _rejection_sample(targets: torch.Tensor, state: SamplerState, drafts: list[int]) -> list[int]:
         """Leviathan et al.'s rule over the target distributions p_i (rows of `targets` [1 + k, V], filtered as the
         request samples) and the draft distributions q_i kept when the drafts were drawn; none kept: argmax drafts,
-        each q_i all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i). With
+        each q_i all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i).
         The rows stay where the logits are (and the q_i, `Drafter._draw`): the host reads p_i(d_i) and q_i(d_i) of
         the drafts and the one token drawn (the acceptance tests off the request's host generator, the draw off its
         generator there)."""
@@ -293,8 +294,8 @@ class Drafter:
     constrained row's drafts are drawn under its grammar's masks (`sampler`'s mask pool, masks of its own)."""
 
     def __init__(self, runner, sampler: Sampler, sample_drafts: bool = False):
-        """`sample_drafts` (draft_sampling=sample): sampled rows draw their drafts from the draft distribution on
-        the host, pass by pass; else every row drafts the argmax."""
+        """`sample_drafts` (draft_sampling=sample): sampled rows draw their drafts from the draft distribution,
+        pass by pass (the host reads each pass's); else every row drafts the argmax."""
         self.runner = runner
         self.sampler = sampler
         self.sample_drafts = sample_drafts
