@@ -11,6 +11,9 @@ cache on (must equal the reference token for token, and must have restored from 
 bf16 with graphs on and off (must equal each other; their agreement with fp32 is reported, not required:
 bf16 rounding may flip a near-tie); with --num-speculative-tokens k, also the device in fp32 with k drafts per decode
 from the checkpoint's MTP layer, graphs off and on (must equal the reference: speculation changes no greedy token).
+Then sampled requests on the device (fp32, graphs on; with k drafts too: argmax drafts in the static chain): seeded
+requests with top-k, top-p and log-probabilities generated twice by one engine must draw the same tokens (their
+generators on the device), every log-probability finite and at most 0.
 Prints one row per run; exit status 1 when a required equality fails.
 `--device cpu` checks the script itself (the padded static step runs eagerly there).
 """
@@ -53,6 +56,23 @@ def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompt
     tokens = [r["output_ids"] for prompts in prompt_waves for r in engine.generate(prompts, params)]
     cache = engine.kv.prefix_cache
     return tokens, cache.stats.cached_tokens if cache is not None else 0
+
+
+def sampled_twice(checkpoint: str, device: str, prompts: list[list[int]], max_tokens: int,
+                  speculative_tokens: int) -> dict:
+    """Seeded sampled requests generated twice by one engine (graphs on, the prefix cache off: both runs take the same
+    steps): whether the tokens repeat, and whether every log-probability is finite and at most 0."""
+    engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype="float32", max_running_requests=8,
+                                    num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5,
+                                    enable_prefix_caching=False, num_speculative_tokens=speculative_tokens))
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=40 if i % 2 else 0, top_p=0.9, seed=i,
+                             logprobs=2, ignore_eos=True) for i in range(len(prompts))]
+    runs = [engine.generate(prompts, params) for _ in range(2)]
+    engine.shutdown()
+    logprobs = [lp for r in runs[0] for lp in r["logprobs"]]
+    return dict(num_speculative_tokens=speculative_tokens,
+                repeated=[r["output_ids"] for r in runs[0]] == [r["output_ids"] for r in runs[1]],
+                logprobs_valid=bool(logprobs) and all(-float("inf") < lp.logprob <= 0.0 for lp in logprobs))
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -98,8 +118,15 @@ def main() -> int:
               f"{str(r['equal_to_cpu_fp32']):<11} {r['agreement_with_cpu_fp32']:>9.3f}  {str(r['required']):<8} "
               f"{r['cached_tokens']}")
     print(f"bf16 graphs on == off: {bf16_graphs_equal}")
+    sampled = [sampled_twice(options.checkpoint, options.device, prompt_waves[0], options.max_tokens, k)
+               for k in sorted({0, options.num_speculative_tokens})]
+    for r in sampled:
+        print(f"sampled, seeded, drafts {r['num_speculative_tokens']}: the same tokens twice {r['repeated']}, "
+              f"log-probabilities valid {r['logprobs_valid']}")
+        failed |= not (r["repeated"] and r["logprobs_valid"])
     if options.json:
-        options.json.write_text(json.dumps(dict(runs=rows, bf16_graphs_equal=bf16_graphs_equal), indent=2))
+        options.json.write_text(json.dumps(dict(runs=rows, bf16_graphs_equal=bf16_graphs_equal, sampled=sampled),
+                                           indent=2))
     return 1 if failed else 0
 
 

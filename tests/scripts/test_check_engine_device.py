@@ -23,3 +23,5 @@ def test_engine_check_passes_on_cpu(tmp_path, tiny_checkpoint):
         ("float32", False, 0), ("float32", True, 0), ("float32", False, 2), ("float32", True, 2)]
     assert all(r["equal_to_cpu_fp32"] for r in required) and report["bf16_graphs_equal"]
     assert all(r["cached_tokens"] > 0 for r in report["runs"])  # the second wave came from the prefix cache
+    assert [(r["num_speculative_tokens"], r["repeated"], r["logprobs_valid"]) for r in report["sampled"]] == [
+        (0, True, True), (2, True, True)]  # seeded sampling repeats, with and without drafts
