@@ -210,7 +210,10 @@ class CapturedGraph:
 
     def __init__(self, run: Callable[[], object], pool):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: graphs are recorded while serving, on the executor's thread, while the engine's thread may
+        # stage the next step or read the last one's tokens; under the default (global) mode such a call from any
+        # thread during the capture fails the capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = run()
 
     def replay(self):
