@@ -102,11 +102,6 @@ class SamplerState:
             self._seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=line.device)] = True
             self._counts = torch.zeros(line.shape[0], dtype=torch.long, device=line.device)
 
-    def draw_from(self, weights: torch.Tensor) -> int:
-        """A token drawn from `weights` [V] (probabilities, not necessarily normalized) where they are, off the
-        request's generator there (`exponential_like`): one host read of the token."""
-        return int((weights / self.exponential_like(weights)).argmax())
-
     def exponential_like(self, probs: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise shaped and placed like `probs` [V], off the request's generator on that device (the host one
         on CPU; on a GPU a second one, seeded alike): argmax(probs / noise) is a draw from probs, what
@@ -326,7 +321,7 @@ def draw_rows(logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.T
     """(tokens [R], probabilities [R, V]) of sampled rows `logits` [R, V]: each row's filtered distribution
     (filter_logits_rows) and a draw from it, where the logits are: a seeded request's off its own generator
     (`SamplerState.exponential_like`: a launch a row), the others' noise in one launch off the device's own."""
-    probs = torch.softmax(filter_logits_rows(logits, [state.params for state in states]), dim=-1)
+    probs = filtered_probs(logits, [state.params for state in states])
     noise = torch.empty_like(probs)
     seeded = [row for row, state in enumerate(states) if state.params.seed is not None]
     if len(seeded) < len(states):
@@ -334,6 +329,15 @@ def draw_rows(logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.T
     for row in seeded:
         noise[row] = states[row].exponential_like(probs[row])
     return (probs / noise).argmax(dim=-1), probs
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distributions [R, V] sampled rows `logits` [R, V] are drawn from: softmax(filter_logits_rows), in
+    `row_shares`."""
+    shares = row_shares(list(range(len(params))), logits.device)
+    parts = [torch.softmax(filter_logits_rows(logits[part[0]:part[-1] + 1], [params[i] for i in part]), dim=-1)
+             for part in shares]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def row_shares(rows: list[int], device: torch.device) -> list[list[int]]:

@@ -68,7 +68,7 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
-from backend.sampler import (NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, draw_rows, filter_logits_rows, long_on,
+from backend.sampler import (NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, draw_rows, filtered_probs, long_on,
                              row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
@@ -136,15 +136,24 @@ class Verifier:
         walk = self._mask_verify_rows(logits, states, job, constrained, output) if constrained else None
         argmax = None  # every logits row's, read once for the greedy rows without penalties
         targets = {}  # verify row -> its target logits [1 + k, V]
+        sampled = []  # verify rows of sampled requests: rejection sampling, all of them at once
         for r, row in enumerate(rows):
             if not row.drafts:
                 continue
             state, span = states[r], slice(firsts[r], firsts[r] + 1 + len(row.drafts))
-            best = None
-            if state.params.temperature == 0.0 and not state.has_penalties:  # its targets are the raw logits'
+            targets[r] = _penalized(logits[span], state, list(row.drafts))
+            if state.params.temperature > 0.0:
+                sampled.append(r)
+            elif state.has_penalties:
+                output.tokens[r] = _accepted_prefix(list(row.drafts), targets[r].argmax(dim=-1).tolist())
+            else:  # (its targets are the raw logits')
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
-                best = argmax[span]
-            output.tokens[r], targets[r] = self._verify_row(logits[span], state, list(row.drafts), best)
+                output.tokens[r] = _accepted_prefix(list(row.drafts), argmax[span])
+        if sampled:
+            emitted = self._rejection_sample([targets[r] for r in sampled], [states[r] for r in sampled],
+                                             [list(rows[r].drafts) for r in sampled])
+            for r, tokens in zip(sampled, emitted):
+                output.tokens[r] = tokens
         if constrained:
             self._settle_grammars(walk, states, constrained, output)
         for r, row_targets in targets.items():
@@ -213,21 +222,6 @@ class Verifier:
             output.ends[final[i]] = None
         output.timing.grammar_accept_s += time.perf_counter() - started
 
-    def _verify_row(self, logits: torch.Tensor, state: SamplerState, drafts: list[int], best: list[int] | None = None):
-        """(emitted tokens, the target logits [1 + k, V] they were drawn from) of one verify row: logits [1 + k, V];
-        `best`: their argmax, when the step already read it."""
-        params = state.params
-        targets = logits
-        if state.has_penalties:  # position i sees the outputs so far and the drafts before it
-            targets = logits.clone()
-            for i in range(len(targets)):
-                state.penalize(targets[i], pending=drafts[:i])
-        if params.temperature == 0.0:
-            emitted = _accepted_prefix(drafts, best if best is not None else targets.argmax(dim=-1).tolist())
-        else:
-            emitted = self._rejection_sample(targets, state, drafts)
-        return emitted, targets
-
     def _observe(self, targets: torch.Tensor, state: SamplerState, emitted: list[int]) -> list[TokenLogprobs] | None:
         """A verify row's emitted tokens seen by its penalties; their log-probabilities, each token's from the target
         row it was drawn from, when the request asks for them."""
@@ -238,34 +232,58 @@ class Verifier:
         return self.sampler.logprobs(targets[:len(emitted)], [state] * len(emitted), emitted)
 
     @staticmethod
-    def _rejection_sample(targets: torch.Tensor, state: SamplerState, drafts: list[int]) -> list[int]:
-        """Leviathan et al.'s rule over the target distributions p_i (rows of `targets` [1 + k, V], filtered as the
-        request samples) and the draft distributions q_i kept when the drafts were drawn; none kept: argmax drafts,
-        each q_i all on its draft (accepted with probability p_i(d_i); a rejection draws from p_i without d_i).
-        The rows stay where the logits are (and the q_i, `Drafter._draw`): the host reads p_i(d_i) and q_i(d_i) of
-        the drafts and the one token drawn (the acceptance tests off the request's host generator, the draw off its
-        generator there)."""
-        probs = torch.softmax(filter_logits_rows(targets, [state.params] * len(targets)), dim=-1)
-        on_drafts = long_on(drafts, probs.device)[:, None]
-        read = probs[:len(drafts)].gather(1, on_drafts)  # p_i(d_i), and beside it q_i(d_i) where q was kept
-        if state.draft_probs:
-            read = torch.cat([read, torch.stack(state.draft_probs).gather(1, on_drafts)], dim=1)
-        emitted = []
-        for i, (draft, values) in enumerate(zip(drafts, read.tolist())):
-            q = state.draft_probs[i] if state.draft_probs else None
-            if float(state.uniform()) * (1.0 if q is None else values[1]) < values[0]:
-                emitted.append(draft)
-                continue
-            if q is None:
-                residual = probs[i].clone()
-                residual[draft] = 0.0
-            else:
-                residual = (probs[i] - q).clamp(min=0.0)
-            # (a draw needs no normalizing; a residual of nothing, q at least p everywhere: p itself)
-            emitted.append(state.draw_from(torch.where(residual.sum() > 0, residual, probs[i])))
-            return emitted
-        emitted.append(state.draw_from(probs[len(drafts)]))
+    def _rejection_sample(targets: list[torch.Tensor], states: list[SamplerState],
+                          drafts: list[list[int]]) -> list[list[int]]:
+        """Each sampled verify row's emitted tokens by Leviathan et al.'s rule over its target distributions p_i (the
+        rows of its `targets` [1 + k, V], filtered as the request samples) and the draft distributions q_i kept when
+        its drafts were drawn; none kept: argmax drafts, each q_i all on its draft (accepted with probability
+        p_i(d_i); a rejection draws from p_i without d_i). All rows at once, where the logits are (and the q_i,
+        `Drafter._draw`): the host reads every p_i(d_i) and q_i(d_i) in one read, tests them off each request's host
+        generator, and reads the tokens drawn (off each request's generator there) in another."""
+        params = [state.params for state, rows in zip(states, targets) for _ in range(len(rows))]
+        probs = filtered_probs(torch.cat(targets), params)
+        starts = list(itertools.accumulate([len(rows) for rows in targets[:-1]], initial=0))
+        positions = long_on([start + i for start, row in zip(starts, drafts) for i in range(len(row))], probs.device)
+        tokens = long_on([token for row in drafts for token in row], probs.device)
+        read = [probs[positions].gather(1, tokens[:, None]).flatten()]  # every p_i(d_i), then the kept q_i(d_i)
+        kept = [j for j, state in enumerate(states) if state.draft_probs]
+        if kept:
+            q_tokens = long_on([token for j in kept for token in drafts[j]], probs.device)
+            # (a row's q for each draft it verifies: a decode near its end verifies fewer than it drafted)
+            q_rows = torch.stack([q for j in kept for q in states[j].draft_probs[:len(drafts[j])]])
+            read.append(q_rows.gather(1, q_tokens[:, None]).flatten())
+        values = torch.cat(read).tolist()
+        p_values, q_values = values[:len(tokens)], iter(values[len(tokens):])
+        emitted, weights, at = [], [], 0
+        for j, (state, row, start) in enumerate(zip(states, drafts, starts)):
+            p_row, at = p_values[at:at + len(row)], at + len(row)
+            q_row = [next(q_values) for _ in row] if state.draft_probs else [1.0] * len(row)
+            accepted = next((i for i, (p, q) in enumerate(zip(p_row, q_row)) if float(state.uniform()) * q >= p),
+                            len(row))
+            emitted.append(row[:accepted])
+            p = probs[start + accepted]
+            if accepted < len(row):  # the first rejection: a draw from max(0, p - q), q all on the draft without one
+                residual = (p - state.draft_probs[accepted]).clamp(min=0.0) if state.draft_probs else p.clone()
+                if not state.draft_probs:
+                    residual[row[accepted]] = 0.0
+                p = torch.where(residual.sum() > 0, residual, p)  # (a residual of nothing, q at least p: p itself)
+            weights.append(p)  # (a draw needs no normalizing)
+        weights = torch.stack(weights)
+        noise = torch.stack([state.exponential_like(line) for state, line in zip(states, weights)])
+        for tokens_of_row, token in zip(emitted, (weights / noise).argmax(dim=-1).tolist()):
+            tokens_of_row.append(token)
         return emitted
+
+
+def _penalized(logits: torch.Tensor, state: SamplerState, drafts: list[int]) -> torch.Tensor:
+    """A verify row's target logits [1 + k, V]: `logits` itself, or with penalties a copy whose position i sees the
+    outputs so far and the drafts before it."""
+    if not state.has_penalties:
+        return logits
+    targets = logits.clone()
+    for i in range(len(targets)):
+        state.penalize(targets[i], pending=drafts[:i])
+    return targets
 
 
 def _emitted_after(job: SpecJob, output: StepOutput) -> list[int]:

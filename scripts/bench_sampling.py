@@ -38,7 +38,8 @@ def per_row_on_the_host(logits: torch.Tensor, states: list[SamplerState]) -> tor
     """The sampler before rows were filtered together: every row to the host, filtered and drawn there."""
     tokens = torch.argmax(logits, dim=-1)
     for row, state in enumerate(states):
-        tokens[row] = state.draw_from(torch.softmax(filter_logits(logits[row].cpu(), state.params), dim=-1))
+        probs = torch.softmax(filter_logits(logits[row].cpu(), state.params), dim=-1)
+        tokens[row] = int((probs / state.exponential_like(probs)).argmax())  # (torch.multinomial's draw of one)
     return tokens
 
 

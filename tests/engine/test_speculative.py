@@ -172,7 +172,7 @@ def test_rejection_sampling_preserves_the_target_distribution(argmax_drafts):
         else:
             drafts = [int(torch.multinomial(q, 1, generator=drafts_gen)) for q in draft_probs]
             state.draft_probs = list(draft_probs)
-        emitted = verifier._rejection_sample(target_logits, state, drafts)
+        emitted = verifier._rejection_sample([target_logits], [state], [drafts])[0]
         first[emitted[0]] += 1
         if emitted[0] == 1 and len(emitted) > 1:
             second[emitted[1]] += 1
@@ -181,6 +181,23 @@ def test_rejection_sampling_preserves_the_target_distribution(argmax_drafts):
         expected = [float(x) * sum(observed) for x in p]
         statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
         assert statistic < critical, (observed, expected)
+
+
+def test_rows_verified_together_each_test_their_drafts_against_their_own_q():
+    """Two sampled rows verified at once, the first verifying fewer drafts than it drew (a decode near its end): the
+    second row's draft is tested against its own q (accepted half the time: p = 0.5, q = 1), not against the first
+    row's unused one (q = 0.5 would accept it always)."""
+    vocab = 4
+    first, second = [SamplerState(SamplingParams(temperature=1.0, seed=seed), [0]) for seed in (1, 2)]
+    half = torch.log(torch.tensor([0.5, 0.5, 1e-9, 1e-9]))  # p = 0.5 on tokens 0 and 1
+    accepted = 0
+    for _ in range(400):
+        first.draft_probs = [torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.5, 0.5, 0.0, 0.0])]
+        second.draft_probs = [torch.tensor([0.0, 1.0, 0.0, 0.0])]
+        emitted = Verifier._rejection_sample([half.expand(2, vocab), half.expand(2, vocab)], [first, second],
+                                             [[0], [1]])
+        accepted += emitted[1][0] == 1 and len(emitted[1]) == 2
+    assert 140 < accepted < 260, accepted
 
 
 def test_speculation_without_a_draft_layer_or_beyond_the_limits_is_refused(tiny_checkpoint, tmp_path):
