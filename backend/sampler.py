@@ -102,17 +102,13 @@ class SamplerState:
             self._seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=line.device)] = True
             self._counts = torch.zeros(line.shape[0], dtype=torch.long, device=line.device)
 
-    def exponential_like(self, probs: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise shaped and placed like `probs` [V], off the request's generator on that device (the host one
-        on CPU; on a GPU a second one, seeded alike): argmax(probs / noise) is a draw from probs, what
-        torch.multinomial draws for one sample (the same token off the same generator), without its host syncs."""
-        if probs.device.type == "cpu":
-            generator = self._generator()
-        else:
-            if self._device_generator is None:
-                self._device_generator = _seeded(torch.Generator(device=probs.device), self.params.seed)
-            generator = self._device_generator
-        return torch.empty_like(probs).exponential_(1.0, generator=generator)
+    def generator_on(self, device: torch.device) -> torch.Generator:
+        """The request's generator on `device`: the host one on CPU; on a GPU a second one, seeded alike."""
+        if device.type == "cpu":
+            return self._generator()
+        if self._device_generator is None:
+            self._device_generator = _seeded(torch.Generator(device=device), self.params.seed)
+        return self._device_generator
 
     def uniform(self) -> float:
         """A draw from U[0, 1) off the request's generator (speculative decoding's acceptance test)."""
@@ -156,27 +152,32 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
     logits are: [R, V] float32. Each cut runs only when some row asks for it, and leaves the other rows whole."""
     device, vocab, rows = logits.device, logits.shape[-1], len(params)
 
-    def column(values: list, dtype=torch.float32) -> torch.Tensor:
+    def per_row(values: list, dtype=torch.float32):
+        """The rows' values: one Python number where every row has the same, else a column [R, 1] on the device."""
+        if all(value == values[0] for value in values):
+            return values[0]
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).view(rows, 1)
 
-    logits = logits.float() / column([p.temperature for p in params])
-    top_k = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
-    if any(top_k):
-        kth = logits.topk(max(top_k), dim=-1).values.gather(1, column([max(k, 1) for k in top_k], torch.long) - 1)
-        kth = kth.masked_fill(column([k == 0 for k in top_k], torch.bool), float("-inf"))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    logits = logits.float() / per_row([p.temperature for p in params])
+    top_k = per_row([p.top_k if p.top_k and p.top_k < vocab else 0 for p in params], torch.long)
+    if isinstance(top_k, int) and top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+    elif not isinstance(top_k, int):  # (rows without a cut: k = 0, their kth -inf)
+        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, top_k.clamp(min=1) - 1)
+        logits = logits.masked_fill(logits < kth.masked_fill(top_k == 0, float("-inf")), float("-inf"))
     if not any(p.min_p > 0.0 or p.top_p < 1.0 for p in params):
         return logits
     probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0.0 for p in params):
-        floor = column([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
+        floor = per_row([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # (as filter_logits: drop a token when the tokens before it already reach top_p; rows at top_p 1 keep all)
-        drop_sorted = (cumulative - sorted_probs >= column([p.top_p for p in params])) & column(
-            [p.top_p < 1.0 for p in params], torch.bool)
+        drop_sorted = cumulative - sorted_probs >= per_row([p.top_p for p in params])
+        if not all(p.top_p < 1.0 for p in params):
+            drop_sorted &= per_row([p.top_p < 1.0 for p in params], torch.bool)
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
     return logits
 
@@ -294,7 +295,7 @@ class Sampler:
         tokens = torch.argmax(logits, dim=-1)
         rows = [row for row, state in enumerate(states) if state.params.temperature > 0.0]
         for part in row_shares(rows, logits.device):
-            index = long_on(part, logits.device)
+            index = row_index(part, logits.device)
             tokens[index] = draw_rows(logits[index], [states[row] for row in part])[0]
         return tokens
 
@@ -306,7 +307,7 @@ class Sampler:
         rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
         for part in row_shares(rows, logits.device):
             params = [states[row].params for row in part]
-            dist = sampling_log_probs(logits[long_on(part, logits.device)], params)
+            dist = sampling_log_probs(logits[row_index(part, logits.device)], params)
             chosen = dist.gather(1, long_on([tokens[row] for row in part], logits.device)[:, None])
             ranks = ((dist > chosen).sum(dim=1) + 1).tolist()
             top = dist.topk(max(p.logprobs for p in params), dim=-1)
@@ -319,16 +320,23 @@ class Sampler:
 
 def draw_rows(logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [R], probabilities [R, V]) of sampled rows `logits` [R, V]: each row's filtered distribution
-    (filter_logits_rows) and a draw from it, where the logits are: a seeded request's off its own generator
-    (`SamplerState.exponential_like`: a launch a row), the others' noise in one launch off the device's own."""
+    (filter_logits_rows) and a draw from it, where the logits are (`draws`)."""
     probs = filtered_probs(logits, [state.params for state in states])
-    noise = torch.empty_like(probs)
+    return draws(probs, states), probs
+
+
+def draws(weights: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """A token [R] drawn from each row of `weights` [R, V] (probabilities, normalized or not) where they are:
+    argmax(weights / noise) with Exp(1) noise, what torch.multinomial draws for one sample (the same token off the
+    same generator) without its host syncs. A seeded request's noise comes off its own generator (a launch a row,
+    `SamplerState.generator_on`), the other rows' in one launch off the device's own."""
+    noise = torch.empty_like(weights)
     seeded = [row for row, state in enumerate(states) if state.params.seed is not None]
     if len(seeded) < len(states):
         noise.exponential_(1.0)
     for row in seeded:
-        noise[row] = states[row].exponential_like(probs[row])
-    return (probs / noise).argmax(dim=-1), probs
+        noise[row].exponential_(1.0, generator=states[row].generator_on(weights.device))
+    return (weights / noise).argmax(dim=-1)
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -345,6 +353,11 @@ def row_shares(rows: list[int], device: torch.device) -> list[list[int]]:
     a CPU, where a row of 129K logits and its sort stay in cache and a whole batch's do not."""
     share = max(1, len(rows) if device.type != "cpu" else 1)
     return [rows[start:start + share] for start in range(0, len(rows), share)]
+
+
+def row_index(part: list[int], device: torch.device) -> "slice | torch.Tensor":
+    """What picks the rows `part` of a [R, ...] tensor: a slice for one row (no index tensor), else their indices."""
+    return slice(part[0], part[0] + 1) if len(part) == 1 else long_on(part, device)
 
 
 def long_on(values: list[int], device: torch.device) -> torch.Tensor:

@@ -68,8 +68,8 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
-from backend.sampler import (NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, draw_rows, filtered_probs, long_on,
-                             row_shares)
+from backend.sampler import (NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, draw_rows, draws, filtered_probs, long_on,
+                             row_index, row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -268,9 +268,7 @@ class Verifier:
                     residual[row[accepted]] = 0.0
                 p = torch.where(residual.sum() > 0, residual, p)  # (a residual of nothing, q at least p: p itself)
             weights.append(p)  # (a draw needs no normalizing)
-        weights = torch.stack(weights)
-        noise = torch.stack([state.exponential_like(line) for state, line in zip(states, weights)])
-        for tokens_of_row, token in zip(emitted, (weights / noise).argmax(dim=-1).tolist()):
+        for tokens_of_row, token in zip(emitted, draws(torch.stack(weights), states).tolist()):
             tokens_of_row.append(token)
         return emitted
 
@@ -470,7 +468,7 @@ class Drafter:
             tokens[i] = None
         drawing = [i for i, state in enumerate(states) if i not in unfit and self._draws(state)]
         for part in row_shares(drawing, logits.device):
-            drawn, q = draw_rows(logits[long_on(part, logits.device)], [states[i] for i in part])
+            drawn, q = draw_rows(logits[row_index(part, logits.device)], [states[i] for i in part])
             for i, token, line in zip(part, drawn.tolist(), q):
                 tokens[i] = token
                 states[i].draft_probs.append(line)

@@ -39,7 +39,7 @@ def per_row_on_the_host(logits: torch.Tensor, states: list[SamplerState]) -> tor
     tokens = torch.argmax(logits, dim=-1)
     for row, state in enumerate(states):
         probs = torch.softmax(filter_logits(logits[row].cpu(), state.params), dim=-1)
-        tokens[row] = int((probs / state.exponential_like(probs)).argmax())  # (torch.multinomial's draw of one)
+        tokens[row] = int(torch.multinomial(probs, 1, generator=state.generator_on(probs.device)))
     return tokens
 
 

@@ -1,5 +1,6 @@
 """scripts/bench_sampling.py compares like with like: on CPU the sampler's rows filtered together draw the same seeded
-tokens as the old way, each row filtered and drawn on the host (the same noise off the same generators)."""
+tokens as the old way, each row filtered on the host and drawn by torch.multinomial (the same noise off the same
+generators)."""
 
 from __future__ import annotations
 
