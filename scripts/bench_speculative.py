@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampled requests (seeded) instead of greedy ones; how they draft: --engine-settings "
-                             "'{\"draft_sampling\": \"sample\"}' (default argmax)")
+                             "'{\"draft_sampling\": \"argmax\" or \"sample\"}' (default auto: argmax with "
+                             "--cuda-graphs)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -144,7 +145,7 @@ def main() -> None:
     vocab = engine_for(0)
     batches = {c: torch.randint(2, vocab.vocab_size, (c, args.prompt_tokens), generator=g).tolist()
                for c in args.concurrency}
-    # (sampled requests under draft_sampling=sample draw their drafts on the host: pass by pass, as without chains)
+    # (sampled requests under draft_sampling=sample draft pass by pass, as without chains)
     drafts_in_chains = vocab.core.runner.graphs is not None and not (
         args.temperature > 0 and vocab.core.executor.drafter.sample_drafts)
     vocab.shutdown()
