@@ -129,7 +129,8 @@ def _seeded(generator: torch.Generator, seed: int | None) -> torch.Generator:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits [V] with -inf outside the top-k / top-p / min-p sets."""
+    """Temperature-scaled logits [V] with -inf outside the top-k / top-p / min-p sets: one row, the definition
+    `filter_logits_rows` (what the sampler runs) is tested against."""
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -159,11 +160,12 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).view(rows, 1)
 
     logits = logits.float() / per_row([p.temperature for p in params])
-    top_k = per_row([p.top_k if p.top_k and p.top_k < vocab else 0 for p in params], torch.long)
+    ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    top_k = per_row(ks, torch.long)
     if isinstance(top_k, int) and top_k:
         logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
     elif not isinstance(top_k, int):  # (rows without a cut: k = 0, their kth -inf)
-        kth = logits.topk(int(top_k.max()), dim=-1).values.gather(1, top_k.clamp(min=1) - 1)
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, top_k.clamp(min=1) - 1)
         logits = logits.masked_fill(logits < kth.masked_fill(top_k == 0, float("-inf")), float("-inf"))
     if not any(p.min_p > 0.0 or p.top_p < 1.0 for p in params):
         return logits
