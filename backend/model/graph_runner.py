@@ -90,12 +90,18 @@ class DecodeGraphs:
         assert staged.layout == step.layout, f"a batch of key {key} with another layout"
         staged.copy_into(step.buffer)
         prepare(step.batch)
+        return self.run_or_replay(step, lambda: self._forward(step.batch), replay), step.batch
+
+    def run_or_replay(self, step: "_StaticStep | _StaticChain", run: Callable[[], object], replay: bool):
+        """`run`'s output on a static step's buffers: its graph replayed where it has one and `replay` allows; else
+        `run` eagerly, then, where `replay` allows and graphs are captured, its graph recorded (after the eager run,
+        which compiled every kernel: the capture runs nothing)."""
         if step.graph is not None and replay:
-            return step.graph.replay(), step.batch
-        out = self._forward(step.batch)
-        if replay and self.capture:  # (after the eager step, which compiled every kernel: the capture runs nothing)
-            step.graph = self.record(lambda: self._forward(step.batch), self.pool)
-        return out, step.batch
+            return step.graph.replay()
+        out = run()
+        if replay and self.capture:
+            step.graph = self.record(run, self.pool)
+        return out
 
     def _forward(self, batch: ForwardBatch):
         return self.model.forward(batch, self.kv, return_streams=self.return_streams)
@@ -148,7 +154,7 @@ class DraftChains:
     recorded on its first run (the verify graph's pool). capture=False runs the same chain eagerly."""
 
     def __init__(self, graphs: DecodeGraphs):
-        self.graphs, self.model, self.kv, self.capture = graphs, graphs.model, graphs.kv, graphs.capture
+        self.graphs, self.model, self.kv = graphs, graphs.model, graphs.kv
         self._chains: dict[tuple[StaticKey, int], _StaticChain] = {}
         self._stager = BatchStager(self.model.device, depth=1)  # (the drafts are read before the next chain)
 
@@ -178,12 +184,7 @@ class DraftChains:
         staged.copy_into(step.buffer)
         step.hidden.copy_(hidden)
         counts = chain.dp_token_counts or tuple(() for _ in chain.token_counts)
-        if step.graph is not None and replay:
-            return step.graph.replay()
-        drafts = self._passes(step, counts)
-        if replay and self.capture:  # (as a decode graph: recorded after the chain's first, eager, run)
-            step.graph = self.graphs.record(lambda: self._passes(step, counts), self.graphs.pool)
-        return drafts
+        return self.graphs.run_or_replay(step, lambda: self._passes(step, counts), replay)
 
     def _passes(self, step: _StaticChain, counts: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         """The k passes, each row's draft the argmax of its logits (greedy drafts need nothing else); pass s's MoE
