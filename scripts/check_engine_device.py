@@ -35,6 +35,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 
 PROMPT_LENGTHS = [1, 7, 60, 127, 130, 255, 300]
+POOLS = dict(max_running_requests=8, num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5)  # (every run's)
 
 
 def waves(gen: torch.Generator) -> list[list[list[int]]]:
@@ -49,9 +50,8 @@ def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompt
              prefix_caching: bool, speculative_tokens: int = 0) -> tuple[list[list[int]], int]:
     """Every wave's greedy tokens, and the prompt positions the cache served."""
     engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
-                                    max_running_requests=8, num_tokens=16384, page_size=16,
-                                    swa_full_tokens_ratio=0.5, enable_prefix_caching=prefix_caching,
-                                    num_speculative_tokens=speculative_tokens))
+                                    enable_prefix_caching=prefix_caching, num_speculative_tokens=speculative_tokens,
+                                    **POOLS))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens = [r["output_ids"] for prompts in prompt_waves for r in engine.generate(prompts, params)]
     cache = engine.kv.prefix_cache
@@ -62,9 +62,8 @@ def sampled_twice(checkpoint: str, device: str, prompts: list[list[int]], max_to
                   speculative_tokens: int) -> dict:
     """Seeded sampled requests generated twice by one engine (graphs on, the prefix cache off: both runs take the same
     steps): whether the tokens repeat, and whether every log-probability is finite and at most 0."""
-    engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype="float32", max_running_requests=8,
-                                    num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5,
-                                    enable_prefix_caching=False, num_speculative_tokens=speculative_tokens))
+    engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype="float32", enable_prefix_caching=False,
+                                    num_speculative_tokens=speculative_tokens, **POOLS))
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=40 if i % 2 else 0, top_p=0.9, seed=i,
                              logprobs=2, ignore_eos=True) for i in range(len(prompts))]
     runs = [engine.generate(prompts, params) for _ in range(2)]

@@ -151,7 +151,7 @@ class _StaticChain:
 
 class DraftChains:
     """Static draft chains (DraftChain) per verify key and chained context: buffers kept, and on CUDA one graph each,
-    recorded on its first run (the verify graph's pool). capture=False runs the same chain eagerly."""
+    recorded after its first, eager, run (in the verify graphs' pool). capture=False runs the same chain eagerly."""
 
     def __init__(self, graphs: DecodeGraphs):
         self.graphs, self.model, self.kv = graphs, graphs.model, graphs.kv
