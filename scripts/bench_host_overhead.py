@@ -14,7 +14,10 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    configuration in turn (the machine's drift hits them alike), and the growth with context is the ratio
    of the largest to the smallest context in the same repetition. Overlap off: every step's work on one
    thread. Overlap on: the same work, the forward side on the executor thread (with a stub forward the
-   hand-over between the two threads is all overlap adds).
+   hand-over between the two threads is all overlap adds). --cuda-graphs: the decode steps at static shapes, as a
+   GPU runs them (padded, packed into the graphs' buffers; off CUDA the recorded closure runs the stub).
+   --num-speculative-tokens k: verify steps of k drafts a row instead (the draft layer a stub as well, every draft
+   accepted; without overlap, as speculative decoding runs): what a verify step and its drafts cost the host.
 2. Steps per second with a device stand-in: the forward sleeps --device-ms (the GIL released, as on a GPU
    stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
    host; with it, max(device, host). With --real-forward the model's own forward runs instead (on a GPU:
@@ -66,15 +69,30 @@ WARM_UP_STEPS = 64
 STUB_VOCAB = "DSV4_BENCH_STUB_VOCAB"
 
 
-def stub_forward(vocab: int, device, device_s: float = 0.0):
-    """A forward that returns zero logits for the rows that want them, after `device_s` of sleep."""
+def stub_forward(vocab: int, device, device_s: float = 0.0, streams: tuple[int, int] | None = None):
+    """A forward that returns zero logits for the rows that want them, after `device_s` of sleep; with `streams`
+    (hc_mult, hidden size), also zero residual streams when asked for them (speculative decoding's verify steps)."""
 
-    def forward(batch, kv, **_):
+    def forward(batch, kv, return_streams=False, **_):
         if device_s:
             time.sleep(device_s)
-        return torch.zeros(batch.logits_token_index.shape[0], vocab, device=device)
+        logits = torch.zeros(batch.logits_token_index.shape[0], vocab, device=device)
+        if return_streams:
+            return logits, torch.zeros(batch.num_tokens, *streams, device=device)
+        return logits
 
     return forward
+
+
+def stub_draft(vocab: int, device, streams: tuple[int, int]):
+    """The draft layer's pass as a stub: zero logits (every draft is token 0, which the zero target logits accept:
+    each verify emits 1 + k tokens) and zero streams."""
+
+    def draft(batch, kv, hidden, logits_index, j=0):
+        return (torch.zeros(logits_index.shape[0], vocab, device=device),
+                torch.zeros(batch.num_tokens, *streams, device=device))
+
+    return draft
 
 
 def stub_every_forward(vocab: int) -> None:
@@ -102,8 +120,10 @@ def engine_config(options, rows: int, context: int, overlap: bool, device_s: flo
                         swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
                         overlap_scheduling=overlap, cpu_threads=1,
                         enable_prefix_caching=options.enable_prefix_caching,
+                        num_speculative_tokens=options.num_speculative_tokens,
                         # a stub forward is host work only: a CUDA graph would capture it once and skip its sleep
-                        cuda_graphs=False if device_s is not None else None, **layout)
+                        # (--cuda-graphs: the static steps' host work, with no sleep to skip)
+                        cuda_graphs=options.cuda_graphs if device_s is not None else None, **layout)
 
 
 def make_engine(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0) -> LLMEngine:
@@ -111,7 +131,9 @@ def make_engine(options, rows: int, context: int, overlap: bool, device_s: float
     model's own)."""
     engine = LLMEngine(engine_config(options, rows, context, overlap, device_s))
     if device_s is not None:
-        engine.model.forward = stub_forward(engine.vocab_size, engine.device, device_s)
+        streams = (engine.model.config.hc_mult, engine.model.config.hidden_size)
+        engine.model.forward = stub_forward(engine.vocab_size, engine.device, device_s, streams)
+        engine.model.draft = stub_draft(engine.vocab_size, engine.device, streams)
     return engine
 
 
@@ -347,6 +369,10 @@ def main() -> int:
                         help="part 4: rank 0's step with these many ranks simulated (e.g. 1 2 4 8)")
     parser.add_argument("--dp-rows", type=int, default=128)
     parser.add_argument("--dp-context", type=int, default=1024)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="part 1 with k drafts per decode: verify steps, the draft layer a stub too")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="part 1 with static decode steps (and draft chains), the steps a GPU replays")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(1)
@@ -354,8 +380,9 @@ def main() -> int:
     results = {"host_ms": [], "growth": [], "device_stand_in": None,
                "settings": vars(options) | {"json": str(options.json)}}
     if not options.skip_host:
+        # (speculative decoding runs without overlap: its verify steps are measured once)
         configs = [(rows, context, overlap) for rows in options.rows for context in options.contexts
-                   for overlap in (False, True)]
+                   for overlap in ((False,) if options.num_speculative_tokens else (False, True))]
         runs: dict[tuple, list[float]] = {config: [] for config in configs}
         for repeat in range(options.repeats):
             for config in configs:
@@ -370,7 +397,7 @@ def main() -> int:
         low, high = min(options.contexts), max(options.contexts)
         print(f"\ngrowth from context {low} to {high} (paired in each repetition: median, min-max)")
         for rows in options.rows:
-            for overlap in (False, True):
+            for overlap in sorted({overlap for _, _, overlap in configs}):
                 ratios = [b / a for a, b in zip(runs[(rows, low, overlap)], runs[(rows, high, overlap)])]
                 growth = dict(rows=rows, overlap=overlap, **spread(ratios))
                 results["growth"].append(growth)
