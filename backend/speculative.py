@@ -411,8 +411,10 @@ class Drafter:
         # (the verify's context bucket at least: a chain key per verify key, or two where the chain crosses a bucket)
         ends = [positions[i] + step + 1 for step, live in enumerate(order[1:], 1) for i in live]
         context = max(key.context, context_bucket(max(ends, default=1)))
+        # (the draft layer is a sliding-window block: its passes need no compressed tables or plans)
         passes = {step: build_forward_batch([BatchRow(job.rows[rows[i]].pages, [0], positions[i] + step, True)
-                                             for i in live], self.runner.kv, pad_to=StaticKey(key.rows, context))
+                                             for i in live], self.runner.kv, pad_to=StaticKey(key.rows, context),
+                                            compressed=False)
                   for step, live in enumerate(order[1:], 1)}
         # A chained row continues its own row of the pass before; a padding row any row (its writes go to scratch).
         sources = []
@@ -433,7 +435,7 @@ class Drafter:
     def _chain(self, rows: list[BatchRow], live: list[int], device, counts: tuple[int, ...]) -> Draft:
         """A chained pass over `rows`, reading the streams the last pass kept at rows `live` (`counts`: the pass's
         agreed tokens of every rank, in lock-step)."""
-        batch = build_forward_batch(rows, self.runner.kv, device=device)
+        batch = build_forward_batch(rows, self.runner.kv, device=device, compressed=False)  # (a sliding-window block)
         return Draft(batch, batch.logits_token_index, torch.tensor(live, device=device), counts)
 
     @staticmethod

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from backend.memory.compressed_pool import CompressedPool
@@ -129,7 +130,8 @@ class KVCacheManager:
         self._live: set[RequestPages] = set()  # handles holding anything, for check()
         self.prefix_cache = None  # backend/memory/prefix_cache.py, when enabled
         rows = max_running_requests + 1  # a row per slot, and the scratch slot's (padding rows)
-        self.tables = {pool.name: torch.zeros(rows, self._table_width(pool, max_step_tokens), dtype=torch.int32)
+        # (numpy: a step gathers its rows with a few array operations, cheaper in numpy than in torch at these sizes)
+        self.tables = {pool.name: np.zeros((rows, self._table_width(pool, max_step_tokens)), dtype=np.int32)
                        for pool in self._pools}
         for pool in self._pools:
             self.tables[pool.name][self.state_pool.scratch_slot] = pool.scratch_page
@@ -250,18 +252,20 @@ class KVCacheManager:
     def has_pool(self, name: str) -> bool:
         return name in self.compressed_pools
 
-    def block_table(self, pool: str, slots: torch.Tensor, firsts: torch.Tensor, lengths: torch.Tensor, width: int,
-                    pad: int) -> torch.Tensor:
+    def block_table(self, pool: str, slots: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, width: int,
+                    pad: int) -> np.ndarray:
         """[B, width] int32: row b holds the pages of logical pages firsts[b] .. firsts[b] + lengths[b] - 1 of the
         request in slot slots[b] (`pad` after them), gathered from the pool's table (no per-row Python)."""
         table = self.tables[pool]
+        slots, firsts, lengths = np.asarray(slots), np.asarray(firsts), np.asarray(lengths)
         if pool == self.window_pool.name:  # a ring: logical page j in column j % width
-            rows = table[slots[:, None], (firsts[:, None] + torch.arange(width)[None, :]) % table.shape[1]]
+            rows = table[slots[:, None], (firsts[:, None] + np.arange(width)[None, :]) % table.shape[1]]
         else:  # logical page j in column j: the rows' first columns, one copy
-            rows = table.index_select(0, slots)[:, :width]
+            rows = table[slots, :width]
             if width > table.shape[1]:  # (a static shape may address more pages than a request can hold)
-                rows = torch.cat([rows, rows.new_full((len(slots), width - table.shape[1]), pad)], dim=1)
-        return rows.masked_fill_(torch.arange(width)[None, :] >= lengths[:, None], pad)
+                rows = np.concatenate([rows, np.full((len(slots), width - table.shape[1]), pad, np.int32)], axis=1)
+        rows[np.arange(width)[None, :] >= lengths[:, None]] = pad
+        return rows
 
     def _write_table(self, pool: str, slot: int, run: PageRun, from_index: int) -> None:
         """Row `slot` of the pool's table gets the run's pages from index `from_index` on."""

@@ -23,8 +23,9 @@ entries, before the ring updates (kernels/compressor.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 
@@ -55,33 +56,40 @@ class CompressionPlan:
         return int(self.entry_src.shape[0])
 
 
-def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets, row_slots, device,
-               snapshots: list[tuple[int, int, int]] = (), ring: int | None = None) -> CompressionPlan:
-    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot), as lists or
-    long tensors; snapshots are (row, position P, slot): the ring as it stands at P, written into that slot. `ring`:
-    the positions a ring keeps (default: the span of a window, 2 * rate with overlap; speculative decoding keeps
-    more, KVCacheManager.ring_length).
+_PAD_VALUES = {f.name: f.metadata["per_entry"] for f in fields(CompressionPlan) if "per_entry" in f.metadata}
 
-    Vectorised over rows (a constant number of tensor ops whatever the batch size).
+
+# The plans are index arithmetic over a few values per row, built on the host for every step: in numpy, whose
+# operations on such small arrays cost a fraction of torch's (a step's host time is mostly this and the batch's own
+# arithmetic, backend/model/forward_batch.py), and handed over as torch tensors sharing the arrays' memory.
+def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets, row_slots, device="cpu",
+               snapshots: list[tuple[int, int, int]] = (), ring: int | None = None,
+               num_entries: int | None = None) -> CompressionPlan:
+    """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot), as lists or
+    integer arrays (numpy, or torch on the host); snapshots are (row, position P, slot): the ring as it stands at P,
+    written into that slot. `ring`: the positions a ring keeps (default: the span of a window, 2 * rate with overlap;
+    speculative decoding keeps more, KVCacheManager.ring_length). `num_entries`: exactly that many entries, padding
+    after the real ones (a static-shape step, backend/model/static_batch.py).
+
+    Vectorised over rows (a constant number of array operations whatever the batch size).
     """
     span = 2 * rate if overlap else rate
     ring = ring or span
-    start, length = torch.as_tensor(row_starts), torch.as_tensor(row_lens)
-    offset, slot = torch.as_tensor(row_token_offsets), torch.as_tensor(row_slots)
-    rows = torch.arange(len(start))
+    start, length, offset, slot = (_ints(v) for v in (row_starts, row_lens, row_token_offsets, row_slots))
+    rows = np.arange(len(start))
 
     # Entries: window w closes in this chunk when its last token (w + 1) * rate - 1 is in [start, start + len).
-    first_w = (-(-(start + 1) // rate) - 1).clamp(min=0)
-    counts = ((start + length) // rate - first_w).clamp(min=0)
+    first_w = np.maximum(-(-(start + 1) // rate) - 1, 0)
+    counts = np.maximum((start + length) // rate - first_w, 0)
     entry_row, rank = _expand(rows, counts)
     entry_index = first_w[entry_row] + rank
     lo = (entry_index - 1) * rate if overlap else entry_index * rate
-    positions = lo[:, None] + torch.arange(span)[None, :]  # [N, span]
-    entry_src = _source_index(positions.clamp(min=0), entry_row[:, None], start[entry_row, None],
+    positions = lo[:, None] + np.arange(span)[None, :]  # [N, span]
+    entry_src = _source_index(np.maximum(positions, 0), entry_row[:, None], start[entry_row, None],
                               offset[entry_row, None], ring, len(start))
 
     # The ring keeps the row's last `ring` positions; only those inside this chunk are new.
-    kept = torch.minimum(length, torch.tensor(ring))
+    kept = np.minimum(length, ring)
     keep_row, keep_rank = _expand(rows, kept)
     keep = (start + length - kept)[keep_row] + keep_rank
     keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(start))
@@ -89,46 +97,59 @@ def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets
     num_snapshot_keep = 0
     if snapshots:
         snap_src, snap_slot, snap_pos = _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset)
-        keep_src, keep_slot = torch.cat([snap_src, keep_src]), torch.cat([snap_slot, keep_slot])
-        keep_pos, num_snapshot_keep = torch.cat([snap_pos, keep_pos]), int(snap_src.shape[0])
-
-    def on_device(t):
-        return t.to(device)
-
-    return CompressionPlan(
-        rate=rate, overlap=overlap, ring=ring,
-        ring_slots=on_device(slot),
-        ring_order=on_device((start[:, None] - ring + torch.arange(ring)[None, :]) % ring),
-        entry_src=on_device(entry_src), entry_valid=on_device(positions >= 0),
-        entry_pos=on_device(entry_index * rate), entry_row=on_device(entry_row), entry_index=on_device(entry_index),
-        keep_src=on_device(keep_src), keep_slot=on_device(keep_slot), keep_pos=on_device(keep_pos),
-        num_snapshot_keep=num_snapshot_keep,
-    )
+        keep_src, keep_slot = np.concatenate([snap_src, keep_src]), np.concatenate([snap_slot, keep_slot])
+        keep_pos, num_snapshot_keep = np.concatenate([snap_pos, keep_pos]), len(snap_src)
+    return _plan(rate, overlap, ring, device, num_entries, num_snapshot_keep, ring_slots=slot,
+                 ring_order=(start[:, None] - ring + np.arange(ring)[None, :]) % ring,
+                 entry_src=entry_src, entry_valid=positions >= 0, entry_pos=entry_index * rate, entry_row=entry_row,
+                 entry_index=entry_index, keep_src=keep_src, keep_slot=keep_slot, keep_pos=keep_pos)
 
 
-def build_decode_plan(rate: int, overlap: bool, row_starts: torch.Tensor, row_slots: torch.Tensor,
-                      ring: int | None = None) -> CompressionPlan:
+def build_decode_plan(rate: int, overlap: bool, row_starts, row_slots, device="cpu", ring: int | None = None,
+                      num_entries: int | None = None) -> CompressionPlan:
     """build_plan for a batch of single-token rows (row b's token at batch offset b, no snapshots): the same plan,
-    in a third of the tensor ops (a decode step's host time does not grow with its batch's Python)."""
+    in a third of the array operations (a decode step's host time does not grow with its batch's Python)."""
     span = 2 * rate if overlap else rate
     ring = ring or span
-    start, slot = row_starts, row_slots
+    start, slot = _ints(row_starts), _ints(row_slots)
     num_rows = len(start)
-    rows = torch.arange(num_rows)
+    rows = np.arange(num_rows)
     closes = (start + 1) % rate == 0  # the row's token is the last of window (start + 1) / rate - 1
     entry_row = rows[closes]
-    entry_index = (start[closes] + 1) // rate - 1
+    closing_start = start[closes]
+    entry_index = (closing_start + 1) // rate - 1
     lo = (entry_index - 1) * rate if overlap else entry_index * rate
-    positions = lo[:, None] + torch.arange(span)[None, :]  # [N, span]: the window's last is the row's token
-    source = positions.clamp(min=0)  # (positions before 0 are invalid, read from anywhere)
-    from_ring = entry_row[:, None] * ring + (source - (start[closes, None] - ring))
-    entry_src = torch.where(source < start[closes, None], from_ring, num_rows * ring + entry_row[:, None])
-    return CompressionPlan(
-        rate=rate, overlap=overlap, ring=ring, ring_slots=slot,
-        ring_order=(start[:, None] - ring + torch.arange(ring)[None, :]) % ring,
-        entry_src=entry_src, entry_valid=positions >= 0, entry_pos=entry_index * rate, entry_row=entry_row,
-        entry_index=entry_index, keep_src=num_rows * ring + rows, keep_slot=slot, keep_pos=start % ring,
-    )
+    positions = lo[:, None] + np.arange(span)[None, :]  # [N, span]: the window's last is the row's token
+    source = np.maximum(positions, 0)  # (positions before 0 are invalid, read from anywhere)
+    from_ring = entry_row[:, None] * ring + (source - (closing_start[:, None] - ring))
+    entry_src = np.where(source < closing_start[:, None], from_ring, num_rows * ring + entry_row[:, None])
+    return _plan(rate, overlap, ring, device, num_entries, 0, ring_slots=slot,
+                 ring_order=(start[:, None] - ring + np.arange(ring)[None, :]) % ring,
+                 entry_src=entry_src, entry_valid=positions >= 0, entry_pos=entry_index * rate, entry_row=entry_row,
+                 entry_index=entry_index, keep_src=num_rows * ring + rows, keep_slot=slot, keep_pos=start % ring)
+
+
+def _plan(rate: int, overlap: bool, ring: int, device, num_entries: int | None, num_snapshot_keep: int,
+          **arrays: np.ndarray) -> CompressionPlan:
+    """The plan of `arrays` as tensors on `device`; with `num_entries`, every per-entry field padded to that many
+    rows with its pad value (entry_row -1: computed from source 0, finite, and stored to the scratch page)."""
+    if num_entries is not None:
+        missing = num_entries - len(arrays["entry_row"])
+        assert missing >= 0, "a static step closes at most entries_per_row windows per row"
+        for name, value in _PAD_VALUES.items():
+            a = arrays[name]
+            arrays[name] = np.concatenate([a, np.full((missing, *a.shape[1:]), value, dtype=a.dtype)])
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+    if torch.device(device).type != "cpu":
+        tensors = {name: t.to(device) for name, t in tensors.items()}
+    return CompressionPlan(rate=rate, overlap=overlap, ring=ring, num_snapshot_keep=num_snapshot_keep, **tensors)
+
+
+def _ints(values) -> np.ndarray:
+    """int64 array of a list, an array or a tensor of integers (an empty list included)."""
+    if isinstance(values, torch.Tensor):
+        values = values.cpu()
+    return np.asarray(values, dtype=np.int64)
 
 
 def _snapshot_lookback(rate: int, overlap: bool, position: int) -> int:
@@ -140,27 +161,27 @@ def _snapshot_lookback(rate: int, overlap: bool, position: int) -> int:
 def _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset):
     """(source, slot, ring index) of the ring positions each snapshot keeps: computed in this batch, or still in
     the row's ring (positions just before its chunk)."""
-    row, position, dest = (torch.tensor(v) for v in zip(*snapshots))
-    lookback = torch.tensor([_snapshot_lookback(rate, overlap, int(p)) for p in position])
+    row, position, dest = (np.array(v, dtype=np.int64) for v in zip(*snapshots))
+    lookback = np.array([_snapshot_lookback(rate, overlap, int(p)) for p in position], dtype=np.int64)
     first = position - lookback
     assert bool(((first >= start[row] - ring) & (position > start[row])
                  & (position <= start[row] + length[row])).all()), \
         "a snapshot is of a position in its row's chunk, whose ring positions are in the batch or the ring"
-    which, rank = _expand(torch.arange(len(snapshots)), lookback)
+    which, rank = _expand(np.arange(len(snapshots)), lookback)
     positions, rows = first[which] + rank, row[which]
     src = _source_index(positions, rows, start[rows], offset[rows], ring, len(start))
     return src, dest[which], positions % ring
 
 
-def _expand(rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _expand(rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row of each item, rank of the item within its row) for `counts[r]` items per row."""
-    row = torch.repeat_interleave(rows, counts)
-    first = torch.cumsum(counts, 0) - counts
-    return row, torch.arange(row.shape[0]) - first[row]
+    row = np.repeat(rows, counts)
+    first = np.cumsum(counts) - counts
+    return row, np.arange(len(row)) - first[row]
 
 
 def _source_index(positions, row, start, offset, ring: int, num_rows: int):
     """Positions before `start` come from the row's ring (block `row`), the rest from the batch."""
     from_ring = row * ring + (positions - (start - ring))
     from_batch = num_rows * ring + offset + (positions - start)
-    return torch.where(positions < start, from_ring, from_batch)
+    return np.where(positions < start, from_ring, from_batch)

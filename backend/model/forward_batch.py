@@ -26,7 +26,7 @@ import torch
 
 from backend.model.compressor import CompressionPlan, build_decode_plan, build_plan
 from backend.model.staging import map_leaves
-from backend.model.static_batch import StaticKey, entries_per_row, pad_plan
+from backend.model.static_batch import StaticKey, entries_per_row
 
 if TYPE_CHECKING:  # the pools are handed in, never made here
     from backend.memory.kv_manager import KVCacheManager, RequestPages
@@ -75,13 +75,17 @@ class ForwardBatch:
 
 
 def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
-                        pad_to: StaticKey | None = None) -> ForwardBatch:
+                        pad_to: StaticKey | None = None, compressed: bool = True) -> ForwardBatch:
     """The batch of `rows`, built on the host (then moved to `device` if that is not the host); with `pad_to`, padded
-    to that static shape (decode rows only): logits for every row, padding rows included.
+    to that static shape (decode rows only): logits for every row, padding rows included. `compressed` False: the
+    window's metadata only, no compressed block tables or compression plans (the draft layer's passes: a
+    sliding-window block).
 
-    The rows are read once, a few fields each; everything else is tensor arithmetic over them. A row's page runs
-    are not walked: its window spans the logical pages from its start's window to its end, its compressed runs
-    the pages of the entries before its end, and their page ids come from the persistent block tables.
+    The rows are read once, a few fields each; everything else is array arithmetic over them, in numpy (a step's
+    batch is a few values per row: numpy's operations on them cost a fraction of torch's, and the arrays become the
+    batch's tensors without a copy). A row's page runs are not walked: its window spans the logical pages from its
+    start's window to its end, its compressed runs the pages of the entries before its end, and their page ids come
+    from the persistent block tables.
     """
     assert pad_to is None or (len(rows) <= pad_to.rows and all(len(r.token_ids) == pad_to.tokens_per_row and
                                                                  r.want_logits for r in rows)), \
@@ -91,91 +95,106 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     pad_width = pad_to.tokens_per_row if static else 1
     scratch_slot = kv.state_pool.scratch_slot
     ids = [token for row in rows for token in row.token_ids] + [0] * (num_pad * pad_width)
-    slots = _tensor([row.pages.slot for row in rows] + [scratch_slot] * num_pad)
-    starts = _tensor([row.start_pos for row in rows] + [0] * num_pad)
-    lens = _tensor([len(row.token_ids) for row in rows] + [pad_width] * num_pad)
-    num_logits = _tensor([row.num_logits if row.want_logits else 0 for row in rows] + [pad_width] * num_pad)
-    from_previous = _tensor([row.from_previous_step for row in rows] + [False] * num_pad, np.bool_)
-    snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
-                 for position, slot in row.snapshots]
+    slots = _array([row.pages.slot for row in rows] + [scratch_slot] * num_pad)
+    starts = _array([row.start_pos for row in rows] + [0] * num_pad)
+    lens = _array([len(row.token_ids) for row in rows] + [pad_width] * num_pad)
+    num_logits = _array([row.num_logits if row.want_logits else 0 for row in rows] + [pad_width] * num_pad)
+    from_previous = _array([row.from_previous_step for row in rows] + [False] * num_pad, np.bool_)
     ends = starts + lens
-    if len(ids) == len(lens):  # one token a row (decodes): row b's token is token b, at its start
-        offsets = token_seq = torch.arange(len(lens))
+    single = len(ids) == len(lens)  # one token a row (decodes): row b's token is token b, at its start
+    if single:
+        offsets = token_seq = np.arange(len(lens))
         positions = starts
     else:
-        offsets = torch.cumsum(lens, 0) - lens
-        token_seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-        positions = starts[token_seq] + torch.arange(len(ids)) - offsets[token_seq]
-    real = torch.arange(len(lens)) < len(rows)  # padding rows hold no pages: their tables are the scratch page's
+        offsets = np.cumsum(lens) - lens
+        token_seq = np.repeat(np.arange(len(lens)), lens)
+        positions = starts[token_seq] + np.arange(len(ids)) - offsets[token_seq]
+    real = np.arange(len(lens)) < len(rows)  # padding rows hold no pages: their tables are the scratch page's
 
     page_size, window_pool = kv.page_size, kv.window_pool
-    window_first = (starts - kv.window + 1).clamp(min=0) // page_size
-    window_lens = torch.where(real, (ends + page_size - 1) // page_size - window_first, 0)
+    window_first = np.maximum(starts - kv.window + 1, 0) // page_size
+    window_lens = np.where(real, (ends + page_size - 1) // page_size - window_first, 0)
     # (static: the most pages a row of the key's width spans; the window pool's lookahead covers a verify's)
     window_width = (max(window_pool.pages_per_running_request(), -(-(kv.window + pad_width - 1) // page_size) + 1)
                     if static else max(1, int(window_lens.max())))
     window_table = kv.block_table("window", slots, window_first, window_lens, window_width,
                                   window_pool.scratch_page if static else 0)
     # Each token's slot in the window pool: its page in its row's table (padding rows: the scratch page).
-    write_page = window_table[token_seq, (positions // page_size - window_first[token_seq]).clamp(min=0)]
-    write_index = write_page.long() * page_size + positions % page_size
+    write_page = window_table[token_seq, np.maximum(positions // page_size - window_first[token_seq], 0)]
+    write_index = write_page.astype(np.int64) * page_size + positions % page_size
 
-    comp_tables, max_entries = {}, {}
-    for name, pool in kv.compressed_pools.items():
-        comp_lens = torch.where(real, pool.pages_for_tokens(ends), 0)
-        if static:
-            max_entries[name] = pad_to.context // pool.compress_rate
-            width = max(1, -(-max_entries[name] // page_size))
-        else:
-            max_entries[name] = int(ends.max()) // pool.compress_rate if rows else 0
-            width = max(1, int(comp_lens.max()))
-        comp_tables[name] = kv.block_table(name, slots, torch.zeros_like(slots), comp_lens, width,
-                                           pool.scratch_page if static else 0)
-
-    plans = {}
-    model = kv.model
-    if len(ids) == len(lens):  # one token a row (decodes): no snapshot is inside a chunk
-        make_plan = lambda rate, overlap, ring: build_decode_plan(rate, overlap, starts, slots, ring)  # noqa: E731
-    else:
-        make_plan = lambda rate, overlap, ring: build_plan(rate, overlap, starts, lens, offsets,  # noqa: E731
-                                                           slots, "cpu", snapshots, ring)
-    if kv.has_pool("csa"):  # (the indexer's ring is as long as the CSA one's: one plan)
-        plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))
-    if kv.has_pool("hca"):
-        plans["hca"] = make_plan(model.hca_rate, False, kv.ring_length("hca"))
-    if static:  # a row closes at most entries_per_row windows per compressor: a fixed number of entries
-        padded = {id(plan): pad_plan(plan, pad_to.rows * entries_per_row(plan.rate, pad_width))
-                  for plan in plans.values()}
-        plans = {stream: padded[id(plan)] for stream, plan in plans.items()}
+    comp_tables, max_entries, plans = {}, {}, {}
+    if compressed:
+        comp_tables, max_entries = _compressed_tables(kv, slots, ends, real, rows, pad_to)
+        plans = _plans(kv, rows, starts, lens, offsets, slots, single, pad_to, pad_width)
 
     batch = ForwardBatch(
-        input_ids=_tensor(ids),
-        positions=positions,
-        token_seq=token_seq,
+        input_ids=torch.from_numpy(_array(ids)),
+        positions=torch.from_numpy(positions),
+        token_seq=torch.from_numpy(token_seq),
         # a row whose token the step before samples (one token): read from the device by its slot
-        token_source_slot=torch.where(from_previous, slots, -1)[token_seq],
-        logits_token_index=_last_tokens(offsets + lens, num_logits),
-        logits_slot=torch.repeat_interleave(slots, num_logits),
-        window_write_index=write_index,
-        window_block_table=window_table,
-        window_first_page=window_first,
-        comp_block_tables=comp_tables,
+        token_source_slot=torch.from_numpy(np.where(from_previous, slots, -1)[token_seq]),
+        logits_token_index=torch.from_numpy(_last_tokens(offsets + lens, num_logits)),
+        logits_slot=torch.from_numpy(np.repeat(slots, num_logits)),
+        window_write_index=torch.from_numpy(write_index),
+        window_block_table=torch.from_numpy(window_table),
+        window_first_page=torch.from_numpy(window_first),
+        comp_block_tables={name: torch.from_numpy(table) for name, table in comp_tables.items()},
         plans=plans,
         max_entries=max_entries,
     )
     return batch if torch.device(device).type == "cpu" else batch.to(device)
 
 
-def _tensor(values: list, dtype=np.int64) -> torch.Tensor:
-    """A host tensor of a list of Python numbers, through numpy (4x faster than torch.tensor's own conversion: it
-    runs for every row of every step)."""
-    return torch.from_numpy(np.array(values, dtype=dtype))
+def _compressed_tables(kv: KVCacheManager, slots, ends, real, rows: list[BatchRow],
+                       pad_to: StaticKey | None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Each compressed pool's block table [B, C] (the pages of the entries before each row's end) and the most
+    entries a token of the batch may attend to (static: the key's context's)."""
+    tables, max_entries = {}, {}
+    for name, pool in kv.compressed_pools.items():
+        comp_lens = np.where(real, pool.pages_for_tokens(ends), 0)
+        if pad_to is not None:
+            max_entries[name] = pad_to.context // pool.compress_rate
+            width = max(1, -(-max_entries[name] // kv.page_size))
+        else:
+            max_entries[name] = int(ends.max()) // pool.compress_rate if rows else 0
+            width = max(1, int(comp_lens.max()))
+        tables[name] = kv.block_table(name, slots, np.zeros_like(slots), comp_lens, width,
+                                      pool.scratch_page if pad_to is not None else 0)
+    return tables, max_entries
 
 
-def _last_tokens(row_ends: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _plans(kv: KVCacheManager, rows: list[BatchRow], starts, lens, offsets, slots, single: bool,
+           pad_to: StaticKey | None, pad_width: int) -> dict[str, CompressionPlan]:
+    """The step's compression plans: "csa" and the indexer's (one plan: their rings are as long), "hca"; a static
+    step's padded to the entries its rows can close at most."""
+    model, plans = kv.model, {}
+
+    def make_plan(rate: int, overlap: bool, ring: int) -> CompressionPlan:
+        num_entries = pad_to.rows * entries_per_row(rate, pad_width) if pad_to is not None else None
+        if single:  # one token a row (decodes): no snapshot is inside a chunk
+            return build_decode_plan(rate, overlap, starts, slots, ring=ring, num_entries=num_entries)
+        snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
+                     for position, slot in row.snapshots]
+        return build_plan(rate, overlap, starts, lens, offsets, slots, "cpu", snapshots, ring, num_entries)
+
+    if kv.has_pool("csa"):
+        plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))
+    if kv.has_pool("hca"):
+        plans["hca"] = make_plan(model.hca_rate, False, kv.ring_length("hca"))
+    return plans
+
+
+def _array(values: list, dtype=np.int64) -> np.ndarray:
+    """An array of a list of Python numbers (numpy's conversion is 4x faster than torch.tensor's: it runs for every
+    row of every step)."""
+    return np.array(values, dtype=dtype)
+
+
+def _last_tokens(row_ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Batch indices of the last counts[r] tokens of each row r (rows end at row_ends), row after row."""
     if bool((counts <= 1).all()):  # (every row one or none: the common case, without the expansion)
         return (row_ends - 1)[counts == 1]
-    row = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    rank = torch.arange(len(row)) - (torch.cumsum(counts, 0) - counts)[row]
+    row = np.repeat(np.arange(len(counts)), counts)
+    rank = np.arange(len(row)) - (np.cumsum(counts) - counts)[row]
     return row_ends[row] - counts[row] + rank

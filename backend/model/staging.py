@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 ALIGN = 64  # bytes: every view starts aligned for any dtype (and for vectorised kernels)
@@ -31,6 +32,7 @@ class _Buffers:
     def __init__(self, device, depth: int, pin: bool = False):
         self.device, self.pin = torch.device(device), pin
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self.device) for _ in range(depth)]
+        self._arrays: dict[int, np.ndarray] = {}  # host buffers' numpy views (`host_array`)
         self._next = 0
 
     def next(self, num_bytes: int) -> torch.Tensor:
@@ -38,7 +40,15 @@ class _Buffers:
         if self._buffers[i].numel() < num_bytes:
             self._buffers[i] = torch.empty(max(num_bytes, 2 * self._buffers[i].numel()), dtype=torch.uint8,
                                            device=self.device, pin_memory=self.pin)
+            self._arrays.pop(i, None)
         return self._buffers[i]
+
+    def host_array(self, buffer: torch.Tensor) -> np.ndarray:
+        """A host buffer handed out by `next` as a numpy array over the same memory (kept: made once per buffer)."""
+        i = next(j for j, b in enumerate(self._buffers) if b is buffer)
+        if i not in self._arrays:
+            self._arrays[i] = buffer.numpy()
+        return self._arrays[i]
 
 
 class BatchStager:
@@ -85,28 +95,41 @@ class StagedBatch:
         device_buffer[:self.num_bytes].copy_(self.host[:self.num_bytes], non_blocking=True)
 
 
-_ZEROS = torch.zeros(ALIGN, dtype=torch.uint8)
-
-
 def stage(batch, buffers: _Buffers) -> StagedBatch:
-    """Pack every tensor of `batch` into the next host buffer: their bytes and the padding between them, one cat."""
-    parts: list[torch.Tensor] = []
+    """Pack every tensor of `batch` into the next host buffer: each one's bytes at the next aligned offset (the bytes
+    between them left as they are), written through numpy (a step packs a few dozen small tensors: torch's per-call
+    cost, not the bytes, is what this costs)."""
+    arrays: list[np.ndarray] = []
     layout = []
 
     def leaf(t: torch.Tensor) -> _Leaf:
         node = _Leaf(len(layout), t.dtype, tuple(t.shape))
         layout.append((t.dtype, node.shape))
-        flat = t.contiguous().view(-1).view(torch.uint8)
-        parts.append(flat)
-        parts.append(_ZEROS[:-flat.numel() % ALIGN])  # each segment's padding (possibly empty): aligned views
+        arrays.append(_bytes_of(t))
         return node
 
     skeleton = map_leaves(batch, leaf)
-    sizes = [part.numel() for part in parts]
+    sizes = []
+    for a in arrays:
+        sizes += [a.size, -a.size % ALIGN]  # each segment's padding (possibly empty): aligned views
     num_bytes = sum(sizes)
     host = buffers.next(max(num_bytes, ALIGN))
-    torch.cat(parts, out=host[:num_bytes])
+    packed, offset = buffers.host_array(host), 0
+    for a, size, padding in zip(arrays, sizes[::2], sizes[1::2]):
+        packed[offset:offset + size] = a
+        offset += size + padding
     return StagedBatch(host, num_bytes, skeleton, sizes, tuple(layout))
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes as a flat uint8 array (a view where it is contiguous)."""
+    if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu":
+        return t.numpy().reshape(-1).view(np.uint8)
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()  # (bfloat16 and the like)
+
+
+_NUMPY_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32,
+                 torch.float64, torch.float16}
 
 
 def map_leaves(value, fn, leaf_type=torch.Tensor, memo: dict | None = None):

@@ -10,7 +10,7 @@ shapes (built by `build_forward_batch(rows, kv, pad_to=key)`, backend/model/forw
             padded with the scratch page to its page count, the indexer scores it in full
             (entries past a token's causal ones are -inf and never picked);
   entries   a decode row closes at most one window per compressor, so every plan has exactly
-            `rows` entries; the ones that do not close are padding (`pad_plan`: entry_row -1,
+            `rows` entries; the ones that do not close are padding (`build_plan`'s `num_entries`: entry_row -1,
             stored to the scratch page).
   tokens    speculative decoding's verify rows (`tokens_per_row` = 1 + k, all rows alike) close at most
             ceil((1 + k) / rate) windows each, and keep 1 + k ring positions each.
@@ -21,13 +21,7 @@ backend/model/graph_runner.py keeps one set of static buffers (and, on CUDA, one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
-
-import torch
-
-if TYPE_CHECKING:
-    from backend.model.compressor import CompressionPlan
+from dataclasses import dataclass
 
 MIN_CONTEXT_BUCKET = 256
 
@@ -66,16 +60,3 @@ def is_decode_batch(rows) -> bool:
 def entries_per_row(rate: int, tokens_per_row: int) -> int:
     """The most windows of a compressor of `rate` that `tokens_per_row` consecutive positions close."""
     return -(-tokens_per_row // rate)
-
-
-def pad_plan(plan: "CompressionPlan", num_entries: int) -> "CompressionPlan":
-    """`plan` with exactly num_entries entries: every per-entry field (CompressionPlan marks them) gets padding rows
-    with its pad value (entry_row -1: computed from source 0, finite, and stored to the scratch page)."""
-    missing = num_entries - plan.num_entries
-    assert missing >= 0, "a static step closes at most entries_per_row windows per row"
-
-    def pad(t: torch.Tensor, value) -> torch.Tensor:
-        return torch.cat([t, torch.full((missing, *t.shape[1:]), value, dtype=t.dtype, device=t.device)])
-
-    return replace(plan, **{f.name: pad(getattr(plan, f.name), f.metadata["per_entry"])
-                            for f in fields(plan) if "per_entry" in f.metadata})

@@ -201,7 +201,7 @@ def test_the_decode_plan_is_the_general_plan_of_single_token_rows(rate, overlap)
         slots = torch.randperm(64, generator=gen)[:num_rows]
         general = build_plan(rate, overlap, starts, torch.ones(num_rows, dtype=torch.long), torch.arange(num_rows),
                              slots, DEVICE)
-        fast = build_decode_plan(rate, overlap, starts, slots)
+        fast = build_decode_plan(rate, overlap, starts, slots, DEVICE)
         assert general.num_entries >= 1
         for f in fields(general):
             a, b = getattr(general, f.name), getattr(fast, f.name)
