@@ -172,11 +172,21 @@ class StepExecutor:
 
     def _verify(self, job: StepJob, logits: torch.Tensor, batch, started: float) -> StepOutput:
         """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py). The
-        host needs the emitted counts before it can place the next step, so this returns when all is done."""
-        output = self.verifier.verify(logits, job.samplers, job.spec, job.timing)
+        host needs the emitted counts before it can place the next step, so this returns when all is done. Where the
+        drafts can follow the verify on the device (one greedy draft a row, a static chain: `Drafter.chain_early`),
+        they are launched before the host reads anything, and the host reads the verify's argmax and the drafts at
+        once: one read a step, no host work between the verify and the draft passes."""
+        spec, drafting = job.spec, time.perf_counter()
+        argmax = ready = None
+        early = self.drafter.chain_early(logits, batch, spec, job.samplers)
+        if early is not None:
+            read = torch.cat(early).tolist()  # (the step's one host read)
+            argmax, ready = read[:len(early[0])], read[len(early[0]):]
+        draft_s = time.perf_counter() - drafting
+        output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax)
         drafting = time.perf_counter()
-        output.drafts = self.drafter.propose(batch, job.spec, output, job.samplers)
-        job.timing.draft_s = time.perf_counter() - drafting
+        output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)
+        job.timing.draft_s = draft_s + time.perf_counter() - drafting
         job.timing.duration_s = time.perf_counter() - started
         return output
 

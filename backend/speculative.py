@@ -115,9 +115,10 @@ class Verifier:
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
     def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob,
-               timing: StepTiming | None = None) -> StepOutput:
+               timing: StepTiming | None = None, argmax: list[int] | None = None) -> StepOutput:
         """The tokens each sampling row emits (the step's StepOutput, its host times in `timing`), their
-        log-probabilities, the rows a grammar ended."""
+        log-probabilities, the rows a grammar ended. `argmax`: every logits row's argmax, where the host has read it
+        already (`Drafter.greedy_chain`)."""
         rows, firsts = job.rows, job.first_logits_rows()
         output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
@@ -134,7 +135,7 @@ class Verifier:
             output.ends = {single[i]: end for i, end in sampled.ends.items()}
         constrained = [r for r, row in enumerate(rows) if row.drafts and _constrained(states[r])]
         walk = self._mask_verify_rows(logits, states, job, constrained, output) if constrained else None
-        argmax = None  # every logits row's, read once for the greedy rows without penalties
+        # (`argmax`: every logits row's, read once for the greedy rows without penalties)
         targets = {}  # verify row -> its target logits [1 + k, V]
         sampled = []  # verify rows of sampled requests: rejection sampling, all of them at once
         for r, row in enumerate(rows):
@@ -319,11 +320,12 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
-                states: list[SamplerState]) -> dict[int, list[int]]:
+                states: list[SamplerState], ready: list[int] | None = None) -> dict[int, list[int]]:
         """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
         first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
         and k - 1 chained ones at the counts agreed before the first (a rank whose rows ran out of pages, or that
-        has none, takes part in the others' exchanges alone)."""
+        has none, takes part in the others' exchanges alone). `ready`: the drafts the step's chain proposed before
+        the verify was read (`chain_early`), one per batch row."""
         rows = [r for r in range(len(job.rows)) if r not in output.ends]
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits row (emitted - 1) and its position. (No row: the draft
@@ -332,8 +334,8 @@ class Drafter:
         positions = [job.rows[r].position + len(output.tokens[r]) - 1 for r in rows]
         for r in rows:
             states[r].draft_probs = []
-        if self._static(job, [states[r] for r in rows]):
-            return self._propose_static(job, output, rows, picks, positions)
+        if ready is not None or self._static(job, [states[r] for r in rows]):
+            return self._propose_static(job, output, rows, picks, positions, ready)
         return self._propose_eager(batch, job, output, states, rows, picks, positions)
 
     def _static(self, job: SpecJob, states: list[SamplerState]) -> bool:
@@ -387,12 +389,15 @@ class Drafter:
                                     for step in range(1, job.num_speculative_tokens)])
 
     def _propose_static(self, job: SpecJob, output: StepOutput, rows: list[int], picks: list[int],
-                        positions: list[int]) -> dict[int, list[int]]:
+                        positions: list[int], ready: list[int] | None = None) -> dict[int, list[int]]:
         """One static chain (DraftChain): planned on the host, its passes agreed on at once (in lock-step), its
-        drafts read once."""
-        chain, order = self._static_chain(job, output, rows, picks, positions)
-        chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
+        drafts read once; or the drafts `ready` (`chain_early`: the chain ran before the verify was read)."""
         output.timing.static_drafts = True
+        if ready is not None:
+            return {r: [ready[r]] for r in rows}
+        next_ids = self._next_ids_static(job, output, job.static_key)
+        chain, order = self._static_chain(job, next_ids, rows, picks, positions)
+        chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
         tokens = self.runner.draft_chain(chain).tolist()  # (the chain's one host sync)
         drafts = {r: [] for r in rows}
         for line, live in zip(tokens, order):  # pass s gives the rows it ran their draft s + 1
@@ -400,7 +405,35 @@ class Drafter:
                 drafts[rows[i]].append(token)
         return drafts
 
-    def _static_chain(self, job: SpecJob, output: StepOutput, rows: list[int], picks: list[int],
+    @torch.inference_mode()  # (as `propose`: the chains' buffers are inference tensors)
+    def chain_early(self, logits: torch.Tensor, batch: ForwardBatch, job: SpecJob,
+                    states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where the step's drafts need nothing the host reads from its verify: (the target's argmax at every logits
+        row, each batch row's draft), on the device, the static chain launched; else None (`propose` plans the chain
+        from the verify's output). That is a static verify step of one draft a row whose rows are all greedy and
+        plain, on this process's runner, with static chains (more drafts: a chained pass's positions depend on what
+        the verify accepted, which the host plans). The argmax is what the verify accepts by, and every position's
+        next token for the first pass: a greedy row emits the argmax up to its first disagreement with its draft, and
+        past it (a rejected position) the first pass may embed any token (`_next_ids`). Each row drafts from its last
+        emitted position: its first logits row plus the drafts its argmax accepts, counted on the device from the
+        batch's own input ids (each row's last token, then its draft)."""
+        key = job.static_key
+        if not (key is not None and job.num_speculative_tokens == 1 and self.runner.draft_chains is not None
+                and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
+                and all(state.plain for state in states)):
+            return None
+        argmax = logits.argmax(dim=-1)
+        width = key.tokens_per_row  # 1 + k
+        proposed, best = batch.input_ids.view(key.rows, width)[:, 1:], argmax.view(key.rows, width)[:, :-1]
+        accepted = (proposed == best).long().cumprod(dim=1).sum(dim=1)
+        picks = torch.arange(key.rows, device=argmax.device) * width + accepted
+        rows = list(range(len(job.rows)))  # (plain verify rows all draft: only the scheduler ends them)
+        placeholder = torch.zeros(key.rows * width, dtype=torch.long)
+        chain, _ = self._static_chain(job, placeholder, rows, [0] * len(rows), [row.position for row in job.rows])
+        chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
+        return argmax, self.runner.draft_chain(chain, first_inputs=(argmax, picks))[0]
+
+    def _static_chain(self, job: SpecJob, next_ids: torch.Tensor, rows: list[int], picks: list[int],
                       positions: list[int]) -> tuple[DraftChain, list[list[int]]]:
         """The chain of the step's drafting rows, and each pass's rows (indices into `rows`, in its row order): the
         first pass has them all, chained pass s those whose pages reach position + s (as the eager chain)."""
@@ -422,7 +455,7 @@ class Drafter:
             place = {i: j for j, i in enumerate(before)}
             sources.append([place[i] for i in live] + list(range(len(live), key.rows)))
         padded_picks = picks + [0] * (key.rows - len(picks))
-        chain = DraftChain(key, self._next_ids_static(job, output, key), _long(padded_picks),
+        chain = DraftChain(key, next_ids, _long(padded_picks),
                            _long(sources).view(k - 1, key.rows), passes, context)
         return chain, order
 

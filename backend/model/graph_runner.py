@@ -167,11 +167,14 @@ class DraftChains:
         """The chains' graphs recorded so far (closures off CUDA)."""
         return [step.graph for step in self._chains.values() if step.graph is not None]
 
-    def run(self, chain: DraftChain, hidden: torch.Tensor, replay: bool = True) -> torch.Tensor:
+    def run(self, chain: DraftChain, hidden: torch.Tensor, replay: bool = True,
+            first_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The drafts [k, key.rows] on the device, line s pass s's argmax at each of its rows (line 0: the first
         pass's); `hidden` the verify step's streams [T, N, D]. `replay` False: eagerly on the same buffers at the
         chain's agreed counts (a data-parallel step where some pass's MoE exchange pads to another rank's larger count
-        than the graph's own; a graph is only recorded on a step it could replay, so its counts are its own)."""
+        than the graph's own; a graph is only recorded on a step it could replay, so its counts are its own).
+        `first_inputs`: the first pass's (next ids, picks) as device tensors, in place of the chain's own (computed
+        on the device from the verify's logits: the host has not read them)."""
         staged = self._stager.stage(chain)
         step = self._chains.get(chain.chain_key)
         if step is None:
@@ -182,6 +185,9 @@ class DraftChains:
                                                                 first)
         assert staged.layout == step.layout, f"a draft chain of key {chain.chain_key} with another layout"
         staged.copy_into(step.buffer)
+        if first_inputs is not None:
+            step.chain.next_ids.copy_(first_inputs[0])
+            step.chain.picks.copy_(first_inputs[1])
         step.hidden.copy_(hidden)
         counts = chain.dp_token_counts or tuple(() for _ in chain.token_counts)
         return self.graphs.run_or_replay(step, lambda: self._passes(step, counts), replay)

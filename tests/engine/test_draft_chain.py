@@ -28,7 +28,7 @@ from backend.model.static_batch import StaticKey
 from backend.request import SamplingParams
 from backend.runner import ModelRunner
 from backend.sampler import SamplerState
-from backend.speculative import Drafter, SpecJob
+from backend.speculative import Drafter, SpecJob, Verifier
 
 from .test_speculative import OracleDrafter, _engine, _ids, _prompts
 
@@ -52,14 +52,14 @@ class RecordingDrafter(OracleDrafter):
         self.chains: list[str] = []  # per step: "static", "eager" or "eager after a static step"
         self.short_static = 0  # static chains' rows given fewer than k drafts (their chain stopped early)
 
-    def propose(self, batch, job, output, states):
+    def propose(self, batch, job, output, states, ready=None):
         if self.cut_chains and job.static_key is not None:
             self.static_steps += 1
             if self.static_steps % 2:  # row r's pages end 1 + r % k positions after its verify's first
                 k = job.num_speculative_tokens
                 job = replace(job, rows=[replace(row, lookahead_end=min(row.lookahead_end, row.position + 1 + r % k))
                                          for r, row in enumerate(job.rows)])
-        return (super() if self.use_oracle else super(OracleDrafter, self)).propose(batch, job, output, states)
+        return (super() if self.use_oracle else super(OracleDrafter, self)).propose(batch, job, output, states, ready)
 
     def _propose_static(self, job, *args):
         drafts = super()._propose_static(job, *args)
@@ -133,6 +133,33 @@ def test_a_recorded_chain_replays_what_the_eager_chain_drafts(tiny_checkpoint, r
     assert chain_replays == recorded.chains.count("static") - len(recorded_chains) > 0
 
 
+def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, references, monkeypatch):
+    """k = 1, greedy rows: a static verify step's draft pass is launched before the host reads anything of the verify
+    (`Drafter.chain_early`: the argmax, each row's accepted count and the first pass's inputs computed on the device),
+    and the host reads the argmax and the drafts at once. The draft layer proposes what the host-planned chain
+    proposes, after every step, and the tokens are the ones without speculation."""
+    scenario = "oracle drafts, 5 rows"  # (drafts accepted and rejected: rows draft from different positions)
+    prompts, expected = references[scenario]
+    chain_early, draft_chain, verify = Drafter.chain_early, ModelRunner.draft_chain, Verifier.verify
+    runs = {}
+    for early in (False, True):
+        monkeypatch.setattr(Drafter, "chain_early", chain_early if early else lambda *args: None)
+        chains_run, verifies_read = [], []
+        monkeypatch.setattr(ModelRunner, "draft_chain", lambda runner, chain, first_inputs=None: chains_run.append(
+            first_inputs is not None) or draft_chain(runner, chain, first_inputs))
+        monkeypatch.setattr(Verifier, "verify", lambda verifier, *args, argmax=None: verifies_read.append(
+            argmax is not None) or verify(verifier, *args, argmax=argmax))
+        tokens, drafter, _ = _run(tiny_checkpoint, 1, SCENARIOS[scenario], prompts, expected, static=True)
+        runs[early] = tokens, dict(drafter.proposals), drafter.chains.count("static")
+        assert tokens == expected
+        # every static step's chain ran once: after a verify, early (its inputs from the device, the verify's argmax
+        # read with the drafts); after a static step without drafts to verify, planned from its output
+        assert len(chains_run) == runs[early][2]
+        launched_early = chains_run.count(True)
+        assert launched_early == verifies_read.count(True) and (launched_early > 10 if early else launched_early == 0)
+    assert runs[True] == runs[False]
+
+
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
     """A constrained row's drafts are masked by its grammar, and under draft_sampling=sample a sampled row draws each
     draft from q with its own generator (both on the host, between passes): a step with one drafts pass by pass, as
@@ -176,7 +203,7 @@ def test_a_recorded_chain_replays_only_where_every_pass_pads_to_its_own_count():
     """Data-parallel ranks in lock-step (as decode graphs): a chain's graph holds its passes' exchanges at its own
     counts, so it replays only where each pass's agreed largest count is this rank's; else the chain runs eagerly."""
     class Chains:  # (what the runner asks of its chains: replay or not)
-        def run(self, chain, hidden, replay):
+        def run(self, chain, hidden, replay, first_inputs=None):
             return replay
 
     runner = ModelRunner.__new__(ModelRunner)

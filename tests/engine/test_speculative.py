@@ -51,8 +51,8 @@ class OracleDrafter(Drafter):
         self.emitted: Counter = Counter()
         self.random = random.Random(0)
 
-    def propose(self, batch, job, output, states):
-        drafts = super().propose(batch, job, output, states)
+    def propose(self, batch, job, output, states, ready=None):
+        drafts = super().propose(batch, job, output, states, ready)
         for r, row in enumerate(job.rows):
             self.emitted[row.request_id] += len(output.tokens[r])
         for r, proposed in drafts.items():
@@ -310,8 +310,8 @@ class ModeDrafter(Drafter):
                 follows.setdefault(tuple(out[:i]), Counter())[out[i]] += 1
         self.mode = {history: counts.most_common(1)[0][0] for history, counts in follows.items()}
 
-    def propose(self, batch, job, output, states):
-        drafts = super().propose(batch, job, output, states)
+    def propose(self, batch, job, output, states, ready=None):
+        drafts = super().propose(batch, job, output, states, ready)
         for r, row in enumerate(job.rows):
             self.outputs.setdefault(row.request_id, []).extend(output.tokens[r])
         for r, proposed in drafts.items():
@@ -436,8 +436,8 @@ class GrammarCheckingDrafter(Drafter):
         self.constrained_drafts = 0
         self.invalid: list[list[int]] = []  # draft chains their grammar does not take
 
-    def propose(self, batch, job, output, states):
-        drafts = super().propose(batch, job, output, states)
+    def propose(self, batch, job, output, states, ready=None):
+        drafts = super().propose(batch, job, output, states, ready)
         for r, proposed in drafts.items():
             if states[r].grammar is None:
                 continue

@@ -132,7 +132,8 @@ def test_data_parallel_ranks_draft_with_static_chains_and_give_the_single_rank_t
     runner, agreed, chains = engine.core.runner, [], []  # rank 0's agreements and its static chains' counts
     agree, draft_chain = runner.agree_drafts, runner.draft_chain
     runner.agree_drafts = lambda counts: agreed.append(agree(counts)) or agreed[-1]
-    runner.draft_chain = lambda chain: chains.append(chain.dp_token_counts) or draft_chain(chain)
+    runner.draft_chain = lambda chain, first_inputs=None: chains.append(chain.dp_token_counts) or draft_chain(
+        chain, first_inputs)
     try:
         assert [r["output_ids"] for r in engine.generate(prompts, params)] == expected
     finally:
