@@ -2,6 +2,7 @@
 """The engine on a device against the engine on CPU in fp32, with and without CUDA graphs (greedy tokens).
 
     python scripts/check_engine_device.py [--device cuda] [--max-tokens 24] [--checkpoint DIR] [--json FILE]
+                                          [--num-speculative-tokens 1 2]
 
 Generates greedily for prompts of 1..300 tokens (batched, so decode steps have several rows and cross
 CSA/HCA boundaries), then for a second wave of prompts that start like the first wave's (restored from the
@@ -9,9 +10,11 @@ prefix cache: block boundaries snapshotted inside the first wave's chunks, and t
 fp32 without the prefix cache (the reference run); the device in fp32 with cuda_graphs off and on and the
 cache on (must equal the reference token for token, and must have restored from the cache); the device in
 bf16 with graphs on and off (must equal each other; their agreement with fp32 is reported, not required:
-bf16 rounding may flip a near-tie); with --num-speculative-tokens k, also the device in fp32 with k drafts per decode
-from the checkpoint's MTP layer, graphs off and on (must equal the reference: speculation changes no greedy token).
-Then sampled requests on the device (fp32, graphs on; with k drafts too: argmax drafts in the static chain): seeded
+bf16 rounding may flip a near-tie); with --num-speculative-tokens k [k ...], also the device in fp32 with k drafts per
+decode from the checkpoint's MTP layer, graphs off and on (must equal the reference: speculation changes no greedy
+token; with graphs and k = 1 the draft pass follows each verify on the device, the host reading both at once, and with
+k > 1 the host plans the chain from the verify's output). Then sampled requests on the device (fp32, graphs on; with
+each k too: argmax drafts in the static chain): seeded
 requests with top-k, top-p and log-probabilities generated twice by one engine must draw the same tokens (their
 generators on the device), every log-probability finite and at most 0.
 Prints one row per run; exit status 1 when a required equality fails.
@@ -88,16 +91,15 @@ def main() -> int:
     parser.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="also run with this many drafts per decode (fp32, graphs off and on; must equal)")
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="*", default=[],
+                        help="also run with these many drafts per decode (fp32, graphs off and on; must equal)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     prompt_waves = waves(torch.Generator().manual_seed(0))
     reference, _ = generate(options.checkpoint, "cpu", "float32", False, prompt_waves, options.max_tokens, False)
     runs = [("float32", False, True, 0), ("float32", True, True, 0), ("bfloat16", False, False, 0),
             ("bfloat16", True, False, 0)]
-    if options.num_speculative_tokens:
-        runs += [("float32", graphs, True, options.num_speculative_tokens) for graphs in (False, True)]
+    runs += [("float32", graphs, True, k) for k in options.num_speculative_tokens if k for graphs in (False, True)]
     rows, failed, outputs = [], False, {}
     for dtype, graphs, must_equal, speculative in runs:
         tokens, cached = generate(options.checkpoint, options.device, dtype, graphs, prompt_waves,
@@ -118,7 +120,7 @@ def main() -> int:
               f"{r['cached_tokens']}")
     print(f"bf16 graphs on == off: {bf16_graphs_equal}")
     sampled = [sampled_twice(options.checkpoint, options.device, prompt_waves[0], options.max_tokens, k)
-               for k in sorted({0, options.num_speculative_tokens})]
+               for k in sorted({0, *options.num_speculative_tokens})]
     for r in sampled:
         print(f"sampled, seeded, drafts {r['num_speculative_tokens']}: the same tokens twice {r['repeated']}, "
               f"log-probabilities valid {r['logprobs_valid']}")
