@@ -118,7 +118,7 @@ class Verifier:
                timing: StepTiming | None = None, argmax: list[int] | None = None) -> StepOutput:
         """The tokens each sampling row emits (the step's StepOutput, its host times in `timing`), their
         log-probabilities, the rows a grammar ended. `argmax`: every logits row's argmax, where the host has read it
-        already (`Drafter.greedy_chain`)."""
+        already (`Drafter.chain_early`)."""
         rows, firsts = job.rows, job.first_logits_rows()
         output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
