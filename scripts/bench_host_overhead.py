@@ -16,8 +16,9 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    thread. Overlap on: the same work, the forward side on the executor thread (with a stub forward the
    hand-over between the two threads is all overlap adds). --cuda-graphs: the decode steps at static shapes, as a
    GPU runs them (padded, packed into the graphs' buffers; off CUDA the recorded closure runs the stub).
-   --num-speculative-tokens k: verify steps of k drafts a row instead (the draft layer a stub as well, every draft
-   accepted; without overlap, as speculative decoding runs): what a verify step and its drafts cost the host.
+   --num-speculative-tokens 0 1 2: each configuration also with verify steps of k drafts a row (the draft layer a
+   stub as well, every draft accepted; without overlap, as speculative decoding runs): what a verify step and its
+   drafts cost the host, beside a decode step's (k = 0).
 2. Steps per second with a device stand-in: the forward sleeps --device-ms (the GIL released, as on a GPU
    stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
    host; with it, max(device, host). With --real-forward the model's own forward runs instead (on a GPU:
@@ -109,8 +110,9 @@ if STUB_VOCAB in os.environ:  # a data-parallel rank spawned by part 3
 
 
 def engine_config(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0,
-                  **layout) -> EngineConfig:
-    """An engine for `rows` requests of `context` tokens (on each data-parallel rank of `layout`)."""
+                  speculative_tokens: int = 0, **layout) -> EngineConfig:
+    """An engine for `rows` requests of `context` tokens (on each data-parallel rank of `layout`), `speculative_tokens`
+    drafts a decode."""
     window = 4 * (PREFILL_CHUNK + 256)  # the window pool: one chunk in flight and its window, and the decodes'
     # the prompts, what prefill steps decode meanwhile, the warm-up and the timed steps
     num_tokens = rows * (context + 2 * rows + WARM_UP_STEPS + options.steps + 64) + 4096
@@ -120,16 +122,17 @@ def engine_config(options, rows: int, context: int, overlap: bool, device_s: flo
                         swa_full_tokens_ratio=min(1.0, (window + rows * 256) / num_tokens),
                         overlap_scheduling=overlap, cpu_threads=1,
                         enable_prefix_caching=options.enable_prefix_caching,
-                        num_speculative_tokens=options.num_speculative_tokens,
+                        num_speculative_tokens=speculative_tokens,
                         # a stub forward is host work only: a CUDA graph would capture it once and skip its sleep
                         # (--cuda-graphs: the static steps' host work, with no sleep to skip)
                         cuda_graphs=options.cuda_graphs if device_s is not None else None, **layout)
 
 
-def make_engine(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0) -> LLMEngine:
-    """An engine for `rows` requests of `context` tokens; its forward a stub sleeping `device_s` (None: the
-    model's own)."""
-    engine = LLMEngine(engine_config(options, rows, context, overlap, device_s))
+def make_engine(options, rows: int, context: int, overlap: bool, device_s: float | None = 0.0,
+                speculative_tokens: int = 0) -> LLMEngine:
+    """An engine for `rows` requests of `context` tokens; its forward (and draft layer) a stub sleeping `device_s`
+    (None: the model's own)."""
+    engine = LLMEngine(engine_config(options, rows, context, overlap, device_s, speculative_tokens))
     if device_s is not None:
         streams = (engine.model.config.hc_mult, engine.model.config.hidden_size)
         engine.model.forward = stub_forward(engine.vocab_size, engine.device, device_s, streams)
@@ -160,8 +163,8 @@ def time_steps(engine: LLMEngine, steps: int, clock=time.perf_counter) -> list[f
     return times
 
 
-def host_per_step(options, rows: int, context: int, overlap: bool) -> float:
-    engine = make_engine(options, rows, context, overlap)
+def host_per_step(options, rows: int, context: int, overlap: bool, speculative_tokens: int) -> float:
+    engine = make_engine(options, rows, context, overlap, speculative_tokens=speculative_tokens)
     try:
         decoding(engine, rows, context, options.steps)
         times = time_steps(engine, options.steps)
@@ -369,8 +372,9 @@ def main() -> int:
                         help="part 4: rank 0's step with these many ranks simulated (e.g. 1 2 4 8)")
     parser.add_argument("--dp-rows", type=int, default=128)
     parser.add_argument("--dp-context", type=int, default=1024)
-    parser.add_argument("--num-speculative-tokens", type=int, default=0,
-                        help="part 1 with k drafts per decode: verify steps, the draft layer a stub too")
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[0],
+                        help="part 1 with k drafts per decode, for each k given (0: decode steps; k > 0: verify steps, "
+                             "the draft layer a stub too)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="part 1 with static decode steps (and draft chains), the steps a GPU replays")
     parser.add_argument("--json", type=Path)
@@ -381,28 +385,28 @@ def main() -> int:
                "settings": vars(options) | {"json": str(options.json)}}
     if not options.skip_host:
         # (speculative decoding runs without overlap: its verify steps are measured once)
-        configs = [(rows, context, overlap) for rows in options.rows for context in options.contexts
-                   for overlap in ((False,) if options.num_speculative_tokens else (False, True))]
+        configs = [(rows, context, overlap, k) for k in options.num_speculative_tokens for rows in options.rows
+                   for context in options.contexts for overlap in ((False,) if k else (False, True))]
         runs: dict[tuple, list[float]] = {config: [] for config in configs}
         for repeat in range(options.repeats):
             for config in configs:
                 runs[config].append(1e3 * host_per_step(options, *config))
             print(f"repetition {repeat + 1} of {options.repeats} done", flush=True)
-        print(f"\n{'rows':>5} {'context':>8} {'overlap':>8} {'host ms/step (median, min-max over runs)':>44}")
-        for (rows, context, overlap), values in runs.items():
-            row = dict(rows=rows, context=context, overlap=overlap, **spread(values))
+        print(f"\n{'drafts':>6} {'rows':>5} {'context':>8} {'overlap':>8} "
+              f"{'host ms/step (median, min-max over runs)':>44}")
+        for (rows, context, overlap, k), values in runs.items():
+            row = dict(rows=rows, context=context, overlap=overlap, num_speculative_tokens=k, **spread(values))
             results["host_ms"].append(row)
-            print(f"{rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} "
+            print(f"{k:>6} {rows:>5} {context:>8} {str(overlap):>8} {row['median']:>20.2f} "
                   f"({row['min']:.2f}-{row['max']:.2f})")
         low, high = min(options.contexts), max(options.contexts)
         print(f"\ngrowth from context {low} to {high} (paired in each repetition: median, min-max)")
-        for rows in options.rows:
-            for overlap in sorted({overlap for _, _, overlap in configs}):
-                ratios = [b / a for a, b in zip(runs[(rows, low, overlap)], runs[(rows, high, overlap)])]
-                growth = dict(rows=rows, overlap=overlap, **spread(ratios))
-                results["growth"].append(growth)
-                print(f"{rows:>5} overlap {'on ' if overlap else 'off'}: {growth['median']:.2f}x "
-                      f"({growth['min']:.2f}-{growth['max']:.2f})")
+        for rows, _, overlap, k in [config for config in configs if config[1] == low]:
+            ratios = [b / a for a, b in zip(runs[(rows, low, overlap, k)], runs[(rows, high, overlap, k)])]
+            growth = dict(rows=rows, overlap=overlap, num_speculative_tokens=k, **spread(ratios))
+            results["growth"].append(growth)
+            print(f"{k:>6} drafts {rows:>5} rows overlap {'on ' if overlap else 'off'}: {growth['median']:.2f}x "
+                  f"({growth['min']:.2f}-{growth['max']:.2f})")
     if not options.skip_stand_in:
         stand_in(options, results)
     if options.simulate_ranks:

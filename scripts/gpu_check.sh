@@ -9,7 +9,9 @@
 #      (commit it from there),
 #   5. every kernel against its reference and timed at DeepSeek-V4-Flash shapes (scripts/bench_kernels.py),
 #   6. the host loop on CUDA (scripts/bench_host_overhead.py): host ms per decode step with a stub forward, and
-#      steps/s of the tiny model's real forward with overlap scheduling on and off,
+#      steps/s of the tiny model's real forward with overlap scheduling on and off; `host_verify`: host ms per static
+#      decode step and per verify step of 1 and 2 drafts (stub forward and draft layer), what speculation adds to a
+#      step it cannot overlap,
 #   7. structured outputs on CUDA (scripts/bench_structured.py: pinned masks, the mask kernel in the engine, the
 #      decode tok/s cost of constrained rows), when xgrammar is installed (it is in requirements.txt),
 #   8. speculative decoding on CUDA (scripts/bench_speculative.py): decode tok/s with k = 0, 1, 2 drafts side by
@@ -55,7 +57,7 @@ declare -A limit=([kernel_tests]=90 [engine]=140 [launches]=30 [tune]=200 [bench
                   [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
 # not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
 # were measured beside the static ones)
-limit+=([v4_shapes]=240 [v4_serving]=300 [speculative_v4]=240 [sampling]=40)
+limit+=([v4_shapes]=240 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
@@ -95,6 +97,8 @@ run tune "$PY" scripts/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --copy
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
 run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
   --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
+run host_verify "$PY" scripts/bench_host_overhead.py --device cuda --rows 1 8 32 --contexts 1024 --repeats 3 --steps 50 \
+  --skip-stand-in --cuda-graphs --num-speculative-tokens 0 1 2 --json "$RESULTS/host_verify.json"
 run speculative "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
   --draft-chains static eager --runs 3 --json "$RESULTS/speculative.json" --csv "$RESULTS/speculative.csv" \
   --plot "$RESULTS/speculative.png"
@@ -117,8 +121,8 @@ run v4_serving "$PY" scripts/bench_v4_serving.py --device cuda --measurement-int
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches tune bench_kernels host_loop speculative speculative_v4 structured sampling \
-    v4_shapes v4_serving; do
+for name in kernel_tests engine launches tune bench_kernels host_loop host_verify speculative speculative_v4 structured \
+    sampling v4_shapes v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
