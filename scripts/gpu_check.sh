@@ -34,7 +34,8 @@
 # Each part has a time limit (seconds, GPU_CHECK_LIMITS below), so the whole run fits a short lease; a part over
 # its limit is reported as such, and the rest still run. With GPU_CHECK_ARCHIVE=FILE the results folder is also
 # packed into that one .tgz after every part (a lease that returns few files still gets them all).
-# Wheels in .whl/ (xgrammar and its needs, which the GPU image lacks) are installed into a temporary folder first.
+# Wheels in .whl/ (`bash scripts/gpu_wheels.sh` downloads them: pyzmq, which the engine imports, and xgrammar with its
+# needs, none of which the GPU image has) are installed into a temporary folder first; carry .whl with the run.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
 set -u
@@ -48,6 +49,14 @@ export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
     .whl/*.whl && export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+serving_path=()  # (the serving part's numpy < 2: .whl/serving, first on its PYTHONPATH alone)
+if compgen -G ".whl/serving/*.whl" >/dev/null && "$PY" -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/gpu_check_serving_site .whl/serving/*.whl; then
+  serving_path=(env "PYTHONPATH=/tmp/gpu_check_serving_site${PYTHONPATH:+:$PYTHONPATH}")
+fi
+if ! "$PY" -c "import backend.engine" 2>"$RESULTS/imports.log"; then  # (every part but the kernels' builds an engine)
+  echo "!!! the engine does not import here: $(tail -1 "$RESULTS/imports.log"); bash scripts/gpu_wheels.sh, then carry .whl"
 fi
 MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft that is accepted sometimes
 [ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
@@ -116,7 +125,7 @@ fi
 run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
 run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
-run v4_serving "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
+run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
   --out "$RESULTS/v4_serving" "${bundle[@]}"
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
