@@ -148,7 +148,7 @@ def _plan(rate: int, overlap: bool, ring: int, device, num_entries: int | None, 
 def _ints(values) -> np.ndarray:
     """int64 array of a list, an array or a tensor of integers (an empty list included)."""
     if isinstance(values, torch.Tensor):
-        values = values.cpu()
+        values = values.cpu().numpy()
     return np.asarray(values, dtype=np.int64)
 
 
