@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 def test_engine_check_passes_on_cpu(tmp_path, tiny_checkpoint):
     out = tmp_path / "engine.json"
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "check_engine_device.py"), "--device", "cpu",
-                             "--max-tokens", "6", "--checkpoint", str(tiny_checkpoint), "--num-speculative-tokens", "1", "2",
-                             "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                             "--max-tokens", "6", "--checkpoint", str(tiny_checkpoint),
+                             "--num-speculative-tokens", "1", "2", "--json", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     required = [r for r in report["runs"] if r["required"]]
