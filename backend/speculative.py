@@ -410,9 +410,10 @@ class Drafter:
                     states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where the step's drafts need nothing the host reads from its verify: (the target's argmax at every logits
         row, each batch row's draft), on the device, the static chain launched; else None (`propose` plans the chain
-        from the verify's output). That is a static verify step of one draft a row whose rows are all greedy and
-        plain, on this process's runner, with static chains (more drafts: a chained pass's positions depend on what
-        the verify accepted, which the host plans). The argmax is what the verify accepts by, and every position's
+        from the verify's output). That is a static verify step of one draft a row whose rows all accept by the
+        logits' argmax (greedy, without penalties or a grammar; log-probabilities the verify computes after), on this
+        process's runner, with static chains (more drafts: a chained pass's positions depend on what the verify
+        accepted, which the host plans). The argmax is what the verify accepts by, and every position's
         next token for the first pass: a greedy row emits the argmax up to its first disagreement with its draft, and
         past it (a rejected position) the first pass may embed any token (`_next_ids`). Each row drafts from its last
         emitted position: its first logits row plus the drafts its argmax accepts, counted on the device from the
@@ -420,14 +421,14 @@ class Drafter:
         key = job.static_key
         if not (key is not None and job.num_speculative_tokens == 1 and self.runner.draft_chains is not None
                 and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
-                and all(state.plain for state in states)):
+                and all(_accepts_by_argmax(state) for state in states)):
             return None
         argmax = logits.argmax(dim=-1)
         width = key.tokens_per_row  # 1 + k
         proposed, best = batch.input_ids.view(key.rows, width)[:, 1:], argmax.view(key.rows, width)[:, :-1]
         accepted = (proposed == best).long().cumprod(dim=1).sum(dim=1)
         picks = torch.arange(key.rows, device=argmax.device) * width + accepted
-        rows = list(range(len(job.rows)))  # (plain verify rows all draft: only the scheduler ends them)
+        rows = list(range(len(job.rows)))  # (unconstrained verify rows all draft: only the scheduler ends them)
         placeholder = torch.zeros(key.rows * width, dtype=torch.long)
         chain, _ = self._static_chain(job, placeholder, rows, [0] * len(rows), [row.position for row in job.rows])
         chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
@@ -530,6 +531,11 @@ class Drafter:
         timing.mask_fill_s += time.perf_counter() - started
         self.masks.apply(logits, len(rows))
         return unfit
+
+
+def _accepts_by_argmax(state: SamplerState) -> bool:
+    """A greedy row whose drafts are accepted by the raw logits' argmax: no penalties, no grammar."""
+    return state.params.temperature == 0.0 and not state.has_penalties and state.grammar is None
 
 
 def _constrained(state: SamplerState) -> bool:

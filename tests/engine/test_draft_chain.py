@@ -88,15 +88,17 @@ def references(tiny_checkpoint):
     return out
 
 
-def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool):
+def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, logprobs: int | None = None):
+    """(each request's tokens, or with `logprobs` its (tokens, log-probabilities)), the drafter, the engine."""
     engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8)
     if not static:
         engine.core.runner.draft_chains = None  # pass by pass, after the same static verify steps
     drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
                                engine.vocab_size, scenario.get("cut_chains", False))
     engine.executor.drafter = drafter
-    tokens = _ids(engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)))
+    results = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs))
     engine.kv.check()
+    tokens = _ids(results) if logprobs is None else [(r["output_ids"], r["logprobs"]) for r in results]
     return tokens, drafter, engine
 
 
@@ -133,11 +135,13 @@ def test_a_recorded_chain_replays_what_the_eager_chain_drafts(tiny_checkpoint, r
     assert chain_replays == recorded.chains.count("static") - len(recorded_chains) > 0
 
 
-def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, references, monkeypatch):
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, references, monkeypatch, logprobs):
     """k = 1, greedy rows: a static verify step's draft pass is launched before the host reads anything of the verify
     (`Drafter.chain_early`: the argmax, each row's accepted count and the first pass's inputs computed on the device),
     and the host reads the argmax and the drafts at once. The draft layer proposes what the host-planned chain
-    proposes, after every step, and the tokens are the ones without speculation."""
+    proposes, after every step, and the tokens (and log-probabilities, where asked for) are the same either way; the
+    tokens are the ones without speculation."""
     scenario = "oracle drafts, 5 rows"  # (drafts accepted and rejected: rows draft from different positions)
     prompts, expected = references[scenario]
     chain_early, draft_chain, verify = Drafter.chain_early, ModelRunner.draft_chain, Verifier.verify
@@ -149,9 +153,10 @@ def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, refe
             first_inputs is not None) or draft_chain(runner, chain, first_inputs))
         monkeypatch.setattr(Verifier, "verify", lambda verifier, *args, argmax=None: verifies_read.append(
             argmax is not None) or verify(verifier, *args, argmax=argmax))
-        tokens, drafter, _ = _run(tiny_checkpoint, 1, SCENARIOS[scenario], prompts, expected, static=True)
+        tokens, drafter, _ = _run(tiny_checkpoint, 1, SCENARIOS[scenario], prompts, expected, static=True,
+                                  logprobs=logprobs)
         runs[early] = tokens, dict(drafter.proposals), drafter.chains.count("static")
-        assert tokens == expected
+        assert (tokens if logprobs is None else [ids for ids, _ in tokens]) == expected
         # every static step's chain ran once: after a verify, early (its inputs from the device, the verify's argmax
         # read with the drafts); after a static step without drafts to verify, planned from its output
         assert len(chains_run) == runs[early][2]
