@@ -179,10 +179,10 @@ class StepExecutor:
         spec, drafting = job.spec, time.perf_counter()
         argmax = ready = None
         early = self.drafter.chain_early(logits, batch, spec, job.samplers)
+        draft_s = time.perf_counter() - drafting  # (launching it; the read waits for the verify's forward too)
         if early is not None:
             read = torch.cat(early).tolist()  # (the step's one host read)
             argmax, ready = read[:len(early[0])], read[len(early[0]):]
-        draft_s = time.perf_counter() - drafting
         output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax)
         drafting = time.perf_counter()
         output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)
