@@ -73,6 +73,10 @@ class SamplerState:
         # Speculative decoding: the distributions its sampled drafts were drawn from, where the logits are
         # (backend/speculative.py; empty for argmax drafts, each all on its draft).
         self.draft_probs: list[torch.Tensor] = []
+        # A constrained row's: the grammar's mask before each of its drafts (with whether no token fit there) and the
+        # drafts they were filled along, which the verify of those drafts needs again at the same positions.
+        self.draft_masks: list[tuple[torch.Tensor, bool]] = []
+        self.masked_drafts: list[int] = []
 
     def penalize(self, line: torch.Tensor, pending: list[int] = ()) -> None:
         """Apply this request's penalties to its logits row [V], in place; `pending`: tokens that precede this

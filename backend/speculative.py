@@ -167,8 +167,11 @@ class Verifier:
                           output: StepOutput) -> GrammarLookahead:
         """Mask the constrained verify rows' 1 + k logits rows, each with the grammar's mask after the row's drafts
         before it: position by position, the grammars still walking fill their masks (one call) and take their
-        drafts there; one copy and one kernel then apply every mask. A row whose first position no token fits ends,
-        as the sampler ends it. Returns the walk: the matchers hold the drafts they took (`_settle_grammars`)."""
+        drafts there; one copy and one kernel then apply every mask. The masks a row's drafts were drawn under are
+        these same masks (the drafter filled them along the same drafts, from where the matcher still stands): they
+        are copied, not filled again, so a verify fills one mask a row, after its last draft. A row whose first
+        position no token fits ends, as the sampler ends it. Returns the walk: the matchers hold the drafts they took
+        (`_settle_grammars`)."""
         started = time.perf_counter()
         firsts, walk, filled = job.first_logits_rows(), GrammarLookahead(), 0
         masks, targets = self.masks.buffers(sum(1 + len(job.rows[r].drafts) for r in rows), logits)
@@ -176,9 +179,18 @@ class Verifier:
             at = [r for r in rows if position <= len(job.rows[r].drafts) and walk.open(states[r].grammar)]
             if not at:
                 break
+            kept = {r: _drafted_mask(states[r], job.rows[r].drafts, position) for r in at}
+            at = [r for r in at if kept[r] is None] + [r for r in at if kept[r] is not None]  # (filled, then copied)
+            num_filled = sum(kept[r] is None for r in at)
             grammars = [states[r].grammar for r in at]
             block = masks[filled:filled + len(at)]
-            for i in self.sampler.grammars.fill_or_unmask(grammars, block):  # the row's tokens stop before it
+            unfit = (self.sampler.grammars.fill_or_unmask(grammars[:num_filled], block[:num_filled]) if num_filled
+                     else [])
+            for i in range(num_filled, len(at)):
+                mask, no_token_fits = kept[at[i]]
+                block[i].copy_(mask)
+                unfit += [i] if no_token_fits else []
+            for i in unfit:  # the row's tokens stop before it
                 walk.block(grammars[i])
                 if position == 0:
                     output.ends[at[i]] = NO_TOKEN_CAN_FOLLOW
@@ -187,6 +199,8 @@ class Verifier:
             drafting = [r for r in at if position < len(job.rows[r].drafts) and walk.open(states[r].grammar)]
             if drafting:
                 walk.take([states[r].grammar for r in drafting], [job.rows[r].drafts[position] for r in drafting])
+        for r in rows:  # (each kept mask serves the one verify of the drafts drawn under it)
+            states[r].draft_masks = []
         output.timing.mask_fill_s += time.perf_counter() - started
         self.masks.apply(logits, filled)
         return walk
@@ -333,7 +347,7 @@ class Drafter:
         picks = [firsts[r] + len(output.tokens[r]) - 1 for r in rows]
         positions = [job.rows[r].position + len(output.tokens[r]) - 1 for r in rows]
         for r in rows:
-            states[r].draft_probs = []
+            states[r].draft_probs, states[r].draft_masks = [], []
         if ready is not None or self._static(job, [states[r] for r in rows]):
             return self._propose_static(job, output, rows, picks, positions, ready)
         return self._propose_eager(batch, job, output, states, rows, picks, positions)
@@ -379,6 +393,8 @@ class Drafter:
         rolling_back = time.perf_counter()
         walk.rollback()
         output.timing.grammar_accept_s += time.perf_counter() - rolling_back
+        for r, proposed in drafts.items():  # (what the masks kept by `_mask` were filled along)
+            states[r].masked_drafts = list(proposed)
         return drafts
 
     @staticmethod
@@ -528,9 +544,19 @@ class Drafter:
         unfit = {rows[i] for i in self.sampler.grammars.fill_or_unmask([states[i].grammar for i in rows], masks)}
         for i in unfit:
             walk.block(states[i].grammar)
+        for mask, i in zip(masks, rows):  # (kept for the verify of these drafts: `Verifier._mask_verify_rows`)
+            states[i].draft_masks.append((mask.clone(), i in unfit))
         timing.mask_fill_s += time.perf_counter() - started
         self.masks.apply(logits, len(rows))
         return unfit
+
+
+def _drafted_mask(state: SamplerState, drafts: tuple[int, ...], position: int) -> tuple[torch.Tensor, bool] | None:
+    """The mask a constrained row's draft at `position` was drawn under (the grammar's after the drafts before it),
+    where its verify has the same drafts before it; else None (to fill)."""
+    if position < len(state.draft_masks) and list(drafts[:position]) == state.masked_drafts[:position]:
+        return state.draft_masks[position]
+    return None
 
 
 def _accepts_by_argmax(state: SamplerState) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 from collections import Counter
 
 import jsonschema
@@ -25,6 +26,7 @@ from backend.config import ConfigError, EngineConfig
 from backend.engine import LLMEngine
 from backend.request import SamplingParams
 from backend.sampler import Sampler, SamplerState
+from backend import speculative
 from backend.speculative import Drafter, Verifier
 from kernels.fp8_gemm import Fp8Weight
 
@@ -486,6 +488,40 @@ def test_constrained_sampled_outputs_stay_valid_with_speculation(tiny_checkpoint
     assert checking.invalid == []
     stats = engine.stats()
     assert checking.constrained_drafts > 0 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_verify_copies_the_masks_its_drafts_were_drawn_under(tiny_checkpoint, monkeypatch, temperature):
+    """k = 2, constrained requests with the draft layer's own drafts (greedy, and sampled with seeds): a verify copies
+    the masks its row's drafts were drawn under (filled by the drafter along the same drafts) and fills only the mask
+    after the last draft, where it filled one at every position before; the outputs are the same either way, their
+    log-probabilities within rounding (a request whose grammar compiles late joins another batch)."""
+    from backend.structured.grammar import GrammarBatch
+
+    prompts = _prompts([3, 40, 9, 70, 20], seed=9)
+    params = _constrained_params(temperature=temperature, seed=5, logprobs=1)
+    fill, drafted_mask = GrammarBatch.fill_or_unmask, speculative._drafted_mask
+    verify_fills = []  # mask rows the verifier fills
+
+    def counting_fill(batch, grammars, masks):
+        if sys._getframe(1).f_code.co_name == "_mask_verify_rows":
+            verify_fills.append(len(grammars))
+        return fill(batch, grammars, masks)
+
+    monkeypatch.setattr(GrammarBatch, "fill_or_unmask", counting_fill)
+    runs = {}
+    for copied in (False, True):
+        monkeypatch.setattr(speculative, "_drafted_mask", drafted_mask if copied else lambda *args: None)
+        verify_fills.clear()
+        engine = _engine(tiny_checkpoint, num_speculative_tokens=2)
+        results = _generate(engine, prompts, params)
+        _assert_valid(results, params)
+        runs[copied] = results, sum(verify_fills)
+        assert engine.stats()["num_draft_tokens"] > 0
+    for copied, filled in zip(runs[True][0], runs[False][0]):
+        assert (copied["output_ids"], copied["finish_reason"]) == (filled["output_ids"], filled["finish_reason"])
+        _same_logprobs(copied["logprobs"], filled["logprobs"])
+    assert 0 < runs[True][1] < 0.6 * runs[False][1]  # (about one mask a verify row, against 1 + its drafts)
 
 
 def test_constrained_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint):
