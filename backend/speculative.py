@@ -20,9 +20,8 @@ after the drafts before it, and the drafter draws each draft under the mask afte
 takes the drafts tentatively to fill those masks (`GrammarLookahead`; each position's masks over the rows in one
 fill, all of a verify's in one copy and one kernel; a verify copies the masks its row's drafts were drawn under,
 which the drafter kept, and fills only the one after the last draft), then rolls back to the emitted tokens and
-takes the last one:
-greedy acceptance, rejection sampling and log-probabilities see the constrained distributions, so a row emits what
-it would emit without speculation. A draft the grammar cannot take ends the row's chain (the verify rejects it:
+takes the last one: greedy acceptance, rejection sampling and log-probabilities see the constrained distributions,
+so a row emits what it would emit without speculation. A draft the grammar cannot take ends the row's chain (the verify rejects it:
 its mask gives it probability 0); where no token can follow (the grammar ended at a draft), the row's tokens stop
 there and its end is reported as the sampler reports it.
 
