@@ -99,9 +99,8 @@ class EngineConfig:
     # draft distribution with all its mass there (vLLM's and SGLang's MTP drafts): every greedy or sampled row's drafts
     # then come from one static chain (a CUDA graph) and cost no host work; `sample`, a draw from the draft layer's
     # distribution, pass by pass, the host reading each pass's drafts (accepted more often where both distributions
-    # are flat). `auto`: argmax
-    # with static decode steps (cuda_graphs), where the chain is a graph, else sample. Either way the emitted tokens
-    # are distributed as without speculation.
+    # are flat). `auto`: argmax with static decode steps (cuda_graphs), where the chain is a graph, else sample.
+    # Either way the emitted tokens are distributed as without speculation.
     draft_sampling: str = "auto"
     # Limits on requests.
     max_tokens_limit: int = 32768

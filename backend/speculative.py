@@ -21,9 +21,9 @@ takes the drafts tentatively to fill those masks (`GrammarLookahead`; each posit
 fill, all of a verify's in one copy and one kernel; a verify copies the masks its row's drafts were drawn under,
 which the drafter kept, and fills only the one after the last draft), then rolls back to the emitted tokens and
 takes the last one: greedy acceptance, rejection sampling and log-probabilities see the constrained distributions,
-so a row emits what it would emit without speculation. A draft the grammar cannot take ends the row's chain (the verify rejects it:
-its mask gives it probability 0); where no token can follow (the grammar ended at a draft), the row's tokens stop
-there and its end is reported as the sampler reports it.
+so a row emits what it would emit without speculation. A draft the grammar cannot take ends the row's chain (the
+verify rejects it: its mask gives it probability 0); where no token can follow (the grammar ended at a draft), the
+row's tokens stop there and its end is reported as the sampler reports it.
 
 Then the MTP layer (DeepSeek's MTPBlock, `DeepseekV4Model.draft`) proposes the next step's drafts. Its first pass runs
 over every position of the step's batch, each with the main model's residual streams there and the *next* token's
@@ -181,16 +181,16 @@ class Verifier:
             if not at:
                 break
             kept = {r: _drafted_mask(states[r], job.rows[r].drafts, position) for r in at}
-            at = [r for r in at if kept[r] is None] + [r for r in at if kept[r] is not None]  # (filled, then copied)
-            num_filled = sum(kept[r] is None for r in at)
+            fill = [r for r in at if kept[r] is None]
+            at = fill + [r for r in at if kept[r] is not None]  # (the masks filled, then those copied)
             grammars = [states[r].grammar for r in at]
             block = masks[filled:filled + len(at)]
-            unfit = (self.sampler.grammars.fill_or_unmask(grammars[:num_filled], block[:num_filled]) if num_filled
-                     else [])
-            for i in range(num_filled, len(at)):
+            unfit = self.sampler.grammars.fill_or_unmask(grammars[:len(fill)], block[:len(fill)]) if fill else []
+            for i in range(len(fill), len(at)):
                 mask, no_token_fits = kept[at[i]]
                 block[i].copy_(mask)
-                unfit += [i] if no_token_fits else []
+                if no_token_fits:
+                    unfit.append(i)
             for i in unfit:  # the row's tokens stop before it
                 walk.block(grammars[i])
                 if position == 0:
@@ -430,11 +430,11 @@ class Drafter:
         from the verify's output). That is a static verify step of one draft a row whose rows all accept by the
         logits' argmax (greedy, without penalties or a grammar; log-probabilities the verify computes after), on this
         process's runner, with static chains (more drafts: a chained pass's positions depend on what the verify
-        accepted, which the host plans). The argmax is what the verify accepts by, and every position's
-        next token for the first pass: a greedy row emits the argmax up to its first disagreement with its draft, and
-        past it (a rejected position) the first pass may embed any token (`_next_ids`). Each row drafts from its last
-        emitted position: its first logits row plus the drafts its argmax accepts, counted on the device from the
-        batch's own input ids (each row's last token, then its draft)."""
+        accepted, which the host plans). The argmax is what the verify accepts by, and every position's next token
+        for the first pass: a greedy row emits the argmax up to its first disagreement with its draft, and past it (a
+        rejected position) the first pass may embed any token (`_next_ids`). Each row drafts from its last emitted
+        position: its first logits row plus the drafts its argmax accepts, counted on the device from the batch's own
+        input ids (each row's last token, then its draft)."""
         key = job.static_key
         if not (key is not None and job.num_speculative_tokens == 1 and self.runner.draft_chains is not None
                 and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
