@@ -47,8 +47,9 @@ Rolling back a rejected draft is moving the request's position back (`Scheduler.
   the causal reach of every later query until the position is computed again, which rewrites them first;
 - a compressor ring keeps k positions more than its windows read (KVCacheManager: ring = span + k), so the rejected
   positions' ring writes only overwrite positions older than any continuation reads;
-- prefix-cache snapshots are only taken at a verify's first position (always accepted), and a request's end is kept
-  where its emitted tokens end.
+- the prefix-cache snapshots a verify writes at block boundaries inside it become entries only up to its accepted
+  positions (`Scheduler._keep_verified_snapshots`; at static shapes too: backend/model/static_batch.py), and a
+  request's end is kept where its emitted tokens end.
 
 The host learns the accepted count with the step's output, so steps with speculation run one at a time (overlap
 scheduling waits for each step's output; docs/speculative.md). Under tensor/expert parallelism every rank

@@ -64,12 +64,14 @@ _PAD_VALUES = {f.name: f.metadata["per_entry"] for f in fields(CompressionPlan) 
 # arithmetic, backend/model/forward_batch.py), and handed over as torch tensors sharing the arrays' memory.
 def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets, row_slots, device="cpu",
                snapshots: list[tuple[int, int, int]] = (), ring: int | None = None,
-               num_entries: int | None = None) -> CompressionPlan:
+               num_entries: int | None = None, num_snapshot_keep: int | None = None,
+               scratch_slot: int = 0) -> CompressionPlan:
     """Index arithmetic for one step; rows are (first position, token count, offset in batch, slot), as lists or
     integer arrays (numpy, or torch on the host); snapshots are (row, position P, slot): the ring as it stands at P,
     written into that slot. `ring`: the positions a ring keeps (default: the span of a window, 2 * rate with overlap;
     speculative decoding keeps more, KVCacheManager.ring_length). `num_entries`: exactly that many entries, padding
-    after the real ones (a static-shape step, backend/model/static_batch.py).
+    after the real ones; `num_snapshot_keep`: exactly that many snapshot keep rows, padding after the real ones
+    written into `scratch_slot` (a static-shape step, backend/model/static_batch.py).
 
     Vectorised over rows (a constant number of array operations whatever the batch size).
     """
@@ -94,11 +96,18 @@ def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets
     keep = (start + length - kept)[keep_row] + keep_rank
     keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(start))
     keep_slot, keep_pos = slot[keep_row], keep % ring
-    num_snapshot_keep = 0
+    snap_src = snap_slot = snap_pos = np.zeros(0, dtype=np.int64)
     if snapshots:
         snap_src, snap_slot, snap_pos = _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset)
+    if num_snapshot_keep is not None:  # (padding: source 0 into the scratch slot's ring, which no row reads)
+        missing = num_snapshot_keep - len(snap_src)
+        assert missing >= 0, "a static step's rows keep at most snapshot_keep_per_row snapshot positions each"
+        snap_src, snap_pos = (np.concatenate([a, np.zeros(missing, dtype=np.int64)]) for a in (snap_src, snap_pos))
+        snap_slot = np.concatenate([snap_slot, np.full(missing, scratch_slot, dtype=np.int64)])
+    num_snapshot_keep = len(snap_src)
+    if num_snapshot_keep:
         keep_src, keep_slot = np.concatenate([snap_src, keep_src]), np.concatenate([snap_slot, keep_slot])
-        keep_pos, num_snapshot_keep = np.concatenate([snap_pos, keep_pos]), len(snap_src)
+        keep_pos = np.concatenate([snap_pos, keep_pos])
     return _plan(rate, overlap, ring, device, num_entries, num_snapshot_keep, ring_slots=slot,
                  ring_order=(start[:, None] - ring + np.arange(ring)[None, :]) % ring,
                  entry_src=entry_src, entry_valid=positions >= 0, entry_pos=entry_index * rate, entry_row=entry_row,

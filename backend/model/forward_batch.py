@@ -26,7 +26,7 @@ import torch
 
 from backend.model.compressor import CompressionPlan, build_decode_plan, build_plan
 from backend.model.staging import map_leaves
-from backend.model.static_batch import StaticKey, entries_per_row
+from backend.model.static_batch import StaticKey, entries_per_row, snapshot_keep_per_row
 
 if TYPE_CHECKING:  # the pools are handed in, never made here
     from backend.memory.kv_manager import KVCacheManager, RequestPages
@@ -169,6 +169,7 @@ def _plans(kv: KVCacheManager, rows: list[BatchRow], starts, lens, offsets, slot
     """The step's compression plans: "csa" and the indexer's (one plan: their rings are as long), "hca"; a static
     step's padded to the entries its rows can close at most."""
     model, plans = kv.model, {}
+    block = kv.prefix_cache.block_tokens if kv.prefix_cache is not None else None
 
     def make_plan(rate: int, overlap: bool, ring: int) -> CompressionPlan:
         num_entries = pad_to.rows * entries_per_row(rate, pad_width) if pad_to is not None else None
@@ -176,7 +177,10 @@ def _plans(kv: KVCacheManager, rows: list[BatchRow], starts, lens, offsets, slot
             return build_decode_plan(rate, overlap, starts, slots, ring=ring, num_entries=num_entries)
         snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
                      for position, slot in row.snapshots]
-        return build_plan(rate, overlap, starts, lens, offsets, slots, "cpu", snapshots, ring, num_entries)
+        snapshot_keep = (pad_to.rows * snapshot_keep_per_row(rate, overlap, pad_width, block)
+                         if pad_to is not None else None)
+        return build_plan(rate, overlap, starts, lens, offsets, slots, "cpu", snapshots, ring, num_entries,
+                          snapshot_keep, kv.state_pool.scratch_slot)
 
     if kv.has_pool("csa"):
         plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))

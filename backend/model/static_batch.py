@@ -13,7 +13,11 @@ shapes (built by `build_forward_batch(rows, kv, pad_to=key)`, backend/model/forw
             `rows` entries; the ones that do not close are padding (`build_plan`'s `num_entries`: entry_row -1,
             stored to the scratch page).
   tokens    speculative decoding's verify rows (`tokens_per_row` = 1 + k, all rows alike) close at most
-            ceil((1 + k) / rate) windows each, and keep 1 + k ring positions each.
+            ceil((1 + k) / rate) windows each, and keep 1 + k ring positions each;
+  snapshots a verify row may cross a prefix-cache block boundary, whose ring state the step writes into a spare
+            slot (snapshot keep rows): every plan of a verify key holds the most such rows its rows can need
+            (`snapshot_keep_per_row`), the ones no row needs this step written into the scratch slot. (A decode's
+            boundary is where it ends: copied after the forward, outside the plan.)
 The padded step computes the same outputs for the real rows as the dynamic one
 (tests/engine/test_static_batch.py checks it eagerly on CPU); `DecodeGraphs` in
 backend/model/graph_runner.py keeps one set of static buffers (and, on CUDA, one graph) per key.
@@ -21,6 +25,7 @@ backend/model/graph_runner.py keeps one set of static buffers (and, on CUDA, one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MIN_CONTEXT_BUCKET = 256
@@ -49,14 +54,24 @@ def static_key(rows) -> StaticKey:
 
 def is_decode_batch(rows) -> bool:
     """Rows of one width that want logits at every token: decodes (1 token), or speculative verifies (1 + k tokens,
-    no prefix-cache snapshot inside; backend/speculative.py)."""
+    prefix-cache snapshots inside them included; backend/speculative.py)."""
     if not rows:
         return False
     width = len(rows[0].token_ids)
-    return all(len(r.token_ids) == width and r.want_logits and r.num_logits == width and not r.snapshots
-               for r in rows)
+    return all(len(r.token_ids) == width and r.want_logits and r.num_logits == width for r in rows)
 
 
 def entries_per_row(rate: int, tokens_per_row: int) -> int:
     """The most windows of a compressor of `rate` that `tokens_per_row` consecutive positions close."""
     return -(-tokens_per_row // rate)
+
+
+def snapshot_keep_per_row(rate: int, overlap: bool, tokens_per_row: int, block_tokens: int | None) -> int:
+    """The most ring positions that prefix-cache snapshots inside one row of `tokens_per_row` tokens keep, for a
+    compressor of `rate` (0 without a prefix cache): a boundary P (a multiple of `block_tokens`) strictly inside the
+    row keeps the positions a continuation from P reads of the ring, its open window's P % rate (at most rate -
+    gcd(rate, block_tokens)) and with overlap the whole window before (compressor._snapshot_lookback)."""
+    if block_tokens is None or tokens_per_row < 2:
+        return 0
+    boundaries = -(-(tokens_per_row - 1) // block_tokens)
+    return boundaries * (rate - math.gcd(rate, block_tokens) + (rate if overlap else 0))

@@ -383,6 +383,38 @@ def test_verify_steps_at_static_shapes(tiny_checkpoint, greedy_reference):
     assert 3 in {key.tokens_per_row for key in engine.decode_graphs.keys}
 
 
+def test_verifies_across_prefix_blocks_stay_static_and_their_snapshots_serve_later_requests(tiny_checkpoint,
+                                                                                          monkeypatch):
+    """Decodes that verify across a prefix-cache block boundary (128 positions) keep the rings as they stand there,
+    inside their static verify step: such steps keep their static shape (a CUDA graph on a GPU, where they used to
+    run eagerly), outputs stay those without speculation, and requests that then continue those sequences restore
+    the snapshots and produce what an engine without cache or drafts produces."""
+    import backend.engine_core
+
+    prompts = _prompts([100, 103, 230], seed=3)  # prefilled well before their decodes reach a boundary
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    expected = _ids(_generate(_engine(tiny_checkpoint), prompts, params))
+    inside_static = []  # static verify batches with a snapshot inside a row
+    build = backend.engine_core.build_forward_batch
+
+    def spy(rows, kv, **kwargs):
+        if kwargs.get("pad_to") is not None:
+            inside_static.append(sum(len(row.snapshots) for row in rows))
+        return build(rows, kv, **kwargs)
+
+    monkeypatch.setattr(backend.engine_core, "build_forward_batch", spy)
+    # (the checkpoint's own draft layer: its drafts nearly all rejected, every decode row verifies two, so the
+    # decode steps are static ones; the oracle's partly accepted chains end at different lengths)
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True)
+    assert _ids(_generate(engine, prompts, params)) == expected
+    assert sum(inside_static) >= 2, inside_static
+    longer = [p + o[:32] for p, o in zip(prompts, expected)]  # past the boundaries the decodes crossed
+    again = _ids(_generate(_engine(tiny_checkpoint, enable_prefix_caching=False), longer, params))
+    got = _generate(engine, longer, params)
+    assert _ids(got) == again
+    assert [r["num_cached_tokens"] for r in got] == [128, 128, 256]
+
+
 def test_verify_rows_and_the_draft_layer_through_the_triton_kernels(tiny_checkpoint):
     """The GPU code path (the Triton kernels, under the interpreter here): verify rows of 1 + k tokens beside a
     prefill chunk, the draft layer's passes and its chain, with drafts partly accepted, give the tokens of the

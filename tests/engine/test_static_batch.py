@@ -40,12 +40,14 @@ class _Decoder:
         for seq in self.seqs:
             seq.append_output(int(self._run([(seq, len(seq.prompt_ids))], None)[0].argmax()))
 
-    def _run(self, work, graphs):
+    def _run(self, work, graphs, snapshots: dict | None = None):
+        """`snapshots`: request index -> ((position, spare slot), ...) to keep inside its row."""
         rows = []
         for seq, n in work:
             self.kv.extend(seq, n)
             start = seq.num_computed_tokens
-            rows.append(BatchRow(seq.pages, seq.token_ids[start:start + n], start, True, num_logits=n))
+            kept = (snapshots or {}).get(self.seqs.index(seq), ())
+            rows.append(BatchRow(seq.pages, seq.token_ids[start:start + n], start, True, kept, num_logits=n))
         if graphs is None:
             logits = self.model.forward(build_forward_batch(rows, self.kv, "cpu"), self.kv)
         else:  # what the executor does: pad to the key, pack, one copy into the key's buffers
@@ -176,3 +178,53 @@ def test_padded_static_verify_rows_equal_dynamic(tiny_checkpoint, width):
         for seq in decoder.seqs:
             decoder.kv.free(seq)
         decoder.kv.check()
+
+
+def test_static_verify_rows_keep_the_prefix_snapshots_inside_them(tiny_checkpoint):
+    """A verify row that crosses a prefix-cache block boundary keeps the rings as they stand there in a spare slot
+    (its plan's snapshot keep rows). At static shapes every verify plan holds the most snapshot rows its rows can
+    need, so such a step replays its key's graph like any other (before, it ran eagerly): the same logits as the
+    dynamic step, the same snapshot in every spare slot, and steps with and without snapshots on one key."""
+    harness = EngineHarness(tiny_checkpoint)
+    harness.model.indexer_observer = None
+    gen = torch.Generator().manual_seed(7)
+    width, block = 3, 128
+    prompts = [torch.randint(2, harness.config.vocab_size, (n,), generator=gen).tolist()
+               for n in (124, 126, 250, 60, 255)]
+    decoders = []
+    for _ in range(2):
+        kv = _kv(harness)
+        kv.enable_prefix_caching(block, max_entries=8, max_end_entries=4)
+        decoders.append(_Decoder(harness, kv, prompts))
+    dynamic, static = decoders
+    graphs = DecodeGraphs(harness.model, static.kv, max_rows=8, capture=False)
+    spare = static.kv.state_pool.spare_slot
+    kept_somewhere = 0
+    for step in range(3):
+        drafts = torch.randint(2, harness.config.vocab_size, (5, width - 1), generator=gen).tolist()
+        for decoder in decoders:
+            for seq, tokens in zip(decoder.seqs, drafts):
+                for token in tokens:
+                    seq.append_output(token)
+        starts = [seq.num_computed_tokens for seq in static.seqs]
+        # each boundary strictly inside a row (its end's state is copied after the forward, not planned)
+        snapshots = {i: tuple((p, spare(i + 4 * (step % 2))) for p in range(start + 1, start + width)
+                              if p % block == 0) for i, start in enumerate(starts)}
+        kept_somewhere += sum(map(len, snapshots.values()))
+        work = lambda decoder: [(seq, width) for seq in decoder.seqs]  # noqa: E731
+        expected = dynamic._run(work(dynamic), None, snapshots)
+        actual = static._run(work(static), graphs, snapshots)
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+        for decoder, logits in ((dynamic, expected), (static, actual)):
+            for seq, token in zip(decoder.seqs, logits[width - 1::width].argmax(-1).tolist()):
+                seq.append_output(token)
+    assert kept_somewhere >= 3  # the prompts' ends put boundaries inside rows of both steps
+    assert [k.tokens_per_row for k in graphs.keys] == [width]
+    pools = dynamic.kv.state_pool, static.kv.state_pool
+    for streams in ("kv", "gate"):
+        for name, rings in getattr(pools[0], streams).items():
+            for index in range(8):
+                slot = spare(index)
+                if slot < rings.shape[1]:  # (light spares hold the streams a block boundary needs only)
+                    torch.testing.assert_close(getattr(pools[1], streams)[name][:, slot], rings[:, slot],
+                                               atol=1e-5, rtol=1e-5, msg=f"{streams} {name} spare {index}")
