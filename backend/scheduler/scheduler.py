@@ -49,7 +49,8 @@ Whether a request can ever fit is the engine's admission gate (RequestLimits); t
 only guards against a memory manager that contradicts it.
 
 Speculative decoding (backend/speculative.py): a decode whose request has draft tokens is a verify chunk, its last
-token and the drafts (no more than it could still emit), with pages for the draft chain after them; its output may
+token and the drafts (all k of them while the pools hold their positions: the take-in keeps no more tokens than
+max_tokens allows), with pages for the draft chain after them; its output may
 emit several tokens, each checked for a stop, and `_settle_verify` moves the request's position back past the
 rejected drafts (a pointer move: nothing they wrote is read before it is written again).
 
@@ -61,6 +62,7 @@ Requests without one never wait for it. A step's output may end a request by its
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 import threading
@@ -115,6 +117,9 @@ class MemoryManager(Protocol):
 
     def usage(self) -> dict[str, float]:
         """Pool name -> fraction of its pages in use."""
+
+    def max_request_positions(self) -> int:
+        """The most positions one request may hold (the admission gate's capacity rule)."""
 
 
 class PrefixCacheHooks(Protocol):
@@ -198,6 +203,7 @@ class Scheduler:
         self.max_steps_in_flight = max_steps_in_flight
         self.max_running_requests = config.max_running_requests
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.num_speculative_tokens = config.num_speculative_tokens
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.priority_aging_s = config.priority_aging_s
         # Without an ITL target the model's predictions are only recorded: it refits every 16 steps, not each.
@@ -379,7 +385,8 @@ class Scheduler:
             if chunk.drafts:
                 self._keep_verified_snapshots(chunk, len(tokens[row]))  # (once its tokens are known: they key them)
                 if seq.num_preemptions == chunk.epoch:
-                    self._settle_verify(seq, chunk, len(tokens[row]), record)
+                    self._settle_verify(seq, chunk, len(tokens[row]), record,
+                                        seq.sampling.max_tokens - len(seq.output_ids) + kept)
             if drafts or seq.draft_tokens:
                 seq.draft_tokens = drafts.get(row, [])
             if reason is not None:
@@ -414,16 +421,20 @@ class Scheduler:
         self.prefix_cache.keep_reserved(chunk.seq, [r for r in chunk.snapshots if r.position <= valid_end])
         self.prefix_cache.release_reserved([r for r in chunk.snapshots if r.position > valid_end])
 
-    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int, record: StepRecord) -> None:
+    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int, record: StepRecord,
+                       could_emit: int) -> None:
         """A verify step computed positions [start, start + 1 + drafts) and emitted `num_emitted` tokens: the last
         token's and the accepted drafts' positions stand, the rejected drafts' are given up by moving the request's
         position back. Nothing is copied: what those positions wrote is never read before it is written again
         (their window and compressed entries lie past every later query's causal reach until recomputed, and the
-        rings keep more positions than a window reads: backend/speculative.py)."""
+        rings keep more positions than a window reads: backend/speculative.py). The tallies count the drafts the
+        request `could_emit` (what max_tokens left it, less the token after them): those past it only kept the
+        step's shape."""
         seq.num_computed_tokens = chunk.start + num_emitted
+        counted = min(len(chunk.drafts), could_emit - 1)
         for tally in (self.counters, record):  # the running totals and the step's own
-            tally.num_draft_tokens += len(chunk.drafts)
-            tally.num_accepted_tokens += num_emitted - 1
+            tally.num_draft_tokens += counted
+            tally.num_accepted_tokens += min(num_emitted - 1, counted)
             tally.num_verifies += 1
 
     def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
@@ -547,20 +558,26 @@ class Scheduler:
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                drafts = self._drafts_to_verify(seq) if seq.draft_tokens else ()
-                allocated = 2 * len(drafts) if drafts else 1  # the verify's positions, then the draft chain's
+                drafts, allocated = self._verify_positions(seq)
                 if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
                     plan.add(ScheduledChunk(seq, 1 + len(drafts), seq.num_computed_tokens, True, True,
                                             seq.num_preemptions, drafts=drafts, allocated=allocated))
 
-    @staticmethod
-    def _drafts_to_verify(seq: Sequence) -> tuple[int, ...]:
-        """Speculative decoding: the draft tokens a decode of `seq` verifies, no more than can still be emitted (the
-        step emits one token beyond its accepted drafts)."""
-        if not seq.draft_tokens:
-            return ()
-        room = seq.sampling.max_tokens - len(seq.output_ids) - seq.num_placeholders - 1
-        return tuple(seq.draft_tokens[:max(0, room)])
+    def _verify_positions(self, seq: Sequence) -> tuple[tuple[int, ...], int]:
+        """A decode of `seq`: the draft tokens it verifies and the positions from its start to allocate, its own and
+        (speculative decoding) the draft chain's k - 1 after its last accepted one, so that every verify drafts k
+        tokens for the next. All its drafts, also past `max_tokens` (the take-in keeps no more than that, and rows
+        of one width keep a step's static shape), unless their positions would pass what the pools hold for one
+        request (`_position_cap`)."""
+        k, room = self.num_speculative_tokens, self._position_cap - seq.num_computed_tokens
+        drafts = tuple(seq.draft_tokens[:max(0, room - k)]) if seq.draft_tokens else ()
+        return drafts, min(len(drafts) + max(1, k), max(1, room))  # (at least its own position)
+
+    @functools.cached_property
+    def _position_cap(self) -> int:
+        """The positions one request may reach: admission's prompt + max_tokens - 1 at most
+        (`max_request_positions`), and the draft chain's k - 1 past them."""
+        return self.memory.max_request_positions() + max(0, self.num_speculative_tokens - 1)
 
     def schedule_prefills(self, plan: StepPlan, budget: int) -> None:
         """Running prefills in admission order, then admissions from waiting, up to `budget` tokens.

@@ -140,6 +140,37 @@ def test_stops_and_max_tokens_hold_per_accepted_token(tiny_checkpoint, greedy_re
     assert all(len(r["output_ids"]) <= 13 for r in got)
 
 
+def test_verifies_carry_every_draft_up_to_what_the_pools_hold_for_a_request(tiny_checkpoint):
+    """Rows of one width keep a step's static shape, so a verify carries all k drafts also past max_tokens (the
+    take-in keeps max_tokens tokens, the acceptance counts only the drafts that could be emitted); only a request
+    whose positions reach what the pools hold for one request verifies fewer: the first request here fills them
+    (prompt + max_tokens - 1 = max_request_positions), and still ends like the engine without drafts. (The pools
+    cannot hold both requests whole: one is preempted on the way.)"""
+    k = 3
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k, num_tokens=1024, swa_full_tokens_ratio=1.0)
+    capacity = engine.limits.max_request_positions
+    prompts = _prompts([capacity - 99, 30], seed=4)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    expected = _ids(_generate(_engine(tiny_checkpoint, num_tokens=1024, swa_full_tokens_ratio=1.0), prompts, params))
+    chunks = []  # (request index, first position, draft count, positions allocated) of every decode
+    build = engine.core._build
+
+    def spy(plan):
+        chunks.extend((int(c.seq.request_id.split("-")[1]), c.start, len(c.drafts), c.allocated)
+                      for c in plan.chunks if c.is_decode)
+        return build(plan)
+
+    engine.core._build = spy
+    got = _generate(engine, prompts, params, dict(enumerate(expected)), error_rate=0.0)
+    assert _ids(got) == expected
+    stats = engine.stats()  # every draft right: each one counted is accepted
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+    assert sum(drafts == k for _, _, drafts, _ in chunks) > 0.9 * len(chunks)  # also the last ones before max_tokens
+    # the verifies and their chains' positions: within the request's admitted ones and the chain's k - 1 after them
+    assert all(start + allocated <= capacity + k - 1 for request, start, _, allocated in chunks if request == 0)
+    assert max(start + allocated for request, start, _, allocated in chunks if request == 0) == capacity + k - 1
+
+
 def test_sampled_requests_keep_their_seeds_and_logprobs(tiny_checkpoint):
     """Sampling with penalties and log-probabilities through verifies: the same seed gives the same tokens, every
     token has its log-probability."""
