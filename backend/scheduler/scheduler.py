@@ -695,10 +695,19 @@ class Scheduler:
         """A chunk of `seq`, its pages allocated; the token counts move when the plan is committed. A verify (drafts)
         computes the last token and its drafts, and samples."""
         start = seq.num_computed_tokens
+        samples = bool(drafts) or start + num_tokens == seq.num_tokens
         if not is_decode:
             seq.last_chunk_tokens = num_tokens
-        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode, bool(drafts) or start + num_tokens == seq.num_tokens,
-                                seq.num_preemptions, drafts=drafts, allocated=allocated or num_tokens))
+            if samples and self.num_speculative_tokens > 1:  # the draft chain's k - 1 positions after the prompt
+                allocated = self._chain_lookahead(seq, num_tokens)
+        plan.add(ScheduledChunk(seq, num_tokens, start, is_decode, samples, seq.num_preemptions, drafts=drafts,
+                                allocated=allocated or num_tokens))
+
+    def _chain_lookahead(self, seq: Sequence, num_tokens: int) -> int:
+        """A prompt's last chunk: its positions and, where the pools have them now, the draft chain's after it (so
+        that the request's first verify carries k drafts, as the others' do)."""
+        wanted = min(num_tokens + self.num_speculative_tokens - 1, self._position_cap - seq.num_computed_tokens)
+        return wanted if self.memory.try_extend(seq, wanted) else num_tokens
 
     # --- bookkeeping --------------------------------------------------------------------------
 

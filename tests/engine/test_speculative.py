@@ -389,10 +389,11 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tiny_checkpoint, 
     _distributed_as_without_drafts(tiny_checkpoint, sample, keep_q)
 
 
-def _distributed_as_without_drafts(checkpoint, sample, keep_q: bool = True, least_accepted: float = 0.2) -> None:
+def _distributed_as_without_drafts(checkpoint, sample, keep_q: bool = True, least_accepted: float = 0.1) -> None:
     """`sample(engine, first_seed)`'s outputs without speculation and with k = 2 drafts (`ModeDrafter`, accepted for
-    between `least_accepted` and 90 % of them): the second and third tokens' distributions agree (chi-square
-    homogeneity at p = 0.001)."""
+    between `least_accepted` and 90 % of them; a mode draft's acceptance is the probability of its token, about 22 %
+    here, and which draws accept depends on how the verify spends the seeded generator: the bound leaves room for
+    that): the second and third tokens' distributions agree (chi-square homogeneity at p = 0.001)."""
     without = sample(_engine(checkpoint, max_running_requests=16), 0)
     engine = _engine(checkpoint, num_speculative_tokens=2, max_running_requests=16)
     engine.executor.drafter = ModeDrafter(engine.executor.drafter, without, engine.vocab_size, keep_q)
@@ -601,7 +602,7 @@ def test_constrained_sampled_tokens_are_distributed_as_without_speculation(tiny_
         assert all(re.fullmatch(r"(\d{3}-){0,4}\d{0,3}", r["text"]) for r in results), [r["text"] for r in results]
         return _ids(results)
 
-    _distributed_as_without_drafts(tiny_checkpoint, sample, least_accepted=0.1)
+    _distributed_as_without_drafts(tiny_checkpoint, sample)
 
 
 def _same_logprobs(got: list, expected: list) -> None:
