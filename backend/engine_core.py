@@ -206,6 +206,7 @@ class EngineCore:
                 plain &= state.plain
         graphs = self.runner.graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
+        plan.timing.static_shape = key is not None
         spec = self._spec_job(plan, key) if self.num_speculative_tokens else None
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         cache = self.kv.prefix_cache

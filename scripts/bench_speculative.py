@@ -20,7 +20,9 @@ turn) and shut down after it: one engine lives at a time (an idle second engine'
 steps 2.8x on CPU, which is not what a server runs). Decode
 tok/s is C * (max_tokens - 1) over the time a max_tokens run takes beyond a 1-token run (prefill and first token
 only), as in bench_engine.py. Each cell reports the median over runs and the spread (min-max), the ratio to k = 0 at
-the same concurrency within each run (median and spread), and the mean accepted length (tokens a verify emits).
+the same concurrency within each run (median and spread), the mean accepted length (tokens a verify emits), and the
+share of decode steps that ran at static shapes (with --cuda-graphs: a graph's replay on CUDA; the others ran eagerly,
+a launch per kernel; serving's prefix caching is off here unless --engine-settings turns it on).
 Prints a table; writes --csv, --json and --plot (decode tok/s by concurrency, one line per k).
 
 Step cost: in the same timed runs, a step's cost is the time from its scheduling to the next step's (wall clock: the
@@ -65,8 +67,9 @@ def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens:
 
 
 def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int,
-            temperature: float = 0.0) -> tuple[float, float, float | None]:
-    """(decode tok/s, mean accepted length, step cost in s) of `prompts` on `engine`, after a short warm-up run."""
+            temperature: float = 0.0) -> tuple[float, float, float | None, float]:
+    """(decode tok/s, mean accepted length, step cost in s, share of decode steps at static shapes) of `prompts` on
+    `engine`, after a short warm-up run."""
     decode_tokens_per_s(engine, prompts, 4, temperature)
     counters, records = engine.scheduler.counters, engine.scheduler.records
     verifies, drafts_accepted = counters.num_verifies, counters.num_accepted_tokens
@@ -74,7 +77,8 @@ def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int
     speed = decode_tokens_per_s(engine, prompts, max_tokens, temperature)
     verifies = counters.num_verifies - verifies
     emitted = verifies + counters.num_accepted_tokens - drafts_accepted
-    return speed, emitted / verifies if verifies else 1.0, step_cost_s(list(records), len(prompts), k)
+    return (speed, emitted / verifies if verifies else 1.0, step_cost_s(list(records), len(prompts), k),
+            static_share(list(records)))
 
 
 def step_cost_s(records: list, concurrency: int, k: int) -> float | None:
@@ -84,6 +88,13 @@ def step_cost_s(records: list, concurrency: int, k: int) -> float | None:
             if step.kind is StepKind.DECODE and step.num_running == concurrency
             and step.num_decode_tokens == concurrency * (1 + k)]
     return statistics.median(full) if full else None
+
+
+def static_share(records: list) -> float:
+    """The share of decode steps that ran at a static shape (a CUDA graph's replay on CUDA; the rest ran eagerly,
+    a launch per kernel): 1.0 where every one did, or with no decode step."""
+    decodes = [step for step in records if step.kind is StepKind.DECODE]
+    return sum(step.timing.static_shape for step in decodes) / len(decodes) if decodes else 1.0
 
 
 def parse_rates(text: str) -> list[float]:
@@ -155,6 +166,7 @@ def main() -> None:
     speeds: dict[tuple[int, int, str], list[float]] = {}
     accepted: dict[tuple[int, int, str], list[float]] = {}
     costs: dict[tuple[int, int, str], list[float | None]] = {}
+    static: dict[tuple[int, int, str], list[float]] = {}
     for run in range(args.runs):
         for k in ks:
             engine = engine_for(k)
@@ -165,13 +177,15 @@ def main() -> None:
                         # (the eager cell: the same engine with its static chains set aside, pass by pass)
                         engine.core.runner.draft_chains = static_chains if chain != "eager" else None
                         cell = c, k, chain
-                        speed, length, cost = measure(engine, batches[c], args.max_tokens, k, args.temperature)
+                        speed, length, cost, share = measure(engine, batches[c], args.max_tokens, k,
+                                                             args.temperature)
                         speeds.setdefault(cell, []).append(speed)
                         accepted.setdefault(cell, []).append(length)
                         costs.setdefault(cell, []).append(cost)
+                        static.setdefault(cell, []).append(share)
                         print(f"run {run + 1} concurrency {c:>3} k {k} chain {chain:>6}: {speed:8.1f} tok/s, mean "
-                              f"accepted length {length:.2f}, step {cost * 1e3 if cost else float('nan'):.2f} ms",
-                              flush=True)
+                              f"accepted length {length:.2f}, step {cost * 1e3 if cost else float('nan'):.2f} ms, "
+                              f"{share:.0%} of decode steps static", flush=True)
             finally:
                 engine.shutdown()
 
@@ -183,7 +197,8 @@ def main() -> None:
             rows.append({"concurrency": c, "k": k, "draft_chain": chain,
                          **{f"tokens_per_s_{name}": v for name, v in spread(speeds[cell], 1).items()},
                          **{f"ratio_{name}": v for name, v in spread(ratios).items()},
-                         "mean_accepted_length": round(statistics.mean(accepted[cell]), 3), "runs": args.runs})
+                         "mean_accepted_length": round(statistics.mean(accepted[cell]), 3),
+                         "static_decode_steps": round(statistics.mean(static[cell]), 3), "runs": args.runs})
     cost_rows = step_cost_rows(args, cells, costs, accepted)
     print_tables(rows, cost_rows, args.acceptance)
     if args.csv:
@@ -228,11 +243,12 @@ def step_cost_rows(args, cells, costs, accepted) -> list[dict]:
 def print_tables(rows: list[dict], cost_rows: list[dict], acceptance: list[float]) -> None:
     print()
     print(f"{'C':>3} {'k':>2} {'chain':>6} | {'decode tok/s median (min-max)':>30} | {'vs k=0 median (min-max)':>24} | "
-          f"{'accepted length':>15}")
+          f"{'accepted length':>15} | {'static decode steps':>19}")
     for r in rows:
         print(f"{r['concurrency']:>3} {r['k']:>2} {r['draft_chain']:>6} | {r['tokens_per_s_median']:>10} "
               f"({r['tokens_per_s_min']}-{r['tokens_per_s_max']}){'':>5} | {r['ratio_median']:>7}x "
-              f"({r['ratio_min']}-{r['ratio_max']}) | {r['mean_accepted_length']:>15}")
+              f"({r['ratio_min']}-{r['ratio_max']}) | {r['mean_accepted_length']:>15} | "
+              f"{r['static_decode_steps']:>18.0%}")
     print()
     print(f"step cost (schedule to schedule, all requests decoding); projected speed-up at acceptance "
           f"{', '.join(f'{a:g}' for a in acceptance)} = (1 + their sum up to k) / cost ratio")

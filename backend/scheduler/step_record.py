@@ -38,6 +38,7 @@ class StepTiming:
     # ... and advancing them by the emitted tokens (after sampling; speculative decoding: rolling the drafts back too)
     grammar_accept_s: float = 0.0
     draft_s: float = 0.0  # the draft layer's forwards (inside duration_s)
+    static_shape: bool = False  # the step ran at a static shape (StaticKey; a CUDA graph's replay on CUDA)
     static_drafts: bool = False  # the step's drafts came from one static chain (DraftChain; a CUDA graph on CUDA)
     # Data-parallel attention: the rows every rank's MoE exchange computed for nothing in this step (each rank padded
     # to the largest rank's tokens: ranks x largest - all tokens)

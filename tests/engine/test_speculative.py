@@ -440,6 +440,8 @@ def test_verifies_across_prefix_blocks_stay_static_and_their_snapshots_serve_lat
     engine = _engine(tiny_checkpoint, num_speculative_tokens=2, cuda_graphs=True)
     assert _ids(_generate(engine, prompts, params)) == expected
     assert sum(inside_static) >= 2, inside_static
+    decodes = [step for step in engine.scheduler.records if step.kind.value == "decode"]
+    assert decodes and all(step.timing.static_shape for step in decodes)  # (what the step log records)
     longer = [p + o[:32] for p, o in zip(prompts, expected)]  # past the boundaries the decodes crossed
     again = _ids(_generate(_engine(tiny_checkpoint, enable_prefix_caching=False), longer, params))
     got = _generate(engine, longer, params)

@@ -7,7 +7,7 @@ import argparse
 import bench_speculative
 import pytest
 
-from backend.scheduler.step_record import StepKind, StepRecord
+from backend.scheduler.step_record import StepKind, StepRecord, StepTiming
 
 
 def _record(time: float, kind: StepKind, running: int, decode_tokens: int) -> StepRecord:
@@ -24,6 +24,14 @@ def test_a_step_costs_the_time_to_the_next_steps_scheduling_when_every_request_v
     assert bench_speculative.step_cost_s(records, 2, 2) == pytest.approx(0.2)
     assert bench_speculative.step_cost_s(records, 2, 1) == pytest.approx(0.1)  # the step of 2 x (1 + 1) tokens
     assert bench_speculative.step_cost_s(records, 2, 3) is None
+
+
+def test_the_static_share_counts_the_decode_steps_that_ran_at_a_static_shape():
+    records = [_record(0.0, StepKind.PREFILL, 2, 0)] + [_record(0.1 * i, StepKind.DECODE, 2, 6) for i in range(1, 5)]
+    for record, static in zip(records, [False, True, False, True, True]):
+        record.timing = StepTiming(static_shape=static)
+    assert bench_speculative.static_share(records) == pytest.approx(0.75)  # the prefill step left out
+    assert bench_speculative.static_share(records[:1]) == 1.0
 
 
 def test_the_projected_speed_up_is_the_tokens_a_step_emits_over_its_cost():
