@@ -174,17 +174,19 @@ class DraftChains:
         chain's agreed counts (a data-parallel step where some pass's MoE exchange pads to another rank's larger count
         than the graph's own; a graph is only recorded on a step it could replay, so its counts are its own).
         `first_inputs`: the first pass's (next ids, picks) as device tensors, in place of the chain's own (computed
-        on the device from the verify's logits: the host has not read them)."""
-        staged = self._stager.stage(chain)
+        on the device from the verify's logits: the host has not read them); a chain of one pass then has nothing
+        else to copy in, once its buffers exist."""
         step = self._chains.get(chain.chain_key)
-        if step is None:
-            buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
-            views = staged.to_device(buffer)
-            first = replace(self.graphs.static_batch(chain.key), input_ids=views.next_ids)
-            step = self._chains[chain.chain_key] = _StaticChain(buffer, views, staged.layout, torch.empty_like(hidden),
-                                                                first)
-        assert staged.layout == step.layout, f"a draft chain of key {chain.chain_key} with another layout"
-        staged.copy_into(step.buffer)
+        if step is None or first_inputs is None or chain.passes:
+            staged = self._stager.stage(chain)
+            if step is None:
+                buffer = torch.empty(staged.num_bytes, dtype=torch.uint8, device=self.model.device)
+                views = staged.to_device(buffer)
+                first = replace(self.graphs.static_batch(chain.key), input_ids=views.next_ids)
+                step = self._chains[chain.chain_key] = _StaticChain(buffer, views, staged.layout,
+                                                                    torch.empty_like(hidden), first)
+            assert staged.layout == step.layout, f"a draft chain of key {chain.chain_key} with another layout"
+            staged.copy_into(step.buffer)
         if first_inputs is not None:
             step.chain.next_ids.copy_(first_inputs[0])
             step.chain.picks.copy_(first_inputs[1])
