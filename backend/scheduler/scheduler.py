@@ -554,11 +554,12 @@ class Scheduler:
         """One token for each running decode, oldest first, preempting the newest on memory shortage. (Once per
         running request every step: the common case, a decode whose pages are already there, is kept short.)"""
         running, limit, memory = SequenceStatus.RUNNING, self.max_num_batched_tokens, self.memory
+        speculative = bool(self.num_speculative_tokens)
         for seq in list(self._running):  # (a copy: preemption changes the list)
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                drafts, allocated = self._verify_positions(seq)
+                drafts, allocated = self._verify_positions(seq) if speculative else ((), 1)
                 if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
                     plan.add(ScheduledChunk(seq, 1 + len(drafts), seq.num_computed_tokens, True, True,
                                             seq.num_preemptions, drafts=drafts, allocated=allocated))
