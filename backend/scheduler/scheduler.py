@@ -565,14 +565,14 @@ class Scheduler:
                                             seq.num_preemptions, drafts=drafts, allocated=allocated))
 
     def _verify_positions(self, seq: Sequence) -> tuple[tuple[int, ...], int]:
-        """A decode of `seq`: the draft tokens it verifies and the positions from its start to allocate, its own and
-        (speculative decoding) the draft chain's k - 1 after its last accepted one, so that every verify drafts k
+        """With speculative decoding, a decode of `seq`: the draft tokens it verifies and the positions from its start
+        to allocate, its own and the draft chain's k - 1 after its last accepted one, so that every verify drafts k
         tokens for the next. All its drafts, also past `max_tokens` (the take-in keeps no more than that, and rows
         of one width keep a step's static shape), unless their positions would pass what the pools hold for one
         request (`_position_cap`)."""
         k, room = self.num_speculative_tokens, self._position_cap - seq.num_computed_tokens
         drafts = tuple(seq.draft_tokens[:max(0, room - k)]) if seq.draft_tokens else ()
-        return drafts, min(len(drafts) + max(1, k), max(1, room))  # (at least its own position)
+        return drafts, min(len(drafts) + k, max(1, room))  # (at least its own position)
 
     @functools.cached_property
     def _position_cap(self) -> int:
