@@ -72,9 +72,11 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # low (even k) or high (odd k) 16 bits. Group j's two codes then become two bf16 bit patterns (sign at bit 15,
 # exponent and mantissa at bits 8..6: the bf16 value fp4 x 2^-126, exact) with one mask for j = 0, a shift and a mask
 # for j = 1, 2 (3 j bits left) and three for j = 3 (`mxfp4_words_to_values`); one bf16 multiply by 2^(e - 1) applies
-# the group's e8m0 code e and the missing 2^126. The pair lies in one register as the MMA operand wants it. The scales
-# stay e8m0 bytes [N, K/32] (padded with 127), a chunk's four read as one int32. Codes above 128 (scales above 2)
-# would overflow the bf16 multiplier and are refused; DeepSeek's published weights use scales far below 1.
+# the group's e8m0 code e and the missing 2^126. The pair lies in one register as the MMA operand wants it: on a GPU
+# each group's masks and multiply are one inline-asm instance writing that register (`MXFP4_GROUP_ASM`), as Triton
+# would otherwise split the word into 16-bit halves and pack them again. The scales stay e8m0 bytes [N, K/32] (padded
+# with 127), a chunk's four read as one int32. Codes above 128 (scales above 2) would overflow the bf16 multiplier
+# and are refused; DeepSeek's published weights use scales far below 1.
 MXFP4_CHUNK = 128
 MXFP4_BIT_POSITIONS = ((15, 8, 7, 6), (12, 5, 4, 3), (9, 2, 1, 0), (14, 13, 11, 10))  # (sign, e1, e0, m) per group
 MXFP4_MAX_SCALE_CODE = 128
@@ -405,16 +407,66 @@ def round_to_dtype(v, DTYPE: tl.constexpr):
 @triton.jit
 def mxfp4_words_to_values(words, scale_words, DTYPE: tl.constexpr):
     """One 128-wide K chunk of `repack_mxfp4`'s layout, words [R, 16] int32 and scale_words [R] int32 (the chunk's four
-    e8m0 codes, group j in byte j), as values [R, 128] in DTYPE: 2 to 6 integer operations per word and group, then
-    one multiply per value (`_mxfp4_group`)."""
+    e8m0 codes, group j in byte j), as values [R, 128] in DTYPE: 1 to 6 integer operations per word and group, then
+    one multiply per value pair; bf16 on a GPU by inline asm (`_mxfp4_words_to_bf16`), the same operations."""
     w = words.to(tl.uint32, bitcast=True)
     codes = scale_words.to(tl.uint32, bitcast=True)
-    group0 = _mxfp4_group(w & 0x81C081C0, codes & 0xFF, DTYPE)
-    group1 = _mxfp4_group((w << 3) & 0x81C081C0, (codes >> 8) & 0xFF, DTYPE)
-    group2 = _mxfp4_group((w << 6) & 0x81C081C0, (codes >> 16) & 0xFF, DTYPE)
-    group3 = _mxfp4_group(((w << 1) & 0x80008000) | ((w >> 5) & 0x01000100) | ((w >> 4) & 0x00C000C0), codes >> 24,
-                          DTYPE)
+    if _COMPILED and DTYPE == tl.bfloat16:
+        values = _mxfp4_words_to_bf16(w, codes)
+    else:
+        group0 = _mxfp4_group(w & 0x81C081C0, codes & 0xFF, DTYPE)
+        group1 = _mxfp4_group((w << 3) & 0x81C081C0, (codes >> 8) & 0xFF, DTYPE)
+        group2 = _mxfp4_group((w << 6) & 0x81C081C0, (codes >> 16) & 0xFF, DTYPE)
+        group3 = _mxfp4_group(((w << 1) & 0x80008000) | ((w >> 5) & 0x01000100) | ((w >> 4) & 0x00C000C0),
+                              codes >> 24, DTYPE)
+        values = concat_columns(concat_columns(group0, group1), concat_columns(group2, group3))
+    return values
+
+
+# Group j of a word as PTX: its pair of bf16 bit patterns from the word $1 into t (the masks of
+# mxfp4_words_to_values), times its multiplier, one bf16 half of $3 taken for both values, into $0. An instance
+# takes two elements of each input (pack=2): the word and the multipliers twice each (`_mxfp4_words_to_bf16`).
+_MXFP4_ASM = ("{ .reg .b32 t, u, m; .reg .b16 lo, hi; %s mov.b32 {lo, hi}, $3; mov.b32 m, {%s, %s}; "
+              "mul.rn.bf16x2 $0, t, m; }")
+MXFP4_GROUP_ASM = (
+    _MXFP4_ASM % ("and.b32 t, $1, 0x81C081C0;", "lo", "lo"),
+    _MXFP4_ASM % ("shl.b32 t, $1, 3; and.b32 t, t, 0x81C081C0;", "lo", "lo"),
+    _MXFP4_ASM % ("shl.b32 t, $1, 6; and.b32 t, t, 0x81C081C0;", "hi", "hi"),
+    _MXFP4_ASM % ("shl.b32 t, $1, 1; and.b32 t, t, 0x80008000; shr.b32 u, $1, 5; and.b32 u, u, 0x01000100; "
+                  "or.b32 t, t, u; shr.b32 u, $1, 4; and.b32 u, u, 0x00C000C0; or.b32 t, t, u;", "hi", "hi"),
+)
+_GROUP0_ASM, _GROUP1_ASM, _GROUP2_ASM, _GROUP3_ASM = (tl.constexpr(asm) for asm in MXFP4_GROUP_ASM)
+
+
+@triton.jit
+def mxfp4_multiplier_pairs(codes):
+    """The multipliers 2^(e - 1) of a chunk's scale words (int32 [R], group j's e8m0 code e in byte j) as bf16 bits,
+    two to an int32: (groups 0 and 2, groups 1 and 3), each code moved into a half's exponent field and 126 added
+    there (e <= 128 keeps the field below 255)."""
+    even = ((codes << 7) & 0x7F807F80) + 0x3F003F00
+    odd = ((codes >> 1) & 0x7F807F80) + 0x3F003F00
+    return even, odd
+
+
+@triton.jit
+def _mxfp4_words_to_bf16(w, codes):
+    """mxfp4_words_to_values in bf16 on a GPU, each group's pair masked and scaled by one asm instance into the one
+    register the MMA takes. Each word is joined with itself so that an instance, taking two elements, gets the word
+    twice and writes the pair k = 2 w, 2 w + 1."""
+    ROWS: tl.constexpr = w.shape[0]
+    doubled = tl.join(w, w).reshape(ROWS, 2 * w.shape[1])
+    even, odd = mxfp4_multiplier_pairs(codes)
+    group0 = _mxfp4_group_asm(doubled, even, _GROUP0_ASM)
+    group1 = _mxfp4_group_asm(doubled, odd, _GROUP1_ASM)
+    group2 = _mxfp4_group_asm(doubled, even, _GROUP2_ASM)
+    group3 = _mxfp4_group_asm(doubled, odd, _GROUP3_ASM)
     return concat_columns(concat_columns(group0, group1), concat_columns(group2, group3))
+
+
+@triton.jit
+def _mxfp4_group_asm(doubled, multipliers, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [doubled, multipliers[:, None]], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)
 
 
 @triton.jit

@@ -53,7 +53,7 @@ from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E40
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
 from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
-from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
+from kernels.quant_formats import MXFP4_GROUP_ASM, indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
 from scripts.kernel_sass import describe, loop_profile  # noqa: E402
 
@@ -99,6 +99,7 @@ class Compiled:
     wgmma: bool
     seconds: float
     loop: str = ""  # --sass: what the main loop issues per iteration and per weight byte
+    mxfp4_decode: str = ""  # what is wrong with the MXFP4 decode's asm instances in an MXFP4 MoE kernel, if anything
 
     @property
     def problem(self) -> str:
@@ -106,7 +107,7 @@ class Compiled:
             return f"spills {self.spill_bytes} B"
         if self.shared > SHARED_LIMIT:
             return f"shared {self.shared} B > {SHARED_LIMIT} B"
-        return ""
+        return self.mxfp4_decode
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -363,6 +364,19 @@ def _loop_line(kernel, args, kwargs: dict, num_warps: int, cubin: bytes) -> str:
     return describe(body, streamed / (32 * num_warps) if streamed else None)
 
 
+def mxfp4_decode_problem(llir: str) -> str:
+    """What is wrong with an MXFP4 MoE kernel's decode asm (quant_formats.MXFP4_GROUP_ASM) in its LLVM IR, "" if
+    nothing: every instance must take one word twice and one multiplier register twice (pack=2 over a tensor joined
+    with itself), or the pair it writes would mix two words. An IR with no instance fails too (a bf16 kernel must
+    decode through them)."""
+    calls = [line for line in llir.splitlines() if any(asm in line for asm in MXFP4_GROUP_ASM)]
+    operands = [re.findall(r"i32 (%[\w.]+)", line.rsplit('"', 1)[1]) for line in calls]
+    mixed = sum(len(ops) != 4 or ops[0] != ops[1] or ops[2] != ops[3] for ops in operands)
+    if not calls:
+        return "no MXFP4 decode asm"
+    return f"{mixed} of {len(calls)} MXFP4 decode asm instances mix two words" if mixed else ""
+
+
 def _compile(kernel, args, kwargs):
     signature, constexprs, attrs, options = _specialise(kernel, args, kwargs)
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
@@ -384,10 +398,11 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
         tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in _VARIANT_KWARGS)
         config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
         loop = _loop_line(kernel, args, kwargs, options.num_warps, compiled.asm["cubin"]) if sass else ""
+        decode = mxfp4_decode_problem(compiled.asm["llir"]) if kwargs.get("WEIGHT_FORMAT") == 2 else ""
         results.append((_key(kernel, args, kwargs), Compiled(
             kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
             spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
-            seconds=time.time() - start, loop=loop)))
+            seconds=time.time() - start, loop=loop, mxfp4_decode=decode)))
     return results
 
 

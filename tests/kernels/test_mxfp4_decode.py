@@ -1,0 +1,130 @@
+"""The MXFP4 decode a GPU runs: the inline asm of kernels/quant_formats.py, which the interpreter cannot run.
+
+Its PTX is run here by a small emulator of the instructions it uses, on words and scales in the kernels' layout, and
+must give the published weights exactly; the multipliers it reads come from `mxfp4_multiplier_pairs`, run as a
+kernel. scripts/check_kernels_compile.py checks the other half, that each compiled asm instance takes one word twice
+(`mxfp4_decode_problem`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_formats import (MXFP4_CHUNK, MXFP4_GROUP_ASM, dequantize_mxfp4, mxfp4_multiplier_pairs,
+                                   repack_mxfp4)
+
+# Which multiplier register each group's asm reads (_mxfp4_words_to_bf16): groups 0 and 2 the even one, 1 and 3 odd.
+MULTIPLIERS_OF_GROUP = ("even", "odd", "even", "odd")
+
+
+def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """$0 of an asm instance made of the instructions the decode uses (and, or, shl, shr, mov of b32 and its b16
+    halves, mul.rn.bf16x2), every register a uint32 (b16: the low 16 bits) array."""
+    regs = {name: value.astype(np.uint64) for name, value in inputs.items()}
+
+    def read(operand: str) -> np.ndarray:
+        return np.uint64(int(operand, 16) if operand.startswith("0x") else int(operand)) \
+            if operand[0].isdigit() else regs[operand]
+
+    for statement in asm.strip().strip("{}").split(";"):
+        statement = statement.strip()
+        if not statement or statement.startswith(".reg"):
+            continue
+        opcode, rest = statement.split(None, 1)
+        if opcode == "mov.b32" and rest.startswith("{"):  # unpack into halves
+            lo, hi = (name.strip() for name in rest[1:rest.index("}")].split(","))
+            source = regs[rest.rsplit(",", 1)[1].strip()]
+            regs[lo], regs[hi] = source & 0xFFFF, source >> 16
+            continue
+        if opcode == "mov.b32":  # pack halves
+            dest, halves = rest.split(",", 1)
+            lo, hi = (regs[name.strip()] for name in halves.strip().strip("{}").split(","))
+            regs[dest.strip()] = lo | (hi << 16)
+            continue
+        dest, *args = (part.strip() for part in rest.split(","))
+        a, b = (read(arg) for arg in args)
+        if opcode == "and.b32":
+            result = a & b
+        elif opcode == "or.b32":
+            result = a | b
+        elif opcode == "shl.b32":
+            result = (a << b) & 0xFFFFFFFF
+        elif opcode == "shr.b32":
+            result = a >> b
+        elif opcode == "mul.rn.bf16x2":
+            result = _bf16(_float(a & 0xFFFF) * _float(b & 0xFFFF)) | (_bf16(_float(a >> 16) * _float(b >> 16)) << 16)
+        else:
+            raise AssertionError(f"the emulator does not know {opcode}")
+        regs[dest] = result
+    return regs["$0"].astype(np.uint32)
+
+
+def _float(bf16_bits: np.ndarray) -> np.ndarray:
+    return (bf16_bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits, to nearest, ties to even."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
+def _multiplier_pairs_kernel(codes_ptr, even_ptr, odd_ptr, ROWS: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    even, odd = mxfp4_multiplier_pairs(tl.load(codes_ptr + rows).to(tl.uint32, bitcast=True))
+    tl.store(even_ptr + rows, even.to(tl.int32, bitcast=True))
+    tl.store(odd_ptr + rows, odd.to(tl.int32, bitcast=True))
+
+
+def multiplier_pairs(scale_words: torch.Tensor) -> dict[str, np.ndarray]:
+    """The kernel's (even, odd) multiplier registers of each int32 scale word [R] (R a power of two)."""
+    even, odd = torch.empty_like(scale_words), torch.empty_like(scale_words)
+    _multiplier_pairs_kernel[(1,)](scale_words, even, odd, ROWS=scale_words.numel())
+    return {"even": even.cpu().numpy().view(np.uint32), "odd": odd.cpu().numpy().view(np.uint32)}
+
+
+def decode_like_the_gpu(words: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W [N, Kp] float32 from repack_mxfp4's (words [N, Kp / 8], scales [N, Kp / 32]) through the decode's asm."""
+    n, chunks = words.shape[0], words.shape[1] // 16
+    scale_words = scales.view(n, chunks, 4).contiguous().view(torch.int32).reshape(-1)  # byte j = group j
+    pairs = multiplier_pairs(scale_words)
+    w = words.cpu().numpy().view(np.uint32).reshape(n * chunks, 16)
+    groups = []
+    for asm, which in zip(MXFP4_GROUP_ASM, MULTIPLIERS_OF_GROUP):
+        multiplier = np.repeat(pairs[which][:, None], 16, axis=1)
+        out = run_ptx(asm, {"$1": w, "$2": w, "$3": multiplier, "$4": multiplier})  # [R, 16] bf16 pairs
+        groups.append(np.stack((out & 0xFFFF, out >> 16), axis=-1).reshape(n * chunks, 32))  # k = 2 w + lane
+    bits = np.concatenate(groups, axis=1).reshape(n, chunks * MXFP4_CHUNK)  # k = 32 j + 2 w + lane in a chunk
+    return torch.from_numpy(_float(bits))
+
+
+def test_the_gpus_decode_asm_gives_the_published_weights():
+    """Every e2m1 code in both nibbles of every group, with the extreme scale codes 0 (2^-127, the products bf16
+    subnormals) and 128, decode to exactly the published weights."""
+    gen = torch.Generator().manual_seed(4)
+    n, k = 16, 256
+    codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    codes[0] = torch.arange(k // 2, dtype=torch.uint8) * 2  # every byte value over rows 0 and 1
+    codes[1] = codes[0] + 1
+    scales = torch.randint(100, 129, (n, k // 32), generator=gen, dtype=torch.uint8)
+    scales[2], scales[3] = 0, 128
+    words, padded = repack_mxfp4(codes, scales)
+    decoded = decode_like_the_gpu(words, padded)
+    expected = dequantize_mxfp4(codes, scales).cpu()
+    assert torch.equal(decoded, expected)
+    assert torch.equal(torch.signbit(decoded), torch.signbit(expected))  # negative zeros stay negative
+
+
+def test_the_emulator_sees_a_wrong_mask():
+    """A mask off by one bit in one group's asm changes the weights: the check above can fail."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (4, 64), generator=gen, dtype=torch.uint8)
+    words, padded = repack_mxfp4(codes, torch.full((4, 4), 120, dtype=torch.uint8))
+    w = words.cpu().numpy().view(np.uint32).reshape(-1, 16)
+    multiplier = np.full_like(w, 0x3F803F80)  # 1.0 in both halves
+    inputs = {"$1": w, "$2": w, "$3": multiplier, "$4": multiplier}
+    broken = MXFP4_GROUP_ASM[1].replace("0x81C081C0", "0x81C081E0")
+    assert not np.array_equal(run_ptx(broken, inputs), run_ptx(MXFP4_GROUP_ASM[1], inputs))
