@@ -424,10 +424,11 @@ def mxfp4_words_to_values(words, scale_words, DTYPE: tl.constexpr):
 
 
 # Group j of a word as PTX: its pair of bf16 bit patterns from the word $1 into t (the masks of
-# mxfp4_words_to_values), times its multiplier, one bf16 half of $3 taken for both values, into $0. An instance
-# takes two elements of each input (pack=2): the word and the multipliers twice each (`_mxfp4_words_to_bf16`).
-_MXFP4_ASM = ("{ .reg .b32 t, u, m; .reg .b16 lo, hi; %s mov.b32 {lo, hi}, $3; mov.b32 m, {%s, %s}; "
-              "mul.rn.bf16x2 $0, t, m; }")
+# mxfp4_words_to_values), times its multiplier, one bf16 half of $3 taken for both values, into $0 (an fma adding
+# -0.0, which keeps every product and its sign: sm_80 has no bf16 mul). An instance takes two elements of each input
+# (pack=2): the word and the multipliers twice each (`_mxfp4_words_to_bf16`).
+_MXFP4_ASM = ("{ .reg .b32 t, u, m, z; .reg .b16 lo, hi; %s mov.b32 {lo, hi}, $3; mov.b32 m, {%s, %s}; "
+              "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, m, z; }")
 MXFP4_GROUP_ASM = (
     _MXFP4_ASM % ("and.b32 t, $1, 0x81C081C0;", "lo", "lo"),
     _MXFP4_ASM % ("shl.b32 t, $1, 3; and.b32 t, t, 0x81C081C0;", "lo", "lo"),

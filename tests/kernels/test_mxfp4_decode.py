@@ -7,6 +7,8 @@ kernel. scripts/check_kernels_compile.py checks the other half, that each compil
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 import triton
@@ -20,41 +22,42 @@ MULTIPLIERS_OF_GROUP = ("even", "odd", "even", "odd")
 
 
 def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    """$0 of an asm instance made of the instructions the decode uses (and, or, shl, shr, mov of b32 and its b16
-    halves, mul.rn.bf16x2), every register a uint32 (b16: the low 16 bits) array."""
+    """$0 of an asm instance made of the instructions the decode uses (and, or, shl, shr, mov of b32 values, of
+    immediates and of b16 halves, fma.rn.bf16x2), every register a uint32 (b16: the low 16 bits) array."""
     regs = {name: value.astype(np.uint64) for name, value in inputs.items()}
+    shape = inputs["$1"].shape
 
     def read(operand: str) -> np.ndarray:
-        return np.uint64(int(operand, 16) if operand.startswith("0x") else int(operand)) \
-            if operand[0].isdigit() else regs[operand]
+        if operand.startswith("{"):  # two b16 registers packed into a b32, the first the low half
+            lo, hi = (regs[name.strip()] for name in operand.strip("{}").split(","))
+            return lo | (hi << 16)
+        return np.full(shape, int(operand, 0), dtype=np.uint64) if operand[0].isdigit() else regs[operand]
 
     for statement in asm.strip().strip("{}").split(";"):
         statement = statement.strip()
         if not statement or statement.startswith(".reg"):
             continue
         opcode, rest = statement.split(None, 1)
-        if opcode == "mov.b32" and rest.startswith("{"):  # unpack into halves
-            lo, hi = (name.strip() for name in rest[1:rest.index("}")].split(","))
-            source = regs[rest.rsplit(",", 1)[1].strip()]
-            regs[lo], regs[hi] = source & 0xFFFF, source >> 16
+        dest, *args = re.findall(r"\{[^}]*\}|[^,\s]+", rest)
+        values = [read(arg) for arg in args]
+        if opcode == "mov.b32" and dest.startswith("{"):  # unpack into halves
+            lo, hi = (name.strip() for name in dest.strip("{}").split(","))
+            regs[lo], regs[hi] = values[0] & 0xFFFF, values[0] >> 16
             continue
-        if opcode == "mov.b32":  # pack halves
-            dest, halves = rest.split(",", 1)
-            lo, hi = (regs[name.strip()] for name in halves.strip().strip("{}").split(","))
-            regs[dest.strip()] = lo | (hi << 16)
-            continue
-        dest, *args = (part.strip() for part in rest.split(","))
-        a, b = (read(arg) for arg in args)
-        if opcode == "and.b32":
-            result = a & b
+        if opcode == "mov.b32":
+            result = values[0]
+        elif opcode == "and.b32":
+            result = values[0] & values[1]
         elif opcode == "or.b32":
-            result = a | b
+            result = values[0] | values[1]
         elif opcode == "shl.b32":
-            result = (a << b) & 0xFFFFFFFF
+            result = (values[0] << values[1]) & 0xFFFFFFFF
         elif opcode == "shr.b32":
-            result = a >> b
-        elif opcode == "mul.rn.bf16x2":
-            result = _bf16(_float(a & 0xFFFF) * _float(b & 0xFFFF)) | (_bf16(_float(a >> 16) * _float(b >> 16)) << 16)
+            result = values[0] >> values[1]
+        elif opcode == "fma.rn.bf16x2":  # each half a * b + c in float64, to bf16 through float32 (exact here)
+            a, b, c = values
+            result = _bf16(_float(a & 0xFFFF).astype(np.float64) * _float(b & 0xFFFF) + _float(c & 0xFFFF)) | \
+                (_bf16(_float(a >> 16).astype(np.float64) * _float(b >> 16) + _float(c >> 16)) << 16)
         else:
             raise AssertionError(f"the emulator does not know {opcode}")
         regs[dest] = result
