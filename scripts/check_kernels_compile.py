@@ -13,8 +13,8 @@ shared memory; a table of every compiled kernel is printed either way.
 
   python scripts/check_kernels_compile.py            # all models, all cases
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
-  python scripts/check_kernels_compile.py --sass "moe fp8 .*T=256"   # and what each main loop issues per byte it
-                                                     # streams (weights, or keys), from its SASS (scripts/kernel_sass.py)
+  python scripts/check_kernels_compile.py --sass "moe fp8 .*T=256"   # and what each main loop issues per byte
+                                                     # it streams (weights, or keys), from its SASS (kernel_sass.py)
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "store kv fp8 N=1"), ("v4-flash", "store indexer fp4 N=1"), ("v4-flash", "moe T=1"),
          ("v4-flash", "norm_rope kv fp8 T=64"), ("v4-flash", "compressor csa fp32 fp8 64x1"),
          ("v4-flash", "moe T=4096"),
-         ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"), ("v4-flash", "fp8 gemm wo_b T=4096"),
+         ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"),
+         ("v4-flash", "fp8 gemm wo_b T=4096"),
          ("v4-flash", "moe mxfp4 T=1"), ("v4-flash", "moe fp8 T=4096"), ("v4-flash", "norm_rope kv T=64"),
          ("v4-flash", "route topk T=64"), ("v4-flash", "swiglu T=64"), ("v4-flash", "compressor hca 64x1"),
          ("v4-flash", "compressor csa 1x4096"), ("v4-flash", "token bitmask R=256")}
@@ -161,7 +162,8 @@ def _experts(fmt: str, num_experts: int, n: int, k: int, halves: int):
                                 _meta(num_experts, n, 4 * chunks, dtype=torch.uint8), (num_experts, n, k), n)
     rows = n // halves
     scale = _meta(num_experts, halves * -(-rows // 128), -(-k // 128), dtype=torch.float32)
-    return QuantizedExperts("fp8", _meta(num_experts, n, k, dtype=torch.float8_e4m3fn), scale, (num_experts, n, k), rows)
+    return QuantizedExperts("fp8", _meta(num_experts, n, k, dtype=torch.float8_e4m3fn), scale, (num_experts, n, k),
+                            rows)
 
 
 def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16", deepseek: bool = False):
