@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
@@ -53,7 +54,8 @@ from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E40
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
 from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
-from kernels.quant_formats import MXFP4_GROUP_ASM, indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
+from kernels.quant_formats import (FP4_PAIR_ASM, MXFP4_GROUP_ASM, indexer_fp4_entry_bytes,  # noqa: E402
+                                   kv_fp8_entry_bytes)
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
 from scripts.kernel_sass import describe, loop_profile  # noqa: E402
 
@@ -100,7 +102,7 @@ class Compiled:
     wgmma: bool
     seconds: float
     loop: str = ""  # --sass: what the main loop issues per iteration and per weight byte
-    mxfp4_decode: str = ""  # what is wrong with the MXFP4 decode's asm instances in an MXFP4 MoE kernel, if anything
+    decode_asm: str = ""  # what is wrong with the asm instances of its MXFP4 or FP4 decode, if anything
 
     @property
     def problem(self) -> str:
@@ -108,7 +110,7 @@ class Compiled:
             return f"spills {self.spill_bytes} B"
         if self.shared > SHARED_LIMIT:
             return f"shared {self.shared} B > {SHARED_LIMIT} B"
-        return self.mxfp4_decode
+        return self.decode_asm
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -366,17 +368,29 @@ def _loop_line(kernel, args, kwargs: dict, num_warps: int, cubin: bytes) -> str:
     return describe(body, streamed / (32 * num_warps) if streamed else None)
 
 
-def mxfp4_decode_problem(llir: str) -> str:
-    """What is wrong with an MXFP4 MoE kernel's decode asm (quant_formats.MXFP4_GROUP_ASM) in its LLVM IR, "" if
-    nothing: every instance must take one word twice and one multiplier register twice (pack=2 over a tensor joined
-    with itself), or the pair it writes would mix two words. An IR with no instance fails too (a bf16 kernel must
+def decode_asm_problem(llir: str, asms: tuple[str, ...], what: str) -> str:
+    """What is wrong with a kernel's decode asm (quant_formats.MXFP4_GROUP_ASM, FP4_PAIR_ASM) in its LLVM IR, "" if
+    nothing: every instance must take one word twice and one multiplier register twice (pack=2 over tensors joined
+    with themselves), or the pair it writes would mix two words. An IR with no instance fails too (the kernel must
     decode through them)."""
-    calls = [line for line in llir.splitlines() if any(asm in line for asm in MXFP4_GROUP_ASM)]
+    calls = [line for line in llir.splitlines() if any(asm in line for asm in asms)]
     operands = [re.findall(r"i32 (%[\w.]+)", line.rsplit('"', 1)[1]) for line in calls]
     mixed = sum(len(ops) != 4 or ops[0] != ops[1] or ops[2] != ops[3] for ops in operands)
     if not calls:
-        return "no MXFP4 decode asm"
-    return f"{mixed} of {len(calls)} MXFP4 decode asm instances mix two words" if mixed else ""
+        return f"no {what} decode asm"
+    return f"{mixed} of {len(calls)} {what} decode asm instances mix two words" if mixed else ""
+
+
+def _decode_asm(kwargs: dict) -> tuple[tuple[str, ...], str] | None:
+    """The decode asm a launch's kernel must hold on a GPU (bf16 tiles of MXFP4 experts, or of FP4 keys whose
+    entries are 4-byte aligned), and its name."""
+    if kwargs.get("COMPUTE_DTYPE") != tl.bfloat16:
+        return None
+    if kwargs.get("WEIGHT_FORMAT") == 2:
+        return MXFP4_GROUP_ASM, "MXFP4"
+    if kwargs.get("KEYS_FP4") and kwargs["ALIGN"] % 4 == 0:
+        return FP4_PAIR_ASM, "FP4 key"
+    return None
 
 
 def _compile(kernel, args, kwargs):
@@ -400,11 +414,12 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
         tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in _VARIANT_KWARGS)
         config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
         loop = _loop_line(kernel, args, kwargs, options.num_warps, compiled.asm["cubin"]) if sass else ""
-        decode = mxfp4_decode_problem(compiled.asm["llir"]) if kwargs.get("WEIGHT_FORMAT") == 2 else ""
+        decode = _decode_asm(kwargs)
+        decode = decode_asm_problem(compiled.asm["llir"], *decode) if decode else ""
         results.append((_key(kernel, args, kwargs), Compiled(
             kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
             spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
-            seconds=time.time() - start, loop=loop, mxfp4_decode=decode)))
+            seconds=time.time() - start, loop=loop, decode_asm=decode)))
     return results
 
 

@@ -1,9 +1,10 @@
-"""The MXFP4 decode a GPU runs: the inline asm of kernels/quant_formats.py, which the interpreter cannot run.
+"""The FP4 decodes a GPU runs: the inline asm of kernels/quant_formats.py (the MXFP4 experts' MXFP4_GROUP_ASM, the
+indexer's FP4 keys' FP4_PAIR_ASM), which the interpreter cannot run.
 
-Its PTX is run here by a small emulator of the instructions it uses, on words and scales in the kernels' layout, and
-must give the published weights exactly; the multipliers it reads come from `mxfp4_multiplier_pairs`, run as a
-kernel. scripts/check_kernels_compile.py checks the other half, that each compiled asm instance takes one word twice
-(`mxfp4_decode_problem`)."""
+Their PTX is run here by a small emulator of the instructions they use, on words and scales as the kernels read
+them, and must give the published weights and the stored keys exactly; the multipliers the MXFP4 decode reads come
+from `mxfp4_multiplier_pairs`, run as a kernel. scripts/check_kernels_compile.py checks the other half, that each
+compiled asm instance takes one word twice (`decode_asm_problem`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_formats import (MXFP4_CHUNK, MXFP4_GROUP_ASM, dequantize_mxfp4, mxfp4_multiplier_pairs,
-                                   repack_mxfp4)
+from kernels.quant_formats import (FP4_PAIR_ASM, MXFP4_CHUNK, MXFP4_GROUP_ASM, dequantize_mxfp4,
+                                   fp4_pairs_in_column_order, mxfp4_multiplier_pairs, pack_indexer_fp4, repack_mxfp4,
+                                   unpack_indexer_fp4)
 
 # Which multiplier register each group's asm reads (_mxfp4_words_to_bf16): groups 0 and 2 the even one, 1 and 3 odd.
 MULTIPLIERS_OF_GROUP = ("even", "odd", "even", "odd")
@@ -131,3 +133,52 @@ def test_the_emulator_sees_a_wrong_mask():
     inputs = {"$1": w, "$2": w, "$3": multiplier, "$4": multiplier}
     broken = MXFP4_GROUP_ASM[1].replace("0x81C081C0", "0x81C081E0")
     assert not np.array_equal(run_ptx(broken, inputs), run_ptx(MXFP4_GROUP_ASM[1], inputs))
+
+
+def decode_keys_like_the_gpu(entries: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Keys [N, head_dim] float32 from FP4 entries [N, head_dim / 2 + head_dim / 32] through the decode's asm: each
+    int32 word of codes and its group's multiplier (the e8m0 code e times 0x00800080, as the kernel computes it)."""
+    entries = entries.cpu()
+    n, words_per_key = entries.shape[0], head_dim // 8
+    words = entries[:, :head_dim // 2].contiguous().view(torch.int32).numpy().view(np.uint32)  # [N, words]
+    codes = entries[:, head_dim // 2:].to(torch.int64).numpy()
+    multipliers = np.repeat(codes * 0x00800080, 4, axis=1).astype(np.uint32)  # a group's four words
+    keys = np.zeros((n, words_per_key, 8), dtype=np.uint64)
+    for j, asm in enumerate(FP4_PAIR_ASM):
+        out = run_ptx(asm, {"$1": words, "$2": words, "$3": multipliers, "$4": multipliers})
+        keys[:, :, j], keys[:, :, j + 4] = out & 0xFFFF, out >> 16  # pair j: columns 8w + j and 8w + j + 4
+    return torch.from_numpy(_float(keys.reshape(n, head_dim)))
+
+
+def test_the_gpus_fp4_key_decode_asm_gives_the_stored_keys():
+    """Keys of every magnitude the quantizer gives (scale codes from the floor's 1 to float32's largest, 253: the
+    decode multiplies by 2^126 and by the scale apart) decode to exactly what the entries hold."""
+    gen = torch.Generator().manual_seed(6)
+    head_dim = 128
+    keys = torch.randn(24, head_dim, generator=gen) * torch.logspace(-30, 30, 24, base=2.0)[:, None]
+    keys[0] = 0.0  # the amax floor: scale code 1
+    keys[1, :32] = 1.51 * 2.0 ** 127  # scale code 253 (amax / 6 above 2^125), rounded to 3 x 2^126
+    keys[2, ::3] = -0.0
+    entries = pack_indexer_fp4(keys.to(torch.get_default_device()))
+    assert {1, 253} <= set(entries[:, head_dim // 2:].flatten().tolist())
+    decoded = decode_keys_like_the_gpu(entries, head_dim)
+    expected = unpack_indexer_fp4(entries, head_dim, torch.float32).cpu()
+    assert torch.isfinite(decoded).all() and torch.equal(decoded, expected)
+    assert torch.equal(torch.signbit(decoded), torch.signbit(expected))
+
+
+@triton.jit
+def _pairs_in_order_kernel(out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None, None]
+    words = tl.arange(0, WORDS)[None, :, None]
+    lanes = tl.arange(0, 2)[None, None, :]
+    column = (8 * words + 4 * lanes + rows * 0).to(tl.float32)  # pair j holds columns 8w + j, 8w + j + 4
+    tile = fp4_pairs_in_column_order(column, column + 1, column + 2, column + 3)
+    tl.store(out_ptr + tl.arange(0, ROWS)[:, None] * WORDS * 8 + tl.arange(0, WORDS * 8)[None, :], tile)
+
+
+def test_the_fp4_key_decode_puts_each_pair_in_its_columns():
+    """The GPU decode's pairs (pair j of word w: columns 8w + j and 8w + j + 4) land in column order."""
+    out = torch.empty(4, 128)
+    _pairs_in_order_kernel[(1,)](out, ROWS=4, WORDS=16)
+    assert torch.equal(out.cpu(), torch.arange(128.0).expand(4, 128))
