@@ -379,7 +379,7 @@ def load_indexer_keys(pool_ptr, page, slot, stride_page, stride_slot, mask, HEAD
 # gives four bf16 pairs, pair j the columns 8w + j and 8w + j + 4 (both nibbles 16 bits apart, so that one shift and
 # mask place both): the sign at bits 15 / 31, exponent and mantissa at 8..6 / 24..22 (the bf16 value fp4 x 2^-126,
 # exact), times 2^126 and then the word's multiplier $3, its group's ue8m0 scale 2^(e - 127) in both halves (two
-# multiplies: the scale may be up to 2^127), each an fma adding -0.0 (sm_80 has no bf16 mul).
+# multiplies: a key's scale may reach 2^126), each an fma adding -0.0 (sm_80 has no bf16 mul).
 _FP4_PAIR_ASM = ("{ .reg .b32 t, u, c, z; %s or.b32 t, t, u; mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000; "
                  "fma.rn.bf16x2 t, t, c, z; fma.rn.bf16x2 $0, t, $3, z; }")
 FP4_PAIR_ASM = tuple(_FP4_PAIR_ASM % bits for bits in (
@@ -403,12 +403,12 @@ def _fp4_keys_to_bf16(pool_ptr, rows, mask, HEAD_DIM: tl.constexpr):
                     mask=mask[:, None], other=127).to(tl.int32)
     multipliers = tl.reshape(tl.broadcast_to((codes * 0x00800080)[:, :, None], [ROWS, HEAD_DIM // 32, 4]),
                              [ROWS, WORDS])  # 2^(e - 127) twice, for the group's four words
-    doubled = tl.join(words, words).reshape(ROWS, 2 * WORDS)
-    doubled_multipliers = tl.join(multipliers, multipliers).reshape(ROWS, 2 * WORDS)
-    return fp4_pairs_in_column_order(_fp4_pair(doubled, doubled_multipliers, _PAIR0_ASM),
-                                     _fp4_pair(doubled, doubled_multipliers, _PAIR1_ASM),
-                                     _fp4_pair(doubled, doubled_multipliers, _PAIR2_ASM),
-                                     _fp4_pair(doubled, doubled_multipliers, _PAIR3_ASM))
+    doubled, doubled_multipliers = _doubled(words), _doubled(multipliers)
+    pair0 = tl.reshape(_pairs_asm(doubled, doubled_multipliers, _PAIR0_ASM), [ROWS, WORDS, 2])
+    pair1 = tl.reshape(_pairs_asm(doubled, doubled_multipliers, _PAIR1_ASM), [ROWS, WORDS, 2])
+    pair2 = tl.reshape(_pairs_asm(doubled, doubled_multipliers, _PAIR2_ASM), [ROWS, WORDS, 2])
+    pair3 = tl.reshape(_pairs_asm(doubled, doubled_multipliers, _PAIR3_ASM), [ROWS, WORDS, 2])
+    return fp4_pairs_in_column_order(pair0, pair1, pair2, pair3)
 
 
 @triton.jit
@@ -421,11 +421,18 @@ def fp4_pairs_in_column_order(pair0, pair1, pair2, pair3):
 
 
 @triton.jit
-def _fp4_pair(doubled, multipliers, ASM: tl.constexpr):
-    ROWS: tl.constexpr = doubled.shape[0]
-    pairs = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [doubled, multipliers], dtype=tl.bfloat16, is_pure=True,
-                                      pack=2)
-    return tl.reshape(pairs, [ROWS, doubled.shape[1] // 2, 2])
+def _doubled(x):
+    """[R, C] -> [R, 2C], each element twice in a row: what a pair-writing asm instance takes (pack=2) to read one
+    element (a word, a multiplier) of each of its inputs and write one bf16 pair."""
+    return tl.join(x, x).reshape(x.shape[0], 2 * x.shape[1])
+
+
+@triton.jit
+def _pairs_asm(doubled, multipliers, ASM: tl.constexpr):
+    """An FP4 decode's asm over `_doubled` words and multipliers (broadcast to them, each also twice): bf16 [R, 2C],
+    columns 2w and 2w + 1 the pair written from word w."""
+    return tl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [doubled, multipliers], dtype=tl.bfloat16, is_pure=True,
+                                     pack=2)
 
 
 @triton.jit
@@ -508,22 +515,14 @@ def mxfp4_multiplier_pairs(codes):
 @triton.jit
 def _mxfp4_words_to_bf16(w, codes):
     """mxfp4_words_to_values in bf16 on a GPU, each group's pair masked and scaled by one asm instance into the one
-    register the MMA takes. Each word is joined with itself so that an instance, taking two elements, gets the word
-    twice and writes the pair k = 2 w, 2 w + 1."""
-    ROWS: tl.constexpr = w.shape[0]
-    doubled = tl.join(w, w).reshape(ROWS, 2 * w.shape[1])
+    register the MMA takes (the pair k = 2 w, 2 w + 1 of the group, from word w)."""
+    doubled = _doubled(w)
     even, odd = mxfp4_multiplier_pairs(codes)
-    group0 = _mxfp4_group_asm(doubled, even, _GROUP0_ASM)
-    group1 = _mxfp4_group_asm(doubled, odd, _GROUP1_ASM)
-    group2 = _mxfp4_group_asm(doubled, even, _GROUP2_ASM)
-    group3 = _mxfp4_group_asm(doubled, odd, _GROUP3_ASM)
+    group0 = _pairs_asm(doubled, even[:, None], _GROUP0_ASM)
+    group1 = _pairs_asm(doubled, odd[:, None], _GROUP1_ASM)
+    group2 = _pairs_asm(doubled, even[:, None], _GROUP2_ASM)
+    group3 = _pairs_asm(doubled, odd[:, None], _GROUP3_ASM)
     return concat_columns(concat_columns(group0, group1), concat_columns(group2, group3))
-
-
-@triton.jit
-def _mxfp4_group_asm(doubled, multipliers, ASM: tl.constexpr):
-    return tl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [doubled, multipliers[:, None]], dtype=tl.bfloat16,
-                                     is_pure=True, pack=2)
 
 
 @triton.jit
