@@ -57,7 +57,7 @@ from kernels.norm_rope import plan_norm_rope  # noqa: E402
 from kernels.quant_formats import (FP4_PAIR_ASM, MXFP4_GROUP_ASM, indexer_fp4_entry_bytes,  # noqa: E402
                                    kv_fp8_entry_bytes)
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
-from scripts.kernel_sass import describe, loop_profile  # noqa: E402
+from scripts.kernel_sass import describe, loop_profile, program_length  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -363,9 +363,12 @@ def streamed_bytes_per_iteration(kernel, args, kwargs) -> float | None:
 
 
 def _loop_line(kernel, args, kwargs: dict, num_warps: int, cubin: bytes) -> str:
-    body = loop_profile(_cuobjdump(cubin, "-sass"))
+    """The main loop's profile, and the whole program's instruction count (what a kernel that reads its tile once,
+    outside its loop, as the indexer its keys, issues for that tile too)."""
+    sass = _cuobjdump(cubin, "-sass")
     streamed = streamed_bytes_per_iteration(kernel, args, kwargs)
-    return describe(body, streamed / (32 * num_warps) if streamed else None)
+    return (describe(loop_profile(sass), streamed / (32 * num_warps) if streamed else None)
+            + f"; program {program_length(sass)} instr")
 
 
 def decode_asm_problem(llir: str, asms: tuple[str, ...], what: str) -> str:

@@ -7,8 +7,9 @@ An H200 reads about 16 bytes per clock per SM at its copy bandwidth (4.3 TB/s / 
 bandwidth, whatever its tiles.
 
 `loop_profile(sass)` finds the main loop (the longest backward branch whose body holds a matrix multiply, else the
-longest; the whole kernel if it has none) in `cuobjdump -sass` text and counts its instructions by class; `describe` prints them per weight byte.
-Used by `scripts/check_kernels_compile.py --sass`.
+longest; the whole kernel if it has none) in `cuobjdump -sass` text and counts its instructions by class; `describe`
+prints them per weight byte; `program_length` counts the whole kernel's instructions (a tile read once, outside the
+loop, as the indexer's keys, is there). Used by `scripts/check_kernels_compile.py --sass`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def loop_profile(sass: str) -> Counter:
             body = Counter(op for a, op, _ in instructions if int(target.group(1), 16) <= a <= address)
             loops.append((any(op.startswith(MMA) for op in body), sum(body.values()), body))
     return max(loops, key=lambda loop: loop[:2])[2] if loops else Counter(op for _, op, _ in instructions)
+
+
+def program_length(sass: str) -> int:
+    """Instructions in the kernel's code, each once (a thread's issue count for a program that runs no loop twice)."""
+    return len(_instructions(sass))
 
 
 def describe(body: Counter, weight_bytes_per_thread: float | None) -> str:
