@@ -23,7 +23,9 @@ Layouts (one layer's slice of each pool):
 
 Kernel (`sparse_paged_attention_triton`): one program per (query token, block of BLOCK_H heads, KV split);
 grid (T, cdiv(H, BLOCK_H), num_splits). The heads of a token share every key (MQA, K = V), so the query
-block q[t, heads] is the M side of both tl.dot calls: S = q K^T [BLOCK_H, BLOCK_N], acc += P K. A token's
+block q[t, heads] is the M side of both tl.dot calls: S = q K^T [BLOCK_H, BLOCK_N], acc += P K, each over two
+halves of the head dim (q, K and acc as two tiles: at V4's 512 the compiled loop issues a fifth fewer instructions
+than with whole rows, and the fp8 layout decodes a block of 32 keys without spilling). A token's
 keys form a list of BLOCK_N-blocks, window blocks first (positions window_lo .. p through the page table),
 then compressed blocks (HCA: entries 0 .. (p+1)//rate - 1; CSA: topk_indices[t], -1 masked); split s takes
 a contiguous run of cdiv(num_blocks, num_splits) blocks. Online softmax in base 2 and fp32: with one split the
@@ -46,25 +48,43 @@ from kernels.tuning import dtype_name, tuned
 
 _MAX_SPLITS = 32
 MODES = ("window", "hca", "csa")  # COMP_MODE 0, 1, 2
-# Registers per thread assumed off a GPU (where the kernel is not compiled for a device): about the 164-180 that
+# Registers per thread assumed off a GPU (where the kernel is not compiled for a device): about the 138-173 that
 # sm_90 gives V4-Flash's configurations (scripts/check_kernels_compile.py), so the interpreter picks GPU-like splits.
 _ASSUMED_REGISTERS = 168
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
+def _online_softmax_step(q0, q1, k0, k1, key_mask, m_i, l_i, acc0, acc1, scale_log2,
                          COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One block of keys: logits in base 2, running max m_i, running sum l_i, acc += p @ k (K = V)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+    """One block of keys, every tile in two halves of the head dim: logits in base 2 (q0 k0^T + q1 k1^T), running max
+    m_i, running sum l_i, (acc0, acc1) += p @ (k0, k1) (K = V)."""
+    s = tl.dot(q0, tl.trans(k0), input_precision=DOT_PRECISION)
+    s = tl.dot(q1, tl.trans(k1), s, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
     s = tl.where(key_mask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: avoid -inf - -inf
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(COMPUTE_DTYPE), k, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    p = p.to(COMPUTE_DTYPE)
+    acc0 = tl.dot(p, k0, acc0 * alpha[:, None], input_precision=DOT_PRECISION)
+    acc1 = tl.dot(p, k1, acc1 * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _attend(q0, q1, m_i, l_i, acc0, acc1, kv_ptr, rope_ptr, page, slot, stride_page, stride_slot, key_mask,
+            scale_log2, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, KV_FP8: tl.constexpr,
+            COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr):
+    """The online softmax over one block of keys at (page, slot) of a pool, read (and decoded) half by half."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    k0 = load_kv_entries(kv_ptr, rope_ptr, page, slot, stride_page, stride_slot, key_mask, HEAD_DIM, ROPE_DIM, KV_FP8,
+                         COMPUTE_DTYPE, ALIGN, 0, HALF)
+    k1 = load_kv_entries(kv_ptr, rope_ptr, page, slot, stride_page, stride_slot, key_mask, HEAD_DIM, ROPE_DIM, KV_FP8,
+                         COMPUTE_DTYPE, ALIGN, HALF, HALF)
+    return _online_softmax_step(q0, q1, k0, k1, key_mask, m_i, l_i, acc0, acc1, scale_log2, COMPUTE_DTYPE,
+                                DOT_PRECISION)
 
 
 # Arguments that vary from step to step are not specialised (divisibility by 16, == 1), so that a new batch
@@ -98,19 +118,22 @@ def _sparse_paged_attention_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     head_mask = heads < num_heads
-    dims = tl.arange(0, HEAD_DIM)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HALF)  # the columns of a half
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
     pos = tl.load(token_pos_ptr + t).to(tl.int32)  # positions, entries, pages and slots fit 32 bits: cheap divisions
 
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_H, HEAD_DIM]
+    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    q0 = tl.load(q_rows + dims[None, :], mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_H, HALF]
+    q1 = tl.load(q_rows + HALF + dims[None, :], mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
     if IS_SPLIT:  # the combine kernel adds the sink
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
     else:  # start from the sink: it carries probability mass exp(sink) and no value
         m_i = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
 
     # Key blocks of this token: window blocks first, then compressed blocks; a split takes a contiguous run.
     window_lo = tl.maximum(pos - window + 1, 0)
@@ -134,10 +157,9 @@ def _sparse_paged_attention_kernel(
         col = key_pos // window_page_size - first_page
         page = tl.load(window_table_ptr + seq * stride_wtab_b + col, mask=key_mask, other=0).to(tl.int64)
         slot = key_pos % window_page_size
-        k = load_kv_entries(window_kv_ptr, window_rope_ptr, page, slot, stride_wkv_page, stride_wkv_slot, key_mask,
-                            HEAD_DIM, ROPE_DIM, KV_FP8, COMPUTE_DTYPE, WINDOW_ALIGN)
-        m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
-                                             COMPUTE_DTYPE, DOT_PRECISION)
+        m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, window_kv_ptr, window_rope_ptr, page, slot,
+                                       stride_wkv_page, stride_wkv_slot, key_mask, scale_log2, HEAD_DIM, ROPE_DIM,
+                                       KV_FP8, COMPUTE_DTYPE, DOT_PRECISION, WINDOW_ALIGN)
     if COMP_MODE != 0:
         comp_lo = tl.maximum(block_lo, num_window_blocks) - num_window_blocks
         for blk in range(comp_lo, block_hi - num_window_blocks):
@@ -152,20 +174,20 @@ def _sparse_paged_attention_kernel(
             page = tl.load(comp_table_ptr + seq * stride_ctab_b + entry // comp_page_size,
                            mask=key_mask, other=0).to(tl.int64)
             slot = entry % comp_page_size
-            k = load_kv_entries(comp_kv_ptr, comp_rope_ptr, page, slot, stride_ckv_page, stride_ckv_slot, key_mask,
-                                HEAD_DIM, ROPE_DIM, KV_FP8, COMPUTE_DTYPE, COMP_ALIGN)
-            m_i, l_i, acc = _online_softmax_step(q, k, key_mask, m_i, l_i, acc, scale_log2,
-                                                 COMPUTE_DTYPE, DOT_PRECISION)
+            m_i, l_i, acc0, acc1 = _attend(q0, q1, m_i, l_i, acc0, acc1, comp_kv_ptr, comp_rope_ptr, page, slot,
+                                           stride_ckv_page, stride_ckv_slot, key_mask, scale_log2, HEAD_DIM, ROPE_DIM,
+                                           KV_FP8, COMPUTE_DTYPE, DOT_PRECISION, COMP_ALIGN)
 
     out_ptrs = out_ptr + t * stride_ot + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
     if IS_SPLIT:  # normalised partial output and its log2-sum-exp2; an empty split has lse = -inf
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        tl.store(out_ptrs, acc / l_safe[:, None], mask=head_mask[:, None])
+        tl.store(out_ptrs, acc0 / l_safe[:, None], mask=head_mask[:, None])
+        tl.store(out_ptrs + HALF, acc1 / l_safe[:, None], mask=head_mask[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + t * stride_lse_t + heads * stride_lse_h + split, lse, mask=head_mask)
     else:
-        out = acc / l_i[:, None]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(out_ptrs, (acc0 / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(out_ptrs + HALF, (acc1 / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lse_t", "stride_lse_h"])
@@ -199,9 +221,9 @@ def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dic
 
     At head_dim 512 a [64, 512] fp32 accumulator spills on sm_90 (checked with scripts/check_kernels_compile.py),
     so heads go in blocks of at most 32 there (mma.sync, not wgmma) and each key block is read once per head block.
-    Decoding the fp8 layout in registers holds a key block's codes, rope values and decoded tile at once: half the
-    key block and one stage keep sm_90 from spilling at head_dim 512, where ptxas (Triton 3.7.1) settles on 128
-    registers and spills unless allowed 168. scripts/tune_kernels.py tunes these per device (kernels/tuning.py).
+    Decoding the fp8 layout in registers holds a key block's codes, rope values and decoded tile at once: one stage
+    (the kernel decodes the block half by half: at 32 keys 172 registers and no spill, Triton 3.7.1 and 3.6).
+    scripts/tune_kernels.py tunes these per device (kernels/tuning.py).
     """
     block_h = min(32 if head_dim >= 512 else 64, max(16, triton.next_power_of_2(num_heads)))
     if head_dim >= 256:
@@ -209,7 +231,7 @@ def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dic
     else:
         cfg = dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
     if kv_fp8:
-        cfg.update(BLOCK_N=cfg["BLOCK_N"] // 2, num_stages=1, **({"maxnreg": 168} if head_dim >= 512 else {}))
+        cfg.update(num_stages=1)
     return cfg
 
 
@@ -330,7 +352,8 @@ def _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_bl
                             window, comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim):
     num_tokens, num_heads, head_dim = q.shape
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"q dtype {q.dtype} not supported"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 16, got {head_dim}"
+    # (the kernel works on two halves of the head dim, each at least a dot's 16 columns)
+    assert head_dim >= 32 and head_dim & (head_dim - 1) == 0, f"head_dim must be a power of two >= 32, got {head_dim}"
     assert q.stride(2) == 1, "q's last dimension must be contiguous"
     assert sinks.shape == (num_heads,) and sinks.is_floating_point() and sinks.stride(0) == 1
     for name, ids in (("token_seq", token_seq), ("token_pos", token_pos)):
@@ -359,6 +382,7 @@ def _check_pool(name, pool, block_table, q, rope_dim):
         width = kv_fp8_entry_bytes(head_dim, rope_dim)
         assert pool.dim() == 3 and pool.shape[2] == width, \
             f"an fp8 {name}_kv must be [pages, page_size, {width}] bytes (D {head_dim}, rope {rope_dim})"
+        assert head_dim % 128 == 0, f"the fp8 layout's halves are whole 64-column groups: D {head_dim}"
     else:
         assert pool.dim() == 3 and pool.shape[2] == head_dim, f"{name}_kv must be [pages, page_size, D]"
         assert pool.dtype == q.dtype, f"{name}_kv dtype {pool.dtype} != q dtype {q.dtype}"

@@ -315,8 +315,10 @@ def as_decoded_tile(x):
 
 @triton.jit
 def load_kv_entries(pool_ptr, rope_ptr, page, slot, stride_page, stride_slot, mask, HEAD_DIM: tl.constexpr,
-                    ROPE_DIM: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr, ALIGN: tl.constexpr):
-    """Entries [len(page), HEAD_DIM] in DTYPE at (page, slot) (int64 pages, masked by `mask`) of a pool: its values,
+                    ROPE_DIM: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr, ALIGN: tl.constexpr,
+                    COL0: tl.constexpr, WIDTH: tl.constexpr):
+    """Columns [COL0, COL0 + WIDTH) of the entries at (page, slot) (int64 pages, masked by `mask`) of a pool of
+    HEAD_DIM-wide entries, [len(page), WIDTH] in DTYPE (the fp8 layout's: COL0 and WIDTH multiples of 64): its values,
     or for the fp8 layout (uint8 pool; rope_ptr the same memory as bf16) the tile decoded as FlashMLA's sparse fp8
     decode does: the e4m3 codes read with wide loads, converted once into DTYPE and multiplied by their group's ue8m0
     scale (an entry's scale bytes one 8-byte load, applied per 64-column group), the bf16 rope values added in their
@@ -325,18 +327,18 @@ def load_kv_entries(pool_ptr, rope_ptr, page, slot, stride_page, stride_slot, ma
     strides: 8 for the layout's widths), a hint given on offsets computed here because Triton drops it on a helper's
     argument."""
     rows = page * stride_page + slot * stride_slot
-    dims = tl.arange(0, HEAD_DIM)
+    dims = COL0 + tl.arange(0, WIDTH)
     if FP8:
         NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
-        GROUPS: tl.constexpr = HEAD_DIM // 64  # the rope dims make whole groups too (NOPE, ROPE_DIM multiples of 64)
+        GROUPS: tl.constexpr = WIDTH // 64  # the rope dims make whole groups too (NOPE, ROPE_DIM multiples of 64)
         rows = tl.multiple_of(rows, ALIGN)
         is_nope = dims < NOPE
         codes = tl.load(pool_ptr + rows[:, None] + dims[None, :], mask=mask[:, None] & is_nope[None, :], other=0)
-        groups = tl.arange(0, GROUPS)
+        groups = COL0 // 64 + tl.arange(0, GROUPS)
         scale_codes = tl.load(pool_ptr + rows[:, None] + (NOPE + 2 * ROPE_DIM) + groups[None, :],
                               mask=mask[:, None] & (groups < NOPE // 64)[None, :], other=127)
         values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(DTYPE), [rows.shape[0], GROUPS, 64])
-        nope = tl.reshape(values * ue8m0_value(scale_codes).to(DTYPE)[:, :, None], [rows.shape[0], HEAD_DIM])
+        nope = tl.reshape(values * ue8m0_value(scale_codes).to(DTYPE)[:, :, None], [rows.shape[0], WIDTH])
         rope = tl.load(rope_ptr + rows[:, None] // 2 + NOPE // 2 + (dims[None, :] - NOPE),
                        mask=mask[:, None] & ~is_nope[None, :], other=0.0)
         entries = as_decoded_tile(nope + rope.to(DTYPE))

@@ -137,8 +137,8 @@ def v4_flash_sweeps() -> list[Sweep]:
     s = FULL
     attention = [_double("BLOCK_N"), _halve("BLOCK_N"), dict(BLOCK_H=16, num_warps=4),
                  lambda d: dict(num_stages=1 if d["num_stages"] > 1 else 2)]
-    fp8_attention = [dict(BLOCK_H=16, BLOCK_N=32, num_warps=4), dict(BLOCK_H=16, num_warps=4), dict(maxnreg=None),
-                     dict(maxnreg=255)]
+    fp8_attention = [dict(BLOCK_H=16, num_warps=4), lambda d: dict(BLOCK_N=2 * d["BLOCK_N"], num_stages=2),
+                     _halve("BLOCK_N"), dict(num_stages=2)]  # (64 keys, two stages: 252 registers, 200 KB shared)
     indexer = [_halve("BLOCK_E"), dict(BLOCK_E=256, num_warps=8), dict(num_warps=8), _halve("BLOCK_H")]
     moe = [dict(gate_up=dict(num_warps=8)), dict(down=dict(num_warps=8)), _double("BLOCK_M"),
            dict(gate_up=dict(num_stages=3), down=dict(num_stages=3))]

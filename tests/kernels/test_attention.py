@@ -111,6 +111,16 @@ def test_matches_reference(dtype, mode):
     _check(q, sinks, scale, kwargs, dtype, num_splits=1, block_n=16)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_v4_widths(num_splits):
+    """DeepSeek-V4's widths (head_dim 512: the kernel's two halves of 256 columns; 64 heads, two blocks of 32) at the
+    default key blocks, with and without split-KV."""
+    q, sinks, scale, kwargs = make_batch([(0, 1), (70, 1), (40, 3)], num_heads=64, head_dim=512, window=40,
+                                         page_size=16, dtype=torch.bfloat16, mode="csa", compress_rate=4, topk=20,
+                                         seed=num_splits)
+    _check(q, sinks, scale, kwargs, torch.bfloat16, num_splits=num_splits)
+
+
 @pytest.mark.parametrize("mode", ["hca", "csa"])
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_split_kv_matches_reference(mode, num_splits):
@@ -159,7 +169,7 @@ def test_random_batches(data):
     seqs = data.draw(st.lists(st.tuples(st.integers(0, 70), st.integers(1, 4)), min_size=1, max_size=3))
     mode = data.draw(st.sampled_from(["window", "hca", "csa"]))
     q, sinks, scale, kwargs = make_batch(
-        seqs, num_heads=data.draw(st.integers(1, 6)), head_dim=16, window=data.draw(st.integers(1, 24)),
+        seqs, num_heads=data.draw(st.integers(1, 6)), head_dim=32, window=data.draw(st.integers(1, 24)),
         page_size=data.draw(st.sampled_from([2, 4, 8])), dtype=torch.float32, mode=mode,
         compress_rate=data.draw(st.sampled_from([2, 4, 8])), topk=data.draw(st.integers(1, 20)),
         seed=data.draw(st.integers(0, 100)))
