@@ -138,11 +138,13 @@ def resolve_numerics(config: EngineConfig, model_config, layout: ParallelLayout)
 
 
 def _kv_groups_problem(c) -> str | None:
-    """Why DeepSeek's KV roundings (nope values by 64, rotated indexer keys by 32) cannot apply, or None."""
+    """Why DeepSeek's KV roundings (nope values by 64, rotated indexer keys by 32) cannot apply, or None. (The
+    attention kernel reads an entry in two halves of whole 64-column groups: head_dim a multiple of 128.)"""
     nope, index_dim = c.head_dim - c.qk_rope_head_dim, c.index_head_dim
-    if nope <= 0 or nope % 64 or index_dim % 32 or index_dim & (index_dim - 1):
-        return (f"head_dim - rope dims a multiple of 64 and index_head_dim a power of two of at least 32 "
-                f"(DeepSeek-V4: 448 and 128); this checkpoint has {nope} and {index_dim}")
+    if c.head_dim % 128 or nope <= 0 or nope % 64 or index_dim % 32 or index_dim & (index_dim - 1):
+        return (f"head_dim a multiple of 128, head_dim - rope dims a multiple of 64 and index_head_dim a power of "
+                f"two of at least 32 (DeepSeek-V4: 512, 448 and 128); this checkpoint has {c.head_dim}, {nope} and "
+                f"{index_dim}")
     return None
 
 

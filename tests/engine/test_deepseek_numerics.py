@@ -233,7 +233,7 @@ def test_kv_cache_dtype_settings_that_cannot_apply_are_refused(tiny_checkpoint, 
         EngineConfig(kv_cache_dtype="fp8", numerics="transformers")  # the layout holds DeepSeek's roundings
     with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*numerics=deepseek"):  # auto: transformers here
         LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", kv_cache_dtype="fp8"))
-    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*48 and 32"):  # the built-in model: 64 - 16
+    with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*64, 48 and 32"):  # the built-in model: 64 - 16
         LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", kv_cache_dtype="fp8"))
     with pytest.raises(ConfigError, match="parameter 'kv_cache_dtype'.*dtype bfloat16"):
         LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", kv_cache_dtype="bfloat16"))
