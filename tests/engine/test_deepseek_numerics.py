@@ -184,8 +184,9 @@ def test_fp8_storage_gives_the_logits_of_bf16_storage(deepseek_shaped_checkpoint
     same logits, bit for bit, whether the pools hold bf16 values or the layout's bytes (prefill chunks across CSA and
     HCA boundaries, then decodes, with the references; a shorter prompt across CSA boundaries with the Triton kernels
     under the interpreter, which decode the bytes in registers: their HCA reads are checked in
-    tests/kernels/test_fp8_kv_cache.py and against the oracle below). The attention's tiles and split-KV bound are pinned: the fp8 layout's defaults
-    (a smaller key block, fewer bytes a key) would change the softmax's summation order."""
+    tests/kernels/test_fp8_kv_cache.py and against the oracle below). The attention's tiles and split-KV bound are
+    pinned: the fp8 layout's defaults (fewer bytes a key, so another split-KV bound) would change the softmax's
+    summation order."""
     import kernels.attention
 
     monkeypatch.setattr(kernels.attention, "attention_config",
