@@ -77,8 +77,8 @@ def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int
     speed = decode_tokens_per_s(engine, prompts, max_tokens, temperature)
     verifies = counters.num_verifies - verifies
     emitted = verifies + counters.num_accepted_tokens - drafts_accepted
-    return (speed, emitted / verifies if verifies else 1.0, step_cost_s(list(records), len(prompts), k),
-            static_share(list(records)))
+    steps = list(records)
+    return speed, emitted / verifies if verifies else 1.0, step_cost_s(steps, len(prompts), k), static_share(steps)
 
 
 def step_cost_s(records: list, concurrency: int, k: int) -> float | None:
