@@ -184,14 +184,15 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
 
 
 def load_model(config: EngineConfig, deployment: Deployment, device, dtype, layout: ParallelLayout,
-               comm: Communicator) -> DeepseekV4Model:
+               comm: Communicator, kernel_mode: str | None = None) -> DeepseekV4Model:
     """The shard of rank `layout.rank` (all of the model on one rank), its MTP layers too when speculative decoding
-    serves them, with its kernel dispatch (the deployment's numerics): read from the checkpoint, or with
+    serves them, with its kernel dispatch (the deployment's numerics; `kernel_mode` overrides the config's choice,
+    e.g. "triton" for the kernels under Triton's interpreter on CPU): read from the checkpoint, or with
     load_format=dummy built at random on `device` (backend/model/dummy_weights.py)."""
     build = dummy_weights if config.load_format == "dummy" else partial(load_weights, config.checkpoint)
     weights = build(deployment.model_config, dtype, device, deployment.weight_format, layout=layout,
                     draft_layers=deployment.draft_layers)
-    kernels = KernelDispatch(default_mode(config.use_reference_kernels), deployment.numerics)
+    kernels = KernelDispatch(kernel_mode or default_mode(config.use_reference_kernels), deployment.numerics)
     return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm)
 
 

@@ -36,31 +36,35 @@ import triton
 import triton.language as tl
 
 from kernels.common import TL_DTYPES
-from kernels.kv_store import scale_slots, store_entries_reference, store_fp8_entry
+from kernels.kv_store import scale_slots, store_entries_reference, store_fp4_key, store_fp8_entry, store_keys_reference
 from kernels.norm_rope import apply_rope, rms_norm
-from kernels.quant_formats import kv_fp8_entry_bytes
+from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
 
 
 def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor,
                                  state_gate: torch.Tensor, plan, position_bias: torch.Tensor,
                                  norm_weight: torch.Tensor, eps: float, entry_cos: torch.Tensor,
                                  entry_sin: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, *,
-                                 entry_dtype: torch.dtype | None = None) -> None:
+                                 entry_dtype: torch.dtype | None = None, keys: bool = False) -> None:
     """kv, gate: this batch's projections [T, width] (may be column views); state_*: one layer's rings
     [slots, ring, width]; entry_cos / entry_sin: the compress rope at plan.entry_pos. entry_dtype: the dtype the
     pooled entry is rounded to before its norm and rope (DeepSeek pools fp32 projections, then normalises in the
-    model's dtype); None: kv's."""
+    model's dtype); None: kv's. `keys`: the pool holds the indexer's keys (a uint8 pool: rotated, then FP4)."""
     entries = _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin,
                         entry_dtype)
     if not plan.num_entries:
         return
-    store_entries_reference(entries, pool, entry_destinations(plan, pool, block_table), 2 * entry_cos.shape[-1])
+    rows = entry_destinations(plan, pool, block_table)
+    if keys:
+        store_keys_reference(entries, pool, rows)
+    else:
+        store_entries_reference(entries, pool, rows, 2 * entry_cos.shape[-1])
 
 
 def compress_entries_reference(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
                                entry_sin, *, entry_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The entries the plan closes [N, head_dim] in entry_dtype, not stored (the caller encodes them: kv_cache_dtype
-    fp8); the rings updated as compress_into_pool_reference updates them."""
+    """The entries the plan closes [N, head_dim] in entry_dtype, not stored (their values, which a pool of the fp8
+    layout keeps only encoded); the rings updated as compress_into_pool_reference updates them."""
     return _compress(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos, entry_sin,
                      entry_dtype)
 
@@ -179,6 +183,7 @@ def _compress_kernel(
     STAGED: tl.constexpr,  # entry e goes to row e of pool_ptr (a [N, 1, head_dim] buffer), not into the pool
     ENTRY_DTYPE: tl.constexpr,  # the pooled entry's dtype before its norm and rope (pooling is in kv's)
     FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # a uint8 pool of the fp8 layout: quantize on write
+    FP4_KEYS: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,  # a uint8 pool of indexer keys: rotate, then FP4
 ):
     pid = tl.program_id(0)
     dtype = kv_ptr.dtype.element_ty
@@ -253,6 +258,9 @@ def _compress_kernel(
         if FP8_POOL:  # (BLOCK_D == HEAD_DIM)
             store_fp8_entry(pool_ptr, pool_rope_ptr, offset, y.to(ENTRY_DTYPE).to(tl.float32), HEAD_DIM, ROPE_DIM,
                             SCALE_SLOTS)
+        elif FP4_KEYS:  # (BLOCK_D == HEAD_DIM)
+            store_fp4_key(pool_ptr, offset, tl.reshape(y.to(ENTRY_DTYPE).to(tl.float32), [1, BLOCK_D]), HEAD_DIM,
+                          True, LOG_HEAD_DIM, ENTRY_DTYPE)
         else:
             tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
 
@@ -268,7 +276,8 @@ def compress_config(span: int, head_dim: int, width: int) -> dict:
 
 
 def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                            entry_sin, pool, block_table, config: dict | None = None, entry_dtype=None):
+                            entry_sin, pool, block_table, config: dict | None = None, entry_dtype=None,
+                            keys: bool = False):
     """Check shapes; return the launches (kernel, grid, args, kwargs) of `compress_into_pool_triton`: none when
     nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries and snapshots, then
     the rings). block_table None: `pool` is a [N, 1, head_dim] buffer that gets entry e in row e (STAGED)."""
@@ -284,8 +293,10 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
         and state_kv.stride() == state_gate.stride(), f"rings must be [slots, {ring}, {width}]"
     assert tuple(position_bias.shape) == (plan.rate, width) and position_bias.stride(-1) == 1, "position_bias [rate, width]"
     rope_dim = 2 * entry_cos.shape[-1]
-    fp8_pool = pool.dtype == torch.uint8
-    entry_width = kv_fp8_entry_bytes(head_dim, rope_dim) if fp8_pool else head_dim
+    fp4_keys = keys and pool.dtype == torch.uint8
+    fp8_pool = pool.dtype == torch.uint8 and not keys
+    entry_width = (kv_fp8_entry_bytes(head_dim, rope_dim) if fp8_pool else
+                   indexer_fp4_entry_bytes(head_dim) if fp4_keys else head_dim)
     assert pool.dim() == 3 and pool.shape[-1] == entry_width and pool.stride(-1) == 1, \
         f"pool [pages, page_size, {entry_width}]"
     assert entry_cos.shape[0] == num_entries and entry_sin.shape == entry_cos.shape and rope_dim <= head_dim
@@ -293,7 +304,8 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     if num_entries == 0 and num_keep == 0:
         return []
     cfg = config or compress_config(span, head_dim, width)
-    assert not fp8_pool or cfg["BLOCK_D"] == head_dim, "the fp8 layout quantizes whole entries: BLOCK_D == head_dim"
+    assert not (fp8_pool or fp4_keys) or cfg["BLOCK_D"] == head_dim, \
+        "the fp8 layout quantizes whole entries: BLOCK_D == head_dim"
     contiguous = lambda t: t if t.is_contiguous() else t.contiguous()  # noqa: E731 (plans are built contiguous)
     entry_cos, entry_sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (entry_cos, entry_sin))
     entry_valid = contiguous(plan.entry_valid)
@@ -308,7 +320,8 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
                   ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged,
                   ENTRY_DTYPE=TL_DTYPES[entry_dtype or kv.dtype], FP8_POOL=fp8_pool,
-                  SCALE_SLOTS=scale_slots(head_dim, rope_dim) if fp8_pool else 8, **cfg)
+                  SCALE_SLOTS=scale_slots(head_dim, rope_dim) if fp8_pool else 8, FP4_KEYS=fp4_keys,
+                  LOG_HEAD_DIM=head_dim.bit_length() - 1, **cfg)
     scratch_page = pool.shape[0] - 1
 
     def launch(entries, keep_begin, keep_end):  # programs: `entries` entries, then keep rows [keep_begin, keep_end)
@@ -333,9 +346,10 @@ def compress_entries_triton(kv, gate, state_kv, state_gate, plan, position_bias,
 
 
 def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                              entry_sin, pool, block_table, config: dict | None = None, *, entry_dtype=None) -> None:
+                              entry_sin, pool, block_table, config: dict | None = None, *, entry_dtype=None,
+                              keys: bool = False) -> None:
     """Triton version of `compress_into_pool_reference` (same arguments and effects)."""
     for kernel, grid, args, kwargs in plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
                                                               norm_weight, eps, entry_cos, entry_sin, pool,
-                                                              block_table, config, entry_dtype):
+                                                              block_table, config, entry_dtype, keys):
         kernel[grid](*args, **kwargs)

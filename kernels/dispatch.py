@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import sparse_paged_attention_reference
-from kernels.compressor import entry_destinations, round_stored_entries
+from kernels.compressor import round_stored_entries
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
 from kernels.modes import KVLayout, Numerics
 from kernels.moe import QuantizedExperts, fused_moe_reference
-from kernels.quant_formats import hadamard_rotate, simulate_indexer_fp4, simulate_kv_fp8
+from kernels.quant_formats import simulate_kv_fp8
 
 MODES = ("auto", "reference", "triton")
 def default_mode(use_reference: bool = False) -> str:
@@ -112,13 +112,14 @@ class KernelDispatch:
         """Close a compressor's windows into its pool and update its ring."""
         return self._fused("compressor", "compress_into_pool", kv, kv, *args, **kwargs)
 
-    def compress_entries(self, kv, *args, **kwargs):
-        """Close a compressor's windows (the entries, for the caller to store) and update its ring."""
-        return self._fused("compressor", "compress_entries", kv, kv, *args, **kwargs)
+    # --- DeepSeek's in-place activation quantizers (numerics=deepseek) --------------------------------------------
+    def round_activations(self, x):
+        """x as act_quant(inplace=True) leaves it: e4m3 per 128 columns, times the power-of-two scales."""
+        return self._fused("act_rounding", "round_activations", x, x)
 
-    def store_indexer_fp4(self, keys, pool, rows) -> None:
-        """Rotated indexer keys encoded as FP4 pairs with their scales into rows of a pool of the fp8 layout."""
-        self._fused("kv_store", "store_indexer_fp4", keys, keys, pool, rows)
+    def round_indexer(self, x):
+        """Indexer vectors as DeepSeek's inference leaves them: rotated, then FP4 per 32, times the scales."""
+        return self._fused("act_rounding", "round_indexer", x, x)
 
     # --- entries into the KV pools, as their layout keeps them and the numerics round them ------------------------
     def store_window_entries(self, kv, norm_weight, eps: float, cos, sin, pool, index, kv_layout: KVLayout) -> None:
@@ -133,15 +134,10 @@ class KernelDispatch:
     def compress_and_store(self, kv, gate, state_kv, state_gate, plan, *args, pool, block_table, kv_layout: KVLayout,
                            indexer: bool, entry_dtype: torch.dtype) -> None:
         """Run one compressor (compress_into_pool's arguments) and store the entries it closes into `pool` as
-        `kv_layout` keeps them: the fp8 layout's attention entries encoded by the kernel where it stores them, its FP4
-        indexer keys rotated first (a torch pass) and then encoded."""
-        inputs = (kv, gate, state_kv, state_gate, plan, *args)
-        if indexer and kv_layout.fp8:
-            entries = self.compress_entries(*inputs, entry_dtype=entry_dtype)
-            if plan.num_entries:
-                self.store_indexer_fp4(hadamard_rotate(entries), pool, entry_destinations(plan, pool, block_table))
-            return
-        self.compress_into_pool(*inputs, pool, block_table, entry_dtype=entry_dtype)
+        `kv_layout` keeps them: in the fp8 layout its attention entries, and the indexer's keys rotated and in FP4,
+        encoded by the kernel where it stores them; in values, rounded after (DeepSeek's numerics)."""
+        self.compress_into_pool(kv, gate, state_kv, state_gate, plan, *args, pool, block_table,
+                                entry_dtype=entry_dtype, keys=indexer)
         rounding = self._rounding_of_stored(kv_layout, indexer)
         if rounding is not None:
             round_stored_entries(pool, plan, block_table, rounding)
@@ -152,7 +148,7 @@ class KernelDispatch:
         if kv_layout.fp8:
             return None
         if indexer:
-            return simulate_indexer_fp4 if self.numerics.round_indexer else None
+            return self.round_indexer if self.numerics.round_indexer else None
         if not self.numerics.round_kv_entries:
             return None
         return lambda entries: simulate_kv_fp8(entries, kv_layout.rope_dim)

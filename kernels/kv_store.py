@@ -1,17 +1,18 @@
 """Quantize-on-write for the KV cache in DeepSeek's layouts (kv_cache_dtype fp8).
 
 `store_fp8_entry` (Triton) encodes one attention entry where it is stored; the kernels that produce entries inline
-it (norm_rope's window write, the compressor's CSA/HCA write), so an entry never exists unquantized in memory.
+it (norm_rope's window write, the compressor's CSA/HCA write), so an entry never exists unquantized in memory;
+`store_fp4_key` does the same for an indexer key (the compressor's indexer write).
 
 `store_kv_fp8_*(values, pool, rows, rope_dim)`: attention entries values [N, D] (window or CSA/HCA, after their norm
 and rope) encoded as kernels/quant_formats.py's fp8 entry (nope values e4m3 per 64 with ue8m0 scales, rope values
 bf16, the scale bytes padded to 8) into rows `rows` [N] of pool.view(-1, entry_bytes).
-`store_indexer_fp4_*(keys, pool, rows)`: indexer keys [N, Di], already rotated, encoded as FP4 pairs with a ue8m0
-scale per 32 into rows of pool.view(-1, Di / 2 + Di / 32).
+`store_indexer_fp4_*(keys, pool, rows, rotate)`: indexer keys [N, Di] (rotated first where `rotate`, as
+`hadamard_rotate`), encoded as FP4 pairs with a ue8m0 scale per 32 into rows of pool.view(-1, Di / 2 + Di / 32).
 
 The references are pack_kv_fp8 / pack_indexer_fp4 and an index store (several launches, a packed copy of the
 batch's entries); the standalone kernels read each entry once and write its bytes where they belong: one program per
-entry (the indexer keys use theirs after the torch rotation).
+entry (an indexer key's may rotate it first, in registers).
 Rows of padding entries (static shapes) point at the pools' scratch page like any other row.
 
 The e4m3, e2m1 and bf16 roundings are arithmetic (round to nearest, ties to even), then the exact values are
@@ -25,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_formats import (KV_FP8_BLOCK, MXFP4_BLOCK, e4m3_scale_codes, indexer_fp4_entry_bytes,
-                                   kv_fp8_entry_bytes, pack_indexer_fp4, pack_kv_fp8, padded8, round_to_e4m3,
-                                   ue8m0_scale_codes)
+from kernels.quant_formats import (KV_FP8_BLOCK, MXFP4_BLOCK, e2m1_groups, e4m3_scale_codes, hadamard_rotate,
+                                   indexer_fp4_entry_bytes, kv_fp8_entry_bytes, pack_indexer_fp4, pack_kv_fp8, padded8,
+                                   round_to_e4m3, rotate_rows)
 
 
 def store_kv_fp8_reference(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
@@ -43,8 +44,18 @@ def store_entries_reference(values: torch.Tensor, pool: torch.Tensor, rows: torc
         pool.view(-1, pool.shape[-1])[rows] = values
 
 
-def store_indexer_fp4_reference(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
-    pool.view(-1, pool.shape[-1])[rows] = pack_indexer_fp4(keys)
+def store_indexer_fp4_reference(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor,
+                                rotate: bool = False) -> None:
+    pool.view(-1, pool.shape[-1])[rows] = pack_indexer_fp4(hadamard_rotate(keys) if rotate else keys)
+
+
+def store_keys_reference(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
+    """Indexer keys [N, Di] into rows of a pool as it stores them: as they are, or (a uint8 pool, the fp8 layout's)
+    rotated and encoded as FP4; what the compressor's reference ends with for the indexer."""
+    if pool.dtype == torch.uint8:
+        store_indexer_fp4_reference(keys, pool, rows, rotate=True)
+    else:
+        pool.view(-1, pool.shape[-1])[rows] = keys
 
 
 @triton.jit
@@ -90,23 +101,31 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _store_indexer_fp4_kernel(keys_ptr, rows_ptr, pool_ptr, stride_k, stride_row, HEAD_DIM: tl.constexpr):
-    """Program e: key e's groups of 32 rounded to e2m1 at their power-of-two scale, stored as code pairs + scales."""
-    e = tl.program_id(0).to(tl.int64)
+def store_fp4_key(pool_ptr, row, x, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """One indexer key x [1, HEAD_DIM] (float32 holding DTYPE values) encoded at byte offset `row` of a uint8 pool:
+    rotated first where ROTATE (hadamard_rotate, rounded to DTYPE), its groups of 32 rounded to e2m1 at their
+    power-of-two scale, stored as code pairs + scales. Inlined by the compressor for the keys it closes too."""
     GROUPS: tl.constexpr = HEAD_DIM // 32
-    x = tl.load(keys_ptr + e * stride_k + tl.arange(0, HEAD_DIM)).to(tl.float32)
-    row = tl.load(rows_ptr + e).to(tl.int64) * stride_row
-    groups = tl.reshape(x, [GROUPS, 32])
-    exponent, scale = ue8m0_scale_codes(tl.max(tl.abs(groups), 1), 6.0 * 2.0 ** -126, 6.0)  # fp4_act_quant's
-    magnitude = tl.minimum(tl.abs(groups) / scale[:, None], 6.0)
-    step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
-    rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step  # fp32 round half to even, on the binade's grid
+    if ROTATE:
+        x = rotate_rows(x, 1, HEAD_DIM, LOG_HEAD_DIM, DTYPE)
+    rounded, exponent, _ = e2m1_groups(x, 1, HEAD_DIM)
     code = tl.where(rounded < 2.0, rounded * 2.0, tl.where(rounded < 4.0, rounded + 2.0, rounded * 0.5 + 4.0))
-    negative = (groups.to(tl.int32, bitcast=True) < 0).to(tl.int32)  # the sign bit (-0.0 too, as torch's copysign)
-    code = tl.reshape(code.to(tl.int32) | (negative << 3), [HEAD_DIM // 2, 2])
-    low, high = tl.split(code)
+    negative = (x.to(tl.int32, bitcast=True) < 0).to(tl.int32)  # the sign bit (-0.0 too, as torch's copysign)
+    code = tl.reshape(code.to(tl.int32), [HEAD_DIM]) | (tl.reshape(negative, [HEAD_DIM]) << 3)
+    low, high = tl.split(tl.reshape(code, [HEAD_DIM // 2, 2]))
     tl.store(pool_ptr + row + tl.arange(0, HEAD_DIM // 2), (low | (high << 4)).to(tl.uint8))
-    tl.store(pool_ptr + row + HEAD_DIM // 2 + tl.arange(0, GROUPS), exponent.to(tl.uint8))
+    tl.store(pool_ptr + row + HEAD_DIM // 2 + tl.arange(0, GROUPS), tl.reshape(exponent, [GROUPS]).to(tl.uint8))
+
+
+@triton.jit
+def _store_indexer_fp4_kernel(keys_ptr, rows_ptr, pool_ptr, stride_k, stride_row, HEAD_DIM: tl.constexpr,
+                              ROTATE: tl.constexpr, LOG_HEAD_DIM: tl.constexpr):
+    """Program e: key e into its row."""
+    e = tl.program_id(0).to(tl.int64)
+    x = tl.load(keys_ptr + e * stride_k + tl.arange(0, HEAD_DIM)[None, :]).to(tl.float32)  # [1, HEAD_DIM]
+    store_fp4_key(pool_ptr, tl.load(rows_ptr + e).to(tl.int64) * stride_row, x, HEAD_DIM, ROTATE, LOG_HEAD_DIM,
+                  keys_ptr.dtype.element_ty)
 
 
 def _check(values, pool, rows, width):
@@ -134,7 +153,7 @@ def plan_store_kv_fp8(values, pool, rows, rope_dim):
     return [(_store_kv_fp8_kernel, (values.shape[0],), args, kwargs)]
 
 
-def plan_store_indexer_fp4(keys, pool, rows):
+def plan_store_indexer_fp4(keys, pool, rows, rotate: bool = False):
     head_dim = keys.shape[-1]
     width = indexer_fp4_entry_bytes(head_dim)
     _check(keys, pool, rows, width)
@@ -142,7 +161,8 @@ def plan_store_indexer_fp4(keys, pool, rows):
     if keys.shape[0] == 0:
         return []
     args = (keys, rows.contiguous(), pool, keys.stride(0), width)
-    return [(_store_indexer_fp4_kernel, (keys.shape[0],), args, dict(HEAD_DIM=head_dim, num_warps=1))]
+    return [(_store_indexer_fp4_kernel, (keys.shape[0],), args,
+             dict(HEAD_DIM=head_dim, ROTATE=rotate, LOG_HEAD_DIM=head_dim.bit_length() - 1, num_warps=1))]
 
 
 def store_kv_fp8_triton(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
@@ -151,7 +171,8 @@ def store_kv_fp8_triton(values: torch.Tensor, pool: torch.Tensor, rows: torch.Te
         kernel[grid](*args, **kwargs)
 
 
-def store_indexer_fp4_triton(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor) -> None:
+def store_indexer_fp4_triton(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor,
+                             rotate: bool = False) -> None:
     """Triton version of `store_indexer_fp4_reference`: one launch."""
-    for kernel, grid, args, kwargs in plan_store_indexer_fp4(keys, pool, rows):
+    for kernel, grid, args, kwargs in plan_store_indexer_fp4(keys, pool, rows, rotate):
         kernel[grid](*args, **kwargs)

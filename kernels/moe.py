@@ -902,8 +902,7 @@ def fused_moe_reference(
     MoE.forward): SwiGLU and the routing weight in fp32, rounded once before the down projection, and the pairs'
     products summed in fp32, returned unrounded with out_dtype=torch.float32 (DeepSeek adds the shared expert to that
     sum before its one rounding). quantize_hidden: DeepSeek's act_quant (e4m3 per 128 columns) of both GEMMs' inputs,
-    x and the weighted SwiGLU output, as its FP8/FP4 linears quantize their inputs (on x already so rounded, as the
-    model passes it, a no-op)."""
+    x and the weighted SwiGLU output, as its FP8/FP4 linears quantize their inputs (the model passes x as it is)."""
     if quantize_hidden:
         x = simulate_quantization(x, FP8_ACT_BLOCK, "e4m3")
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -459,6 +459,36 @@ def e4m3_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def hadamard_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr):
+    """`hadamard_rotate`'s butterflies on a float32 tile [ROWS, N] (N = 2^LOG_N), without its final scale: stage h
+    pairs columns (i, i + h) within blocks of 2h into (sum, difference), as the reference's float32 sums."""
+    for stage in tl.static_range(LOG_N):  # h = 2^stage
+        pairs = tl.permute(tl.reshape(x, [ROWS, N >> (stage + 1), 2, 1 << stage]), [0, 1, 3, 2])  # [.., h, 2]
+        first, second = tl.split(pairs)
+        x = tl.reshape(tl.permute(tl.join(first + second, first - second), [0, 1, 3, 2]), [ROWS, N])
+    return x
+
+
+@triton.jit
+def e2m1_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """DeepSeek's fp4_act_quant of a float32 tile [ROWS, COLS] in groups of 32 columns: (magnitudes on the e2m1 grid
+    [ROWS, COLS // 32, 32] as float32, their ue8m0 codes [ROWS, COLS // 32], their scales); `quantize_groups(x, 32,
+    "e2m1")` in registers, less the signs (the caller's: x's sign bits, -0.0 included, as torch's copysign)."""
+    groups = tl.reshape(x, [ROWS, COLS // 32, 32])
+    codes, scale = ue8m0_scale_codes(tl.max(tl.abs(groups), 2), 6.0 * 2.0 ** -126, 6.0)
+    magnitude = tl.minimum(tl.abs(groups) / scale[:, :, None], 6.0)
+    step = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0))
+    rounded = ((magnitude / step + 12582912.0) - 12582912.0) * step  # fp32 round half to even, on the binade's grid
+    return rounded, codes, scale
+
+
+@triton.jit
+def rotate_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DTYPE: tl.constexpr):
+    """`hadamard_rotate` of a float32 tile [ROWS, N] whose rows are the vectors, rounded to DTYPE (kept float32)."""
+    return round_to_dtype(hadamard_rows(x, ROWS, N, LOG_N) * (N ** -0.5), DTYPE)
+
+
+@triton.jit
 def round_to_dtype(v, DTYPE: tl.constexpr):
     """float32 values rounded to DTYPE (to nearest, ties to even) and back to float32: the rounding a store in DTYPE
     makes, kept in registers. bf16 from the bits, because the interpreter's float32 -> bf16 cast truncates."""

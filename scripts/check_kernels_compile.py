@@ -46,6 +46,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from backend.model.compressor import CompressionPlan  # noqa: E402
+from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.compressor import plan_compress_into_pool  # noqa: E402
 from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
@@ -80,6 +81,7 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "indexer T=1"), ("v4-flash", "attention csa fp8 kv decode T=1"),
          ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe mxfp4 deepseek T=1"),
          ("v4-flash", "store kv fp8 N=1"), ("v4-flash", "store indexer fp4 N=1"), ("v4-flash", "moe T=1"),
+         ("v4-flash", "round activations T=256"), ("v4-flash", "round indexer queries T=256"),
          ("v4-flash", "norm_rope kv fp8 T=64"), ("v4-flash", "compressor csa fp32 fp8 64x1"),
          ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"),
@@ -221,7 +223,7 @@ def routing_launches(m: dict, num_tokens: int, kind: str):
 def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, fp8: bool = False,
                         fp32: bool = False):
     """A compressor over num_rows rows of tokens_per_row tokens: kind csa / hca / indexer. fp8: into a pool of the
-    fp8 layout; fp32: DeepSeek's numerics (fp32 projections and rings, bf16 entries)."""
+    fp8 layout (the indexer's: FP4 keys); fp32: DeepSeek's numerics (fp32 projections and rings, bf16 entries)."""
     rate = m["hca_rate"] if kind == "hca" else m["csa_rate"]
     overlap = kind != "hca"
     head_dim = m["index_head_dim"] if kind == "indexer" else m["head_dim"]
@@ -239,12 +241,17 @@ def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, 
     dtype = torch.float32 if fp32 else torch.bfloat16
     projection = _meta(num_tokens, 4 * width, dtype=dtype)  # column views of the fused attention-input projection
     half = m["rope_dim"] // 2
-    pool = _kv_pool(m, True) if fp8 else _meta(4096, m["page_size"], head_dim)
+    keys = kind == "indexer"
+    if fp8:
+        pool = (_meta(4096, m["page_size"], indexer_fp4_entry_bytes(head_dim), dtype=torch.uint8) if keys
+                else _kv_pool(m, True))
+    else:
+        pool = _meta(4096, m["page_size"], head_dim)
     return plan_compress_into_pool(
         projection[:, :width], projection[:, width:2 * width], _meta(257, ring, width, dtype=dtype),
         _meta(257, ring, width, dtype=dtype), plan, _meta(rate, width, dtype=torch.float32), _meta(head_dim), 1e-6,
         _meta(entries, half), _meta(entries, half), pool, _meta(num_rows, 1024, dtype=torch.int32),
-        entry_dtype=torch.bfloat16)
+        entry_dtype=torch.bfloat16, keys=keys)
 
 
 def fp8_gemm_launches(num_tokens: int, n: int, k: int):
@@ -290,7 +297,7 @@ def cases() -> list[tuple[str, str, list]]:
         out.append(("v4-flash", f"attention {mode} fp8 kv prefill T={t}", attention_launches(flash, mode, t, True)))
     for t in (1, 64, flash["prefill_tokens"]):  # the window write, quantized in the norm_rope kernel
         out.append(("v4-flash", f"norm_rope kv fp8 T={t}", norm_rope_launches(flash, t, "kv", fp8=True)))
-    for kind in ("csa", "hca"):  # DeepSeek's numerics: fp32 pooling, entries quantized where they are stored
+    for kind in ("csa", "hca", "indexer"):  # DeepSeek's numerics: fp32 pooling, entries quantized where stored
         for rows, tokens in ((1, 1), (64, 1), (1, flash["prefill_tokens"])):
             out.append(("v4-flash", f"compressor {kind} fp32 fp8 {rows}x{tokens}",
                         compressor_launches(flash, kind, rows, tokens, fp8=True, fp32=True)))
@@ -303,6 +310,10 @@ def cases() -> list[tuple[str, str, list]]:
         keys = _meta(4096, flash["page_size"], indexer_fp4_entry_bytes(flash["index_head_dim"]), dtype=torch.uint8)
         out.append(("v4-flash", f"store indexer fp4 N={t}", plan_store_indexer_fp4(
             _meta(t, flash["index_head_dim"]), keys, _meta(t, dtype=torch.int64))))
+    for t in (1, 256, flash["prefill_tokens"]):  # DeepSeek's numerics: the experts' inputs, the indexer's queries
+        out.append(("v4-flash", f"round activations T={t}", plan_round(_meta(t, flash["hidden"]), fp4=False)[1]))
+        queries = _meta(t, flash["index_heads"], flash["index_head_dim"])
+        out.append(("v4-flash", f"round indexer queries T={t}", plan_round(queries, fp4=True)[1]))
     for fmt in ("fp8", "mxfp4"):
         for t in flash["moe_tokens"]:
             out.append(("v4-flash", f"moe {fmt} T={t}", moe_launches(flash, t, fmt)))

@@ -3,8 +3,14 @@
 
     python scripts/count_launches.py [--checkpoint DIR] [--batch 8] [--steps 4] [--mode triton] [--json FILE]
     python scripts/count_launches.py --device cuda     # the same count on a GPU (bf16, no interpreter)
+    python scripts/count_launches.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
+        --hf-overrides '{"hidden_size": 128, ...}' \
+        --engine-settings '{"weight_format": "fp8", "numerics": "deepseek", "kv_cache_dtype": "fp8"}'
+                                                       # V4 as published: FP8 linears, MXFP4 experts, fp8 KV
 
-Runs `--batch` requests of the tiny checkpoint (prompts of different lengths, prefilled first) through
+Runs `--batch` requests of the checkpoint (default the tiny one; prompts of different lengths, prefilled first), its
+model and pools built as the engine builds them (--load-format, --hf-overrides and --engine-settings as the other
+benchmarks take them), through
 `--steps` decode steps of the model on the GPU code path — the Triton kernels, run by Triton's interpreter
 on CPU (TRITON_INTERPRET=1 is set here) — and counts, inside `DeepseekV4Model.forward`:
   launches  torch operators that would launch device work: every ATen op except views and bare
@@ -153,28 +159,29 @@ def counting(model):
                 setattr(owner, name, original)
 
 
-def _engine_parts(checkpoint: Path, batch: int, mode: str, device: str):
-    from backend.memory.kv_manager import KVCacheManager
-    from backend.model.checkpoint import load_weights
-    from backend.model.config import load_model_config
-    from backend.model.deepseek_v4 import DeepseekV4Model
-    from kernels.dispatch import KernelDispatch
+def _engine_parts(checkpoint, batch: int, mode: str, device: str, engine_settings: dict):
+    """The model and pools as the engine builds them (backend/deployment.py), for `batch` requests."""
+    from backend.config import EngineConfig
+    from backend.deployment import load_model, plan_deployment
+    from backend.model.comm import Communicator
 
-    config = load_model_config(checkpoint)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    weights = load_weights(checkpoint, config, dtype, device, "dequantize")
-    model = DeepseekV4Model(config, weights, device, dtype, KernelDispatch(mode))
-    kv = KVCacheManager(config, num_tokens=32768, swa_full_tokens_ratio=0.5, page_size=16,
-                        max_running_requests=batch, dtype=dtype, device=device)
-    return config, model, kv
+    config = EngineConfig(**{"num_tokens": 32768, "swa_full_tokens_ratio": 0.5, "page_size": 16,
+                             "enable_prefix_caching": False, **engine_settings},
+                          checkpoint=str(checkpoint), device=device, max_running_requests=batch)
+    dtype = config.resolved_dtype()
+    deployment = plan_deployment(config, device, dtype)
+    model = load_model(config, deployment, device, dtype, deployment.layout, Communicator(), kernel_mode=mode)
+    return deployment.model_config, model, deployment.kv
 
 
-def measure(checkpoint: Path, batch: int = 8, steps: int = 4, mode: str = "triton", device: str = "cpu") -> dict:
-    """Prefill `batch` prompts (on the reference path, uncounted), then count `steps` decode steps."""
+def measure(checkpoint, batch: int = 8, steps: int = 4, mode: str = "triton", device: str = "cpu",
+            **engine_settings) -> dict:
+    """Prefill `batch` prompts (on the reference path, uncounted), then count `steps` decode steps. `engine_settings`:
+    more EngineConfig fields (load_format, hf_overrides, weight_format, numerics, kv_cache_dtype, ...)."""
     from backend.model.forward_batch import BatchRow, build_forward_batch
     from backend.request import Sequence
 
-    config, model, kv = _engine_parts(checkpoint, batch, mode, device)
+    config, model, kv = _engine_parts(checkpoint, batch, mode, device, engine_settings)
     gen = torch.Generator().manual_seed(0)
     seqs = [Sequence(f"r{b}", torch.randint(2, config.vocab_size, (20 + 37 * b,), generator=gen).tolist())
             for b in range(batch)]
@@ -258,10 +265,12 @@ def _print(result: dict) -> None:
 
 
 def main() -> int:
-    from backend.config import DEFAULT_CHECKPOINT
+    from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, default=Path(DEFAULT_CHECKPOINT))
+    add_checkpoint_flags(parser)
+    parser.add_argument("--engine-settings", type=json.loads, default={}, metavar="JSON",
+                        help='more EngineConfig fields, e.g. \'{"weight_format": "fp8", "numerics": "deepseek"}\'')
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--mode", choices=("triton", "reference"), default="triton")
@@ -269,7 +278,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     torch.set_num_threads(1)
-    result = measure(options.checkpoint, options.batch, options.steps, options.mode, options.device)
+    settings = checkpoint_settings(options)
+    result = measure(settings.pop("checkpoint"), options.batch, options.steps, options.mode, options.device,
+                     **settings, **options.engine_settings)
     _print(result)
     if options.json:
         options.json.parent.mkdir(parents=True, exist_ok=True)

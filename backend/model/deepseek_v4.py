@@ -51,7 +51,6 @@ from backend.model.rotary import Rotary
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
-from kernels.quant_formats import FP8_ACT_BLOCK, simulate_indexer_fp4, simulate_quantization
 
 if TYPE_CHECKING:  # the forward is handed the pools; it never makes them
     from backend.memory.kv_manager import KVCacheManager, LayerMemory
@@ -227,7 +226,7 @@ class DeepseekV4Model:
         # the indexer's queries use the compress rope, as its keys do
         q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1])
         if self.numerics.round_indexer:
-            q = simulate_indexer_fp4(q)
+            q = k.round_indexer(q)
         weights = proj["self_attn.compressor.indexer.scorer.weights_proj"]  # the head scaling goes with the softmax's
         scale = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
         scores = k.indexer_scores(q, weights, scale, batch.token_seq, batch.positions, index_k,
@@ -251,12 +250,14 @@ class DeepseekV4Model:
         else:
             ids, weights = k.route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
                                         c.routed_scaling_factor)
-        x = self._act(x)  # the experts' and the shared expert's input (the router read it as it is)
+        # The experts act_quant x themselves (quantize_hidden), as a shared expert's FP8 GEMM does: only a shared
+        # expert dequantized at load is given x rounded (the router reads it as it is).
         if self.layout.moe_exchange:
             routed = self._experts_of_every_rank(p, x, ids, weights, dp_token_counts)
         else:
             routed = self._local_experts(p, x, ids, weights)
-        hidden = k.swiglu(self.shared_expert_input[i].product(x, k.linear), c.swiglu_limit)
+        shared = self.shared_expert_input[i]
+        hidden = k.swiglu(shared.product(x if shared.quantizes_its_input else self._act(x), k.linear), c.swiglu_limit)
         return routed, self._quantized_linear(hidden, w[p + "shared_experts.down_proj.weight"])
 
     def _local_experts(self, p: str, x, ids, weights) -> torch.Tensor:
@@ -308,7 +309,7 @@ class DeepseekV4Model:
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         """The input of one of DeepSeek's FP8/FP4 linears as its inference quantizes it (act_quant: e4m3 per 128,
         power-of-two scales), on a quantized checkpoint under DeepSeek's numerics; otherwise x."""
-        return simulate_quantization(x, FP8_ACT_BLOCK, "e4m3") if self.numerics.act_quant else x
+        return self.kernels.round_activations(x) if self.numerics.act_quant else x
 
     def _quantized_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x @ weight^T for one of DeepSeek's FP8/FP4 linears: an Fp8Weight's GEMM act_quants x in registers

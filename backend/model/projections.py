@@ -55,6 +55,11 @@ class FusedProjection:
                 offset += rows
         return out
 
+    @property
+    def quantizes_its_input(self) -> bool:
+        """Every weight an Fp8Weight, whose GEMM act_quants its input itself."""
+        return all(isinstance(weight, Fp8Weight) for weight, _ in self.groups)
+
     def product(self, x: torch.Tensor, linear) -> torch.Tensor:
         """x @ [all weights]^T as one tensor (one launch when the weights form one group; x as given)."""
         products = [linear(x, weight) for weight, _ in self.groups]

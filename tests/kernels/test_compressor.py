@@ -293,3 +293,35 @@ def test_entries_quantized_as_they_are_stored_in_the_fp8_layout(implementation):
         store_kv_fp8_reference(entries, pools[1], compressor.entry_destinations(plan, pools[1], staged.table),
                                rope_dim)
     assert torch.equal(pools[0][:-1], pools[1][:-1]) and pools[0][:-1].any()
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_indexer_keys_rotated_and_quantized_as_they_are_stored(implementation):
+    """The indexer's compressor over a uint8 pool (kv_cache_dtype fp8): each closed key rotated and encoded as FP4
+    where it is stored, the bytes store_indexer_fp4 writes for the same keys after hadamard_rotate (the scratch page
+    aside, where padding entries go)."""
+    import kernels.compressor as compressor
+    from kernels.kv_store import store_indexer_fp4_reference
+    from kernels.quant_formats import hadamard_rotate, indexer_fp4_entry_bytes
+
+    gen = torch.Generator().manual_seed(11)
+    rate, head_dim, rope_dim = 4, 64, 16
+    width = indexer_fp4_entry_bytes(head_dim)
+    rings = _Memory(rate, True, head_dim, 2, 12, torch.float32, gen)
+    staged = rings.clone()
+    pools = [torch.zeros(rings.pool.shape[0], PAGE_SIZE, width, dtype=torch.uint8) for _ in range(2)]
+    bias = torch.randn(rate, 2 * head_dim, generator=gen)
+    norm_weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+    for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1])):
+        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], DEVICE)
+        wide = torch.randn(sum(lens), 4 * head_dim, generator=gen)
+        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+        inputs = (wide[:, :2 * head_dim], wide[:, 2 * head_dim:])
+        rest = (plan, bias, norm_weight, 1e-6, angles.cos(), angles.sin())
+        getattr(compressor, f"compress_into_pool_{implementation}")(*inputs, rings.kv, rings.gate, *rest, pools[0],
+                                                                     rings.table, keys=True)
+        entries = compressor.compress_entries_reference(*inputs, staged.kv, staged.gate, *rest)
+        store_indexer_fp4_reference(hadamard_rotate(entries), pools[1],
+                                    compressor.entry_destinations(plan, pools[1], staged.table))
+    assert torch.equal(pools[0][:-1], pools[1][:-1]) and pools[0][:-1].any()
+    assert torch.equal(rings.kv, staged.kv)

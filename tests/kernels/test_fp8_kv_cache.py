@@ -17,7 +17,8 @@ import torch
 from kernels.attention import sparse_paged_attention_reference, sparse_paged_attention_triton
 from kernels.indexer import indexer_scores_reference, indexer_scores_triton
 from kernels.quant_formats import (hadamard_rotate, indexer_fp4_entry_bytes, kv_fp8_entry_bytes, pack_indexer_fp4,
-                                   pack_kv_fp8, simulate_kv_fp8, unpack_indexer_fp4, unpack_kv_fp8)
+                                   pack_kv_fp8, simulate_indexer_fp4, simulate_kv_fp8, simulate_quantization,
+                                   unpack_indexer_fp4, unpack_kv_fp8)
 
 from test_attention import MIXED, make_batch
 from test_indexer import make_inputs
@@ -146,17 +147,24 @@ def test_the_fp8_entry_store_writes_the_references_bytes(head_dim, rope_dim, dty
 
 
 @pytest.mark.parametrize("head_dim", [32, 128])
-def test_the_fp4_key_store_writes_the_references_bytes(head_dim):
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fp4_key_store_writes_the_references_bytes(head_dim, rotate, dtype):
+    """Keys as they are, or rotated by the store first (the compressor's keys: the rotation in registers, rounded to
+    the keys' dtype, as hadamard_rotate rounds it)."""
     from kernels.kv_store import store_indexer_fp4_reference, store_indexer_fp4_triton
 
     gen = torch.Generator().manual_seed(head_dim)
-    keys = _edge_entries(12, head_dim, gen).clamp(-1e4, 1e4)
+    keys = _edge_entries(12, head_dim, gen).clamp(-1e4, 1e4).to(dtype)
     width = indexer_fp4_entry_bytes(head_dim)
     pools = [torch.full((6, 4, width), 0xAB, dtype=torch.uint8) for _ in range(2)]
     rows = torch.randperm(24, generator=gen)[:12]
-    store_indexer_fp4_reference(keys, pools[0], rows)
-    store_indexer_fp4_triton(keys, pools[1], rows)
+    store_indexer_fp4_reference(keys, pools[0], rows, rotate)
+    store_indexer_fp4_triton(keys, pools[1], rows, rotate)
     assert torch.equal(pools[1], pools[0])
+    stored = unpack_indexer_fp4(pools[1].view(-1, width)[rows], head_dim, torch.float32)
+    assert torch.equal(stored, simulate_indexer_fp4(keys).float() if rotate else
+                       simulate_quantization(keys, 32, "e2m1").float())
 
 
 @pytest.mark.parametrize("head_dim,rope_dim", [(128, 64), (512, 64)])
