@@ -88,6 +88,10 @@ class KernelDispatch:
             out = fp8_gemm_reference(flat, weight.data, weight.scale)
         return out.view(*x.shape[:-1], weight.shape[0])
 
+    def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x.float() @ weight.float()^T in fp32 (DeepSeek's router and LM head), the weight read as it is stored."""
+        return self._fused("fp32_linear", "fp32_linear", x, x, weight)
+
     # --- the fused kernels of one layer: `<name>_triton` or `<name>_reference` of kernels/<module>.py --------
     def _fused(self, module: str, name: str, tensor: torch.Tensor, *args, **kwargs):
         implementation = "triton" if self.use_triton(tensor) else "reference"

@@ -23,7 +23,7 @@ Each case is timed with CUDA events (median of --repeat runs, L2 flushed before 
 bandwidth (bytes the kernel must move) and TFLOP/s, against the device's measured copy bandwidth (a large
 device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the reference's time and the speed-up.
 
-  python scripts/bench_kernels.py [--kernels attention,indexer,moe,fp8_gemm] [--json FILE] [--csv FILE]
+  python scripts/bench_kernels.py [--kernels attention,indexer,moe,fp8_gemm,fp32_linear] [--json FILE] [--csv FILE]
   python scripts/bench_kernels.py --dry-run   # CPU: small shapes, kernels under TRITON_INTERPRET, references
 """
 
@@ -290,7 +290,7 @@ def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, flo
 # (atol, rtol) of the check; bf16 outputs carry about 2^-8 relative rounding.
 TOLERANCES = {"attention": (2e-2, 2e-2), "attn_fp8": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "idx_fp4": (1e-3, 1e-3),
               "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
-              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2),
+              "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2), "fp32_linear": (1e-4, 1e-5),
               # bf16 entries against the fp32 reference: gate + bias, softmax weights, pooled sum, RMSNorm and RoPE
               # each round once in the kernel (tests/kernels/test_compressor.py's bf16 tolerance; an H200 reached
               # 1.13 of the glue tolerance)
@@ -422,6 +422,26 @@ def bench_fp8_gemm(torch, s, device, timer, options):
             print(f"  {'fp8_gemm':<10} {name + f' T={t}':<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  "
                   f"{status}", flush=True)
             results.append(Result("fp8_gemm", f"{name} T={t}", ms, ref_ms, *work, error))
+    return results
+
+
+def bench_fp32_linear(torch, s, device, timer, options):
+    """DeepSeek's fp32 router and LM head over bf16 weights against what they replace, F.linear(x.float(),
+    w.float()): the kernel reads the weight once, the torch expression copies it to fp32 first."""
+    from kernels.fp32_linear import fp32_linear_reference, fp32_linear_triton
+
+    results = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, n in (("lm head", s.vocab), ("router", s.num_experts)):
+        weight = (torch.randn(n, s.hidden, generator=gen, device=device) * s.hidden ** -0.5).to(torch.bfloat16)
+        for t in s.decode_batches:
+            x = torch.randn(t, s.hidden, generator=gen, device=device)
+            work = ((2 * n * s.hidden + 4 * t * (s.hidden + n)) / 1e9, 2 * t * n * s.hidden / 1e9)
+            results.append(check_and_time(torch, timer, "fp32_linear", f"{name} T={t}",
+                                          lambda: fp32_linear_triton(x, weight),
+                                          lambda: fp32_linear_reference(x, weight),
+                                          lambda: fp32_linear_reference(x.double(), weight.double()).float(), work,
+                                          options))
     return results
 
 
@@ -708,7 +728,7 @@ def bench_indexer_fp4(torch, s, device, timer, options):
 
 BENCHES = {"attention": bench_attention, "attention_fp8": bench_attention_fp8, "indexer": bench_indexer,
            "indexer_fp4": bench_indexer_fp4, "moe": bench_moe, "moe_q": bench_moe_quantized,
-           "fp8_gemm": bench_fp8_gemm, "mhc": bench_mhc, "glue": bench_glue}
+           "fp8_gemm": bench_fp8_gemm, "fp32_linear": bench_fp32_linear, "mhc": bench_mhc, "glue": bench_glue}
 
 
 def _print_table(rows):
@@ -723,7 +743,8 @@ def _print_table(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", default="attention,attention_fp8,indexer,indexer_fp4,moe,moe_q,fp8_gemm,mhc,glue",
+    parser.add_argument("--kernels", default="attention,attention_fp8,indexer,indexer_fp4,moe,moe_q,fp8_gemm,"
+                                             "fp32_linear,mhc,glue",
                         help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")

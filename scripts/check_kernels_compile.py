@@ -49,6 +49,7 @@ from backend.model.compressor import CompressionPlan  # noqa: E402
 from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.compressor import plan_compress_into_pool  # noqa: E402
+from kernels.fp32_linear import plan_fp32_linear  # noqa: E402
 from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
@@ -82,6 +83,7 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "indexer fp4 keys T=1"), ("v4-flash", "moe mxfp4 deepseek T=1"),
          ("v4-flash", "store kv fp8 N=1"), ("v4-flash", "store indexer fp4 N=1"), ("v4-flash", "moe T=1"),
          ("v4-flash", "round activations T=256"), ("v4-flash", "round indexer queries T=256"),
+         ("v4-flash", "fp32 linear lm head T=1"), ("v4-flash", "fp32 linear lm head T=256"),
          ("v4-flash", "norm_rope kv fp8 T=64"), ("v4-flash", "compressor csa fp32 fp8 64x1"),
          ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"),
@@ -310,6 +312,10 @@ def cases() -> list[tuple[str, str, list]]:
         keys = _meta(4096, flash["page_size"], indexer_fp4_entry_bytes(flash["index_head_dim"]), dtype=torch.uint8)
         out.append(("v4-flash", f"store indexer fp4 N={t}", plan_store_indexer_fp4(
             _meta(t, flash["index_head_dim"]), keys, _meta(t, dtype=torch.int64))))
+    for t in (1, 16, 64, 256):  # DeepSeek's numerics: the fp32 router and LM head over bf16 weights
+        for name, n in (("router", flash["num_experts"]), ("lm head", flash["vocab"])):
+            out.append(("v4-flash", f"fp32 linear {name} T={t}", plan_fp32_linear(
+                _meta(t, flash["hidden"], dtype=torch.float32), _meta(n, flash["hidden"]))[1]))
     for t in (1, 256, flash["prefill_tokens"]):  # DeepSeek's numerics: the experts' inputs, the indexer's queries
         out.append(("v4-flash", f"round activations T={t}", plan_round(_meta(t, flash["hidden"]), fp4=False)[1]))
         queries = _meta(t, flash["index_heads"], flash["index_head_dim"])

@@ -140,7 +140,7 @@ class DeepseekV4Model:
                                     w[prefix + "hc_head.hc_scale"], eps=c.rms_norm_eps, hc_eps=c.hc_eps,
                                     norm_weight=w[prefix + "norm.weight"])
         head = w["lm_head.weight"]
-        logits = F.linear(last.float(), head.float()) if self.numerics.fp32_head else F.linear(last, head).float()
+        logits = self.kernels.fp32_linear(last, head) if self.numerics.fp32_head else F.linear(last, head).float()
         return self.comm.all_gather_last(logits) if self.layout.vocabulary_parallel else logits
 
     def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
@@ -244,7 +244,7 @@ class DeepseekV4Model:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
         gate = w[p + "gate.weight"]
-        router_logits = F.linear(x.float(), gate.float()) if self.numerics.fp32_router else k.linear(x, gate)
+        router_logits = k.fp32_linear(x, gate) if self.numerics.fp32_router else k.linear(x, gate)
         if self.mlp_types[i] == "hash_moe":
             ids, weights = k.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
         else:
