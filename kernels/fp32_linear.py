@@ -1,14 +1,16 @@
-"""The fp32 linears of DeepSeek's numerics (the router's logits, the LM head) over weights kept in the model's dtype.
+"""The fp32 linears of DeepSeek's numerics (router, LM head, compressors) over weights kept in the model's dtype.
 
     out = fp32_linear_triton(x, weight)      # x [T, K], weight [N, K]: x.float() @ weight.float()^T, [T, N] fp32
 
-DeepSeek computes these two in fp32 (`linear(x.float(), weight.float())`). On a bf16 deployment the reference does
+DeepSeek computes these in fp32 (`linear(x.float(), weight.float())`). On a bf16 deployment the reference does
 that literally, and on a GPU that costs: `weight.float()` writes an fp32 copy of the weight every step and the GEMM
 reads it again, for V4-Flash's LM head (129,280 x 4,096) 1 GB read, 2 GB written and 2 GB read a step where 1 GB
 would do, and a cuBLAS fp32 GEMM on CUDA cores at large batches. The kernel reads the weight as it is stored and
-multiplies exactly in fp32 on the tensor cores: x is split into three bf16 parts (x = hi + mid + lo exactly; bf16
-keeps 8 of float32's 24 significant bits), each part times the bf16 weight is exact in the fp32 accumulator, so
-the result is the fp32 product up to the order of the sums. An fp32 weight (the CPU tests' models) takes fp32 dots.
+multiplies exactly in fp32 on the tensor cores: an fp32 x is split into three bf16 parts (x = hi + mid + lo
+exactly; bf16 keeps 8 of float32's 24 significant bits; a bf16 x is one part), each part times the bf16 weight is
+exact in the fp32 accumulator, so the result is the fp32 product up to the order of the sums. The same holds for the
+compressors' projections, which DeepSeek runs in fp32 over bf16 weights it upcasts at load: here they are read as
+published, half the bytes. An fp32 weight (the CPU tests' models) takes fp32 dots.
 
 Swap-AB: the weight's rows fill the MMA's M side (BLOCK_N of them), the few tokens of a decode step its N side, so a
 decode step's programs stream the weight at full tiles.
@@ -31,11 +33,11 @@ def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stride_wn, stride_ot,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_X: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_PARTS: tl.constexpr,
                         DOT_DTYPE: tl.constexpr):
-    """Program (BLOCK_N weight rows, BLOCK_T tokens): acc [BLOCK_N, BLOCK_T] = W x^T over K. SPLIT_X: the weight is
-    bf16, x (float32) goes in as three parts on the bf16 grid, each dot in DOT_DTYPE (bf16; float32 holding the same
-    values under the interpreter, whose bf16 dots are wrong)."""
+    """Program (BLOCK_N weight rows, BLOCK_T tokens): acc [BLOCK_N, BLOCK_T] = W x^T over K. X_PARTS 1 or 3: the
+    weight is bf16 and x goes in as that many parts on the bf16 grid (a bf16 x is one), each dot in DOT_DTYPE (bf16;
+    float32 holding the same values under the interpreter, whose bf16 dots are wrong); 0: float32 dots."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask, token_mask = rows < n, tokens < num_tokens
@@ -47,7 +49,9 @@ def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stri
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         x = tl.load(x_ptr + tokens[None, :].to(tl.int64) * stride_xt + cols[:, None],
                     mask=col_mask[:, None] & token_mask[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_T]
-        if SPLIT_X:
+        if X_PARTS == 1:
+            acc = tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), acc)
+        elif X_PARTS == 3:
             w = w.to(DOT_DTYPE)
             hi = round_to_dtype(x, tl.bfloat16)  # float32 values on the bf16 grid, rounded to nearest
             rest = x - hi  # exact
@@ -63,12 +67,11 @@ def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stri
 
 
 def fp32_linear_config(num_tokens: int, n: int, device: torch.device) -> dict:
-    """Tiles of up to 64 tokens and 128 weight rows (fewer when the weight has too few to give every SM a program:
-    the router's 256) by 128 columns (64 for the widest tiles)."""
-    block_n = 128
-    while block_n > 16 and triton.cdiv(n, block_n) < num_sms(device):
+    """Tiles of up to 64 tokens and 128 weight rows (fewer when the tiles are too few to give every SM a program: the
+    router's 256 rows, a decode step's compressors) by 128 columns (64 for the widest tiles)."""
+    block_n, block_t = 128, min(64, max(16, triton.next_power_of_2(num_tokens)))
+    while block_n > 16 and triton.cdiv(n, block_n) * triton.cdiv(num_tokens, block_t) < num_sms(device):
         block_n //= 2
-    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
     wide = block_t * block_n > 2048  # 8 warps and narrower K steps: the accumulator and stages without spills
     return dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=64 if wide else 128, num_warps=8 if wide else 4,
                 num_stages=3)
@@ -84,7 +87,8 @@ def plan_fp32_linear(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     out = torch.empty((num_tokens, n), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out, []
-    cfg = dict(config or fp32_linear_config(num_tokens, n, x.device), SPLIT_X=weight.dtype == torch.bfloat16,
+    x_parts = (1 if x.dtype == torch.bfloat16 else 3) if weight.dtype == torch.bfloat16 else 0
+    cfg = dict(config or fp32_linear_config(num_tokens, n, x.device), X_PARTS=x_parts,
                DOT_DTYPE=compute_dtype(torch.bfloat16))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(num_tokens, cfg["BLOCK_T"]))
     return out, [(_fp32_linear_kernel, grid, (x, weight, out, num_tokens, n, k, x.stride(0), weight.stride(0),

@@ -312,10 +312,14 @@ def cases() -> list[tuple[str, str, list]]:
         keys = _meta(4096, flash["page_size"], indexer_fp4_entry_bytes(flash["index_head_dim"]), dtype=torch.uint8)
         out.append(("v4-flash", f"store indexer fp4 N={t}", plan_store_indexer_fp4(
             _meta(t, flash["index_head_dim"]), keys, _meta(t, dtype=torch.int64))))
-    for t in (1, 16, 64, 256):  # DeepSeek's numerics: the fp32 router and LM head over bf16 weights
-        for name, n in (("router", flash["num_experts"]), ("lm head", flash["vocab"])):
-            out.append(("v4-flash", f"fp32 linear {name} T={t}", plan_fp32_linear(
-                _meta(t, flash["hidden"], dtype=torch.float32), _meta(n, flash["hidden"]))[1]))
+    compressors = 2 * 2 * (flash["head_dim"] + flash["index_head_dim"])  # a CSA layer's kv and gate, main + indexer
+    for t in (1, 16, 64, 256, flash["prefill_tokens"]):  # DeepSeek's numerics: fp32 products of bf16 weights
+        for name, n, x_dtype in (("router", flash["num_experts"], torch.float32),
+                                 ("lm head", flash["vocab"], torch.float32),
+                                 ("compressors", compressors, torch.bfloat16)):
+            if name == "compressors" or t < flash["prefill_tokens"]:
+                out.append(("v4-flash", f"fp32 linear {name} T={t}", plan_fp32_linear(
+                    _meta(t, flash["hidden"], dtype=x_dtype), _meta(n, flash["hidden"]))[1]))
     for t in (1, 256, flash["prefill_tokens"]):  # DeepSeek's numerics: the experts' inputs, the indexer's queries
         out.append(("v4-flash", f"round activations T={t}", plan_round(_meta(t, flash["hidden"]), fp4=False)[1]))
         queries = _meta(t, flash["index_heads"], flash["index_head_dim"])

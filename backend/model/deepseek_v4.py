@@ -166,7 +166,7 @@ class DeepseekV4Model:
         cos, sin = rope["main" if layer_type == SLIDING else "compress"]
         num_tokens, eps = x.shape[0], c.rms_norm_eps
 
-        proj = self.attention_input[i](x, k.linear, self._act)  # every linear of x: one GEMM, column views
+        proj = self.attention_input[i](x, k, self._act)  # every linear of x: one GEMM a group, column views
         q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
         q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
         q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope

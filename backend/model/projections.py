@@ -9,8 +9,9 @@ Weights concatenate only with their own kind: dense with dense, `Fp8Weight` with
 every part's rows are a multiple of the 128-row scale block (otherwise the blocks would straddle two
 weights). Each group keeps the order of its names, so the product equals the separate linears'.
 Under numerics=deepseek the linears read their input as DeepSeek's do: act_quant'ed (its FP8 linears, on a
-quantized checkpoint), in fp32 with fp32 weights (the compressors'), or as it is (the indexer's head weights);
-each kind of input is a group of its own.
+quantized checkpoint), multiplied in fp32 (the compressors': DeepSeek upcasts their bf16 weights at load; here
+`KernelDispatch.fp32_linear` reads them as published), or as it is (the indexer's head weights); each kind of input is
+a group of its own.
 """
 
 from __future__ import annotations
@@ -37,18 +38,21 @@ SHARED_EXPERT_INPUT = ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_pr
 @dataclass
 class FusedProjection:
     groups: list[tuple[object, list[tuple[str, int]]]]  # (concatenated weight, [(name, rows)])
-    inputs: list[str]  # per group: PLAIN, QUANTIZED (the act_quant'ed input) or FP32 (x in fp32, fp32 weights)
+    inputs: list[str]  # per group: PLAIN, QUANTIZED (the act_quant'ed input) or FP32 (an fp32 product)
 
-    def __call__(self, x: torch.Tensor, linear, quantize=None) -> dict[str, torch.Tensor]:
-        """name -> x @ weight(name)^T, a column view of its group's product; `quantize(x)` feeds the QUANTIZED
-        groups whose weights are not FP8 (an Fp8Weight's GEMM act_quants its input itself: kernels/fp8_gemm.py)."""
-        out, fed = {}, {PLAIN: x}  # each kind of input made once
+    def __call__(self, x: torch.Tensor, kernels, quantize=None) -> dict[str, torch.Tensor]:
+        """name -> x @ weight(name)^T, a column view of its group's product (`kernels`: the model's KernelDispatch);
+        `quantize(x)` feeds the QUANTIZED groups whose weights are not FP8 (an Fp8Weight's GEMM act_quants its input
+        itself: kernels/fp8_gemm.py); the FP32 groups are fp32 products."""
+        out, quantized = {}, None  # (the quantized input made once)
         for (weight, parts), kind in zip(self.groups, self.inputs):
-            if kind == QUANTIZED and (quantize is None or isinstance(weight, Fp8Weight)):
-                kind = PLAIN
-            if kind not in fed:
-                fed[kind] = quantize(x) if kind == QUANTIZED else x.float()
-            product = linear(fed[kind], weight)
+            if kind == FP32:
+                product = kernels.fp32_linear(x, weight)
+            elif kind == QUANTIZED and quantize is not None and not isinstance(weight, Fp8Weight):
+                quantized = quantize(x) if quantized is None else quantized
+                product = kernels.linear(quantized, weight)
+            else:
+                product = kernels.linear(x, weight)
             offset = 0
             for name, rows in parts:
                 out[name] = product[..., offset:offset + rows]
@@ -69,15 +73,13 @@ class FusedProjection:
 def fuse_projections(weights: dict, prefix: str, names: tuple[str, ...], quantized_input: frozenset[str] = frozenset(),
                      fp32_input: frozenset[str] = frozenset()) -> FusedProjection:
     """Take `prefix + name + '.weight'` for each present name out of `weights` into a FusedProjection; the names in
-    `quantized_input` group apart to read the act_quant'ed input, those in `fp32_input` (dense weights, kept in
-    fp32) to read the input in fp32."""
+    `quantized_input` group apart to read the act_quant'ed input, those in `fp32_input` (dense weights, kept as
+    loaded) to be multiplied in fp32."""
     present = [n for n in names if f"{prefix}{n}.weight" in weights]
     by_kind: dict[tuple[str, str], list[tuple[str, object]]] = {}
     for name in present:
         w = weights.pop(f"{prefix}{name}.weight")
         reads = QUANTIZED if name in quantized_input else FP32 if name in fp32_input else PLAIN
-        if reads == FP32:
-            w = w.float()
         by_kind.setdefault((_kind(w), reads), []).append((name, w))
     groups, inputs = [], []
     for (kind, reads), members in by_kind.items():

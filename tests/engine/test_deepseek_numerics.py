@@ -353,7 +353,8 @@ def test_greedy_tokens_on_the_published_layout_with_the_fp8_cache(deepseek_publi
 
 def test_the_compressors_run_in_fp32_on_a_bf16_deployment(deepseek_shaped_checkpoint):
     """DeepSeek's compressors project, keep their rings and pool in fp32 (the entries then normed in the model's
-    dtype): on a bf16 deployment the compressor weights and rings are fp32, the other linears bf16."""
+    dtype): on a bf16 deployment the compressor projections are fp32 products of their weights as published (bf16,
+    which DeepSeek upcasts at load), the rings fp32, the other linears bf16."""
     from backend.model.projections import FP32
 
     engine = EngineHarness(deepseek_shaped_checkpoint, numerics="deepseek", dtype=torch.bfloat16)
@@ -361,10 +362,15 @@ def test_the_compressors_run_in_fp32_on_a_bf16_deployment(deepseek_shaped_checkp
     projection = engine.model.attention_input[1]  # a CSA layer: main and indexer compressors
     fp32_groups = [(weight, parts) for (weight, parts), kind in zip(projection.groups, projection.inputs)
                    if kind == FP32]
-    assert len(fp32_groups) == 1 and fp32_groups[0][0].dtype == torch.float32
+    assert len(fp32_groups) == 1 and fp32_groups[0][0].dtype == torch.bfloat16
     assert {name for name, _ in fp32_groups[0][1]} == {
         "self_attn.compressor.kv_proj", "self_attn.compressor.gate_proj", "self_attn.compressor.indexer.kv_proj",
         "self_attn.compressor.indexer.gate_proj"}
+    x = torch.randn(3, engine.config.hidden_size, dtype=torch.bfloat16)
+    products = projection(x, engine.model.kernels)
+    expected = torch.nn.functional.linear(x.double(), fp32_groups[0][0].double())
+    got = torch.cat([products[name] for name, _ in fp32_groups[0][1]], dim=-1)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5)
     tracked = Tracked(Sequence("bf16", _prompt(140, 4)))
     engine.step([(tracked, 140)])
     assert all(logits.isfinite().all() for logits in tracked.logits.values())

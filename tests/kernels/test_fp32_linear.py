@@ -30,6 +30,16 @@ def test_the_fp32_product_of_the_weight_as_stored(num_tokens, n, k, weight_dtype
     assert ((fp32_linear_reference(x, weight).double() - exact).abs() <= 4 * k * 2.0 ** -24 * scale).all()
 
 
+def test_a_bf16_input_is_its_own_one_part():
+    """The compressors' input: bf16 x and weight, one exact dot in fp32 (no split)."""
+    x, weight = _inputs(7, 160, 256, torch.bfloat16, 9)
+    x = x.to(torch.bfloat16)
+    out = fp32_linear_triton(x, weight)
+    exact = F.linear(x.double(), weight.double())
+    scale = F.linear(x.double().abs(), weight.double().abs())
+    assert out.dtype == torch.float32 and ((out.double() - exact).abs() <= 4 * 256 * 2.0 ** -24 * scale).all()
+
+
 def test_x_is_not_rounded_to_bf16():
     """The three parts keep all of x: the result differs from the bf16-rounded x's product by far more than the
     tolerance above (a kernel that dropped `mid` and `lo` fails here)."""
