@@ -88,6 +88,11 @@ class KernelDispatch:
             out = fp8_gemm_reference(flat, weight.data, weight.scale)
         return out.view(*x.shape[:-1], weight.shape[0])
 
+    def grouped_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """x [T, G, K] by the G groups of weight [G * R, K] (the attention output's o_a_proj): [T, G * R]; an
+        Fp8Weight is read as stored."""
+        return self._fused("grouped_linear", "grouped_linear", x, x, weight)
+
     def fp32_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x.float() @ weight.float()^T in fp32 (DeepSeek's router and LM head), the weight read as it is stored."""
         return self._fused("fp32_linear", "fp32_linear", x, x, weight)

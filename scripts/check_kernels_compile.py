@@ -50,7 +50,8 @@ from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.compressor import plan_compress_into_pool  # noqa: E402
 from kernels.fp32_linear import plan_fp32_linear  # noqa: E402
-from kernels.fp8_gemm import plan_fp8_gemm  # noqa: E402
+from kernels.grouped_linear import plan_grouped_linear  # noqa: E402
+from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
@@ -84,6 +85,7 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "store kv fp8 N=1"), ("v4-flash", "store indexer fp4 N=1"), ("v4-flash", "moe T=1"),
          ("v4-flash", "round activations T=256"), ("v4-flash", "round indexer queries T=256"),
          ("v4-flash", "fp32 linear lm head T=1"), ("v4-flash", "fp32 linear lm head T=256"),
+         ("v4-flash", "grouped fp8 o_a T=1"), ("v4-flash", "grouped fp8 o_a T=256"),
          ("v4-flash", "norm_rope kv fp8 T=64"), ("v4-flash", "compressor csa fp32 fp8 64x1"),
          ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"),
@@ -312,6 +314,12 @@ def cases() -> list[tuple[str, str, list]]:
         keys = _meta(4096, flash["page_size"], indexer_fp4_entry_bytes(flash["index_head_dim"]), dtype=torch.uint8)
         out.append(("v4-flash", f"store indexer fp4 N={t}", plan_store_indexer_fp4(
             _meta(t, flash["index_head_dim"]), keys, _meta(t, dtype=torch.int64))))
+    o_groups, o_rank = 8, 1024  # the attention output's grouped projection (o_a_proj), kept FP8
+    o_in = flash["num_heads"] * flash["head_dim"] // o_groups
+    o_a = Fp8Weight(_meta(o_groups * o_rank, o_in, dtype=torch.float8_e4m3fn),
+                    _meta(o_groups * o_rank // 128, o_in // 128, dtype=torch.float32))
+    for t in (1, 16, 64, 256, flash["prefill_tokens"]):
+        out.append(("v4-flash", f"grouped fp8 o_a T={t}", plan_grouped_linear(_meta(t, o_groups, o_in), o_a)[1]))
     compressors = 2 * 2 * (flash["head_dim"] + flash["index_head_dim"])  # a CSA layer's kv and gate, main + indexer
     for t in (1, 16, 64, 256, flash["prefill_tokens"]):  # DeepSeek's numerics: fp32 products of bf16 weights
         for name, n, x_dtype in (("router", flash["num_experts"], torch.float32),

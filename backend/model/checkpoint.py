@@ -12,8 +12,8 @@ mistyped tensor raises `CheckpointError` naming the file, the tensor, and what w
 
 With weight_format="fp8" quantized weights stay as published instead: the FP8 linears as
 `kernels.fp8_gemm.Fp8Weight` (scales as float32) and the routed experts merged into
-`kernels.moe.QuantizedExperts` (FP8 or packed MXFP4 with their scales); `o_a_proj` is dequantized,
-as DeepSeek's own inference does (its grouped product is not a plain GEMM).
+`kernels.moe.QuantizedExperts` (FP8 or packed MXFP4 with their scales); `o_a_proj`, which DeepSeek's own
+inference dequantizes for a bf16 einsum, stays FP8 too (kernels/grouped_linear.py computes the same products).
 
 With a `ParallelLayout` of several ranks (backend/model/parallel_layout.py) each rank loads only its part:
 routed experts of other ranks are never read; a dense tensor split across ranks is read as a slice
@@ -266,7 +266,7 @@ class _Loader:
             dtype == torch.float8_e4m3fn or name[: -len(".weight")] + ".scale" in self.files)
 
     def _keeps(self, target: Target, name: str, tensor: torch.Tensor) -> bool:
-        """Whether weight_format=fp8 keeps this tensor quantized (FP8 linears but o_a_proj, routed experts)."""
+        """Whether weight_format=fp8 keeps this tensor quantized (FP8 linears, routed experts)."""
         return (self._is_quantized(name, tensor.dtype, self._source_shape(target, self.full_shapes))
                 and kept_quantized(target.name))
 

@@ -195,10 +195,8 @@ class DeepseekV4Model:
                                           batch.window_write_index, memory.kv_layout)
 
     def _output_projection(self, i: int, out: torch.Tensor) -> torch.Tensor:
-        c, p, g = self.config, self.prefixes[i] + "self_attn.", self.local_groups
-        groups = out.view(out.shape[0], g, -1).transpose(0, 1)  # [G, T, H*Dh/G] (this rank's groups)
-        w_a = self.w[p + "o_a_proj.weight"].view(g, c.o_lora_rank, -1)  # [G, R, H*Dh/G]
-        grouped = torch.bmm(groups, w_a.transpose(1, 2)).transpose(0, 1).reshape(out.shape[0], -1)  # [T, G*R]
+        p, g = self.prefixes[i] + "self_attn.", self.local_groups
+        grouped = self.kernels.grouped_linear(out.view(out.shape[0], g, -1), self.w[p + "o_a_proj.weight"])
         out = self._quantized_linear(grouped, self.w[p + "o_b_proj.weight"])
         return self.comm.all_reduce(out) if self.layout.attention_split else out
 

@@ -6,7 +6,7 @@ What `load_weights` returns for DeepSeek's published checkpoint of the same conf
 names, shapes, dtypes and kinds (tests/model/test_dummy_weights.py compares them with a real load). With a
 quantization_config the FP8 linears are e4m3 with float32 power-of-two scales per 128 x 128 block (`Fp8Weight`) and
 the routed experts MXFP4 (packed e2m1, e8m0 scales per 32) or FP8 (`QuantizedExperts`) where weight_format=fp8 keeps
-them, o_a_proj and every other weight in the engine dtype, fp32 where the reference keeps fp32, tid2eid int64; the
+them, every other weight in the engine dtype, fp32 where the reference keeps fp32, tid2eid int64; the
 MTP layers when `draft_layers` asks for them. Under a ParallelLayout a rank builds only its own part, and refuses a
 part a real load would refuse (FP8 cut off its block grid).
 

@@ -6,8 +6,8 @@ Formats:
   e8m0 byte per 32) or, with expert_dtype "fp8", in FP8 with float32 block scales;
   bf16 embeddings, head, norms, compressors, indexer weights_proj and router; fp32 mHC parameters,
   sinks, position biases and router bias; int64 tid2eid.
-- `fp8`: what the engine holds with weight_format=fp8: as published, with `o_a_proj` dequantized to
-  bf16 (backend/model/checkpoint.py); the draft layer only when speculative decoding serves it;
+- `fp8`: what the engine holds with weight_format=fp8: as published (backend/model/checkpoint.py); the draft
+  layer only when speculative decoding serves it;
 - `dequantize`: what the engine holds with weight_format=dequantize: every weight in the engine dtype
   (bf16 on CUDA), the parameters the reference keeps in fp32 in fp32, tid2eid as int64; the draft
   layer only when served.

@@ -39,9 +39,9 @@ def published_format(name: str, config) -> str | None:
 
 
 def kept_quantized(name: str) -> bool:
-    """Whether weight_format=fp8 keeps a quantized tensor as published: the routed experts and the FP8 linears, but
-    o_a_proj, which is dequantized, as DeepSeek's own inference does (its grouped product is not a plain GEMM)."""
-    return name.endswith(ROUTED_EXPERTS) or (name.endswith(FP8_LINEARS) and not name.endswith("o_a_proj.weight"))
+    """Whether weight_format=fp8 keeps a quantized tensor as published: the routed experts and the FP8 linears, o_a_proj
+    too (DeepSeek dequantizes it for a bf16 einsum; kernels/grouped_linear.py reads it FP8 for the same products)."""
+    return name.endswith(ROUTED_EXPERTS) or name.endswith(FP8_LINEARS)
 
 
 # --- writing (scripts/make_checkpoint.py, tests) ------------------------------------------------------

@@ -271,6 +271,7 @@ def test_broken_published_checkpoints_are_refused_naming_file_tensor_and_shapes(
 def test_fp8_format_keeps_the_published_weights_and_they_mean_the_dequantized_ones(tmp_path, quantize):
     from kernels.fp8_gemm import Fp8Weight
     from kernels.moe import QuantizedExperts
+    from kernels.quant_formats import dequantize_fp8
 
     ckpt = tmp_path / quantize
     write_checkpoint(ckpt, layout="deepseek", quantize=quantize, shard_bytes=300 * 1024)
@@ -281,7 +282,9 @@ def test_fp8_format_keeps_the_published_weights_and_they_mean_the_dequantized_on
     assert isinstance(q_b, Fp8Weight) and q_b.data.dtype == torch.float8_e4m3fn
     assert torch.equal(q_b.data.float() * q_b.scale.repeat_interleave(128, 0)[:q_b.shape[0]]
                        .repeat_interleave(128, 1)[:, :q_b.shape[1]], expanded["model.layers.1.self_attn.q_b_proj.weight"])
-    assert torch.is_tensor(kept["model.layers.1.self_attn.o_a_proj.weight"])  # dequantized, as DeepSeek's inference
+    o_a = kept["model.layers.1.self_attn.o_a_proj.weight"]  # kept FP8 too (DeepSeek's inference dequantizes it)
+    assert isinstance(o_a, Fp8Weight)
+    assert torch.equal(dequantize_fp8(o_a.data, o_a.scale), expanded["model.layers.1.self_attn.o_a_proj.weight"])
     experts = kept["model.layers.2.mlp.experts.gate_up_proj"]
     assert isinstance(experts, QuantizedExperts) and experts.format == ("mxfp4" if quantize == "fp8-mxfp4" else "fp8")
     for name in ("model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"):
