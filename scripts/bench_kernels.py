@@ -14,6 +14,10 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
               tokens (each variant fp8_gemm_config picks), checked against fp8_gemm_reference; "ref" is the same
               product as a bf16 F.linear (cuBLAS) on the dequantized weight, so "x ref" is the FP8 kernel's
               speed-up over serving the weight in bf16
+  fp32_linear DeepSeek's fp32 LM head and router over bf16 weights at the decode batches, against the torch
+              expression F.linear(x.float(), w.float()) they replace
+  grouped_linear  the output projection's o_a_proj (8 groups of 1,024 rows) kept FP8, at the fp8_gemm token counts,
+              against the bf16 batched matmul over the dequantized weight
   mhc         the hyper-connection collapse (+ RMSNorm), mix (+ a second, fp32 block output) and head collapse on
               bf16 streams [T, 4, 4096] at the decode batches and the prefill chunk
   glue        the rest of a layer's launches at the decode batches and the prefill chunk: RMSNorm+RoPE (q_a; q per
@@ -69,6 +73,8 @@ class Shapes:
     q_lora_rank: int = 0
     rope_dim: int = 0
     vocab: int = 0
+    o_groups: int = 1
+    o_lora_rank: int = 128
 
 
 FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, index_topk=512, hidden=4096,
@@ -77,11 +83,13 @@ FULL = Shapes(head_dim=512, num_heads=64, index_head_dim=128, index_heads=64, in
               moe_decode_tokens=[1, 8, 32, 64, 128, 256],
               fp8_linears={"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
                            "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)},
-              fp8_tokens=[1, 16, 32, 64, 4096], q_lora_rank=1024, rope_dim=64, vocab=129280)
+              fp8_tokens=[1, 16, 32, 64, 4096], q_lora_rank=1024, rope_dim=64, vocab=129280,
+              o_groups=8, o_lora_rank=1024)
 DRY = Shapes(head_dim=64, num_heads=4, index_head_dim=32, index_heads=16, index_topk=8, hidden=64, moe_inter=32,
              num_experts=8, top_k=2, window=16, csa_rate=4, hca_rate=16, page_size=8, context=72,
              decode_batches=[1, 3], prefill_tokens=24, moe_decode_tokens=[1, 5],
-             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5, 20], q_lora_rank=48, rope_dim=16, vocab=1000)
+             fp8_linears={"irregular": (200, 300)}, fp8_tokens=[1, 5, 20], q_lora_rank=48, rope_dim=16, vocab=1000,
+             o_groups=2, o_lora_rank=64)
 
 
 @dataclass
@@ -291,6 +299,7 @@ def moe_work(s: Shapes, topk_ids, weight_bytes: float = 2.0) -> tuple[float, flo
 TOLERANCES = {"attention": (2e-2, 2e-2), "attn_fp8": (2e-2, 2e-2), "indexer": (1e-3, 1e-3), "idx_fp4": (1e-3, 1e-3),
               "moe": (3e-2, 3e-2), "moe_q": (3e-2, 3e-2),
               "fp8_gemm": (2e-2, 2e-2), "mhc": (3e-2, 3e-2), "glue": (3e-2, 3e-2), "fp32_linear": (1e-4, 1e-5),
+              "grouped": (2e-2, 2e-2),
               # bf16 entries against the fp32 reference: gate + bias, softmax weights, pooled sum, RMSNorm and RoPE
               # each round once in the kernel (tests/kernels/test_compressor.py's bf16 tolerance; an H200 reached
               # 1.13 of the glue tolerance)
@@ -442,6 +451,29 @@ def bench_fp32_linear(torch, s, device, timer, options):
                                           lambda: fp32_linear_reference(x, weight),
                                           lambda: fp32_linear_reference(x.double(), weight.double()).float(), work,
                                           options))
+    return results
+
+
+def bench_grouped_linear(torch, s, device, timer, options):
+    """The attention output's o_a_proj kept FP8 against the bf16 batched matmul over its dequantized weight (what the
+    engine ran before, and DeepSeek's einsum)."""
+    from kernels.fp8_gemm import Fp8Weight
+    from kernels.grouped_linear import grouped_linear_reference, grouped_linear_triton
+    from kernels.quant_formats import dequantize_fp8
+
+    groups, rows = s.o_groups, s.o_lora_rank
+    k = s.num_heads * s.head_dim // groups
+    gen = torch.Generator(device=device).manual_seed(0)
+    weight = Fp8Weight(*fp8_linear_weight(torch, device, groups * rows, k, gen))
+    dense = dequantize_fp8(weight.data, weight.scale).to(torch.bfloat16)
+    results = []
+    for t in s.fp8_tokens:
+        x = torch.randn(t, groups, k, generator=gen, device=device).to(torch.bfloat16)
+        work = ((weight.data.numel() + 4 * weight.scale.numel() + 2 * t * groups * (k + rows)) / 1e9,
+                2 * t * groups * rows * k / 1e9)
+        results.append(check_and_time(torch, timer, "grouped", f"o_a T={t}", lambda: grouped_linear_triton(x, weight),
+                                      lambda: grouped_linear_reference(x, dense),
+                                      lambda: grouped_linear_reference(x.float(), dense.float()), work, options))
     return results
 
 
@@ -728,7 +760,8 @@ def bench_indexer_fp4(torch, s, device, timer, options):
 
 BENCHES = {"attention": bench_attention, "attention_fp8": bench_attention_fp8, "indexer": bench_indexer,
            "indexer_fp4": bench_indexer_fp4, "moe": bench_moe, "moe_q": bench_moe_quantized,
-           "fp8_gemm": bench_fp8_gemm, "fp32_linear": bench_fp32_linear, "mhc": bench_mhc, "glue": bench_glue}
+           "fp8_gemm": bench_fp8_gemm, "fp32_linear": bench_fp32_linear, "grouped_linear": bench_grouped_linear,
+           "mhc": bench_mhc, "glue": bench_glue}
 
 
 def _print_table(rows):
@@ -744,7 +777,7 @@ def _print_table(rows):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", default="attention,attention_fp8,indexer,indexer_fp4,moe,moe_q,fp8_gemm,"
-                                             "fp32_linear,mhc,glue",
+                                             "fp32_linear,grouped_linear,mhc,glue",
                         help="comma-separated subset")
     parser.add_argument("--repeat", type=int, default=20, help="timed runs per case (median reported)")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the references")
