@@ -110,6 +110,12 @@ class KernelDispatch:
         """mHC mix of one (or the sum of two) block outputs into the streams (in fp32 under DeepSeek's numerics)."""
         return self._fused("mhc", "hc_mix", streams, streams, *args, fp32_mix=self.numerics.fp32_mix)
 
+    def hc_mix_collapse(self, streams, *args, **kwargs):
+        """hc_mix after a block, then hc_collapse before the next -> (new streams, post, comb, x); one launch at decode
+        sizes."""
+        return self._fused("mhc", "hc_mix_collapse", streams, streams, *args, fp32_mix=self.numerics.fp32_mix,
+                           **kwargs)
+
     def hc_head(self, streams, *args, **kwargs):
         return self._fused("mhc", "hc_head", streams, streams, *args, **kwargs)
 

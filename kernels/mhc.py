@@ -37,6 +37,10 @@ Kernels (one launch each):
   (L2-hot) and writes the weighted RMSNorm over it.
   `_hc_mix_kernel`, grid (T, cdiv(D, BLOCK_D)): a program reads the N streams of one token's D tile once, the
   block output(s), post and comb, and writes all N new streams of the tile (safe in place: out may be streams).
+  The mix after a block fused into the collapse before the next (`hc_mix_collapse`, up to FUSED_MIX_MAX_TOKENS
+  tokens): the collapse kernel with MIX computes each (stream, tile) of pass 1 from the old streams as the mix
+  kernel would (`_mixed_tile`), writes it to the new streams and goes on with it; pass 2 reads the new streams back
+  (the last split reads the other splits' tiles, written before their counter's release). One launch instead of two.
 """
 
 from __future__ import annotations
@@ -111,20 +115,33 @@ def hc_mix_reference(streams: torch.Tensor, block_out: torch.Tensor, post: torch
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
+def hc_mix_collapse_reference(streams, block_out, post, comb, block_out2, fn, base, scale, norm_weight, *, hc_mult,
+                              eps, hc_eps, sinkhorn_iters, fp32_mix=False):
+    """The mix after a block, then the collapse before the next: (new streams, post, comb, x)."""
+    new = hc_mix_reference(streams, block_out, post, comb, block_out2, fp32_mix=fp32_mix)
+    return (new, *hc_collapse_reference(new, fn, base, scale, norm_weight, hc_mult=hc_mult, eps=eps, hc_eps=hc_eps,
+                                        sinkhorn_iters=sinkhorn_iters))
+
+
 # --- kernels ------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _hc_collapse_kernel(
     # pointers
     s_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, partial_ptr, counter_ptr,
+    # MIX: the streams before the mix, the block output(s), the mix's post and comb
+    old_ptr, y_ptr, y2_ptr, mix_post_ptr, mix_comb_ptr,
     # sizes, strides, scalars
-    num_tokens, num_splits, stride_st, stride_sn, stride_xt, eps, hc_eps,
+    num_tokens, num_splits, stride_st, stride_sn, stride_xt, stride_old_t, stride_old_n, stride_yt, stride_y2t, eps,
+    hc_eps,
     # model constants and tiles
     N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HEAD: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH_PP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MIX: tl.constexpr, HAS_SECOND: tl.constexpr, FP32_MIX: tl.constexpr,
 ):
     """Program (b, split): tokens [b * BLOCK_T, (b + 1) * BLOCK_T), the split's share of the N * D inputs; the
-    last split of block b to finish (or the only one) sums the partial products and does the rest."""
+    last split of block b to finish (or the only one) sums the partial products and does the rest. MIX: the
+    streams it collapses are first mixed from the ones before the block (`_mixed_tile`, the mix kernel's values),
+    each tile as pass 1 reaches it, and written to s_ptr."""
     block = tl.program_id(0)
     split = tl.program_id(1)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -151,8 +168,14 @@ def _hc_collapse_kernel(
         n = step // TILES_PER_STREAM
         d0 = (step % TILES_PER_STREAM) * BLOCK_D
         d_mask = offs_d < D - d0
-        a = tl.load(s_ptr + tokens[:, None] * stride_st + n * stride_sn + (d0 + offs_d)[None, :],
-                    mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        tile = s_ptr + tokens[:, None] * stride_st + n * stride_sn + (d0 + offs_d)[None, :]
+        if MIX:
+            a = _mixed_tile(old_ptr, y_ptr, y2_ptr, mix_post_ptr, mix_comb_ptr, tokens, t_mask, n, d0 + offs_d,
+                            d_mask, stride_old_t, stride_old_n, stride_yt, stride_y2t, N, HAS_SECOND, FP32_MIX,
+                            s_ptr.dtype.element_ty)
+            tl.store(tile, a.to(s_ptr.dtype.element_ty), mask=t_mask[:, None] & d_mask[None, :])
+        else:
+            a = tl.load(tile, mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
         sumsq += tl.sum(a * a, 1)
         k = n * D + d0 + offs_d  # column of fn
         f_pp = tl.load(fn_ptr + rows_pp[:, None] * (N * D) + k[None, :],
@@ -209,6 +232,8 @@ def _hc_collapse_kernel(
                  mask=t_mask[:, None] & valid_c[None, :])
 
     # pass 2: c = sum_n pre[n] * s[t, n], rounded to the dtype, into x; its sum of squares for the norm
+    if MIX:
+        tl.debug_barrier()  # the mixed streams this program's threads wrote are visible to all of them
     out_ty = x_ptr.dtype.element_ty
     sumsq_c = tl.zeros([BLOCK_T], tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -217,8 +242,11 @@ def _hc_collapse_kernel(
         c = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         for n in tl.static_range(N):
             pre_n = tl.sum(tl.where((cols_pp == n)[None, :], act, 0.0), 1)  # [BLOCK_T]
-            a = tl.load(s_ptr + tokens[:, None] * stride_st + n * stride_sn + (d0 + offs_d)[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+            tile = s_ptr + tokens[:, None] * stride_st + n * stride_sn + (d0 + offs_d)[None, :]
+            if MIX:  # (other splits' tiles: written before their counter's release, read past L1)
+                a = tl.load(tile, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            else:
+                a = tl.load(tile, mask=mask, other=0.0).to(tl.float32)
             c += pre_n[:, None] * a
         c = c.to(out_ty)
         tl.store(x_ptr + tokens[:, None] * stride_xt + (d0 + offs_d)[None, :], c, mask=mask)
@@ -237,6 +265,34 @@ def _hc_collapse_kernel(
             c = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + d0 + offs_d, mask=d_mask, other=0.0).to(tl.float32)
             tl.store(ptrs, (w[None, :] * (c * r_c[:, None])).to(out_ty), mask=mask)
+
+
+@triton.jit
+def _mixed_tile(old_ptr, y_ptr, y2_ptr, post_ptr, comb_ptr, tokens, t_mask, k, cols, d_mask, stride_ot, stride_on,
+                stride_yt, stride_y2t, N: tl.constexpr, HAS_SECOND: tl.constexpr, FP32_MIX: tl.constexpr, ty):
+    """New stream k at columns `cols` of tokens [BLOCK_T], float32 holding values of ty: what `_hc_mix_kernel`
+    stores there (the same operations in the same order)."""
+    mask = t_mask[:, None] & d_mask[None, :]
+    y = tl.load(y_ptr + tokens[:, None] * stride_yt + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_SECOND:
+        y += tl.load(y2_ptr + tokens[:, None] * stride_y2t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = y.to(ty).to(tl.float32)
+    post = tl.load(post_ptr + tokens * N + k, mask=t_mask, other=0.0)
+    if not FP32_MIX:
+        post = post.to(ty).to(tl.float32)
+    acc = tl.zeros(y.shape, tl.float32)
+    for j in tl.static_range(N):
+        comb_j = tl.load(comb_ptr + tokens * (N * N) + j * N + k, mask=t_mask, other=0.0)
+        if not FP32_MIX:
+            comb_j = comb_j.to(ty).to(tl.float32)
+        s_j = tl.load(old_ptr + tokens[:, None] * stride_ot + j * stride_on + cols[None, :], mask=mask,
+                      other=0.0).to(tl.float32)
+        acc += comb_j[:, None] * s_j
+    if FP32_MIX:
+        new = post[:, None] * y + acc
+    else:
+        new = (post[:, None] * y).to(ty).to(tl.float32) + acc.to(ty).to(tl.float32)
+    return new.to(ty).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -315,7 +371,9 @@ def _check_streams(streams: torch.Tensor, hc_mult: int):
 
 
 def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_eps, sinkhorn_iters, head,
-                   config=None):
+                   config=None, mix=None):
+    """The collapse's launch; `mix` (old streams, block_out, block_out2, post, comb, fp32_mix): `streams` is where
+    the kernel writes the streams it mixes from those (MIX)."""
     num_tokens, n, hidden = streams.shape
     _check_streams(streams, hc_mult)
     mixes = n if head else 2 * n + n * n
@@ -349,12 +407,15 @@ def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_ep
     else:
         partial = fn  # never touched
     counters = split_counters(device)  # touched only by split launches; passed always: one signature
+    old, y, y2, mix_post, mix_comb, fp32_mix = mix or (streams, x, None, base, base, False)  # (unread without MIX)
+    second = y2 if y2 is not None else y
     args = (streams, fn, base, scale, norm_weight if norm_weight is not None else base, post, comb, x, partial,
-            counters, num_tokens, splits, streams.stride(0), streams.stride(1), x.stride(0), float(eps),
-            float(hc_eps))
+            counters, old, y, second, mix_post, mix_comb, num_tokens, splits, streams.stride(0), streams.stride(1),
+            x.stride(0), old.stride(0), old.stride(1), y.stride(0), second.stride(0), float(eps), float(hc_eps))
     kwargs = dict(N=n, D=hidden, P=p, SINKHORN_ITERS=int(sinkhorn_iters), HEAD=head,
                   HAS_NORM=norm_weight is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"],
-                  WIDTH_PP=width_pp, DOT_PRECISION=cfg.get("DOT_PRECISION", "ieee"), num_warps=cfg["num_warps"],
+                  WIDTH_PP=width_pp, DOT_PRECISION=cfg.get("DOT_PRECISION", "ieee"), MIX=mix is not None,
+                  HAS_SECOND=y2 is not None, FP32_MIX=bool(fp32_mix), num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     return outputs, [(_hc_collapse_kernel, (blocks, splits), args, kwargs)]
 
@@ -372,9 +433,7 @@ def plan_hc_head(streams, fn, base, scale, *, eps, hc_eps, norm_weight=None, con
                           sinkhorn_iters=1, head=True, config=config)
 
 
-def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, config=None, fp32_mix=False):
-    """Check inputs, allocate the new streams (or use out, which may be streams itself); return (new, launches)
-    without launching (one launch; none at T = 0)."""
+def _check_mix_inputs(streams, block_out, post, comb, block_out2):
     num_tokens, n, hidden = streams.shape
     _check_streams(streams, n)
     for name, y in (("block_out", block_out), ("block_out2", block_out2)):
@@ -385,6 +444,13 @@ def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, co
         "post must be contiguous fp32 [T, N]"
     assert tuple(comb.shape) == (num_tokens, n, n) and comb.dtype == torch.float32 and comb.is_contiguous(), \
         "comb must be contiguous fp32 [T, N, N]"
+
+
+def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, config=None, fp32_mix=False):
+    """Check inputs, allocate the new streams (or use out, which may be streams itself); return (new, launches)
+    without launching (one launch; none at T = 0)."""
+    num_tokens, n, hidden = streams.shape
+    _check_mix_inputs(streams, block_out, post, comb, block_out2)
     if out is None:
         out = torch.empty_like(streams, memory_format=torch.contiguous_format)
     assert out.shape == streams.shape and out.dtype == streams.dtype and out.stride(2) == 1, "out like streams"
@@ -397,6 +463,27 @@ def plan_hc_mix(streams, block_out, post, comb, block_out2=None, *, out=None, co
     kwargs = dict(N=n, D=hidden, P=triton.next_power_of_2(n), HAS_SECOND=block_out2 is not None,
                   BLOCK_D=cfg["BLOCK_D"], FP32_MIX=bool(fp32_mix), num_warps=cfg["num_warps"])
     return out, [(_hc_mix_kernel, (num_tokens, triton.cdiv(hidden, cfg["BLOCK_D"])), args, kwargs)]
+
+
+# Up to this many tokens the mix is fused into the collapse after it; beyond (a prefill chunk), the fused pass 1 would
+# read the N old streams once per stream, and the mix runs as its own launch.
+FUSED_MIX_MAX_TOKENS = 256
+
+
+def plan_hc_mix_collapse(streams, block_out, post, comb, block_out2, fn, base, scale, norm_weight, *, hc_mult, eps,
+                         hc_eps, sinkhorn_iters, fp32_mix=False, config=None):
+    """`plan_hc_mix` then `plan_hc_collapse` of its result: ((new streams, post, comb, x), launches); one launch up to
+    FUSED_MIX_MAX_TOKENS tokens (the collapse mixes each tile as it reads it), two beyond."""
+    collapse = dict(hc_mult=hc_mult, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, config=config)
+    if streams.shape[0] > FUSED_MIX_MAX_TOKENS:
+        new, mix = plan_hc_mix(streams, block_out, post, comb, block_out2, fp32_mix=fp32_mix)
+        outputs, launches = plan_hc_collapse(new, fn, base, scale, norm_weight, **collapse)
+        return (new, *outputs), mix + launches
+    _check_mix_inputs(streams, block_out, post, comb, block_out2)
+    new = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    outputs, launches = _plan_collapse(new, fn, base, scale, norm_weight, head=False, **collapse,
+                                       mix=(streams, block_out, block_out2, post, comb, fp32_mix))
+    return (new, *outputs), launches
 
 
 def _launch(launches):
@@ -433,3 +520,15 @@ def hc_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
                                 fp32_mix=fp32_mix)
     _launch(launches)
     return new
+
+
+def hc_mix_collapse_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                           block_out2: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                           norm_weight: torch.Tensor | None, *, hc_mult: int, eps: float, hc_eps: float,
+                           sinkhorn_iters: int, fp32_mix: bool = False, config: dict | None = None):
+    """Triton version of `hc_mix_collapse_reference`: one launch at decode sizes."""
+    outputs, launches = plan_hc_mix_collapse(streams, block_out, post, comb, block_out2, fn, base, scale, norm_weight,
+                                             hc_mult=hc_mult, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+                                             fp32_mix=fp32_mix, config=config)
+    _launch(launches)
+    return outputs

@@ -53,7 +53,7 @@ from kernels.fp32_linear import plan_fp32_linear  # noqa: E402
 from kernels.grouped_linear import plan_grouped_linear  # noqa: E402
 from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
-from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix  # noqa: E402
+from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix, plan_hc_mix_collapse  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
 from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
@@ -184,13 +184,18 @@ def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16", deepseek: bool = F
 
 
 def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
-    """The mHC kernels on bf16 streams [T, 4, D]: collapse (+ RMSNorm), mix (+ a second block output), head."""
+    """The mHC kernels on bf16 streams [T, 4, D]: collapse (+ RMSNorm), mix (+ a second block output), head, and the
+    mix fused into the collapse after it (mix_collapse: the MoE's fp32 routed output and the shared expert's)."""
     n, d = hc_mult, m["hidden"]
     streams, f32 = _meta(num_tokens, n, d), torch.float32
+    collapse = (_meta(2 * n + n * n, n * d, dtype=f32), _meta(2 * n + n * n, dtype=f32), _meta(3, dtype=f32),
+                _meta(d, dtype=f32))
     if kind == "collapse":
-        return plan_hc_collapse(streams, _meta(2 * n + n * n, n * d, dtype=f32), _meta(2 * n + n * n, dtype=f32),
-                                _meta(3, dtype=f32), _meta(d, dtype=f32), hc_mult=n, eps=1e-6, hc_eps=1e-6,
-                                sinkhorn_iters=20)[1]
+        return plan_hc_collapse(streams, *collapse, hc_mult=n, eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)[1]
+    if kind == "mix_collapse":
+        return plan_hc_mix_collapse(streams, _meta(num_tokens, d, dtype=f32), _meta(num_tokens, n, dtype=f32),
+                                    _meta(num_tokens, n, n, dtype=f32), _meta(num_tokens, d), *collapse, hc_mult=n,
+                                    eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, fp32_mix=True)[1]
     if kind == "head":
         return plan_hc_head(streams, _meta(n, n * d, dtype=f32), _meta(n, dtype=f32), _meta(1, dtype=f32), eps=1e-6,
                             hc_eps=1e-6, norm_weight=_meta(d, dtype=f32))[1]
@@ -277,7 +282,7 @@ def cases() -> list[tuple[str, str, list]]:
         for t in m["moe_tokens"]:
             out.append((m["name"], f"moe T={t}", moe_launches(m, t)))
         for t in sorted({1, 64, 256, m["prefill_tokens"]}):
-            for kind in ("collapse", "mix", "head"):
+            for kind in ("collapse", "mix", "head", "mix_collapse"):
                 out.append((m["name"], f"mhc {kind} T={t}", mhc_launches(m, t, kind)))
         for t in (1, 64, m["prefill_tokens"]):
             for use in ("q_a", "q", "kv", "inverse", "indexer_q"):

@@ -36,7 +36,7 @@ its own pools with the whole attention and LM head, and with expert parallelism 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,15 @@ from kernels.moe import QuantizedExperts
 
 if TYPE_CHECKING:  # the forward is handed the pools; it never makes them
     from backend.memory.kv_manager import KVCacheManager, LayerMemory
+
+
+class PendingMix(NamedTuple):
+    """A block's output not yet mixed into the residual streams: the next collapse mixes it in as it reads them."""
+
+    block_out: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    second: torch.Tensor | None = None  # the shared expert's output, added to the routed one in fp32
 
 
 class DeepseekV4Model:
@@ -107,8 +116,10 @@ class DeepseekV4Model:
         for stream, plan in batch.plans.items():
             shared = next((v for s, v in entry_rope.items() if batch.plans[s] is plan), None)
             entry_rope[stream] = shared or self.rotary["compress"].cos_sin(plan.entry_pos, self.dtype)
+        pending = None
         for i in range(c.num_hidden_layers):
-            streams = self._layer(i, streams, batch, kv, rope, entry_rope)
+            streams, pending = self._layer(i, streams, pending, batch, kv, rope, entry_rope)
+        streams = self._mixed(streams, pending)
         logits = self._logits(streams[batch.logits_token_index], "model.")
         return (logits, streams) if return_streams else logits
 
@@ -127,7 +138,7 @@ class DeepseekV4Model:
         x = (self._quantized_linear(embedded, w[p + "e_proj.weight"]).unsqueeze(1)
              + self._quantized_linear(normed.flatten(0, 1), w[p + "h_proj.weight"]).view(hidden.shape))
         rope = {"main": self.rotary["main"].cos_sin(batch.positions, self.dtype)}
-        streams = self._layer(c.num_hidden_layers + j, x, batch, kv, rope, {})
+        streams = self._mixed(*self._layer(c.num_hidden_layers + j, x, None, batch, kv, rope, {}))
         if logits_index.numel() == 0:  # (a pass that only fills the draft layer's window)
             return streams.new_empty((0, c.vocab_size), dtype=torch.float32), streams
         return self._logits(streams[logits_index], p), streams
@@ -143,20 +154,35 @@ class DeepseekV4Model:
         logits = self.kernels.fp32_linear(last, head) if self.numerics.fp32_head else F.linear(last, head).float()
         return self.comm.all_gather_last(logits) if self.layout.vocabulary_parallel else logits
 
-    def _layer(self, i: int, streams, batch, kv, rope, entry_rope):
-        k, w, p = self.kernels, self.w, self.prefixes[i]
-        post, comb, x = k.hc_collapse(streams, w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"],
-                                      w[p + "input_layernorm.weight"], **self.hc)
-        streams = k.hc_mix(streams, self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
-        post, comb, x = k.hc_collapse(streams, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
-                                      w[p + "post_attention_layernorm.weight"], **self.hc)
+    def _layer(self, i: int, streams, pending: "PendingMix | None", batch, kv, rope, entry_rope):
+        """Layer i over `streams` with the block output `pending` not yet mixed into them; returns (streams, the MoE's
+        output to mix into them). Each mix runs with the collapse after it (one launch at decode sizes)."""
+        w, p = self.w, self.prefixes[i]
+        streams, post, comb, x = self._collapse(streams, pending, w[p + "attn_hc.fn"], w[p + "attn_hc.base"],
+                                                w[p + "attn_hc.scale"], w[p + "input_layernorm.weight"])
+        attention = PendingMix(self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
+        streams, post, comb, x = self._collapse(streams, attention, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"],
+                                                w[p + "ffn_hc.scale"], w[p + "post_attention_layernorm.weight"])
         routed, shared = self._moe(i, x, batch.input_ids, batch.dp_token_counts)
         if self.layout.world_size > 1 and not self.layout.data_parallel:  # routed (+ split shared) partial sums
             if self.layout.attention_split:
                 routed, shared = self.comm.all_reduce(routed + shared.float()), None
             else:
                 routed = self.comm.all_reduce(routed)
-        return k.hc_mix(streams, routed, post, comb, shared)
+        return streams, PendingMix(routed, post, comb, shared)
+
+    def _collapse(self, streams, pending: "PendingMix | None", fn, base, scale, norm_weight):
+        """(streams with `pending` mixed in, post, comb, x): the mHC collapse before a block."""
+        if pending is None:
+            return (streams, *self.kernels.hc_collapse(streams, fn, base, scale, norm_weight, **self.hc))
+        return self.kernels.hc_mix_collapse(streams, pending.block_out, pending.post, pending.comb, pending.second,
+                                            fn, base, scale, norm_weight, **self.hc)
+
+    def _mixed(self, streams, pending: "PendingMix | None"):
+        """`pending` mixed into the streams on its own (after the last layer)."""
+        if pending is None:
+            return streams
+        return self.kernels.hc_mix(streams, pending.block_out, pending.post, pending.comb, pending.second)
 
     # --- attention --------------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope,

@@ -195,3 +195,45 @@ def test_default_config_splits_at_decode():
     assert collapse_config(256, 4096, 4)["SPLITS"] == 16  # 16 blocks x 16 splits
     assert collapse_config(4096, 4096, 4)["SPLITS"] == 1
     assert collapse_config(1, 64, 4)["SPLITS"] == 4
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype,second,fp32_mix", [(torch.float32, False, False), (torch.bfloat16, True, False),
+                                                   (torch.bfloat16, True, True)])
+def test_the_mix_fused_into_the_next_collapse(splits, dtype, second, fp32_mix):
+    """A decode step's mix after a block and the collapse before the next, in one launch: the new streams, post, comb
+    and x of the mix kernel followed by the collapse kernel, bit for bit (the mixed tiles are the mix kernel's
+    values, and the collapse reads them back); split over programs and not, twice (the split counters)."""
+    from kernels.mhc import hc_mix_collapse_reference, hc_mix_collapse_triton, plan_hc_mix_collapse
+
+    streams, fn, base, scale, weight = make_inputs(21, 200, dtype=dtype, seed=splits)
+    _, y, y2, post, comb = _mix_inputs(21, 200, dtype, seed=splits + 1)
+    y2 = y2.to(dtype) if second else None
+    cfg = dict(BLOCK_T=16, BLOCK_D=128, SPLITS=splits, num_warps=4, num_stages=2)
+    kwargs = dict(**collapse_kwargs(), fp32_mix=fp32_mix, config=cfg)
+    assert len(plan_hc_mix_collapse(streams, y, post, comb, y2, fn, base, scale, weight, **kwargs)[1]) == 1
+    for _ in range(2):
+        fused = hc_mix_collapse_triton(streams, y, post, comb, y2, fn, base, scale, weight, **kwargs)
+        new = hc_mix_triton(streams, y, post, comb, y2, fp32_mix=fp32_mix)
+        apart = (new, *hc_collapse_triton(new, fn, base, scale, weight, **collapse_kwargs(), config=cfg))
+        for a, b in zip(fused, apart):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        if dtype == torch.float32:
+            for a, e in zip(fused, hc_mix_collapse_reference(streams, y, post, comb, y2, fn, base, scale, weight,
+                                                             **collapse_kwargs(), fp32_mix=fp32_mix)):
+                _close(a, e, dtype)
+        streams = streams.flip(0).contiguous()
+
+
+def test_a_prefill_chunk_mixes_apart():
+    """Beyond FUSED_MIX_MAX_TOKENS the mix is its own launch (the fused pass would read the old streams N times)."""
+    from kernels.mhc import FUSED_MIX_MAX_TOKENS, hc_mix_collapse_triton, plan_hc_mix_collapse
+
+    tokens = FUSED_MIX_MAX_TOKENS + 1
+    streams, fn, base, scale, weight = make_inputs(tokens, 64)
+    _, y, _, post, comb = _mix_inputs(tokens, 64, torch.float32, seed=2)
+    assert len(plan_hc_mix_collapse(streams, y, post, comb, None, fn, base, scale, weight, **collapse_kwargs())[1]) == 2
+    new, *collapsed = hc_mix_collapse_triton(streams, y, post, comb, None, fn, base, scale, weight, **collapse_kwargs())
+    assert torch.equal(new, hc_mix_triton(streams, y, post, comb))
+    for a, b in zip(collapsed, hc_collapse_triton(new, fn, base, scale, weight, **collapse_kwargs())):
+        assert torch.equal(a, b)
