@@ -5,8 +5,9 @@
 
 Each returns x's values as DeepSeek's inference leaves them (quantized and multiplied back by their power-of-two
 scales, in x's dtype); the references are `simulate_quantization` and `simulate_indexer_fp4` (kernels/quant_formats.py),
-a dozen and about forty torch operators, so a dozen and forty launches a layer on a GPU where one does. Values, not
-codes: the expert and shared-expert inputs and the indexer queries are read by kernels that take values.
+a dozen and about forty torch operators, so a dozen and forty launches on a GPU where one does. Values, not codes:
+their readers (the linears dequantized at load, weight_format=dequantize; the indexer's scores) take values. The FP8
+GEMMs and the MoE quantize their inputs themselves.
 
 The rotation in registers (`rotate_rows`, kernels/quant_formats.py) takes the reference's butterflies one by one in
 float32, the same sums in the same order, so the same bits; the FP4 key store rotates its keys with it too
