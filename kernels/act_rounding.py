@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_formats import (FP8_ACT_BLOCK, MXFP4_BLOCK, e2m1_groups, e4m3_groups, rotate_rows,
-                                   simulate_indexer_fp4, simulate_quantization)
+from kernels.quant_formats import (FP8_ACT_BLOCK, MXFP4_BLOCK, e4m3_groups, indexer_rounded, simulate_indexer_fp4,
+                                   simulate_quantization)
 
 
 def round_activations_reference(x: torch.Tensor) -> torch.Tensor:
@@ -42,11 +42,7 @@ def _round_kernel(x_ptr, out_ptr, num_rows, num_cols, stride_x, stride_out, BLOC
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if FP4:
-        x = rotate_rows(x, BLOCK_R, BLOCK_C, LOG_C, x_ptr.dtype.element_ty)
-        magnitude, _, scale = e2m1_groups(x, BLOCK_R, BLOCK_C)
-        values = tl.reshape(magnitude * scale[:, :, None], [BLOCK_R, BLOCK_C])
-        values = (values.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(
-            tl.float32, bitcast=True)  # x's sign
+        values = indexer_rounded(x, BLOCK_R, BLOCK_C, LOG_C, x_ptr.dtype.element_ty)
     else:
         grid, scale = e4m3_groups(x, BLOCK_R, BLOCK_C)
         values = tl.reshape(tl.reshape(grid, [BLOCK_R, BLOCK_C // 128, 128]) * scale[:, :, None], [BLOCK_R, BLOCK_C])

@@ -2,7 +2,8 @@
 
 Uses per layer: q_a_norm (weighted norm); the per-head unweighted norm of q then rope; kv_norm then rope,
 stored straight into the window pool at `out_index`; the inverse rope of the attention output (V was rotated
-as K); the indexer's query rope (no norm).
+as K); the indexer's query rope (no norm), then under DeepSeek's numerics its rotation and FP4 rounding
+(`round_indexer`: `simulate_indexer_fp4` of the rotated row, in the same launch).
 
 Math (`norm_rope_reference`, the model's casts included), per row x of C channels, dtype = x's dtype:
   weighted     y = (weight * (xf * rsqrt(mean(xf^2) + eps))).to(dtype)          xf = x in fp32, weight in fp32
@@ -44,7 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels.kv_store import scale_slots, store_entries_reference, store_fp8_entry
-from kernels.quant_formats import kv_fp8_entry_bytes
+from kernels.quant_formats import indexer_rounded, kv_fp8_entry_bytes, simulate_indexer_fp4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,14 +74,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                         normalize: bool = True, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                         inverse: bool = False, out: torch.Tensor | None = None,
-                        out_index: torch.Tensor | None = None) -> torch.Tensor:
+                        out_index: torch.Tensor | None = None, round_indexer: bool = False) -> torch.Tensor:
     """RMSNorm (with `weight`, or unweighted when None; skipped when normalize=False), then RoPE (by -sin when
-    inverse); stored into out.view(-1, C)[out_index] and out returned when out is given, else a new tensor."""
+    inverse), then with `round_indexer` DeepSeek's rounding of an indexer vector (`simulate_indexer_fp4`); stored
+    into out.view(-1, C)[out_index] and out returned when out is given, else a new tensor."""
     y = x
     if normalize:
         y = rms_norm(y, weight, eps) if weight is not None else unweighted_rms_norm(y, eps)
     if cos is not None:
         y = apply_rope(y, cos, -sin if inverse else sin)
+    if round_indexer:
+        y = simulate_indexer_fp4(y)
     if out is None:
         return y
     store_entries_reference(y, out, out_index, 2 * cos.shape[-1] if cos is not None else 0)
@@ -143,6 +147,7 @@ def _norm_rope_kernel(
     INVERSE: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     FP8_OUT: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # out: a uint8 pool of the fp8 layout (H = 1, one chunk)
+    ROUND_INDEXER: tl.constexpr, LOG_C: tl.constexpr,  # then rotated and FP4-rounded (indexer queries; one chunk)
 ):
     """Program (t, head block): rows (t, h) for the block's BLOCK_H heads, all C channels, written to out row
     index[t] (HAS_INDEX, H = 1) or t * H + h."""
@@ -169,6 +174,8 @@ def _norm_rope_kernel(
                 r = r.to(x.dtype).to(tl.float32)
         y = _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs_c, h_mask, r, t, stride_ct, stride_st, C,
                             ROPE_DIM, NORMALIZE, HAS_WEIGHT, INVERSE)
+        if ROUND_INDEXER:  # (BLOCK_C == C, a power of two)
+            y = indexer_rounded(y.to(tl.float32), BLOCK_H, BLOCK_C, LOG_C, x_ptr.dtype.element_ty).to(y.dtype)
         if FP8_OUT:  # the entry quantized where it is stored (BLOCK_C == C, BLOCK_H == 1)
             store_fp8_entry(out_ptr, out_rope_ptr, tl.load(index_ptr + t).to(tl.int64) * stride_o,
                             tl.reshape(y.to(tl.float32), [BLOCK_C]), C, ROPE_DIM, SCALE_SLOTS)
@@ -214,7 +221,7 @@ def norm_rope_config(num_heads: int, channels: int) -> dict:
 def plan_norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *, normalize: bool = True,
                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, inverse: bool = False,
                    out: torch.Tensor | None = None, out_index: torch.Tensor | None = None,
-                   config: dict | None = None):
+                   round_indexer: bool = False, config: dict | None = None):
     """Check inputs, allocate the result (or take out); return (result, launches) without launching: one launch
     (none at T = 0), launches as (kernel, grid, args, kwargs). Shape checks only: works on meta tensors."""
     assert x.dim() in (2, 3), f"x must be [T, C] or [T, H, C], got {tuple(x.shape)}"
@@ -260,6 +267,8 @@ def plan_norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: flo
         return out, []
     cfg = config or norm_rope_config(num_heads, channels)
     assert not fp8_out or cfg["BLOCK_C"] == channels, "the fp8 layout quantizes whole entries: one chunk"
+    assert not round_indexer or (cfg["BLOCK_C"] == channels and not fp8_out), \
+        "the indexer's rounding rotates whole rows: one chunk of a power-of-two width, returned as values"
     cos_arg = cos if cos is not None else x  # never read without rope (one signature)
     sin_arg = sin if sin is not None else x
     args = (x, weight if has_weight else x, cos_arg, sin_arg, flat, flat.view(torch.bfloat16) if fp8_out else flat,
@@ -269,7 +278,7 @@ def plan_norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: flo
                   INVERSE=bool(inverse) and rope_dim > 0, HAS_INDEX=out_index is not None, BLOCK_H=cfg["BLOCK_H"],
                   BLOCK_C=cfg["BLOCK_C"], NUM_CHUNKS=triton.cdiv(channels, cfg["BLOCK_C"]),
                   FP8_OUT=fp8_out, SCALE_SLOTS=scale_slots(channels, rope_dim) if fp8_out else 8,
-                  num_warps=cfg["num_warps"])
+                  ROUND_INDEXER=bool(round_indexer), LOG_C=channels.bit_length() - 1, num_warps=cfg["num_warps"])
     grid = (num_tokens, triton.cdiv(num_heads, cfg["BLOCK_H"]))
     return out, [(_norm_rope_kernel, grid, args, kwargs)]
 
@@ -277,11 +286,11 @@ def plan_norm_rope(x: torch.Tensor, weight: torch.Tensor | None = None, eps: flo
 def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
                      normalize: bool = True, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                      inverse: bool = False, out: torch.Tensor | None = None, out_index: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
+                     round_indexer: bool = False, config: dict | None = None) -> torch.Tensor:
     """Triton version of `norm_rope_reference` (same arguments and result), one launch. config: tiles
     (BLOCK_H, BLOCK_C, num_warps) instead of `norm_rope_config`'s."""
     result, launches = plan_norm_rope(x, weight, eps, normalize=normalize, cos=cos, sin=sin, inverse=inverse,
-                                      out=out, out_index=out_index, config=config)
+                                      out=out, out_index=out_index, round_indexer=round_indexer, config=config)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return result

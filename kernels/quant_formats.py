@@ -483,6 +483,23 @@ def e2m1_groups(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def e2m1_values(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """`simulate_quantization(x, 32, "e2m1")` of a float32 tile [ROWS, COLS]: each value on the e2m1 grid times its
+    group's scale, x's sign kept (-0.0 too), float32."""
+    magnitude, _, scale = e2m1_groups(x, ROWS, COLS)
+    values = tl.reshape(magnitude * scale[:, :, None], [ROWS, COLS])
+    return (values.to(tl.int32, bitcast=True) | (x.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32,
+                                                                                                    bitcast=True)
+
+
+@triton.jit
+def indexer_rounded(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DTYPE: tl.constexpr):
+    """`simulate_indexer_fp4` of a float32 tile [ROWS, N] holding DTYPE values: rotated, then e2m1 per 32 (float32
+    holding DTYPE values)."""
+    return e2m1_values(rotate_rows(x, ROWS, N, LOG_N, DTYPE), ROWS, N)
+
+
+@triton.jit
 def rotate_rows(x, ROWS: tl.constexpr, N: tl.constexpr, LOG_N: tl.constexpr, DTYPE: tl.constexpr):
     """`hadamard_rotate` of a float32 tile [ROWS, N] whose rows are the vectors, rounded to DTYPE (kept float32)."""
     return round_to_dtype(hadamard_rows(x, ROWS, N, LOG_N) * (N ** -0.5), DTYPE)

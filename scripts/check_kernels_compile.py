@@ -86,6 +86,7 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "round activations T=256"), ("v4-flash", "round indexer queries T=256"),
          ("v4-flash", "fp32 linear lm head T=1"), ("v4-flash", "fp32 linear lm head T=256"),
          ("v4-flash", "grouped fp8 o_a T=1"), ("v4-flash", "grouped fp8 o_a T=256"),
+         ("v4-flash", "norm_rope indexer_q fp4 T=64"), ("v4-flash", "mhc mix_collapse T=1"),
          ("v4-flash", "norm_rope kv fp8 T=64"), ("v4-flash", "compressor csa fp32 fp8 64x1"),
          ("v4-flash", "moe T=4096"),
          ("tiny", "attention hca prefill T=512"), ("v4-flash", "fp8 gemm wq_b T=1"),
@@ -205,7 +206,7 @@ def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
 
 def norm_rope_launches(m: dict, num_tokens: int, use: str, fp8: bool = False):
     """The five uses of a layer: q_a norm, q norm + rope, kv norm + rope into the window pool, the inverse rope of
-    the attention output, the indexer's query rope."""
+    the attention output, the indexer's query rope (with DeepSeek's rotation and FP4 rounding: "indexer_q fp4")."""
     t, h, dh, half = num_tokens, m["num_heads"], m["head_dim"], m["rope_dim"] // 2
     rope = dict(cos=_meta(t, half), sin=_meta(t, half))
     if use == "q_a":
@@ -218,7 +219,8 @@ def norm_rope_launches(m: dict, num_tokens: int, use: str, fp8: bool = False):
                               **rope)[1]
     if use == "inverse":
         return plan_norm_rope(_meta(t, h, dh), None, 1e-6, normalize=False, inverse=True, **rope)[1]
-    return plan_norm_rope(_meta(t, m["index_heads"], m["index_head_dim"]), None, 1e-6, normalize=False, **rope)[1]
+    return plan_norm_rope(_meta(t, m["index_heads"], m["index_head_dim"]), None, 1e-6, normalize=False,
+                          round_indexer=use == "indexer_q fp4", **rope)[1]
 
 
 def routing_launches(m: dict, num_tokens: int, kind: str):
@@ -306,6 +308,7 @@ def cases() -> list[tuple[str, str, list]]:
         out.append(("v4-flash", f"attention {mode} fp8 kv prefill T={t}", attention_launches(flash, mode, t, True)))
     for t in (1, 64, flash["prefill_tokens"]):  # the window write, quantized in the norm_rope kernel
         out.append(("v4-flash", f"norm_rope kv fp8 T={t}", norm_rope_launches(flash, t, "kv", fp8=True)))
+        out.append(("v4-flash", f"norm_rope indexer_q fp4 T={t}", norm_rope_launches(flash, t, "indexer_q fp4")))
     for kind in ("csa", "hca", "indexer"):  # DeepSeek's numerics: fp32 pooling, entries quantized where stored
         for rows, tokens in ((1, 1), (64, 1), (1, flash["prefill_tokens"])):
             out.append(("v4-flash", f"compressor {kind} fp32 fp8 {rows}x{tokens}",

@@ -247,10 +247,9 @@ class DeepseekV4Model:
                             batch.comp_block_tables["csa"], entry_rope)
         q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(q_residual.shape[0], c.index_n_heads,
                                                                              c.index_head_dim)
-        # the indexer's queries use the compress rope, as its keys do
-        q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1])
-        if self.numerics.round_indexer:
-            q = k.round_indexer(q)
+        # the indexer's queries use the compress rope, as its keys do, and are rounded as the keys are stored
+        q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1],
+                        round_indexer=self.numerics.round_indexer)
         weights = proj["self_attn.compressor.indexer.scorer.weights_proj"]  # the head scaling goes with the softmax's
         scale = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
         scores = k.indexer_scores(q, weights, scale, batch.token_seq, batch.positions, index_k,

@@ -228,3 +228,23 @@ def test_bad_inputs_are_refused():
         norm_rope_triton(x.transpose(1, 2), None, EPS)
     with pytest.raises(AssertionError, match="weight"):
         norm_rope_triton(x, torch.ones(71), EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_indexer_queries_rounded_in_the_same_launch(dtype):
+    """The indexer's query rope with DeepSeek's rounding (rotation, FP4 per 32) in one launch: the rope kernel's
+    values, then round_indexer's, bit for bit; against the reference on fp32."""
+    from kernels.act_rounding import round_indexer_triton
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, channels, rope_dim = 5, 64, 128, 64
+    q = (torch.randn(tokens, heads, channels, generator=gen) * 3).to(dtype)
+    angles = torch.arange(tokens)[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+    rope = dict(normalize=False, cos=angles.cos().to(dtype), sin=angles.sin().to(dtype))
+    fused = norm_rope_triton(q, None, 1e-6, **rope, round_indexer=True)
+    apart = round_indexer_triton(norm_rope_triton(q, None, 1e-6, **rope))
+    assert fused.dtype == dtype and torch.equal(fused.float().view(torch.int32), apart.float().view(torch.int32))
+    if dtype == torch.float32:
+        expected = norm_rope_reference(q, None, 1e-6, **rope, round_indexer=True)
+        assert torch.equal(fused, expected)
+    assert not torch.equal(fused, norm_rope_triton(q, None, 1e-6, **rope))  # it rounds
