@@ -265,17 +265,14 @@ def test_fp32_pooling_with_entries_in_the_model_dtype(overlap, rate):
         assert torch.equal(rings["triton"].kv, rings["reference"].kv)  # fp32 rings, copies
 
 
-@pytest.mark.parametrize("implementation", ["reference", "triton"])
-def test_entries_quantized_as_they_are_stored_in_the_fp8_layout(implementation):
-    """A uint8 pool (kv_cache_dtype fp8): the kernel encodes each closed entry where it stores it, the bytes
-    store_kv_fp8 writes for the same entries (the scratch page aside, where padding entries go)."""
+def _encoded_as_stored(implementation, seed, head_dim, rope_dim, width, keys, store_reference):
+    """A prefill step, then a decode step closing entries, of a CSA compressor into a uint8 pool of `width` bytes an
+    entry: (the pool the implementation wrote, the pool `store_reference(entries, pool, rows)` writes from the
+    reference's entries)."""
     import kernels.compressor as compressor
-    from kernels.kv_store import store_kv_fp8_reference
-    from kernels.quant_formats import kv_fp8_entry_bytes
 
-    gen = torch.Generator().manual_seed(9)
-    rate, head_dim, rope_dim = 4, 128, 64
-    width = kv_fp8_entry_bytes(head_dim, rope_dim)
+    gen = torch.Generator().manual_seed(seed)
+    rate = 4
     rings = _Memory(rate, True, head_dim, 2, 12, torch.float32, gen)
     staged = rings.clone()
     pools = [torch.zeros(rings.pool.shape[0], PAGE_SIZE, width, dtype=torch.uint8) for _ in range(2)]
@@ -288,11 +285,24 @@ def test_entries_quantized_as_they_are_stored_in_the_fp8_layout(implementation):
         inputs = (wide[:, :2 * head_dim], wide[:, 2 * head_dim:])
         rest = (plan, bias, norm_weight, 1e-6, angles.cos(), angles.sin())
         getattr(compressor, f"compress_into_pool_{implementation}")(*inputs, rings.kv, rings.gate, *rest, pools[0],
-                                                                     rings.table)
+                                                                     rings.table, keys=keys)
         entries = compressor.compress_entries_reference(*inputs, staged.kv, staged.gate, *rest)
-        store_kv_fp8_reference(entries, pools[1], compressor.entry_destinations(plan, pools[1], staged.table),
-                               rope_dim)
-    assert torch.equal(pools[0][:-1], pools[1][:-1]) and pools[0][:-1].any()
+        store_reference(entries, pools[1], compressor.entry_destinations(plan, pools[1], staged.table))
+    assert torch.equal(rings.kv, staged.kv)
+    return pools
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_entries_quantized_as_they_are_stored_in_the_fp8_layout(implementation):
+    """A uint8 pool (kv_cache_dtype fp8): the kernel encodes each closed entry where it stores it, the bytes
+    store_kv_fp8 writes for the same entries (the scratch page aside, where padding entries go)."""
+    from kernels.kv_store import store_kv_fp8_reference
+    from kernels.quant_formats import kv_fp8_entry_bytes
+
+    head_dim, rope_dim = 128, 64
+    stored, expected = _encoded_as_stored(implementation, 9, head_dim, rope_dim, kv_fp8_entry_bytes(head_dim, rope_dim),
+                                          False, lambda e, pool, rows: store_kv_fp8_reference(e, pool, rows, rope_dim))
+    assert torch.equal(stored[:-1], expected[:-1]) and stored[:-1].any()
 
 
 @pytest.mark.parametrize("implementation", ["reference", "triton"])
@@ -300,28 +310,10 @@ def test_indexer_keys_rotated_and_quantized_as_they_are_stored(implementation):
     """The indexer's compressor over a uint8 pool (kv_cache_dtype fp8): each closed key rotated and encoded as FP4
     where it is stored, the bytes store_indexer_fp4 writes for the same keys after hadamard_rotate (the scratch page
     aside, where padding entries go)."""
-    import kernels.compressor as compressor
     from kernels.kv_store import store_indexer_fp4_reference
     from kernels.quant_formats import hadamard_rotate, indexer_fp4_entry_bytes
 
-    gen = torch.Generator().manual_seed(11)
-    rate, head_dim, rope_dim = 4, 64, 16
-    width = indexer_fp4_entry_bytes(head_dim)
-    rings = _Memory(rate, True, head_dim, 2, 12, torch.float32, gen)
-    staged = rings.clone()
-    pools = [torch.zeros(rings.pool.shape[0], PAGE_SIZE, width, dtype=torch.uint8) for _ in range(2)]
-    bias = torch.randn(rate, 2 * head_dim, generator=gen)
-    norm_weight = 1 + 0.1 * torch.randn(head_dim, generator=gen)
-    for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1])):
-        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], DEVICE)
-        wide = torch.randn(sum(lens), 4 * head_dim, generator=gen)
-        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
-        inputs = (wide[:, :2 * head_dim], wide[:, 2 * head_dim:])
-        rest = (plan, bias, norm_weight, 1e-6, angles.cos(), angles.sin())
-        getattr(compressor, f"compress_into_pool_{implementation}")(*inputs, rings.kv, rings.gate, *rest, pools[0],
-                                                                     rings.table, keys=True)
-        entries = compressor.compress_entries_reference(*inputs, staged.kv, staged.gate, *rest)
-        store_indexer_fp4_reference(hadamard_rotate(entries), pools[1],
-                                    compressor.entry_destinations(plan, pools[1], staged.table))
-    assert torch.equal(pools[0][:-1], pools[1][:-1]) and pools[0][:-1].any()
-    assert torch.equal(rings.kv, staged.kv)
+    stored, expected = _encoded_as_stored(
+        implementation, 11, 64, 16, indexer_fp4_entry_bytes(64), True,
+        lambda e, pool, rows: store_indexer_fp4_reference(hadamard_rotate(e), pool, rows))
+    assert torch.equal(stored[:-1], expected[:-1]) and stored[:-1].any()
