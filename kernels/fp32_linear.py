@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels.common import compute_dtype, num_sms
 from kernels.quant_formats import round_to_dtype
+from kernels.tuning import tuned
 
 
 def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -66,15 +67,16 @@ def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stri
              mask=row_mask[:, None] & token_mask[None, :])
 
 
-def fp32_linear_config(num_tokens: int, n: int, device: torch.device) -> dict:
+def fp32_linear_config(num_tokens: int, n: int, k: int, device: torch.device) -> dict:
     """Tiles of up to 64 tokens and 128 weight rows (fewer when the tiles are too few to give every SM a program: the
     router's 256 rows, a decode step's compressors) by 128 columns (64 for the widest tiles)."""
     block_n, block_t = 128, min(64, max(16, triton.next_power_of_2(num_tokens)))
     while block_n > 16 and triton.cdiv(n, block_n) * triton.cdiv(num_tokens, block_t) < num_sms(device):
         block_n //= 2
     wide = block_t * block_n > 2048  # 8 warps and narrower K steps: the accumulator and stages without spills
-    return dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=64 if wide else 128, num_warps=8 if wide else 4,
-                num_stages=3)
+    return tuned("fp32_linear", dict(n=n, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
+                 dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=64 if wide else 128, num_warps=8 if wide else 4,
+                      num_stages=3))
 
 
 def plan_fp32_linear(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None):
@@ -88,7 +90,7 @@ def plan_fp32_linear(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     if num_tokens == 0:
         return out, []
     x_parts = (1 if x.dtype == torch.bfloat16 else 3) if weight.dtype == torch.bfloat16 else 0
-    cfg = dict(config or fp32_linear_config(num_tokens, n, x.device), X_PARTS=x_parts,
+    cfg = dict(config or fp32_linear_config(num_tokens, n, k, x.device), X_PARTS=x_parts,
                DOT_DTYPE=compute_dtype(torch.bfloat16))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(num_tokens, cfg["BLOCK_T"]))
     return out, [(_fp32_linear_kernel, grid, (x, weight, out, num_tokens, n, k, x.stride(0), weight.stride(0),

@@ -23,6 +23,7 @@ import triton.language as tl
 from kernels.common import compute_dtype, num_sms
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_BLOCK, dequantize_fp8
+from kernels.tuning import tuned
 
 
 def grouped_linear_reference(x: torch.Tensor, weight) -> torch.Tensor:
@@ -60,14 +61,15 @@ def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, num_tokens, rows_per_group
              mask=row_mask[:, None] & token_mask[None, :])
 
 
-def grouped_fp8_config(num_tokens: int, num_rows: int, device: torch.device) -> dict:
+def grouped_fp8_config(num_tokens: int, num_rows: int, k: int, device: torch.device) -> dict:
     """128-wide K steps (the scale blocks), up to 64 tokens, 64 weight rows (fewer when the tiles are too few to give
     every SM a program: V4-Flash's 8 groups of 1,024 rows at one token are 256 tiles of 32)."""
     block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
     block_n = 64
     while block_n > 16 and triton.cdiv(num_rows, block_n) * triton.cdiv(num_tokens, block_t) < num_sms(device):
         block_n //= 2
-    return dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=4, num_stages=3)
+    return tuned("grouped_fp8", dict(rows=num_rows, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
+                 dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=4, num_stages=3))
 
 
 def plan_grouped_linear(x: torch.Tensor, weight: Fp8Weight, config: dict | None = None):
@@ -81,7 +83,7 @@ def plan_grouped_linear(x: torch.Tensor, weight: Fp8Weight, config: dict | None 
     out = torch.empty((num_tokens, num_rows), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, []
-    cfg = dict(config or grouped_fp8_config(num_tokens, num_rows, x.device), COMPUTE_DTYPE=compute_dtype(x.dtype))
+    cfg = dict(config or grouped_fp8_config(num_tokens, num_rows, k, x.device), COMPUTE_DTYPE=compute_dtype(x.dtype))
     grid = (groups * triton.cdiv(rows_per_group, cfg["BLOCK_N"]), triton.cdiv(num_tokens, cfg["BLOCK_T"]))
     args = (x, weight.data, weight.scale, out, num_tokens, rows_per_group, k, x.stride(0), x.stride(1),
             weight.data.stride(0), weight.scale.stride(0), out.stride(0))

@@ -124,6 +124,36 @@ def _fp8_gemm_sweep(s, patches) -> Sweep:
     return Sweep("fp8 gemm", "fp8_gemm", cases, patches, run_ms=0.3, cases_per_count=len(s.fp8_linears))
 
 
+def _fp32_linear_sweep(s, patches) -> Sweep:
+    """DeepSeek's fp32 LM head over its bf16 weight (the router shares the kernel, its own shape untuned)."""
+    def cases(torch, device):
+        from kernels.fp32_linear import fp32_linear_reference, fp32_linear_triton
+
+        gen = torch.Generator(device=device).manual_seed(2)
+        weight = (torch.randn(s.vocab, s.hidden, generator=gen, device=device) * s.hidden ** -0.5).to(torch.bfloat16)
+        for tokens in s.decode_batches:
+            x = torch.randn(tokens, s.hidden, generator=gen, device=device).to(torch.bfloat16)
+            yield (lambda x=x: fp32_linear_triton(x, weight),
+                   lambda x=x: fp32_linear_reference(x.double(), weight.double()).float())
+    return Sweep("fp32 linear lm head", "fp32_linear", cases, patches, run_ms=0.3)
+
+
+def _grouped_fp8_sweep(s, patches) -> Sweep:
+    """The attention output's o_a_proj kept FP8."""
+    def cases(torch, device):
+        from kernels.fp8_gemm import Fp8Weight
+        from kernels.grouped_linear import grouped_linear_reference, grouped_linear_triton
+
+        gen = torch.Generator(device=device).manual_seed(3)
+        k = s.num_heads * s.head_dim // s.o_groups
+        weight = Fp8Weight(*fp8_linear_weight(torch, device, s.o_groups * s.o_lora_rank, k, gen))
+        for tokens in [*s.decode_batches, s.prefill_tokens]:
+            x = torch.randn(tokens, s.o_groups, k, generator=gen, device=device).to(torch.bfloat16)
+            yield (lambda x=x: grouped_linear_triton(x, weight),
+                   lambda x=x: grouped_linear_reference(x.float(), weight))
+    return Sweep("grouped fp8 o_a", "grouped_fp8", cases, patches, run_ms=0.05)
+
+
 def _halve(name: str, floor: int = 16):
     return lambda d: {name: max(floor, d[name] // 2)}
 
@@ -143,9 +173,12 @@ def v4_flash_sweeps() -> list[Sweep]:
     moe = [dict(gate_up=dict(num_warps=8)), dict(down=dict(num_warps=8)), _double("BLOCK_M"),
            dict(gate_up=dict(num_stages=3), down=dict(num_stages=3))]
     fp8_gemm = [_halve("BLOCK_N", 64), _double("BLOCK_M"), dict(num_stages=4), dict(num_warps=8)]
+    grouped = [_double("BLOCK_N"), _halve("BLOCK_N"), dict(num_stages=4), dict(num_warps=8)]
+    fp32_linear = [_halve("BLOCK_N"), dict(BLOCK_K=64, num_stages=4), dict(num_warps=8)]
     return [_moe_sweep(s, "mxfp4", moe), _attention_sweep(s, "csa", True, fp8_attention),
             _attention_sweep(s, "hca", True, fp8_attention), _indexer_sweep(s, True, indexer),
-            _fp8_gemm_sweep(s, fp8_gemm), _attention_sweep(s, "csa", False, attention),
+            _fp8_gemm_sweep(s, fp8_gemm), _grouped_fp8_sweep(s, grouped), _fp32_linear_sweep(s, fp32_linear),
+            _attention_sweep(s, "csa", False, attention),
             _attention_sweep(s, "hca", False, attention), _indexer_sweep(s, False, indexer),
             _attention_sweep(s, "window", True, fp8_attention), _attention_sweep(s, "window", False, attention),
             _moe_sweep(s, "fp8", moe), _moe_sweep(s, "bf16", moe)]
@@ -158,7 +191,9 @@ def tiny_sweeps() -> list[Sweep]:
     return [_attention_sweep(s, "csa", True, [_halve("BLOCK_N"), dict(BLOCK_N=16, num_warps=2)]),
             _indexer_sweep(s, True, [dict(BLOCK_E=32), dict(BLOCK_E=64, num_warps=2)]),
             _moe_sweep(s, "bf16", [dict(gate_up=dict(BLOCK_N=16)), dict(down=dict(BLOCK_N=16))]),
-            _fp8_gemm_sweep(s, [dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)])]
+            _fp8_gemm_sweep(s, [dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]),
+            _grouped_fp8_sweep(s, [dict(BLOCK_N=32), dict(BLOCK_N=64, num_warps=2)]),
+            _fp32_linear_sweep(s, [dict(BLOCK_N=32), dict(BLOCK_N=64, num_warps=2)])]
 
 
 # --- running them -------------------------------------------------------------------------------------------------
@@ -211,7 +246,8 @@ def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool) -> dict:
         group = groups.setdefault((key, count), dict(default=default, cases=[]))
         group["cases"].append((run, reference()))
     tolerance = TOLERANCES["attn_fp8" if sweep.kernel == "attention" else
-                           {"indexer": "idx_fp4", "moe": "moe", "fp8_gemm": "fp8_gemm"}[sweep.kernel]]
+                           {"indexer": "idx_fp4", "moe": "moe", "fp8_gemm": "fp8_gemm", "grouped_fp8": "grouped",
+                            "fp32_linear": "fp32_linear"}[sweep.kernel]]
     best: dict = {}
     for (key, count), group in groups.items():
         timings = []

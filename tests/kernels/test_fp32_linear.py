@@ -55,5 +55,5 @@ def test_batched_leading_dims_and_the_tiles():
     out = fp32_linear_triton(x.view(2, 3, 128), weight)
     assert out.shape == (2, 3, 96)
     torch.testing.assert_close(out.view(6, 96), fp32_linear_reference(x, weight), rtol=1e-6, atol=1e-6)
-    assert fp32_linear_config(1, 129280, torch.device("cpu"))["BLOCK_N"] == 128  # the LM head: full tiles
-    assert fp32_linear_config(1, 256, torch.device("cpu"))["BLOCK_N"] == 16  # the router: a program for more SMs
+    assert fp32_linear_config(1, 129280, 4096, torch.device("cpu"))["BLOCK_N"] == 128  # the LM head: full tiles
+    assert fp32_linear_config(1, 256, 4096, torch.device("cpu"))["BLOCK_N"] == 16  # the router: more programs

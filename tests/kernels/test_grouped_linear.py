@@ -53,5 +53,5 @@ def test_a_dense_weight_is_a_batched_matmul_and_the_tiles():
     x = torch.randn(5, 2, 128, generator=gen)
     expected = torch.cat([x[:, g] @ dense[g * 64:(g + 1) * 64].T for g in range(2)], dim=1)
     torch.testing.assert_close(grouped_linear_triton(x, dense), expected)
-    config = grouped_fp8_config(1, 8 * 1024, torch.device("cpu"))  # V4-Flash at one token: a program for every SM
+    config = grouped_fp8_config(1, 8 * 1024, 4096, torch.device("cpu"))  # V4-Flash at one token: a program for every SM
     assert 8 * 1024 // config["BLOCK_N"] >= 132 and config["BLOCK_N"] >= 16

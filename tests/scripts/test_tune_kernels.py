@@ -41,7 +41,9 @@ def _launch_options(plan) -> dict:
 def _plans():
     """The plans of the tiny sweeps' kernels at one decode token (the MoE's: its configuration at one token's pairs)."""
     from kernels.attention import plan_sparse_paged_attention
-    from kernels.fp8_gemm import plan_fp8_gemm
+    from kernels.fp32_linear import plan_fp32_linear
+    from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm
+    from kernels.grouped_linear import plan_grouped_linear
     from kernels.indexer import plan_indexer_scores
     from kernels.moe import moe_config
 
@@ -49,16 +51,23 @@ def _plans():
     args, kwargs, _ = fp8_attention_inputs(torch, s, torch.device("cpu"), decode_positions(s, 1), "csa")
     indexer_args, _ = fp4_indexer_inputs(torch, s, torch.device("cpu"), decode_positions(s, 1))
     n, k = DRY.fp8_linears["irregular"]
+    o_in = DRY.num_heads * DRY.head_dim // DRY.o_groups
     return {"attention": _launch_options(plan_sparse_paged_attention(*args, **kwargs)),
             "indexer": _launch_options(plan_indexer_scores(*indexer_args)),
             "fp8_gemm": _launch_options(plan_fp8_gemm(torch.randn(1, k).to(torch.bfloat16),
                                                       *fp8_linear_weight(torch, "cpu", n, k, gen))),
-            "moe": moe_config(DRY.top_k, DRY.num_experts, DRY.hidden, DRY.moe_inter)}
+            "moe": moe_config(DRY.top_k, DRY.num_experts, DRY.hidden, DRY.moe_inter),
+            "grouped_fp8": _launch_options(plan_grouped_linear(
+                torch.randn(1, DRY.o_groups, o_in).to(torch.bfloat16),
+                Fp8Weight(*fp8_linear_weight(torch, "cpu", DRY.o_groups * DRY.o_lora_rank, o_in, gen)))),
+            "fp32_linear": _launch_options(plan_fp32_linear(torch.randn(1, DRY.hidden).to(torch.bfloat16),
+                                                            torch.randn(DRY.vocab, DRY.hidden).to(torch.bfloat16)))}
 
 
 def test_the_written_configurations_change_the_plans(tuned_file):
     written = json.loads(tuned_file.read_text())
-    assert written["device"] == "cpu" and set(written["kernels"]) == {"attention", "indexer", "fp8_gemm", "moe"}
+    assert written["device"] == "cpu" and set(written["kernels"]) == {"attention", "indexer", "fp8_gemm", "moe",
+                                                                       "grouped_fp8", "fp32_linear"}
     default = _plans()
     tuning.load(tuned_file)
     try:
