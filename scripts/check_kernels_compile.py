@@ -50,8 +50,8 @@ from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.compressor import plan_compress_into_pool  # noqa: E402
 from kernels.fp32_linear import plan_fp32_linear  # noqa: E402
-from kernels.grouped_linear import plan_grouped_linear  # noqa: E402
 from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm  # noqa: E402
+from kernels.grouped_linear import plan_grouped_linear  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix, plan_hc_mix_collapse  # noqa: E402
 from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
