@@ -59,6 +59,16 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def rows_per_program(num_rows: int, other_tiles: int, largest: int, device: torch.device, smallest: int = 16) -> int:
+    """Weight rows a swap-AB GEMM program takes (a power of two from `largest` down to `smallest`): halved while the
+    grid, cdiv(num_rows, rows) times the `other_tiles` along the tokens, gives fewer programs than the device has SMs
+    (a decode step's narrow weights, whose programs would otherwise leave SMs idle)."""
+    rows = largest
+    while rows > smallest and triton.cdiv(num_rows, rows) * other_tiles < num_sms(device):
+        rows //= 2
+    return rows
+
+
 def programs_per_sm(registers_per_thread: int, num_warps: int, shared_bytes: int) -> int:
     """Programs (CTAs) of one kernel resident on an sm_90 SM at once: the least of what its registers, threads and
     shared memory allow (at least 1)."""

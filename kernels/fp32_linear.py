@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype, num_sms
+from kernels.common import compute_dtype, rows_per_program
 from kernels.quant_formats import round_to_dtype
 from kernels.tuning import tuned
 
@@ -70,9 +70,8 @@ def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stri
 def fp32_linear_config(num_tokens: int, n: int, k: int, device: torch.device) -> dict:
     """Tiles of up to 64 tokens and 128 weight rows (fewer when the tiles are too few to give every SM a program: the
     router's 256 rows, a decode step's compressors) by 128 columns (64 for the widest tiles)."""
-    block_n, block_t = 128, min(64, max(16, triton.next_power_of_2(num_tokens)))
-    while block_n > 16 and triton.cdiv(n, block_n) * triton.cdiv(num_tokens, block_t) < num_sms(device):
-        block_n //= 2
+    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
+    block_n = rows_per_program(n, triton.cdiv(num_tokens, block_t), 128, device)
     wide = block_t * block_n > 2048  # 8 warps and narrower K steps: the accumulator and stages without spills
     return tuned("fp32_linear", dict(n=n, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
                  dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=64 if wide else 128, num_warps=8 if wide else 4,

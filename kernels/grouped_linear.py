@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype, num_sms
+from kernels.common import compute_dtype, rows_per_program
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_BLOCK, dequantize_fp8
 from kernels.tuning import tuned
@@ -65,9 +65,7 @@ def grouped_fp8_config(num_tokens: int, num_rows: int, k: int, device: torch.dev
     """128-wide K steps (the scale blocks), up to 64 tokens, 64 weight rows (fewer when the tiles are too few to give
     every SM a program: V4-Flash's 8 groups of 1,024 rows at one token are 256 tiles of 32)."""
     block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
-    block_n = 64
-    while block_n > 16 and triton.cdiv(num_rows, block_n) * triton.cdiv(num_tokens, block_t) < num_sms(device):
-        block_n //= 2
+    block_n = rows_per_program(num_rows, triton.cdiv(num_tokens, block_t), 64, device)
     return tuned("grouped_fp8", dict(rows=num_rows, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
                  dict(BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=FP8_BLOCK, num_warps=4, num_stages=3))
 
