@@ -180,7 +180,6 @@ def _compress_kernel(
     RATE: tl.constexpr, RING: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, HEAD_DIM: tl.constexpr,
     WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr,
-    STAGED: tl.constexpr,  # entry e goes to row e of pool_ptr (a [N, 1, head_dim] buffer), not into the pool
     ENTRY_DTYPE: tl.constexpr,  # the pooled entry's dtype before its norm and rope (pooling is in kv's)
     FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # a uint8 pool of the fp8 layout: quantize on write
     FP4_KEYS: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,  # a uint8 pool of indexer keys: rotate, then FP4
@@ -247,22 +246,20 @@ def _compress_kernel(
     even_r = tl.where(is_rope, (even * cos - odd * sin).to(ENTRY_DTYPE).to(tl.float32), even)
     odd_r = tl.where(is_rope, (odd * cos + even * sin).to(ENTRY_DTYPE).to(tl.float32), odd)
     y = tl.reshape(tl.join(even_r, odd_r), [BLOCK_D])
-    if STAGED:
-        tl.store(pool_ptr + e * stride_pool_page + d, y.to(ENTRY_DTYPE), mask=d_mask)
-    else:  # at page block_table[row, index // PAGE_SIZE] (the scratch page for padding), slot index % PAGE_SIZE
-        row = tl.load(entry_row_ptr + e).to(tl.int64)
-        index = tl.load(entry_index_ptr + e).to(tl.int64)
-        page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
-        page = tl.where(row >= 0, page, scratch_page)
-        offset = page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot
-        if FP8_POOL:  # (BLOCK_D == HEAD_DIM)
-            store_fp8_entry(pool_ptr, pool_rope_ptr, offset, y.to(ENTRY_DTYPE).to(tl.float32), HEAD_DIM, ROPE_DIM,
-                            SCALE_SLOTS)
-        elif FP4_KEYS:  # (BLOCK_D == HEAD_DIM)
-            store_fp4_key(pool_ptr, offset, tl.reshape(y.to(ENTRY_DTYPE).to(tl.float32), [1, BLOCK_D]), HEAD_DIM,
-                          True, LOG_HEAD_DIM, ENTRY_DTYPE)
-        else:
-            tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
+    # at page block_table[row, index // PAGE_SIZE] (the scratch page for padding), slot index % PAGE_SIZE
+    row = tl.load(entry_row_ptr + e).to(tl.int64)
+    index = tl.load(entry_index_ptr + e).to(tl.int64)
+    page = tl.load(block_table_ptr + tl.maximum(row, 0) * stride_bt + index // PAGE_SIZE).to(tl.int64)
+    page = tl.where(row >= 0, page, scratch_page)
+    offset = page * stride_pool_page + (index % PAGE_SIZE) * stride_pool_slot
+    if FP8_POOL:  # (BLOCK_D == HEAD_DIM)
+        store_fp8_entry(pool_ptr, pool_rope_ptr, offset, y.to(ENTRY_DTYPE).to(tl.float32), HEAD_DIM, ROPE_DIM,
+                        SCALE_SLOTS)
+    elif FP4_KEYS:  # (BLOCK_D == HEAD_DIM)
+        store_fp4_key(pool_ptr, offset, tl.reshape(y.to(ENTRY_DTYPE).to(tl.float32), [1, BLOCK_D]), HEAD_DIM,
+                      True, LOG_HEAD_DIM, ENTRY_DTYPE)
+    else:
+        tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
 
 
 def compress_config(span: int, head_dim: int, width: int) -> dict:
@@ -280,9 +277,7 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
                             keys: bool = False):
     """Check shapes; return the launches (kernel, grid, args, kwargs) of `compress_into_pool_triton`: none when
     nothing closes and nothing is kept, one for a batch of one-token rows, else two (entries and snapshots, then
-    the rings). block_table None: `pool` is a [N, 1, head_dim] buffer that gets entry e in row e (STAGED)."""
-    staged = block_table is None
-    block_table = pool if staged else block_table
+    the rings)."""
     width = kv.shape[-1]
     head_dim = norm_weight.shape[0]
     span, ring = plan.entry_src.shape[1], plan.ring
@@ -318,7 +313,7 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
     strides = (kv.stride(0), gate.stride(0), state_kv.stride(0), state_kv.stride(1), position_bias.stride(0),
                entry_cos.stride(0), entry_sin.stride(0), pool.stride(0), pool.stride(1), block_table.stride(0))
     kwargs = dict(RATE=plan.rate, RING=ring, SPAN=span, OVERLAP=bool(plan.overlap), HEAD_DIM=head_dim, WIDTH=width,
-                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1], STAGED=staged,
+                  ROPE_DIM=rope_dim, PAGE_SIZE=pool.shape[1],
                   ENTRY_DTYPE=TL_DTYPES[entry_dtype or kv.dtype], FP8_POOL=fp8_pool,
                   SCALE_SLOTS=scale_slots(head_dim, rope_dim) if fp8_pool else 8, FP4_KEYS=fp4_keys,
                   LOG_HEAD_DIM=head_dim.bit_length() - 1, **cfg)
@@ -333,16 +328,6 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
         return launch(num_entries, 0, num_keep)
     snapshots = plan.num_snapshot_keep
     return launch(num_entries, 0, snapshots) + launch(0, snapshots, num_keep)
-
-
-def compress_entries_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                            entry_sin, config: dict | None = None, *, entry_dtype=None) -> torch.Tensor:
-    """Triton version of `compress_entries_reference`: the same kernel, each entry stored in its row of the result."""
-    entry_dtype = entry_dtype or kv.dtype
-    entries = torch.empty((plan.entry_src.shape[0], 1, norm_weight.shape[0]), dtype=entry_dtype, device=kv.device)
-    compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
-                              entry_sin, entries, None, config, entry_dtype=entry_dtype)
-    return entries[:, 0]
 
 
 def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,

@@ -208,10 +208,9 @@ def test_the_decode_plan_is_the_general_plan_of_single_token_rows(rate, overlap)
             assert (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b, f.name
 
 
-@pytest.mark.parametrize("implementation", ["reference", "triton"])
-def test_closed_entries_returned_for_the_caller_to_store(implementation):
-    """compress_entries_* (kv_cache_dtype fp8: the model encodes the entries before storing them) computes exactly
-    the entries compress_into_pool_* stores, and updates the rings the same way."""
+def test_closed_entries_returned_for_the_caller_to_store():
+    """compress_entries_reference (the values the encoded-store tests below compare bytes of) computes exactly the
+    entries compress_into_pool_reference stores, and updates the rings the same way."""
     import kernels.compressor as compressor
 
     gen = torch.Generator().manual_seed(3)
@@ -226,10 +225,9 @@ def test_closed_entries_returned_for_the_caller_to_store(implementation):
         kv, gate = wide[:, :2 * head_dim], wide[:, 2 * head_dim:]
         angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
         inputs = (kv, gate, None, None, plan, bias, norm_weight, 1e-6, angles.cos(), angles.sin())
-        getattr(compressor, f"compress_into_pool_{implementation}")(
-            *inputs[:2], stored.kv, stored.gate, *inputs[4:], stored.pool, stored.table)
-        entries = getattr(compressor, f"compress_entries_{implementation}")(*inputs[:2], returned.kv, returned.gate,
-                                                                              *inputs[4:])
+        compressor.compress_into_pool_reference(*inputs[:2], stored.kv, stored.gate, *inputs[4:], stored.pool,
+                                                stored.table)
+        entries = compressor.compress_entries_reference(*inputs[:2], returned.kv, returned.gate, *inputs[4:])
         assert entries.shape == (plan.num_entries, head_dim) and plan.num_entries > 0
         rows = stored.pool.view(-1, head_dim)[compressor.entry_destinations(plan, stored.pool, stored.table)]
         assert torch.equal(entries, rows)
@@ -246,6 +244,7 @@ def test_fp32_pooling_with_entries_in_the_model_dtype(overlap, rate):
     head_dim, rope_dim = 32, 8
     width = 2 * head_dim if overlap else head_dim
     rings = {name: _Memory(rate, overlap, head_dim, 2, 12, torch.float32, gen) for name in ("reference", "triton")}
+    rings["reference"].pool = rings["reference"].pool.to(torch.bfloat16)  # the pools of a bf16 deployment
     rings["triton"] = rings["reference"].clone()
     bias = torch.randn(rate, width, generator=gen)
     norm_weight = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(torch.bfloat16)
@@ -256,9 +255,11 @@ def test_fp32_pooling_with_entries_in_the_model_dtype(overlap, rate):
         cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
         entries = {}
         for name, memory in rings.items():
-            entries[name] = getattr(compressor, f"compress_entries_{name}")(
+            getattr(compressor, f"compress_into_pool_{name}")(
                 wide[:, :width], wide[:, width:], memory.kv, memory.gate, plan, bias, norm_weight, 1e-6, cos, sin,
-                entry_dtype=torch.bfloat16)
+                memory.pool, memory.table, entry_dtype=torch.bfloat16)
+            entries[name] = memory.pool.view(-1, head_dim)[compressor.entry_destinations(plan, memory.pool,
+                                                                                         memory.table)]
         assert plan.num_entries > 0 and entries["triton"].dtype == entries["reference"].dtype == torch.bfloat16
         torch.testing.assert_close(entries["triton"].float(), entries["reference"].float(),
                                    **TOLERANCE[torch.bfloat16])  # (the interpreter truncates to bf16)
