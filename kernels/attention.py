@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import compiled_programs_per_sm, compute_dtype, launch_options, num_sms, row_alignment
+from kernels.norm_rope import norm_rope_reference, norm_rope_tile, normed_rows, rope_tail
 from kernels.quant_formats import decode_kv_entries, kv_fp8_entry_bytes, load_kv_entries
 from kernels.tuning import dtype_name, tuned
 
@@ -96,11 +97,11 @@ def _sparse_paged_attention_kernel(
     q_ptr, sinks_ptr, token_seq_ptr, token_pos_ptr,
     window_kv_ptr, window_rope_ptr, window_table_ptr, window_first_page_ptr,
     comp_kv_ptr, comp_rope_ptr, comp_table_ptr, topk_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, lse_ptr, cos_ptr, sin_ptr,
     # sizes
-    num_heads, window, compress_rate, num_topk, window_page_size, comp_page_size, num_splits, scale_log2,
+    num_heads, window, compress_rate, num_topk, window_page_size, comp_page_size, num_splits, scale_log2, q_norm_eps,
     # strides (the last dimension of every tensor is contiguous)
-    stride_qt, stride_qh,
+    stride_qt, stride_qh, stride_ct, stride_st,
     stride_wkv_page, stride_wkv_slot, stride_wtab_b,
     stride_ckv_page, stride_ckv_slot, stride_ctab_b,
     stride_topk_t,
@@ -112,6 +113,7 @@ def _sparse_paged_attention_kernel(
     IS_SPLIT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr, ROPE_DIM: tl.constexpr,  # pools of the fp8 layout's bytes (kernels/quant_formats.py)
     WINDOW_ALIGN: tl.constexpr, COMP_ALIGN: tl.constexpr,  # the pools' entries start at multiples of these elements
+    Q_NORM: tl.constexpr, QUERY_ROPE: tl.constexpr,  # q normed per head / roped (and the output un-roped) here
 ):
     """Program (token t, head block, split): online softmax over its share of the token's key blocks."""
     t = tl.program_id(0).to(tl.int64)
@@ -123,9 +125,9 @@ def _sparse_paged_attention_kernel(
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
     pos = tl.load(token_pos_ptr + t).to(tl.int32)  # positions, entries, pages and slots fit 32 bits: cheap divisions
 
-    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-    q0 = tl.load(q_rows + dims[None, :], mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_H, HALF]
-    q1 = tl.load(q_rows + HALF + dims[None, :], mask=head_mask[:, None], other=0.0).to(COMPUTE_DTYPE)
+    q0, q1 = _queries(q_ptr + t * stride_qt + heads[:, None] * stride_qh, head_mask, cos_ptr + t * stride_ct,
+                      sin_ptr + t * stride_st, q_norm_eps, HEAD_DIM, Q_NORM, QUERY_ROPE)
+    q0, q1 = q0.to(COMPUTE_DTYPE), q1.to(COMPUTE_DTYPE)  # [BLOCK_H, HALF] each
     if IS_SPLIT:  # the combine kernel adds the sink
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -186,18 +188,44 @@ def _sparse_paged_attention_kernel(
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
         tl.store(lse_ptr + t * stride_lse_t + heads * stride_lse_h + split, lse, mask=head_mask)
     else:
+        out1 = (acc1 / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        if QUERY_ROPE > 0:  # V was rotated as K: the output is rotated back (the rope is in the second half)
+            out1 = rope_tail(out1, cos_ptr + t * stride_ct, sin_ptr + t * stride_st, BLOCK_H, HALF, QUERY_ROPE, True)
         tl.store(out_ptrs, (acc0 / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
-        tl.store(out_ptrs + HALF, (acc1 / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.store(out_ptrs + HALF, out1, mask=head_mask[:, None])
+
+
+@triton.jit
+def _queries(q_rows, head_mask, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr, Q_NORM: tl.constexpr,
+             QUERY_ROPE: tl.constexpr):
+    """The block's queries as two halves of the head dim (q's dtype), normed per head (Q_NORM: the unweighted RMSNorm,
+    its factor rounded to q's dtype as `unweighted_rms_norm`) and their trailing QUERY_ROPE channels rotated (in the
+    second half): what the norm_rope kernel would have written, by its own tile function. The rope lanes read their
+    partners with a second load, as there: a tile taken apart in registers would change q's layout, and the compiled
+    loop then reshuffles q at every key block (a third more instructions)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dims = tl.arange(0, HALF)
+    q0 = tl.load(q_rows + dims[None, :], mask=head_mask[:, None], other=0.0)
+    q1 = tl.load(q_rows + HALF + dims[None, :], mask=head_mask[:, None], other=0.0)
+    r = tl.zeros([q0.shape[0]], tl.float32)
+    if Q_NORM:
+        f0, f1 = q0.to(tl.float32), q1.to(tl.float32)
+        sumsq = tl.sum(f0 * f0, 1) + tl.sum(f1 * f1, 1)
+        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, HEAD_DIM * 1.0) + eps)).to(q0.dtype).to(tl.float32)
+    q0 = normed_rows(q0, r, r, Q_NORM, False)  # (the weight argument is unread without a weight)
+    q1 = norm_rope_tile(q1, q_rows, q_rows, cos_row, sin_row, HALF + dims, head_mask, r, 0, 0, 0, HEAD_DIM,
+                        QUERY_ROPE, Q_NORM, False, False)
+    return q0, q1
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lse_t", "stride_lse_h"])
 def _split_kv_combine_kernel(
-    partial_ptr, lse_ptr, sinks_ptr, out_ptr,
+    partial_ptr, lse_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr,
     num_splits,
     stride_pt, stride_ph, stride_ps,
     stride_lse_t, stride_lse_h,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_ot, stride_oh, stride_ct, stride_st,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, QUERY_ROPE: tl.constexpr,
 ):
     """Program (token t, head h): merge the splits' partial outputs with the sink, in base 2."""
     t = tl.program_id(0).to(tl.int64)
@@ -213,7 +241,11 @@ def _split_kv_combine_kernel(
     for s in range(0, num_splits):
         weight = tl.exp2(tl.load(lse_row + s) - m)
         acc += weight * tl.load(partial_ptr + t * stride_pt + h * stride_ph + s * stride_ps + dims)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, (acc / denom).to(out_ptr.dtype.element_ty))
+    out = (acc / denom).to(out_ptr.dtype.element_ty)
+    if QUERY_ROPE > 0:  # the output rotated back, as the unsplit kernel does
+        out = tl.reshape(rope_tail(tl.reshape(out, [1, HEAD_DIM]), cos_ptr + t * stride_ct, sin_ptr + t * stride_st, 1,
+                                   HEAD_DIM, QUERY_ROPE, True), [HEAD_DIM])
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out)
 
 
 def attention_config(head_dim: int, num_heads: int, kv_fp8: bool = False) -> dict:
@@ -270,8 +302,8 @@ def _max_key_blocks(window, comp_kv, comp_block_table, topk_indices, block_n) ->
 
 def plan_sparse_paged_attention(
     q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page, window,
-    comp_kv=None, comp_block_table=None, compress_rate=0, topk_indices=None, *, rope_dim=0, num_splits=None,
-    block_n=None,
+    comp_kv=None, comp_block_table=None, compress_rate=0, topk_indices=None, *, rope_dim=0, q_norm_eps=None,
+    rope=None, num_splits=None, block_n=None,
 ):
     """Check the inputs, allocate the output and return (out, launches) without launching anything.
 
@@ -281,6 +313,7 @@ def plan_sparse_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_block_table, window_first_page,
                             window, comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim)
+    cos, sin = _check_query_rope(q, rope)
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out, []
@@ -299,6 +332,7 @@ def plan_sparse_paged_attention(
                   KV_FP8=kv_fp8, ROPE_DIM=rope_dim if kv_fp8 else 0,
                   WINDOW_ALIGN=row_alignment(*window_kv.stride()[:2]),
                   COMP_ALIGN=row_alignment(*(comp_kv if comp_kv is not None else window_kv).stride()[:2]),
+                  Q_NORM=q_norm_eps is not None, QUERY_ROPE=2 * cos.shape[-1] if rope is not None else 0,
                   **launch_options(cfg))
 
     def kernel_args(splits: int):
@@ -315,10 +349,10 @@ def plan_sparse_paged_attention(
             lse, dst, dst_strides, lse_strides = out, out, (out.stride(0), out.stride(1), 0), (0, 0)
         args = (
             q, sinks, token_seq, token_pos, window_kv, as_rope(window_kv), window_block_table, window_first_page,
-            comp_kv_arg, as_rope(comp_kv_arg), comp_table_arg, topk_arg, dst, lse,
+            comp_kv_arg, as_rope(comp_kv_arg), comp_table_arg, topk_arg, dst, lse, cos, sin,
             num_heads, window, max(compress_rate, 1), num_topk, window_kv.shape[1], comp_kv_arg.shape[1], splits,
-            float(scale) * _LOG2E,
-            q.stride(0), q.stride(1),
+            float(scale) * _LOG2E, float(q_norm_eps or 0.0),
+            q.stride(0), q.stride(1), cos.stride(0), sin.stride(0),
             window_kv.stride(0), window_kv.stride(1), window_block_table.stride(0),
             comp_kv_arg.stride(0), comp_kv_arg.stride(1), comp_table_arg.stride(0),
             topk_arg.stride(0) if topk_indices is not None else 0,
@@ -340,10 +374,10 @@ def plan_sparse_paged_attention(
     kwargs["IS_SPLIT"] = is_split
     launches = [(_sparse_paged_attention_kernel, (num_tokens, num_head_blocks, num_splits), args, kwargs)]
     if is_split:
-        combine_args = (partial, lse, sinks, out, num_splits, *partial.stride()[:3], *lse.stride()[:2],
-                        out.stride(0), out.stride(1))
+        combine_args = (partial, lse, sinks, out, cos, sin, num_splits, *partial.stride()[:3], *lse.stride()[:2],
+                        out.stride(0), out.stride(1), cos.stride(0), sin.stride(0))
         combine_kwargs = dict(HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                              num_warps=4, num_stages=1)
+                              QUERY_ROPE=kwargs["QUERY_ROPE"], num_warps=4, num_stages=1)
         launches.append((_split_kv_combine_kernel, (num_tokens, num_heads), combine_args, combine_kwargs))
     return out, launches
 
@@ -373,6 +407,20 @@ def _check_attention_inputs(q, sinks, token_seq, token_pos, window_kv, window_bl
     else:
         assert topk_indices.dim() == 2 and topk_indices.shape[0] == num_tokens, "topk_indices must be [T, K]"
         assert topk_indices.dtype in (torch.int32, torch.int64) and topk_indices.stride(1) == 1
+
+
+def _check_query_rope(q, rope):
+    """(cos, sin) of the queries' rope, [T, rope / 2] each, its channels within the second half of the head dim
+    (where the kernel holds them); without rope, q itself twice (never read)."""
+    if rope is None:
+        return q, q
+    cos, sin = rope
+    num_tokens, head_dim = q.shape[0], q.shape[2]
+    for name, table in (("cos", cos), ("sin", sin)):
+        assert table.dim() == 2 and table.shape == (num_tokens, cos.shape[1]) and table.stride(1) == 1 \
+            and table.is_floating_point(), f"rope {name} must be [T={num_tokens}, rope / 2], last dim contiguous"
+    assert 0 < 2 * cos.shape[1] <= head_dim // 2, f"the rope's {2 * cos.shape[1]} channels: at most half of {head_dim}"
+    return cos, sin
 
 
 def _check_pool(name, pool, block_table, q, rope_dim):
@@ -412,6 +460,8 @@ def sparse_paged_attention_triton(
     topk_indices: torch.Tensor | None = None,
     *,
     rope_dim: int = 0,
+    q_norm_eps: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
@@ -422,8 +472,8 @@ def sparse_paged_attention_triton(
     """
     out, launches = plan_sparse_paged_attention(
         q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page, window,
-        comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim=rope_dim, num_splits=num_splits,
-        block_n=block_n)
+        comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim=rope_dim, q_norm_eps=q_norm_eps, rope=rope,
+        num_splits=num_splits, block_n=block_n)
     _launch(launches)
     return out
 
@@ -485,10 +535,27 @@ def sparse_paged_attention_reference(
     topk_indices: torch.Tensor | None = None,
     *,
     rope_dim: int = 0,
+    q_norm_eps: float | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plain-torch definition of the kernel (see the module docstring). Returns [T, H, D] in q's dtype.
 
-    rope_dim: the entries' trailing rope dims, which the fp8 layout keeps in bf16 (uint8 pools only)."""
+    rope_dim: the entries' trailing rope dims, which the fp8 layout keeps in bf16 (uint8 pools only).
+    q_norm_eps: q is first normed per head (the unweighted RMSNorm); rope (cos, sin) [T, rope / 2]: then its trailing
+    channels rotated, and the output's rotated back (V = K carries the rotation), each step rounded to q's dtype."""
+    cos, sin = rope if rope is not None else (None, None)
+    if q_norm_eps is not None or rope is not None:
+        q = norm_rope_reference(q, None, q_norm_eps or 0.0, normalize=q_norm_eps is not None, cos=cos, sin=sin)
+    out = _attention_reference(q, sinks, scale, token_seq, token_pos, window_kv, window_block_table,
+                               window_first_page, window, comp_kv, comp_block_table, compress_rate, topk_indices,
+                               rope_dim)
+    if rope is not None:
+        out = norm_rope_reference(out, normalize=False, cos=cos, sin=sin, inverse=True)
+    return out
+
+
+def _attention_reference(q, sinks, scale, token_seq, token_pos, window_kv, window_block_table, window_first_page,
+                         window, comp_kv, comp_block_table, compress_rate, topk_indices, rope_dim):
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     seq_all, pos_all = token_seq.long(), token_pos.long()

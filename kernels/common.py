@@ -115,6 +115,15 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def clamped_swiglu_values(gate, up, limit):
+    """silu(min(g, limit)) * clamp(u, +-limit) in fp32 from the gate and up values: the shared expert's activation
+    (kernels/moe.py's swiglu kernel, and the FP8 GEMM that computes it as it loads its input)."""
+    gate = tl.minimum(gate.to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def last_to_arrive(counter_ptr, index, arrivals):
     """Whether this program is the last of `arrivals` to bump counter `index` (a split_counters entry), once its
     partial sums are stored: a barrier orders all of its stores before its one thread's acq_rel bump, so the last

@@ -88,6 +88,16 @@ class KernelDispatch:
             out = fp8_gemm_reference(flat, weight.data, weight.scale)
         return out.view(*x.shape[:-1], weight.shape[0])
 
+    def swiglu_linear(self, gate_up: torch.Tensor, weight: Fp8Weight, limit: float) -> torch.Tensor:
+        """linear(swiglu(gate_up), weight), the shared expert's down projection of its activation: under Triton one
+        FP8 GEMM that computes the SwiGLU as it loads its input (equal to the swiglu kernel's output fed to the
+        GEMM); otherwise the two, as `swiglu` and `linear`."""
+        if self.use_triton(gate_up):
+            from kernels.fp8_gemm import fp8_gemm_triton
+
+            return fp8_gemm_triton(gate_up.contiguous(), weight.data, weight.scale, swiglu_limit=limit)
+        return self.linear(self.swiglu(gate_up, limit), weight)
+
     def grouped_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x [T, G, K] by the G groups of weight [G * R, K] (the attention output's o_a_proj): [T, G * R]; an
         Fp8Weight is read as stored."""

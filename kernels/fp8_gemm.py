@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, is_interpreting, last_to_arrive, num_sms,
-                            split_counters)
+from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting,
+                            last_to_arrive, num_sms, split_counters)
 from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, quantize_groups,
                                    round_to_e4m3, scale_to_float)
 from kernels.tuning import tuned
@@ -59,19 +59,20 @@ def _fp8_gemm_kernel(
     # pointers
     x_ptr, xs_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr,
     # sizes
-    num_tokens, n, k,
+    num_tokens, n, k, swiglu_limit,
     # strides (the last dimension of every tensor is contiguous)
     stride_xt, stride_xs, stride_wn, stride_sn, stride_ot,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     """Program (token tile m, column tile n, K split s): out[rows, cols] = the sum over its K groups of the scaled FP8
     products; with SPLIT_K > 1 the last split of a tile to finish adds the others' partial sums and stores.
 
     SWAP_AB: the product is computed transposed, W [BLOCK_N, K] @ x^T, so that the weight's columns fill Hopper's
     64-row wgmma and the few tokens its N side. PREQUANTIZED: x was act_quant'ed ahead (xs its scales); otherwise
-    each step quantizes its x tile in registers."""
+    each step quantizes its x tile in registers, after SWIGLU: x is a gate|up product [T, 2K] and the GEMM's input
+    its clamped SwiGLU, rounded to x's dtype."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -80,8 +81,8 @@ def _fp8_gemm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x_q, x_scale = _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, stride_xt, stride_xs, SWAP_AB,
-                                        PREQUANTIZED, NATIVE_FP8_DOT)
+        x_q, x_scale = _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, swiglu_limit, stride_xt, stride_xs,
+                                        SWAP_AB, PREQUANTIZED, NATIVE_FP8_DOT, SWIGLU)
         w_scale = tl.load(w_scale_ptr + (cols // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=col_mask, other=0.0)
         if SWAP_AB:
             w_q = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
@@ -110,11 +111,13 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, stride_xt, stride_xs, SWAP_AB: tl.constexpr,
-                     PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr):
+def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, swiglu_limit, stride_xt, stride_xs,
+                     SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr,
+                     SWIGLU: tl.constexpr):
     """The step's e4m3 activations of `rows` at columns ks = k0.. (one 128-wide group), [BLOCK_M, BLOCK_K] or transposed
-    (SWAP_AB), and their scales [BLOCK_M]: loaded as act_quant left them (PREQUANTIZED), else quantized here; as
-    float32 values on the e4m3 grid under the interpreter (no FP8 dot there)."""
+    (SWAP_AB), and their scales [BLOCK_M]: loaded as act_quant left them (PREQUANTIZED), else quantized here (SWIGLU:
+    of the SwiGLU of the gate columns ks and the up columns k + ks); as float32 values on the e4m3 grid under the
+    interpreter (no FP8 dot there)."""
     if SWAP_AB:
         offsets = rows[None, :].to(tl.int64) * stride_xt + ks[:, None]
         mask = row_mask[None, :] & (ks < k)[:, None]
@@ -128,11 +131,21 @@ def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, stride_xt, stride
         if not NATIVE_FP8_DOT:
             x_q = x_q.to(tl.float32)
     else:
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = _gemm_input(x_ptr, offsets, mask, k, swiglu_limit, SWIGLU)
         _, x_scale = e4m3_scale_codes(tl.max(tl.abs(x), axis=AXIS))  # DeepSeek's act_quant scales
         x_s = tl.clamp(x / tl.expand_dims(x_scale, AXIS), -448.0, 448.0)
         x_q = x_s.to(tl.float8e4nv) if NATIVE_FP8_DOT else round_to_e4m3(x_s)
     return x_q, x_scale
+
+
+@triton.jit
+def _gemm_input(x_ptr, offsets, mask, k, swiglu_limit, SWIGLU: tl.constexpr):
+    """The GEMM's input at `offsets` in float32: x's values, or (SWIGLU) the clamped SwiGLU of the gate values there
+    and the up values k columns on, rounded to x's dtype as the swiglu kernel stores it."""
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if SWIGLU:
+        x = clamped_swiglu_values(x, tl.load(x_ptr + offsets + k, mask=mask, other=0.0), swiglu_limit).to(x.dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -173,35 +186,42 @@ def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_
                       num_stages=3))
 
 
-def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None):
-    """Check the inputs, allocate the output; return (out, launches) without launching."""
-    _check_fp8_gemm_inputs(x, w_q, w_scale)
-    num_tokens, k = x.shape
+def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
+                  swiglu_limit: float | None = None):
+    """Check the inputs, allocate the output; return (out, launches) without launching. swiglu_limit: x is a gate|up
+    product [T, 2K], and the GEMM's input its clamped SwiGLU (`swiglu_values_reference`), computed as it is loaded."""
+    _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu_limit is not None)
+    num_tokens, k = x.shape[0], w_q.shape[1]
     n = w_q.shape[0]
     out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, []
     cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device))
-    (x_in, x_scale), quantize = plan_act_quant(x) if cfg["PREQUANTIZED"] else ((x, x), [])
+    (x_in, x_scale), quantize = (plan_act_quant(x, swiglu_limit=swiglu_limit) if cfg["PREQUANTIZED"]
+                                 else ((x, x), []))
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     split = cfg["SPLIT_K"] > 1
     assert not split or grid[0] * grid[1] <= SPLIT_COUNTERS, f"split-K takes at most {SPLIT_COUNTERS} tiles"
     partial = torch.empty((grid[0] * grid[1] * grid[2] * cfg["BLOCK_M"] * cfg["BLOCK_N"],) if split else (1,),
                           dtype=torch.float32, device=x.device)
     scale_arg = scale_to_float(w_scale).contiguous()
-    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), num_tokens, n, k, x_in.stride(0),
-            x_scale.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
+    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), num_tokens, n, k,
+            float(swiglu_limit or 0.0), x_in.stride(0), x_scale.stride(0), w_q.stride(0), scale_arg.stride(0),
+            out.stride(0))
     kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SPLIT_K=cfg["SPLIT_K"],
                   SWAP_AB=cfg["SWAP_AB"], PREQUANTIZED=cfg["PREQUANTIZED"], NATIVE_FP8_DOT=not is_interpreting(),
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  SWIGLU=swiglu_limit is not None and not cfg["PREQUANTIZED"], num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
     return out, quantize + [(_fp8_gemm_kernel, grid, args, kwargs)]
 
 
-def _check_fp8_gemm_inputs(x, w_q, w_scale):
+def _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu: bool = False):
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} not supported"
     n, k = w_q.shape
-    assert x.shape[1] == k, f"x has K={x.shape[1]}, the weight K={k}"
+    width = 2 * k if swiglu else k
+    assert x.shape[1] == width, f"x has {x.shape[1]} columns, the weight's K={k} needs {width}" + (
+        " (gate|up)" if swiglu else "")
     assert w_q.dtype == torch.float8_e4m3fn and w_q.stride(1) == 1, "w_q must be float8_e4m3fn [N, K], contiguous"
     assert tuple(w_scale.shape) == (triton.cdiv(n, GROUP), triton.cdiv(k, GROUP)), (
         f"w_scale must be [{triton.cdiv(n, GROUP)}, {triton.cdiv(k, GROUP)}], got {tuple(w_scale.shape)}")
@@ -209,25 +229,26 @@ def _check_fp8_gemm_inputs(x, w_q, w_scale):
 
 
 def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *,
-                    config: dict | None = None) -> torch.Tensor:
+                    config: dict | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
     """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype)."""
-    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config)
+    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, num_tokens, k, stride_xt, stride_qt, stride_st, BLOCK_T: tl.constexpr,
-                      GROUPS: tl.constexpr):
-    """Program (BLOCK_T rows, GROUPS groups of 128 columns): DeepSeek's act_quant, e4m3 values and their scales."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, num_tokens, k, swiglu_limit, stride_xt, stride_qt, stride_st,
+                      BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, SWIGLU: tl.constexpr):
+    """Program (BLOCK_T rows, GROUPS groups of 128 columns): DeepSeek's act_quant, e4m3 values and their scales, of x
+    or (SWIGLU) of the clamped SwiGLU of x's gate and up halves."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     row_mask = rows < num_tokens
     mask = row_mask[:, None] & (cols < k)[None, :]  # a partial last group: zeros, which change neither amax nor values
     offsets = rows[:, None].to(tl.int64) * stride_xt + cols[None, :]
-    grid, scale = e4m3_groups(tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32), BLOCK_T, GROUPS * 128)
+    grid, scale = e4m3_groups(_gemm_input(x_ptr, offsets, mask, k, swiglu_limit, SWIGLU), BLOCK_T, GROUPS * 128)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qt + cols[None, :], grid.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows[:, None].to(tl.int64) * stride_st + groups[None, :], scale,
              mask=row_mask[:, None] & (groups < tl.cdiv(k, 128))[None, :])
@@ -238,20 +259,21 @@ def act_quant_config(k: int) -> dict:
     return dict(BLOCK_T=8, GROUPS=min(4, triton.next_power_of_2(triton.cdiv(k, GROUP))), num_warps=4)
 
 
-def plan_act_quant(x: torch.Tensor, *, config: dict | None = None):
+def plan_act_quant(x: torch.Tensor, *, config: dict | None = None, swiglu_limit: float | None = None):
     """`quantize_activations_reference` as one launch: ((x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32),
     launches). For the GEMMs that read x more than once (each column tile of a prefill, each expert column tile of
-    the MoE), which then load one byte per value and no amax. config overrides `act_quant_config`."""
+    the MoE), which then load one byte per value and no amax. config overrides `act_quant_config`. swiglu_limit: x is
+    a gate|up product [T, 2K], and what is quantized its clamped SwiGLU (`swiglu_values_reference`)."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
-    num_tokens, k = x.shape
+    num_tokens, k = x.shape[0], x.shape[1] // (2 if swiglu_limit is not None else 1)
     x_q = torch.empty((num_tokens, k), dtype=torch.float8_e4m3fn, device=x.device)
     x_s = torch.empty((num_tokens, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return (x_q, x_s), []
     cfg = config or act_quant_config(k)
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]), triton.cdiv(x_s.shape[1], cfg["GROUPS"]))
-    args = (x, x_q, x_s, num_tokens, k, x.stride(0), x_q.stride(0), x_s.stride(0))
-    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg))]
+    args = (x, x_q, x_s, num_tokens, k, float(swiglu_limit or 0.0), x.stride(0), x_q.stride(0), x_s.stride(0))
+    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg, SWIGLU=swiglu_limit is not None))]
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,8 +285,20 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     return grid[:, :k].to(torch.float8_e4m3fn), scale
 
 
-def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """out [T, N] = dequant(act_quant(x)) @ dequant(W_q, S_w)^T in fp32, cast to x's dtype."""
+def swiglu_values_reference(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """[T, K] in gate_up's dtype: silu(min(g, limit)) * clamp(u, +-limit) of its gate and up halves [T, 2K], in fp32
+    and rounded once (as the swiglu kernel and a SwiGLU-fed GEMM compute it; DeepSeek's Expert.forward too)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (gate * torch.sigmoid(gate) * up).to(gate_up.dtype)
+
+
+def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *,
+                       swiglu_limit: float | None = None) -> torch.Tensor:
+    """out [T, N] = dequant(act_quant(x)) @ dequant(W_q, S_w)^T in fp32, cast to x's dtype; swiglu_limit: of
+    x's SwiGLU (`swiglu_values_reference`), x a gate|up product [T, 2K]."""
+    if swiglu_limit is not None:
+        x = swiglu_values_reference(x, swiglu_limit)
     x_q, s_x = quantize_activations_reference(x)
     x_deq = x_q.float() * s_x.repeat_interleave(GROUP, -1)[:, : x.shape[1]]
     return (x_deq @ dequantize_fp8(w_q, w_scale).T).to(x.dtype)

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import TL_DTYPES, compute_dtype, is_interpreting
+from kernels.common import TL_DTYPES, clamped_swiglu_values, compute_dtype, is_interpreting
 from kernels.fp8_gemm import plan_act_quant
 from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, MXFP4_CHUNK, dequantize_mxfp4, e4m3_groups,
                                    mxfp4_words_to_values, repack_mxfp4, round_to_dtype, simulate_quantization,
@@ -437,9 +437,7 @@ def _moe_gate_up_kernel(
     gate, up = _by_rows(acc_gate, SWAP_AB), _by_rows(acc_up, SWAP_AB)
     if WEIGHT_FIRST:
         gate, up = round_to_dtype(gate, OUT_DTYPE), round_to_dtype(up, OUT_DTYPE)
-    gate = tl.minimum(gate, swiglu_limit)
-    up = tl.minimum(tl.maximum(up, -swiglu_limit), swiglu_limit)
-    h = gate * tl.sigmoid(gate) * up
+    h = clamped_swiglu_values(gate, up, swiglu_limit)
     if WEIGHT_FIRST:
         h = round_to_dtype(h * tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None], OUT_DTYPE)
     h_offsets = rows[:, None].to(tl.int64) * stride_hm + cols[None, :]
@@ -851,10 +849,7 @@ def _swiglu_kernel(gate_up_ptr, out_ptr, num_tokens, stride_gt, stride_ot, limit
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < num_tokens)[:, None] & (cols < INTER)[None, :]
     src = gate_up_ptr + rows[:, None] * stride_gt + cols[None, :]
-    gate = tl.minimum(tl.load(src, mask=mask, other=0.0).to(tl.float32), limit)
-    up = tl.load(src + INTER, mask=mask, other=0.0).to(tl.float32)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    h = clamped_swiglu_values(tl.load(src, mask=mask, other=0.0), tl.load(src + INTER, mask=mask, other=0.0), limit)
     tl.store(out_ptr + rows[:, None] * stride_ot + cols[None, :], h.to(out_ptr.dtype.element_ty), mask=mask)
 
 

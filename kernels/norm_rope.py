@@ -93,7 +93,7 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps
 
 # --- kernel -------------------------------------------------------------------------------------------------------
 @triton.jit
-def _normed(x, w, r, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+def normed_rows(x, w, r, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """y in x's dtype from x [BLOCK_H, BLOCK_C] (x's dtype), w [BLOCK_C] fp32, r [BLOCK_H] fp32 (already rounded to
     x's dtype when unweighted)."""
     y = x
@@ -106,7 +106,7 @@ def _normed(x, w, r, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, stride_ct, stride_st,
+def norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, stride_ct, stride_st,
                     C: tl.constexpr, ROPE_DIM: tl.constexpr, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                     INVERSE: tl.constexpr):
     """The output tile (x's dtype) of channels `offs` [BLOCK_C] from their input tile x [BLOCK_H, BLOCK_C]."""
@@ -114,7 +114,7 @@ def _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, strid
     w = offs.to(tl.float32)  # unused unless HAS_WEIGHT
     if NORMALIZE and HAS_WEIGHT:
         w = tl.load(w_ptr + offs, mask=c_mask, other=0.0).to(tl.float32)
-    y = _normed(x, w, r, NORMALIZE, HAS_WEIGHT)
+    y = normed_rows(x, w, r, NORMALIZE, HAS_WEIGHT)
     if ROPE_DIM > 0:
         j = offs - (C - ROPE_DIM)  # channel within the rope section
         is_rope = (j >= 0) & c_mask
@@ -124,7 +124,7 @@ def _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, strid
         wp = w
         if NORMALIZE and HAS_WEIGHT:
             wp = tl.load(w_ptr + partner, mask=is_rope, other=0.0).to(tl.float32)
-        yp = _normed(xp, wp, r, NORMALIZE, HAS_WEIGHT).to(tl.float32)
+        yp = normed_rows(xp, wp, r, NORMALIZE, HAS_WEIGHT).to(tl.float32)
         pair = j // 2
         cos = tl.load(cos_ptr + t * stride_ct + pair, mask=is_rope, other=0.0).to(tl.float32)
         sin = tl.load(sin_ptr + t * stride_st + pair, mask=is_rope, other=0.0).to(tl.float32)
@@ -134,6 +134,28 @@ def _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, strid
         rotated = (y.to(tl.float32) * cos[None, :] + yp * sin[None, :]).to(y.dtype)
         y = tl.where(is_rope[None, :], rotated, y)
     return y
+
+
+@triton.jit
+def rope_tail(y, cos_row, sin_row, ROWS: tl.constexpr, COLS: tl.constexpr, ROPE: tl.constexpr,
+              INVERSE: tl.constexpr):
+    """y [ROWS, COLS] (its dtype) with its trailing ROPE channels rotated pairwise by one token's cos / sin rows
+    (pointers to its [ROPE / 2] table entries), by -sin when INVERSE: the reference's `apply_rope`, fp32 math from y,
+    each result rounded to y's dtype. The pairs are taken apart in registers (reshape and split), for a tile that
+    lives in a program that also computes it (the attention's query and output)."""
+    pair = tl.arange(0, COLS // 2)
+    j = pair - (COLS - ROPE) // 2  # pair index within the rope section
+    is_rope = j >= 0
+    j = tl.where(is_rope, j, 0)
+    cos = tl.load(cos_row + j, mask=is_rope, other=1.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_row + j, mask=is_rope, other=0.0).to(tl.float32)[None, :]
+    if INVERSE:
+        sin = -sin
+    even, odd = tl.split(tl.reshape(y, [ROWS, COLS // 2, 2]))
+    even_f, odd_f = even.to(tl.float32), odd.to(tl.float32)
+    even_r = tl.where(is_rope[None, :], (even_f * cos - odd_f * sin).to(y.dtype), even)
+    odd_r = tl.where(is_rope[None, :], (odd_f * cos + even_f * sin).to(y.dtype), odd)
+    return tl.reshape(tl.join(even_r, odd_r), [ROWS, COLS])
 
 
 @triton.jit
@@ -172,7 +194,7 @@ def _norm_rope_kernel(
             r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, 1), C * 1.0) + eps))
             if not HAS_WEIGHT:
                 r = r.to(x.dtype).to(tl.float32)
-        y = _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs_c, h_mask, r, t, stride_ct, stride_st, C,
+        y = norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs_c, h_mask, r, t, stride_ct, stride_st, C,
                             ROPE_DIM, NORMALIZE, HAS_WEIGHT, INVERSE)
         if ROUND_INDEXER:  # (BLOCK_C == C, a power of two)
             y = indexer_rounded(y.to(tl.float32), BLOCK_H, BLOCK_C, LOG_C, x_ptr.dtype.element_ty).to(y.dtype)
@@ -196,7 +218,7 @@ def _norm_rope_kernel(
             offs = chunk * BLOCK_C + offs_c
             mask = h_mask[:, None] & (offs < C)[None, :]
             x = tl.load(x_row + offs[None, :], mask=mask, other=0.0)
-            y = _norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, stride_ct, stride_st, C,
+            y = norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, stride_ct, stride_st, C,
                                 ROPE_DIM, NORMALIZE, HAS_WEIGHT, INVERSE)
             tl.store(o_row + offs[None, :], y, mask=mask)
 

@@ -96,7 +96,7 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "compressor csa 1x4096"), ("v4-flash", "token bitmask R=256")}
 # The FP8 linears of V4-Flash (N, K), as DeepSeek publishes them.
 FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
-               "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}
+               "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}  # w2 fed its SwiGLU
 
 
 @dataclass
@@ -140,7 +140,8 @@ def attention_launches(m: dict, mode: str, num_tokens: int, fp8: bool = False):
         token_seq=_meta(num_tokens, dtype=torch.int32), token_pos=_meta(num_tokens, dtype=torch.int64),
         window_kv=_kv_pool(m, fp8),
         window_block_table=_meta(num_seqs, 8 + num_tokens // m["page_size"], dtype=torch.int32),
-        window_first_page=_meta(num_seqs, dtype=torch.int64), window=m["window"], rope_dim=m["rope_dim"])
+        window_first_page=_meta(num_seqs, dtype=torch.int64), window=m["window"], rope_dim=m["rope_dim"],
+        q_norm_eps=1e-6, rope=(_meta(num_tokens, m["rope_dim"] // 2), _meta(num_tokens, m["rope_dim"] // 2)))
     if mode != "window":
         kwargs.update(comp_kv=_kv_pool(m, fp8),
                       comp_block_table=_meta(num_seqs, comp_pages, dtype=torch.int32), compress_rate=comp_rate)
@@ -205,20 +206,17 @@ def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
 
 
 def norm_rope_launches(m: dict, num_tokens: int, use: str, fp8: bool = False):
-    """The five uses of a layer: q_a norm, q norm + rope, kv norm + rope into the window pool, the inverse rope of
-    the attention output, the indexer's query rope (with DeepSeek's rotation and FP4 rounding: "indexer_q fp4")."""
-    t, h, dh, half = num_tokens, m["num_heads"], m["head_dim"], m["rope_dim"] // 2
+    """The uses of a layer (the attention kernel norms and ropes its queries and un-ropes its output itself): q_a
+    norm, kv norm + rope into the window pool, the indexer's query rope (with DeepSeek's rotation and FP4 rounding:
+    "indexer_q fp4")."""
+    t, dh, half = num_tokens, m["head_dim"], m["rope_dim"] // 2
     rope = dict(cos=_meta(t, half), sin=_meta(t, half))
     if use == "q_a":
         return plan_norm_rope(_meta(t, m["q_lora_rank"]), _meta(m["q_lora_rank"]), 1e-6)[1]
-    if use == "q":
-        return plan_norm_rope(_meta(t, h, dh), None, 1e-6, **rope)[1]
     if use == "kv":
         wide = _meta(t, 4 * dh)[:, :dh]  # a column view of the fused attention-input projection
         return plan_norm_rope(wide, _meta(dh), 1e-6, out=_kv_pool(m, fp8), out_index=_meta(t, dtype=torch.int64),
                               **rope)[1]
-    if use == "inverse":
-        return plan_norm_rope(_meta(t, h, dh), None, 1e-6, normalize=False, inverse=True, **rope)[1]
     return plan_norm_rope(_meta(t, m["index_heads"], m["index_head_dim"]), None, 1e-6, normalize=False,
                           round_indexer=use == "indexer_q fp4", **rope)[1]
 
@@ -265,9 +263,11 @@ def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, 
         entry_dtype=torch.bfloat16, keys=keys)
 
 
-def fp8_gemm_launches(num_tokens: int, n: int, k: int):
+def fp8_gemm_launches(num_tokens: int, n: int, k: int, swiglu: bool = False):
+    """swiglu: the GEMM's input the SwiGLU of a gate|up product of twice its K (the shared expert's w2)."""
     w_scale = _meta(-(-n // 128), -(-k // 128), dtype=torch.float32)
-    return plan_fp8_gemm(_meta(num_tokens, k), _meta(n, k, dtype=torch.float8_e4m3fn), w_scale)[1]
+    return plan_fp8_gemm(_meta(num_tokens, 2 * k if swiglu else k), _meta(n, k, dtype=torch.float8_e4m3fn), w_scale,
+                         swiglu_limit=10.0 if swiglu else None)[1]
 
 
 def cases() -> list[tuple[str, str, list]]:
@@ -287,7 +287,7 @@ def cases() -> list[tuple[str, str, list]]:
             for kind in ("collapse", "mix", "head", "mix_collapse"):
                 out.append((m["name"], f"mhc {kind} T={t}", mhc_launches(m, t, kind)))
         for t in (1, 64, m["prefill_tokens"]):
-            for use in ("q_a", "q", "kv", "inverse", "indexer_q"):
+            for use in ("q_a", "kv", "indexer_q"):
                 out.append((m["name"], f"norm_rope {use} T={t}", norm_rope_launches(m, t, use)))
             for kind in ("topk", "hash"):
                 out.append((m["name"], f"route {kind} T={t}", routing_launches(m, t, kind)))
@@ -346,7 +346,7 @@ def cases() -> list[tuple[str, str, list]]:
             out.append(("v4-flash", f"moe {fmt} deepseek T={t}", moe_launches(flash, t, fmt, deepseek=True)))
     for name, (n, k) in FP8_LINEARS.items():
         for t in (1, 16, 32, 64, 256, 4096):  # each variant fp8_gemm_config picks (swap-AB, split-K, act_quant ahead)
-            out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k)))
+            out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k, name == "shared w2")))
     return out
 
 

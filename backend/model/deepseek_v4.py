@@ -195,7 +195,6 @@ class DeepseekV4Model:
         proj = self.attention_input[i](x, k, self._act)  # every linear of x: one GEMM a group, column views
         q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
         q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
-        q = k.norm_rope(q, None, eps, cos=cos, sin=sin)  # [T, H, Dh]: per-head unweighted norm, then rope
         memory = kv.layer(i)
         self._store_window_entries(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], cos, sin, batch, memory)
 
@@ -211,8 +210,8 @@ class DeepseekV4Model:
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
             memory.window_kv, batch.window_block_table, batch.window_first_page, c.sliding_window,
             memory.compressed_kv, comp_table, memory.compress_rate, topk, rope_dim=c.qk_rope_head_dim,
+            q_norm_eps=eps, rope=(cos, sin),  # q's per-head unweighted norm and rope, and V's rotation (as K) undone
         )
-        out = k.norm_rope(out, None, eps, normalize=False, cos=cos, sin=sin, inverse=True)  # undo V's rotation as K
         return self._output_projection(i, out)
 
     def _store_window_entries(self, kv_proj, norm_weight, cos, sin, batch: ForwardBatch, memory: LayerMemory) -> None:
@@ -280,8 +279,11 @@ class DeepseekV4Model:
         else:
             routed = self._local_experts(p, x, ids, weights)
         shared = self.shared_expert_input[i]
-        hidden = k.swiglu(shared.product(x if shared.quantizes_its_input else self._act(x), k.linear), c.swiglu_limit)
-        return routed, self._quantized_linear(hidden, w[p + "shared_experts.down_proj.weight"])
+        gate_up = shared.product(x if shared.quantizes_its_input else self._act(x), k.linear)
+        down = w[p + "shared_experts.down_proj.weight"]
+        if isinstance(down, Fp8Weight):  # its GEMM computes the SwiGLU as it loads its input: one launch
+            return routed, k.swiglu_linear(gate_up, down, c.swiglu_limit)
+        return routed, self._quantized_linear(k.swiglu(gate_up, c.swiglu_limit), down)
 
     def _local_experts(self, p: str, x, ids, weights) -> torch.Tensor:
         """This rank's routed experts over the pairs of `x` routed to them, [T, D] fp32."""

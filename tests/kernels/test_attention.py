@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from kernels.attention import (choose_num_splits, plan_sparse_paged_attention, sparse_paged_attention_reference,
                                sparse_paged_attention_triton)
+from kernels.norm_rope import norm_rope_triton
+from kernels.quant_formats import pack_kv_fp8
 
 # bf16 runs through fp32 compute under the interpreter; the output is stored with fp32->bf16 truncation,
 # so its error is up to 2^-7 relative on top of bf16 inputs.
@@ -119,6 +121,66 @@ def test_v4_widths(num_splits):
                                          page_size=16, dtype=torch.bfloat16, mode="csa", compress_rate=4, topk=20,
                                          seed=num_splits)
     _check(q, sinks, scale, kwargs, torch.bfloat16, num_splits=num_splits)
+
+
+def _query_rope(num_tokens, rope_dim, dtype, seed):
+    """A cos / sin table pair [T, rope_dim / 2] of the model's dtype at random angles."""
+    angles = torch.rand(num_tokens, rope_dim // 2, generator=torch.Generator().manual_seed(seed)) * 6
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _separately(q, sinks, scale, kwargs, eps, rope, **kernel_kwargs):
+    """What the model launched before the attention kernel took them in: q normed and roped by the norm_rope kernel,
+    the attention, then the output's inverse rope by the norm_rope kernel."""
+    cos, sin = rope
+    q = norm_rope_triton(q, None, eps, cos=cos, sin=sin)
+    out = sparse_paged_attention_triton(q, sinks, scale, **kwargs, **kernel_kwargs)
+    return norm_rope_triton(out, None, eps, normalize=False, cos=cos, sin=sin, inverse=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])  # the output's rope undone by the attention kernel / the combine
+@pytest.mark.parametrize("fp8", [False, True])
+def test_queries_normed_and_roped_and_the_output_unroped_in_the_kernel(num_splits, fp8):
+    """At V4's widths (head_dim 512, 64 rope channels, 64 heads in blocks of 32): the kernel's own q norm and rope and
+    its inverse rope of the output equal, bit for bit, the norm_rope launches they replace, and the reference."""
+    q, sinks, scale, kwargs = make_batch([(0, 1), (70, 1), (40, 3)], num_heads=64, head_dim=512, window=40,
+                                         page_size=16, dtype=torch.bfloat16, mode="csa", compress_rate=4, topk=20,
+                                         seed=num_splits)
+    if fp8:
+        kwargs = dict(kwargs, rope_dim=64, window_kv=pack_kv_fp8(kwargs["window_kv"], 64),
+                      comp_kv=pack_kv_fp8(kwargs["comp_kv"], 64))
+    q = q * 3  # the norm must matter
+    rope = _query_rope(q.shape[0], 64, torch.bfloat16, seed=num_splits)
+    fused = sparse_paged_attention_triton(q, sinks, scale, **kwargs, q_norm_eps=1e-6, rope=rope,
+                                          num_splits=num_splits)
+    assert torch.equal(fused, _separately(q, sinks, scale, kwargs, 1e-6, rope, num_splits=num_splits))
+    expected = sparse_paged_attention_reference(q, sinks, scale, **kwargs, q_norm_eps=1e-6, rope=rope)
+    torch.testing.assert_close(fused.float(), expected.float(), atol=TOLERANCE[torch.bfloat16],
+                               rtol=TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_query_norm_and_rope_in_fp32(num_splits):
+    """fp32, the rope in a 16-channel tail: within the fp32 sum order of the norm (the kernel adds two halves' sums)
+    of the separate launches, and of the reference."""
+    q, sinks, scale, kwargs = make_batch(MIXED, num_heads=4, head_dim=64, window=11, page_size=4,
+                                         dtype=torch.float32, mode="hca", compress_rate=4, seed=3)
+    rope = _query_rope(q.shape[0], 16, torch.float32, seed=3)
+    fused = sparse_paged_attention_triton(q, sinks, scale, **kwargs, q_norm_eps=1e-6, rope=rope,
+                                          num_splits=num_splits, block_n=16)
+    separate = _separately(q, sinks, scale, kwargs, 1e-6, rope, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
+    expected = sparse_paged_attention_reference(q, sinks, scale, **kwargs, q_norm_eps=1e-6, rope=rope)
+    torch.testing.assert_close(fused, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+    unnormed = sparse_paged_attention_reference(q, sinks, scale, **kwargs, rope=rope)
+    assert (unnormed - expected).abs().max() > 1e-3  # the norm changes the output: the check above can fail
+
+
+def test_a_rope_wider_than_half_the_head_is_refused():
+    q, sinks, scale, kwargs = make_batch([(3, 1)], num_heads=4, head_dim=32, window=8, page_size=4,
+                                         dtype=torch.float32, mode="window")
+    with pytest.raises(AssertionError, match="at most half"):
+        sparse_paged_attention_triton(q, sinks, scale, **kwargs, rope=_query_rope(1, 24, torch.float32, 0))
 
 
 @pytest.mark.parametrize("mode", ["hca", "csa"])
