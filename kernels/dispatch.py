@@ -75,28 +75,33 @@ class KernelDispatch:
         return fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
                                    **order)
 
-    def linear(self, x: torch.Tensor, weight) -> torch.Tensor:
-        """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight."""
+    def linear(self, x: torch.Tensor, weight, *, swiglu_limit: float | None = None,
+               rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight. Its input may be
+        what a launch would compute of x (the prologue): the clamped SwiGLU of a gate|up x (swiglu_limit), or x's
+        weighted RMSNorm (rms_norm: weight, eps). The FP8 GEMM under Triton computes it as it loads x, the values the
+        `swiglu` or `norm_rope` kernel would have written; otherwise they run first."""
+        if isinstance(weight, Fp8Weight) and self.use_triton(x):
+            from kernels.fp8_gemm import fp8_gemm_triton
+
+            flat = x.reshape(-1, x.shape[-1])  # (a column view of a wider product is read in place)
+            flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+            out = fp8_gemm_triton(flat, weight.data, weight.scale, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        x = self.linear_input(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
         if not isinstance(weight, Fp8Weight):
             return F.linear(x, weight)
-        flat = x.reshape(-1, x.shape[-1])
-        if self.use_triton(x):
-            from kernels.fp8_gemm import fp8_gemm_triton
-
-            out = fp8_gemm_triton(flat.contiguous(), weight.data, weight.scale)
-        else:
-            out = fp8_gemm_reference(flat, weight.data, weight.scale)
+        out = fp8_gemm_reference(x.reshape(-1, x.shape[-1]), weight.data, weight.scale)
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    def swiglu_linear(self, gate_up: torch.Tensor, weight: Fp8Weight, limit: float) -> torch.Tensor:
-        """linear(swiglu(gate_up), weight), the shared expert's down projection of its activation: under Triton one
-        FP8 GEMM that computes the SwiGLU as it loads its input (equal to the swiglu kernel's output fed to the
-        GEMM); otherwise the two, as `swiglu` and `linear`."""
-        if self.use_triton(gate_up):
-            from kernels.fp8_gemm import fp8_gemm_triton
-
-            return fp8_gemm_triton(gate_up.contiguous(), weight.data, weight.scale, swiglu_limit=limit)
-        return self.linear(self.swiglu(gate_up, limit), weight)
+    def linear_input(self, x: torch.Tensor, *, swiglu_limit: float | None = None,
+                     rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """The input of a `linear` with that prologue, by its own launch (x itself without one)."""
+        if swiglu_limit is not None:
+            return self.swiglu(x, swiglu_limit)
+        if rms_norm is not None:
+            return self.norm_rope(x, *rms_norm)
+        return x
 
     def grouped_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x [T, G, K] by the G groups of weight [G * R, K] (the attention output's o_a_proj): [T, G * R]; an

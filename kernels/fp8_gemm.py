@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting,
                             last_to_arrive, num_sms, split_counters)
+from kernels.norm_rope import rms_norm as rms_norm_reference
 from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, quantize_groups,
                                    round_to_e4m3, scale_to_float)
 from kernels.tuning import tuned
@@ -57,32 +58,33 @@ class Fp8Weight(NamedTuple):
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    x_ptr, xs_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr,
-    # sizes
-    num_tokens, n, k, swiglu_limit,
+    x_ptr, xs_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr,
+    # sizes, and the input prologue's scalar (SwiGLU's limit, RMSNorm's eps)
+    num_tokens, n, k, prologue_scalar,
     # strides (the last dimension of every tensor is contiguous)
     stride_xt, stride_xs, stride_wn, stride_sn, stride_ot,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr, SWIGLU: tl.constexpr,
+    SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr, PROLOGUE: tl.constexpr,
 ):
     """Program (token tile m, column tile n, K split s): out[rows, cols] = the sum over its K groups of the scaled FP8
     products; with SPLIT_K > 1 the last split of a tile to finish adds the others' partial sums and stores.
 
     SWAP_AB: the product is computed transposed, W [BLOCK_N, K] @ x^T, so that the weight's columns fill Hopper's
     64-row wgmma and the few tokens its N side. PREQUANTIZED: x was act_quant'ed ahead (xs its scales); otherwise
-    each step quantizes its x tile in registers, after SWIGLU: x is a gate|up product [T, 2K] and the GEMM's input
-    its clamped SwiGLU, rounded to x's dtype."""
+    each step quantizes its x tile in registers, after the PROLOGUE (`gemm_input`): the clamped SwiGLU of a gate|up
+    x [T, 2K], or x's weighted RMSNorm (each row's factor from a first pass over its K), rounded to x's dtype."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
     row_mask, col_mask = rows < num_tokens, cols < n
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
+    r = rms_factors(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_M, BLOCK_K, PROLOGUE)
     for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x_q, x_scale = _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, swiglu_limit, stride_xt, stride_xs,
-                                        SWAP_AB, PREQUANTIZED, NATIVE_FP8_DOT, SWIGLU)
+        x_q, x_scale = _activation_step(x_ptr, xs_ptr, norm_w_ptr, rows, row_mask, k0, ks, k, prologue_scalar, r,
+                                        stride_xt, stride_xs, SWAP_AB, PREQUANTIZED, NATIVE_FP8_DOT, PROLOGUE)
         w_scale = tl.load(w_scale_ptr + (cols // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=col_mask, other=0.0)
         if SWAP_AB:
             w_q = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
@@ -111,13 +113,12 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, swiglu_limit, stride_xt, stride_xs,
+def _activation_step(x_ptr, xs_ptr, norm_w_ptr, rows, row_mask, k0, ks, k, prologue_scalar, r, stride_xt, stride_xs,
                      SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr,
-                     SWIGLU: tl.constexpr):
+                     PROLOGUE: tl.constexpr):
     """The step's e4m3 activations of `rows` at columns ks = k0.. (one 128-wide group), [BLOCK_M, BLOCK_K] or transposed
-    (SWAP_AB), and their scales [BLOCK_M]: loaded as act_quant left them (PREQUANTIZED), else quantized here (SWIGLU:
-    of the SwiGLU of the gate columns ks and the up columns k + ks); as float32 values on the e4m3 grid under the
-    interpreter (no FP8 dot there)."""
+    (SWAP_AB), and their scales [BLOCK_M]: loaded as act_quant left them (PREQUANTIZED), else quantized here from the
+    PROLOGUE's values (`gemm_input`); as float32 values on the e4m3 grid under the interpreter (no FP8 dot there)."""
     if SWAP_AB:
         offsets = rows[None, :].to(tl.int64) * stride_xt + ks[:, None]
         mask = row_mask[None, :] & (ks < k)[:, None]
@@ -131,21 +132,47 @@ def _activation_step(x_ptr, xs_ptr, rows, row_mask, k0, ks, k, swiglu_limit, str
         if not NATIVE_FP8_DOT:
             x_q = x_q.to(tl.float32)
     else:
-        x = _gemm_input(x_ptr, offsets, mask, k, swiglu_limit, SWIGLU)
+        x = gemm_input(x_ptr, norm_w_ptr, offsets, mask, ks, k, prologue_scalar, r, AXIS, PROLOGUE)
         _, x_scale = e4m3_scale_codes(tl.max(tl.abs(x), axis=AXIS))  # DeepSeek's act_quant scales
         x_s = tl.clamp(x / tl.expand_dims(x_scale, AXIS), -448.0, 448.0)
         x_q = x_s.to(tl.float8e4nv) if NATIVE_FP8_DOT else round_to_e4m3(x_s)
     return x_q, x_scale
 
 
+NO_PROLOGUE, SWIGLU, RMS_NORM = 0, 1, 2  # what the GEMM computes of x as it loads it (PROLOGUE)
+
+
 @triton.jit
-def _gemm_input(x_ptr, offsets, mask, k, swiglu_limit, SWIGLU: tl.constexpr):
-    """The GEMM's input at `offsets` in float32: x's values, or (SWIGLU) the clamped SwiGLU of the gate values there
-    and the up values k columns on, rounded to x's dtype as the swiglu kernel stores it."""
+def gemm_input(x_ptr, norm_w_ptr, offsets, mask, ks, k, prologue_scalar, r, AXIS: tl.constexpr,
+               PROLOGUE: tl.constexpr):
+    """The GEMM's input at `offsets` (columns ks along AXIS) in float32: x's values; or (SWIGLU) the clamped SwiGLU of
+    the gate values there and the up values k columns on (prologue_scalar the limit); or (RMS_NORM) x's weighted
+    RMSNorm, (w * (x * r)) with r each row's factor (`rms_factors`), as the norm_rope kernel computes it; each
+    rounded to x's dtype, as the kernel it replaces stores it."""
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if SWIGLU:
-        x = clamped_swiglu_values(x, tl.load(x_ptr + offsets + k, mask=mask, other=0.0), swiglu_limit).to(x.dtype)
+    if PROLOGUE == 1:
+        x = clamped_swiglu_values(x, tl.load(x_ptr + offsets + k, mask=mask, other=0.0), prologue_scalar).to(x.dtype)
+    elif PROLOGUE == 2:
+        w = tl.expand_dims(tl.load(norm_w_ptr + ks, mask=ks < k, other=0.0).to(tl.float32), 1 - AXIS)
+        x = (w * (x.to(tl.float32) * tl.expand_dims(r, AXIS))).to(x.dtype)
     return x.to(tl.float32)
+
+
+@triton.jit
+def rms_factors(x_ptr, rows, row_mask, k, stride_xt, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                PROLOGUE: tl.constexpr):
+    """Each row's RMSNorm factor 1 / sqrt(mean(x^2) + eps) [BLOCK_M] from a pass over its k columns (RMS_NORM;
+    otherwise ones, unread)."""
+    r = tl.full([BLOCK_M], 1.0, tl.float32)
+    if PROLOGUE == 2:
+        sumsq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + ks[None, :],
+                        mask=row_mask[:, None] & (ks < k)[None, :], other=0.0).to(tl.float32)
+            sumsq += tl.sum(x * x, 1)
+        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, k * 1.0) + eps))
+    return r
 
 
 @triton.jit
@@ -187,32 +214,46 @@ def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_
 
 
 def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
-                  swiglu_limit: float | None = None):
-    """Check the inputs, allocate the output; return (out, launches) without launching. swiglu_limit: x is a gate|up
-    product [T, 2K], and the GEMM's input its clamped SwiGLU (`swiglu_values_reference`), computed as it is loaded."""
+                  swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None):
+    """Check the inputs, allocate the output; return (out, launches) without launching. The GEMM's input may be what a
+    launch before it would have written, computed as x is loaded: swiglu_limit: x is a gate|up product [T, 2K], the
+    input its clamped SwiGLU (`swiglu_values_reference`); rms_norm (weight [K], eps): x's weighted RMSNorm."""
     _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu_limit is not None)
+    prologue, norm_w, scalar = _prologue(x, w_q.shape[1], swiglu_limit, rms_norm)
     num_tokens, k = x.shape[0], w_q.shape[1]
     n = w_q.shape[0]
     out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, []
     cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device))
-    (x_in, x_scale), quantize = (plan_act_quant(x, swiglu_limit=swiglu_limit) if cfg["PREQUANTIZED"]
-                                 else ((x, x), []))
+    (x_in, x_scale), quantize = (plan_act_quant(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
+                                 if cfg["PREQUANTIZED"] else ((x, x), []))
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     split = cfg["SPLIT_K"] > 1
     assert not split or grid[0] * grid[1] <= SPLIT_COUNTERS, f"split-K takes at most {SPLIT_COUNTERS} tiles"
     partial = torch.empty((grid[0] * grid[1] * grid[2] * cfg["BLOCK_M"] * cfg["BLOCK_N"],) if split else (1,),
                           dtype=torch.float32, device=x.device)
     scale_arg = scale_to_float(w_scale).contiguous()
-    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), num_tokens, n, k,
-            float(swiglu_limit or 0.0), x_in.stride(0), x_scale.stride(0), w_q.stride(0), scale_arg.stride(0),
-            out.stride(0))
+    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), norm_w, num_tokens, n, k, scalar,
+            x_in.stride(0), x_scale.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
     kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SPLIT_K=cfg["SPLIT_K"],
                   SWAP_AB=cfg["SWAP_AB"], PREQUANTIZED=cfg["PREQUANTIZED"], NATIVE_FP8_DOT=not is_interpreting(),
-                  SWIGLU=swiglu_limit is not None and not cfg["PREQUANTIZED"], num_warps=cfg["num_warps"],
+                  PROLOGUE=NO_PROLOGUE if cfg["PREQUANTIZED"] else prologue, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
     return out, quantize + [(_fp8_gemm_kernel, grid, args, kwargs)]
+
+
+def _prologue(x: torch.Tensor, k: int, swiglu_limit: float | None, rms_norm: tuple[torch.Tensor, float] | None):
+    """(PROLOGUE, the norm's weight (x where none: unread), the prologue's scalar) of a GEMM's or act_quant's input."""
+    assert swiglu_limit is None or rms_norm is None, "one prologue: a SwiGLU or an RMSNorm"
+    if rms_norm is not None:
+        weight, eps = rms_norm
+        assert tuple(weight.shape) == (k,) and weight.stride(0) == 1 and weight.is_floating_point(), \
+            f"the RMSNorm's weight must be a contiguous float [{k}], got {tuple(weight.shape)}"
+        return RMS_NORM, weight, float(eps)
+    if swiglu_limit is not None:
+        return SWIGLU, x, float(swiglu_limit)
+    return NO_PROLOGUE, x, 0.0
 
 
 def _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu: bool = False):
@@ -228,27 +269,30 @@ def _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu: bool = False):
     assert w_scale.dtype in (torch.float8_e8m0fnu, torch.float32, torch.uint8), f"w_scale dtype {w_scale.dtype}"
 
 
-def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *,
-                    config: dict | None = None, swiglu_limit: float | None = None) -> torch.Tensor:
+def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
+                    swiglu_limit: float | None = None,
+                    rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype)."""
-    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit)
+    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, num_tokens, k, swiglu_limit, stride_xt, stride_qt, stride_st,
-                      BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, SWIGLU: tl.constexpr):
+def _act_quant_kernel(x_ptr, norm_w_ptr, q_ptr, s_ptr, num_tokens, k, prologue_scalar, stride_xt, stride_qt, stride_st,
+                      BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, PROLOGUE: tl.constexpr):
     """Program (BLOCK_T rows, GROUPS groups of 128 columns): DeepSeek's act_quant, e4m3 values and their scales, of x
-    or (SWIGLU) of the clamped SwiGLU of x's gate and up halves."""
+    or of what the PROLOGUE computes of it (`gemm_input`)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     row_mask = rows < num_tokens
     mask = row_mask[:, None] & (cols < k)[None, :]  # a partial last group: zeros, which change neither amax nor values
     offsets = rows[:, None].to(tl.int64) * stride_xt + cols[None, :]
-    grid, scale = e4m3_groups(_gemm_input(x_ptr, offsets, mask, k, swiglu_limit, SWIGLU), BLOCK_T, GROUPS * 128)
+    r = rms_factors(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_T, GROUPS * 128, PROLOGUE)
+    grid, scale = e4m3_groups(gemm_input(x_ptr, norm_w_ptr, offsets, mask, cols, k, prologue_scalar, r, 1, PROLOGUE),
+                              BLOCK_T, GROUPS * 128)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qt + cols[None, :], grid.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows[:, None].to(tl.int64) * stride_st + groups[None, :], scale,
              mask=row_mask[:, None] & (groups < tl.cdiv(k, 128))[None, :])
@@ -259,21 +303,23 @@ def act_quant_config(k: int) -> dict:
     return dict(BLOCK_T=8, GROUPS=min(4, triton.next_power_of_2(triton.cdiv(k, GROUP))), num_warps=4)
 
 
-def plan_act_quant(x: torch.Tensor, *, config: dict | None = None, swiglu_limit: float | None = None):
+def plan_act_quant(x: torch.Tensor, *, config: dict | None = None, swiglu_limit: float | None = None,
+                   rms_norm: tuple[torch.Tensor, float] | None = None):
     """`quantize_activations_reference` as one launch: ((x_q [T, K] float8_e4m3fn, s_x [T, ceil(K/128)] fp32),
     launches). For the GEMMs that read x more than once (each column tile of a prefill, each expert column tile of
-    the MoE), which then load one byte per value and no amax. config overrides `act_quant_config`. swiglu_limit: x is
-    a gate|up product [T, 2K], and what is quantized its clamped SwiGLU (`swiglu_values_reference`)."""
+    the MoE), which then load one byte per value and no amax. config overrides `act_quant_config`. swiglu_limit /
+    rms_norm: what is quantized is x's SwiGLU / RMSNorm, as in `plan_fp8_gemm`."""
     assert x.dim() == 2 and x.stride(1) == 1, "x must be [T, K] with a contiguous last dimension"
     num_tokens, k = x.shape[0], x.shape[1] // (2 if swiglu_limit is not None else 1)
+    prologue, norm_w, scalar = _prologue(x, k, swiglu_limit, rms_norm)
     x_q = torch.empty((num_tokens, k), dtype=torch.float8_e4m3fn, device=x.device)
     x_s = torch.empty((num_tokens, triton.cdiv(k, GROUP)), dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return (x_q, x_s), []
     cfg = config or act_quant_config(k)
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]), triton.cdiv(x_s.shape[1], cfg["GROUPS"]))
-    args = (x, x_q, x_s, num_tokens, k, float(swiglu_limit or 0.0), x.stride(0), x_q.stride(0), x_s.stride(0))
-    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg, SWIGLU=swiglu_limit is not None))]
+    args = (x, norm_w, x_q, x_s, num_tokens, k, scalar, x.stride(0), x_q.stride(0), x_s.stride(0))
+    return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg, PROLOGUE=prologue))]
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,11 +340,14 @@ def swiglu_values_reference(gate_up: torch.Tensor, limit: float) -> torch.Tensor
 
 
 def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *,
-                       swiglu_limit: float | None = None) -> torch.Tensor:
+                       swiglu_limit: float | None = None,
+                       rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """out [T, N] = dequant(act_quant(x)) @ dequant(W_q, S_w)^T in fp32, cast to x's dtype; swiglu_limit: of
-    x's SwiGLU (`swiglu_values_reference`), x a gate|up product [T, 2K]."""
+    x's SwiGLU (`swiglu_values_reference`), x a gate|up product [T, 2K]; rms_norm (weight, eps): of x's RMSNorm."""
     if swiglu_limit is not None:
         x = swiglu_values_reference(x, swiglu_limit)
+    if rms_norm is not None:
+        x = rms_norm_reference(x, *rms_norm)
     x_q, s_x = quantize_activations_reference(x)
     x_deq = x_q.float() * s_x.repeat_interleave(GROUP, -1)[:, : x.shape[1]]
     return (x_deq @ dequantize_fp8(w_q, w_scale).T).to(x.dtype)

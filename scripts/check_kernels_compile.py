@@ -96,7 +96,9 @@ QUICK = {("v4-flash", "attention csa decode T=1"), ("v4-flash", "attention csa p
          ("v4-flash", "compressor csa 1x4096"), ("v4-flash", "token bitmask R=256")}
 # The FP8 linears of V4-Flash (N, K), as DeepSeek publishes them.
 FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_a": (8192, 4096),
-               "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048)}  # w2 fed its SwiGLU
+               "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048),
+               "index wq_b": (8192, 1024)}
+FP8_PROLOGUES = {"wq_b": "rms_norm", "index wq_b": "rms_norm", "shared w2": "swiglu"}  # computed as x is loaded
 
 
 @dataclass
@@ -263,11 +265,14 @@ def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, 
         entry_dtype=torch.bfloat16, keys=keys)
 
 
-def fp8_gemm_launches(num_tokens: int, n: int, k: int, swiglu: bool = False):
-    """swiglu: the GEMM's input the SwiGLU of a gate|up product of twice its K (the shared expert's w2)."""
+def fp8_gemm_launches(num_tokens: int, n: int, k: int, prologue: str | None = None):
+    """prologue "swiglu": the GEMM's input the SwiGLU of a gate|up product of twice its K (the shared expert's w2);
+    "rms_norm": the RMSNorm of its input (q_a's, for wq_b and the indexer's wq_b)."""
     w_scale = _meta(-(-n // 128), -(-k // 128), dtype=torch.float32)
-    return plan_fp8_gemm(_meta(num_tokens, 2 * k if swiglu else k), _meta(n, k, dtype=torch.float8_e4m3fn), w_scale,
-                         swiglu_limit=10.0 if swiglu else None)[1]
+    x = _meta(num_tokens, 2 * k if prologue == "swiglu" else k)
+    return plan_fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), w_scale,
+                         swiglu_limit=10.0 if prologue == "swiglu" else None,
+                         rms_norm=(_meta(k), 1e-6) if prologue == "rms_norm" else None)[1]
 
 
 def cases() -> list[tuple[str, str, list]]:
@@ -346,7 +351,7 @@ def cases() -> list[tuple[str, str, list]]:
             out.append(("v4-flash", f"moe {fmt} deepseek T={t}", moe_launches(flash, t, fmt, deepseek=True)))
     for name, (n, k) in FP8_LINEARS.items():
         for t in (1, 16, 32, 64, 256, 4096):  # each variant fp8_gemm_config picks (swap-AB, split-K, act_quant ahead)
-            out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k, name == "shared w2")))
+            out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k, FP8_PROLOGUES.get(name))))
     return out
 
 

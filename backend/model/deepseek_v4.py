@@ -193,8 +193,12 @@ class DeepseekV4Model:
         num_tokens, eps = x.shape[0], c.rms_norm_eps
 
         proj = self.attention_input[i](x, k, self._act)  # every linear of x: one GEMM a group, column views
-        q_residual = k.norm_rope(proj["self_attn.q_a_proj"], w[p + "q_a_norm.weight"], eps)
-        q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(num_tokens, self.local_heads, c.head_dim)
+        # q_a's RMSNorm: computed by the FP8 GEMMs that read it (q_b, and the indexer's) as they load it, else once
+        q_a, q_norm = proj["self_attn.q_a_proj"], dict(rms_norm=(w[p + "q_a_norm.weight"], eps))
+        if not isinstance(w[p + "q_b_proj.weight"], Fp8Weight):
+            q_a, q_norm = k.linear_input(q_a, **q_norm), {}
+        q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm).view(num_tokens, self.local_heads,
+                                                                                 c.head_dim)
         memory = kv.layer(i)
         self._store_window_entries(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], cos, sin, batch, memory)
 
@@ -204,7 +208,7 @@ class DeepseekV4Model:
             self._compress_into(i, "compressor.", memory.pool, proj, batch, memory, memory.compressed_kv, comp_table,
                                 entry_rope)
         if layer_type == CSA:
-            topk = self._indexer_topk(i, proj, q_residual, batch, memory, rope["compress"], entry_rope)
+            topk = self._indexer_topk(i, proj, q_a, q_norm, batch, memory, rope["compress"], entry_rope)
 
         out = k.sparse_paged_attention(
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
@@ -236,16 +240,16 @@ class DeepseekV4Model:
             pool=pool_tensor, block_table=block_table, kv_layout=memory.kv_layout, indexer=stream == "indexer",
             entry_dtype=self.dtype)
 
-    def _indexer_topk(self, i, proj, q_residual, batch, memory: LayerMemory, compress_cos_sin,
+    def _indexer_topk(self, i, proj, q_a, q_norm: dict, batch, memory: LayerMemory, compress_cos_sin,
                       entry_rope) -> torch.Tensor:
         """Lightning indexer: top-k compressed entries per query [T, k] (picks past the causal ones are ignored
-        by the attention kernel)."""
+        by the attention kernel); its queries from q_a's RMSNorm (q_norm: the norm its GEMM is to compute, if any)."""
         c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.self_attn.compressor.indexer."
         index_k = memory.index_k
         self._compress_into(i, "compressor.indexer.", "indexer", proj, batch, memory, index_k,
                             batch.comp_block_tables["csa"], entry_rope)
-        q = self._quantized_linear(q_residual, w[p + "q_b_proj.weight"]).view(q_residual.shape[0], c.index_n_heads,
-                                                                             c.index_head_dim)
+        q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm).view(q_a.shape[0], c.index_n_heads,
+                                                                                 c.index_head_dim)
         # the indexer's queries use the compress rope, as its keys do, and are rounded as the keys are stored
         q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1],
                         round_indexer=self.numerics.round_indexer)
@@ -280,10 +284,8 @@ class DeepseekV4Model:
             routed = self._local_experts(p, x, ids, weights)
         shared = self.shared_expert_input[i]
         gate_up = shared.product(x if shared.quantizes_its_input else self._act(x), k.linear)
-        down = w[p + "shared_experts.down_proj.weight"]
-        if isinstance(down, Fp8Weight):  # its GEMM computes the SwiGLU as it loads its input: one launch
-            return routed, k.swiglu_linear(gate_up, down, c.swiglu_limit)
-        return routed, self._quantized_linear(k.swiglu(gate_up, c.swiglu_limit), down)
+        return routed, self._quantized_linear(gate_up, w[p + "shared_experts.down_proj.weight"],
+                                              swiglu_limit=c.swiglu_limit)
 
     def _local_experts(self, p: str, x, ids, weights) -> torch.Tensor:
         """This rank's routed experts over the pairs of `x` routed to them, [T, D] fp32."""
@@ -336,7 +338,10 @@ class DeepseekV4Model:
         power-of-two scales), on a quantized checkpoint under DeepSeek's numerics; otherwise x."""
         return self.kernels.round_activations(x) if self.numerics.act_quant else x
 
-    def _quantized_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
+    def _quantized_linear(self, x: torch.Tensor, weight, **prologue) -> torch.Tensor:
         """x @ weight^T for one of DeepSeek's FP8/FP4 linears: an Fp8Weight's GEMM act_quants x in registers
-        (kernels/fp8_gemm.py), a weight dequantized at load gets x act_quant'ed first (`_act`)."""
-        return self.kernels.linear(x if isinstance(weight, Fp8Weight) else self._act(x), weight)
+        (kernels/fp8_gemm.py), and computes the prologue (`KernelDispatch.linear`: a SwiGLU or an RMSNorm of x) as it
+        loads it; a weight dequantized at load gets the prologue's output act_quant'ed first (`_act`)."""
+        if isinstance(weight, Fp8Weight):
+            return self.kernels.linear(x, weight, **prologue)
+        return self.kernels.linear(self._act(self.kernels.linear_input(x, **prologue)), weight)

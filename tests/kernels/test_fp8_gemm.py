@@ -143,3 +143,36 @@ def test_a_swiglu_fed_gemm_takes_twice_the_weights_k():
     w_q, w_scale = _weight(64, 128, 0)
     with pytest.raises(AssertionError, match="needs 256 \\(gate\\|up\\)"):
         fp8_gemm_triton(torch.randn(2, 128), w_q, w_scale, swiglu_limit=7.0)
+
+
+@pytest.mark.parametrize("prequantized", [False, True])
+@pytest.mark.parametrize("k", [128, 1024])
+def test_an_rms_norm_fed_gemm_equals_the_norm_kernel_then_the_gemm(prequantized, k):
+    """q_b's input (rms_norm): the GEMM computing x's weighted RMSNorm as it loads (quantizes) x, from a column view of
+    a wider product as the model has it, equals the norm_rope kernel's output fed to the GEMM: bit for bit where a row
+    is one 128-column chunk, and where the kernels add a row's squares in another order (the GEMM by 128-column
+    chunks) within a rounding of the GEMM's input; and the reference."""
+    from kernels.fp8_gemm import plan_fp8_gemm
+    from kernels.norm_rope import norm_rope_triton
+
+    w_q, w_scale = _weight(150, k, 10)
+    gen = torch.Generator().manual_seed(11)
+    wide = (torch.randn(19, k + 64, generator=gen) * torch.logspace(-1, 1, 19)[:, None]).to(torch.bfloat16)
+    x = wide[:, 32:32 + k]  # a column view
+    norm = ((torch.randn(k, generator=gen) * 0.2 + 1).to(torch.bfloat16), 1e-6)
+    config = dict(BLOCK_M=32, BLOCK_N=64, SPLIT_K=2, SWAP_AB=True, PREQUANTIZED=prequantized, num_warps=4,
+                  num_stages=2)
+    got, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, rms_norm=norm)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    separate = fp8_gemm_triton(norm_rope_triton(x, *norm), w_q, w_scale, config=config)
+    expected = fp8_gemm_reference(x, w_q, w_scale, rms_norm=norm)
+    scale = expected.float().abs().max().item()
+    if k == 128:
+        assert torch.equal(got, separate)
+    else:  # an input's bf16 rounding, then its e4m3 one, may move by a step: a few output ulps here and there
+        torch.testing.assert_close(got.float(), separate.float(), rtol=0, atol=0.02 * scale)
+    # (torch's norm rounds a few inputs to the other side of an e4m3 step: 2.4 % of the output's scale seen)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.05 * scale)
+    unnormed = fp8_gemm_reference(x, w_q, w_scale)
+    assert (unnormed.float() - expected.float()).abs().max() > 0.1 * scale  # the norm matters: the checks can fail
