@@ -60,16 +60,17 @@ class KernelDispatch:
         return indexer_scores_reference(q, *args, **kwargs)
 
     def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, x_quantized=None) -> torch.Tensor:
         """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch). The
         numerics choose the routing weight's place and the act_quant of the down projection's input
-        (kernels/moe.py's deepseek_order and quantize_hidden)."""
+        (kernels/moe.py's deepseek_order and quantize_hidden); x_quantized: x's act_quant as the collapse that wrote
+        x wrote it (the kernels then need no launch for it; the reference rounds x itself, to the same values)."""
         order = dict(deepseek_order=self.numerics.routing_weight_first, quantize_hidden=self.numerics.act_quant)
         if self.use_triton(x):
             from kernels.moe import fused_moe_triton
 
             return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
-                                    **order)
+                                    x_quantized=x_quantized, **order)
         w_gate_up, w_down = (w.dequantize().to(x.dtype) if isinstance(w, QuantizedExperts) else w
                              for w in (w_gate_up, w_down))
         return fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
@@ -126,8 +127,8 @@ class KernelDispatch:
         return self._fused("mhc", "hc_mix", streams, streams, *args, fp32_mix=self.numerics.fp32_mix)
 
     def hc_mix_collapse(self, streams, *args, **kwargs):
-        """hc_mix after a block, then hc_collapse before the next -> (new streams, post, comb, x); one launch at decode
-        sizes."""
+        """hc_mix after a block, then hc_collapse before the next -> (new streams, post, comb, x), and with
+        quantize_x=True x's act_quant (e4m3 values, scales); one launch at decode sizes."""
         return self._fused("mhc", "hc_mix_collapse", streams, streams, *args, fp32_mix=self.numerics.fp32_mix,
                            **kwargs)
 

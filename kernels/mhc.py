@@ -50,6 +50,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import DEFAULT_NUM_SMS, SPLIT_COUNTERS, last_to_arrive, num_sms, split_counters
+from kernels.fp8_gemm import plan_act_quant, quantize_activations_reference
+from kernels.quant_formats import e4m3_groups
 
 
 # --- references (the model's math, casts included) ----------------------------------------------------------------
@@ -116,11 +118,13 @@ def hc_mix_reference(streams: torch.Tensor, block_out: torch.Tensor, post: torch
 
 
 def hc_mix_collapse_reference(streams, block_out, post, comb, block_out2, fn, base, scale, norm_weight, *, hc_mult,
-                              eps, hc_eps, sinkhorn_iters, fp32_mix=False):
-    """The mix after a block, then the collapse before the next: (new streams, post, comb, x)."""
+                              eps, hc_eps, sinkhorn_iters, fp32_mix=False, quantize_x=False):
+    """The mix after a block, then the collapse before the next: (new streams, post, comb, x), and with quantize_x
+    x's act_quant (`quantize_activations_reference`: e4m3 values, scales)."""
     new = hc_mix_reference(streams, block_out, post, comb, block_out2, fp32_mix=fp32_mix)
-    return (new, *hc_collapse_reference(new, fn, base, scale, norm_weight, hc_mult=hc_mult, eps=eps, hc_eps=hc_eps,
-                                        sinkhorn_iters=sinkhorn_iters))
+    outputs = (new, *hc_collapse_reference(new, fn, base, scale, norm_weight, hc_mult=hc_mult, eps=eps, hc_eps=hc_eps,
+                                           sinkhorn_iters=sinkhorn_iters))
+    return (*outputs, quantize_activations_reference(outputs[-1])) if quantize_x else outputs
 
 
 # --- kernels ------------------------------------------------------------------------------------------------------
@@ -128,20 +132,23 @@ def hc_mix_collapse_reference(streams, block_out, post, comb, block_out2, fn, ba
 def _hc_collapse_kernel(
     # pointers
     s_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr, post_ptr, comb_ptr, x_ptr, partial_ptr, counter_ptr,
+    xq_ptr, xs_ptr,  # QUANTIZE_X: x act_quant'ed, e4m3 values and their scales
     # MIX: the streams before the mix, the block output(s), the mix's post and comb
     old_ptr, y_ptr, y2_ptr, mix_post_ptr, mix_comb_ptr,
     # sizes, strides, scalars
-    num_tokens, num_splits, stride_st, stride_sn, stride_xt, stride_old_t, stride_old_n, stride_yt, stride_y2t, eps,
-    hc_eps,
+    num_tokens, num_splits, stride_st, stride_sn, stride_xt, stride_old_t, stride_old_n, stride_yt, stride_y2t,
+    stride_xqt, stride_xst, eps, hc_eps,
     # model constants and tiles
     N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, SINKHORN_ITERS: tl.constexpr, HEAD: tl.constexpr,
     HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH_PP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MIX: tl.constexpr, HAS_SECOND: tl.constexpr, FP32_MIX: tl.constexpr,
+    QUANTIZE_X: tl.constexpr,
 ):
     """Program (b, split): tokens [b * BLOCK_T, (b + 1) * BLOCK_T), the split's share of the N * D inputs; the
     last split of block b to finish (or the only one) sums the partial products and does the rest. MIX: the
     streams it collapses are first mixed from the ones before the block (`_mixed_tile`, the mix kernel's values),
-    each tile as pass 1 reaches it, and written to s_ptr."""
+    each tile as pass 1 reaches it, and written to s_ptr. QUANTIZE_X (with the norm, BLOCK_D = 128): x is also
+    written act_quant'ed (DeepSeek's e4m3 per 128 columns) for the experts that read it so."""
     block = tl.program_id(0)
     split = tl.program_id(1)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -264,7 +271,14 @@ def _hc_collapse_kernel(
             ptrs = x_ptr + tokens[:, None] * stride_xt + (d0 + offs_d)[None, :]
             c = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + d0 + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-            tl.store(ptrs, (w[None, :] * (c * r_c[:, None])).to(out_ty), mask=mask)
+            x = (w[None, :] * (c * r_c[:, None])).to(out_ty)
+            tl.store(ptrs, x, mask=mask)
+            if QUANTIZE_X:  # (a partial last group: zeros, as act_quant pads it)
+                grid, x_scale = e4m3_groups(tl.where(mask, x.to(tl.float32), 0.0), BLOCK_T, BLOCK_D)
+                tl.store(xq_ptr + tokens[:, None] * stride_xqt + (d0 + offs_d)[None, :],
+                         grid.to(xq_ptr.dtype.element_ty), mask=mask)
+                tl.store(xs_ptr + tokens[:, None] * stride_xst + (d0 // 128 + tl.arange(0, 1))[None, :], x_scale,
+                         mask=t_mask[:, None])
 
 
 @triton.jit
@@ -371,9 +385,10 @@ def _check_streams(streams: torch.Tensor, hc_mult: int):
 
 
 def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_eps, sinkhorn_iters, head,
-                   config=None, mix=None):
+                   config=None, mix=None, quantize_x=False):
     """The collapse's launch; `mix` (old streams, block_out, block_out2, post, comb, fp32_mix): `streams` is where
-    the kernel writes the streams it mixes from those (MIX)."""
+    the kernel writes the streams it mixes from those (MIX); quantize_x: the outputs end with x act_quant'ed,
+    (e4m3 values [T, D], scales [T, ceil(D / 128)]) as `plan_act_quant` gives them."""
     num_tokens, n, hidden = streams.shape
     _check_streams(streams, hc_mult)
     mixes = n if head else 2 * n + n * n
@@ -394,9 +409,21 @@ def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_ep
         post = torch.empty((num_tokens, n), dtype=torch.float32, device=device)
         comb = torch.empty((num_tokens, n, n), dtype=torch.float32, device=device)
     outputs = x if head else (post, comb, x)
+    cfg = (config or collapse_config(num_tokens, hidden, n, num_sms(device))) if num_tokens else None
+    x_q = x_s = x  # (unread without QUANTIZE_X)
+    in_kernel = quantize_x and (cfg is None or cfg["BLOCK_D"] == 128)  # act_quant's groups: the 128-column tiles
+    after = []
+    if quantize_x:
+        assert not head and norm_weight is not None, "x is quantized after the block's norm"
+        if in_kernel:
+            x_q = torch.empty((num_tokens, hidden), dtype=torch.float8_e4m3fn, device=device)
+            x_s = torch.empty((num_tokens, triton.cdiv(hidden, 128)), dtype=torch.float32, device=device)
+            outputs = (*outputs, (x_q, x_s))
+        else:  # a hidden size under 128 (test models): the act_quant launch after the collapse
+            quantized, after = plan_act_quant(x)
+            outputs = (*outputs, quantized)
     if num_tokens == 0:
         return outputs, []
-    cfg = config or collapse_config(num_tokens, hidden, n, num_sms(device))
     p = triton.next_power_of_2(n)
     width_pp = max(16, 2 * p)
     blocks, splits = triton.cdiv(num_tokens, cfg["BLOCK_T"]), cfg.get("SPLITS", 1)
@@ -410,21 +437,23 @@ def _plan_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_ep
     old, y, y2, mix_post, mix_comb, fp32_mix = mix or (streams, x, None, base, base, False)  # (unread without MIX)
     second = y2 if y2 is not None else y
     args = (streams, fn, base, scale, norm_weight if norm_weight is not None else base, post, comb, x, partial,
-            counters, old, y, second, mix_post, mix_comb, num_tokens, splits, streams.stride(0), streams.stride(1),
-            x.stride(0), old.stride(0), old.stride(1), y.stride(0), second.stride(0), float(eps), float(hc_eps))
+            counters, x_q, x_s, old, y, second, mix_post, mix_comb, num_tokens, splits, streams.stride(0),
+            streams.stride(1), x.stride(0), old.stride(0), old.stride(1), y.stride(0), second.stride(0),
+            x_q.stride(0), x_s.stride(0), float(eps), float(hc_eps))
     kwargs = dict(N=n, D=hidden, P=p, SINKHORN_ITERS=int(sinkhorn_iters), HEAD=head,
                   HAS_NORM=norm_weight is not None, BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"],
                   WIDTH_PP=width_pp, DOT_PRECISION=cfg.get("DOT_PRECISION", "ieee"), MIX=mix is not None,
-                  HAS_SECOND=y2 is not None, FP32_MIX=bool(fp32_mix), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    return outputs, [(_hc_collapse_kernel, (blocks, splits), args, kwargs)]
+                  HAS_SECOND=y2 is not None, FP32_MIX=bool(fp32_mix), QUANTIZE_X=in_kernel,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return outputs, [(_hc_collapse_kernel, (blocks, splits), args, kwargs)] + after
 
 
-def plan_hc_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_eps, sinkhorn_iters, config=None):
+def plan_hc_collapse(streams, fn, base, scale, norm_weight, *, hc_mult, eps, hc_eps, sinkhorn_iters, config=None,
+                     quantize_x=False):
     """Check inputs, allocate (post, comb, x); return ((post, comb, x), launches) without launching (one launch;
-    none at T = 0)."""
+    none at T = 0); quantize_x: the outputs end with x act_quant'ed, (values, scales)."""
     return _plan_collapse(streams, fn, base, scale, norm_weight, hc_mult=hc_mult, eps=eps, hc_eps=hc_eps,
-                          sinkhorn_iters=sinkhorn_iters, head=False, config=config)
+                          sinkhorn_iters=sinkhorn_iters, head=False, config=config, quantize_x=quantize_x)
 
 
 def plan_hc_head(streams, fn, base, scale, *, eps, hc_eps, norm_weight=None, config=None):
@@ -471,10 +500,12 @@ FUSED_MIX_MAX_TOKENS = 256
 
 
 def plan_hc_mix_collapse(streams, block_out, post, comb, block_out2, fn, base, scale, norm_weight, *, hc_mult, eps,
-                         hc_eps, sinkhorn_iters, fp32_mix=False, config=None):
+                         hc_eps, sinkhorn_iters, fp32_mix=False, config=None, quantize_x=False):
     """`plan_hc_mix` then `plan_hc_collapse` of its result: ((new streams, post, comb, x), launches); one launch up to
-    FUSED_MIX_MAX_TOKENS tokens (the collapse mixes each tile as it reads it), two beyond."""
-    collapse = dict(hc_mult=hc_mult, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, config=config)
+    FUSED_MIX_MAX_TOKENS tokens (the collapse mixes each tile as it reads it), two beyond. quantize_x: the outputs
+    end with x act_quant'ed, (values, scales)."""
+    collapse = dict(hc_mult=hc_mult, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, config=config,
+                    quantize_x=quantize_x)
     if streams.shape[0] > FUSED_MIX_MAX_TOKENS:
         new, mix = plan_hc_mix(streams, block_out, post, comb, block_out2, fp32_mix=fp32_mix)
         outputs, launches = plan_hc_collapse(new, fn, base, scale, norm_weight, **collapse)
@@ -525,10 +556,12 @@ def hc_mix_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Te
 def hc_mix_collapse_triton(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                            block_out2: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                            norm_weight: torch.Tensor | None, *, hc_mult: int, eps: float, hc_eps: float,
-                           sinkhorn_iters: int, fp32_mix: bool = False, config: dict | None = None):
-    """Triton version of `hc_mix_collapse_reference`: one launch at decode sizes."""
+                           sinkhorn_iters: int, fp32_mix: bool = False, config: dict | None = None,
+                           quantize_x: bool = False):
+    """Triton version of `hc_mix_collapse_reference`: one launch at decode sizes; quantize_x: and x act_quant'ed
+    after the outputs, (values, scales)."""
     outputs, launches = plan_hc_mix_collapse(streams, block_out, post, comb, block_out2, fn, base, scale, norm_weight,
                                              hc_mult=hc_mult, eps=eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
-                                             fp32_mix=fp32_mix, config=config)
+                                             fp32_mix=fp32_mix, config=config, quantize_x=quantize_x)
     _launch(launches)
     return outputs

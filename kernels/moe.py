@@ -676,12 +676,13 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *, per_pair_output=False,
-                   config=None, out_dtype=None, deepseek_order=False, quantize_hidden=False):
+                   config=None, out_dtype=None, deepseek_order=False, quantize_hidden=False, x_quantized=None):
     """Check the inputs, align the pairs, allocate buffers; return (finish, launches) without launching.
 
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
     deepseek_order / quantize_hidden: as in `fused_moe_reference`; quantize_hidden adds one launch ahead, x's
-    act_quant to e4m3 and its scales (kernels/fp8_gemm.py), and h is kept so between the two GEMMs.
+    act_quant to e4m3 and its scales (kernels/fp8_gemm.py), and h is kept so between the two GEMMs; x_quantized:
+    that act_quant already done (e4m3 values, scales: the mHC collapse that wrote x wrote them), no launch.
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
@@ -703,7 +704,8 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     (sorted_pairs, block_expert), align = plan_moe_align(topk_ids.contiguous(), num_experts, block_m,
                                                          zero=None if per_pair_output else out)
     max_blocks = block_expert.shape[0]
-    (x_in, x_scale), quantize = plan_act_quant(x) if quantize_hidden else ((x, x), [])
+    (x_in, x_scale), quantize = ((x, x), []) if not quantize_hidden else (
+        (x_quantized, []) if x_quantized is not None else plan_act_quant(x))
     h_dtype = torch.float8_e4m3fn if quantize_hidden else x.dtype
     h = torch.empty((max_blocks * block_m, inter), dtype=h_dtype, device=x.device)
     h_scale = torch.empty((h.shape[0], triton.cdiv(inter, FP8_ACT_BLOCK)), dtype=torch.float32, device=x.device) \
@@ -819,16 +821,19 @@ def fused_moe_triton(
     out_dtype: torch.dtype | None = None,
     deepseek_order: bool = False,
     quantize_hidden: bool = False,
+    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton version of `fused_moe_reference` (same arguments, [T, D] in x's dtype, or in out_dtype:
     torch.float32 returns the fp32 accumulator itself, saving the cast's launch).
 
     per_pair_output: write each (token, slot) row and sum with torch instead of fp32 atomics into [T, D]:
-    deterministic, at the cost of a [T * k, D] fp32 buffer. config: tile override (see `moe_config`).
+    deterministic, at the cost of a [T * k, D] fp32 buffer. config: tile override (see `moe_config`). x_quantized:
+    with quantize_hidden, x's act_quant as its producer wrote it (`plan_fused_moe`).
     """
     finish, launches = plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit,
                                       per_pair_output=per_pair_output, config=config, out_dtype=out_dtype,
-                                      deepseek_order=deepseek_order, quantize_hidden=quantize_hidden)
+                                      deepseek_order=deepseek_order, quantize_hidden=quantize_hidden,
+                                      x_quantized=x_quantized)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return finish()

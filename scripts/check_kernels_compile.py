@@ -189,7 +189,8 @@ def moe_launches(m: dict, num_tokens: int, fmt: str = "bf16", deepseek: bool = F
 
 def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
     """The mHC kernels on bf16 streams [T, 4, D]: collapse (+ RMSNorm), mix (+ a second block output), head, and the
-    mix fused into the collapse after it (mix_collapse: the MoE's fp32 routed output and the shared expert's)."""
+    mix fused into the collapse after it (mix_collapse: the MoE's fp32 routed output and the shared expert's;
+    mix_collapse act_quant: the attention's output, x also written act_quant'ed for the experts)."""
     n, d = hc_mult, m["hidden"]
     streams, f32 = _meta(num_tokens, n, d), torch.float32
     collapse = (_meta(2 * n + n * n, n * d, dtype=f32), _meta(2 * n + n * n, dtype=f32), _meta(3, dtype=f32),
@@ -200,6 +201,10 @@ def mhc_launches(m: dict, num_tokens: int, kind: str, hc_mult: int = 4):
         return plan_hc_mix_collapse(streams, _meta(num_tokens, d, dtype=f32), _meta(num_tokens, n, dtype=f32),
                                     _meta(num_tokens, n, n, dtype=f32), _meta(num_tokens, d), *collapse, hc_mult=n,
                                     eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, fp32_mix=True)[1]
+    if kind == "mix_collapse act_quant":
+        return plan_hc_mix_collapse(streams, _meta(num_tokens, d), _meta(num_tokens, n, dtype=f32),
+                                    _meta(num_tokens, n, n, dtype=f32), None, *collapse, hc_mult=n, eps=1e-6,
+                                    hc_eps=1e-6, sinkhorn_iters=20, fp32_mix=True, quantize_x=True)[1]
     if kind == "head":
         return plan_hc_head(streams, _meta(n, n * d, dtype=f32), _meta(n, dtype=f32), _meta(1, dtype=f32), eps=1e-6,
                             hc_eps=1e-6, norm_weight=_meta(d, dtype=f32))[1]
@@ -289,7 +294,7 @@ def cases() -> list[tuple[str, str, list]]:
         for t in m["moe_tokens"]:
             out.append((m["name"], f"moe T={t}", moe_launches(m, t)))
         for t in sorted({1, 64, 256, m["prefill_tokens"]}):
-            for kind in ("collapse", "mix", "head", "mix_collapse"):
+            for kind in ("collapse", "mix", "head", "mix_collapse", "mix_collapse act_quant"):
                 out.append((m["name"], f"mhc {kind} T={t}", mhc_launches(m, t, kind)))
         for t in (1, 64, m["prefill_tokens"]):
             for use in ("q_a", "kv", "indexer_q"):

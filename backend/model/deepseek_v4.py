@@ -161,9 +161,13 @@ class DeepseekV4Model:
         streams, post, comb, x = self._collapse(streams, pending, w[p + "attn_hc.fn"], w[p + "attn_hc.base"],
                                                 w[p + "attn_hc.scale"], w[p + "input_layernorm.weight"])
         attention = PendingMix(self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
-        streams, post, comb, x = self._collapse(streams, attention, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"],
-                                                w[p + "ffn_hc.scale"], w[p + "post_attention_layernorm.weight"])
-        routed, shared = self._moe(i, x, batch.input_ids, batch.dp_token_counts)
+        # the routed experts read x act_quant'ed (DeepSeek's numerics): the collapse writing x writes that too, unless
+        # x is first gathered from every rank
+        quantize_x = self.numerics.act_quant and not self.layout.moe_exchange
+        streams, post, comb, x, *x_quantized = self._collapse(
+            streams, attention, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
+            w[p + "post_attention_layernorm.weight"], quantize_x=quantize_x)
+        routed, shared = self._moe(i, x, batch.input_ids, batch.dp_token_counts, *x_quantized)
         if self.layout.world_size > 1 and not self.layout.data_parallel:  # routed (+ split shared) partial sums
             if self.layout.attention_split:
                 routed, shared = self.comm.all_reduce(routed + shared.float()), None
@@ -171,12 +175,14 @@ class DeepseekV4Model:
                 routed = self.comm.all_reduce(routed)
         return streams, PendingMix(routed, post, comb, shared)
 
-    def _collapse(self, streams, pending: "PendingMix | None", fn, base, scale, norm_weight):
-        """(streams with `pending` mixed in, post, comb, x): the mHC collapse before a block."""
+    def _collapse(self, streams, pending: "PendingMix | None", fn, base, scale, norm_weight, quantize_x=False):
+        """(streams with `pending` mixed in, post, comb, x): the mHC collapse before a block; quantize_x (after a
+        block's output): and x's act_quant, (e4m3 values, scales)."""
         if pending is None:
+            assert not quantize_x, "x is quantized by the collapse that mixes a block's output in"
             return (streams, *self.kernels.hc_collapse(streams, fn, base, scale, norm_weight, **self.hc))
         return self.kernels.hc_mix_collapse(streams, pending.block_out, pending.post, pending.comb, pending.second,
-                                            fn, base, scale, norm_weight, **self.hc)
+                                            fn, base, scale, norm_weight, **self.hc, quantize_x=quantize_x)
 
     def _mixed(self, streams, pending: "PendingMix | None"):
         """`pending` mixed into the streams on its own (after the last layer)."""
@@ -265,9 +271,10 @@ class DeepseekV4Model:
         return indices
 
     # --- mixture of experts -------------------------------------------------------------------------
-    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor,
-             dp_token_counts: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routed experts' output in fp32, shared expert's output): the mix kernel adds them."""
+    def _moe(self, i: int, x: torch.Tensor, input_ids: torch.Tensor, dp_token_counts: tuple[int, ...] = (),
+             x_quantized=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed experts' output in fp32, shared expert's output): the mix kernel adds them. x_quantized: x's
+        act_quant, as the collapse wrote it (for the routed experts of this rank's own tokens)."""
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
         gate = w[p + "gate.weight"]
         router_logits = k.fp32_linear(x, gate) if self.numerics.fp32_router else k.linear(x, gate)
@@ -281,19 +288,19 @@ class DeepseekV4Model:
         if self.layout.moe_exchange:
             routed = self._experts_of_every_rank(p, x, ids, weights, dp_token_counts)
         else:
-            routed = self._local_experts(p, x, ids, weights)
+            routed = self._local_experts(p, x, ids, weights, x_quantized)
         shared = self.shared_expert_input[i]
         gate_up = shared.product(x if shared.quantizes_its_input else self._act(x), k.linear)
         return routed, self._quantized_linear(gate_up, w[p + "shared_experts.down_proj.weight"],
                                               swiglu_limit=c.swiglu_limit)
 
-    def _local_experts(self, p: str, x, ids, weights) -> torch.Tensor:
+    def _local_experts(self, p: str, x, ids, weights, x_quantized=None) -> torch.Tensor:
         """This rank's routed experts over the pairs of `x` routed to them, [T, D] fp32."""
         w = self.w
         if self.first_expert:
             ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
         return self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                                      self.config.swiglu_limit, out_dtype=torch.float32)
+                                      self.config.swiglu_limit, out_dtype=torch.float32, x_quantized=x_quantized)
 
     def _experts_of_every_rank(self, p: str, x, ids, weights, dp_token_counts: tuple[int, ...]) -> torch.Tensor:
         """Data-parallel ranks with split experts: every rank's tokens and routings all-gathered (padded to the largest

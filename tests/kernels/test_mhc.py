@@ -237,3 +237,28 @@ def test_a_prefill_chunk_mixes_apart():
     assert torch.equal(new, hc_mix_triton(streams, y, post, comb))
     for a, b in zip(collapsed, hc_collapse_triton(new, fn, base, scale, weight, **collapse_kwargs())):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tokens,splits", [(21, 1), (21, 3), (300, 1)])  # decode (fused mix), split; a prefill chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_collapse_writes_x_act_quantized_too(tokens, splits, dtype):
+    """quantize_x: the collapse before the MoE writes x as the routed experts read it under DeepSeek's numerics, e4m3
+    per 128 columns with its scales, the act_quant launch's bytes of its own x (a partial last group at D = 200),
+    and everything else unchanged."""
+    from kernels.fp8_gemm import quantize_activations_reference
+    from kernels.mhc import hc_mix_collapse_reference, hc_mix_collapse_triton
+
+    streams, fn, base, scale, weight = make_inputs(tokens, 200, dtype=dtype, seed=tokens + splits)
+    _, y, _, post, comb = _mix_inputs(tokens, 200, dtype, seed=splits)
+    cfg = dict(BLOCK_T=16, BLOCK_D=128, SPLITS=splits, num_warps=4, num_stages=2)
+    kwargs = dict(**collapse_kwargs(), config=cfg)
+    *outputs, (x_q, x_s) = hc_mix_collapse_triton(streams, y, post, comb, None, fn, base, scale, weight, **kwargs,
+                                                  quantize_x=True)
+    for a, b in zip(outputs, hc_mix_collapse_triton(streams, y, post, comb, None, fn, base, scale, weight, **kwargs)):
+        assert torch.equal(a, b)
+    expected_q, expected_s = quantize_activations_reference(outputs[-1])
+    assert x_q.dtype == torch.float8_e4m3fn and torch.equal(x_q.float(), expected_q.float())
+    assert torch.equal(x_s, expected_s)
+    *_, (ref_q, ref_s) = hc_mix_collapse_reference(streams, y, post, comb, None, fn, base, scale, weight,
+                                                   **collapse_kwargs(), quantize_x=True)
+    assert ref_q.shape == x_q.shape and ref_s.shape == x_s.shape

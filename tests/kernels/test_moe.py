@@ -351,6 +351,16 @@ def test_the_down_projections_input_is_quantized_in_the_gate_up_tile(fmt):
                               config=tiles)
     close = assert_close_but_for_straddles(actual, expected, atol=1e-4, rtol=1e-4)
     assert (expected - plain)[close].abs().max() > 100 * (actual - expected)[close].abs().max()
+    # x act_quant'ed by its producer (the mHC collapse): no launch ahead, the same output
+    from kernels.fp8_gemm import quantize_activations_reference
+    from kernels.moe import plan_fused_moe
+
+    given = quantize_activations_reference(x)
+    kwargs = dict(deepseek_order=True, quantize_hidden=True, config=tiles)
+    assert len(plan_fused_moe(x, ids, weights, w_gate_up, w_down, LIMIT, **kwargs, x_quantized=given)[1]) == \
+        len(plan_fused_moe(x, ids, weights, w_gate_up, w_down, LIMIT, **kwargs)[1]) - 1
+    torch.testing.assert_close(fused_moe_triton(x, ids, weights, w_gate_up, w_down, LIMIT, **kwargs, x_quantized=given),
+                               actual, atol=1e-6, rtol=1e-6)  # (the pairs' fp32 atomics add in any order on a GPU)
     with pytest.raises(AssertionError, match="groups of 128"):  # a gate/up tile narrower than a group
         fused_moe_triton(x, ids, weights, w_gate_up, w_down, LIMIT, deepseek_order=True, quantize_hidden=True,
                          config=dict(tiles, gate_up=dict(tiles["gate_up"], BLOCK_N=32)))
