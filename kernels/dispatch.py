@@ -77,17 +77,19 @@ class KernelDispatch:
                                    **order)
 
     def linear(self, x: torch.Tensor, weight, *, swiglu_limit: float | None = None,
-               rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+               rms_norm: tuple[torch.Tensor, float] | None = None, x_quantized=None) -> torch.Tensor:
         """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight. Its input may be
         what a launch would compute of x (the prologue): the clamped SwiGLU of a gate|up x (swiglu_limit), or x's
         weighted RMSNorm (rms_norm: weight, eps). The FP8 GEMM under Triton computes it as it loads x, the values the
-        `swiglu` or `norm_rope` kernel would have written; otherwise they run first."""
+        `swiglu` or `norm_rope` kernel would have written; otherwise they run first. x_quantized: x's act_quant as
+        its producer wrote it, which the FP8 GEMM reads instead of quantizing x ahead (the reference rounds x)."""
         if isinstance(weight, Fp8Weight) and self.use_triton(x):
             from kernels.fp8_gemm import fp8_gemm_triton
 
             flat = x.reshape(-1, x.shape[-1])  # (a column view of a wider product is read in place)
             flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-            out = fp8_gemm_triton(flat, weight.data, weight.scale, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
+            out = fp8_gemm_triton(flat, weight.data, weight.scale, swiglu_limit=swiglu_limit, rms_norm=rms_norm,
+                                  x_quantized=x_quantized if x.dim() == 2 else None)
             return out.view(*x.shape[:-1], weight.shape[0])
         x = self.linear_input(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
         if not isinstance(weight, Fp8Weight):

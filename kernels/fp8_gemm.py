@@ -214,10 +214,13 @@ def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_
 
 
 def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
-                  swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None):
+                  swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
+                  x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Check the inputs, allocate the output; return (out, launches) without launching. The GEMM's input may be what a
     launch before it would have written, computed as x is loaded: swiglu_limit: x is a gate|up product [T, 2K], the
-    input its clamped SwiGLU (`swiglu_values_reference`); rms_norm (weight [K], eps): x's weighted RMSNorm."""
+    input its clamped SwiGLU (`swiglu_values_reference`); rms_norm (weight [K], eps): x's weighted RMSNorm.
+    x_quantized: x's act_quant (e4m3 values, scales) as its producer wrote it, read where the GEMM would act_quant x
+    ahead (no launch; x itself where it quantizes in registers)."""
     _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu_limit is not None)
     prologue, norm_w, scalar = _prologue(x, w_q.shape[1], swiglu_limit, rms_norm)
     num_tokens, k = x.shape[0], w_q.shape[1]
@@ -226,8 +229,13 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
     if num_tokens == 0:
         return out, []
     cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device))
-    (x_in, x_scale), quantize = (plan_act_quant(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
-                                 if cfg["PREQUANTIZED"] else ((x, x), []))
+    assert x_quantized is None or prologue == NO_PROLOGUE, "x_quantized is x's own act_quant"
+    if not cfg["PREQUANTIZED"]:
+        (x_in, x_scale), quantize = (x, x), []
+    elif x_quantized is not None:
+        (x_in, x_scale), quantize = x_quantized, []
+    else:
+        (x_in, x_scale), quantize = plan_act_quant(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT_K"])
     split = cfg["SPLIT_K"] > 1
     assert not split or grid[0] * grid[1] <= SPLIT_COUNTERS, f"split-K takes at most {SPLIT_COUNTERS} tiles"
@@ -270,10 +278,11 @@ def _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu: bool = False):
 
 
 def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
-                    swiglu_limit: float | None = None,
-                    rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
-    """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype)."""
-    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
+                    swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
+                    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype; x_quantized: `plan_fp8_gemm`)."""
+    out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit, rms_norm=rms_norm,
+                                  x_quantized=x_quantized)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out

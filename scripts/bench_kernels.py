@@ -13,7 +13,9 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
   fp8_gemm    the FP8 linears of V4-Flash (wq_a, wq_b, wkv, wo_a, wo_b, shared experts) at 1, 16, 32, 64 and 4096
               tokens (each variant fp8_gemm_config picks), checked against fp8_gemm_reference; "ref" is the same
               product as a bf16 F.linear (cuBLAS) on the dequantized weight, so "x ref" is the FP8 kernel's
-              speed-up over serving the weight in bf16
+              speed-up over serving the weight in bf16; and "wq_b+rms_norm", "shared w2+swiglu": the GEMMs that
+              compute their input (q_a's RMSNorm, the shared expert's SwiGLU) as they load it, against the
+              norm_rope / swiglu launch and the plain GEMM they replace
   fp32_linear DeepSeek's fp32 LM head and router over bf16 weights at the decode batches, against the torch
               expression F.linear(x.float(), w.float()) they replace
   grouped_linear  the output projection's o_a_proj (8 groups of 1,024 rows) kept FP8, at the fp8_gemm token counts,
@@ -434,6 +436,35 @@ def bench_fp8_gemm(torch, s, device, timer, options):
             print(f"  {'fp8_gemm':<10} {name + f' T={t}':<24} {ms:9.3f} ms  bf16 {ref_ms or float('nan'):9.3f} ms  "
                   f"{status}", flush=True)
             results.append(Result("fp8_gemm", f"{name} T={t}", ms, ref_ms, *work, error))
+    return results + _fp8_prologue_cases(torch, s, device, timer, options, gen)
+
+
+# The FP8 GEMMs of V4-Flash that compute their input as they load it (kernels/fp8_gemm.py's PROLOGUE)
+FP8_PROLOGUES = {"wq_b": ("rms_norm",), "shared w2": ("swiglu",), "irregular": ("rms_norm", "swiglu")}
+
+
+def _fp8_prologue_cases(torch, s, device, timer, options, gen):
+    from kernels.fp8_gemm import fp8_gemm_triton
+    from kernels.moe import swiglu_triton
+    from kernels.norm_rope import norm_rope_triton
+
+    results = []
+    for name, (n, k) in s.fp8_linears.items():
+        w_q, w_scale = fp8_linear_weight(torch, device, n, k, gen)
+        norm = ((torch.rand(k, generator=gen, device=device) + 0.5).to(torch.bfloat16), 1e-6)
+        for prologue in FP8_PROLOGUES.get(name, ()):
+            swiglu = prologue == "swiglu"
+            kwargs = dict(swiglu_limit=10.0) if swiglu else dict(rms_norm=norm)
+            for t in s.fp8_tokens:
+                x = (torch.randn(t, 2 * k if swiglu else k, generator=gen, device=device) * 3).to(torch.bfloat16)
+                separate = ((lambda: fp8_gemm_triton(swiglu_triton(x, 10.0), w_q, w_scale)) if swiglu else
+                            (lambda: fp8_gemm_triton(norm_rope_triton(x, *norm), w_q, w_scale)))
+                work = ((n * k + w_scale.numel() * 4 + 2 * t * (x.shape[1] + n)) / 1e9, 2 * t * n * k / 1e9)
+                # checked against the launches it replaces (each checked against its reference in its own case):
+                # a torch sigmoid or rsqrt an ulp off moves an e4m3 rounding of the GEMM's input
+                results.append(check_and_time(torch, timer, "fp8_gemm", f"{name}+{prologue} T={t}",
+                                              lambda: fp8_gemm_triton(x, w_q, w_scale, **kwargs), separate, separate,
+                                              work, options))
     return results
 
 

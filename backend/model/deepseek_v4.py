@@ -36,6 +36,7 @@ its own pools with the whole attention and LM head, and with expert parallelism 
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -158,15 +159,16 @@ class DeepseekV4Model:
         """Layer i over `streams` with the block output `pending` not yet mixed into them; returns (streams, the MoE's
         output to mix into them). Each mix runs with the collapse after it (one launch at decode sizes)."""
         w, p = self.w, self.prefixes[i]
-        streams, post, comb, x = self._collapse(streams, pending, w[p + "attn_hc.fn"], w[p + "attn_hc.base"],
-                                                w[p + "attn_hc.scale"], w[p + "input_layernorm.weight"])
-        attention = PendingMix(self._attention(i, x, batch, kv, rope, entry_rope), post, comb)
-        # the routed experts read x act_quant'ed (DeepSeek's numerics): the collapse writing x writes that too, unless
-        # x is first gathered from every rank
-        quantize_x = self.numerics.act_quant and not self.layout.moe_exchange
+        # DeepSeek's FP8 linears and experts read their input act_quant'ed: a collapse that mixes a block's output in
+        # writes x so too (the GEMMs then need no act_quant launch of their own)
+        quantize = self.numerics.act_quant
+        streams, post, comb, x, *x_quantized = self._collapse(
+            streams, pending, w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"],
+            w[p + "input_layernorm.weight"], quantize_x=quantize and pending is not None)
+        attention = PendingMix(self._attention(i, x, batch, kv, rope, entry_rope, *x_quantized), post, comb)
         streams, post, comb, x, *x_quantized = self._collapse(
             streams, attention, w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"],
-            w[p + "post_attention_layernorm.weight"], quantize_x=quantize_x)
+            w[p + "post_attention_layernorm.weight"], quantize_x=quantize)
         routed, shared = self._moe(i, x, batch.input_ids, batch.dp_token_counts, *x_quantized)
         if self.layout.world_size > 1 and not self.layout.data_parallel:  # routed (+ split shared) partial sums
             if self.layout.attention_split:
@@ -192,13 +194,13 @@ class DeepseekV4Model:
 
     # --- attention --------------------------------------------------------------------------------
     def _attention(self, i: int, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheManager, rope,
-                   entry_rope) -> torch.Tensor:
+                   entry_rope, x_quantized=None) -> torch.Tensor:
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "self_attn."
         layer_type = self.layer_types[i]
         cos, sin = rope["main" if layer_type == SLIDING else "compress"]
         num_tokens, eps = x.shape[0], c.rms_norm_eps
 
-        proj = self.attention_input[i](x, k, self._act)  # every linear of x: one GEMM a group, column views
+        proj = self.attention_input[i](x, k, self._act, x_quantized)  # every linear of x: a GEMM a group, column views
         # q_a's RMSNorm: computed by the FP8 GEMMs that read it (q_b, and the indexer's) as they load it, else once
         q_a, q_norm = proj["self_attn.q_a_proj"], dict(rms_norm=(w[p + "q_a_norm.weight"], eps))
         if not isinstance(w[p + "q_b_proj.weight"], Fp8Weight):
@@ -290,7 +292,10 @@ class DeepseekV4Model:
         else:
             routed = self._local_experts(p, x, ids, weights, x_quantized)
         shared = self.shared_expert_input[i]
-        gate_up = shared.product(x if shared.quantizes_its_input else self._act(x), k.linear)
+        if shared.quantizes_its_input:  # its GEMM reads x's act_quant where it would quantize x ahead
+            gate_up = shared.product(x, functools.partial(k.linear, x_quantized=x_quantized))
+        else:
+            gate_up = shared.product(self._act(x), k.linear)
         return routed, self._quantized_linear(gate_up, w[p + "shared_experts.down_proj.weight"],
                                               swiglu_limit=c.swiglu_limit)
 

@@ -40,10 +40,11 @@ class FusedProjection:
     groups: list[tuple[object, list[tuple[str, int]]]]  # (concatenated weight, [(name, rows)])
     inputs: list[str]  # per group: PLAIN, QUANTIZED (the act_quant'ed input) or FP32 (an fp32 product)
 
-    def __call__(self, x: torch.Tensor, kernels, quantize=None) -> dict[str, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, kernels, quantize=None, x_quantized=None) -> dict[str, torch.Tensor]:
         """name -> x @ weight(name)^T, a column view of its group's product (`kernels`: the model's KernelDispatch);
         `quantize(x)` feeds the QUANTIZED groups whose weights are not FP8 (an Fp8Weight's GEMM act_quants its input
-        itself: kernels/fp8_gemm.py); the FP32 groups are fp32 products."""
+        itself: kernels/fp8_gemm.py, or reads `x_quantized`, x's act_quant as its producer wrote it); the FP32 groups
+        are fp32 products."""
         out, quantized = {}, None  # (the quantized input made once)
         for (weight, parts), kind in zip(self.groups, self.inputs):
             if kind == FP32:
@@ -51,6 +52,8 @@ class FusedProjection:
             elif kind == QUANTIZED and quantize is not None and not isinstance(weight, Fp8Weight):
                 quantized = quantize(x) if quantized is None else quantized
                 product = kernels.linear(quantized, weight)
+            elif kind == QUANTIZED and x_quantized is not None:
+                product = kernels.linear(x, weight, x_quantized=x_quantized)
             else:
                 product = kernels.linear(x, weight)
             offset = 0

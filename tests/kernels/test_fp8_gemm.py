@@ -176,3 +176,23 @@ def test_an_rms_norm_fed_gemm_equals_the_norm_kernel_then_the_gemm(prequantized,
     torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=0.05 * scale)
     unnormed = fp8_gemm_reference(x, w_q, w_scale)
     assert (unnormed.float() - expected.float()).abs().max() > 0.1 * scale  # the norm matters: the checks can fail
+
+
+def test_x_act_quantized_by_its_producer_is_read_as_it_is():
+    """x_quantized (the mHC collapse wrote x's act_quant): where the GEMM would act_quant x ahead it reads those bytes
+    instead, one launch, the same output; where it quantizes in registers it reads x."""
+    from kernels.fp8_gemm import plan_fp8_gemm, plan_act_quant
+
+    w_q, w_scale = _weight(150, 300, 12)
+    x = torch.randn(19, 300, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16)
+    (x_q, x_s), launches = plan_act_quant(x)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    for prequantized in (True, False):
+        config = dict(BLOCK_M=32, BLOCK_N=64, SPLIT_K=1, SWAP_AB=True, PREQUANTIZED=prequantized, num_warps=4,
+                      num_stages=2)
+        got, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, x_quantized=(x_q, x_s))
+        assert len(launches) == 1 and (launches[0][2][0] is x_q) == prequantized
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
+        assert torch.equal(got, fp8_gemm_triton(x, w_q, w_scale, config=config))
