@@ -368,7 +368,9 @@ def collapse_config(num_tokens: int, hidden: int, hc_mult: int, num_sms: int = D
     if blocks < num_sms and blocks <= _MAX_BLOCKS_SPLIT:
         splits = min(steps, triton.cdiv(2 * num_sms, blocks))
         splits = triton.cdiv(steps, triton.cdiv(steps, splits))  # no split without a step
-    return dict(BLOCK_T=block_t, BLOCK_D=block_d, SPLITS=splits, num_warps=4, num_stages=2)
+    # (under 128 columns, a test model's, ptxas keeps a pointer of the mix fused with one block output on the stack
+    # with two stages: 8 bytes; three do not)
+    return dict(BLOCK_T=block_t, BLOCK_D=block_d, SPLITS=splits, num_warps=4, num_stages=2 if block_d >= 128 else 3)
 
 
 def mix_config(num_tokens: int, hidden: int) -> dict:

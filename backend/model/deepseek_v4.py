@@ -48,7 +48,7 @@ from backend.model.forward_batch import ForwardBatch
 from backend.model.parallel_layout import ParallelLayout
 from backend.model.projections import (ATTENTION_INPUT, FP32_ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT,
                                        SHARED_EXPERT_INPUT, fuse_projections)
-from backend.model.rotary import Rotary
+from backend.model.rotary import Rotary, cos_sin_tables
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
@@ -111,12 +111,7 @@ class DeepseekV4Model:
         c, w = self.config, self.w
         hidden = w["model.embed_tokens.weight"][batch.input_ids]  # [T, D]
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, N, D]
-        rope = {label: r.cos_sin(batch.positions, self.dtype) for label, r in self.rotary.items()}
-        # The compress rope at each closing entry, once per plan (the indexer shares the CSA plan).
-        entry_rope = {}
-        for stream, plan in batch.plans.items():
-            shared = next((v for s, v in entry_rope.items() if batch.plans[s] is plan), None)
-            entry_rope[stream] = shared or self.rotary["compress"].cos_sin(plan.entry_pos, self.dtype)
+        rope, entry_rope = self._rope_tables(batch)
         pending = None
         for i in range(c.num_hidden_layers):
             streams, pending = self._layer(i, streams, pending, batch, kv, rope, entry_rope)
@@ -143,6 +138,17 @@ class DeepseekV4Model:
         if logits_index.numel() == 0:  # (a pass that only fills the draft layer's window)
             return streams.new_empty((0, c.vocab_size), dtype=torch.float32), streams
         return self._logits(streams[logits_index], p), streams
+
+    def _rope_tables(self, batch: ForwardBatch) -> tuple[dict, dict]:
+        """The step's rope tables, computed together (`cos_sin_tables`): {label: (cos, sin)} at the tokens' positions,
+        and {stream: (cos, sin)} of the compress rope at each closing entry, once per plan (the indexer shares the
+        CSA plan)."""
+        plans = list({id(plan): plan for plan in batch.plans.values()}.values())
+        requests = [(self.rotary[label], batch.positions) for label in self.rotary]
+        tables = cos_sin_tables(requests + [(self.rotary["compress"], plan.entry_pos) for plan in plans], self.dtype)
+        rope = dict(zip(self.rotary, tables))
+        by_plan = {id(plan): table for plan, table in zip(plans, tables[len(requests):])}
+        return rope, {stream: by_plan[id(plan)] for stream, plan in batch.plans.items()}
 
     def _logits(self, last: torch.Tensor, prefix: str) -> torch.Tensor:
         """The hyper-head, the final norm and the LM head over the streams [R, N, D] of the rows that want logits

@@ -55,5 +55,27 @@ class Rotary:
         self.inv_freq = inv_freq.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq  # [T, rope_dim / 2]
-        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+        """(cos, sin) [T, rope_dim / 2] in dtype at `positions` [T]."""
+        return cos_sin_tables([(self, positions)], dtype)[0]
+
+
+def cos_sin_tables(requests: list[tuple[Rotary, torch.Tensor]],
+                   dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (cos, sin) tables of each (rotary, positions) pair, computed together: the positions concatenated, each row
+    times its rotary's frequencies, one cos and one sin (times each rotary's attention scaling, where one is not 1),
+    and each pair's tables row slices of the results. Each value is what the pair's own product, cos, sin and
+    scaling give, in a handful of launches for a step's four tables (a decode step's main and compress ropes, and
+    the compress rope at each closing entry) rather than five a table."""
+    sizes = [positions.shape[0] for _, positions in requests]
+    if len(requests) == 1:
+        (rotary, positions), = requests
+        inv_freq = rotary.inv_freq  # (broadcast over the rows)
+    else:
+        positions = torch.cat([p for _, p in requests])
+        inv_freq = torch.cat([r.inv_freq.expand(n, -1) for (r, _), n in zip(requests, sizes)])
+    freqs = positions[:, None].float() * inv_freq  # [sum T, rope_dim / 2]
+    cos, sin = freqs.cos(), freqs.sin()
+    if any(r.scaling != 1.0 for r, _ in requests):  # (x * 1.0 is x: no launch for a scaling of 1)
+        scaling = torch.cat([freqs.new_full((n, 1), r.scaling) for (r, _), n in zip(requests, sizes)])
+        cos, sin = cos * scaling, sin * scaling
+    return list(zip(cos.to(dtype).split(sizes), sin.to(dtype).split(sizes)))
