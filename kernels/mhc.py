@@ -368,9 +368,9 @@ def collapse_config(num_tokens: int, hidden: int, hc_mult: int, num_sms: int = D
     if blocks < num_sms and blocks <= _MAX_BLOCKS_SPLIT:
         splits = min(steps, triton.cdiv(2 * num_sms, blocks))
         splits = triton.cdiv(steps, triton.cdiv(steps, splits))  # no split without a step
-    # (under 128 columns, a test model's, ptxas keeps a pointer of the mix fused with one block output on the stack
-    # with two stages: 8 bytes; three do not)
-    return dict(BLOCK_T=block_t, BLOCK_D=block_d, SPLITS=splits, num_warps=4, num_stages=2 if block_d >= 128 else 3)
+    # (under 128 columns, a test model's, ptxas keeps a pointer of the mix fused into the collapse on the stack with 4
+    # warps: 8 bytes, at two stages with Triton 3.7.1's, at three with 3.6's; 8 warps spill with neither)
+    return dict(BLOCK_T=block_t, BLOCK_D=block_d, SPLITS=splits, num_warps=4 if block_d >= 128 else 8, num_stages=2)
 
 
 def mix_config(num_tokens: int, hidden: int) -> dict:
