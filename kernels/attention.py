@@ -7,7 +7,9 @@ Math, for query token t of batch row b = token_seq[t] at absolute position p = t
                            so the indexer's raw top-k over -inf-masked scores needs no masking launch)
   logits        s_j = scale * q[t, h] . k_j      for k_j in K_w ∪ K_c, plus one sink logit sinks[h]
   out[t, h]   = sum_j softmax(s ∪ {sink})_j * k_j       (shared K = V; the sink carries mass, no value)
-All softmax arithmetic in fp32.
+All softmax arithmetic in fp32. As the model calls it (q_norm_eps, rope), q is first normed per head and its trailing
+rope channels rotated as it is loaded, and the output's rotated back as it is stored (V = K carries the rotation):
+what the norm_rope launches before and after the attention would write.
 
 Layouts (one layer's slice of each pool):
   q                  [T, H, D]

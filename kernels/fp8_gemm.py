@@ -19,7 +19,10 @@ and S_w into an fp32 accumulator, as DeepSeek's own fp8_gemm does. `fp8_gemm_con
   - SPLIT_K (too few tiles for the SMs: narrow N at decode): programs share a tile's K steps, the last to finish adds
     their partial sums (split counters, kernels/common.py) and stores, in one launch;
   - PREQUANTIZED (from 17 tokens): x act_quant'ed once by a launch ahead (`plan_act_quant`) and read as e4m3;
-    otherwise each step quantizes its x rows in registers (at decode, where x is a few rows).
+    otherwise each step quantizes its x rows in registers (at decode, where x is a few rows);
+  - PROLOGUE: the GEMM's input is what a launch before it would have written, computed as x is loaded (in the
+    act_quant launch ahead when PREQUANTIZED): the clamped SwiGLU of a gate|up product (the shared expert's w2), or
+    x's weighted RMSNorm (q_a's, for q_b and the indexer's q_b).
 Under Triton's interpreter, which has no FP8 dot and whose fp32 -> e4m3 cast rounds wrongly (124.8 -> 64, ties away
 from even), the rounding to e4m3 is done in fp32 arithmetic (`round_to_e4m3`, round-to-nearest-even as the GPU's
 cvt) and the dot in fp32: the same values. The torch reference (`fp8_gemm_reference`) quantizes the same way and
@@ -150,9 +153,9 @@ def gemm_input(x_ptr, norm_w_ptr, offsets, mask, ks, k, prologue_scalar, r, AXIS
     RMSNorm, (w * (x * r)) with r each row's factor (`rms_factors`), as the norm_rope kernel computes it; each
     rounded to x's dtype, as the kernel it replaces stores it."""
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if PROLOGUE == 1:
+    if PROLOGUE == 1:  # SWIGLU
         x = clamped_swiglu_values(x, tl.load(x_ptr + offsets + k, mask=mask, other=0.0), prologue_scalar).to(x.dtype)
-    elif PROLOGUE == 2:
+    elif PROLOGUE == 2:  # RMS_NORM
         w = tl.expand_dims(tl.load(norm_w_ptr + ks, mask=ks < k, other=0.0).to(tl.float32), 1 - AXIS)
         x = (w * (x.to(tl.float32) * tl.expand_dims(r, AXIS))).to(x.dtype)
     return x.to(tl.float32)
@@ -164,7 +167,7 @@ def rms_factors(x_ptr, rows, row_mask, k, stride_xt, eps, BLOCK_M: tl.constexpr,
     """Each row's RMSNorm factor 1 / sqrt(mean(x^2) + eps) [BLOCK_M] from a pass over its k columns (RMS_NORM;
     otherwise ones, unread)."""
     r = tl.full([BLOCK_M], 1.0, tl.float32)
-    if PROLOGUE == 2:
+    if PROLOGUE == 2:  # RMS_NORM
         sumsq = tl.zeros([BLOCK_M], tl.float32)
         for k0 in range(0, k, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
