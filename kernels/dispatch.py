@@ -27,7 +27,7 @@ from kernels.compressor import round_stored_entries
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
 from kernels.modes import KVLayout, Numerics
-from kernels.moe import QuantizedExperts, fused_moe_reference
+from kernels.moe import QuantizedExperts, Routing, fused_moe_reference
 from kernels.quant_formats import simulate_kv_fp8
 
 MODES = ("auto", "reference", "triton")
@@ -60,17 +60,24 @@ class KernelDispatch:
         return indexer_scores_reference(q, *args, **kwargs)
 
     def fused_moe(self, x: torch.Tensor, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *,
-                  out_dtype: torch.dtype | None = None, x_quantized=None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, x_quantized=None, routing: Routing | None = None,
+                  first_expert: int = 0) -> torch.Tensor:
         """Routed experts; out_dtype=torch.float32 returns the kernel's fp32 accumulator (no cast launch). The
         numerics choose the routing weight's place and the act_quant of the down projection's input
         (kernels/moe.py's deepseek_order and quantize_hidden); x_quantized: x's act_quant as the collapse that wrote
-        x wrote it (the kernels then need no launch for it; the reference rounds x itself, to the same values)."""
+        x wrote it (the kernels then need no launch for it; the reference rounds x itself, to the same values).
+        routing (topk_ids and topk_weights None): the tokens are routed here too (at decode sizes by the kernels'
+        alignment launch); first_expert: the ids are shifted by it (this rank's experts are 0..)."""
         order = dict(deepseek_order=self.numerics.routing_weight_first, quantize_hidden=self.numerics.act_quant)
         if self.use_triton(x):
             from kernels.moe import fused_moe_triton
 
             return fused_moe_triton(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
-                                    x_quantized=x_quantized, **order)
+                                    x_quantized=x_quantized, routing=routing, first_expert=first_expert, **order)
+        if routing is not None:
+            topk_ids, topk_weights = routing.reference()
+        if first_expert:
+            topk_ids = topk_ids - first_expert  # another rank's experts fall outside 0..E - 1: left out
         w_gate_up, w_down = (w.dequantize().to(x.dtype) if isinstance(w, QuantizedExperts) else w
                              for w in (w_gate_up, w_down))
         return fused_moe_reference(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, out_dtype=out_dtype,
@@ -186,11 +193,14 @@ class KernelDispatch:
             return None
         return lambda entries: simulate_kv_fp8(entries, kv_layout.rope_dim)
 
-    def route_topk(self, logits, *args, **kwargs):
-        return self._fused("moe", "route_topk", logits, logits, *args, **kwargs)
-
-    def route_hash(self, logits, *args, **kwargs):
-        return self._fused("moe", "route_hash", logits, logits, *args, **kwargs)
+    def route(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids, topk_weights) of a `kernels.moe.Routing`: the routing kernel's launch, or the reference."""
+        if not self.use_triton(routing.logits):
+            return routing.reference()
+        out, launches = routing.plan()
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
+        return out
 
     def apply_token_bitmask(self, logits, bitmask, rows) -> None:
         """Structured outputs: -inf, in place, at the tokens each masked row's grammar does not allow."""

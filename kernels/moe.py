@@ -24,7 +24,8 @@ cdiv(T, BLOCK_T), each program holding BLOCK_T rows of logits [T, E] (fp32/bf16/
 
 Kernel (`fused_moe_triton`), three launches: `_moe_align_kernel` (reference `moe_align`; see `plan_moe_align`)
 sorts the T * k (token, slot) pairs by expert into row blocks of BLOCK_M (each expert's rows padded to a multiple
-of BLOCK_M; an expert with no pair owns no block), its other programs zeroing the atomic accumulator; then two
+of BLOCK_M; an expert with no pair owns no block), its other programs zeroing the atomic accumulator (given a
+`Routing` instead of the routes, its program 0 routes up to FUSED_ROUTING_MAX_TOKENS tokens first); then two
 grouped GEMMs, the block's expert read from block_expert:
   gate/up  h[row, :]   = clamped SwiGLU of x[token] @ [W_gate; W_up][e]^T, fp32 accumulation, stored in x's dtype
   down     out[token] += topk_weight * (h[row] @ W_down[e]^T), fp32, added with fp32 atomics into a zeroed [T, D]
@@ -108,16 +109,11 @@ def _sqrt_softplus(x):
     return tl.sqrt_rn(softplus)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _route_topk_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr,
-    num_tokens, stride_lt, routed_scaling_factor,
-    NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Program (BLOCK_T tokens): TOP_K argmax passes over scores + bias (ties -> lowest expert), normalised weights."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < num_tokens
+@triton.jit
+def _topk_routes(logits_ptr, bias_ptr, rows, row_mask, stride_lt, routed_scaling_factor, NUM_EXPERTS: tl.constexpr,
+                 TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(ids [BLOCK_T, BLOCK_K] int32, weights fp32) of the tokens `rows`: TOP_K argmax passes over scores + bias
+    (ties -> lowest expert), normalised weights."""
     experts = tl.arange(0, BLOCK_E)
     e_mask = experts < NUM_EXPERTS
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + experts[None, :],
@@ -137,21 +133,14 @@ def _route_topk_kernel(
         ids = tl.where(slots[None, :] == j, pick[:, None], ids)
         weights = tl.where(slots[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], weights)
     weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20) * routed_scaling_factor
-    out_mask = row_mask[:, None] & (slots < TOP_K)[None, :]
-    offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
-    tl.store(ids_ptr + offs, ids.to(tl.int64), mask=out_mask)
-    tl.store(weights_ptr + offs, weights, mask=out_mask)
+    return ids, weights
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _route_hash_kernel(
-    logits_ptr, tid2eid_ptr, input_ids_ptr, ids_ptr, weights_ptr,
-    num_tokens, stride_lt, stride_tid, routed_scaling_factor,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """Program (BLOCK_T tokens): experts from the table, scores gathered at them, normalised weights."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < num_tokens
+@triton.jit
+def _hash_routes(logits_ptr, tid2eid_ptr, input_ids_ptr, rows, row_mask, stride_lt, stride_tid, routed_scaling_factor,
+                 TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(ids [BLOCK_T, BLOCK_K], weights fp32) of the tokens `rows`: experts from the table, scores gathered at them,
+    normalised weights."""
     slots = tl.arange(0, BLOCK_K)
     mask = row_mask[:, None] & (slots < TOP_K)[None, :]
     token_ids = tl.load(input_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
@@ -159,9 +148,43 @@ def _route_hash_kernel(
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_lt + ids, mask=mask, other=0.0).to(tl.float32)
     weights = tl.where(mask, _sqrt_softplus(x), 0.0)
     weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20) * routed_scaling_factor
+    return ids, weights
+
+
+@triton.jit
+def _route_rows(logits_ptr, table_ptr, input_ids_ptr, ids_ptr, weights_ptr, rows, num_tokens, stride_lt, stride_tid,
+                routed_scaling_factor, ROUTE: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Route the tokens `rows` (ROUTE 1: top-k over the logits with the bias `table_ptr`; 2: hash, `table_ptr` the
+    tid2eid table) and store their ids [T, TOP_K] int64 and weights fp32."""
+    row_mask = rows < num_tokens
+    if ROUTE == 1:
+        ids, weights = _topk_routes(logits_ptr, table_ptr, rows, row_mask, stride_lt, routed_scaling_factor,
+                                    NUM_EXPERTS, TOP_K, BLOCK_T, BLOCK_E, BLOCK_K)
+    else:
+        ids, weights = _hash_routes(logits_ptr, table_ptr, input_ids_ptr, rows, row_mask, stride_lt, stride_tid,
+                                    routed_scaling_factor, TOP_K, BLOCK_K)
+    slots = tl.arange(0, BLOCK_K)
+    mask = row_mask[:, None] & (slots < TOP_K)[None, :]
     offs = rows[:, None].to(tl.int64) * TOP_K + slots[None, :]
-    tl.store(ids_ptr + offs, ids, mask=mask)
+    tl.store(ids_ptr + offs, ids.to(tl.int64), mask=mask)
     tl.store(weights_ptr + offs, weights, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _route_kernel(
+    logits_ptr, table_ptr, input_ids_ptr, ids_ptr, weights_ptr,
+    num_tokens, stride_lt, stride_tid, routed_scaling_factor,
+    ROUTE: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Program (BLOCK_T tokens): their routes (`_route_rows`)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_rows(logits_ptr, table_ptr, input_ids_ptr, ids_ptr, weights_ptr, rows, num_tokens, stride_lt, stride_tid,
+                routed_scaling_factor, ROUTE, NUM_EXPERTS, TOP_K, BLOCK_T, BLOCK_E, BLOCK_K)
+
+
+TOPK_ROUTE, HASH_ROUTE = 1, 2  # the routing kernels' ROUTE (0 in the alignment: the ids are given)
 
 
 def _route_block_t(block_e: int) -> int:
@@ -182,10 +205,10 @@ def plan_route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_sca
         return (ids, weights), []
     block_e = triton.next_power_of_2(num_experts)
     block_t = _route_block_t(block_e)
-    args = (logits, bias, ids, weights, num_tokens, logits.stride(0), float(routed_scaling_factor))
-    kwargs = dict(NUM_EXPERTS=num_experts, TOP_K=k, BLOCK_T=block_t, BLOCK_E=block_e,
+    args = (logits, bias, logits, ids, weights, num_tokens, logits.stride(0), 0, float(routed_scaling_factor))
+    kwargs = dict(ROUTE=TOPK_ROUTE, NUM_EXPERTS=num_experts, TOP_K=k, BLOCK_T=block_t, BLOCK_E=block_e,
                   BLOCK_K=triton.next_power_of_2(k), num_warps=4)
-    return (ids, weights), [(_route_topk_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
+    return (ids, weights), [(_route_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
 
 
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -214,8 +237,9 @@ def plan_route_hash(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torc
     block_t = 16
     args = (logits, tid2eid, input_ids, ids, weights, num_tokens, logits.stride(0), tid2eid.stride(0),
             float(routed_scaling_factor))
-    kwargs = dict(TOP_K=k, BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(k), num_warps=1)
-    return (ids, weights), [(_route_hash_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
+    kwargs = dict(ROUTE=HASH_ROUTE, NUM_EXPERTS=logits.shape[1], TOP_K=k, BLOCK_T=block_t, BLOCK_E=1,
+                  BLOCK_K=triton.next_power_of_2(k), num_warps=1)
+    return (ids, weights), [(_route_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
 
 
 def route_hash_triton(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
@@ -584,24 +608,35 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, block_expert
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "zero_numel"])
+@triton.jit(do_not_specialize=["num_pairs", "max_blocks", "zero_numel", "num_tokens", "first_expert"])
 def _moe_align_kernel(
-    ids_ptr, sorted_pairs_ptr, block_expert_ptr, zero_ptr, num_pairs, max_blocks, zero_numel,
+    ids_ptr, sorted_pairs_ptr, block_expert_ptr, zero_ptr, num_pairs, max_blocks, zero_numel, first_expert,
+    # ROUTE: the routing, first (its logits, bias or tid2eid table, input ids; weights out)
+    logits_ptr, table_ptr, input_ids_ptr, weights_ptr, num_tokens, stride_lt, stride_tid, routed_scaling_factor,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_R: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr, ZERO_BLOCK: tl.constexpr, ROUTE: tl.constexpr, ROUTED_EXPERTS: tl.constexpr,
+    TOP_K: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr, ROUTE_BLOCK_E: tl.constexpr, ROUTE_BLOCK_K: tl.constexpr,
 ):
-    """Program 0: `moe_align` (see the module docstring). Programs 1..: zero zero_ptr[:zero_numel] (fp32)."""
+    """Program 0: `moe_align` (see the module docstring) of the ids minus first_expert (this rank's experts are
+    0..NUM_EXPERTS - 1), after (ROUTE) routing every token into ids_ptr and weights_ptr itself (`_route_rows`, as the
+    routing kernel; ROUTED_EXPERTS: the model's expert count). Programs 1..: zero zero_ptr[:zero_numel] (fp32)."""
     pid = tl.program_id(0)
     if pid > 0:
         offs = (pid - 1).to(tl.int64) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
         tl.store(zero_ptr + offs, tl.zeros([ZERO_BLOCK], tl.float32), mask=offs < zero_numel)
         return
+    if ROUTE != 0:
+        for t0 in range(0, num_tokens, ROUTE_BLOCK_T):
+            _route_rows(logits_ptr, table_ptr, input_ids_ptr, ids_ptr, weights_ptr, t0 + tl.arange(0, ROUTE_BLOCK_T),
+                        num_tokens, stride_lt, stride_tid, routed_scaling_factor, ROUTE, ROUTED_EXPERTS, TOP_K,
+                        ROUTE_BLOCK_T, ROUTE_BLOCK_E, ROUTE_BLOCK_K)
+        tl.debug_barrier()  # the ids this program's threads stored are visible to all of them
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, BLOCK_P)
     # pass 1: pairs per expert
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, num_pairs, BLOCK_P):
-        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32) - first_expert
         ids = tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, -1)  # another rank's expert: left out
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
@@ -623,7 +658,7 @@ def _moe_align_kernel(
     # pass 2: each pair's row = its expert's cursor + its rank among the chunk's earlier pairs of that expert
     cursor = block_start * BLOCK_M
     for p0 in range(0, num_pairs, BLOCK_P):
-        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32)
+        ids = tl.load(ids_ptr + p0 + lanes, mask=p0 + lanes < num_pairs, other=-1).to(tl.int32) - first_expert
         ids = tl.where((ids >= 0) & (ids < NUM_EXPERTS), ids, -1)
         valid = ids >= 0
         onehot = ids[:, None] == experts[None, :]
@@ -637,7 +672,8 @@ def _moe_align_kernel(
 ZERO_BLOCK = 1024  # fp32 elements zeroed per extra program of the alignment launch
 
 
-def plan_moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, zero: torch.Tensor | None = None):
+def plan_moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, zero: torch.Tensor | None = None, *,
+                   first_expert: int = 0, routing: "Routing | None" = None, topk_weights: torch.Tensor | None = None):
     """Allocate `moe_align`'s outputs; return ((sorted_pairs, block_expert), launches): ONE launch, program 0
     aligning (one program: the alignment is a few hundred pairs at decode) and, when `zero` (a contiguous fp32
     buffer) is given, more programs zeroing it, so the atomic accumulator costs no launch of its own.
@@ -646,7 +682,12 @@ def plan_moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, zero:
     exclusive cumsum of cdiv(count, BLOCK_M) for each expert's first block, a pass over the rows that writes
     block_expert and the padding rows, and a pass that places each pair at its expert's cursor plus its rank
     among the chunk's earlier pairs of that expert ([BLOCK_P, BLOCK_P] comparisons), so pairs of one expert keep
-    increasing pair order, as the reference's stable sort does. Nothing depends on data on the host."""
+    increasing pair order, as the reference's stable sort does. Nothing depends on data on the host.
+
+    first_expert: the pairs are aligned by id - first_expert (expert parallelism: this rank's experts are 0..
+    num_experts - 1). routing: program 0 first routes every token itself (`_route_rows`, the routing kernel's code),
+    writing topk_ids and topk_weights, then aligns them: one launch for both, where a decode step's few tokens would
+    keep a routing launch's programs mostly idle."""
     flat = topk_ids.reshape(-1)
     assert flat.stride(0) == 1 or flat.numel() <= 1, "topk_ids must be contiguous"
     num_pairs = flat.numel()
@@ -660,11 +701,84 @@ def plan_moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, zero:
     block_e = triton.next_power_of_2(num_experts)
     block_p = max(16, min(128, 8192 // block_e))
     kwargs = dict(NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_P=block_p, BLOCK_R=block_p,
-                  ZERO_BLOCK=ZERO_BLOCK, num_warps=8 if block_e >= 256 else 4)
+                  ZERO_BLOCK=ZERO_BLOCK, num_warps=8 if block_e >= 256 else 4, **_route_constants(routing))
     args = (flat, sorted_pairs, block_expert, sorted_pairs if zero is None else zero, num_pairs, max_blocks,
-            zero_numel)
+            zero_numel, int(first_expert), *_route_args(routing, topk_ids, topk_weights))
     grid = (1 + triton.cdiv(zero_numel, ZERO_BLOCK),)
     return (sorted_pairs, block_expert), [(_moe_align_kernel, grid, args, kwargs)]
+
+
+class Routing(NamedTuple):
+    """A MoE layer's routing of its tokens, over the router's logits [T, E]: top-k (`table`: the correction bias
+    [E]) or, with `input_ids` [T], hash (`table`: tid2eid [vocab, k]); `route_topk` / `route_hash`."""
+
+    logits: torch.Tensor
+    table: torch.Tensor
+    top_k: int
+    routed_scaling_factor: float
+    input_ids: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> int:
+        return TOPK_ROUTE if self.input_ids is None else HASH_ROUTE
+
+    def plan(self):
+        """((ids, weights), launches) of the routing kernel."""
+        if self.kind == TOPK_ROUTE:
+            return plan_route_topk(self.logits, self.table, self.top_k, self.routed_scaling_factor)
+        return plan_route_hash(self.logits, self.table, self.input_ids, self.routed_scaling_factor)
+
+    def reference(self):
+        """(ids, weights) of the reference routing."""
+        if self.kind == TOPK_ROUTE:
+            return route_topk(self.logits, self.table, self.top_k, self.routed_scaling_factor)
+        return route_hash(self.logits, self.table, self.input_ids, self.routed_scaling_factor)
+
+
+# Up to this many tokens the alignment's one program routes them first (a few passes of 4 to 16 tokens); beyond, the
+# routing kernel's parallel launch does.
+FUSED_ROUTING_MAX_TOKENS = 64
+
+
+def _route_constants(routing: Routing | None) -> dict:
+    if routing is None:
+        return dict(ROUTE=0, ROUTED_EXPERTS=1, TOP_K=1, ROUTE_BLOCK_T=1, ROUTE_BLOCK_E=1, ROUTE_BLOCK_K=1)
+    experts = routing.logits.shape[1]
+    block_e = triton.next_power_of_2(experts)
+    return dict(ROUTE=routing.kind, ROUTED_EXPERTS=experts, TOP_K=routing.top_k,
+                ROUTE_BLOCK_T=_route_block_t(block_e) if routing.kind == TOPK_ROUTE else 16, ROUTE_BLOCK_E=block_e,
+                ROUTE_BLOCK_K=triton.next_power_of_2(routing.top_k))
+
+
+def _route_args(routing: Routing | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> tuple:
+    """The alignment kernel's routing arguments (logits, table, input ids, weights out, T, strides, scaling); unread
+    without routing."""
+    if routing is None:
+        return topk_ids, topk_ids, topk_ids, topk_ids, 0, 0, 0, 0.0
+    logits, table = routing.logits, routing.table
+    assert logits.dim() == 2 and logits.stride(1) == 1 and tuple(topk_ids.shape) == (logits.shape[0], routing.top_k)
+    assert topk_weights is not None and topk_weights.shape == topk_ids.shape and topk_weights.dtype == torch.float32
+    input_ids = routing.input_ids.reshape(-1) if routing.input_ids is not None else topk_ids
+    return (logits, table, input_ids, topk_weights, logits.shape[0], logits.stride(0),
+            table.stride(0) if routing.kind == HASH_ROUTE else 0, float(routing.routed_scaling_factor))
+
+
+def plan_routed_alignment(routing: Routing, num_experts: int, block_m: int, zero: torch.Tensor | None = None, *,
+                          first_expert: int = 0):
+    """The tokens routed and their pairs aligned: ((topk_ids, topk_weights, sorted_pairs, block_expert), launches):
+    one launch up to FUSED_ROUTING_MAX_TOKENS tokens (the alignment routes them first), else the routing kernel's
+    then the alignment's."""
+    num_tokens = routing.logits.shape[0]
+    if num_tokens > FUSED_ROUTING_MAX_TOKENS:
+        (ids, weights), route = routing.plan()
+        aligned, align = plan_moe_align(ids, num_experts, block_m, zero, first_expert=first_expert)
+        return (ids, weights, *aligned), route + align
+    device = routing.logits.device
+    ids = torch.empty((num_tokens, routing.top_k), dtype=torch.int64, device=device)
+    weights = torch.empty((num_tokens, routing.top_k), dtype=torch.float32, device=device)
+    aligned, launches = plan_moe_align(ids, num_experts, block_m, zero, first_expert=first_expert, routing=routing,
+                                       topk_weights=weights)
+    return (ids, weights, *aligned), launches
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -676,19 +790,23 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *, per_pair_output=False,
-                   config=None, out_dtype=None, deepseek_order=False, quantize_hidden=False, x_quantized=None):
+                   config=None, out_dtype=None, deepseek_order=False, quantize_hidden=False, x_quantized=None,
+                   routing=None, first_expert=0):
     """Check the inputs, align the pairs, allocate buffers; return (finish, launches) without launching.
 
     After the launches run, finish() returns the [T, D] output in x's dtype. config overrides `moe_config`.
     deepseek_order / quantize_hidden: as in `fused_moe_reference`; quantize_hidden adds one launch ahead, x's
     act_quant to e4m3 and its scales (kernels/fp8_gemm.py), and h is kept so between the two GEMMs; x_quantized:
     that act_quant already done (e4m3 values, scales: the mHC collapse that wrote x wrote them), no launch.
+    routing (a `Routing`; topk_ids and topk_weights None): the tokens are routed here too, by the alignment's launch
+    at decode sizes (`plan_routed_alignment`). first_expert: the experts' ids are shifted by it (expert parallelism:
+    this rank's are 0.., another rank's fall outside and are left out).
     """
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
     inter = two_inter // 2
-    _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down)
-    top_k = topk_ids.shape[1]
+    _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, routing)
+    top_k = routing.top_k if routing is not None else topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return (lambda: torch.zeros_like(x, dtype=out_dtype or x.dtype)), []
@@ -701,8 +819,13 @@ def plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit, *
     out_rows = num_pairs if per_pair_output else num_tokens
     # per-pair rows of left-out pairs (another rank's experts) are never written: zeroed up front
     out = (torch.zeros if per_pair_output else torch.empty)((out_rows, hidden), dtype=torch.float32, device=x.device)
-    (sorted_pairs, block_expert), align = plan_moe_align(topk_ids.contiguous(), num_experts, block_m,
-                                                         zero=None if per_pair_output else out)
+    zero = None if per_pair_output else out
+    if routing is not None:
+        (topk_ids, topk_weights, sorted_pairs, block_expert), align = plan_routed_alignment(
+            routing, num_experts, block_m, zero, first_expert=first_expert)
+    else:
+        (sorted_pairs, block_expert), align = plan_moe_align(topk_ids.contiguous(), num_experts, block_m, zero,
+                                                             first_expert=first_expert)
     max_blocks = block_expert.shape[0]
     (x_in, x_scale), quantize = ((x, x), []) if not quantize_hidden else (
         (x_quantized, []) if x_quantized is not None else plan_act_quant(x))
@@ -789,7 +912,7 @@ def _check_quantized(name: str, w: QuantizedExperts) -> None:
     assert w.data.stride(-1) == 1 and w.scale.stride(-1) == 1, f"{name}: last dimensions contiguous"
 
 
-def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
+def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down, routing=None):
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w_gate_up.shape
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), f"x dtype {x.dtype} not supported"
@@ -803,6 +926,10 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
         else:
             assert w.dtype == x.dtype and w.stride(2) == 1, f"{name}: x's dtype, last dimension contiguous"
     assert _weight_format(w_gate_up) == _weight_format(w_down), "both expert weights in one format"
+    if routing is not None:
+        assert topk_ids is None and topk_weights is None, "routed here, or given the routes: not both"
+        assert routing.logits.shape[0] == num_tokens, "the router's logits must be [T, E]"
+        return
     assert topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens, "topk_ids must be [T, k]"
     assert topk_ids.dtype == torch.int64, f"topk_ids must be int64, got {topk_ids.dtype}"
     assert topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(), "topk_weights must be [T, k]"
@@ -810,8 +937,8 @@ def _check_moe_inputs(x, topk_ids, topk_weights, w_gate_up, w_down):
 
 def fused_moe_triton(
     x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     swiglu_limit: float,
@@ -822,18 +949,21 @@ def fused_moe_triton(
     deepseek_order: bool = False,
     quantize_hidden: bool = False,
     x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+    routing: Routing | None = None,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """Triton version of `fused_moe_reference` (same arguments, [T, D] in x's dtype, or in out_dtype:
     torch.float32 returns the fp32 accumulator itself, saving the cast's launch).
 
     per_pair_output: write each (token, slot) row and sum with torch instead of fp32 atomics into [T, D]:
     deterministic, at the cost of a [T * k, D] fp32 buffer. config: tile override (see `moe_config`). x_quantized:
-    with quantize_hidden, x's act_quant as its producer wrote it (`plan_fused_moe`).
+    with quantize_hidden, x's act_quant as its producer wrote it; routing (topk_ids and topk_weights None) and
+    first_expert: `plan_fused_moe`.
     """
     finish, launches = plan_fused_moe(x, topk_ids, topk_weights, w_gate_up, w_down, swiglu_limit,
                                       per_pair_output=per_pair_output, config=config, out_dtype=out_dtype,
                                       deepseek_order=deepseek_order, quantize_hidden=quantize_hidden,
-                                      x_quantized=x_quantized)
+                                      x_quantized=x_quantized, routing=routing, first_expert=first_expert)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return finish()

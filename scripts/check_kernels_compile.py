@@ -54,7 +54,7 @@ from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm  # noqa: E402
 from kernels.grouped_linear import plan_grouped_linear  # noqa: E402
 from kernels.indexer import plan_indexer_scores  # noqa: E402
 from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix, plan_hc_mix_collapse  # noqa: E402
-from kernels.moe import QuantizedExperts, plan_fused_moe, plan_route_hash, plan_route_topk, plan_swiglu  # noqa: E402
+from kernels.moe import QuantizedExperts, Routing, plan_fused_moe, plan_routed_alignment, plan_swiglu  # noqa: E402
 from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
 from kernels.quant_formats import (FP4_PAIR_ASM, MXFP4_GROUP_ASM, indexer_fp4_entry_bytes,  # noqa: E402
@@ -228,12 +228,15 @@ def norm_rope_launches(m: dict, num_tokens: int, use: str, fp8: bool = False):
                           round_indexer=use == "indexer_q fp4", **rope)[1]
 
 
-def routing_launches(m: dict, num_tokens: int, kind: str):
+def routing_launches(m: dict, num_tokens: int, kind: str, aligned: bool = False):
+    """The routing kernel's launch; aligned: the routing with the experts' alignment (one launch at decode sizes)."""
     logits, f32 = _meta(num_tokens, m["num_experts"], dtype=torch.float32), torch.float32
     if kind == "topk":
-        return plan_route_topk(logits, _meta(m["num_experts"], dtype=f32), m["top_k"], 1.5)[1]
-    return plan_route_hash(logits, _meta(129280, m["top_k"], dtype=torch.int32),
-                           _meta(num_tokens, dtype=torch.int64), 1.5)[1]
+        routing = Routing(logits, _meta(m["num_experts"], dtype=f32), m["top_k"], 1.5)
+    else:
+        routing = Routing(logits, _meta(129280, m["top_k"], dtype=torch.int32), m["top_k"], 1.5,
+                          _meta(num_tokens, dtype=torch.int64))
+    return plan_routed_alignment(routing, m["num_experts"], 16)[1] if aligned else routing.plan()[1]
 
 
 def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, fp8: bool = False,
@@ -301,6 +304,7 @@ def cases() -> list[tuple[str, str, list]]:
                 out.append((m["name"], f"norm_rope {use} T={t}", norm_rope_launches(m, t, use)))
             for kind in ("topk", "hash"):
                 out.append((m["name"], f"route {kind} T={t}", routing_launches(m, t, kind)))
+                out.append((m["name"], f"route+align {kind} T={t}", routing_launches(m, t, kind, aligned=True)))
             out.append((m["name"], f"swiglu T={t}", plan_swiglu(_meta(t, 2 * m["moe_inter"]), 10.0)[1]))
         for rows in (1, m["decode_batches"][-1]):  # constrained rows of a step: fp32 logits over the vocabulary
             out.append((m["name"], f"token bitmask R={rows}", plan_apply_token_bitmask(

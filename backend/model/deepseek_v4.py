@@ -51,7 +51,7 @@ from backend.model.projections import (ATTENTION_INPUT, FP32_ATTENTION_INPUT, QU
 from backend.model.rotary import Rotary, cos_sin_tables
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
-from kernels.moe import QuantizedExperts
+from kernels.moe import QuantizedExperts, Routing
 
 if TYPE_CHECKING:  # the forward is handed the pools; it never makes them
     from backend.memory.kv_manager import KVCacheManager, LayerMemory
@@ -287,16 +287,17 @@ class DeepseekV4Model:
         gate = w[p + "gate.weight"]
         router_logits = k.fp32_linear(x, gate) if self.numerics.fp32_router else k.linear(x, gate)
         if self.mlp_types[i] == "hash_moe":
-            ids, weights = k.route_hash(router_logits, w[p + "gate.tid2eid"], input_ids, c.routed_scaling_factor)
+            routing = Routing(router_logits, w[p + "gate.tid2eid"], c.num_experts_per_tok, c.routed_scaling_factor,
+                              input_ids)
         else:
-            ids, weights = k.route_topk(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
-                                        c.routed_scaling_factor)
+            routing = Routing(router_logits, w[p + "gate.e_score_correction_bias"], c.num_experts_per_tok,
+                              c.routed_scaling_factor)
         # The experts act_quant x themselves (quantize_hidden), as a shared expert's FP8 GEMM does: only a shared
         # expert dequantized at load is given x rounded (the router reads it as it is).
         if self.layout.moe_exchange:
-            routed = self._experts_of_every_rank(p, x, ids, weights, dp_token_counts)
-        else:
-            routed = self._local_experts(p, x, ids, weights, x_quantized)
+            routed = self._experts_of_every_rank(p, x, *k.route(routing), dp_token_counts)
+        else:  # routed by the experts' own launches (at decode sizes, by their alignment's)
+            routed = self._local_experts(p, x, None, None, x_quantized, routing)
         shared = self.shared_expert_input[i]
         if shared.quantizes_its_input:  # its GEMM reads x's act_quant where it would quantize x ahead
             gate_up = shared.product(x, functools.partial(k.linear, x_quantized=x_quantized))
@@ -305,13 +306,13 @@ class DeepseekV4Model:
         return routed, self._quantized_linear(gate_up, w[p + "shared_experts.down_proj.weight"],
                                               swiglu_limit=c.swiglu_limit)
 
-    def _local_experts(self, p: str, x, ids, weights, x_quantized=None) -> torch.Tensor:
-        """This rank's routed experts over the pairs of `x` routed to them, [T, D] fp32."""
+    def _local_experts(self, p: str, x, ids, weights, x_quantized=None, routing=None) -> torch.Tensor:
+        """This rank's routed experts over the pairs of `x` routed to them (by `ids` and `weights`, or by `routing`),
+        [T, D] fp32; another rank's experts' pairs are left out (first_expert)."""
         w = self.w
-        if self.first_expert:
-            ids = ids - self.first_expert  # this rank's experts are 0..; pairs of other ranks' fall outside: left out
         return self.kernels.fused_moe(x, ids, weights, w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"],
-                                      self.config.swiglu_limit, out_dtype=torch.float32, x_quantized=x_quantized)
+                                      self.config.swiglu_limit, out_dtype=torch.float32, x_quantized=x_quantized,
+                                      routing=routing, first_expert=self.first_expert)
 
     def _experts_of_every_rank(self, p: str, x, ids, weights, dp_token_counts: tuple[int, ...]) -> torch.Tensor:
         """Data-parallel ranks with split experts: every rank's tokens and routings all-gathered (padded to the largest

@@ -437,3 +437,55 @@ def test_fp8_experts_in_either_orientation(swap_ab, deepseek):
     expected = fused_moe_reference(x, ids, weights, deq_gate_up, deq_down, LIMIT, **order)
     actual = fused_moe_triton(x, ids, weights, q_gate_up, q_down, LIMIT, config=tiles, **order)
     assert_close_but_for_straddles(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+def _run(launches):
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["topk", "hash"])
+@pytest.mark.parametrize("num_tokens,first_expert", [(1, 0), (37, 0), (37, 5), (70, 5)])
+def test_the_alignment_routes_the_tokens_itself(kind, num_tokens, first_expert):
+    """plan_routed_alignment: up to FUSED_ROUTING_MAX_TOKENS tokens the alignment's one launch routes them first (its
+    program 0 runs the routing kernel's code), beyond that the routing kernel's launch does; either way the ids,
+    weights, sorted pairs and block experts are the routing kernel's then the alignment's, bit for bit, with the ids
+    shifted by first_expert (expert parallelism: another rank's experts, here 5 of 16, are left out)."""
+    from kernels.moe import FUSED_ROUTING_MAX_TOKENS, Routing, plan_moe_align, plan_routed_alignment
+
+    gen = torch.Generator().manual_seed(num_tokens + first_expert)
+    logits = torch.randn(num_tokens, 16, generator=gen) * 3
+    if kind == "topk":
+        routing = Routing(logits, torch.randn(16, generator=gen) * 0.1, 6, 2.5)
+    else:
+        tid2eid = torch.stack([torch.randperm(16, generator=gen)[:6] for _ in range(40)]).int()
+        routing = Routing(logits, tid2eid, 6, 2.5, torch.randint(0, 40, (num_tokens,), generator=gen))
+    (ids, weights), route = routing.plan()
+    _run(route)
+    (sorted_pairs, block_expert), align = plan_moe_align(ids, 11, 16, first_expert=first_expert)
+    _run(align)
+    fused, launches = plan_routed_alignment(routing, 11, 16, first_expert=first_expert)
+    assert len(launches) == (1 if num_tokens <= FUSED_ROUTING_MAX_TOKENS else 2)
+    _run(launches)
+    for got, expected in zip(fused, (ids, weights, sorted_pairs, block_expert)):
+        assert torch.equal(got, expected)
+    expected_pairs, expected_blocks = moe_align(ids - first_expert, 11, 16)
+    assert torch.equal(sorted_pairs, expected_pairs) and torch.equal(block_expert, expected_blocks)
+    if first_expert:
+        assert (sorted_pairs < num_tokens * 6).sum() < num_tokens * 6  # some pairs were another rank's
+
+
+def test_the_experts_route_their_tokens():
+    """fused_moe_triton with a Routing (one launch fewer at decode sizes) equals it with the routing kernel's ids."""
+    from kernels.moe import Routing, route_topk_triton
+
+    x, _, _, w_gate_up, w_down = make_inputs(9, 8, 3, hidden=64, inter=32, dtype=torch.float32, seed=3)
+    logits = torch.randn(9, 8, generator=torch.Generator().manual_seed(4))
+    bias = torch.zeros(8)
+    ids, weights = route_topk_triton(logits, bias, 3, 1.5)
+    for first_expert in (0, 2):
+        expected = fused_moe_triton(x, ids - first_expert, weights, w_gate_up[:6], w_down[:6], LIMIT,
+                                    per_pair_output=True)
+        routed = fused_moe_triton(x, None, None, w_gate_up[:6], w_down[:6], LIMIT, per_pair_output=True,
+                                  routing=Routing(logits, bias, 3, 1.5), first_expert=first_expert)
+        assert torch.equal(routed, expected)
