@@ -41,6 +41,8 @@ Kernels (one launch each):
   tokens): the collapse kernel with MIX computes each (stream, tile) of pass 1 from the old streams as the mix
   kernel would (`_mixed_tile`), writes it to the new streams and goes on with it; pass 2 reads the new streams back
   (the last split reads the other splits' tiles, written before their counter's release). One launch instead of two.
+  quantize_x (DeepSeek's numerics, before the MoE): pass 3 also writes x act_quant'ed, e4m3 values and scales (a
+  128-column tile is one act_quant group), which the experts and the FP8 GEMMs reading x take instead of a launch.
 """
 
 from __future__ import annotations
