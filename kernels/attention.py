@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels.common import compiled_programs_per_sm, compute_dtype, launch_options, num_sms, row_alignment
-from kernels.norm_rope import norm_rope_reference, norm_rope_tile, normed_rows, rope_tail
+from kernels.norm_rope import norm_rope_reference, norm_rope_tile, normed_rows, rms_factor, rope_tail
 from kernels.quant_formats import decode_kv_entries, kv_fp8_entry_bytes, load_kv_entries
 from kernels.tuning import dtype_name, tuned
 
@@ -213,7 +213,7 @@ def _queries(q_rows, head_mask, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr, Q
     if Q_NORM:
         f0, f1 = q0.to(tl.float32), q1.to(tl.float32)
         sumsq = tl.sum(f0 * f0, 1) + tl.sum(f1 * f1, 1)
-        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, HEAD_DIM * 1.0) + eps)).to(q0.dtype).to(tl.float32)
+        r = rms_factor(sumsq, HEAD_DIM, eps).to(q0.dtype).to(tl.float32)
     q0 = normed_rows(q0, r, r, Q_NORM, False)  # (the weight argument is unread without a weight)
     q1 = norm_rope_tile(q1, q_rows, q_rows, cos_row, sin_row, HALF + dims, head_mask, r, 0, 0, 0, HEAD_DIM,
                         QUERY_ROPE, Q_NORM, False, False)

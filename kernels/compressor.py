@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.common import TL_DTYPES
 from kernels.kv_store import scale_slots, store_entries_reference, store_fp4_key, store_fp8_entry, store_keys_reference
-from kernels.norm_rope import apply_rope, rms_norm
+from kernels.norm_rope import apply_rope, rms_factor, rms_norm
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
 
 
@@ -233,7 +233,7 @@ def _compress_kernel(
         acc += tl.sum((kv * weight).to(dtype).to(tl.float32), 0)
     # RMSNorm (weighted), then the rope of the trailing ROPE_DIM channels, pairs (2i, 2i + 1)
     x = acc.to(ENTRY_DTYPE).to(tl.float32)
-    r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(x * x, 0), HEAD_DIM * 1.0) + eps))
+    r = rms_factor(tl.sum(x * x, 0), HEAD_DIM, eps)
     w = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
     y = (w * (x * r)).to(ENTRY_DTYPE).to(tl.float32)
     even, odd = tl.split(tl.reshape(y, [BLOCK_D // 2, 2]))

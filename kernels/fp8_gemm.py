@@ -39,7 +39,7 @@ import triton.language as tl
 
 from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting,
                             last_to_arrive, num_sms, split_counters)
-from kernels.norm_rope import rms_norm as rms_norm_reference
+from kernels.norm_rope import rms_factor, rms_norm as rms_norm_reference
 from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, quantize_groups,
                                    round_to_e4m3, scale_to_float)
 from kernels.tuning import tuned
@@ -83,7 +83,7 @@ def _fp8_gemm_kernel(
     row_mask, col_mask = rows < num_tokens, cols < n
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
-    r = rms_factors(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_M, BLOCK_K, PROLOGUE)
+    r = rms_factors_of_rows(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_M, BLOCK_K, PROLOGUE)
     for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x_q, x_scale = _activation_step(x_ptr, xs_ptr, norm_w_ptr, rows, row_mask, k0, ks, k, prologue_scalar, r,
@@ -150,8 +150,8 @@ def gemm_input(x_ptr, norm_w_ptr, offsets, mask, ks, k, prologue_scalar, r, AXIS
                PROLOGUE: tl.constexpr):
     """The GEMM's input at `offsets` (columns ks along AXIS) in float32: x's values; or (SWIGLU) the clamped SwiGLU of
     the gate values there and the up values k columns on (prologue_scalar the limit); or (RMS_NORM) x's weighted
-    RMSNorm, (w * (x * r)) with r each row's factor (`rms_factors`), as the norm_rope kernel computes it; each
-    rounded to x's dtype, as the kernel it replaces stores it."""
+    RMSNorm, (w * (x * r)) with r each row's factor (`rms_factors_of_rows`), as the norm_rope kernel computes it;
+    each rounded to x's dtype, as the kernel it replaces stores it."""
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     if PROLOGUE == 1:  # SWIGLU
         x = clamped_swiglu_values(x, tl.load(x_ptr + offsets + k, mask=mask, other=0.0), prologue_scalar).to(x.dtype)
@@ -162,10 +162,10 @@ def gemm_input(x_ptr, norm_w_ptr, offsets, mask, ks, k, prologue_scalar, r, AXIS
 
 
 @triton.jit
-def rms_factors(x_ptr, rows, row_mask, k, stride_xt, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                PROLOGUE: tl.constexpr):
-    """Each row's RMSNorm factor 1 / sqrt(mean(x^2) + eps) [BLOCK_M] from a pass over its k columns (RMS_NORM;
-    otherwise ones, unread)."""
+def rms_factors_of_rows(x_ptr, rows, row_mask, k, stride_xt, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PROLOGUE: tl.constexpr):
+    """Each row's RMSNorm factor [BLOCK_M] (`rms_factor`) from a pass over its k columns (RMS_NORM; otherwise ones,
+    unread)."""
     r = tl.full([BLOCK_M], 1.0, tl.float32)
     if PROLOGUE == 2:  # RMS_NORM
         sumsq = tl.zeros([BLOCK_M], tl.float32)
@@ -174,7 +174,7 @@ def rms_factors(x_ptr, rows, row_mask, k, stride_xt, eps, BLOCK_M: tl.constexpr,
             x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + ks[None, :],
                         mask=row_mask[:, None] & (ks < k)[None, :], other=0.0).to(tl.float32)
             sumsq += tl.sum(x * x, 1)
-        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, k * 1.0) + eps))
+        r = rms_factor(sumsq, k, eps)
     return r
 
 
@@ -302,7 +302,8 @@ def _act_quant_kernel(x_ptr, norm_w_ptr, q_ptr, s_ptr, num_tokens, k, prologue_s
     row_mask = rows < num_tokens
     mask = row_mask[:, None] & (cols < k)[None, :]  # a partial last group: zeros, which change neither amax nor values
     offsets = rows[:, None].to(tl.int64) * stride_xt + cols[None, :]
-    r = rms_factors(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_T, GROUPS * 128, PROLOGUE)
+    r = rms_factors_of_rows(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_T, GROUPS * 128,
+                            PROLOGUE)
     grid, scale = e4m3_groups(gemm_input(x_ptr, norm_w_ptr, offsets, mask, cols, k, prologue_scalar, r, 1, PROLOGUE),
                               BLOCK_T, GROUPS * 128)
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qt + cols[None, :], grid.to(q_ptr.dtype.element_ty), mask=mask)

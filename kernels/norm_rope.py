@@ -93,6 +93,13 @@ def norm_rope_reference(x: torch.Tensor, weight: torch.Tensor | None = None, eps
 
 # --- kernel -------------------------------------------------------------------------------------------------------
 @triton.jit
+def rms_factor(sumsq, n, eps):
+    """An RMSNorm's factor 1 / sqrt(sumsq / n + eps) in fp32, from a row's sum of squares over n values: IEEE division
+    and square root, as torch's CPU rsqrt (1 / sqrt). Every kernel that norms a row takes it from here."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, n * 1.0) + eps))
+
+
+@triton.jit
 def normed_rows(x, w, r, NORMALIZE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """y in x's dtype from x [BLOCK_H, BLOCK_C] (x's dtype), w [BLOCK_C] fp32, r [BLOCK_H] fp32 (already rounded to
     x's dtype when unweighted)."""
@@ -191,7 +198,7 @@ def _norm_rope_kernel(
         x = tl.load(x_row + offs_c[None, :], mask=mask, other=0.0)
         if NORMALIZE:
             xf = x.to(tl.float32)
-            r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(xf * xf, 1), C * 1.0) + eps))
+            r = rms_factor(tl.sum(xf * xf, 1), C, eps)
             if not HAS_WEIGHT:
                 r = r.to(x.dtype).to(tl.float32)
         y = norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs_c, h_mask, r, t, stride_ct, stride_st, C,
@@ -211,7 +218,7 @@ def _norm_rope_kernel(
                 xf = tl.load(x_row + offs[None, :], mask=h_mask[:, None] & (offs < C)[None, :],
                              other=0.0).to(tl.float32)
                 sumsq += tl.sum(xf * xf, 1)
-            r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(sumsq, C * 1.0) + eps))
+            r = rms_factor(sumsq, C, eps)
             if not HAS_WEIGHT:
                 r = r.to(x_ptr.dtype.element_ty).to(tl.float32)
         for chunk in range(NUM_CHUNKS):
