@@ -187,9 +187,12 @@ def _route_kernel(
 TOPK_ROUTE, HASH_ROUTE = 1, 2  # the routing kernels' ROUTE (0 in the alignment: the ids are given)
 
 
-def _route_block_t(block_e: int) -> int:
-    """Tokens per routing program: a [BLOCK_T, BLOCK_E] tile of about 1K scores (fixed by the model, not by T)."""
-    return max(1, min(16, 1024 // block_e))
+def _route_tiles(route: int, num_experts: int, k: int) -> dict:
+    """The routing code's tiles (fixed by the model, not by T): top-k holds a [BLOCK_T, BLOCK_E] tile of about 1K
+    scores; hash gathers k scores for each of 16 tokens."""
+    block_e = triton.next_power_of_2(num_experts)
+    block_t = max(1, min(16, 1024 // block_e)) if route == TOPK_ROUTE else 16
+    return dict(BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k))
 
 
 def plan_route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -203,12 +206,10 @@ def plan_route_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_sca
     weights = torch.empty((num_tokens, k), dtype=torch.float32, device=logits.device)
     if num_tokens == 0:
         return (ids, weights), []
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = _route_block_t(block_e)
+    tiles = _route_tiles(TOPK_ROUTE, num_experts, k)
     args = (logits, bias, logits, ids, weights, num_tokens, logits.stride(0), 0, float(routed_scaling_factor))
-    kwargs = dict(ROUTE=TOPK_ROUTE, NUM_EXPERTS=num_experts, TOP_K=k, BLOCK_T=block_t, BLOCK_E=block_e,
-                  BLOCK_K=triton.next_power_of_2(k), num_warps=4)
-    return (ids, weights), [(_route_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
+    kwargs = dict(ROUTE=TOPK_ROUTE, NUM_EXPERTS=num_experts, TOP_K=k, **tiles, num_warps=4)
+    return (ids, weights), [(_route_kernel, (triton.cdiv(num_tokens, tiles["BLOCK_T"]),), args, kwargs)]
 
 
 def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_scaling_factor: float):
@@ -234,12 +235,11 @@ def plan_route_hash(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torc
     weights = torch.empty((num_tokens, k), dtype=torch.float32, device=logits.device)
     if num_tokens == 0:
         return (ids, weights), []
-    block_t = 16
+    tiles = _route_tiles(HASH_ROUTE, logits.shape[1], k)
     args = (logits, tid2eid, input_ids, ids, weights, num_tokens, logits.stride(0), tid2eid.stride(0),
             float(routed_scaling_factor))
-    kwargs = dict(ROUTE=HASH_ROUTE, NUM_EXPERTS=logits.shape[1], TOP_K=k, BLOCK_T=block_t, BLOCK_E=1,
-                  BLOCK_K=triton.next_power_of_2(k), num_warps=1)
-    return (ids, weights), [(_route_kernel, (triton.cdiv(num_tokens, block_t),), args, kwargs)]
+    kwargs = dict(ROUTE=HASH_ROUTE, NUM_EXPERTS=logits.shape[1], TOP_K=k, **tiles, num_warps=1)
+    return (ids, weights), [(_route_kernel, (triton.cdiv(num_tokens, tiles["BLOCK_T"]),), args, kwargs)]
 
 
 def route_hash_triton(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
@@ -744,10 +744,9 @@ def _route_constants(routing: Routing | None) -> dict:
     if routing is None:
         return dict(ROUTE=0, ROUTED_EXPERTS=1, TOP_K=1, ROUTE_BLOCK_T=1, ROUTE_BLOCK_E=1, ROUTE_BLOCK_K=1)
     experts = routing.logits.shape[1]
-    block_e = triton.next_power_of_2(experts)
+    tiles = _route_tiles(routing.kind, experts, routing.top_k)
     return dict(ROUTE=routing.kind, ROUTED_EXPERTS=experts, TOP_K=routing.top_k,
-                ROUTE_BLOCK_T=_route_block_t(block_e) if routing.kind == TOPK_ROUTE else 16, ROUTE_BLOCK_E=block_e,
-                ROUTE_BLOCK_K=triton.next_power_of_2(routing.top_k))
+                **{f"ROUTE_{name}": size for name, size in tiles.items()})
 
 
 def _route_args(routing: Routing | None, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None) -> tuple:
