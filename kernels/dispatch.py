@@ -135,11 +135,12 @@ class KernelDispatch:
         """mHC mix of one (or the sum of two) block outputs into the streams (in fp32 under DeepSeek's numerics)."""
         return self._fused("mhc", "hc_mix", streams, streams, *args, fp32_mix=self.numerics.fp32_mix)
 
-    def hc_mix_collapse(self, streams, *args, **kwargs):
-        """hc_mix after a block, then hc_collapse before the next -> (new streams, post, comb, x), and with
-        quantize_x=True x's act_quant (e4m3 values, scales); one launch at decode sizes."""
+    def hc_mix_collapse(self, streams, *args, quantize_x: bool = False, **kwargs):
+        """hc_mix after a block, then hc_collapse before the next -> (new streams, post, comb, x); one launch at decode
+        sizes. quantize_x: and x's act_quant (e4m3 values, scales) where the kernels that read x take it, under
+        Triton; the references round x themselves, so none is made for them."""
         return self._fused("mhc", "hc_mix_collapse", streams, streams, *args, fp32_mix=self.numerics.fp32_mix,
-                           **kwargs)
+                           quantize_x=quantize_x and self.use_triton(streams), **kwargs)
 
     def hc_head(self, streams, *args, **kwargs):
         return self._fused("mhc", "hc_head", streams, streams, *args, **kwargs)

@@ -185,7 +185,8 @@ class DeepseekV4Model:
 
     def _collapse(self, streams, pending: "PendingMix | None", fn, base, scale, norm_weight, quantize_x=False):
         """(streams with `pending` mixed in, post, comb, x): the mHC collapse before a block; quantize_x (after a
-        block's output): and x's act_quant, (e4m3 values, scales)."""
+        block's output): and x's act_quant, (e4m3 values, scales), where the kernels read it (none for the
+        references: `KernelDispatch.hc_mix_collapse`)."""
         if pending is None:
             assert not quantize_x, "x is quantized by the collapse that mixes a block's output in"
             return (streams, *self.kernels.hc_collapse(streams, fn, base, scale, norm_weight, **self.hc))
