@@ -84,25 +84,34 @@ class KernelDispatch:
                                    **order)
 
     def linear(self, x: torch.Tensor, weight, *, swiglu_limit: float | None = None,
-               rms_norm: tuple[torch.Tensor, float] | None = None, x_quantized=None) -> torch.Tensor:
+               rms_norm: tuple[torch.Tensor, float] | None = None, x_quantized=None,
+               rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, round_indexer: bool = False) -> torch.Tensor:
         """x @ weight^T: F.linear for a dense weight, the block-scaled FP8 GEMM for an Fp8Weight. Its input may be
         what a launch would compute of x (the prologue): the clamped SwiGLU of a gate|up x (swiglu_limit), or x's
-        weighted RMSNorm (rms_norm: weight, eps). The FP8 GEMM under Triton computes it as it loads x, the values the
-        `swiglu` or `norm_rope` kernel would have written; otherwise they run first. x_quantized: x's act_quant as
-        its producer wrote it, which the FP8 GEMM reads instead of quantizing x ahead (the reference rounds x)."""
+        weighted RMSNorm (rms_norm: weight, eps); its output what a launch would compute of it (the epilogue): its
+        heads of head_dim channels roped by (cos, sin) (rope: cos, sin, head_dim) and with round_indexer rounded as
+        DeepSeek rounds an indexer query. The FP8 GEMM under Triton computes them as it loads x and stores its output,
+        the values the `swiglu` or `norm_rope` kernel would have written; otherwise they run as launches of their
+        own. x_quantized: x's act_quant as its producer wrote it, which the FP8 GEMM reads instead of quantizing x
+        ahead (the reference rounds x). x is [T, K] with an epilogue."""
         if isinstance(weight, Fp8Weight) and self.use_triton(x):
-            from kernels.fp8_gemm import fp8_gemm_triton
+            from kernels.fp8_gemm import fp8_gemm_triton, takes_head_rope
 
             flat = x.reshape(-1, x.shape[-1])  # (a column view of a wider product is read in place)
             flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+            fused = rope is None or takes_head_rope(rope[2], weight.shape[0])
             out = fp8_gemm_triton(flat, weight.data, weight.scale, swiglu_limit=swiglu_limit, rms_norm=rms_norm,
-                                  x_quantized=x_quantized if x.dim() == 2 else None)
-            return out.view(*x.shape[:-1], weight.shape[0])
+                                  x_quantized=x_quantized if x.dim() == 2 else None, rope=rope if fused else None,
+                                  round_indexer=round_indexer and fused)
+            out = out.view(*x.shape[:-1], weight.shape[0])
+            return out if fused else self.linear_output(out, rope, round_indexer)
         x = self.linear_input(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
         if not isinstance(weight, Fp8Weight):
-            return F.linear(x, weight)
-        out = fp8_gemm_reference(x.reshape(-1, x.shape[-1]), weight.data, weight.scale)
-        return out.view(*x.shape[:-1], weight.shape[0])
+            out = F.linear(x, weight)
+        else:
+            out = fp8_gemm_reference(x.reshape(-1, x.shape[-1]), weight.data, weight.scale)
+            out = out.view(*x.shape[:-1], weight.shape[0])
+        return self.linear_output(out, rope, round_indexer)
 
     def linear_input(self, x: torch.Tensor, *, swiglu_limit: float | None = None,
                      rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
@@ -112,6 +121,16 @@ class KernelDispatch:
         if rms_norm is not None:
             return self.norm_rope(x, *rms_norm)
         return x
+
+    def linear_output(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                      round_indexer: bool = False) -> torch.Tensor:
+        """The output [T, N] of a `linear` with that epilogue, by the norm_rope kernel's launch (out without one)."""
+        if rope is None:
+            return out
+        cos, sin, head_dim = rope
+        heads = self.norm_rope(out.view(out.shape[0], -1, head_dim), None, 0.0, normalize=False, cos=cos, sin=sin,
+                               round_indexer=round_indexer)
+        return heads.view(out.shape)
 
     def grouped_linear(self, x: torch.Tensor, weight) -> torch.Tensor:
         """x [T, G, K] by the G groups of weight [G * R, K] (the attention output's o_a_proj): [T, G * R]; an

@@ -39,9 +39,9 @@ import triton.language as tl
 
 from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting,
                             last_to_arrive, num_sms, split_counters)
-from kernels.norm_rope import rms_factor, rms_norm as rms_norm_reference
-from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, quantize_groups,
-                                   round_to_e4m3, scale_to_float)
+from kernels.norm_rope import norm_rope_reference, rms_factor, rms_norm as rms_norm_reference, rope_tail
+from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, indexer_rounded,
+                                   quantize_groups, round_to_e4m3, scale_to_float)
 from kernels.tuning import tuned
 
 GROUP = FP8_BLOCK  # K group of the activation scales = the weight's block size
@@ -61,14 +61,15 @@ class Fp8Weight(NamedTuple):
 @triton.jit
 def _fp8_gemm_kernel(
     # pointers
-    x_ptr, xs_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr,
+    x_ptr, xs_ptr, w_ptr, w_scale_ptr, out_ptr, partial_ptr, counter_ptr, norm_w_ptr, cos_ptr, sin_ptr,
     # sizes, and the input prologue's scalar (SwiGLU's limit, RMSNorm's eps)
     num_tokens, n, k, prologue_scalar,
     # strides (the last dimension of every tensor is contiguous)
-    stride_xt, stride_xs, stride_wn, stride_sn, stride_ot,
+    stride_xt, stride_xs, stride_wn, stride_sn, stride_ot, stride_ct, stride_st,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr, PROLOGUE: tl.constexpr,
+    ROPE: tl.constexpr, ROUND_INDEXER: tl.constexpr, LOG_N: tl.constexpr,  # the epilogue (`head_rope`)
 ):
     """Program (token tile m, column tile n, K split s): out[rows, cols] = the sum over its K groups of the scaled FP8
     products; with SPLIT_K > 1 the last split of a tile to finish adds the others' partial sums and stores.
@@ -76,7 +77,8 @@ def _fp8_gemm_kernel(
     SWAP_AB: the product is computed transposed, W [BLOCK_N, K] @ x^T, so that the weight's columns fill Hopper's
     64-row wgmma and the few tokens its N side. PREQUANTIZED: x was act_quant'ed ahead (xs its scales); otherwise
     each step quantizes its x tile in registers, after the PROLOGUE (`gemm_input`): the clamped SwiGLU of a gate|up
-    x [T, 2K], or x's weighted RMSNorm (each row's factor from a first pass over its K), rounded to x's dtype."""
+    x [T, 2K], or x's weighted RMSNorm (each row's factor from a first pass over its K), rounded to x's dtype.
+    ROPE > 0: a column tile is one head, roped (and with ROUND_INDEXER rounded) before it is stored (`head_rope`)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -111,8 +113,25 @@ def _fp8_gemm_kernel(
             acc += tl.load(partial_ptr + (tile * SPLIT_K + other).to(tl.int64) * TILE + offsets, cache_modifier=".cg")
     if SWAP_AB:
         acc = tl.trans(acc)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+    out = acc.to(out_ptr.dtype.element_ty)
+    if ROPE > 0:
+        out = head_rope(out, cos_ptr, sin_ptr, rows, num_tokens, stride_ct, stride_st, BLOCK_M, BLOCK_N, ROPE,
+                        ROUND_INDEXER, LOG_N)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_ot + cols[None, :], out,
              mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def head_rope(y, cos_ptr, sin_ptr, rows, num_tokens, stride_ct, stride_st, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, ROPE: tl.constexpr, ROUND_INDEXER: tl.constexpr, LOG_N: tl.constexpr):
+    """The GEMM's output tile y [BLOCK_M, BLOCK_N] (its dtype) as the norm_rope kernel would leave it, a head a row:
+    the trailing ROPE channels rotated by the row's token's cos / sin (`rope_tail`, no norm), then with ROUND_INDEXER
+    DeepSeek's rounding of an indexer query (`indexer_rounded`: rotated, FP4 per 32)."""
+    token = tl.minimum(rows, num_tokens - 1).to(tl.int64)[:, None]  # (rows past the tokens are not stored)
+    y = rope_tail(y, cos_ptr + token * stride_ct, sin_ptr + token * stride_st, BLOCK_M, BLOCK_N, ROPE, False)
+    if ROUND_INDEXER:
+        y = indexer_rounded(y.to(tl.float32), BLOCK_M, BLOCK_N, LOG_N, y.dtype).to(y.dtype)
+    return y
 
 
 @triton.jit
@@ -192,14 +211,16 @@ SWAP_AB_MAX_TOKENS = 64  # up to here the tokens take the MMA's N side (wgmma's 
 QUANTIZE_AHEAD_MIN_TOKENS = 17  # from here x is act_quant'ed once ahead: each column tile would quantize it again
 
 
-def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS) -> dict:
+def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
+                    head_dim: int | None = None) -> dict:
     """Tiles and variant of one FP8 GEMM, by shape.
 
     Up to 64 tokens the product is computed transposed (SWAP_AB): 128 weight columns on the MMA's M side (two
     64-row wgmma), the tokens on its N side (16, 32 or 64); more tokens take 64 or 128 rows a tile. With fewer
     tiles than half the SMs (a narrow N at decode: wkv, wq_a), SPLIT_K programs share each tile's K steps (at least
     two each), so that enough SMs stream the weight; the last to finish adds the partial sums. From 17 tokens x is
-    act_quant'ed once ahead (one launch) rather than in every column tile's registers.
+    act_quant'ed once ahead (one launch) rather than in every column tile's registers. `head_dim`: a column tile is
+    one head of that width, whatever the tuned tiles (the output's heads roped as they are stored: `head_rope`).
     """
     fit = lambda size: max(16, triton.next_power_of_2(size))  # noqa: E731 (tl.dot needs >= 16)
     swap = num_tokens <= SWAP_AB_MAX_TOKENS
@@ -210,28 +231,39 @@ def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_
     split_k = 1
     if tiles < num_sms // 2 and tiles <= SPLIT_COUNTERS:
         split_k = max(1, min(steps // 2, triton.cdiv(num_sms, tiles)))
-    return tuned("fp8_gemm", dict(n=n, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
-                 dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, SWAP_AB=swap,
-                      PREQUANTIZED=num_tokens >= QUANTIZE_AHEAD_MIN_TOKENS, num_warps=4 if block_m <= 64 else 8,
-                      num_stages=3))
+    config = tuned("fp8_gemm", dict(n=n, k=k, tokens=num_tokens),  # tuned per device (kernels/tuning.py)
+                   dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, SWAP_AB=swap,
+                        PREQUANTIZED=num_tokens >= QUANTIZE_AHEAD_MIN_TOKENS, num_warps=4 if block_m <= 64 else 8,
+                        num_stages=3))
+    if head_dim is not None and config["BLOCK_N"] != head_dim:
+        tiles = triton.cdiv(num_tokens, config["BLOCK_M"]) * triton.cdiv(n, head_dim)
+        config = dict(config, BLOCK_N=head_dim, SPLIT_K=config["SPLIT_K"] if tiles <= SPLIT_COUNTERS else 1)
+    return config
 
 
 def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
                   swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
-                  x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None):
+                  x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, round_indexer: bool = False):
     """Check the inputs, allocate the output; return (out, launches) without launching. The GEMM's input may be what a
     launch before it would have written, computed as x is loaded: swiglu_limit: x is a gate|up product [T, 2K], the
     input its clamped SwiGLU (`swiglu_values_reference`); rms_norm (weight [K], eps): x's weighted RMSNorm.
     x_quantized: x's act_quant (e4m3 values, scales) as its producer wrote it, read where the GEMM would act_quant x
-    ahead (no launch; x itself where it quantizes in registers)."""
+    ahead (no launch; x itself where it quantizes in registers). Its output may be what a launch after it would
+    write (the epilogue): rope (cos, sin [T, R / 2], head_dim): the output's heads of head_dim channels (a power of
+    two, 16 to 128) each with their trailing R channels rotated by their token's row, and with round_indexer rounded
+    as DeepSeek rounds an indexer query: the norm_rope kernel's `normalize=False` output of the product viewed
+    [T, N / head_dim, head_dim] (the indexer's queries)."""
     _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu_limit is not None)
     prologue, norm_w, scalar = _prologue(x, w_q.shape[1], swiglu_limit, rms_norm)
     num_tokens, k = x.shape[0], w_q.shape[1]
     n = w_q.shape[0]
+    cos, sin, head_dim = _check_head_rope(rope, num_tokens, n, round_indexer, x)
     out = torch.empty((num_tokens, n), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, []
-    cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device))
+    cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device), head_dim)
+    assert head_dim is None or cfg["BLOCK_N"] == head_dim, "with a head rope, a column tile is one head"
     assert x_quantized is None or prologue == NO_PROLOGUE, "x_quantized is x's own act_quant"
     if not cfg["PREQUANTIZED"]:
         (x_in, x_scale), quantize = (x, x), []
@@ -245,13 +277,36 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
     partial = torch.empty((grid[0] * grid[1] * grid[2] * cfg["BLOCK_M"] * cfg["BLOCK_N"],) if split else (1,),
                           dtype=torch.float32, device=x.device)
     scale_arg = scale_to_float(w_scale).contiguous()
-    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), norm_w, num_tokens, n, k, scalar,
-            x_in.stride(0), x_scale.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0))
+    args = (x_in, x_scale, w_q, scale_arg, out, partial, split_counters(x.device), norm_w, cos, sin, num_tokens, n, k,
+            scalar, x_in.stride(0), x_scale.stride(0), w_q.stride(0), scale_arg.stride(0), out.stride(0), cos.stride(0),
+            sin.stride(0))
     kwargs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=GROUP, SPLIT_K=cfg["SPLIT_K"],
                   SWAP_AB=cfg["SWAP_AB"], PREQUANTIZED=cfg["PREQUANTIZED"], NATIVE_FP8_DOT=not is_interpreting(),
-                  PROLOGUE=NO_PROLOGUE if cfg["PREQUANTIZED"] else prologue, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
+                  PROLOGUE=NO_PROLOGUE if cfg["PREQUANTIZED"] else prologue,
+                  ROPE=2 * cos.shape[-1] if rope is not None else 0, ROUND_INDEXER=rope is not None and round_indexer,
+                  LOG_N=cfg["BLOCK_N"].bit_length() - 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, quantize + [(_fp8_gemm_kernel, grid, args, kwargs)]
+
+
+def takes_head_rope(head_dim: int, n: int) -> bool:
+    """Whether the GEMM's epilogue can rope heads of head_dim channels of an N-column output: a column tile a head."""
+    return 16 <= head_dim <= 128 and head_dim & (head_dim - 1) == 0 and n % head_dim == 0
+
+
+def _check_head_rope(rope, num_tokens: int, n: int, round_indexer: bool, x: torch.Tensor):
+    """(cos, sin, head_dim) of a GEMM's epilogue (x, x, None without one: never read)."""
+    if rope is None:
+        assert not round_indexer, "round_indexer rounds the heads a rope epilogue rotates"
+        return x, x, None
+    cos, sin, head_dim = rope
+    assert takes_head_rope(head_dim, n), \
+        f"a head rope needs heads of a power of two from 16 to 128 channels dividing N={n}, got {head_dim}"
+    half = cos.shape[-1]
+    for name, table in (("cos", cos), ("sin", sin)):
+        assert tuple(table.shape) == (num_tokens, half) and table.stride(-1) == 1 and table.is_floating_point(), \
+            f"{name} must be [T={num_tokens}, {half}] with a contiguous last dimension, got {tuple(table.shape)}"
+    assert 0 < 2 * half <= head_dim, f"rope_dim {2 * half} must be in (0, head_dim={head_dim}]"
+    return cos, sin, head_dim
 
 
 def _prologue(x: torch.Tensor, k: int, swiglu_limit: float | None, rms_norm: tuple[torch.Tensor, float] | None):
@@ -282,10 +337,12 @@ def _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu: bool = False):
 
 def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, config: dict | None = None,
                     swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
-                    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    x_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                    round_indexer: bool = False) -> torch.Tensor:
     """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype; x_quantized: `plan_fp8_gemm`)."""
     out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit, rms_norm=rms_norm,
-                                  x_quantized=x_quantized)
+                                  x_quantized=x_quantized, rope=rope, round_indexer=round_indexer)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out
@@ -353,14 +410,26 @@ def swiglu_values_reference(gate_up: torch.Tensor, limit: float) -> torch.Tensor
 
 
 def fp8_gemm_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *,
-                       swiglu_limit: float | None = None,
-                       rms_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                       swiglu_limit: float | None = None, rms_norm: tuple[torch.Tensor, float] | None = None,
+                       rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                       round_indexer: bool = False) -> torch.Tensor:
     """out [T, N] = dequant(act_quant(x)) @ dequant(W_q, S_w)^T in fp32, cast to x's dtype; swiglu_limit: of
-    x's SwiGLU (`swiglu_values_reference`), x a gate|up product [T, 2K]; rms_norm (weight, eps): of x's RMSNorm."""
+    x's SwiGLU (`swiglu_values_reference`), x a gate|up product [T, 2K]; rms_norm (weight, eps): of x's RMSNorm;
+    rope (cos, sin, head_dim) and round_indexer: then its heads roped and rounded (`head_rope_reference`)."""
     if swiglu_limit is not None:
         x = swiglu_values_reference(x, swiglu_limit)
     if rms_norm is not None:
         x = rms_norm_reference(x, *rms_norm)
     x_q, s_x = quantize_activations_reference(x)
     x_deq = x_q.float() * s_x.repeat_interleave(GROUP, -1)[:, : x.shape[1]]
-    return (x_deq @ dequantize_fp8(w_q, w_scale).T).to(x.dtype)
+    out = (x_deq @ dequantize_fp8(w_q, w_scale).T).to(x.dtype)
+    return out if rope is None else head_rope_reference(out, rope, round_indexer)
+
+
+def head_rope_reference(out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int],
+                        round_indexer: bool = False) -> torch.Tensor:
+    """A linear's output [T, N] with its heads of head_dim channels roped by (cos, sin) and with round_indexer
+    rounded as DeepSeek rounds an indexer query (`norm_rope_reference` without a norm): a GEMM epilogue's values."""
+    cos, sin, head_dim = rope
+    heads = out.view(out.shape[0], -1, head_dim)
+    return norm_rope_reference(heads, normalize=False, cos=cos, sin=sin, round_indexer=round_indexer).view(out.shape)

@@ -146,16 +146,17 @@ def norm_rope_tile(x, x_row, w_ptr, cos_ptr, sin_ptr, offs, h_mask, r, t, stride
 @triton.jit
 def rope_tail(y, cos_row, sin_row, ROWS: tl.constexpr, COLS: tl.constexpr, ROPE: tl.constexpr,
               INVERSE: tl.constexpr):
-    """y [ROWS, COLS] (its dtype) with its trailing ROPE channels rotated pairwise by one token's cos / sin rows
-    (pointers to its [ROPE / 2] table entries), by -sin when INVERSE: the reference's `apply_rope`, fp32 math from y,
-    each result rounded to y's dtype. The pairs are taken apart in registers (reshape and split), for a tile that
-    lives in a program that also computes it (the attention's query and output)."""
+    """y [ROWS, COLS] (its dtype) with its trailing ROPE channels rotated pairwise by a token's cos / sin rows
+    (pointers to its [ROPE / 2] table entries: one for every row of y, or [ROWS, 1] of them, one a row), by -sin when
+    INVERSE: the reference's `apply_rope`, fp32 math from y, each result rounded to y's dtype. The pairs are taken
+    apart in registers (reshape and split), for a tile that lives in a program that also computes it (the attention's
+    query and output, the indexer queries an FP8 GEMM writes)."""
     pair = tl.arange(0, COLS // 2)
     j = pair - (COLS - ROPE) // 2  # pair index within the rope section
     is_rope = j >= 0
-    j = tl.where(is_rope, j, 0)
-    cos = tl.load(cos_row + j, mask=is_rope, other=1.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_row + j, mask=is_rope, other=0.0).to(tl.float32)[None, :]
+    j = tl.where(is_rope, j, 0)[None, :]
+    cos = tl.load(cos_row + j, mask=is_rope[None, :], other=1.0).to(tl.float32)
+    sin = tl.load(sin_row + j, mask=is_rope[None, :], other=0.0).to(tl.float32)
     if INVERSE:
         sin = -sin
     even, odd = tl.split(tl.reshape(y, [ROWS, COLS // 2, 2]))

@@ -439,32 +439,47 @@ def bench_fp8_gemm(torch, s, device, timer, options):
     return results + _fp8_prologue_cases(torch, s, device, timer, options, gen)
 
 
-# The FP8 GEMMs of V4-Flash that compute their input as they load it (kernels/fp8_gemm.py's PROLOGUE)
-FP8_PROLOGUES = {"wq_b": ("rms_norm",), "shared w2": ("swiglu",), "irregular": ("rms_norm", "swiglu")}
+# The FP8 GEMMs of V4-Flash that compute their input as they load it (kernels/fp8_gemm.py's PROLOGUE: "rms_norm",
+# "swiglu") and their output as they store it ("head_rope": the indexer's queries roped and rounded)
+FP8_FUSIONS = {"wq_b": ("rms_norm",), "index wq_b": ("rms_norm+head_rope",), "shared w2": ("swiglu",),
+               "irregular": ("rms_norm", "swiglu")}
 
 
 def _fp8_prologue_cases(torch, s, device, timer, options, gen):
+    """Each fused GEMM against the launches it replaces (the norm or SwiGLU kernel, the GEMM, the norm_rope kernel)."""
     from kernels.fp8_gemm import fp8_gemm_triton
     from kernels.moe import swiglu_triton
     from kernels.norm_rope import norm_rope_triton
 
     results = []
-    for name, (n, k) in s.fp8_linears.items():
+    index_q_b = (s.index_heads * s.index_head_dim, s.q_lora_rank)  # (its plain GEMM: timed within `separate`)
+    for name, (n, k) in {**s.fp8_linears, "index wq_b": index_q_b}.items():
         w_q, w_scale = fp8_linear_weight(torch, device, n, k, gen)
         norm = ((torch.rand(k, generator=gen, device=device) + 0.5).to(torch.bfloat16), 1e-6)
-        for prologue in FP8_PROLOGUES.get(name, ()):
-            swiglu = prologue == "swiglu"
-            kwargs = dict(swiglu_limit=10.0) if swiglu else dict(rms_norm=norm)
+        for fusion in FP8_FUSIONS.get(name, ()):
+            swiglu, head_rope = "swiglu" in fusion, "head_rope" in fusion
+            prologue = dict(swiglu_limit=10.0) if swiglu else dict(rms_norm=norm) if "rms_norm" in fusion else {}
             for t in s.fp8_tokens:
                 x = (torch.randn(t, 2 * k if swiglu else k, generator=gen, device=device) * 3).to(torch.bfloat16)
-                separate = ((lambda: fp8_gemm_triton(swiglu_triton(x, 10.0), w_q, w_scale)) if swiglu else
-                            (lambda: fp8_gemm_triton(norm_rope_triton(x, *norm), w_q, w_scale)))
+                angles = torch.randn(t, s.rope_dim // 2, generator=gen, device=device) * 3
+                cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+                epilogue = dict(rope=(cos, sin, s.index_head_dim), round_indexer=True) if head_rope else {}
+
+                def separate():
+                    gemm_input = (swiglu_triton(x, 10.0) if swiglu else norm_rope_triton(x, *norm) if prologue
+                                  else x)
+                    out = fp8_gemm_triton(gemm_input, w_q, w_scale)
+                    if head_rope:
+                        out = norm_rope_triton(out.view(t, -1, s.index_head_dim), normalize=False, cos=cos, sin=sin,
+                                               round_indexer=True)
+                    return out.view(t, n)
+
                 work = ((n * k + w_scale.numel() * 4 + 2 * t * (x.shape[1] + n)) / 1e9, 2 * t * n * k / 1e9)
                 # checked against the launches it replaces (each checked against its reference in its own case):
                 # a torch sigmoid or rsqrt an ulp off moves an e4m3 rounding of the GEMM's input
-                results.append(check_and_time(torch, timer, "fp8_gemm", f"{name}+{prologue} T={t}",
-                                              lambda: fp8_gemm_triton(x, w_q, w_scale, **kwargs), separate, separate,
-                                              work, options))
+                results.append(check_and_time(torch, timer, "fp8_gemm", f"{name}+{fusion} T={t}",
+                                              lambda: fp8_gemm_triton(x, w_q, w_scale, **prologue, **epilogue),
+                                              separate, separate, work, options))
     return results
 
 

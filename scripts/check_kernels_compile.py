@@ -99,6 +99,7 @@ FP8_LINEARS = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), 
                "wo_b": (4096, 8192), "shared w1": (2048, 4096), "shared w2": (4096, 2048),
                "index wq_b": (8192, 1024)}
 FP8_PROLOGUES = {"wq_b": "rms_norm", "index wq_b": "rms_norm", "shared w2": "swiglu"}  # computed as x is loaded
+FP8_HEAD_ROPES = {"index wq_b": 128}  # heads of this width roped and rounded as stored (the indexer's queries)
 
 
 @dataclass
@@ -273,14 +274,17 @@ def compressor_launches(m: dict, kind: str, num_rows: int, tokens_per_row: int, 
         entry_dtype=torch.bfloat16, keys=keys)
 
 
-def fp8_gemm_launches(num_tokens: int, n: int, k: int, prologue: str | None = None):
+def fp8_gemm_launches(num_tokens: int, n: int, k: int, prologue: str | None = None, head_dim: int | None = None):
     """prologue "swiglu": the GEMM's input the SwiGLU of a gate|up product of twice its K (the shared expert's w2);
-    "rms_norm": the RMSNorm of its input (q_a's, for wq_b and the indexer's wq_b)."""
+    "rms_norm": the RMSNorm of its input (q_a's, for wq_b and the indexer's wq_b). head_dim: the output's heads
+    roped (64 channels) and rounded as DeepSeek rounds the indexer's queries, as they are stored."""
     w_scale = _meta(-(-n // 128), -(-k // 128), dtype=torch.float32)
     x = _meta(num_tokens, 2 * k if prologue == "swiglu" else k)
+    rope = (_meta(num_tokens, 32), _meta(num_tokens, 32), head_dim) if head_dim else None
     return plan_fp8_gemm(x, _meta(n, k, dtype=torch.float8_e4m3fn), w_scale,
                          swiglu_limit=10.0 if prologue == "swiglu" else None,
-                         rms_norm=(_meta(k), 1e-6) if prologue == "rms_norm" else None)[1]
+                         rms_norm=(_meta(k), 1e-6) if prologue == "rms_norm" else None, rope=rope,
+                         round_indexer=head_dim is not None)[1]
 
 
 def cases() -> list[tuple[str, str, list]]:
@@ -360,7 +364,8 @@ def cases() -> list[tuple[str, str, list]]:
             out.append(("v4-flash", f"moe {fmt} deepseek T={t}", moe_launches(flash, t, fmt, deepseek=True)))
     for name, (n, k) in FP8_LINEARS.items():
         for t in (1, 16, 32, 64, 256, 4096):  # each variant fp8_gemm_config picks (swap-AB, split-K, act_quant ahead)
-            out.append(("v4-flash", f"fp8 gemm {name} T={t}", fp8_gemm_launches(t, n, k, FP8_PROLOGUES.get(name))))
+            out.append(("v4-flash", f"fp8 gemm {name} T={t}",
+                        fp8_gemm_launches(t, n, k, FP8_PROLOGUES.get(name), FP8_HEAD_ROPES.get(name))))
     return out
 
 

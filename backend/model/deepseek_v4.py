@@ -263,11 +263,12 @@ class DeepseekV4Model:
         index_k = memory.index_k
         self._compress_into(i, "compressor.indexer.", "indexer", proj, batch, memory, index_k,
                             batch.comp_block_tables["csa"], entry_rope)
-        q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm).view(q_a.shape[0], c.index_n_heads,
-                                                                                 c.index_head_dim)
-        # the indexer's queries use the compress rope, as its keys do, and are rounded as the keys are stored
-        q = k.norm_rope(q, None, c.rms_norm_eps, normalize=False, cos=compress_cos_sin[0], sin=compress_cos_sin[1],
-                        round_indexer=self.numerics.round_indexer)
+        # the indexer's queries use the compress rope, as its keys do, and are rounded as the keys are stored: by the
+        # FP8 GEMM that writes them (`KernelDispatch.linear`'s epilogue), else by a launch after it
+        q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm,
+                                   rope=(*compress_cos_sin, c.index_head_dim),
+                                   round_indexer=self.numerics.round_indexer)
+        q = q.view(q_a.shape[0], c.index_n_heads, c.index_head_dim)
         weights = proj["self_attn.compressor.indexer.scorer.weights_proj"]  # the head scaling goes with the softmax's
         scale = c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5
         scores = k.indexer_scores(q, weights, scale, batch.token_seq, batch.positions, index_k,
@@ -358,10 +359,13 @@ class DeepseekV4Model:
         power-of-two scales), on a quantized checkpoint under DeepSeek's numerics; otherwise x."""
         return self.kernels.round_activations(x) if self.numerics.act_quant else x
 
-    def _quantized_linear(self, x: torch.Tensor, weight, **prologue) -> torch.Tensor:
+    def _quantized_linear(self, x: torch.Tensor, weight, *, rope=None, round_indexer: bool = False,
+                          **prologue) -> torch.Tensor:
         """x @ weight^T for one of DeepSeek's FP8/FP4 linears: an Fp8Weight's GEMM act_quants x in registers
-        (kernels/fp8_gemm.py), and computes the prologue (`KernelDispatch.linear`: a SwiGLU or an RMSNorm of x) as it
-        loads it; a weight dequantized at load gets the prologue's output act_quant'ed first (`_act`)."""
+        (kernels/fp8_gemm.py), computes the prologue (`KernelDispatch.linear`: a SwiGLU or an RMSNorm of x) as it
+        loads it and the epilogue (its heads roped: rope, round_indexer) as it stores; a weight dequantized at load
+        gets the prologue's output act_quant'ed first (`_act`)."""
+        epilogue = dict(rope=rope, round_indexer=round_indexer)
         if isinstance(weight, Fp8Weight):
-            return self.kernels.linear(x, weight, **prologue)
-        return self.kernels.linear(self._act(self.kernels.linear_input(x, **prologue)), weight)
+            return self.kernels.linear(x, weight, **prologue, **epilogue)
+        return self.kernels.linear(self._act(self.kernels.linear_input(x, **prologue)), weight, **epilogue)

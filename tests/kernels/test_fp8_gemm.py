@@ -196,3 +196,62 @@ def test_x_act_quantized_by_its_producer_is_read_as_it_is():
         for kernel, grid, args, kwargs in launches:
             kernel[grid](*args, **kwargs)
         assert torch.equal(got, fp8_gemm_triton(x, w_q, w_scale, config=config))
+
+
+@pytest.mark.parametrize("swap_ab, prequantized, split_k", [(True, False, 2), (True, True, 1), (False, False, 1),
+                                                            (False, True, 2)])
+@pytest.mark.parametrize("round_indexer", [False, True])
+def test_a_head_roped_gemm_equals_the_gemm_then_the_norm_rope_kernel(swap_ab, prequantized, split_k, round_indexer):
+    """The indexer's queries (rope, round_indexer): the GEMM rotating its output's heads (one a column tile, at V4's
+    index_head_dim 128 with 64 rope channels) as it stores them, and with DeepSeek's indexer rounding, equals the GEMM
+    then the norm_rope kernel (no norm) bit for bit, in every variant, with an RMSNorm prologue too; and (fp32) the
+    reference's rope and rounding of its product."""
+    from kernels.fp8_gemm import head_rope_reference, plan_fp8_gemm
+    from kernels.norm_rope import norm_rope_triton
+
+    tokens, heads, head_dim, k = 19, 3, 128, 256
+    w_q, w_scale = _weight(heads * head_dim, k, 14)
+    gen = torch.Generator().manual_seed(15)
+    x = (torch.randn(tokens, k, generator=gen) * 3).to(torch.bfloat16)
+    angles = torch.randn(tokens, 32, generator=gen) * 3
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    norm = ((torch.randn(k, generator=gen) * 0.2 + 1).to(torch.bfloat16), 1e-6)
+    config = dict(BLOCK_M=32 if swap_ab else 16, BLOCK_N=head_dim, SPLIT_K=split_k, SWAP_AB=swap_ab,
+                  PREQUANTIZED=prequantized, num_warps=4, num_stages=2)
+    for prologue in ({}, dict(rms_norm=norm)):
+        got, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, rope=(cos, sin, head_dim),
+                                      round_indexer=round_indexer, **prologue)
+        assert len(launches) == 1 + prequantized
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
+        product = fp8_gemm_triton(x, w_q, w_scale, config=config, **prologue)
+        separate = norm_rope_triton(product.view(tokens, heads, head_dim), normalize=False, cos=cos, sin=sin,
+                                    round_indexer=round_indexer).view(tokens, -1)
+        assert torch.equal(got, separate)
+        assert not torch.equal(got, product)  # the epilogue did something: the check above can fail
+    # In fp32 the epilogue is the reference's rope and rounding of the same product, exactly.
+    rope = (angles.cos(), angles.sin(), head_dim)
+    got = fp8_gemm_triton(x.float(), w_q, w_scale, config=config, rope=rope, round_indexer=round_indexer)
+    product = fp8_gemm_triton(x.float(), w_q, w_scale, config=config)
+    assert torch.equal(got, head_rope_reference(product, rope, round_indexer))
+
+
+def test_a_head_rope_makes_a_column_tile_one_head():
+    """Whatever the tuned tiles, a head-roped GEMM's column tiles are its heads; heads the epilogue cannot take (wider
+    than a tile, or not dividing N) are refused by the plan and roped by a launch after it by the dispatch."""
+    from kernels.dispatch import KernelDispatch
+    from kernels.fp8_gemm import Fp8Weight, fp8_gemm_config, plan_fp8_gemm
+
+    assert fp8_gemm_config(1, 8192, 1024, head_dim=64)["BLOCK_N"] == 64
+    assert fp8_gemm_config(1, 8192, 1024, head_dim=128)["BLOCK_N"] == 128
+    w_q, w_scale = _weight(512, 128, 16)
+    x, cos = torch.randn(2, 128).to(torch.bfloat16), torch.ones(2, 16, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="a head rope needs heads"):
+        plan_fp8_gemm(x, w_q, w_scale, rope=(cos, cos, 256))
+    with pytest.raises(AssertionError, match="round_indexer rounds the heads"):
+        plan_fp8_gemm(x, w_q, w_scale, round_indexer=True)
+    sin = torch.randn(2, 16).to(torch.bfloat16)
+    kernels = KernelDispatch("triton")
+    wide = kernels.linear(x, Fp8Weight(w_q, w_scale), rope=(cos, sin, 256))  # (256 channels a head: two launches)
+    expected = fp8_gemm_reference(x, w_q, w_scale, rope=(cos, sin, 256))
+    torch.testing.assert_close(wide.float(), expected.float(), rtol=0.02, atol=0.02 * expected.float().abs().max())

@@ -44,9 +44,9 @@ def test_decode_step_in_the_published_formats_stays_within_the_launch_budget():
     # no launch of its own for a quantizer: the indexer's queries are rounded by their rope's launch, the experts
     # quantize their input themselves
     assert "triton:_round_kernel" not in ops
-    # kv's norm and rope, the indexer's queries: the attention norms and ropes its queries and un-ropes its output,
-    # the FP8 GEMMs that read q_a's norm compute it
-    assert ops["triton:_norm_rope_kernel"] == 2
+    # kv's norm and rope alone: the attention norms and ropes its queries and un-ropes its output, the FP8 GEMMs that
+    # read q_a's norm compute it, and the indexer's queries are roped and rounded by the GEMM that writes them
+    assert ops["triton:_norm_rope_kernel"] == 1
     assert "triton:_swiglu_kernel" not in ops  # the shared expert's w2 GEMM computes its SwiGLU as it loads
     assert "triton:_act_quant_kernel" not in ops  # the collapse before the MoE writes x act_quant'ed too
     assert ops["triton:_fp8_gemm_kernel"] >= 5  # the FP8 linears ran in their format
