@@ -93,7 +93,8 @@ class KernelDispatch:
         DeepSeek rounds an indexer query. The FP8 GEMM under Triton computes them as it loads x and stores its output,
         the values the `swiglu` or `norm_rope` kernel would have written; otherwise they run as launches of their
         own. x_quantized: x's act_quant as its producer wrote it, which the FP8 GEMM reads instead of quantizing x
-        ahead (the reference rounds x). x is [T, K] with an epilogue."""
+        ahead (the reference rounds x); with a prologue, the act_quant of what it computes (`shared_linear_input`).
+        x is [T, K] with an epilogue."""
         if isinstance(weight, Fp8Weight) and self.use_triton(x):
             from kernels.fp8_gemm import fp8_gemm_triton, takes_head_rope
 
@@ -121,6 +122,18 @@ class KernelDispatch:
         if rms_norm is not None:
             return self.norm_rope(x, *rms_norm)
         return x
+
+    def shared_linear_input(self, x: torch.Tensor, *, swiglu_limit: float | None = None,
+                            rms_norm: tuple[torch.Tensor, float] | None = None):
+        """For several FP8 `linear`s of the same input and prologue: its act_quant (e4m3 values, scales) by one launch,
+        their `x_quantized`, where each GEMM would act_quant it ahead (under Triton, from QUANTIZE_AHEAD_MIN_TOKENS
+        tokens); else None (each quantizes in its registers; the reference rounds x)."""
+        from kernels.fp8_gemm import QUANTIZE_AHEAD_MIN_TOKENS, act_quant_triton
+
+        if not self.use_triton(x) or x.dim() != 2 or x.shape[0] < QUANTIZE_AHEAD_MIN_TOKENS:
+            return None
+        return act_quant_triton(x if x.stride(-1) == 1 else x.contiguous(), swiglu_limit=swiglu_limit,
+                                rms_norm=rms_norm)
 
     def linear_output(self, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                       round_indexer: bool = False) -> torch.Tensor:

@@ -248,8 +248,9 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
     """Check the inputs, allocate the output; return (out, launches) without launching. The GEMM's input may be what a
     launch before it would have written, computed as x is loaded: swiglu_limit: x is a gate|up product [T, 2K], the
     input its clamped SwiGLU (`swiglu_values_reference`); rms_norm (weight [K], eps): x's weighted RMSNorm.
-    x_quantized: x's act_quant (e4m3 values, scales) as its producer wrote it, read where the GEMM would act_quant x
-    ahead (no launch; x itself where it quantizes in registers). Its output may be what a launch after it would
+    x_quantized: the act_quant (e4m3 values, scales) of the GEMM's input (x, or what the prologue computes of it) as
+    its producer wrote it, read where the GEMM would act_quant ahead (no launch; x itself, and the prologue, where it
+    quantizes in registers). Its output may be what a launch after it would
     write (the epilogue): rope (cos, sin [T, R / 2], head_dim): the output's heads of head_dim channels (a power of
     two, 16 to 128) each with their trailing R channels rotated by their token's row, and with round_indexer rounded
     as DeepSeek rounds an indexer query: the norm_rope kernel's `normalize=False` output of the product viewed
@@ -264,7 +265,6 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
         return out, []
     cfg = config or fp8_gemm_config(num_tokens, n, k, num_sms(x.device), head_dim)
     assert head_dim is None or cfg["BLOCK_N"] == head_dim, "with a head rope, a column tile is one head"
-    assert x_quantized is None or prologue == NO_PROLOGUE, "x_quantized is x's own act_quant"
     if not cfg["PREQUANTIZED"]:
         (x_in, x_scale), quantize = (x, x), []
     elif x_quantized is not None:
@@ -390,6 +390,15 @@ def plan_act_quant(x: torch.Tensor, *, config: dict | None = None, swiglu_limit:
     grid = (triton.cdiv(num_tokens, cfg["BLOCK_T"]), triton.cdiv(x_s.shape[1], cfg["GROUPS"]))
     args = (x, norm_w, x_q, x_s, num_tokens, k, scalar, x.stride(0), x_q.stride(0), x_s.stride(0))
     return (x_q, x_s), [(_act_quant_kernel, grid, args, dict(cfg, PROLOGUE=prologue))]
+
+
+def act_quant_triton(x: torch.Tensor, *, swiglu_limit: float | None = None,
+                     rms_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`plan_act_quant`'s launch run: (x_q, s_x) of x, or of its SwiGLU / RMSNorm."""
+    quantized, launches = plan_act_quant(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return quantized
 
 
 def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

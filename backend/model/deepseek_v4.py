@@ -212,6 +212,8 @@ class DeepseekV4Model:
         q_a, q_norm = proj["self_attn.q_a_proj"], dict(rms_norm=(w[p + "q_a_norm.weight"], eps))
         if not isinstance(w[p + "q_b_proj.weight"], Fp8Weight):
             q_a, q_norm = k.linear_input(q_a, **q_norm), {}
+        elif layer_type == CSA:  # two GEMMs read it: act_quant'ed once for both where each would quantize it ahead
+            q_norm["x_quantized"] = k.shared_linear_input(q_a, **q_norm)
         q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm).view(num_tokens, self.local_heads,
                                                                                  c.head_dim)
         memory = kv.layer(i)
@@ -258,7 +260,8 @@ class DeepseekV4Model:
     def _indexer_topk(self, i, proj, q_a, q_norm: dict, batch, memory: LayerMemory, compress_cos_sin,
                       entry_rope) -> torch.Tensor:
         """Lightning indexer: top-k compressed entries per query [T, k] (picks past the causal ones are ignored
-        by the attention kernel); its queries from q_a's RMSNorm (q_norm: the norm its GEMM is to compute, if any)."""
+        by the attention kernel); its queries from q_a's RMSNorm (q_norm: the norm its GEMM is to compute, if any, and
+        the act_quant of it q_b's GEMM reads too)."""
         c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.self_attn.compressor.indexer."
         index_k = memory.index_k
         self._compress_into(i, "compressor.indexer.", "indexer", proj, batch, memory, index_k,
@@ -360,12 +363,12 @@ class DeepseekV4Model:
         return self.kernels.round_activations(x) if self.numerics.act_quant else x
 
     def _quantized_linear(self, x: torch.Tensor, weight, *, rope=None, round_indexer: bool = False,
-                          **prologue) -> torch.Tensor:
+                          x_quantized=None, **prologue) -> torch.Tensor:
         """x @ weight^T for one of DeepSeek's FP8/FP4 linears: an Fp8Weight's GEMM act_quants x in registers
-        (kernels/fp8_gemm.py), computes the prologue (`KernelDispatch.linear`: a SwiGLU or an RMSNorm of x) as it
-        loads it and the epilogue (its heads roped: rope, round_indexer) as it stores; a weight dequantized at load
-        gets the prologue's output act_quant'ed first (`_act`)."""
+        (kernels/fp8_gemm.py) or reads `x_quantized`, computes the prologue (`KernelDispatch.linear`: a SwiGLU or an
+        RMSNorm of x) as it loads it and the epilogue (its heads roped: rope, round_indexer) as it stores; a weight
+        dequantized at load gets the prologue's output act_quant'ed first (`_act`)."""
         epilogue = dict(rope=rope, round_indexer=round_indexer)
         if isinstance(weight, Fp8Weight):
-            return self.kernels.linear(x, weight, **prologue, **epilogue)
+            return self.kernels.linear(x, weight, x_quantized=x_quantized, **prologue, **epilogue)
         return self.kernels.linear(self._act(self.kernels.linear_input(x, **prologue)), weight, **epilogue)

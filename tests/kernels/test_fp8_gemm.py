@@ -255,3 +255,29 @@ def test_a_head_rope_makes_a_column_tile_one_head():
     wide = kernels.linear(x, Fp8Weight(w_q, w_scale), rope=(cos, sin, 256))  # (256 channels a head: two launches)
     expected = fp8_gemm_reference(x, w_q, w_scale, rope=(cos, sin, 256))
     torch.testing.assert_close(wide.float(), expected.float(), rtol=0.02, atol=0.02 * expected.float().abs().max())
+
+
+def test_one_act_quant_of_a_prologue_serves_every_gemm_that_reads_it():
+    """q_a's RMSNorm feeds q_b and the indexer's q_b: its act_quant made once (`shared_linear_input`, from 17 tokens
+    under Triton) and given to each GEMM as x_quantized with the prologue gives each GEMM's own output, in one launch
+    where it would act_quant ahead, and the prologue in registers where it would not."""
+    from kernels.dispatch import KernelDispatch
+    from kernels.fp8_gemm import QUANTIZE_AHEAD_MIN_TOKENS, plan_fp8_gemm
+
+    kernels = KernelDispatch("triton")
+    gen = torch.Generator().manual_seed(17)
+    norm = ((torch.randn(300, generator=gen) * 0.2 + 1).to(torch.bfloat16), 1e-6)
+    w_q, w_scale = _weight(150, 300, 18)
+    x = torch.randn(QUANTIZE_AHEAD_MIN_TOKENS - 1, 300, generator=gen).to(torch.bfloat16)
+    assert kernels.shared_linear_input(x, rms_norm=norm) is None  # (each GEMM quantizes in its registers)
+    assert KernelDispatch("reference").shared_linear_input(torch.cat([x, x]), rms_norm=norm) is None
+    x = torch.cat([x, x])
+    x_quantized = kernels.shared_linear_input(x, rms_norm=norm)
+    for prequantized in (True, False):
+        config = dict(BLOCK_M=32, BLOCK_N=64, SPLIT_K=1, SWAP_AB=True, PREQUANTIZED=prequantized, num_warps=4,
+                      num_stages=2)
+        got, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, rms_norm=norm, x_quantized=x_quantized)
+        assert len(launches) == 1 and (launches[0][2][0] is x_quantized[0]) == prequantized
+        for kernel, grid, args, kwargs in launches:
+            kernel[grid](*args, **kwargs)
+        assert torch.equal(got, fp8_gemm_triton(x, w_q, w_scale, config=config, rms_norm=norm))
