@@ -26,10 +26,14 @@ is that of start - ring, which no entry reads (span <= ring), so entry and keep 
 with longer rows (prefill chunks) may overwrite ring positions its entries read: TWO launches of the same kernel,
 the entries first, then the ring updates. Snapshot rows (plan.num_snapshot_keep, first among the keep rows) may read
 ring positions too and write only spare slots, which no entry reads: they go in the first launch. The launch shapes
-come from the plan's tensor shapes and that count only.
+come from the plan's tensor shapes and that count only. Two compressors over one plan (a CSA layer's and its
+indexer's) run their launches together, one launch each (`pair_compress_launches`): each program is one of the first
+compressor's or one of the second's, which read and write rings and pools of their own.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,6 +43,29 @@ from kernels.common import TL_DTYPES
 from kernels.kv_store import scale_slots, store_entries_reference, store_fp4_key, store_fp8_entry, store_keys_reference
 from kernels.norm_rope import apply_rope, rms_factor, rms_norm
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
+
+
+class CompressorRun(NamedTuple):
+    """One compressor's part of a step: `compress_into_pool`'s arguments (`keys`: the indexer's keys)."""
+
+    kv: torch.Tensor
+    gate: torch.Tensor
+    state_kv: torch.Tensor
+    state_gate: torch.Tensor
+    plan: object
+    position_bias: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    entry_cos: torch.Tensor
+    entry_sin: torch.Tensor
+    pool: torch.Tensor
+    block_table: torch.Tensor
+    entry_dtype: torch.dtype | None = None
+    keys: bool = False
+
+    def run(self, compress_into_pool) -> None:
+        """Run it with `compress_into_pool_reference` or `_triton` (or return a plan's launches)."""
+        return compress_into_pool(*self[:12], entry_dtype=self.entry_dtype, keys=self.keys)
 
 
 def compress_into_pool_reference(kv: torch.Tensor, gate: torch.Tensor, state_kv: torch.Tensor,
@@ -162,8 +189,9 @@ def _span_chunk(s0, e, d, d_mask, entry_src_ptr, entry_valid_ptr, ring_slots_ptr
     return tl.where(mask, logit, float("-inf")), mask, from_ring, state_off, kv_off, cols
 
 
-@triton.jit(do_not_specialize=["num_entry_programs", "keep_begin", "keep_end", "num_ring_rows"])
-def _compress_kernel(
+@triton.jit
+def _compress_program(
+    pid,
     # this batch's projections and one layer's rings
     kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr,
     # the plan
@@ -184,7 +212,7 @@ def _compress_kernel(
     FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # a uint8 pool of the fp8 layout: quantize on write
     FP4_KEYS: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,  # a uint8 pool of indexer keys: rotate, then FP4
 ):
-    pid = tl.program_id(0)
+    """Program `pid` of a compressor's launch: a closing entry (pid < num_entry_programs), else BLOCK_KEEP keep rows."""
     dtype = kv_ptr.dtype.element_ty
     if pid >= num_entry_programs:  # keep rows keep_begin + (pid - num_entry_programs) * BLOCK_KEEP ... < keep_end
         m = keep_begin + (pid - num_entry_programs) * BLOCK_KEEP + tl.arange(0, BLOCK_KEEP)
@@ -262,6 +290,96 @@ def _compress_kernel(
         tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
 
 
+
+@triton.jit(do_not_specialize=["num_entry_programs", "keep_begin", "keep_end", "num_ring_rows"])
+def _compress_kernel(
+    # this batch's projections and one layer's rings
+    kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr,
+    # the plan
+    ring_slots_ptr, ring_order_ptr, entry_src_ptr, entry_valid_ptr, entry_row_ptr, entry_index_ptr,
+    keep_src_ptr, keep_slot_ptr, keep_pos_ptr,
+    # weights, rope at each entry, the pool (and, for the fp8 layout, the same memory as bf16)
+    bias_ptr, norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, pool_rope_ptr, block_table_ptr,
+    # sizes
+    num_entry_programs, keep_begin, keep_end, num_ring_rows, scratch_page, eps,
+    # strides (last dimensions contiguous)
+    stride_kv_t, stride_gate_t, stride_state_slot, stride_state_pos, stride_bias_s, stride_cos, stride_sin,
+    stride_pool_page, stride_pool_slot, stride_bt,
+    # model constants and tiles
+    RATE: tl.constexpr, RING: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr,
+    ENTRY_DTYPE: tl.constexpr,  # the pooled entry's dtype before its norm and rope (pooling is in kv's)
+    FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # a uint8 pool of the fp8 layout: quantize on write
+    FP4_KEYS: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,  # a uint8 pool of indexer keys: rotate, then FP4
+):
+    """One compressor's launch: its entries' programs, then its keep rows' (`_compress_program`)."""
+    _compress_program(
+        tl.program_id(0),
+        kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr, ring_slots_ptr, ring_order_ptr, entry_src_ptr,
+        entry_valid_ptr, entry_row_ptr, entry_index_ptr, keep_src_ptr, keep_slot_ptr, keep_pos_ptr, bias_ptr,
+        norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, pool_rope_ptr, block_table_ptr, num_entry_programs, keep_begin,
+        keep_end, num_ring_rows, scratch_page, eps, stride_kv_t, stride_gate_t, stride_state_slot,
+        stride_state_pos, stride_bias_s, stride_cos, stride_sin, stride_pool_page, stride_pool_slot, stride_bt,
+        RATE, RING, SPAN, OVERLAP, HEAD_DIM, WIDTH, ROPE_DIM, PAGE_SIZE, BLOCK_S, BLOCK_D, BLOCK_KEEP, BLOCK_W,
+        ENTRY_DTYPE, FP8_POOL, SCALE_SLOTS, FP4_KEYS, LOG_HEAD_DIM,
+    )
+
+
+@triton.jit(do_not_specialize=["num_entry_programs", "keep_begin", "keep_end", "num_ring_rows", "programs_a",
+                            "num_entry_programs_b", "keep_begin_b", "keep_end_b", "num_ring_rows_b"])
+def _compress_pair_kernel(
+    # the first compressor's arguments as `_compress_kernel` takes them, its program count, the second's (suffix _b)
+    kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr, ring_slots_ptr, ring_order_ptr, entry_src_ptr, entry_valid_ptr,
+    entry_row_ptr, entry_index_ptr, keep_src_ptr, keep_slot_ptr, keep_pos_ptr, bias_ptr, norm_w_ptr, cos_ptr,
+    sin_ptr, pool_ptr, pool_rope_ptr, block_table_ptr, num_entry_programs, keep_begin, keep_end, num_ring_rows,
+    scratch_page, eps, stride_kv_t, stride_gate_t, stride_state_slot, stride_state_pos, stride_bias_s, stride_cos,
+    stride_sin, stride_pool_page, stride_pool_slot, stride_bt, programs_a, kv_ptr_b, gate_ptr_b, state_kv_ptr_b,
+    state_gate_ptr_b, ring_slots_ptr_b, ring_order_ptr_b, entry_src_ptr_b, entry_valid_ptr_b, entry_row_ptr_b,
+    entry_index_ptr_b, keep_src_ptr_b, keep_slot_ptr_b, keep_pos_ptr_b, bias_ptr_b, norm_w_ptr_b, cos_ptr_b,
+    sin_ptr_b, pool_ptr_b, pool_rope_ptr_b, block_table_ptr_b, num_entry_programs_b, keep_begin_b, keep_end_b,
+    num_ring_rows_b, scratch_page_b, eps_b, stride_kv_t_b, stride_gate_t_b, stride_state_slot_b,
+    stride_state_pos_b, stride_bias_s_b, stride_cos_b, stride_sin_b, stride_pool_page_b, stride_pool_slot_b,
+    stride_bt_b,
+    # the first compressor's constants, the second's
+    RATE: tl.constexpr, RING: tl.constexpr, SPAN: tl.constexpr, OVERLAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WIDTH: tl.constexpr, ROPE_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_KEEP: tl.constexpr, BLOCK_W: tl.constexpr, ENTRY_DTYPE: tl.constexpr,
+    FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr, FP4_KEYS: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,
+    RATE_b: tl.constexpr, RING_b: tl.constexpr, SPAN_b: tl.constexpr, OVERLAP_b: tl.constexpr,
+    HEAD_DIM_b: tl.constexpr, WIDTH_b: tl.constexpr, ROPE_DIM_b: tl.constexpr, PAGE_SIZE_b: tl.constexpr,
+    BLOCK_S_b: tl.constexpr, BLOCK_D_b: tl.constexpr, BLOCK_KEEP_b: tl.constexpr, BLOCK_W_b: tl.constexpr,
+    ENTRY_DTYPE_b: tl.constexpr, FP8_POOL_b: tl.constexpr, SCALE_SLOTS_b: tl.constexpr, FP4_KEYS_b: tl.constexpr,
+    LOG_HEAD_DIM_b: tl.constexpr,
+):
+    """Two compressors in one launch (a CSA layer's and its indexer's, over one plan): programs_a programs of the
+    first's launch, then the second's."""
+    pid = tl.program_id(0)
+    if pid < programs_a:
+        _compress_program(
+            pid,
+            kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr, ring_slots_ptr, ring_order_ptr, entry_src_ptr,
+            entry_valid_ptr, entry_row_ptr, entry_index_ptr, keep_src_ptr, keep_slot_ptr, keep_pos_ptr, bias_ptr,
+            norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, pool_rope_ptr, block_table_ptr, num_entry_programs, keep_begin,
+            keep_end, num_ring_rows, scratch_page, eps, stride_kv_t, stride_gate_t, stride_state_slot,
+            stride_state_pos, stride_bias_s, stride_cos, stride_sin, stride_pool_page, stride_pool_slot, stride_bt,
+            RATE, RING, SPAN, OVERLAP, HEAD_DIM, WIDTH, ROPE_DIM, PAGE_SIZE, BLOCK_S, BLOCK_D, BLOCK_KEEP, BLOCK_W,
+            ENTRY_DTYPE, FP8_POOL, SCALE_SLOTS, FP4_KEYS, LOG_HEAD_DIM,
+        )
+    else:
+        _compress_program(
+            pid - programs_a,
+            kv_ptr_b, gate_ptr_b, state_kv_ptr_b, state_gate_ptr_b, ring_slots_ptr_b, ring_order_ptr_b,
+            entry_src_ptr_b, entry_valid_ptr_b, entry_row_ptr_b, entry_index_ptr_b, keep_src_ptr_b,
+            keep_slot_ptr_b, keep_pos_ptr_b, bias_ptr_b, norm_w_ptr_b, cos_ptr_b, sin_ptr_b, pool_ptr_b,
+            pool_rope_ptr_b, block_table_ptr_b, num_entry_programs_b, keep_begin_b, keep_end_b, num_ring_rows_b,
+            scratch_page_b, eps_b, stride_kv_t_b, stride_gate_t_b, stride_state_slot_b, stride_state_pos_b,
+            stride_bias_s_b, stride_cos_b, stride_sin_b, stride_pool_page_b, stride_pool_slot_b, stride_bt_b,
+            RATE_b, RING_b, SPAN_b, OVERLAP_b, HEAD_DIM_b, WIDTH_b, ROPE_DIM_b, PAGE_SIZE_b, BLOCK_S_b, BLOCK_D_b,
+            BLOCK_KEEP_b, BLOCK_W_b, ENTRY_DTYPE_b, FP8_POOL_b, SCALE_SLOTS_b, FP4_KEYS_b, LOG_HEAD_DIM_b,
+        )
+
+
 def compress_config(span: int, head_dim: int, width: int) -> dict:
     """Tiles from the model's shapes alone: BLOCK_D = the head padded to a power of two, BLOCK_S span positions
     per chunk for about 4K elements a tile; keep rows of BLOCK_W <= 1024 channels, ~4K elements a tile."""
@@ -328,6 +446,25 @@ def plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
         return launch(num_entries, 0, num_keep)
     snapshots = plan.num_snapshot_keep
     return launch(num_entries, 0, snapshots) + launch(0, snapshots, num_keep)
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def pair_compress_launches(first: list, second: list) -> list:
+    """Two compressors' launches over one plan (`plan_compress_into_pool`'s, a CSA layer's and its indexer's: the
+    same entries and keep rows, so the same launches) as one launch each (`_compress_pair_kernel`): the first's
+    programs, then the second's, at the larger of their warp counts. Launches that do not pair up stay apart."""
+    if len(first) != len(second):
+        return first + second
+    paired = []
+    for (_, (programs_a,), args_a, kwargs_a), (_, (programs_b,), args_b, kwargs_b) in zip(first, second):
+        constants = {k: v for k, v in kwargs_a.items() if k not in LAUNCH_OPTIONS}
+        constants |= {f"{k}_b": v for k, v in kwargs_b.items() if k not in LAUNCH_OPTIONS}
+        options = {k: max(kwargs_a[k], kwargs_b[k]) for k in LAUNCH_OPTIONS if k in kwargs_a and k in kwargs_b}
+        paired.append((_compress_pair_kernel, (programs_a + programs_b,), (*args_a, programs_a, *args_b),
+                       constants | options))
+    return paired
 
 
 def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import sparse_paged_attention_reference
-from kernels.compressor import round_stored_entries
+from kernels.compressor import CompressorRun, round_stored_entries
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
 from kernels.modes import KVLayout, Numerics
@@ -204,16 +204,28 @@ class KernelDispatch:
             rows = pool.view(-1, pool.shape[-1])
             rows[index] = rounding(rows[index])
 
-    def compress_and_store(self, kv, gate, state_kv, state_gate, plan, *args, pool, block_table, kv_layout: KVLayout,
-                           indexer: bool, entry_dtype: torch.dtype) -> None:
-        """Run one compressor (compress_into_pool's arguments) and store the entries it closes into `pool` as
-        `kv_layout` keeps them: in the fp8 layout its attention entries, and the indexer's keys rotated and in FP4,
-        encoded by the kernel where it stores them; in values, rounded after (DeepSeek's numerics)."""
-        self.compress_into_pool(kv, gate, state_kv, state_gate, plan, *args, pool, block_table,
-                                entry_dtype=entry_dtype, keys=indexer)
-        rounding = self._rounding_of_stored(kv_layout, indexer)
-        if rounding is not None:
-            round_stored_entries(pool, plan, block_table, rounding)
+    def compress_and_store(self, runs: list[CompressorRun], kv_layout: KVLayout) -> None:
+        """Run a layer's compressors (a CSA layer's and its indexer's, over one plan: one launch under Triton) and
+        store the entries each closes into its pool as `kv_layout` keeps them: in the fp8 layout its attention
+        entries, and the indexer's keys rotated and in FP4, encoded by the kernel where it stores them; in values,
+        rounded after (DeepSeek's numerics)."""
+        if self.use_triton(runs[0].kv):
+            from kernels.compressor import pair_compress_launches, plan_compress_into_pool
+
+            launches = [run.run(plan_compress_into_pool) for run in runs]
+            if len(runs) == 2 and runs[0].plan is runs[1].plan:
+                launches = [pair_compress_launches(*launches)]
+            for kernel, grid, args, kwargs in (launch for planned in launches for launch in planned):
+                kernel[grid](*args, **kwargs)
+        else:
+            from kernels.compressor import compress_into_pool_reference
+
+            for run in runs:
+                run.run(compress_into_pool_reference)
+        for run in runs:
+            rounding = self._rounding_of_stored(kv_layout, run.keys)
+            if rounding is not None:
+                round_stored_entries(run.pool, run.plan, run.block_table, rounding)
 
     def _rounding_of_stored(self, kv_layout: KVLayout, indexer: bool):
         """What DeepSeek's numerics round a stored entry (an indexer key if `indexer`) to, applied after a pool of

@@ -48,7 +48,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from backend.model.compressor import CompressionPlan  # noqa: E402
 from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
-from kernels.compressor import plan_compress_into_pool  # noqa: E402
+from kernels.compressor import pair_compress_launches, plan_compress_into_pool  # noqa: E402
 from kernels.fp32_linear import plan_fp32_linear  # noqa: E402
 from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm  # noqa: E402
 from kernels.grouped_linear import plan_grouped_linear  # noqa: E402
@@ -318,6 +318,9 @@ def cases() -> list[tuple[str, str, list]]:
             for rows, tokens in ((1, 1), (64, 1), (1, m["prefill_tokens"])):
                 out.append((m["name"], f"compressor {kind} {rows}x{tokens}",
                             compressor_launches(m, kind, rows, tokens)))
+        for rows, tokens in ((1, 1), (64, 1), (1, m["prefill_tokens"])):  # a CSA layer's two, as the model runs them
+            out.append((m["name"], f"compressors csa+indexer {rows}x{tokens}", pair_compress_launches(
+                compressor_launches(m, "csa", rows, tokens), compressor_launches(m, "indexer", rows, tokens))))
     flash = MODELS[0]
     for mode in ("window", "hca", "csa"):  # kv_cache_dtype fp8: the entries decoded in registers
         for t in (1, 64, 256):
@@ -331,6 +334,10 @@ def cases() -> list[tuple[str, str, list]]:
         for rows, tokens in ((1, 1), (64, 1), (1, flash["prefill_tokens"])):
             out.append(("v4-flash", f"compressor {kind} fp32 fp8 {rows}x{tokens}",
                         compressor_launches(flash, kind, rows, tokens, fp8=True, fp32=True)))
+    for rows, tokens in ((1, 1), (64, 1), (1, flash["prefill_tokens"])):
+        out.append(("v4-flash", f"compressors csa+indexer fp32 fp8 {rows}x{tokens}", pair_compress_launches(
+            compressor_launches(flash, "csa", rows, tokens, fp8=True, fp32=True),
+            compressor_launches(flash, "indexer", rows, tokens, fp8=True, fp32=True))))
     for t in (1, flash["prefill_tokens"]):
         out.append(("v4-flash", f"indexer fp4 keys T={t}", indexer_launches(flash, t, True)))
         pool = _meta(4096, flash["page_size"], kv_fp8_entry_bytes(flash["head_dim"], flash["rope_dim"]),

@@ -49,6 +49,7 @@ from backend.model.parallel_layout import ParallelLayout
 from backend.model.projections import (ATTENTION_INPUT, FP32_ATTENTION_INPUT, QUANTIZED_ATTENTION_INPUT,
                                        SHARED_EXPERT_INPUT, fuse_projections)
 from backend.model.rotary import Rotary, cos_sin_tables
+from kernels.compressor import CompressorRun
 from kernels.dispatch import KernelDispatch
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts, Routing
@@ -222,10 +223,12 @@ class DeepseekV4Model:
         comp_table, topk = None, None
         if memory.pool is not None:
             comp_table = batch.comp_block_tables[memory.pool]
-            self._compress_into(i, "compressor.", memory.pool, proj, batch, memory, memory.compressed_kv, comp_table,
-                                entry_rope)
+            compressors = [("compressor.", memory.pool, memory.compressed_kv, comp_table)]
+            if layer_type == CSA:  # and the indexer's keys (over the same plan: one launch with the Triton kernels)
+                compressors.append(("compressor.indexer.", "indexer", memory.index_k, batch.comp_block_tables["csa"]))
+            self._compress_into(i, compressors, proj, batch, memory, entry_rope)
         if layer_type == CSA:
-            topk = self._indexer_topk(i, proj, q_a, q_norm, batch, memory, rope["compress"], entry_rope)
+            topk = self._indexer_topk(i, proj, q_a, q_norm, batch, memory, rope["compress"])
 
         out = k.sparse_paged_attention(
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
@@ -246,26 +249,24 @@ class DeepseekV4Model:
         out = self._quantized_linear(grouped, self.w[p + "o_b_proj.weight"])
         return self.comm.all_reduce(out) if self.layout.attention_split else out
 
-    def _compress_into(self, i, prefix, stream, proj, batch, memory: LayerMemory, pool_tensor, block_table,
-                       entry_rope) -> None:
-        """Run one compressor (main CSA/HCA, or the CSA indexer) and store the entries it closes."""
-        c, w, p = self.config, self.w, f"model.layers.{i}.self_attn.{prefix}"
-        state_kv, state_gate = memory.state[stream]
-        self.kernels.compress_and_store(
-            proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], state_kv, state_gate,
-            batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], c.rms_norm_eps, *entry_rope[stream],
-            pool=pool_tensor, block_table=block_table, kv_layout=memory.kv_layout, indexer=stream == "indexer",
-            entry_dtype=self.dtype)
+    def _compress_into(self, i, compressors, proj, batch, memory: LayerMemory, entry_rope) -> None:
+        """Run the layer's compressors, (weights' prefix, stream, pool, block table) each (main CSA/HCA, and the CSA
+        indexer's), and store the entries they close."""
+        runs = []
+        for prefix, stream, pool, block_table in compressors:
+            w, p = self.w, f"model.layers.{i}.self_attn.{prefix}"
+            runs.append(CompressorRun(
+                proj[f"self_attn.{prefix}kv_proj"], proj[f"self_attn.{prefix}gate_proj"], *memory.state[stream],
+                batch.plans[stream], w[p + "position_bias"], w[p + "kv_norm.weight"], self.config.rms_norm_eps,
+                *entry_rope[stream], pool, block_table, entry_dtype=self.dtype, keys=stream == "indexer"))
+        self.kernels.compress_and_store(runs, memory.kv_layout)
 
-    def _indexer_topk(self, i, proj, q_a, q_norm: dict, batch, memory: LayerMemory, compress_cos_sin,
-                      entry_rope) -> torch.Tensor:
+    def _indexer_topk(self, i, proj, q_a, q_norm: dict, batch, memory: LayerMemory, compress_cos_sin) -> torch.Tensor:
         """Lightning indexer: top-k compressed entries per query [T, k] (picks past the causal ones are ignored
         by the attention kernel); its queries from q_a's RMSNorm (q_norm: the norm its GEMM is to compute, if any, and
         the act_quant of it q_b's GEMM reads too)."""
         c, w, k, p = self.config, self.w, self.kernels, f"model.layers.{i}.self_attn.compressor.indexer."
-        index_k = memory.index_k
-        self._compress_into(i, "compressor.indexer.", "indexer", proj, batch, memory, index_k,
-                            batch.comp_block_tables["csa"], entry_rope)
+        index_k = memory.index_k  # (its keys the compressors stored, with the layer's own entries)
         # the indexer's queries use the compress rope, as its keys do, and are rounded as the keys are stored: by the
         # FP8 GEMM that writes them (`KernelDispatch.linear`'s epilogue), else by a launch after it
         q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm,

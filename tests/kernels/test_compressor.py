@@ -318,3 +318,50 @@ def test_indexer_keys_rotated_and_quantized_as_they_are_stored(implementation):
         implementation, 11, 64, 16, indexer_fp4_entry_bytes(64), True,
         lambda e, pool, rows: store_indexer_fp4_reference(hadamard_rotate(e), pool, rows))
     assert torch.equal(stored[:-1], expected[:-1]) and stored[:-1].any()
+
+
+def test_a_csa_layer_and_its_indexer_compress_in_one_launch():
+    """A CSA layer's compressor (the fp8 layout's pool) and its indexer's (FP4 keys), over one plan: through a prefill
+    step (entries and snapshots, then the rings: two launches) and decode steps (one), the paired launches write the
+    same pools and rings, bit for bit, as each compressor's own launches."""
+    from kernels.compressor import CompressorRun, pair_compress_launches
+    from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
+
+    gen = torch.Generator().manual_seed(21)
+    rate, rope_dim = 4, 64
+    shapes = {"csa": (128, kv_fp8_entry_bytes(128, rope_dim), False), "indexer": (64, indexer_fp4_entry_bytes(64), True)}
+    memories, bias, norm = {}, {}, {}
+    for name, (head_dim, entry_bytes, _) in shapes.items():
+        memory = _Memory(rate, True, head_dim, 2, 12, torch.bfloat16, gen)
+        memory.pool = torch.zeros(memory.pool.shape[0], PAGE_SIZE, entry_bytes, dtype=torch.uint8)
+        memories[name] = {"own": memory, "paired": memory.clone()}
+        memories[name]["paired"].table = memory.table
+        bias[name] = torch.randn(rate, 2 * head_dim, generator=gen)
+        norm[name] = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(torch.bfloat16)
+    counts = []
+    for starts, lens in (([0, 0], [15, 7]), ([15, 7], [1, 1]), ([16, 8], [1, 1])):
+        plan = build_plan(rate, True, starts, lens, [0, lens[0]], [0, 1], DEVICE)
+        angles = plan.entry_pos[:, None].float() * torch.linspace(0.1, 1.0, rope_dim // 2)[None, :]
+        cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+        wide = (torch.randn(sum(lens), 4 * (128 + 64), generator=gen) * 2).to(torch.bfloat16)
+        runs = {"own": [], "paired": []}
+        offset = 0
+        for name, (head_dim, _, keys) in shapes.items():
+            kv, gate = wide[:, offset:offset + 2 * head_dim], wide[:, offset + 2 * head_dim:offset + 4 * head_dim]
+            offset += 4 * head_dim
+            for way in runs:
+                memory = memories[name][way]
+                runs[way].append(CompressorRun(kv, gate, memory.kv, memory.gate, plan, bias[name], norm[name], 1e-6,
+                                               cos, sin, memory.pool, memory.table, keys=keys))
+        for run in runs["own"]:
+            run.run(compress_into_pool_triton)
+        paired = pair_compress_launches(*(run.run(plan_compress_into_pool) for run in runs["paired"]))
+        counts.append(len(paired))
+        for kernel, grid, args, kwargs in paired:
+            kernel[grid](*args, **kwargs)
+    assert counts == [2, 1, 1]
+    for name in shapes:
+        own, paired = memories[name]["own"], memories[name]["paired"]
+        assert own.pool[:-1].any()  # entries were stored
+        assert torch.equal(paired.pool, own.pool) and torch.equal(paired.kv, own.kv)
+        assert torch.equal(paired.gate, own.gate)
