@@ -24,7 +24,8 @@ For a machine with an NVIDIA GPU (installs nothing). Cases:
               bf16 streams [T, 4, 4096] at the decode batches and the prefill chunk
   glue        the rest of a layer's launches at the decode batches and the prefill chunk: RMSNorm+RoPE (q_a; q per
               head; K=V stored into the window pool), routing (top-k, hash), the MoE alignment, the shared expert's
-              SwiGLU, and the three compressors (CSA, HCA, indexer keys) with every decode row closing an entry
+              SwiGLU, and the three compressors (CSA, HCA, indexer keys) with every decode row closing an entry,
+              and a CSA layer's two in one launch ("ref" there: their two launches)
 Each case is timed with CUDA events (median of --repeat runs, L2 flushed before each) and reported as achieved
 bandwidth (bytes the kernel must move) and TFLOP/s, against the device's measured copy bandwidth (a large
 device-to-device copy) and bf16 matmul rate (a large torch.matmul), with the reference's time and the speed-up.
@@ -681,10 +682,36 @@ def _glue_cases(torch, s, device, t, gen):
     ]
     for kind, rate, overlap, head_dim in (("csa", s.csa_rate, True, dh), ("hca", s.hca_rate, False, dh),
                                           ("indexer", s.csa_rate, True, s.index_head_dim)):
-        cases.append((f"compress {kind}", *_compressor_fns(torch, s, device, gen, t, rate, overlap, head_dim,
-                                                           build_plan, compress_into_pool_triton,
-                                                           compress_into_pool_reference)))
+        run, work = _compressor_run(torch, s, device, gen, t, rate, overlap, head_dim, build_plan)
+        cases.append((f"compress {kind}", lambda run=run: run(compress_into_pool_triton),
+                      lambda run=run: run(compress_into_pool_reference),
+                      lambda run=run: run(compress_into_pool_reference, lambda v: v.float()), work))
+    cases.append(("compress csa+indexer", *_compressor_pair_fns(torch, s, device, gen, t, build_plan)))
     return cases
+
+
+def _compressor_pair_fns(torch, s, device, gen, t, build_plan):
+    """A CSA layer's two compressors over one plan in one launch (`pair_compress_launches`), against their two
+    launches (its reference: the same bytes) and the float reference; each returns both pools, flattened."""
+    from kernels.compressor import (compress_into_pool_reference, compress_into_pool_triton, pair_compress_launches,
+                                    plan_compress_into_pool)
+
+    plan = _compressor_plan(s, device, t, s.csa_rate, True, build_plan)
+    runs, works = zip(*(_compressor_run(torch, s, device, gen, t, s.csa_rate, True, head_dim, build_plan, plan)
+                        for head_dim in (s.head_dim, s.index_head_dim)))
+
+    def both(fn, cast=lambda v: v):
+        return torch.cat([run(fn, cast).flatten().float() for run in runs])
+
+    def paired():
+        planned = []
+        pools = [run(lambda *args: planned.append(plan_compress_into_pool(*args))) for run in runs]
+        for kernel, grid, args, kwargs in pair_compress_launches(*planned):
+            kernel[grid](*args, **kwargs)
+        return torch.cat([pool.flatten().float() for pool in pools])
+
+    return (paired, lambda: both(compress_into_pool_triton), lambda: both(compress_into_pool_reference),
+            tuple(map(sum, zip(*works))))
 
 
 def _sorted_route(torch, route):
@@ -693,15 +720,27 @@ def _sorted_route(torch, route):
     return torch.cat([ids.gather(1, order).float(), weights.gather(1, order)], dim=1)
 
 
-def _compressor_fns(torch, s, device, gen, t, rate, overlap, head_dim, build_plan, triton_fn, reference_fn):
-    """A decode batch of t rows each closing an entry (t = the prefill chunk: one row of t tokens)."""
-    width, ring = (2 if overlap else 1) * head_dim, (2 if overlap else 1) * rate
+def _compressor_starts(s, t, rate) -> tuple[list[int], list[int]]:
+    """(starts, lengths) of the rows: a decode batch of t rows each closing an entry, or (t = the prefill chunk) one row
+    of t tokens."""
     prefill = t == s.prefill_tokens
-    rows = 1 if prefill else t
-    starts = [0] if prefill else [(r + 8) * rate - 1 for r in range(rows)]
-    lens = [t] if prefill else [1] * rows
-    plan = build_plan(rate, overlap, starts, lens, list(range(0, t, max(1, t // rows)))[:rows], list(range(rows)),
+    return ([0], [t]) if prefill else ([(r + 8) * rate - 1 for r in range(t)], [1] * t)
+
+
+def _compressor_plan(s, device, t, rate, overlap, build_plan):
+    starts, lens = _compressor_starts(s, t, rate)
+    rows = len(starts)
+    return build_plan(rate, overlap, starts, lens, list(range(0, t, max(1, t // rows)))[:rows], list(range(rows)),
                       device)
+
+
+def _compressor_run(torch, s, device, gen, t, rate, overlap, head_dim, build_plan, plan=None):
+    """(run(fn, cast) -> the pool fn wrote, (bytes, flops)) of a compressor over `_compressor_starts`'s rows (its own
+    plan, or `plan`): fn is compress_into_pool_triton / _reference, or anything of their arguments."""
+    width, ring = (2 if overlap else 1) * head_dim, (2 if overlap else 1) * rate
+    starts, _ = _compressor_starts(s, t, rate)
+    rows = len(starts)
+    plan = plan or _compressor_plan(s, device, t, rate, overlap, build_plan)
     entries = plan.num_entries
     rand = lambda *shape, dtype=torch.bfloat16: torch.randn(*shape, generator=gen, device=device).to(dtype)  # noqa
     projection = rand(t, 2 * width)
@@ -718,8 +757,7 @@ def _compressor_fns(torch, s, device, gen, t, rate, overlap, head_dim, build_pla
            plan, bias, cast(norm_w), 1e-6, cast(cos), cast(sin), out, table)
         return out
 
-    work = (2 * 2 * entries * ring * head_dim + 2 * entries * head_dim, 0)
-    return (lambda: run(triton_fn), lambda: run(reference_fn), lambda: run(reference_fn, lambda v: v.float()), work)
+    return run, (2 * 2 * entries * ring * head_dim + 2 * entries * head_dim, 0)
 
 
 def bench_glue(torch, s, device, timer, options):
