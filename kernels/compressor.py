@@ -63,8 +63,9 @@ class CompressorRun(NamedTuple):
     entry_dtype: torch.dtype | None = None
     keys: bool = False
 
-    def run(self, compress_into_pool) -> None:
-        """Run it with `compress_into_pool_reference` or `_triton` (or return a plan's launches)."""
+    def run(self, compress_into_pool):
+        """compress_into_pool(its arguments): `compress_into_pool_reference` or `_triton` run it,
+        `plan_compress_into_pool` returns its launches."""
         return compress_into_pool(*self[:12], entry_dtype=self.entry_dtype, keys=self.keys)
 
 
@@ -288,7 +289,6 @@ def _compress_program(
                       True, LOG_HEAD_DIM, ENTRY_DTYPE)
     else:
         tl.store(pool_ptr + offset + d, y.to(ENTRY_DTYPE), mask=d_mask)
-
 
 
 @triton.jit(do_not_specialize=["num_entry_programs", "keep_begin", "keep_end", "num_ring_rows"])

@@ -250,11 +250,11 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
     input its clamped SwiGLU (`swiglu_values_reference`); rms_norm (weight [K], eps): x's weighted RMSNorm.
     x_quantized: the act_quant (e4m3 values, scales) of the GEMM's input (x, or what the prologue computes of it) as
     its producer wrote it, read where the GEMM would act_quant ahead (no launch; x itself, and the prologue, where it
-    quantizes in registers). Its output may be what a launch after it would
-    write (the epilogue): rope (cos, sin [T, R / 2], head_dim): the output's heads of head_dim channels (a power of
-    two, 16 to 128) each with their trailing R channels rotated by their token's row, and with round_indexer rounded
-    as DeepSeek rounds an indexer query: the norm_rope kernel's `normalize=False` output of the product viewed
-    [T, N / head_dim, head_dim] (the indexer's queries)."""
+    quantizes in registers). Its output may be what a launch after it would write (the epilogue): rope (cos, sin
+    [T, R / 2], head_dim): the output's heads of head_dim channels (a power of two, 16 to 128) each with their
+    trailing R channels rotated by their token's row, and with round_indexer rounded as DeepSeek rounds an indexer
+    query: the norm_rope kernel's `normalize=False` output of the product viewed [T, N / head_dim, head_dim] (the
+    indexer's queries)."""
     _check_fp8_gemm_inputs(x, w_q, w_scale, swiglu_limit is not None)
     prologue, norm_w, scalar = _prologue(x, w_q.shape[1], swiglu_limit, rms_norm)
     num_tokens, k = x.shape[0], w_q.shape[1]
