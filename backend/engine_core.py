@@ -12,9 +12,12 @@ The single-rank engine runs one; with data-parallel attention every rank's proce
     wait for step N's output -> the scheduler takes it in -> send its RequestOutputs
 
 so the host's work for a step hides behind the device's work for the step before (overlap scheduling, the
-default; the tokens step N samples feed step N+1 on the device: backend/runner.py). Without overlap, or with
-speculative decoding (a verify's emitted count decides where the next step starts), each step is scheduled, run and
-taken in before the next. `send` receives each step's outputs: on rank 0 the engine hands them to the requests'
+default; the tokens step N samples feed step N+1 on the device: backend/runner.py). With speculative decoding a
+verify's emitted count decides where the next step starts: step N+1 is scheduled ahead only where step N leaves its
+rows' next tokens and drafts on the device (one greedy draft a row, its chain on the device:
+`Drafter.chains_on_device`), as if N accepted every draft; a row of N+1 whose verify in N accepted fewer is void
+(dropped at the take-in, backend/scheduler/scheduler.py). Any other step is taken in before the next is scheduled, as
+is every step without overlap. `send` receives each step's outputs: on rank 0 the engine hands them to the requests'
 consumers; another rank packs them for rank 0.
 
 Ranks whose MoE layers exchange tokens must run every forward together: `sync` (a `LockStep`) makes them agree
@@ -55,6 +58,38 @@ logger = logging.getLogger(__name__)
 WAITING_POLL_S = 0.001  # in lock-step, while every rank only waits (for a grammar), the agreements' period
 
 
+class VerifyOverlap:
+    """Whether a verify step scheduled before the one in flight is taken in pays, from what the last steps cost.
+
+    With α the share of drafts accepted (one a row), a row emits 1 + α tokens a verify. One step at a time, a step
+    costs the host's work h plus the step's own d (the forward, the verify, the draft pass: the executor's); overlapped
+    it costs max(h, d), but a verify that rejects its draft voids the next one: (1 + α) / (2 - α) tokens a step. So it
+    pays where h + d > (2 - α) max(h, d): a host-bound step (the tiny model on a GPU) gains whenever drafts are
+    accepted, a device-bound one (V4-Flash at large batches) only where nearly all are. Exponential averages over the
+    steps taken in; one step at a time until MIN_DRAFTS drafts have been verified."""
+
+    MIN_DRAFTS = 16
+    DECAY = 0.9  # of the averages, per step
+
+    def __init__(self) -> None:
+        self.seen = 0  # drafts verified
+        self.drafted = self.accepted = self.host_s = self.device_s = 0.0
+
+    def observe(self, host_s: float, device_s: float, drafted: int, accepted: int) -> None:
+        """A verify step taken in: the host's time for it, the step's own, its drafts and those accepted."""
+        keep = self.DECAY if self.seen else 0.0
+        self.host_s = keep * self.host_s + (1 - keep) * host_s
+        self.device_s = keep * self.device_s + (1 - keep) * device_s
+        self.drafted, self.accepted = keep * self.drafted + drafted, keep * self.accepted + accepted
+        self.seen += drafted
+
+    def pays(self) -> bool:
+        if self.seen < self.MIN_DRAFTS or not self.drafted:
+            return False
+        alpha = self.accepted / self.drafted
+        return self.host_s + self.device_s > (2 - alpha) * max(self.host_s, self.device_s)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, kv, runner: ModelRunner, kernels, grammars: GrammarService, *,
                  send: Callable[[list[RequestOutput]], None], rank: int = 0, sync: StepSync = ALONE,
@@ -64,7 +99,10 @@ class EngineCore:
         self.config, self.kv, self.runner, self.grammars, self.send = config, kv, runner, grammars, send
         self.rank, self.sync, self.elsewhere = rank, sync, elsewhere
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.overlap = config.overlap_scheduling and not self.num_speculative_tokens
+        # With drafts, only one a row leaves the next step's on the device (more: every step is taken in first), and
+        # ranks in lock-step agree on a step's draft passes where it runs: on the loop's own thread
+        self.overlap = config.overlap_scheduling and (
+            not self.num_speculative_tokens or (self.num_speculative_tokens == 1 and not sync.lock_step))
         self.scheduler = Scheduler(config, kv, resolve_prefill_chunk_tokens(config, kv),
                                    prefix_cache=kv.prefix_cache, max_steps_in_flight=2 if self.overlap else 1,
                                    rank=rank)
@@ -72,6 +110,7 @@ class EngineCore:
                                      cpu_threads=config.cpu_threads or default_cpu_threads(),
                                      sample_drafts=config.resolved_draft_sampling() == "sample")
         self._stager = BatchStager(runner.device, depth=2)
+        self.verify_overlap = VerifyOverlap()  # whether verify steps are scheduled ahead (k = 1, chains on the device)
         # launched, not taken in yet: each iteration's steps (its own, and its part of other ranks' when it had none)
         self._in_flight: deque[list[tuple[StepPlan | None, StepHandle]]] = deque()
         self.unavailable: str | None = None  # why this rank can no longer step (its group is broken)
@@ -103,8 +142,14 @@ class EngineCore:
         overlap) or of this one. Returns whether to go on: this rank (in lock-step: some rank) had work."""
         if not self.sync.ready():  # every rank went idle: none agrees again until woken (LockStep)
             return False
+        ahead = drained = False
+        if self._in_flight and self.num_speculative_tokens:  # (where the next step starts depends on its output)
+            ahead = self.verify_overlap.pays() and self.scheduler.can_schedule_ahead()
+            drained = not ahead
+            if drained:
+                self._take_in_all(self._in_flight.popleft())
         started = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(ahead=ahead)
         for seq in plan.aborted if plan is not None else ():
             self._report_end(seq)
         job, build_error = self._job(plan) if plan is not None and plan.chunks else (None, None)
@@ -125,7 +170,7 @@ class EngineCore:
                 self._take_in_all(launched)
         if self.sync.lock_step and agreed.has_work and not agreed.stepped and not took_in:
             time.sleep(WAITING_POLL_S)  # every rank waits (a grammar compiling): agree again a little later
-        return agreed.has_work
+        return agreed.has_work or drained
 
     def close(self, timeout: float) -> None:
         self.executor.close(timeout)
@@ -191,14 +236,17 @@ class EngineCore:
         for chunk in plan.chunks:  # (once per row every step: plain local reads)
             seq, start, drafts = chunk.seq, chunk.start, chunk.drafts
             end = start + chunk.num_tokens
-            known = end <= len(seq.token_ids) or bool(drafts)  # else the token of the step in flight
+            # else the token of the step in flight (with drafts: the tokens a verify in flight chained)
+            known = (end <= len(seq.token_ids) or bool(drafts)) and not chunk.optimistic
             from_device |= not known
             snapshots = ()
             if chunk.snapshots:  # inside the chunk: written by its plan; where it ends: copied after the forward
                 snapshots = tuple((r.position, r.slot) for r in chunk.snapshots if r.copy_after is None)
                 copies_after += [r.copy_after for r in chunk.snapshots if r.copy_after is not None]
-            tokens = seq.token_ids[start:start + 1] + list(drafts) if drafts else (
-                seq.token_ids[start:end] if known else [0])
+            if not known:  # stand-ins, read on the device
+                tokens = [0] * (1 + len(drafts))
+            else:
+                tokens = seq.token_ids[start:start + 1] + list(drafts) if drafts else seq.token_ids[start:end]
             rows.append(BatchRow(seq.pages, tokens, start, chunk.samples, snapshots, not known, 1 + len(drafts)))
             if chunk.samples:
                 state = seq.sampler_state
@@ -208,6 +256,12 @@ class EngineCore:
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         plan.timing.static_shape = key is not None
         spec = self._spec_job(plan, key) if self.num_speculative_tokens else None
+        plan.chains_on_device = (spec is not None and self.overlap
+                                 and self.executor.drafter.chains_on_device(spec, samplers))
+        # (a step scheduled ahead is its rows' verifies alone, as the one before it: its executor's work reads no
+        # request's pages, which the take-in of the step before may free meanwhile)
+        assert plan.chains_on_device or not any(chunk.optimistic for chunk in plan.chunks), \
+            "a step scheduled ahead of the one in flight must leave its drafts on the device too"
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         cache = self.kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
@@ -255,7 +309,13 @@ class EngineCore:
         if output.error is not None:
             logger.error("step %s failed (%s); failing its %d requests", plan.step_index, output.error,
                          len(plan.chunks))
+        taking_in, counters = time.perf_counter(), self.scheduler.counters
+        drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
         self.send(self.scheduler.update_from_output(plan, output))
+        if plan.chains_on_device and output.error is None:  # (what overlapping the next verify would gain)
+            self.verify_overlap.observe(plan.timing.host_s + time.perf_counter() - taking_in,
+                                        output.timing.duration_s, counters.num_draft_tokens - drafted,
+                                        counters.num_accepted_tokens - accepted)
 
     def _report_end(self, seq: Sequence) -> None:
         """The final output of a request the scheduler ended (cancelled, timed out or failed)."""

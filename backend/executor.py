@@ -171,18 +171,21 @@ class StepExecutor:
         return StepOutput(timing=job.timing)
 
     def _verify(self, job: StepJob, logits: torch.Tensor, batch, started: float) -> StepOutput:
-        """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py). The
-        host needs the emitted counts before it can place the next step, so this returns when all is done. Where the
-        drafts can follow the verify on the device (one greedy draft a row, a static chain: `Drafter.chain_early`),
-        they are launched before the host reads anything, and the host reads the verify's argmax and the drafts at
-        once: one read a step, no host work between the verify and the draft passes."""
+        """Verify the rows' drafts, emit what they accept, propose the next drafts (backend/speculative.py); returns
+        when all is done. Where the drafts can follow the verify on the device (one greedy draft a row, a static
+        chain: `Drafter.chain_early`), they are launched before the host reads anything, and the host reads the
+        verify's argmax, the drafts and the drafts it verified at once: one read a step, no host work between the
+        verify and the draft passes; the next verify may then have been scheduled already, its tokens and drafts
+        read on the device (overlapped verify steps, backend/engine_core.py)."""
         spec, drafting = job.spec, time.perf_counter()
         argmax = ready = None
         early = self.drafter.chain_early(logits, batch, spec, job.samplers)
         draft_s = time.perf_counter() - drafting  # (launching it; the read waits for the verify's forward too)
         if early is not None:
             read = torch.cat(early).tolist()  # (the step's one host read)
-            argmax, ready = read[:len(early[0])], read[len(early[0]):]
+            argmax, ready = read[:len(early[0])], read[len(early[0]):len(early[0]) + len(early[1])]
+            # (a verify scheduled before the one ahead of it was taken in: its drafts were on the device only)
+            job.spec = spec = spec.with_verified_drafts(read[len(early[0]) + len(early[1]):])
         output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax)
         drafting = time.perf_counter()
         output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)

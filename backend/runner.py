@@ -10,9 +10,11 @@
 
 One interface for every layout, and the one owner of what surrounds a forward:
 - the prefix cache's copies (`StepCopies`), made before and after the forward on every rank that holds pools;
-- the previous step's tokens: each step keeps its sampled tokens in `last_tokens` (by state slot, on the device),
-  and a decode row whose token the host has not seen yet (`token_source_slot`, overlap scheduling) reads it from
-  there before the forward, without a host round trip;
+- the previous step's tokens: each step keeps its sampled tokens in `last_tokens` (1 + k entries a state slot, on
+  the device: a decode's token, or after a verify step whose drafts the device chained, the token after the
+  request's last accepted one and the drafts from there), and a row whose tokens the host has not seen yet
+  (`token_source`: overlap scheduling, overlapped verify steps) reads them from there before the forward, without a
+  host round trip;
 - the forward itself: eager over the batch, or copied into a CUDA graph's static buffers and replayed
   (`DecodeGraphs`, a step at a static shape), with the residual streams kept for the draft passes when speculative
   decoding is on (`keep_streams`);
@@ -61,7 +63,7 @@ class Forward:
     """One step's forward: its batch (host tensors where other ranks are sent it, else already on the device; None:
     this data-parallel rank has none, it takes part in the others'), the prefix cache's copies around it, its static
     shape (a CUDA graph's; `staged`: the batch packed for its buffers, packed by the runner when absent), whether a
-    decode's token is the previous step's (`token_source_slot`), and every data-parallel rank's token count."""
+    decode's token is the previous step's (`token_source`), and every data-parallel rank's token count."""
 
     batch: "ForwardBatch | None"
     copies: StepCopies = field(default_factory=StepCopies)
@@ -96,7 +98,10 @@ class ModelRunner:
         # group, or data-parallel ranks in lock-step, which agree on every pass of a chain at once).
         self.draft_chains = DraftChains(graphs) if graphs is not None and keep_streams else None
         self.device = torch.device(model.device)
-        self.last_tokens = torch.zeros(kv.state_pool.scratch_slot + 1, dtype=torch.long, device=self.device)
+        # [slots, 1 + k] flattened: a decode's token at entry 0; the next verify's tokens after a chained verify
+        self.tokens_per_slot = kv.speculative_tokens + 1
+        self.last_tokens = torch.zeros((kv.state_pool.scratch_slot + 1) * self.tokens_per_slot, dtype=torch.long,
+                                       device=self.device)
         self.hidden: torch.Tensor | None = None  # the streams the next draft pass reads (keep_streams)
         self._stager: BatchStager | None = None  # packs a static step's batch that came as host tensors
 
@@ -160,12 +165,20 @@ class ModelRunner:
 
     def keep_tokens(self, batch: "ForwardBatch", tokens: torch.Tensor) -> None:
         """A step's sampled tokens (one per logits row, in order), where the next step's decodes read them."""
-        self.last_tokens[batch.logits_slot[:len(tokens)].to(self.device)] = tokens
+        self.last_tokens[batch.logits_slot[:len(tokens)].to(self.device) * self.tokens_per_slot] = tokens
+
+    def keep_verify_inputs(self, slots: torch.Tensor, tokens: torch.Tensor, drafts: torch.Tensor) -> None:
+        """After a verify step whose drafts the device chained: each row's next verify tokens, the token after its last
+        accepted one and the drafts proposed from there (tokens [rows], drafts [k, rows], by state slot [rows]), where
+        a verify scheduled before this one is taken in reads them (`token_source`)."""
+        kept = self.last_tokens.view(-1, self.tokens_per_slot)
+        kept[slots, 0] = tokens
+        kept[slots, 1:] = drafts.T
 
     def _take_previous_tokens(self, batch: "ForwardBatch") -> None:
         """Tokens whose id the previous step sampled: read from `last_tokens` by state slot (in place; a batch on
         the host reads them back once)."""
-        source = batch.token_source_slot
+        source = batch.token_source
         last = self.last_tokens.to(source.device)
         batch.input_ids.copy_(torch.where(source >= 0, last[source.clamp(min=0)], batch.input_ids))
 

@@ -103,6 +103,15 @@ class SpecJob:
         """A data-parallel rank's step without a batch: its draft passes are the other ranks' exchanges alone."""
         return cls(torch.empty(0, dtype=torch.long), [], num_speculative_tokens) if num_speculative_tokens else None
 
+    def with_verified_drafts(self, verified: list[int]) -> "SpecJob":
+        """The job with each row's drafts as its batch held them (`verified`: k a batch row, row after row): a verify
+        scheduled before the one ahead of it was taken in (overlapped verify steps) read its drafts on the device,
+        and the host only has stand-ins."""
+        k = self.num_speculative_tokens
+        rows = [dataclasses.replace(row, drafts=tuple(verified[r * k:r * k + len(row.drafts)]))
+                for r, row in enumerate(self.rows)]
+        return dataclasses.replace(self, rows=rows)
+
     def first_logits_rows(self) -> list[int]:
         """Each sampling row's first row of the step's logits (a verify row has 1 + drafts of them)."""
         return [0, *itertools.accumulate(1 + len(row.drafts) for row in self.rows)][:-1]
@@ -423,24 +432,30 @@ class Drafter:
                 drafts[rows[i]].append(token)
         return drafts
 
+    def chains_on_device(self, job: SpecJob, states: list[SamplerState]) -> bool:
+        """Whether the step's drafts follow its verify on the device (`chain_early`): a static verify step of one draft
+        a row whose rows all accept by the logits' argmax (greedy, without penalties or a grammar; log-probabilities
+        the verify computes after), on this process's runner, with static chains (more drafts: a chained pass's
+        positions depend on what the verify accepted, which the host plans)."""
+        return (job.static_key is not None and job.num_speculative_tokens == 1 and self.runner.draft_chains is not None
+                and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
+                and all(_accepts_by_argmax(state) for state in states))
+
     @torch.inference_mode()  # (as `propose`: the chains' buffers are inference tensors)
     def chain_early(self, logits: torch.Tensor, batch: ForwardBatch, job: SpecJob,
-                    states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where the step's drafts need nothing the host reads from its verify: (the target's argmax at every logits
-        row, each batch row's draft), on the device, the static chain launched; else None (`propose` plans the chain
-        from the verify's output). That is a static verify step of one draft a row whose rows all accept by the
-        logits' argmax (greedy, without penalties or a grammar; log-probabilities the verify computes after), on this
-        process's runner, with static chains (more drafts: a chained pass's positions depend on what the verify
-        accepted, which the host plans). The argmax is what the verify accepts by, and every position's next token
-        for the first pass: a greedy row emits the argmax up to its first disagreement with its draft, and past it (a
-        rejected position) the first pass may embed any token (`_next_ids`). Each row drafts from its last emitted
-        position: its first logits row plus the drafts its argmax accepts, counted on the device from the batch's own
-        input ids (each row's last token, then its draft)."""
-        key = job.static_key
-        if not (key is not None and job.num_speculative_tokens == 1 and self.runner.draft_chains is not None
-                and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
-                and all(_accepts_by_argmax(state) for state in states)):
+                    states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the step's drafts need nothing the host reads from its verify (`chains_on_device`): (the target's
+        argmax at every logits row, each batch row's draft, each batch row's drafts as verified), on the device, the
+        static chain launched; else None (`propose` plans the chain from the verify's output). The argmax is what the
+        verify accepts by, and every position's next token for the first pass: a greedy row emits the argmax up to
+        its first disagreement with its draft, and past it (a rejected position) the first pass may embed any token
+        (`_next_ids`). Each row drafts from its last emitted position: its first logits row plus the drafts its
+        argmax accepts, counted on the device from the batch's own input ids (each row's last token, then its
+        draft). The token after that position and the draft are kept where the next verify, scheduled before this
+        one is taken in, reads them (`ModelRunner.keep_verify_inputs`)."""
+        if not self.chains_on_device(job, states):
             return None
+        key = job.static_key
         argmax = logits.argmax(dim=-1)
         width = key.tokens_per_row  # 1 + k
         proposed, best = batch.input_ids.view(key.rows, width)[:, 1:], argmax.view(key.rows, width)[:, :-1]
@@ -450,7 +465,9 @@ class Drafter:
         placeholder = torch.zeros(key.rows * width, dtype=torch.long)
         chain, _ = self._static_chain(job, placeholder, rows, [0] * len(rows), [row.position for row in job.rows])
         chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
-        return argmax, self.runner.draft_chain(chain, first_inputs=(argmax, picks))[0]
+        drafts = self.runner.draft_chain(chain, first_inputs=(argmax, picks))  # [k, rows]
+        self.runner.keep_verify_inputs(batch.logits_slot.view(key.rows, width)[:, 0], argmax[picks], drafts)
+        return argmax, drafts[0], proposed.flatten()
 
     def _static_chain(self, job: SpecJob, next_ids: torch.Tensor, rows: list[int], picks: list[int],
                       positions: list[int]) -> tuple[DraftChain, list[list[int]]]:

@@ -17,11 +17,14 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    hand-over between the two threads is all overlap adds). --cuda-graphs: the decode steps at static shapes, as a
    GPU runs them (padded, packed into the graphs' buffers; off CUDA the recorded closure runs the stub).
    --num-speculative-tokens 0 1 2: each configuration also with verify steps of k drafts a row (the draft layer a
-   stub as well, every draft accepted; without overlap, as speculative decoding runs): what a verify step and its
+   stub as well, every draft accepted; k = 1 with overlap too, where --cuda-graphs' static steps let the next verify
+   be scheduled before the one in flight is taken in, more drafts without): what a verify step and its
    drafts cost the host, beside a decode step's (k = 0).
-2. Steps per second with a device stand-in: the forward sleeps --device-ms (the GIL released, as on a GPU
-   stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
-   host; with it, max(device, host). With --real-forward the model's own forward runs instead (on a GPU:
+2. Steps (and tokens) per second with a device stand-in: the forward sleeps --device-ms (the GIL released, as on
+   a GPU stream) at --sleep-rows x --sleep-context, overlap on and off. Without overlap a step costs device +
+   host; with it, max(device, host). With --num-speculative-tokens 1 (and --cuda-graphs: static steps, whose drafts
+   the device chains) verify steps too, every draft accepted: overlapped, the next verify is scheduled before the
+   one in flight is taken in (backend/engine_core.py). With --real-forward the model's own forward runs instead (on a GPU:
    what overlap gains for real).
 3. Rank 0's host time per decode step with data-parallel ranks (--data-parallel-sizes, e.g. 1 2): every rank
    --dp-rows requests at --dp-context, the stub forward in every rank's process, over gloo; the ranks alone (whole
@@ -174,14 +177,21 @@ def host_per_step(options, rows: int, context: int, overlap: bool, speculative_t
         engine.shutdown()
 
 
-def steps_per_second(options, overlap: bool) -> float:
+def steps_per_second(options, overlap: bool, speculative_tokens: int = 0) -> tuple[float, float]:
+    """(steps/s, tokens/s) of --steps decode (or verify) steps with the device stand-in."""
     device_s = None if options.real_forward else options.device_ms / 1e3
-    engine = make_engine(options, options.sleep_rows, options.sleep_context, overlap, device_s)
+    engine = make_engine(options, options.sleep_rows, options.sleep_context, overlap, device_s, speculative_tokens)
     try:
-        decoding(engine, options.sleep_rows, options.sleep_context, options.steps)
+        outputs = decoding(engine, options.sleep_rows, options.sleep_context, options.steps)
+        while not outputs.empty():  # (the prefills' and the warm-up's tokens)
+            outputs.get()
         started = time.perf_counter()
         time_steps(engine, options.steps)
-        return options.steps / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        tokens = 0
+        while not outputs.empty():
+            tokens += len(outputs.get().new_token_ids)
+        return options.steps / elapsed, tokens / elapsed
     finally:
         engine.shutdown()
 
@@ -306,15 +316,25 @@ def spread(values: list[float]) -> dict:
 
 
 def stand_in(options, results: dict) -> None:
-    runs = {overlap: [steps_per_second(options, overlap) for _ in range(options.repeats)] for overlap in (False, True)}
-    results["device_stand_in"] = {str(k): spread(v) for k, v in runs.items()}
+    """Part 2: decode steps, and with --num-speculative-tokens 1 verify steps (the draft layer a stub, every draft
+    accepted), overlap off and on, in turn within each repetition."""
+    configs = [(k, overlap) for k in sorted({0} | ({1} & set(options.num_speculative_tokens)))
+               for overlap in (False, True)]
+    runs = {config: [] for config in configs}
+    for _ in range(options.repeats):
+        for config in configs:
+            runs[config].append(steps_per_second(options, config[1], config[0]))
+    results["device_stand_in"] = {f"k={k} overlap={overlap}": {"steps_per_s": spread([r[0] for r in values]),
+                                                               "tokens_per_s": spread([r[1] for r in values])}
+                                  for (k, overlap), values in runs.items()}
     forward = "the model's forward" if options.real_forward else \
-        f"sleep {options.device_ms:g} ms (ideal {1e3 / options.device_ms:.0f})"
-    print(f"\nforward = {forward}, {options.sleep_rows} x {options.sleep_context} on {options.device}: steps/s "
-          f"(median, min-max over {options.repeats} runs)")
-    for overlap, values in runs.items():
-        s = spread(values)
-        print(f"  overlap {'on ' if overlap else 'off'}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})")
+        f"sleep {options.device_ms:g} ms (ideal {1e3 / options.device_ms:.0f} steps/s)"
+    print(f"\nforward = {forward}, {options.sleep_rows} x {options.sleep_context} on {options.device}: steps/s and "
+          f"tokens/s (median, min-max over {options.repeats} runs)")
+    for (k, overlap), values in runs.items():
+        steps, tokens = spread([r[0] for r in values]), spread([r[1] for r in values])
+        print(f"  k={k} overlap {'on ' if overlap else 'off'}: {steps['median']:7.1f} ({steps['min']:.1f}-"
+              f"{steps['max']:.1f}) steps/s  {tokens['median']:8.1f} ({tokens['min']:.1f}-{tokens['max']:.1f}) tokens/s")
 
 
 def simulate(options, results: dict) -> None:
@@ -384,9 +404,10 @@ def main() -> int:
     results = {"host_ms": [], "growth": [], "device_stand_in": None,
                "settings": vars(options) | {"json": str(options.json)}}
     if not options.skip_host:
-        # (speculative decoding runs without overlap: its verify steps are measured once)
+        # (with more than one draft a row every verify step is taken in before the next: measured once; with one,
+        # also overlapped, where the static steps leave the next verify's drafts on the device)
         configs = [(rows, context, overlap, k) for k in options.num_speculative_tokens for rows in options.rows
-                   for context in options.contexts for overlap in ((False,) if k else (False, True))]
+                   for context in options.contexts for overlap in ((False,) if k > 1 else (False, True))]
         runs: dict[tuple, list[float]] = {config: [] for config in configs}
         for repeat in range(options.repeats):
             for config in configs:

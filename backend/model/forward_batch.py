@@ -11,9 +11,10 @@ tables), and with `pad_to` it pads the batch to a static shape for CUDA graphs
 executor moves it to the device in one copy (backend/model/staging.py).
 
 A decode row's token may still be on the device: sampled by the step before, whose output the host
-has not seen (overlap scheduling). Such a row says so (`from_previous_step`), and the batch's
-`token_source_slot` tells the executor to read that token from its last-token buffer (by the request's
-state slot) before the forward.
+has not seen (overlap scheduling); so may a verify row's tokens, the token after the verify before it and that
+one's drafts (overlapped verify steps). Such a row says so (`from_previous_step`), and the batch's `token_source`
+tells the executor to read its tokens from the runner's last-token buffer (1 + k tokens a request, by its state
+slot) before the forward.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ if TYPE_CHECKING:  # the pools are handed in, never made here
 @dataclass(slots=True)
 class BatchRow:
     pages: RequestPages  # the request's memory (allocated for these tokens)
-    token_ids: list[int]  # the row's tokens to compute (a from_previous_step row: its one token is a stand-in)
+    token_ids: list[int]  # the row's tokens to compute (a from_previous_step row's: stand-ins)
     start_pos: int
     want_logits: bool  # the chunk reaches the end of the sequence: sample a token
     # (position P, spare state slot): keep the compressor rings as they stand at P, in (start, end], in that slot
     # (prefix caching, backend/memory/prefix_cache.py)
     snapshots: tuple[tuple[int, int], ...] = ()
-    from_previous_step: bool = False  # its one token is the one the step in flight samples for this request
+    from_previous_step: bool = False  # its tokens are the ones the step in flight left for this request
     num_logits: int = 1  # with want_logits, the row's last tokens that want logits (a verify: all of them)
 
 
@@ -50,7 +51,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     token_seq: torch.Tensor  # [T] long, the row of each token
-    token_source_slot: torch.Tensor  # [T] long: -1, or the state slot whose last sampled token is this token's id
+    token_source: torch.Tensor  # [T] long: -1, or where in the runner's last-token buffer this token's id is
     logits_token_index: torch.Tensor  # [R] long, tokens whose logits the forward returns
     logits_slot: torch.Tensor  # [R] long, the state slot of each logits row (where its sampled token is kept)
     window_write_index: torch.Tensor  # [T] long, page * page_size + slot in the window pool
@@ -132,8 +133,9 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
         input_ids=torch.from_numpy(_array(ids)),
         positions=torch.from_numpy(positions),
         token_seq=torch.from_numpy(token_seq),
-        # a row whose token the step before samples (one token): read from the device by its slot
-        token_source_slot=torch.from_numpy(np.where(from_previous, slots, -1)[token_seq]),
+        # a row whose tokens the step before leaves on the device: its i-th read from its slot's i-th buffer entry
+        token_source=torch.from_numpy(np.where(from_previous[token_seq], slots[token_seq] * (kv.speculative_tokens + 1)
+                                               + np.arange(len(ids)) - offsets[token_seq], -1)),
         logits_token_index=torch.from_numpy(_last_tokens(offsets + lens, num_logits)),
         logits_slot=torch.from_numpy(np.repeat(slots, num_logits)),
         window_write_index=torch.from_numpy(write_index),

@@ -30,6 +30,11 @@ class ScheduledChunk:
     # the positions from `start` its pages were allocated for (the verify's, and the draft chain's after it).
     drafts: tuple[int, ...] = ()
     allocated: int = 0
+    # Overlapped verify steps: the chunk was scheduled while the verify before it was in flight, as if that one
+    # accepted every draft (its tokens, the drafts included, are on the device: that verify's chain wrote them); void
+    # once that verify's output shows it accepted fewer (its output is dropped: the scheduler's `_void_successor`).
+    optimistic: bool = False
+    void: bool = False
 
     @property
     def end(self) -> int:
@@ -59,7 +64,10 @@ class StepPlan:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     timing: StepTiming = field(default_factory=StepTiming)  # filled by the engine and the executor
-    _scheduled: set[Sequence] = field(default_factory=set, init=False, repr=False)  # seqs with a chunk
+    # Set by the engine once the step is built: its verify rows' next tokens and drafts are left on the device (the
+    # early chain, backend/speculative.py), so the next step may be scheduled before this one is taken in.
+    chains_on_device: bool = False
+    _scheduled: dict[Sequence, ScheduledChunk] = field(default_factory=dict, init=False, repr=False)  # seq -> chunk
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +76,12 @@ class StepPlan:
     def has_chunk(self, seq: Sequence) -> bool:
         return seq in self._scheduled
 
+    def chunk_of(self, seq: Sequence) -> ScheduledChunk | None:
+        return self._scheduled.get(seq)
+
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks.append(chunk)
-        self._scheduled.add(chunk.seq)
+        self._scheduled[chunk.seq] = chunk
         if chunk.is_decode:
             self.num_decode_tokens += chunk.num_tokens
         else:

@@ -52,7 +52,12 @@ Speculative decoding (backend/speculative.py): a decode whose request has draft 
 token and the drafts (all k of them while the pools hold their positions: the take-in keeps no more tokens than
 max_tokens allows), with pages for the draft chain after them; its output may
 emit several tokens, each checked for a stop, and `_settle_verify` moves the request's position back past the
-rejected drafts (a pointer move: nothing they wrote is read before it is written again).
+rejected drafts (a pointer move: nothing they wrote is read before it is written again). A verify in flight counts
+1 + k placeholders (what it emits at most). With overlap, where the step in flight leaves its rows' next tokens and
+drafts on the device (`StepPlan.chains_on_device`), each of its rows gets the next verify at once, as if every draft
+were accepted (`ScheduledChunk.optimistic`: its tokens and drafts are read on the device); when the take-in shows a
+row accepted fewer, that next chunk is void (`_void_successor`: its placeholders retired, its output dropped, its
+positions given up like rejected drafts'), and the row's next verify starts where it stands.
 
 Structured outputs: an arrival with a grammar (`seq.grammar`) waits aside until it is compiled (off the engine
 thread), then joins the waiting queue; a grammar that failed to compile ends it with its message (`seq.error`).
@@ -318,24 +323,42 @@ class Scheduler:
 
     # --- engine thread ------------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None) -> StepPlan | None:
+    def schedule(self, now: float | None = None, ahead: bool = False) -> StepPlan | None:
         """Decide the next step, allocate its pages and advance its requests' token counts.
 
         Returns None when nothing can be scheduled now (no work, or only requests waiting for the
         output of a step in flight), a plan without chunks when there are only ended sequences to
         report, otherwise a forward plan, whose output must come back through update_from_output().
+        `ahead` (where `can_schedule_ahead`): the running requests' next verifies only; arrivals and aborts
+        are taken at the next step.
         """
         if len(self._inflight) >= self.max_steps_in_flight:
             raise RuntimeError(f"schedule() called with {len(self._inflight)} steps in flight, the most allowed; "
                                "update_from_output() comes first")
         now = clock() if now is None else now
         plan = StepPlan()
-        self._take_arrivals_and_aborts(plan, now)
+        if not ahead:
+            self._take_arrivals_and_aborts(plan, now)
         self._build(plan)
         if not plan.chunks:
             return plan if plan.aborted else None
         self._commit(plan, now)
         return plan
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is taken in (overlapped verify steps): that
+        one leaves its rows' next tokens and drafts on the device (`StepPlan.chains_on_device`), every running request
+        has its verify in it and room for k drafts after it, and nothing else waits to be scheduled (an arrival, a
+        queued or preempted request, a prefill, an abort). The next step then holds those verifies alone: rows of one
+        width, a static step whose drafts the device chains, like the one before it."""
+        if not (self._running and self._inflight and self._inflight[-1].plan.chains_on_device):
+            return False
+        with self._lock:
+            if self._inbox or self._abort_requests or self._grammar_compiled or self._waiting:
+                return False
+        cap, k = self._position_cap, self.num_speculative_tokens
+        return all(seq.num_placeholders and seq.is_decode and cap - seq.num_computed_tokens >= 2 * k
+                   for seq in self._running)
 
     def update_from_output(self, plan: StepPlan, output: StepOutput) -> list[RequestOutput]:
         """The output of the oldest step in flight: append each sampled token, end the requests it stops, keep the
@@ -365,12 +388,14 @@ class Scheduler:
         for chunk in plan.chunks:
             seq = chunk.seq
             row += chunk.samples
+            if chunk.void:  # (its verify before it accepted fewer drafts: `_void_successor` settled it)
+                continue
             if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
                 cache.keep_reserved(seq, chunk.snapshots)
             if seq.status is SequenceStatus.FINISHED or not chunk.samples:  # (ended while the step ran: dropped)
                 self._keep_verified_snapshots(chunk, 0)
                 continue
-            seq.num_placeholders -= 1
+            seq.num_placeholders -= 1 + len(chunk.drafts)
             if ends and ends.get(row) is not None:
                 self._keep_verified_snapshots(chunk, 0)
                 seq.error = ends[row]  # the constraint cannot go on: the token is not kept
@@ -384,6 +409,8 @@ class Scheduler:
                 emitted, row_logprobs = emitted[:kept], row_logprobs and row_logprobs[:kept]
             if chunk.drafts:
                 self._keep_verified_snapshots(chunk, len(tokens[row]))  # (once its tokens are known: they key them)
+                if len(tokens[row]) < 1 + len(chunk.drafts):
+                    self._void_successor(seq)
                 if seq.num_preemptions == chunk.epoch:
                     self._settle_verify(seq, chunk, len(tokens[row]), record,
                                         seq.sampling.max_tokens - len(seq.output_ids) + kept)
@@ -430,16 +457,30 @@ class Scheduler:
         rings keep more positions than a window reads: backend/speculative.py). The tallies count the drafts the
         request `could_emit` (what max_tokens left it, less the token after them): those past it only kept the
         step's shape."""
-        seq.num_computed_tokens = chunk.start + num_emitted
+        if num_emitted < 1 + len(chunk.drafts):  # (all accepted: it stands where the step scheduled it, or past)
+            seq.num_computed_tokens = chunk.start + num_emitted
         counted = min(len(chunk.drafts), could_emit - 1)
         for tally in (self.counters, record):  # the running totals and the step's own
             tally.num_draft_tokens += counted
             tally.num_accepted_tokens += min(num_emitted - 1, counted)
             tally.num_verifies += 1
 
+    def _void_successor(self, seq: Sequence) -> None:
+        """`seq`'s verify just taken in accepted fewer drafts than the verify after it, in flight, was scheduled for
+        (`ScheduledChunk.optimistic`): that chunk is void. Its placeholders are retired now and its output dropped at
+        its take-in; what it computed lies past the request's position, as rejected drafts' positions do, and its
+        snapshots are released."""
+        chunk = self._inflight[0].plan.chunk_of(seq) if self._inflight else None
+        if chunk is not None and chunk.optimistic:
+            chunk.void = True
+            seq.num_placeholders -= 1 + len(chunk.drafts)
+            self.prefix_cache.release_reserved(chunk.snapshots)
+
     def _fail_step(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         outputs = []
         for chunk in plan.chunks:
+            if chunk.void:  # (not the request's step: it stands where the step before left it)
+                continue
             self.prefix_cache.release_reserved(chunk.snapshots)
             if chunk.seq.status is not SequenceStatus.FINISHED:
                 self._retire(chunk.seq, FinishReason.ERROR)
@@ -559,19 +600,25 @@ class Scheduler:
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                drafts, allocated = self._verify_positions(seq) if speculative else ((), 1)
+                # (a verify in flight: the next one starts past all its drafts, where it left them on the device)
+                optimistic = speculative and seq.num_placeholders > 0
+                if optimistic and not (self._inflight and self._inflight[-1].plan.chains_on_device):
+                    continue  # (its next start waits for the output)
+                drafts, allocated = self._verify_positions(seq, optimistic) if speculative else ((), 1)
                 if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
                     plan.add(ScheduledChunk(seq, 1 + len(drafts), seq.num_computed_tokens, True, True,
-                                            seq.num_preemptions, drafts=drafts, allocated=allocated))
+                                            seq.num_preemptions, drafts=drafts, allocated=allocated,
+                                            optimistic=optimistic))
 
-    def _verify_positions(self, seq: Sequence) -> tuple[tuple[int, ...], int]:
+    def _verify_positions(self, seq: Sequence, optimistic: bool = False) -> tuple[tuple[int, ...], int]:
         """With speculative decoding, a decode of `seq`: the draft tokens it verifies and the positions from its start
         to allocate, its own and the draft chain's k - 1 after its last accepted one, so that every verify drafts k
         tokens for the next. All its drafts, also past `max_tokens` (the take-in keeps no more than that, and rows
         of one width keep a step's static shape), unless their positions would pass what the pools hold for one
-        request (`_position_cap`)."""
+        request (`_position_cap`). `optimistic`: the k drafts its verify in flight chained (stand-ins here)."""
         k, room = self.num_speculative_tokens, self._position_cap - seq.num_computed_tokens
-        drafts = tuple(seq.draft_tokens[:max(0, room - k)]) if seq.draft_tokens else ()
+        source = (0,) * k if optimistic else seq.draft_tokens
+        drafts = tuple(source[:max(0, room - k)]) if source else ()
         return drafts, min(len(drafts) + k, max(1, room))  # (at least its own position)
 
     @functools.cached_property
@@ -723,8 +770,8 @@ class Scheduler:
             if block is not None and start // block != end // block:  # block boundaries the step snapshots
                 chunk.snapshots = cache.reserve(seq, start, end)
             seq.num_computed_tokens = end
-            if chunk.samples:
-                seq.num_placeholders += 1
+            if chunk.samples:  # (a verify: what it emits at most, where the next one may start)
+                seq.num_placeholders += 1 + len(chunk.drafts)
         plan.kind = StepKind.of(plan.num_prefill_tokens, plan.num_decode_tokens)
         features = StepFeatures.of(plan.chunks)
         plan.predicted_s = self.cost_model.predict(features)

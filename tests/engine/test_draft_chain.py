@@ -46,8 +46,8 @@ class RecordingDrafter(OracleDrafter):
     drafts (error_rate None: the layer's own)."""
 
     def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float | None, vocab: int,
-                 cut_chains: bool = False):
-        super().__init__(drafter, reference, error_rate or 0.0, vocab)
+                 prompt_lengths: dict[int, int], cut_chains: bool = False):
+        super().__init__(drafter, reference, error_rate or 0.0, vocab, prompt_lengths)
         self.use_oracle, self.cut_chains, self.static_steps = error_rate is not None, cut_chains, 0
         self.proposals: dict[int, list[list[int]]] = defaultdict(list)  # by the request's place in the batch
         self.chains: list[str] = []  # per step: "static", "eager" or "eager after a static step"
@@ -90,12 +90,15 @@ def references(tiny_checkpoint):
 
 
 def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, logprobs: int | None = None):
-    """(each request's tokens, or with `logprobs` its (tokens, log-probabilities)), the drafter, the engine."""
-    engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8)
+    """(each request's tokens, or with `logprobs` its (tokens, log-probabilities)), the drafter, the engine. Each step
+    is taken in before the next is scheduled (no overlapped verify steps: every verify's drafts are the oracle's as
+    the host saw them, the steps the same in every run)."""
+    engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8,
+                     overlap_scheduling=False)
     if not static:
         engine.core.runner.draft_chains = None  # pass by pass, after the same static verify steps
     drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
-                               engine.vocab_size, scenario.get("cut_chains", False))
+                               engine.vocab_size, dict(enumerate(map(len, prompts))), scenario.get("cut_chains", False))
     engine.executor.drafter = drafter
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs))
     engine.kv.check()

@@ -45,29 +45,38 @@ def _engine(checkpoint, **overrides) -> LLMEngine:
 
 class OracleDrafter(Drafter):
     """The real draft layer runs; its proposals are then replaced by the reference outputs, each token corrupted with
-    probability `error_rate` (so verifies accept some drafts and reject the rest)."""
+    probability `error_rate` (so verifies accept some drafts and reject the rest). Where the step's chain ran on the
+    device (`chain_early`), the drafts it left there for a verify scheduled before this step is taken in (overlapped
+    verify steps) are replaced too. A row's next output is known from its position (`prompt_lengths`: request index ->
+    its prompt's length), so that a row the scheduler voids (an overlapped verify past rejected drafts) counts
+    nothing."""
 
-    def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int):
+    def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float, vocab: int,
+                 prompt_lengths: dict[int, int]):
         super().__init__(drafter.runner, drafter.sampler, drafter.sample_drafts)
         self.reference, self.error_rate, self.vocab = reference, error_rate, vocab
-        self.emitted: Counter = Counter()
+        self.prompt_lengths = prompt_lengths
         self.random = random.Random(0)
 
     def propose(self, batch, job, output, states, ready=None):
         drafts = super().propose(batch, job, output, states, ready)
-        for r, row in enumerate(job.rows):
-            self.emitted[row.request_id] += len(output.tokens[r])
+        firsts = job.first_logits_rows()  # (a row's state slot as the step had it: the request may be gone since)
         for r, proposed in drafts.items():
-            request_id = job.rows[r].request_id
-            index, done = int(request_id.split("-")[1]), self.emitted[request_id]
+            row = job.rows[r]
+            index = int(row.request_id.split("-")[1])
+            done = row.position + len(output.tokens[r]) + 1 - self.prompt_lengths[index]  # (the first draft's output)
             truth = (self.reference[index][done:] + [0] * len(proposed))[:len(proposed)]
             drafts[r] = [(t + 1) % self.vocab if self.random.random() < self.error_rate else t for t in truth]
+            if ready is not None and drafts[r]:  # (where the next verify may read them, on the device)
+                kept = self.runner.last_tokens.view(-1, self.runner.tokens_per_slot)
+                kept[batch.logits_slot[firsts[r]], 1:1 + len(drafts[r])] = torch.tensor(drafts[r])
         return drafts
 
 
 def _generate(engine: LLMEngine, prompts, params, reference=None, error_rate: float = 0.3):
     if reference is not None:
-        engine.executor.drafter = OracleDrafter(engine.executor.drafter, reference, error_rate, engine.vocab_size)
+        engine.executor.drafter = OracleDrafter(engine.executor.drafter, reference, error_rate, engine.vocab_size,
+                                                dict(enumerate(map(len, prompts))))
     results = engine.generate(prompts, params)
     engine.kv.check()
     assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())  # nothing leaked
@@ -120,7 +129,7 @@ def test_preemption_and_prefix_cache_hits_in_the_middle(tiny_checkpoint):
     longer = [p + o[:30] for p, o in zip(prompts, expected)]
     again = _ids(_generate(_engine(tiny_checkpoint), longer, params))
     engine.executor.drafter.reference = dict(enumerate(again))
-    engine.executor.drafter.emitted.clear()
+    engine.executor.drafter.prompt_lengths = dict(enumerate(map(len, longer)))
     got = _generate(engine, longer, params)
     assert _ids(got) == again
     assert all(r["num_cached_tokens"] > 0 for r in got)
@@ -506,6 +515,7 @@ class GrammarCheckingDrafter(Drafter):
 
     def propose(self, batch, job, output, states, ready=None):
         drafts = super().propose(batch, job, output, states, ready)
+        firsts = job.first_logits_rows()  # (a row's state slot as the step had it: the request may be gone since)
         for r, proposed in drafts.items():
             if states[r].grammar is None:
                 continue

@@ -59,7 +59,7 @@ def test_a_staged_batch_unpacks_to_the_same_batch_in_one_buffer(tiny_checkpoint)
             assert start == device_buffer.untyped_storage().data_ptr(), f"{name} is not a view of the one buffer"
         assert unpacked.plans["csa"] is unpacked.plans["indexer"]  # shared plans stay shared
         assert unpacked.max_entries == batch.max_entries and unpacked.num_tokens == batch.num_tokens
-        assert (unpacked.token_source_slot >= 0).sum() == 2  # the decodes read their token on the device
+        assert (unpacked.token_source >= 0).sum() == 2  # the decodes read their token on the device
 
 
 def test_buffers_rotate_so_a_step_in_flight_keeps_its_own(tiny_checkpoint):

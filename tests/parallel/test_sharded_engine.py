@@ -226,7 +226,8 @@ def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, t
                       cuda_graphs=cuda_graphs)
     try:
         executor = sharded.executor
-        executor.drafter = OracleDrafter(executor.drafter, dict(enumerate(expected)), 0.3, sharded.vocab_size)
+        executor.drafter = OracleDrafter(executor.drafter, dict(enumerate(expected)), 0.3, sharded.vocab_size,
+                                         dict(enumerate(map(len, prompts))))
         assert [r["output_ids"] for r in sharded.generate(prompts, params)] == expected
         assert sharded.stats()["num_accepted_tokens"] > 0
         assert bool(cuda_graphs) == bool(sharded.core.runner.draft_chains and sharded.core.runner.draft_chains.keys)
