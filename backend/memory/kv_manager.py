@@ -94,12 +94,12 @@ class KVCacheManager:
         entries (kernels/modes.py; None: values in `dtype`). `state_dtype`: the compressor rings' (None: `dtype`;
         DeepSeek's numerics keep them in fp32, as its compressors run). `draft_layers`: the checkpoint's MTP layers
         served as speculative drafts (sliding-window layers: a layer more in the window pool each).
-        `speculative_tokens` (k): a decode computes up to 1 + k positions and its draft chain writes k - 1 more, and
-        with overlapped verify steps the next verify is scheduled as if this one accepted every draft (its positions
-        k + 1 further), so a request may hold pages up to 3k - 1 positions past its next one (the window's
-        lookahead), and every compressor ring keeps 2k positions more than its windows read, so that the ring writes
-        of rejected draft positions, and of a verify that was scheduled past them, only ever overwrite positions no
-        continuation reads: rolling a request back is moving its position, never a copy (backend/speculative.py)."""
+        `speculative_tokens` (k): a decode computes up to 1 + k positions and its draft chain writes k - 1 more (the
+        window's lookahead), and every compressor ring keeps k positions more than its windows read, so that the ring
+        writes of rejected draft positions only ever overwrite positions no continuation reads: rolling a request back
+        is moving its position, never a copy (backend/speculative.py). With one draft a verify may be scheduled as if
+        the one in flight accepted it (overlapped verify steps): a request may then fall back k positions behind its
+        position and hold pages 3k - 1 past it, and the rings keep 2k positions more."""
         self.model = model
         self.page_size = page_size
         self.window = model.sliding_window
@@ -108,9 +108,11 @@ class KVCacheManager:
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
         self.num_main_layers, self.speculative_tokens = model.num_hidden_layers, speculative_tokens
+        ahead = speculative_tokens if speculative_tokens == 1 else 0  # (overlapped verify steps: one draft a row)
+        self._lookbehind = ahead  # window positions a request keeps behind its own (try_extend)
         self.window_pool = WindowPool(model.num_hidden_layers + draft_layers, window_pages, page_size, entry,
                                       model.sliding_window, pool_dtype, device,
-                                      decode_lookahead=max(0, 3 * speculative_tokens - 1))
+                                      decode_lookahead=max(0, 2 * speculative_tokens - 1 + ahead))
         self.compressed_pools: dict[str, CompressedPool] = {}
         if csa_layers:
             self.compressed_pools["csa"] = CompressedPool(
@@ -120,7 +122,7 @@ class KVCacheManager:
             self.compressed_pools["hca"] = CompressedPool(
                 "hca", model.hca_rate, hca_layers, _pages(num_tokens // model.hca_rate, page_size, max_running_requests),
                 page_size, {"kv": entry}, pool_dtype, device)
-        slack = 2 * speculative_tokens  # ring positions beyond the windows' span (see above)
+        slack = speculative_tokens + ahead  # ring positions beyond the windows' span (see above)
         self._state_rings = {
             "csa": (csa_layers, 2 * model.csa_rate + slack, 2 * model.head_dim),
             "indexer": (csa_layers, 2 * model.csa_rate + slack, 2 * model.index_head_dim),
@@ -302,13 +304,14 @@ class KVCacheManager:
     def try_extend(self, seq, num_new_tokens: int) -> bool:
         """Allocate pages for tokens [num_computed, num_computed + n) (the first call also takes a slot); all or
         nothing: False, and nothing changed, when a pool (or the slots) is short. The window pages before the
-        window of num_computed - k are released first: no step scheduled from now on reads them (a step in flight may,
-        but it runs before any step that could write them again; a verify scheduled ahead of the one in flight may
-        fall back k positions when that one's drafts are rejected, overlapped verify steps)."""
+        window of num_computed - lookbehind are released first: no step scheduled from now on reads them (a step in
+        flight may, but it runs before any step that could write them again; with one draft a row, a verify scheduled
+        ahead of the one in flight falls back a position when that one's draft is rejected: overlapped verify
+        steps)."""
         pages, start = seq.pages, seq.num_computed_tokens
         if pages is not None and start + num_new_tokens <= pages.quiet_until:  # most decodes: nothing changes
             return True
-        self.release_slid_out(seq, max(0, start - self.speculative_tokens))
+        self.release_slid_out(seq, max(0, start - self._lookbehind))
         needs = self._page_needs(seq, num_new_tokens)
         if not self._fits(seq, needs):
             return False
