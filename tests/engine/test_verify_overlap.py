@@ -6,8 +6,8 @@ and `OracleDrafter`'s drafts (the reference continuation, some corrupted), which
 verify reads them. Whatever the drafts, the tokens must be those without speculation, the log-probabilities those of
 the same engine taking every step in before the next, and no page may be left held. Whether overlapping pays is the
 engine's estimate from the steps' costs (`VerifyOverlap`): on CPU the forward dwarfs the host's work, so it would
-not; these tests make it pay (a fake of that one part), but for the last, where the draft layer's own drafts (all
-rejected) must keep the engine taking every step in first.
+not; these tests make it pay (a fake of that one part), but for `test_the_engine_overlaps_verify_steps_where_it_pays`,
+where the draft layer's own drafts (all rejected) must keep the engine taking every step in first.
 """
 
 from __future__ import annotations
