@@ -105,11 +105,12 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
     single = len(ids) == len(lens)  # one token a row (decodes): row b's token is token b, at its start
     if single:
         offsets = token_seq = np.arange(len(lens))
-        positions = starts
+        within_row, positions = np.zeros(len(ids), np.int64), starts  # (each token the first of its row)
     else:
         offsets = np.cumsum(lens) - lens
         token_seq = np.repeat(np.arange(len(lens)), lens)
-        positions = starts[token_seq] + np.arange(len(ids)) - offsets[token_seq]
+        within_row = np.arange(len(ids)) - offsets[token_seq]
+        positions = starts[token_seq] + within_row
     real = np.arange(len(lens)) < len(rows)  # padding rows hold no pages: their tables are the scratch page's
 
     page_size, window_pool = kv.page_size, kv.window_pool
@@ -134,8 +135,8 @@ def build_forward_batch(rows: list[BatchRow], kv: KVCacheManager, device="cpu",
         positions=torch.from_numpy(positions),
         token_seq=torch.from_numpy(token_seq),
         # a row whose tokens the step before leaves on the device: its i-th read from its slot's i-th buffer entry
-        token_source=torch.from_numpy(np.where(from_previous[token_seq], slots[token_seq] * (kv.speculative_tokens + 1)
-                                               + np.arange(len(ids)) - offsets[token_seq], -1)),
+        token_source=torch.from_numpy(np.where(from_previous[token_seq],
+                                               slots[token_seq] * (kv.speculative_tokens + 1) + within_row, -1)),
         logits_token_index=torch.from_numpy(_last_tokens(offsets + lens, num_logits)),
         logits_slot=torch.from_numpy(np.repeat(slots, num_logits)),
         window_write_index=torch.from_numpy(write_index),
