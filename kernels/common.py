@@ -52,6 +52,13 @@ def row_alignment(*strides: int, cap: int = 16) -> int:
     return alignment
 
 
+def aligned_words(t: torch.Tensor) -> bool:
+    """Whether a kernel may read t's bytes as 4-byte words: on a GPU its start must be 4-byte aligned (device
+    allocations are); on the CPU, where Triton's interpreter runs, any start does (weights read from a safetensors
+    file's mapping start at any byte)."""
+    return t.device.type == "cpu" or t.data_ptr() % 4 == 0
+
+
 @lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":

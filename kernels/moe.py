@@ -49,7 +49,8 @@ Quantized experts (`QuantizedExperts`):
                 data [E, N, Kp/8] int32, scale [E, N, Kp/32] uint8, Kp = K rounded up to 128
 Their GEMMs put the weights on the MMA's M side (swap-AB: a decode step's 16 tokens of an expert would fill a
 quarter of Hopper's 64-row wgmma; 64 or 128 weight rows fill it) and step K by 128: one fp8 block scale, one mxfp4
-chunk. fp8 converts its tile to bf16 through fp32 (no F2F) and scales each step's product per weight row; with
+chunk. fp8 reads its tile as words of four codes, decodes them to bf16 with integer operations
+(quant_formats.e4m3_words_to_values: no conversion instruction) and scales each step's product per weight row; with
 quantize_hidden (DeepSeek's numerics) x and h are e4m3 with per-128 scales and the product is e4m3 x e4m3 (wgmma fp8),
 scaled per weight row and token: DeepSeek's own fp8_gemm. mxfp4 decodes its words into bf16 operands in registers.
 """
@@ -63,11 +64,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import TL_DTYPES, clamped_swiglu_values, compute_dtype, is_interpreting
+from kernels.common import TL_DTYPES, aligned_words, clamped_swiglu_values, compute_dtype, is_interpreting
 from kernels.fp8_gemm import plan_act_quant
 from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, MXFP4_CHUNK, dequantize_mxfp4, e4m3_groups,
-                                   mxfp4_words_to_values, repack_mxfp4, round_to_dtype, simulate_quantization,
-                                   unpack_mxfp4)
+                                   e4m3_words_to_values, mxfp4_words_to_values, repack_mxfp4, round_to_dtype,
+                                   simulate_quantization, unpack_mxfp4)
 from kernels.tuning import tuned
 
 
@@ -324,15 +325,26 @@ def _accumulate(acc, a, a_scale, w_ptr, s_ptr, expert, w_rows, w_row_mask, k0, k
 
     acc [BLOCK_M, BLOCK_N] += a @ W^T, or with SWAP_AB acc [BLOCK_N, BLOCK_M] += W @ a (a [BLOCK_K, BLOCK_M]): the
     weight rows on the MMA's M side, where they fill Hopper's 64-row wgmma and the tokens its narrow N side. fp8: the
-    e4m3 tile converted to COMPUTE_DTYPE (or, FP8_DOT, multiplied as e4m3 by e4m3 activations), the product scaled
-    per weight row by its 128 x 128 block scale (and per token by the activations' scale a_scale); mxfp4 (SWAP_AB):
-    the repacked tile decoded with its scales (quant_formats.mxfp4_words_to_values) straight into the MMA operand."""
+    e4m3 tile read as words and decoded to COMPUTE_DTYPE (quant_formats.e4m3_words_to_values) or, FP8_DOT,
+    multiplied as e4m3 by e4m3 activations; the product scaled per weight row by its 128 x 128 block scale (and per
+    token by the activations' scale a_scale); mxfp4 (SWAP_AB): the repacked tile decoded with its scales
+    (quant_formats.mxfp4_words_to_values) straight into the MMA operand."""
     # (one return at the end: Triton compiles the statements after a return in a constexpr branch too)
     if WEIGHT_FORMAT == 2:
         words = tl.load(w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + k0 // 8 + tl.arange(0, 16)[None, :],
                         mask=w_row_mask[:, None], other=0)
         scales = tl.load(s_ptr + expert * stride_se + w_rows * stride_sn + k0 // 128, mask=w_row_mask, other=0)
         acc = tl.dot(mxfp4_words_to_values(words, scales, COMPUTE_DTYPE), a, acc, input_precision=DOT_PRECISION)
+    elif WEIGHT_FORMAT == 1 and not FP8_DOT:  # e4m3 weights, activations in COMPUTE_DTYPE
+        words = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # four codes a word (K % 4 == 0): no conversion instruction
+        rows = (w_ptr + expert * stride_we + w_rows[:, None] * stride_wn).to(tl.pointer_type(tl.int32))
+        w = e4m3_words_to_values(tl.load(rows + words[None, :], mask=w_row_mask[:, None] &
+                                         (words < k_size // 4)[None, :], other=0), COMPUTE_DTYPE)
+        if not SWAP_AB:
+            w = tl.trans(w)
+        product = _oriented_dot(w, a, None, SWAP_AB, DOT_PRECISION)
+        acc += product * _fp8_scales(s_ptr, expert, w_rows, k0, w_row_mask, stride_se, stride_sn, rows_per_half,
+                                     a_scale, SWAP_AB, FP8_DOT)
     else:
         ks = k0 + tl.arange(0, BLOCK_K)
         if SWAP_AB:
@@ -343,26 +355,13 @@ def _accumulate(acc, a, a_scale, w_ptr, s_ptr, expert, w_rows, w_row_mask, k0, k
                         mask=(ks < k_size)[:, None] & w_row_mask[None, :], other=0.0)
         if WEIGHT_FORMAT == 0:
             acc = _oriented_dot(w.to(COMPUTE_DTYPE), a, acc, SWAP_AB, DOT_PRECISION)
-        else:
-            # an FP8 dot takes the default precision; under the interpreter it is an fp32 one (exact)
-            PRECISION: tl.constexpr = (None if NATIVE_FP8 else "ieee") if FP8_DOT else DOT_PRECISION
-            if FP8_DOT and not NATIVE_FP8:
-                a = a.to(tl.float32)
-            product = _oriented_dot(_fp8_operand(w, FP8_DOT, NATIVE_FP8, COMPUTE_DTYPE), a, None, SWAP_AB, PRECISION)
+        else:  # e4m3 by e4m3: an FP8 dot takes the default precision; the interpreter's is an fp32 one (exact)
+            if not NATIVE_FP8:
+                w, a = w.to(tl.float32), a.to(tl.float32)
+            product = _oriented_dot(w, a, None, SWAP_AB, None if NATIVE_FP8 else "ieee")
             acc += product * _fp8_scales(s_ptr, expert, w_rows, k0, w_row_mask, stride_se, stride_sn, rows_per_half,
                                          a_scale, SWAP_AB, FP8_DOT)
     return acc
-
-
-@triton.jit
-def _fp8_operand(w, FP8_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
-    """An e4m3 weight tile as the MMA takes it: converted to COMPUTE_DTYPE through fp32 (no F2F), or kept e4m3 for an
-    FP8 dot (as its fp32 values under the interpreter, which has no FP8 dot: exact)."""
-    if not FP8_DOT:
-        w = w.to(tl.float32).to(COMPUTE_DTYPE)
-    elif not NATIVE_FP8:
-        w = w.to(tl.float32)
-    return w
 
 
 @triton.jit
@@ -903,6 +902,7 @@ def _check_quantized(name: str, w: QuantizedExperts) -> None:
         blocks = (n // w.rows_per_half) * triton.cdiv(w.rows_per_half, 128)
         assert tuple(w.scale.shape) == (num_experts, blocks, triton.cdiv(k, 128)) and w.scale.dtype == torch.float32, (
             f"{name}: fp8 scales must be float32 [E, {blocks}, {triton.cdiv(k, 128)}], got {tuple(w.scale.shape)}")
+        assert k % 4 == 0 and aligned_words(w.data), f"{name}: fp8 rows are read as 4-byte words, K={k}"
     else:
         chunks = triton.cdiv(k, MXFP4_CHUNK)
         assert w.data.dtype == torch.int32 and tuple(w.data.shape) == (num_experts, n, 16 * chunks), \

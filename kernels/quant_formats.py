@@ -437,6 +437,45 @@ def _pairs_asm(doubled, multipliers, ASM: tl.constexpr):
                                      pack=2)
 
 
+# e4m3 weights on a GPU, straight to bf16 without a conversion instruction (Hopper converts 16 values a clock per SM,
+# one per byte of the weights a bandwidth-bound loop streams: a decode through f16 and f32 took two): word w (bytes
+# 4w..4w+3, column 4w + j in byte j) gives two bf16 pairs, pair h the columns 4w + 2h and 4w + 2h + 1. A byte permute
+# puts its two bytes at bits 8..15 / 24..31; the sign stays there, exponent and mantissa move 4 bits down to 4..10 /
+# 20..26 (the bf16 value e4m3 x 2^-120, subnormals too), and a multiply by 2^120 restores it (an fma adding -0.0:
+# sm_80 has no bf16 mul). Exact for every finite code (the NaN codes 0x7F / 0xFF give +-480).
+_E4M3_PAIR_ASM = ("{ .reg .b32 t, u, m, z; mov.b32 u, 0; prmt.b32 t, $1, u, %s; shr.b32 u, t, 4; "
+                  "and.b32 u, u, 0x07F007F0; and.b32 t, t, 0x80008000; or.b32 t, t, u; mov.b32 m, 0x7B807B80; "
+                  "mov.b32 z, 0x80008000; fma.rn.bf16x2 $0, t, m, z; }")
+E4M3_PAIR_ASM = tuple(_E4M3_PAIR_ASM % selector for selector in ("0x1404", "0x3424"))  # bytes 0, 1 / 2, 3
+_E4M3_LOW_ASM, _E4M3_HIGH_ASM = (tl.constexpr(asm) for asm in E4M3_PAIR_ASM)
+
+
+@triton.jit
+def e4m3_words_to_values(words, DTYPE: tl.constexpr):
+    """words [R, W] int32 of e4m3 codes (column 4w + j in byte j of word w) -> their values [R, 4W] in DTYPE, exact.
+    On a GPU in bf16 each word's pairs come from one asm instance each (E4M3_PAIR_ASM); elsewhere each code is cast."""
+    ROWS: tl.constexpr = words.shape[0]
+    w = words.to(tl.uint32, bitcast=True)
+    if _COMPILED and DTYPE == tl.bfloat16:
+        doubled = _doubled(w)
+        low = tl.inline_asm_elementwise(_E4M3_LOW_ASM, "=r,r,r", [doubled], dtype=tl.bfloat16, is_pure=True, pack=2)
+        high = tl.inline_asm_elementwise(_E4M3_HIGH_ASM, "=r,r,r", [doubled], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
+    else:
+        low, high = _e4m3_pair(w, 0, DTYPE), _e4m3_pair(w, 16, DTYPE)
+    pairs = tl.join(tl.reshape(low, [ROWS, words.shape[1], 2]), tl.reshape(high, [ROWS, words.shape[1], 2]))
+    return tl.reshape(tl.permute(pairs, (0, 1, 3, 2)), [ROWS, 4 * words.shape[1]])  # column 4w + 2h + lane
+
+
+@triton.jit
+def _e4m3_pair(w, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
+    """The pair of codes at bits SHIFT..SHIFT + 15 of words [R, W] (uint32) -> [R, 2W] values, columns 2w and 2w + 1
+    the lower and the higher code: what an E4M3_PAIR_ASM instance writes."""
+    lower = ((w >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    higher = ((w >> (SHIFT + 8)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.join(lower, higher).reshape(w.shape[0], 2 * w.shape[1]).to(DTYPE)
+
+
 @triton.jit
 def e2m1_value(code):
     """The float32 values of e2m1 codes (int32, 4 bits: sign, 2 exponent bits, 1 mantissa bit): +-0, 0.5, 1, 1.5, 2,

@@ -57,7 +57,7 @@ from kernels.mhc import plan_hc_collapse, plan_hc_head, plan_hc_mix, plan_hc_mix
 from kernels.moe import QuantizedExperts, Routing, plan_fused_moe, plan_routed_alignment, plan_swiglu  # noqa: E402
 from kernels.kv_store import plan_store_indexer_fp4, plan_store_kv_fp8  # noqa: E402
 from kernels.norm_rope import plan_norm_rope  # noqa: E402
-from kernels.quant_formats import (FP4_PAIR_ASM, MXFP4_GROUP_ASM, indexer_fp4_entry_bytes,  # noqa: E402
+from kernels.quant_formats import (E4M3_PAIR_ASM, FP4_PAIR_ASM, MXFP4_GROUP_ASM, indexer_fp4_entry_bytes,  # noqa: E402
                                    kv_fp8_entry_bytes)
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
 from scripts.kernel_sass import describe, loop_profile, program_length  # noqa: E402
@@ -411,7 +411,7 @@ def streamed_bytes_per_iteration(kernel, args, kwargs) -> float | None:
     indexer: the key tile, shared by the attention's head blocks, each of which reads it, so that counts per byte
     compare tiles); None for a kernel that streams neither."""
     name = kernel.fn.__name__
-    if name == "_fp8_gemm_kernel":
+    if name in ("_fp8_gemm_kernel", "_grouped_fp8_kernel"):
         return kwargs["BLOCK_N"] * kwargs["BLOCK_K"]
     if name in ("_moe_gate_up_kernel", "_moe_down_kernel"):
         tiles = 2 if name == "_moe_gate_up_kernel" else 1  # gate and up
@@ -435,27 +435,29 @@ def _loop_line(kernel, args, kwargs: dict, num_warps: int, cubin: bytes) -> str:
 
 
 def decode_asm_problem(llir: str, asms: tuple[str, ...], what: str) -> str:
-    """What is wrong with a kernel's decode asm (quant_formats.MXFP4_GROUP_ASM, FP4_PAIR_ASM) in its LLVM IR, "" if
-    nothing: every instance must take one word twice and one multiplier register twice (pack=2 over tensors joined
-    with themselves), or the pair it writes would mix two words. An IR with no instance fails too (the kernel must
-    decode through them)."""
+    """What is wrong with a kernel's decode asm (quant_formats.MXFP4_GROUP_ASM, FP4_PAIR_ASM, E4M3_PAIR_ASM) in its
+    LLVM IR, "" if nothing: every instance must take each of its inputs twice, one word (and one multiplier
+    register) twice (pack=2 over tensors joined with themselves), or the pair it writes would mix two words. An IR
+    with no instance fails too (the kernel must decode through them)."""
     calls = [line for line in llir.splitlines() if any(asm in line for asm in asms)]
     operands = [re.findall(r"i32 (%[\w.]+)", line.rsplit('"', 1)[1]) for line in calls]
-    mixed = sum(len(ops) != 4 or ops[0] != ops[1] or ops[2] != ops[3] for ops in operands)
+    mixed = sum(len(ops) not in (2, 4) or ops[0::2] != ops[1::2] for ops in operands)
     if not calls:
         return f"no {what} decode asm"
     return f"{mixed} of {len(calls)} {what} decode asm instances mix two words" if mixed else ""
 
 
-def _decode_asm(kwargs: dict) -> tuple[tuple[str, ...], str] | None:
-    """The decode asm a launch's kernel must hold on a GPU (bf16 tiles of MXFP4 experts, or of FP4 keys whose
-    entries are 4-byte aligned), and its name."""
+def _decode_asm(kernel, kwargs: dict) -> tuple[tuple[str, ...], str] | None:
+    """The decode asm a launch's kernel must hold on a GPU (bf16 tiles of MXFP4 experts, of FP4 keys whose entries
+    are 4-byte aligned, or of the grouped o_a's e4m3 weights), and its name."""
     if kwargs.get("COMPUTE_DTYPE") != tl.bfloat16:
         return None
     if kwargs.get("WEIGHT_FORMAT") == 2:
         return MXFP4_GROUP_ASM, "MXFP4"
     if kwargs.get("KEYS_FP4") and kwargs["ALIGN"] % 4 == 0:
         return FP4_PAIR_ASM, "FP4 key"
+    if kernel.fn.__name__ == "_grouped_fp8_kernel":
+        return E4M3_PAIR_ASM, "e4m3"
     return None
 
 
@@ -480,7 +482,7 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
         tiles = ",".join(f"{k}={v}" for k, v in kwargs.items() if k.startswith("BLOCK") or k in _VARIANT_KWARGS)
         config = f"{model} {case} [{tiles},warps={options.num_warps},stages={options.num_stages}]"
         loop = _loop_line(kernel, args, kwargs, options.num_warps, compiled.asm["cubin"]) if sass else ""
-        decode = _decode_asm(kwargs)
+        decode = _decode_asm(kernel, kwargs)
         decode = decode_asm_problem(compiled.asm["llir"], *decode) if decode else ""
         results.append((_key(kernel, args, kwargs), Compiled(
             kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,

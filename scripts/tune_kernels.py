@@ -173,7 +173,7 @@ def v4_flash_sweeps() -> list[Sweep]:
     moe = [dict(gate_up=dict(num_warps=8)), dict(down=dict(num_warps=8)), _double("BLOCK_M"),
            dict(gate_up=dict(num_stages=3), down=dict(num_stages=3))]
     fp8_gemm = [_halve("BLOCK_N", 64), _double("BLOCK_M"), dict(num_stages=4), dict(num_warps=8)]
-    grouped = [_double("BLOCK_N"), _halve("BLOCK_N"), dict(num_stages=4), dict(num_warps=8)]
+    grouped = [_double("BLOCK_N"), _halve("BLOCK_N"), dict(num_stages=4), _double("num_warps")]
     fp32_linear = [_halve("BLOCK_N"), dict(BLOCK_K=64, num_stages=4), dict(num_warps=8)]
     return [_moe_sweep(s, "mxfp4", moe), _attention_sweep(s, "csa", True, fp8_attention),
             _attention_sweep(s, "hca", True, fp8_attention), _indexer_sweep(s, True, indexer),

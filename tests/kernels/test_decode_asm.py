@@ -1,5 +1,5 @@
-"""The FP4 decodes a GPU runs: the inline asm of kernels/quant_formats.py (the MXFP4 experts' MXFP4_GROUP_ASM, the
-indexer's FP4 keys' FP4_PAIR_ASM), which the interpreter cannot run.
+"""The decodes a GPU runs: the inline asm of kernels/quant_formats.py (the MXFP4 experts' MXFP4_GROUP_ASM, the
+indexer's FP4 keys' FP4_PAIR_ASM, the grouped o_a's e4m3 E4M3_PAIR_ASM), which the interpreter cannot run.
 
 Their PTX is run here by a small emulator of the instructions they use, on words and scales as the kernels read
 them, and must give the published weights and the stored keys exactly; the multipliers the MXFP4 decode reads come
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_formats import (FP4_PAIR_ASM, MXFP4_CHUNK, MXFP4_GROUP_ASM, dequantize_mxfp4,
+from kernels.quant_formats import (E4M3_PAIR_ASM, FP4_PAIR_ASM, MXFP4_CHUNK, MXFP4_GROUP_ASM, dequantize_mxfp4,
                                    fp4_pairs_in_column_order, mxfp4_multiplier_pairs, pack_indexer_fp4, repack_mxfp4,
                                    unpack_indexer_fp4)
 
@@ -24,7 +24,7 @@ MULTIPLIERS_OF_GROUP = ("even", "odd", "even", "odd")
 
 
 def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
-    """$0 of an asm instance made of the instructions the decode uses (and, or, shl, shr, mov of b32 values, of
+    """$0 of an asm instance made of the instructions the decode uses (and, or, shl, shr, prmt, mov of b32 values, of
     immediates and of b16 halves, fma.rn.bf16x2), every register a uint32 (b16: the low 16 bits) array."""
     regs = {name: value.astype(np.uint64) for name, value in inputs.items()}
     shape = inputs["$1"].shape
@@ -56,6 +56,11 @@ def run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> np.ndarray:
             result = (values[0] << values[1]) & 0xFFFFFFFF
         elif opcode == "shr.b32":
             result = values[0] >> values[1]
+        elif opcode == "prmt.b32":  # result byte i: byte (selector nibble i) of b:a (the replicating modes not used)
+            a, b, selector = values
+            both = a | (b << 32)
+            assert not (selector & 0x8888).any(), "a sign-replicating selector"
+            result = sum(((both >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif opcode == "fma.rn.bf16x2":  # each half a * b + c in float64, to bf16 through float32 (exact here)
             a, b, c = values
             result = _bf16(_float(a & 0xFFFF).astype(np.float64) * _float(b & 0xFFFF) + _float(c & 0xFFFF)) | \
@@ -182,3 +187,36 @@ def test_the_fp4_key_decode_puts_each_pair_in_its_columns():
     out = torch.empty(4, 128)
     _pairs_in_order_kernel[(1,)](out, ROWS=4, WORDS=16)
     assert torch.equal(out.cpu(), torch.arange(128.0).expand(4, 128))
+
+
+def decode_e4m3_like_the_gpu(words: np.ndarray) -> np.ndarray:
+    """float32 values [N, 4] of uint32 words [N] (byte j the code of column j) through E4M3_PAIR_ASM (pair h: the
+    columns 2h and 2h + 1)."""
+    out = np.zeros((len(words), 4), dtype=np.uint64)
+    for h, asm in enumerate(E4M3_PAIR_ASM):
+        pair = run_ptx(asm, {"$1": words, "$2": words})
+        out[:, 2 * h], out[:, 2 * h + 1] = pair & 0xFFFF, pair >> 16
+    return _float(out)
+
+
+def test_the_gpus_e4m3_decode_asm_gives_every_codes_value():
+    """Every pair of e4m3 codes (65,536 words, each pair of codes in both halves of a word), subnormals and negative
+    zero included, decodes to the code's value; the NaN codes, which no weight holds, to +-480."""
+    codes = np.arange(256, dtype=np.uint32)
+    first, second = np.repeat(codes, 256), np.tile(codes, 256)
+    words = first | (second << 8) | (second << 16) | (first << 24)
+    decoded = torch.from_numpy(decode_e4m3_like_the_gpu(words))
+    byte_values = torch.from_numpy(codes.astype(np.uint8)).view(torch.float8_e4m3fn).float()
+    byte_values[[0x7F, 0xFF]] = torch.tensor([480.0, -480.0])
+    expected = torch.stack([byte_values[torch.from_numpy(c.astype(np.int64))] for c in (first, second, second, first)],
+                           dim=1)
+    assert torch.equal(decoded, expected)
+    assert torch.equal(torch.signbit(decoded), torch.signbit(expected))
+
+
+def test_the_emulator_sees_a_wrong_e4m3_selector():
+    """Pairs taken from the wrong bytes change the values: the check above can fail."""
+    words = np.arange(1, 1 << 16, 97, dtype=np.uint32) * 0x10001
+    broken = E4M3_PAIR_ASM[1].replace("0x3424", "0x2434")
+    assert not np.array_equal(run_ptx(broken, {"$1": words, "$2": words}),
+                              run_ptx(E4M3_PAIR_ASM[1], {"$1": words, "$2": words}))
