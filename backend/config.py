@@ -111,6 +111,11 @@ class EngineConfig:
     # with one rank (graphs of several ranks' steps capture their collectives: asked for with True, not yet run on
     # GPUs).
     cuda_graphs: bool | None = None
+    # Programmatic dependent launch (kernels/common.py): each Triton kernel is started while the one before it runs and
+    # waits on the device for it, so that a decode step's launches (some 800 at V4-Flash's batch 1) overlap the
+    # kernels before them instead of following their ends. A CUDA device of compute capability 9.0 or more (Hopper).
+    # Off until timed on a GPU (scripts/gpu_check.sh's v4_pdl part compares it with the default).
+    programmatic_dependent_launch: bool = False
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: docs/host-loop.md#threads). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
@@ -150,6 +155,10 @@ class EngineConfig:
         _check(not (self.kv_cache_dtype == "fp8" and self.numerics == "transformers"), "kv_cache_dtype",
                self.kv_cache_dtype, "bfloat16 or auto with numerics=transformers (the fp8 layout stores DeepSeek's "
                "roundings of the entries and its rotated indexer keys: set numerics=deepseek)")
+        _check(not self.programmatic_dependent_launch or self.resolved_device() == "cuda",
+               "programmatic_dependent_launch", self.programmatic_dependent_launch,
+               "false off a CUDA device (it launches CUDA kernels; device resolves to "
+               f"{self.resolved_device()!r})")
         _check_int(self, "max_running_requests", 1)
         # Every running request's decode must fit one step, and with one request still in prefill
         # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.

@@ -29,6 +29,7 @@ from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.parallel_layout import ParallelLayout
 from backend.model.weight_names import draft_layer_index
+from kernels.common import set_programmatic_dependent_launch
 from kernels.dispatch import KernelDispatch, default_mode
 from kernels.modes import KVLayout, Numerics
 
@@ -193,7 +194,21 @@ def load_model(config: EngineConfig, deployment: Deployment, device, dtype, layo
     weights = build(deployment.model_config, dtype, device, deployment.weight_format, layout=layout,
                     draft_layers=deployment.draft_layers)
     kernels = KernelDispatch(kernel_mode or default_mode(config.use_reference_kernels), deployment.numerics)
+    if config.programmatic_dependent_launch:
+        check_programmatic_dependent_launch(device)
+    set_programmatic_dependent_launch(config.programmatic_dependent_launch)
     return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm)
+
+
+def check_programmatic_dependent_launch(device) -> None:
+    """ConfigError, naming the parameter, unless `device` has programmatic dependent launch (kernels/common.py): a
+    CUDA device of compute capability 9.0 or more."""
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is None or capability < (9, 0):
+        found = f"compute capability {capability[0]}.{capability[1]}" if capability else "no CUDA device"
+        raise ConfigError(f"programmatic_dependent_launch=true needs a CUDA device of compute capability 9.0 or more "
+                          f"(Hopper); {device} has {found}")
 
 
 def check_deployment(config: EngineConfig) -> int:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import launch, wait_for_previous_kernel
 from kernels.quant_formats import (FP8_ACT_BLOCK, MXFP4_BLOCK, e4m3_groups, indexer_rounded, simulate_indexer_fp4,
                                    simulate_quantization)
 
@@ -34,9 +35,10 @@ def round_indexer_reference(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _round_kernel(x_ptr, out_ptr, num_rows, num_cols, stride_x, stride_out, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr, FP4: tl.constexpr, LOG_C: tl.constexpr):
+                  BLOCK_C: tl.constexpr, FP4: tl.constexpr, LOG_C: tl.constexpr, PDL: tl.constexpr = False):
     """Program (BLOCK_R rows, BLOCK_C columns): e4m3 groups of 128 (act_quant), or (FP4) each row of BLOCK_C columns
     rotated, then e2m1 groups of 32, each value times its scale, in out's dtype."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
@@ -76,8 +78,7 @@ def plan_round(x: torch.Tensor, fp4: bool):
 
 def _run(x: torch.Tensor, fp4: bool) -> torch.Tensor:
     out, launches = plan_round(x, fp4)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out
 
 

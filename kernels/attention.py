@@ -44,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import compiled_programs_per_sm, compute_dtype, launch_options, num_sms, row_alignment
+from kernels.common import (compiled_programs_per_sm, compute_dtype, launch, launch_options, num_sms, row_alignment,
+                            wait_for_previous_kernel)
 from kernels.norm_rope import norm_rope_reference, norm_rope_tile, normed_rows, rms_factor, rope_tail
 from kernels.quant_formats import decode_kv_entries, kv_fp8_entry_bytes, load_kv_entries
 from kernels.tuning import dtype_name, tuned
@@ -116,8 +117,10 @@ def _sparse_paged_attention_kernel(
     KV_FP8: tl.constexpr, ROPE_DIM: tl.constexpr,  # pools of the fp8 layout's bytes (kernels/quant_formats.py)
     WINDOW_ALIGN: tl.constexpr, COMP_ALIGN: tl.constexpr,  # the pools' entries start at multiples of these elements
     Q_NORM: tl.constexpr, QUERY_ROPE: tl.constexpr,  # q normed per head / roped (and the output un-roped) here
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (token t, head block, split): online softmax over its share of the token's key blocks."""
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -228,8 +231,10 @@ def _split_kv_combine_kernel(
     stride_lse_t, stride_lse_h,
     stride_ot, stride_oh, stride_ct, stride_st,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, QUERY_ROPE: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (token t, head h): merge the splits' partial outputs with the sink, in base 2."""
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -442,8 +447,7 @@ def _check_pool(name, pool, block_table, q, rope_dim):
 
 
 def _launch(launches) -> None:
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
 
 
 def sparse_paged_attention_triton(

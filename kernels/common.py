@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 DEFAULT_NUM_SMS = 132  # H100 / H200; used off a CUDA device (interpreter, compile check)
 # One sm_90 streaming multiprocessor: what bounds the programs resident at once.
@@ -142,3 +143,40 @@ def last_to_arrive(counter_ptr, index, arrivals):
     if last:
         tl.store(counter_ptr + index, 0)
     return last
+
+
+# --- launches ---------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (Hopper on): a kernel may be started while the one before it in the stream still runs,
+# its programs resident and waiting at `griddepcontrol.wait` until that one has finished and its writes are visible,
+# rather than launched after it ends: the launch and the programs' start overlap the kernel before (a decode step at
+# batch 1 is some 800 short kernels). Every kernel here waits first, before it reads or writes anything, and then lets
+# the kernel after it start; a kernel after a torch operator waits for it in the same way (nothing to wait for). The
+# engine's `programmatic_dependent_launch` turns it on for the process (`set_programmatic_dependent_launch`).
+_PDL = {"on": False}
+
+
+def set_programmatic_dependent_launch(on: bool) -> None:
+    """Launch this process's kernels with programmatic dependent launch (a CUDA device of compute capability 9.0 or
+    more) or without."""
+    _PDL["on"] = on
+
+
+def programmatic_dependent_launch() -> bool:
+    return _PDL["on"]
+
+
+def launch(launches) -> None:
+    """Run a plan's launches [(kernel, grid, args, kwargs)], with programmatic dependent launch where it is on."""
+    pdl = dict(PDL=True, launch_pdl=True) if _PDL["on"] else {}
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs, **pdl)
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """Every kernel's first statement: launched with programmatic dependent launch (PDL), wait until the kernel before
+    it has finished, then let the one after it start (the one after waits in the same way, so that nothing it does can
+    overtake this one's reads or writes). A no-op otherwise."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import TL_DTYPES
+from kernels.common import TL_DTYPES, launch, wait_for_previous_kernel
 from kernels.kv_store import scale_slots, store_entries_reference, store_fp4_key, store_fp8_entry, store_keys_reference
 from kernels.norm_rope import apply_rope, rms_factor, rms_norm
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes
@@ -312,8 +312,10 @@ def _compress_kernel(
     ENTRY_DTYPE: tl.constexpr,  # the pooled entry's dtype before its norm and rope (pooling is in kv's)
     FP8_POOL: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # a uint8 pool of the fp8 layout: quantize on write
     FP4_KEYS: tl.constexpr, LOG_HEAD_DIM: tl.constexpr,  # a uint8 pool of indexer keys: rotate, then FP4
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """One compressor's launch: its entries' programs, then its keep rows' (`_compress_program`)."""
+    wait_for_previous_kernel(PDL)
     _compress_program(
         tl.program_id(0),
         kv_ptr, gate_ptr, state_kv_ptr, state_gate_ptr, ring_slots_ptr, ring_order_ptr, entry_src_ptr,
@@ -351,9 +353,11 @@ def _compress_pair_kernel(
     BLOCK_S_b: tl.constexpr, BLOCK_D_b: tl.constexpr, BLOCK_KEEP_b: tl.constexpr, BLOCK_W_b: tl.constexpr,
     ENTRY_DTYPE_b: tl.constexpr, FP8_POOL_b: tl.constexpr, SCALE_SLOTS_b: tl.constexpr, FP4_KEYS_b: tl.constexpr,
     LOG_HEAD_DIM_b: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Two compressors in one launch (a CSA layer's and its indexer's, over one plan): programs_a programs of the
     first's launch, then the second's."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if pid < programs_a:
         _compress_program(
@@ -471,7 +475,5 @@ def compress_into_pool_triton(kv, gate, state_kv, state_gate, plan, position_bia
                               entry_sin, pool, block_table, config: dict | None = None, *, entry_dtype=None,
                               keys: bool = False) -> None:
     """Triton version of `compress_into_pool_reference` (same arguments and effects)."""
-    for kernel, grid, args, kwargs in plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias,
-                                                              norm_weight, eps, entry_cos, entry_sin, pool,
-                                                              block_table, config, entry_dtype, keys):
-        kernel[grid](*args, **kwargs)
+    launch(plan_compress_into_pool(kv, gate, state_kv, state_gate, plan, position_bias, norm_weight, eps, entry_cos,
+                                   entry_sin, pool, block_table, config, entry_dtype, keys))

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import sparse_paged_attention_reference
+from kernels.common import launch
 from kernels.compressor import CompressorRun, round_stored_entries
 from kernels.fp8_gemm import Fp8Weight, fp8_gemm_reference
 from kernels.indexer import indexer_scores_reference
@@ -212,11 +213,10 @@ class KernelDispatch:
         if self.use_triton(runs[0].kv):
             from kernels.compressor import pair_compress_launches, plan_compress_into_pool
 
-            launches = [run.run(plan_compress_into_pool) for run in runs]
+            per_run = [run.run(plan_compress_into_pool) for run in runs]
             if len(runs) == 2 and runs[0].plan is runs[1].plan:
-                launches = [pair_compress_launches(*launches)]
-            for kernel, grid, args, kwargs in (launch for planned in launches for launch in planned):
-                kernel[grid](*args, **kwargs)
+                per_run = [pair_compress_launches(*per_run)]
+            launch([one for launches in per_run for one in launches])
         else:
             from kernels.compressor import compress_into_pool_reference
 
@@ -243,8 +243,7 @@ class KernelDispatch:
         if not self.use_triton(routing.logits):
             return routing.reference()
         out, launches = routing.plan()
-        for kernel, grid, args, kwargs in launches:
-            kernel[grid](*args, **kwargs)
+        launch(launches)
         return out
 
     def apply_token_bitmask(self, logits, bitmask, rows) -> None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype, rows_per_program
+from kernels.common import compute_dtype, launch, rows_per_program, wait_for_previous_kernel
 from kernels.quant_formats import round_to_dtype
 from kernels.tuning import tuned
 
@@ -35,10 +35,11 @@ def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 @triton.jit(do_not_specialize=["num_tokens"])
 def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stride_wn, stride_ot,
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_PARTS: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr):
+                        DOT_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (BLOCK_N weight rows, BLOCK_T tokens): acc [BLOCK_N, BLOCK_T] = W x^T over K. X_PARTS 1 or 3: the
     weight is bf16 and x goes in as that many parts on the bf16 grid (a bf16 x is one), each dot in DOT_DTYPE (bf16;
     float32 holding the same values under the interpreter, whose bf16 dots are wrong); 0: float32 dots."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask, token_mask = rows < n, tokens < num_tokens
@@ -100,6 +101,5 @@ def fp32_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`fp32_linear_reference` in one launch, x [..., K]."""
     flat = x.reshape(-1, x.shape[-1])
     out, launches = plan_fp32_linear(flat if flat.stride(-1) == 1 else flat.contiguous(), weight)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting,
-                            last_to_arrive, num_sms, split_counters)
+from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting, last_to_arrive,
+                            launch, num_sms, split_counters, wait_for_previous_kernel)
 from kernels.norm_rope import norm_rope_reference, rms_factor, rms_norm as rms_norm_reference, rope_tail
 from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, indexer_rounded,
                                    quantize_groups, round_to_e4m3, scale_to_float)
@@ -70,6 +70,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr, PROLOGUE: tl.constexpr,
     ROPE: tl.constexpr, ROUND_INDEXER: tl.constexpr, LOG_N: tl.constexpr,  # the epilogue (`head_rope`)
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (token tile m, column tile n, K split s): out[rows, cols] = the sum over its K groups of the scaled FP8
     products; with SPLIT_K > 1 the last split of a tile to finish adds the others' partial sums and stores.
@@ -79,6 +80,7 @@ def _fp8_gemm_kernel(
     each step quantizes its x tile in registers, after the PROLOGUE (`gemm_input`): the clamped SwiGLU of a gate|up
     x [T, 2K], or x's weighted RMSNorm (each row's factor from a first pass over its K), rounded to x's dtype.
     ROPE > 0: a column tile is one head, roped (and with ROUND_INDEXER rounded) before it is stored (`head_rope`)."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -343,16 +345,16 @@ def fp8_gemm_triton(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *
     """Triton version of `fp8_gemm_reference` (same arguments, [T, N] in x's dtype; x_quantized: `plan_fp8_gemm`)."""
     out, launches = plan_fp8_gemm(x, w_q, w_scale, config=config, swiglu_limit=swiglu_limit, rms_norm=rms_norm,
                                   x_quantized=x_quantized, rope=rope, round_indexer=round_indexer)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _act_quant_kernel(x_ptr, norm_w_ptr, q_ptr, s_ptr, num_tokens, k, prologue_scalar, stride_xt, stride_qt, stride_st,
-                      BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, PROLOGUE: tl.constexpr):
+                      BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (BLOCK_T rows, GROUPS groups of 128 columns): DeepSeek's act_quant, e4m3 values and their scales, of x
     or of what the PROLOGUE computes of it (`gemm_input`)."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * GROUPS * 128 + tl.arange(0, GROUPS * 128)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -396,8 +398,7 @@ def act_quant_triton(x: torch.Tensor, *, swiglu_limit: float | None = None,
                      rms_norm: tuple[torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`plan_act_quant`'s launch run: (x_q, s_x) of x, or of its SwiGLU / RMSNorm."""
     quantized, launches = plan_act_quant(x, swiglu_limit=swiglu_limit, rms_norm=rms_norm)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return quantized
 
 

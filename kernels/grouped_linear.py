@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import aligned_words, compute_dtype, rows_per_program
+from kernels.common import aligned_words, compute_dtype, launch, rows_per_program, wait_for_previous_kernel
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_BLOCK, dequantize_fp8, e4m3_words_to_values
 from kernels.tuning import tuned
@@ -38,9 +38,10 @@ def grouped_linear_reference(x: torch.Tensor, weight) -> torch.Tensor:
 @triton.jit(do_not_specialize=["num_tokens"])
 def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, num_tokens, rows_per_group, k, stride_xt, stride_xg,
                         stride_wn, stride_sn, stride_ot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+                        BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
     """Program (BLOCK_N rows of one group, BLOCK_T tokens): acc [BLOCK_N, BLOCK_T] = W_g x_g^T, a 128-wide K step at a
     time times its block scale."""
+    wait_for_previous_kernel(PDL)
     tiles_per_group = tl.cdiv(rows_per_group, BLOCK_N)
     group = tl.program_id(0) // tiles_per_group
     local = (tl.program_id(0) % tiles_per_group) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,6 +105,5 @@ def grouped_linear_triton(x: torch.Tensor, weight) -> torch.Tensor:
     if not isinstance(weight, Fp8Weight):
         return grouped_linear_reference(x, weight)
     out, launches = plan_grouped_linear(x, weight)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out

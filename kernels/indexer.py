@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype, row_alignment
+from kernels.common import compute_dtype, launch, row_alignment, wait_for_previous_kernel
 from kernels.quant_formats import decode_indexer_keys, indexer_fp4_entry_bytes, load_indexer_keys
 from kernels.tuning import dtype_name, tuned
 
@@ -44,8 +44,10 @@ def _indexer_scores_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KEYS_FP4: tl.constexpr,  # a pool of FP4 keys' bytes (kernels/quant_formats.py)
     ALIGN: tl.constexpr,  # the keys start at multiples of ALIGN elements
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (token t, block of BLOCK_E entries): gather the keys once, loop over head blocks."""
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     entries = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     seq = tl.load(token_seq_ptr + t).to(tl.int64)
@@ -147,8 +149,7 @@ def indexer_scores_triton(
     """
     scores, launches = plan_indexer_scores(q, weights, softmax_scale, token_seq, token_pos, index_k, block_table,
                                            compress_rate, max_entries=max_entries, block_e=block_e)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return scores
 
 

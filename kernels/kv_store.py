@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import launch, wait_for_previous_kernel
 from kernels.quant_formats import (KV_FP8_BLOCK, MXFP4_BLOCK, e2m1_groups, e4m3_scale_codes, hadamard_rotate,
                                    indexer_fp4_entry_bytes, kv_fp8_entry_bytes, pack_indexer_fp4, pack_kv_fp8, padded8,
                                    round_to_e4m3, rotate_rows)
@@ -83,9 +84,10 @@ def store_fp8_entry(pool_ptr, rope_ptr, row, x, HEAD_DIM: tl.constexpr, ROPE_DIM
 
 
 @triton.jit
-def _store_kv_fp8_kernel(values_ptr, rows_ptr, pool_ptr, rope_ptr, stride_v, stride_row,
-                         HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, SCALE_SLOTS: tl.constexpr):
+def _store_kv_fp8_kernel(values_ptr, rows_ptr, pool_ptr, rope_ptr, stride_v, stride_row, HEAD_DIM: tl.constexpr,
+                         ROPE_DIM: tl.constexpr, SCALE_SLOTS: tl.constexpr, PDL: tl.constexpr = False):
     """Program e: entry e encoded into its row."""
+    wait_for_previous_kernel(PDL)
     e = tl.program_id(0).to(tl.int64)
     x = tl.load(values_ptr + e * stride_v + tl.arange(0, HEAD_DIM)).to(tl.float32)
     store_fp8_entry(pool_ptr, rope_ptr, tl.load(rows_ptr + e).to(tl.int64) * stride_row, x, HEAD_DIM, ROPE_DIM,
@@ -120,8 +122,9 @@ def store_fp4_key(pool_ptr, row, x, HEAD_DIM: tl.constexpr, ROTATE: tl.constexpr
 
 @triton.jit
 def _store_indexer_fp4_kernel(keys_ptr, rows_ptr, pool_ptr, stride_k, stride_row, HEAD_DIM: tl.constexpr,
-                              ROTATE: tl.constexpr, LOG_HEAD_DIM: tl.constexpr):
+                              ROTATE: tl.constexpr, LOG_HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False):
     """Program e: key e into its row."""
+    wait_for_previous_kernel(PDL)
     e = tl.program_id(0).to(tl.int64)
     x = tl.load(keys_ptr + e * stride_k + tl.arange(0, HEAD_DIM)[None, :]).to(tl.float32)  # [1, HEAD_DIM]
     store_fp4_key(pool_ptr, tl.load(rows_ptr + e).to(tl.int64) * stride_row, x, HEAD_DIM, ROTATE, LOG_HEAD_DIM,
@@ -167,12 +170,10 @@ def plan_store_indexer_fp4(keys, pool, rows, rotate: bool = False):
 
 def store_kv_fp8_triton(values: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, rope_dim: int) -> None:
     """Triton version of `store_kv_fp8_reference`: one launch."""
-    for kernel, grid, args, kwargs in plan_store_kv_fp8(values, pool, rows, rope_dim):
-        kernel[grid](*args, **kwargs)
+    launch(plan_store_kv_fp8(values, pool, rows, rope_dim))
 
 
 def store_indexer_fp4_triton(keys: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor,
                              rotate: bool = False) -> None:
     """Triton version of `store_indexer_fp4_reference`: one launch."""
-    for kernel, grid, args, kwargs in plan_store_indexer_fp4(keys, pool, rows, rotate):
-        kernel[grid](*args, **kwargs)
+    launch(plan_store_indexer_fp4(keys, pool, rows, rotate))

@@ -51,7 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import DEFAULT_NUM_SMS, SPLIT_COUNTERS, last_to_arrive, num_sms, split_counters
+from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, last_to_arrive, launch, num_sms, split_counters,
+                            wait_for_previous_kernel)
 from kernels.fp8_gemm import plan_act_quant, quantize_activations_reference
 from kernels.quant_formats import e4m3_groups
 
@@ -145,12 +146,14 @@ def _hc_collapse_kernel(
     HAS_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WIDTH_PP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MIX: tl.constexpr, HAS_SECOND: tl.constexpr, FP32_MIX: tl.constexpr,
     QUANTIZE_X: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (b, split): tokens [b * BLOCK_T, (b + 1) * BLOCK_T), the split's share of the N * D inputs; the
     last split of block b to finish (or the only one) sums the partial products and does the rest. MIX: the
     streams it collapses are first mixed from the ones before the block (`_mixed_tile`, the mix kernel's values),
     each tile as pass 1 reaches it, and written to s_ptr. QUANTIZE_X (with the norm, BLOCK_D = 128): x is also
     written act_quant'ed (DeepSeek's e4m3 per 128 columns) for the experts that read it so."""
+    wait_for_previous_kernel(PDL)
     block = tl.program_id(0)
     split = tl.program_id(1)
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -320,8 +323,10 @@ def _hc_mix_kernel(
     # model constants and tiles
     N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, HAS_SECOND: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32_MIX: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (t, d tile): new[t, k, tile] = post[t, k] * y[t, tile] + sum_j comb[t, j, k] * s[t, j, tile]."""
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -522,8 +527,7 @@ def plan_hc_mix_collapse(streams, block_out, post, comb, block_out2, fn, base, s
 
 
 def _launch(launches):
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
 
 
 def hc_collapse_triton(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -64,7 +64,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import TL_DTYPES, aligned_words, clamped_swiglu_values, compute_dtype, is_interpreting
+from kernels.common import (TL_DTYPES, aligned_words, clamped_swiglu_values, compute_dtype, is_interpreting, launch,
+                            wait_for_previous_kernel)
 from kernels.fp8_gemm import plan_act_quant
 from kernels.quant_formats import (FP8_ACT_BLOCK, FP8_BLOCK, MXFP4_CHUNK, dequantize_mxfp4, e4m3_groups,
                                    e4m3_words_to_values, mxfp4_words_to_values, repack_mxfp4, round_to_dtype,
@@ -178,8 +179,10 @@ def _route_kernel(
     num_tokens, stride_lt, stride_tid, routed_scaling_factor,
     ROUTE: tl.constexpr, NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (BLOCK_T tokens): their routes (`_route_rows`)."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     _route_rows(logits_ptr, table_ptr, input_ids_ptr, ids_ptr, weights_ptr, rows, num_tokens, stride_lt, stride_tid,
                 routed_scaling_factor, ROUTE, NUM_EXPERTS, TOP_K, BLOCK_T, BLOCK_E, BLOCK_K)
@@ -217,8 +220,7 @@ def route_topk_triton(logits: torch.Tensor, bias: torch.Tensor, k: int, routed_s
     """Triton version of `route_topk` (same arguments and outputs), one launch. The ids of a row come out in
     descending score order (ties: lowest expert index first); the reference's order is torch.topk's."""
     out, launches = plan_route_topk(logits, bias, k, routed_scaling_factor)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out
 
 
@@ -247,8 +249,7 @@ def route_hash_triton(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: to
                       routed_scaling_factor: float):
     """Triton version of `route_hash` (same arguments and outputs), one launch."""
     out, launches = plan_route_hash(logits, tid2eid, input_ids, routed_scaling_factor)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out
 
 
@@ -427,6 +428,7 @@ def _moe_gate_up_kernel(
     DOT_PRECISION: tl.constexpr, WEIGHT_FORMAT: tl.constexpr, GROUP_SIZE_M: tl.constexpr,
     WEIGHT_FIRST: tl.constexpr, QUANTIZE_H: tl.constexpr, OUT_DTYPE: tl.constexpr, NATIVE_FP8: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (row block b, intermediate columns n): h[rows, n] = SwiGLU(x[tokens] @ W_gate/up[e, n]^T).
 
@@ -434,6 +436,7 @@ def _moe_gate_up_kernel(
     SwiGLU and the pair's routing weight in fp32, one rounding to OUT_DTYPE. QUANTIZE_H (DeepSeek's act_quant of both
     GEMMs' inputs): x is read as e4m3 with its scales (xs), and h is stored so, e4m3 per 128 columns (BLOCK_N % 128
     == 0) with its scales in hs."""
+    wait_for_previous_kernel(PDL)
     block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(inter, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last used block
@@ -488,6 +491,7 @@ def _moe_down_kernel(
     DOT_PRECISION: tl.constexpr, PER_PAIR_OUTPUT: tl.constexpr, WEIGHT_FORMAT: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, WEIGHT_FIRST: tl.constexpr, QUANTIZE_H: tl.constexpr, OUT_DTYPE: tl.constexpr,
     NATIVE_FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (row block b, hidden columns n): out[token, n] += weight * (h[rows] @ W_down[e, n]^T), in fp32.
 
@@ -495,6 +499,7 @@ def _moe_down_kernel(
     before the fp32 sum. QUANTIZE_H: h is read as e4m3 with its scales. PER_PAIR_OUTPUT stores row `pair` of a
     [T * k, D] buffer instead of adding into row `token` atomically.
     """
+    wait_for_previous_kernel(PDL)
     block, col_tile = _grouped_tile(tl.program_id(0), max_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_SIZE_M)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert < 0:  # past the last used block
@@ -615,10 +620,12 @@ def _moe_align_kernel(
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr, ZERO_BLOCK: tl.constexpr, ROUTE: tl.constexpr, ROUTED_EXPERTS: tl.constexpr,
     TOP_K: tl.constexpr, ROUTE_BLOCK_T: tl.constexpr, ROUTE_BLOCK_E: tl.constexpr, ROUTE_BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program 0: `moe_align` (see the module docstring) of the ids minus first_expert (this rank's experts are
     0..NUM_EXPERTS - 1), after (ROUTE) routing every token into ids_ptr and weights_ptr itself (`_route_rows`, as the
     routing kernel; ROUTED_EXPERTS: the model's expert count). Programs 1..: zero zero_ptr[:zero_numel] (fp32)."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     if pid > 0:
         offs = (pid - 1).to(tl.int64) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
@@ -782,8 +789,7 @@ def plan_routed_alignment(routing: Routing, num_experts: int, block_m: int, zero
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Triton version of `moe_align` (same outputs), one launch."""
     out, launches = plan_moe_align(topk_ids, num_experts, block_m)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out
 
 
@@ -963,8 +969,7 @@ def fused_moe_triton(
                                       per_pair_output=per_pair_output, config=config, out_dtype=out_dtype,
                                       deepseek_order=deepseek_order, quantize_hidden=quantize_hidden,
                                       x_quantized=x_quantized, routing=routing, first_expert=first_expert)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return finish()
 
 
@@ -977,8 +982,9 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _swiglu_kernel(gate_up_ptr, out_ptr, num_tokens, stride_gt, stride_ot, limit,
-                   INTER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr):
+                   INTER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr = False):
     """Program (BLOCK_T tokens, BLOCK_I columns): out = silu(min(g, limit)) * clamp(u, +-limit), fp32 math."""
+    wait_for_previous_kernel(PDL)
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < num_tokens)[:, None] & (cols < INTER)[None, :]
@@ -1007,8 +1013,7 @@ def swiglu_triton(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """Triton version of `clamped_swiglu` on a [T, 2I] gate|up product (gate first), one launch. The reference
     rounds silu(g) to the input's dtype before the product; the kernel keeps fp32 until the store."""
     out, launches = plan_swiglu(gate_up, limit)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return out
 
 

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import launch, wait_for_previous_kernel
 from kernels.kv_store import scale_slots, store_entries_reference, store_fp8_entry
 from kernels.quant_formats import indexer_rounded, kv_fp8_entry_bytes, simulate_indexer_fp4
 
@@ -178,9 +179,11 @@ def _norm_rope_kernel(
     NUM_CHUNKS: tl.constexpr,
     FP8_OUT: tl.constexpr, SCALE_SLOTS: tl.constexpr,  # out: a uint8 pool of the fp8 layout (H = 1, one chunk)
     ROUND_INDEXER: tl.constexpr, LOG_C: tl.constexpr,  # then rotated and FP4-rounded (indexer queries; one chunk)
+    PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (t, head block): rows (t, h) for the block's BLOCK_H heads, all C channels, written to out row
     index[t] (HAS_INDEX, H = 1) or t * H + h."""
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < H
@@ -321,6 +324,5 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None = None, eps: f
     (BLOCK_H, BLOCK_C, num_warps) instead of `norm_rope_config`'s."""
     result, launches = plan_norm_rope(x, weight, eps, normalize=normalize, cos=cos, sin=sin, inverse=inverse,
                                       out=out, out_index=out_index, round_indexer=round_indexer, config=config)
-    for kernel, grid, args, kwargs in launches:
-        kernel[grid](*args, **kwargs)
+    launch(launches)
     return result

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.common import launch, wait_for_previous_kernel
+
 BITS_PER_WORD = 32
 
 
@@ -45,7 +47,8 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, r
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _apply_token_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, num_rows, stride_logits, stride_mask,
-                                WIDTH: tl.constexpr, BLOCK_V: tl.constexpr):
+                                WIDTH: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     r = tl.program_id(0)
     row = tl.load(rows_ptr + r).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -73,5 +76,4 @@ def plan_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: 
 
 
 def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    for kernel, grid, args, kwargs in plan_apply_token_bitmask(logits, bitmask, rows):
-        kernel[grid](*args, **kwargs)
+    launch(plan_apply_token_bitmask(logits, bitmask, rows))

@@ -5,11 +5,13 @@ The launches come from the kernels' own plan functions (`plan_sparse_paged_atten
 `plan_fused_moe` with its alignment, `plan_fp8_gemm`, the mHC, norm+rope, routing, swiglu, compressor and token-bitmask
 plans) called on meta tensors of each model's shapes, so the tiles, constexprs and argument specialisation are
 exactly what the wrappers would launch. Each is compiled with triton.compile for
-GPUTarget("cuda", 90, 32); registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, shared
-memory from the compiled metadata, wgmma from the PTX.
+GPUTarget("cuda", 90, 32), as `kernels.common.launch` launches it with programmatic dependent launch on (PDL=True);
+registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, shared memory from the compiled metadata,
+wgmma and griddepcontrol from the PTX.
 
-Exit status 1 when any kernel spills registers (stack or local memory in use) or needs more than 227 KB of
-shared memory; a table of every compiled kernel is printed either way.
+Exit status 1 when any kernel spills registers (stack or local memory in use), needs more than 227 KB of shared memory,
+does not wait for the kernel before it (no griddepcontrol.wait), or decodes MXFP4, FP4 keys or e4m3 weights without
+its asm (`decode_asm_problem`); a table of every compiled kernel is printed either way.
 
   python scripts/check_kernels_compile.py            # all models, all cases
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
@@ -113,9 +115,12 @@ class Compiled:
     seconds: float
     loop: str = ""  # --sass: what the main loop issues per iteration and per weight byte
     decode_asm: str = ""  # what is wrong with the asm instances of its MXFP4 or FP4 decode, if anything
+    waits: bool = True  # compiled for programmatic dependent launch, it waits for the kernel before it
 
     @property
     def problem(self) -> str:
+        if not self.waits:
+            return "no griddepcontrol.wait: unsafe to launch with programmatic dependent launch"
         if self.spill_bytes:
             return f"spills {self.spill_bytes} B"
         if self.shared > SHARED_LIMIT:
@@ -476,6 +481,7 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
     results = []
     for kernel, _grid, args, kwargs in launches:
         start = time.time()
+        kwargs = {**kwargs, "PDL": True}  # as kernels.common.launch launches it with programmatic dependent launch on
         compiled = _compile(kernel, args, kwargs)
         options = compiled.metadata
         usage = _resource_usage(compiled.asm["cubin"])
@@ -487,7 +493,8 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
         results.append((_key(kernel, args, kwargs), Compiled(
             kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
             spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
-            seconds=time.time() - start, loop=loop, decode_asm=decode)))
+            seconds=time.time() - start, loop=loop, decode_asm=decode,
+            waits="griddepcontrol.wait" in compiled.asm["ptx"])))
     return results
 
 

@@ -8,6 +8,9 @@ import json
 import re
 
 import bench_v4
+import pytest
+
+from backend.config import ConfigError
 
 from tests.conftest import TINY_FLASH_OVERRIDES
 
@@ -21,7 +24,7 @@ def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys
         ("decode", 1, 4), ("decode", 1, 43), ("decode", 2, 4), ("decode", 2, 43), ("prefill", 1, 4), ("prefill", 1, 43)]
     for r in rows:
         assert r["context"] == 256 and r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["per_layer_ms"] > 0
-        assert r["extrapolated"] == (r["layers"] == 43)
+        assert r["extrapolated"] == (r["layers"] == 43) and r["programmatic_dependent_launch"] is False
     one, two = rows[0], rows[2]
     assert two["weight_gb"] > one["weight_gb"]  # two requests reach more experts than one
     measured, extrapolated = rows[0], rows[1]
@@ -31,3 +34,11 @@ def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys
     with open(out.with_suffix(".csv")) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert re.search(r"decode +2 +256 +43\* \|", capsys.readouterr().out)  # the table, extrapolated rows marked
+
+
+def test_programmatic_dependent_launch_is_refused_off_a_hopper_gpu():
+    """--pdl-batches times steps with it beside those without (on a GPU: gpu_check.sh's v4_pdl part); a CPU has
+    none, which the run says before building anything."""
+    with pytest.raises(ConfigError, match="programmatic_dependent_launch.*no CUDA device"):
+        bench_v4.main(["--device", "cpu", "--hf-overrides", json.dumps(TINY_FLASH_OVERRIDES), "--layers", "4",
+                       "--batches", "1", "--pdl-batches", "1", "--context", "256", "--repeat", "1"])
