@@ -20,6 +20,16 @@ every HCA entry, every CSA indexer key), the FLOPs (projections, attention over 
 experts, shared expert, router, the LM head), and the bytes each rank sends (ring collectives, bf16 activations).
 `roofline_ms` is max(bytes / HBM bandwidth, FLOPs / dense bf16 peak) at H200's 4.8 TB/s and 989 TFLOP/s, a lower
 bound, not a measurement; communication is listed apart (NVLink's 900 GB/s for scale). Nothing here has run on a GPU.
+
+With --drafts K, speculative decoding's step beside it: a verify step of the B requests with 1 + K tokens each (as B (1
++ K) tokens: the experts they reach, the entries each reads) and the K draft passes after it, each over the B requests
+(footprint.draft_pass_weight_bytes: the MTP layer, of its experts those the requests reach, the LM head it shares);
+`verify_ms` their rooflines together and `verify_x` that over the decode step's. With --acceptance a_1 .. a_K (the
+probability that draft i is accepted, e.g. V4-Flash's published 0.77 0.38), `speedup` = (1 + a_1 + ... + a_K) /
+verify_x: the tokens a step emits over what it costs, where both steps run at their rooflines.
+
+    python scripts/estimate_decode_step.py --config docs/configs/deepseek-v4-flash.config.json --ranks 1 --batch 1 \
+        --contexts 8192 --drafts 1 --acceptance 0.77
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.model.config import CSA, HCA, parse_model_config  # noqa: E402
-from backend.model.footprint import step_weight_bytes  # noqa: E402
+from backend.model.footprint import draft_pass_weight_bytes, step_weight_bytes  # noqa: E402
 from backend.model.parallel_layout import ParallelLayout  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
@@ -54,6 +64,9 @@ class StepEstimate:
     tflop: float
     comm_mb: float
     roofline_ms: float
+    verify_ms: float | None = None  # --drafts K: the verify step of 1 + K tokens a request and the K draft passes
+    verify_x: float | None = None  # verify_ms over roofline_ms
+    speedup: float | None = None  # --acceptance: (1 + the drafts accepted on average) / verify_x
 
 
 def entries_read(layer_type: str, context: int, c) -> float:
@@ -108,14 +121,34 @@ def step_work(c, layout: str, ranks: int, batch: int, context: int) -> StepWork:
     return StepWork(weights, kv, flops, per_layer * len(c.layer_types), own)
 
 
-def estimate(c, layout: str, ranks: int, batch: int, context: int) -> StepEstimate:
-    """step_work's step, rounded for the table, with its roofline at H200's bandwidth and bf16 peak."""
+def estimate(c, layout: str, ranks: int, batch: int, context: int, drafts: int = 0,
+             acceptance: list[float] | None = None) -> StepEstimate:
+    """step_work's step, rounded for the table, with its roofline at H200's bandwidth and bf16 peak; with `drafts`,
+    the verify step and its draft passes beside it (the module docstring)."""
     work = step_work(c, layout, ranks, batch, context)
     weights = sum(work.weights.values())
-    roofline = max((weights + work.kv) / HBM_BYTES_PER_S, work.flops / BF16_FLOPS_PER_S) * 1e3
-    return StepEstimate(layout, context, work.tokens_per_rank, round(weights / 1e9, 2),
-                        round(work.weights["routed experts"] / 1e9, 2), round(work.kv / 1e9, 2),
-                        round(work.flops / 1e12, 2), round(work.comm / 1e6, 1), round(roofline, 2))
+    roofline = _roofline_ms(work)
+    row = StepEstimate(layout, context, work.tokens_per_rank, round(weights / 1e9, 2),
+                       round(work.weights["routed experts"] / 1e9, 2), round(work.kv / 1e9, 2),
+                       round(work.flops / 1e12, 2), round(work.comm / 1e6, 1), round(roofline, 2))
+    if drafts:
+        verify = _roofline_ms(step_work(c, layout, ranks, batch * (1 + drafts), context))
+        verify += drafts * _draft_pass_ms(c, layout, ranks, batch)
+        row.verify_ms, row.verify_x = round(verify, 2), round(verify / roofline, 3)
+        if acceptance:
+            row.speedup = round((1 + sum(acceptance)) / (verify / roofline), 3)
+    return row
+
+
+def _roofline_ms(work: StepWork) -> float:
+    return max((sum(work.weights.values()) + work.kv) / HBM_BYTES_PER_S, work.flops / BF16_FLOPS_PER_S) * 1e3
+
+
+def _draft_pass_ms(c, layout: str, ranks: int, batch: int) -> float:
+    """One draft pass over a rank's share of `batch` requests, at the bandwidth (its weights dominate: the MTP layer
+    and the LM head; its own KV reads, a window, are left out)."""
+    split = ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
+    return draft_pass_weight_bytes(c, "fp8", batch, layout=split, data_parallel=layout == "dp") / HBM_BYTES_PER_S * 1e3
 
 
 def _weights_read(c, layout: str, ranks: int, batch: int) -> dict[str, float]:
@@ -131,11 +164,17 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256, help="requests decoding in the step, all ranks together")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072, 1048576])
+    parser.add_argument("--drafts", type=int, default=0, help="K: also a verify step of 1 + K tokens a request and "
+                        "its K draft passes")
+    parser.add_argument("--acceptance", type=float, nargs="*", default=[], metavar="A",
+                        help="the probability that draft i is accepted, one per draft (V4-Flash: 0.77 0.38)")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.acceptance and len(args.acceptance) != args.drafts:
+        parser.error(f"--acceptance takes one rate per draft: {args.drafts}, got {len(args.acceptance)}")
     config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
-    rows = [estimate(config, layout, args.ranks, args.batch, context)
+    rows = [estimate(config, layout, args.ranks, args.batch, context, args.drafts, args.acceptance)
             for context in args.contexts for layout in LAYOUTS]
     print(f"one decode step per rank: {args.ranks} ranks, batch {args.batch}, {args.config.name} (paper estimate)")
     print(f"{'context':>9} {'layout':>6} {'requests':>8} | {'weights GB':>10} {'experts':>7} {'KV GB':>7} "
@@ -143,6 +182,12 @@ def main() -> None:
     for r in rows:
         print(f"{r.context:>9} {r.layout:>6} {r.tokens_per_rank:>8} | {r.weight_gb:>10} {r.expert_gb:>7} {r.kv_gb:>7} "
               f"{r.tflop:>7} | {r.comm_mb:>8} | {r.roofline_ms:>11}")
+    if args.drafts:
+        print(f"\nwith {args.drafts} draft(s) a request: the verify step and its draft passes "
+              f"(speed-up at acceptance {' '.join(map(str, args.acceptance)) or '-'})")
+        print(f"{'context':>9} {'layout':>6} | {'verify ms':>9} {'x decode':>8} {'speed-up':>8}")
+        for r in rows:
+            print(f"{r.context:>9} {r.layout:>6} | {r.verify_ms:>9} {r.verify_x:>8} {r.speedup or '-':>8}")
     if args.csv:
         write_csv(args.csv, [asdict(r) for r in rows])
     if args.json:

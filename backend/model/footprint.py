@@ -91,6 +91,23 @@ def step_weight_bytes(config: ModelConfig, fmt: str, tokens: int, layout=None,
     return parts
 
 
+def draft_pass_weight_bytes(config: ModelConfig, fmt: str, tokens: int, layout=None,
+                            data_parallel: bool = False) -> float:
+    """The bytes of weights one pass of the draft (MTP) layer over `tokens` tokens must read: the layer's tensors, of
+    its routed experts the fraction the tokens reach, and the LM head it shares with the model (the draft's logits),
+    and one embedding row a token."""
+    reached = experts_reached(config.n_routed_experts, config.num_experts_per_tok, tokens) / config.n_routed_experts
+    total = 0.0
+    for part, name, shape, size in _tensor_bytes_by_part(config, fmt, 2, layout, 1, data_parallel):
+        if part == "draft layer (mtp)":
+            total += size * reached if name.endswith(ROUTED_EXPERTS) else size
+        elif name == "lm_head.weight":
+            total += size
+        elif name == "model.embed_tokens.weight":
+            total += size * min(1.0, tokens / shape[0])
+    return total
+
+
 PARTS = ("embed+head", "attention", "routed experts", "other", "draft layer (mtp)")
 
 

@@ -66,3 +66,22 @@ def test_the_decode_step_reads_only_the_experts_its_batch_reaches():
     assert estimate(config, "tp", 1, 16, 8192).expert_gb < 0.4 * held["routed experts"] / 1e9
     # per rank under expert parallelism: the rank's share of what the whole batch reaches
     assert abs(estimate(config, "tp", 8, 1, 8192).expert_gb * 8 - one.expert_gb) <= 0.02
+
+
+def test_a_verify_step_and_its_draft_passes_on_paper():
+    """estimate_decode_step.py --drafts: a verify of 1 + K tokens a request reads the experts the B (1 + K) tokens
+    reach, and each draft pass the MTP layer and the whole LM head again, so at one request one draft costs about
+    1.4x a decode step on V4-Flash (uniform routing), and the published 0.77 acceptance gives 1.77 / 1.42."""
+    from backend.model.footprint import draft_pass_weight_bytes, weight_bytes
+
+    config = _flash()
+    decode, verify = estimate(config, "tp", 1, 1, 8192), estimate(config, "tp", 1, 2, 8192)
+    one = estimate(config, "tp", 1, 1, 8192, drafts=1, acceptance=[0.77])
+    head = weight_bytes(config, "fp8")["embed+head"] / 2  # (embedding and head the same size)
+    draft = draft_pass_weight_bytes(config, "fp8", 1)
+    assert head < draft < head + weight_bytes(config, "fp8", draft_layers=1)["draft layer (mtp)"]
+    assert abs(one.verify_ms - (verify.roofline_ms + draft / 4.8e12 * 1e3)) < 0.01  # (rounded to 0.01 ms)
+    assert 1.35 < one.verify_x < 1.5 and abs(one.speedup - 1.77 / one.verify_x) < 1e-3
+    two = estimate(config, "tp", 1, 1, 8192, drafts=2, acceptance=[0.77, 0.38])
+    assert two.verify_x > one.verify_x and two.speedup < one.speedup  # a second draft at 0.38 costs more than it gives
+    assert decode.verify_ms is None
