@@ -15,8 +15,10 @@ steps at static shapes (CUDA graphs on CUDA, the same padded steps eagerly elsew
            pages allocated, not computed: a step reads the same entries whatever they hold), one token each at the
            last position: the median of --repeat steps (bench_kernels.Timer: CUDA events, L2 flushed before each).
   prefill  one prompt of --context tokens in one forward (eager): tokens/s.
-  --pdl-batches B ...  then decode steps at these batches again with programmatic dependent launch (a Hopper GPU;
-           kernels/common.py), their graphs captured anew: the same model, side by side with the steps without it.
+  --variants V ... --variant-batches B ...  then decode steps at these batches again in each variant, their graphs
+           captured anew: the same model, side by side with the steps above. A variant is `pdl` (programmatic
+           dependent launch, a Hopper GPU: kernels/common.py), `shared_stream` (the shared expert on a second CUDA
+           stream: DeepseekV4Model.use_shared_expert_stream) or both, `pdl+shared_stream`.
 
 Per layer: the step less what runs outside the layers (embedding, hyper-head, norm, LM head; timed alone), over the
 layers; extrapolated to the config's own layer count (43 for V4-Flash): outside + layers x per layer.
@@ -29,8 +31,8 @@ matmul rate where those take longer (a prefill: its FLOPs counted at the mean co
 Writes --out (default docs/results/<device>-<date>/v4_shapes.json): a JSON list of objects, one per case at the
 layers measured and one extrapolated (`extrapolated`: true), with kind, batch, context, layers, step_ms, roofline_ms,
 per_layer_ms, per_layer_roofline_ms, outside_ms, weight_gb, kv_gb, tflop, copy_gbps, matmul_tflops, ratio
-(step / roofline), programmatic_dependent_launch and, for the prefill, tokens_per_s; the same rows as CSV beside it
-(--csv), and a table.
+(step / roofline), variant ("" for the steps as configured) and, for the prefill, tokens_per_s; the same rows as CSV
+beside it (--csv), and a table.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  
 FLASH = REPO / "docs" / "configs" / "deepseek-v4-flash.config.json"
 GIB = 2**30
 DECODE_TOKEN = 2
+# --variants: what each one turns on beside the configured steps (CUDA only)
+VARIANTS = {"pdl": "programmatic dependent launch", "shared_stream": "the shared expert on a second stream",
+            "pdl+shared_stream": "both"}
 # Left of the device for what the pools and weights do not count: the prefill's activations (a 8K-token step at
 # V4-Flash's widths), the CUDA graphs' pool, the allocator's slack.
 RESERVE_GIB = 16.0
@@ -69,9 +74,11 @@ def parse_args(argv=None):
     parser.add_argument("--repeat", type=int, default=10, help="timed steps per case (the median is reported)")
     parser.add_argument("--memory-gib", type=float,
                         help="device memory the default --layers must fit (default: the device's, on CUDA)")
-    parser.add_argument("--pdl-batches", type=int, nargs="*", default=[], metavar="B",
-                        help="decode steps at these batches again with programmatic dependent launch "
-                             "(kernels/common.py; Hopper), beside the ones without, in this run")
+    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS), metavar="V",
+                        help=f"decode steps again in these variants ({', '.join(sorted(VARIANTS))}), beside the "
+                             "ones as configured, in this run")
+    parser.add_argument("--variant-batches", type=int, nargs="*", default=[1, 16], metavar="B",
+                        help="the batches the variants' decode steps are timed at")
     parser.add_argument("--out", type=Path, help="the JSON (default docs/results/<device>-<date>/v4_shapes.json)")
     parser.add_argument("--csv", type=Path, help="the CSV (default: --out with .csv)")
     return parser.parse_args(argv)
@@ -132,12 +139,13 @@ class Bench:
         self.graphs = DecodeGraphs(self.model, self.kv, config.max_running_requests, capture=self.device == "cuda")
         self.timer = Timer(torch, torch.device(self.device), args.repeat)
 
-    def use_programmatic_dependent_launch(self) -> None:
-        """The steps from here on with programmatic dependent launch: their graphs captured anew."""
+    def use_variant(self, variant: str) -> None:
+        """The steps from here on in `variant` (VARIANTS): their graphs captured anew."""
         from backend.model.graph_runner import DecodeGraphs
         from kernels.common import set_programmatic_dependent_launch
 
-        set_programmatic_dependent_launch(True)
+        set_programmatic_dependent_launch("pdl" in variant.split("+"))
+        self.model.use_shared_expert_stream("shared_stream" in variant.split("+"))
         self.graphs = DecodeGraphs(self.model, self.kv, self.graphs.max_rows, capture=self.device == "cuda")
 
     def decoding(self, count: int, context: int) -> list:
@@ -223,12 +231,14 @@ def run(args) -> list[dict]:
     from scripts.bench_kernels import copy_bandwidth, matmul_rate
     from scripts.estimate_decode_step import step_work
 
-    if args.pdl_batches:  # (before the model is built: a device without it is refused at once)
+    if any("pdl" in variant for variant in args.variants):  # (before the model is built: refused at once)
         from backend.deployment import check_programmatic_dependent_launch
 
         check_programmatic_dependent_launch(args.device)
+    if args.variants and args.device != "cuda":
+        raise SystemExit("--variants are CUDA's (programmatic dependent launch, a second stream): --device cuda")
     overrides = dict(args.hf_overrides or {})
-    max_batch = max(args.batches + args.pdl_batches)
+    max_batch = max(args.batches + (args.variant_batches if args.variants else []))
     if args.layers is None:
         if args.memory_gib is None and args.device != "cuda":
             raise SystemExit("--layers or --memory-gib: the default fits the GPU's memory")
@@ -253,27 +263,27 @@ def run(args) -> list[dict]:
         return tuple(roofline(c, dataclasses.replace(w, kv=0.0) if prefill else w, logits_rows, rates)
                      for c, w in zip((config, full_config), works))
 
-    def decode_rows(batches: list[int], pdl: bool) -> list[dict]:
+    def decode_rows(batches: list[int], variant: str) -> list[dict]:
         rows, seqs = [], bench.decoding(max(batches), args.context)
         for batch in batches:
             measured = dict(step_ms=bench.decode_ms(seqs[:batch]), outside_ms=bench.outside_ms(batch),
-                            programmatic_dependent_launch=pdl)
+                            variant=variant)
             rows += case_rows("decode", batch, args.context, measured, config.num_hidden_layers,
                               full_config.num_hidden_layers, *bounds(batch, args.context, batch), rates)
-            print(f"decode batch {batch}{' with PDL' if pdl else ''}: {measured['step_ms']:.2f} ms", flush=True)
+            print(f"decode batch {batch}{f' ({variant})' if variant else ''}: {measured['step_ms']:.2f} ms", flush=True)
         for seq in seqs:
             bench.kv.free(seq)
         return rows
 
-    rows = decode_rows(args.batches, False)
+    rows = decode_rows(args.batches, "")
     step = bench.prefill_ms(args.context)
     measured = dict(step_ms=step, outside_ms=bench.outside_ms(1), tokens_per_s=args.context / step * 1e3,
-                    programmatic_dependent_launch=False)
+                    variant="")
     rows += case_rows("prefill", 1, args.context, measured, config.num_hidden_layers, full_config.num_hidden_layers,
                       *bounds(args.context, args.context // 2, 1, prefill=True), rates)
-    if args.pdl_batches:  # last: the process keeps it on
-        bench.use_programmatic_dependent_launch()
-        rows += decode_rows(args.pdl_batches, True)
+    for variant in args.variants:  # last: the process keeps the last one
+        bench.use_variant(variant)
+        rows += decode_rows(args.variant_batches, variant)
     return rows
 
 
@@ -286,17 +296,17 @@ def default_out() -> Path:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'kind':<10} {'batch':>5} {'context':>7} {'layers':>6} | {'step ms':>9} {'roofline':>9} {'x':>5} | "
+    print(f"\n{'kind':<24} {'batch':>5} {'context':>7} {'layers':>6} | {'step ms':>9} {'roofline':>9} {'x':>5} | "
           f"{'per layer':>9} {'roofline':>9} | {'weights GB':>10} {'KV GB':>7} {'tok/s':>9}")
     for r in rows:
         layers = f"{r['layers']}{'*' if r['extrapolated'] else ''}"
         tokens = f"{r['tokens_per_s']:9.0f}" if "tokens_per_s" in r else f"{'':>9}"
-        kind = f"{r['kind']}{' pdl' if r['programmatic_dependent_launch'] else ''}"
-        print(f"{kind:<10} {r['batch']:>5} {r['context']:>7} {layers:>6} | {r['step_ms']:9.3f} "
+        kind = f"{r['kind']} {r['variant']}".strip()
+        print(f"{kind:<24} {r['batch']:>5} {r['context']:>7} {layers:>6} | {r['step_ms']:9.3f} "
               f"{r['roofline_ms']:9.3f} {r['ratio']:5.2f} | {r['per_layer_ms']:9.3f} {r['per_layer_roofline_ms']:9.3f} "
               f"| {r['weight_gb']:10.3f} {r['kv_gb']:7.3f} {tokens}")
     print("(* extrapolated: the steps outside the layers, plus the layers' mean time for each of the config's layers; "
-          "pdl: with programmatic dependent launch)")
+          "a variant's name after its kind: --variants)")
 
 
 def main(argv=None) -> int:

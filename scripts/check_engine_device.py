@@ -2,7 +2,7 @@
 """The engine on a device against the engine on CPU in fp32, with and without CUDA graphs (greedy tokens).
 
     python scripts/check_engine_device.py [--device cuda] [--max-tokens 24] [--checkpoint DIR] [--json FILE]
-                                          [--num-speculative-tokens 1 2] [--programmatic-dependent-launch]
+                                          [--num-speculative-tokens 1 2] [--variants pdl shared_stream ...]
 
 Generates greedily for prompts of 1..300 tokens (batched, so decode steps have several rows and cross
 CSA/HCA boundaries), then for a second wave of prompts that start like the first wave's (restored from the
@@ -13,9 +13,10 @@ bf16 with graphs on and off (must equal each other; their agreement with fp32 is
 bf16 rounding may flip a near-tie); with --num-speculative-tokens k [k ...], also the device in fp32 with k drafts per
 decode from the checkpoint's MTP layer, graphs off and on (must equal the reference: speculation changes no greedy
 token; with graphs and k = 1 the draft pass follows each verify on the device, the host reading both at once, and with
-k > 1 the host plans the chain from the verify's output); with --programmatic-dependent-launch, also the device in fp32
-with every kernel launched while the one before it runs (a Hopper GPU), graphs off and on (must equal the reference:
-each kernel waits on the device for the one before it). Then sampled requests on the device (fp32, graphs on; with
+k > 1 the host plans the chain from the verify's output); with --variants, also the device in fp32 with graphs on in
+each: `pdl`, every kernel launched while the one before it runs (a Hopper GPU); `shared_stream`, the shared expert on
+a second stream; `pdl+shared_stream` (must equal the reference: each kernel waits on the device for what it reads).
+Then sampled requests on the device (fp32, graphs on; with
 each k too: argmax drafts in the static chain): seeded
 requests with top-k, top-p and log-probabilities generated twice by one engine must draw the same tokens (their
 generators on the device), every log-probability finite and at most 0.
@@ -40,6 +41,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 
 PROMPT_LENGTHS = [1, 7, 60, 127, 130, 255, 300]
+VARIANTS = {"pdl": "programmatic_dependent_launch", "shared_stream": "shared_expert_stream"}  # --variants' settings
 POOLS = dict(max_running_requests=8, num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5)  # (every run's)
 
 
@@ -52,11 +54,11 @@ def waves(gen: torch.Generator) -> list[list[list[int]]]:
 
 
 def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompt_waves, max_tokens: int,
-             prefix_caching: bool, speculative_tokens: int = 0, pdl: bool = False) -> tuple[list[list[int]], int]:
-    """Every wave's greedy tokens, and the prompt positions the cache served."""
+             prefix_caching: bool, speculative_tokens: int = 0, variant: str = "") -> tuple[list[list[int]], int]:
+    """Every wave's greedy tokens, and the prompt positions the cache served. `variant`: VARIANTS' settings on."""
     engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                     enable_prefix_caching=prefix_caching, num_speculative_tokens=speculative_tokens,
-                                    programmatic_dependent_launch=pdl, **POOLS))
+                                    **{VARIANTS[name]: True for name in filter(None, variant.split("+"))}, **POOLS))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens = [r["output_ids"] for prompts in prompt_waves for r in engine.generate(prompts, params)]
     cache = engine.kv.prefix_cache
@@ -95,35 +97,35 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--num-speculative-tokens", type=int, nargs="*", default=[],
                         help="also run with these many drafts per decode (fp32, graphs off and on; must equal)")
-    parser.add_argument("--programmatic-dependent-launch", action="store_true",
-                        help="also run with programmatic dependent launch (fp32, graphs off and on; must equal)")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="V",
+                        help="also run in these variants (pdl, shared_stream, pdl+shared_stream; fp32, graphs on; "
+                             "must equal)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()
     prompt_waves = waves(torch.Generator().manual_seed(0))
     reference, _ = generate(options.checkpoint, "cpu", "float32", False, prompt_waves, options.max_tokens, False)
-    runs = [("float32", False, True, 0, False), ("float32", True, True, 0, False), ("bfloat16", False, False, 0, False),
-            ("bfloat16", True, False, 0, False)]
-    runs += [("float32", graphs, True, k, False) for k in options.num_speculative_tokens if k
-             for graphs in (False, True)]
-    runs += [("float32", graphs, True, 0, True) for graphs in (False, True) if options.programmatic_dependent_launch]
+    runs = [("float32", False, True, 0, ""), ("float32", True, True, 0, ""), ("bfloat16", False, False, 0, ""),
+            ("bfloat16", True, False, 0, "")]
+    runs += [("float32", graphs, True, k, "") for k in options.num_speculative_tokens if k for graphs in (False, True)]
+    runs += [("float32", True, True, 0, variant) for variant in options.variants]
     rows, failed, outputs = [], False, {}
-    for dtype, graphs, must_equal, speculative, pdl in runs:
+    for dtype, graphs, must_equal, speculative, variant in runs:
         tokens, cached = generate(options.checkpoint, options.device, dtype, graphs, prompt_waves,
-                                  options.max_tokens, True, speculative, pdl)
-        outputs[(dtype, graphs, speculative, pdl)] = tokens
+                                  options.max_tokens, True, speculative, variant)
+        outputs[(dtype, graphs, speculative, variant)] = tokens
         equal = tokens == reference
         failed |= (must_equal and not equal) or cached == 0
         rows.append(dict(device=options.device, dtype=dtype, cuda_graphs=graphs, num_speculative_tokens=speculative,
-                         programmatic_dependent_launch=pdl, equal_to_cpu_fp32=equal,
+                         variant=variant, equal_to_cpu_fp32=equal,
                          agreement_with_cpu_fp32=agreement(tokens, reference), required=must_equal,
                          cached_tokens=cached))
-    bf16_graphs_equal = outputs[("bfloat16", True, 0, False)] == outputs[("bfloat16", False, 0, False)]
+    bf16_graphs_equal = outputs[("bfloat16", True, 0, "")] == outputs[("bfloat16", False, 0, "")]
     failed |= not bf16_graphs_equal
-    print(f"{'device':<7} {'dtype':<9} {'graphs':<6} {'drafts':<6} {'pdl':<5} {'== cpu fp32':<11} {'agreement':>9}  "
-          f"{'required':<8} cached positions")
+    print(f"{'device':<7} {'dtype':<9} {'graphs':<6} {'drafts':<6} {'variant':<17} {'== cpu fp32':<11} "
+          f"{'agreement':>9}  {'required':<8} cached positions")
     for r in rows:
         print(f"{r['device']:<7} {r['dtype']:<9} {str(r['cuda_graphs']):<6} {r['num_speculative_tokens']:<6} "
-              f"{str(r['programmatic_dependent_launch']):<5} {str(r['equal_to_cpu_fp32']):<11} "
+              f"{r['variant']:<17} {str(r['equal_to_cpu_fp32']):<11} "
               f"{r['agreement_with_cpu_fp32']:>9.3f}  {str(r['required']):<8} {r['cached_tokens']}")
     print(f"bf16 graphs on == off: {bf16_graphs_equal}")
     sampled = [sampled_twice(options.checkpoint, options.device, prompt_waves[0], options.max_tokens, k)

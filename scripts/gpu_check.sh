@@ -2,8 +2,8 @@
 # Everything that needs an NVIDIA GPU, in one run that installs nothing (the machine has torch + triton):
 #   1. the kernel tests with CUDA tensors (DSV4_TEST_DEVICE=cuda: no interpreter),
 #   2. the engine on CUDA against CPU fp32, CUDA graphs on and off, and with 1 and 2 speculative drafts per decode, and
-#      with programmatic dependent launch; seeded sampling drawn on the device repeating, with and without drafts
-#      (scripts/check_engine_device.py),
+#      with programmatic dependent launch and the shared expert on a second stream; seeded sampling drawn on the device
+#      repeating, with and without drafts (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
 #   4. the kernels' tiles tuned on this device at DeepSeek-V4-Flash's shapes (scripts/tune_kernels.py, `tune`): written
 #      to kernels/configs/<device>.json, which the parts after it launch with, and copied into the results folder
@@ -27,8 +27,9 @@
 #   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
-#   v4_pdl: the same model's decode steps at 1 and 16 requests without and then with programmatic dependent launch
-#      (every kernel launched while the one before it runs), side by side in one run (v4_pdl.json, .csv).
+#   v4_overlap: the same model's decode steps at 1 and 16 requests as configured, then with programmatic dependent
+#      launch (every kernel launched while the one before it runs), with the shared expert on a second stream, and
+#      with both, side by side in one run (v4_overlap.json, .csv).
 #   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
 #      at concurrency 1, 16, 64; TTFT and ITL from the server's histograms). Needs tritonserver, its Python stub and
 #      perf_analyzer with their libraries: without this checkout's venv, carry the bundle of scripts/pack_serving.sh
@@ -64,12 +65,13 @@ fi
 MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft that is accepted sometimes
 [ -f "$MTP_CHECKPOINT/config.json" ] || MTP_CHECKPOINT=checkpoints/dsv4-tiny
 # what each part took on an H200 (2026-12-04), with some room (engine: 30 s more since its sampled runs, 20 s more
-# since its runs with one draft a decode, 30 s more since its runs with programmatic dependent launch)
+# since its runs with one draft a decode, 30 s more since its runs with programmatic dependent launch and the second
+# stream)
 declare -A limit=([kernel_tests]=90 [engine]=170 [launches]=30 [tune]=200 [bench_kernels]=150 [host_loop]=60
                   [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
 # not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
 # were measured beside the static ones)
-limit+=([v4_shapes]=240 [v4_pdl]=180 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60)
+limit+=([v4_shapes]=240 [v4_overlap]=200 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
@@ -104,7 +106,7 @@ xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
 run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${xdist[@]}" \
   --deselect tests/kernels/test_compile.py
 run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 1 2 \
-  --programmatic-dependent-launch --json "$RESULTS/engine.json"
+  --variants pdl shared_stream pdl+shared_stream --json "$RESULTS/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
 run tune "$PY" scripts/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --copy-to "$RESULTS"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
@@ -128,7 +130,8 @@ else
 fi
 run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
 run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
-run v4_pdl "$PY" scripts/bench_v4.py --batches 1 16 --pdl-batches 1 16 --out "$RESULTS/v4_pdl.json"
+run v4_overlap "$PY" scripts/bench_v4.py --batches 1 16 --variants pdl shared_stream pdl+shared_stream \
+  --variant-batches 1 16 --out "$RESULTS/v4_overlap.json"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
 run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
   --out "$RESULTS/v4_serving" "${bundle[@]}"
@@ -136,12 +139,12 @@ echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
 for name in kernel_tests engine launches tune bench_kernels host_loop host_verify speculative speculative_v4 structured \
-    sampling v4_shapes v4_pdl v4_serving; do
+    sampling v4_shapes v4_overlap v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
 [ ${#left[@]} -gt 0 ] && echo "left for another run: GPU_CHECK_PARTS=\"${left[*]}\" bash scripts/gpu_check.sh"
 [ -f "$RESULTS/v4_shapes.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; print('V4-Flash decode step at 8K, extrapolated to 43 layers: ' + ', '.join(f\"batch {r['batch']} {r['step_ms']:.2f} ms ({r['ratio']:.2f}x its roofline)\" for r in rows))" "$RESULTS/v4_shapes.json"
-[ -f "$RESULTS/v4_pdl.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; off={r['batch']: r['step_ms'] for r in rows if not r['programmatic_dependent_launch']}; print('with programmatic dependent launch: ' + ', '.join(f\"batch {r['batch']} {r['step_ms']:.2f} ms ({off[r['batch']] / r['step_ms']:.2f}x without)\" for r in rows if r['programmatic_dependent_launch']))" "$RESULTS/v4_pdl.json"
+[ -f "$RESULTS/v4_overlap.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; base={r['batch']: r['step_ms'] for r in rows if not r['variant']}; print('decode step variants: ' + ', '.join(f\"{r['variant']} batch {r['batch']} {r['step_ms']:.2f} ms ({base[r['batch']] / r['step_ms']:.2f}x)\" for r in rows if r['variant']))" "$RESULTS/v4_overlap.json"
 [ -f "$RESULTS/launches.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"launches per layer {r['per_layer_mean']:.1f}, per step {r['per_step']:.0f}, host syncs per step {r['syncs_per_step']:g}\")" "$RESULTS/launches.json"
 exit $failed

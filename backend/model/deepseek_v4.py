@@ -70,8 +70,9 @@ class PendingMix(NamedTuple):
 class DeepseekV4Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
                  kernels: KernelDispatch | None = None, layout: ParallelLayout = ParallelLayout(),
-                 comm: Communicator = Communicator()):
-        """`kernels` carries the deployment's numerics (kernels/modes.py): the model's own ops follow them too."""
+                 comm: Communicator = Communicator(), shared_expert_stream: bool = False):
+        """`kernels` carries the deployment's numerics (kernels/modes.py): the model's own ops follow them too.
+        `shared_expert_stream` (CUDA): the shared expert on a second stream (`use_shared_expert_stream`)."""
         self.config = config
         self.layout, self.comm = layout, comm
         split = layout.tensor_parallel_size if layout.attention_split else 1
@@ -82,6 +83,7 @@ class DeepseekV4Model:
         self.dtype = dtype
         self.kernels = kernels or KernelDispatch()
         self.numerics = self.kernels.numerics
+        self.use_shared_expert_stream(shared_expert_stream)
         if self.kernels.use_triton(torch.empty(0, device=device)):
             self._experts_for_kernels()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
@@ -290,6 +292,11 @@ class DeepseekV4Model:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them. x_quantized: x's
         act_quant, as the collapse wrote it (for the routed experts of this rank's own tokens)."""
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
+        side = self.side_stream
+        if side is not None:  # the shared expert forked first, beside the router and the routed experts
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                shared = self._shared_expert(i, x, x_quantized)
         gate = w[p + "gate.weight"]
         router_logits = k.fp32_linear(x, gate) if self.numerics.fp32_router else k.linear(x, gate)
         if self.mlp_types[i] == "hash_moe":
@@ -304,13 +311,31 @@ class DeepseekV4Model:
             routed = self._experts_of_every_rank(p, x, *k.route(routing), dp_token_counts)
         else:  # routed by the experts' own launches (at decode sizes, by their alignment's)
             routed = self._local_experts(p, x, None, None, x_quantized, routing)
+        if side is None:
+            shared = self._shared_expert(i, x, x_quantized)
+        else:  # joined. `shared` lives in the side stream's memory and is read on this one: the side stream's next
+            # use of it comes after the next fork, which waits for those reads (no record_stream needed)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+        return routed, shared
+
+    def _shared_expert(self, i: int, x: torch.Tensor, x_quantized=None) -> torch.Tensor:
+        k, p = self.kernels, self.prefixes[i] + "mlp."
         shared = self.shared_expert_input[i]
         if shared.quantizes_its_input:  # its GEMM reads x's act_quant where it would quantize x ahead
             gate_up = shared.product(x, functools.partial(k.linear, x_quantized=x_quantized))
         else:
             gate_up = shared.product(self._act(x), k.linear)
-        return routed, self._quantized_linear(gate_up, w[p + "shared_experts.down_proj.weight"],
-                                              swiglu_limit=c.swiglu_limit)
+        return self._quantized_linear(gate_up, self.w[p + "shared_experts.down_proj.weight"],
+                                      swiglu_limit=self.config.swiglu_limit)
+
+    def use_shared_expert_stream(self, on: bool) -> None:
+        """Run each layer's shared expert on a second CUDA stream, beside its routed experts on the step's own (SGLang's
+        alternate stream for DeepSeek's shared experts): at decode sizes each is a few small kernels that leave most
+        SMs idle, side by side they fill them. The side stream waits for the step's stream before the shared expert
+        and the step's stream for the side one after the routed experts (`_moe`), both recorded by a CUDA graph as
+        a fork and a join."""
+        assert not on or torch.device(self.device).type == "cuda", "a second stream is a CUDA stream"
+        self.side_stream = torch.cuda.Stream(self.device) if on else None
 
     def _local_experts(self, p: str, x, ids, weights, x_quantized=None, routing=None) -> torch.Tensor:
         """This rank's routed experts over the pairs of `x` routed to them (by `ids` and `weights`, or by `routing`),

@@ -24,7 +24,7 @@ def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys
         ("decode", 1, 4), ("decode", 1, 43), ("decode", 2, 4), ("decode", 2, 43), ("prefill", 1, 4), ("prefill", 1, 43)]
     for r in rows:
         assert r["context"] == 256 and r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["per_layer_ms"] > 0
-        assert r["extrapolated"] == (r["layers"] == 43) and r["programmatic_dependent_launch"] is False
+        assert r["extrapolated"] == (r["layers"] == 43) and r["variant"] == ""
     one, two = rows[0], rows[2]
     assert two["weight_gb"] > one["weight_gb"]  # two requests reach more experts than one
     measured, extrapolated = rows[0], rows[1]
@@ -36,9 +36,12 @@ def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys
     assert re.search(r"decode +2 +256 +43\* \|", capsys.readouterr().out)  # the table, extrapolated rows marked
 
 
-def test_programmatic_dependent_launch_is_refused_off_a_hopper_gpu():
-    """--pdl-batches times steps with it beside those without (on a GPU: gpu_check.sh's v4_pdl part); a CPU has
-    none, which the run says before building anything."""
+def test_the_cuda_variants_are_refused_off_a_gpu():
+    """--variants time steps with programmatic dependent launch or a second stream beside those without (on a GPU:
+    gpu_check.sh's v4_overlap part); a CPU has neither, which the run says before building anything."""
+    tiny = ["--device", "cpu", "--hf-overrides", json.dumps(TINY_FLASH_OVERRIDES), "--layers", "4", "--batches", "1",
+            "--context", "256", "--repeat", "1"]
     with pytest.raises(ConfigError, match="programmatic_dependent_launch.*no CUDA device"):
-        bench_v4.main(["--device", "cpu", "--hf-overrides", json.dumps(TINY_FLASH_OVERRIDES), "--layers", "4",
-                       "--batches", "1", "--pdl-batches", "1", "--context", "256", "--repeat", "1"])
+        bench_v4.main(tiny + ["--variants", "pdl"])
+    with pytest.raises(SystemExit, match="--device cuda"):
+        bench_v4.main(tiny + ["--variants", "shared_stream"])
