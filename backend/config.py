@@ -114,7 +114,7 @@ class EngineConfig:
     # Programmatic dependent launch (kernels/common.py): each Triton kernel is started while the one before it runs and
     # waits on the device for it, so that a decode step's launches (some 800 at V4-Flash's batch 1) overlap the
     # kernels before them instead of following their ends. A CUDA device of compute capability 9.0 or more (Hopper).
-    # Off until timed on a GPU (scripts/gpu_check.sh's v4_pdl part compares it with the default).
+    # Off until timed on a GPU (scripts/gpu_check.sh's v4_overlap part compares it with the default).
     programmatic_dependent_launch: bool = False
     # Each layer's shared expert on a second CUDA stream, beside the router and the routed experts (SGLang's alternate
     # stream): at decode sizes both are a few small kernels that leave SMs idle. Off until timed on a GPU (the same

@@ -150,8 +150,9 @@ def last_to_arrive(counter_ptr, index, arrivals):
 # its programs resident and waiting at `griddepcontrol.wait` until that one has finished and its writes are visible,
 # rather than launched after it ends: the launch and the programs' start overlap the kernel before (a decode step at
 # batch 1 is some 800 short kernels). Every kernel here waits first, before it reads or writes anything, and then lets
-# the kernel after it start; a kernel after a torch operator waits for it in the same way (nothing to wait for). The
-# engine's `programmatic_dependent_launch` turns it on for the process (`set_programmatic_dependent_launch`).
+# the kernel after it start; a kernel after a torch operator, which never lets it start early, starts when that one
+# ends, as without. The engine's `programmatic_dependent_launch` turns it on for the process
+# (`set_programmatic_dependent_launch`).
 _PDL = {"on": False}
 
 
