@@ -27,9 +27,9 @@
 #   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
-#   v4_overlap: the same model's decode steps at 1 and 16 requests as configured, then with programmatic dependent
-#      launch (every kernel launched while the one before it runs), with the shared expert on a second stream, and
-#      with both, side by side in one run (v4_overlap.json, .csv).
+#   v4_overlap: the same model at 8 layers, its decode steps at 1 and 16 requests as configured, then with
+#      programmatic dependent launch (every kernel launched while the one before it runs), with the shared expert on a
+#      second stream, and with both, side by side in one run, per layer and extrapolated (v4_overlap.json, .csv).
 #   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
 #      at concurrency 1, 16, 64; TTFT and ITL from the server's histograms). Needs tritonserver, its Python stub and
 #      perf_analyzer with their libraries: without this checkout's venv, carry the bundle of scripts/pack_serving.sh
@@ -130,7 +130,7 @@ else
 fi
 run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
 run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
-run v4_overlap "$PY" scripts/bench_v4.py --batches 1 16 --variants pdl shared_stream pdl+shared_stream \
+run v4_overlap "$PY" scripts/bench_v4.py --layers 8 --batches 1 16 --variants pdl shared_stream pdl+shared_stream \
   --variant-batches 1 16 --out "$RESULTS/v4_overlap.json"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
 run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
