@@ -116,10 +116,10 @@ class EngineConfig:
     # kernels before them instead of following their ends. A CUDA device of compute capability 9.0 or more (Hopper).
     # Off until timed on a GPU (scripts/gpu_check.sh's v4_overlap part compares it with the default).
     programmatic_dependent_launch: bool = False
-    # Each layer's shared expert on a second CUDA stream, beside the router and the routed experts (SGLang's alternate
-    # stream): at decode sizes both are a few small kernels that leave SMs idle. Off until timed on a GPU (the same
-    # gpu_check.sh part).
-    shared_expert_stream: bool = False
+    # A layer's independent branches on a second CUDA stream (DeepseekV4Model.use_side_stream): the KV pools' writes and
+    # the indexer beside q_b's GEMM, the shared expert beside the routed experts (SGLang's alternate stream): at decode
+    # sizes each is a few small kernels that leave SMs idle. Off until timed on a GPU (the same gpu_check.sh part).
+    side_stream: bool = False
     # Intra-op CPU threads for steps of at least SMALL_STEP_TOKENS tokens (smaller steps, decodes,
     # run on one: docs/host-loop.md#threads). None: torch's count where the engine is built (the cores).
     cpu_threads: int | None = None
@@ -163,8 +163,8 @@ class EngineConfig:
                "programmatic_dependent_launch", self.programmatic_dependent_launch,
                "false off a CUDA device (it launches CUDA kernels; device resolves to "
                f"{self.resolved_device()!r})")
-        _check(not self.shared_expert_stream or self.resolved_device() == "cuda", "shared_expert_stream",
-               self.shared_expert_stream, f"false off a CUDA device (device resolves to {self.resolved_device()!r})")
+        _check(not self.side_stream or self.resolved_device() == "cuda", "side_stream",
+               self.side_stream, f"false off a CUDA device (device resolves to {self.resolved_device()!r})")
         _check_int(self, "max_running_requests", 1)
         # Every running request's decode must fit one step, and with one request still in prefill
         # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.

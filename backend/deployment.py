@@ -198,7 +198,7 @@ def load_model(config: EngineConfig, deployment: Deployment, device, dtype, layo
         check_programmatic_dependent_launch(device)
     set_programmatic_dependent_launch(config.programmatic_dependent_launch)
     return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
-                           shared_expert_stream=config.shared_expert_stream)
+                           side_stream=config.side_stream)
 
 
 def check_programmatic_dependent_launch(device) -> None:

@@ -17,8 +17,8 @@ steps at static shapes (CUDA graphs on CUDA, the same padded steps eagerly elsew
   prefill  one prompt of --context tokens in one forward (eager): tokens/s.
   --variants V ... --variant-batches B ...  then decode steps at these batches again in each variant, their graphs
            captured anew: the same model, side by side with the steps above. A variant is `pdl` (programmatic
-           dependent launch, a Hopper GPU: kernels/common.py), `shared_stream` (the shared expert on a second CUDA
-           stream: DeepseekV4Model.use_shared_expert_stream) or both, `pdl+shared_stream`.
+           dependent launch, a Hopper GPU: kernels/common.py), `side_stream` (a layer's independent branches on a
+           second CUDA stream: DeepseekV4Model.use_side_stream) or both, `pdl+side_stream`.
 
 Per layer: the step less what runs outside the layers (embedding, hyper-head, norm, LM head; timed alone), over the
 layers; extrapolated to the config's own layer count (43 for V4-Flash): outside + layers x per layer.
@@ -55,8 +55,8 @@ FLASH = REPO / "docs" / "configs" / "deepseek-v4-flash.config.json"
 GIB = 2**30
 DECODE_TOKEN = 2
 # --variants: what each one turns on beside the configured steps (CUDA only)
-VARIANTS = {"pdl": "programmatic dependent launch", "shared_stream": "the shared expert on a second stream",
-            "pdl+shared_stream": "both"}
+VARIANTS = {"pdl": "programmatic dependent launch", "side_stream": "a layer's independent branches on a second stream",
+            "pdl+side_stream": "both"}
 # Left of the device for what the pools and weights do not count: the prefill's activations (a 8K-token step at
 # V4-Flash's widths), the CUDA graphs' pool, the allocator's slack.
 RESERVE_GIB = 16.0
@@ -145,7 +145,7 @@ class Bench:
         from kernels.common import set_programmatic_dependent_launch
 
         set_programmatic_dependent_launch("pdl" in variant.split("+"))
-        self.model.use_shared_expert_stream("shared_stream" in variant.split("+"))
+        self.model.use_side_stream("side_stream" in variant.split("+"))
         self.graphs = DecodeGraphs(self.model, self.kv, self.graphs.max_rows, capture=self.device == "cuda")
 
     def decoding(self, count: int, context: int) -> list:

@@ -2,7 +2,7 @@
 """The engine on a device against the engine on CPU in fp32, with and without CUDA graphs (greedy tokens).
 
     python scripts/check_engine_device.py [--device cuda] [--max-tokens 24] [--checkpoint DIR] [--json FILE]
-                                          [--num-speculative-tokens 1 2] [--variants pdl shared_stream ...]
+                                          [--num-speculative-tokens 1 2] [--variants pdl side_stream ...]
 
 Generates greedily for prompts of 1..300 tokens (batched, so decode steps have several rows and cross
 CSA/HCA boundaries), then for a second wave of prompts that start like the first wave's (restored from the
@@ -14,11 +14,10 @@ bf16 rounding may flip a near-tie); with --num-speculative-tokens k [k ...], als
 decode from the checkpoint's MTP layer, graphs off and on (must equal the reference: speculation changes no greedy
 token; with graphs and k = 1 the draft pass follows each verify on the device, the host reading both at once, and with
 k > 1 the host plans the chain from the verify's output); with --variants, also the device in fp32 with graphs on in
-each: `pdl`, every kernel launched while the one before it runs (a Hopper GPU); `shared_stream`, the shared expert on
-a second stream; `pdl+shared_stream` (must equal the reference: each kernel waits on the device for what it reads).
-Then sampled requests on the device (fp32, graphs on; with
-each k too: argmax drafts in the static chain): seeded
-requests with top-k, top-p and log-probabilities generated twice by one engine must draw the same tokens (their
+each: `pdl`, every kernel launched while the one before it runs (a Hopper GPU); `side_stream`, a layer's independent
+branches on a second stream; `pdl+side_stream` (must equal the reference: each kernel waits on the device for what it
+reads). Then sampled requests on the device (fp32, graphs on; with each k too: argmax drafts in the static chain):
+seeded requests with top-k, top-p and log-probabilities generated twice by one engine must draw the same tokens (their
 generators on the device), every log-probability finite and at most 0.
 Prints one row per run; exit status 1 when a required equality fails.
 `--device cpu` checks the script itself (the padded static step runs eagerly there).
@@ -41,7 +40,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 
 PROMPT_LENGTHS = [1, 7, 60, 127, 130, 255, 300]
-VARIANTS = {"pdl": "programmatic_dependent_launch", "shared_stream": "shared_expert_stream"}  # --variants' settings
+VARIANTS = {"pdl": "programmatic_dependent_launch", "side_stream": "side_stream"}  # --variants' settings
 POOLS = dict(max_running_requests=8, num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5)  # (every run's)
 
 
@@ -98,7 +97,7 @@ def main() -> int:
     parser.add_argument("--num-speculative-tokens", type=int, nargs="*", default=[],
                         help="also run with these many drafts per decode (fp32, graphs off and on; must equal)")
     parser.add_argument("--variants", nargs="*", default=[], metavar="V",
-                        help="also run in these variants (pdl, shared_stream, pdl+shared_stream; fp32, graphs on; "
+                        help="also run in these variants (pdl, side_stream, pdl+side_stream; fp32, graphs on; "
                              "must equal)")
     parser.add_argument("--json", type=Path)
     options = parser.parse_args()

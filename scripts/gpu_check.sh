@@ -2,7 +2,7 @@
 # Everything that needs an NVIDIA GPU, in one run that installs nothing (the machine has torch + triton):
 #   1. the kernel tests with CUDA tensors (DSV4_TEST_DEVICE=cuda: no interpreter),
 #   2. the engine on CUDA against CPU fp32, CUDA graphs on and off, and with 1 and 2 speculative drafts per decode, and
-#      with programmatic dependent launch and the shared expert on a second stream; seeded sampling drawn on the device
+#      with programmatic dependent launch and a layer's independent branches on a second stream; seeded sampling drawn on the device
 #      repeating, with and without drafts (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
 #   4. the kernels' tiles tuned on this device at DeepSeek-V4-Flash's shapes (scripts/tune_kernels.py, `tune`): written
@@ -28,8 +28,8 @@
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
 #   v4_overlap: the same model at 8 layers, its decode steps at 1 and 16 requests as configured, then with
-#      programmatic dependent launch (every kernel launched while the one before it runs), with the shared expert on a
-#      second stream, and with both, side by side in one run, per layer and extrapolated (v4_overlap.json, .csv).
+#      programmatic dependent launch (every kernel launched while the one before it runs), with a layer's independent
+#      branches on a second stream, and with both, side by side in one run, per layer and extrapolated (v4_overlap.json, .csv).
 #   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
 #      at concurrency 1, 16, 64; TTFT and ITL from the server's histograms). Needs tritonserver, its Python stub and
 #      perf_analyzer with their libraries: without this checkout's venv, carry the bundle of scripts/pack_serving.sh
@@ -106,7 +106,7 @@ xdist=(); "$PY" -c "import xdist" 2>/dev/null && xdist=(-n 8)
 run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p no:cacheprovider "${xdist[@]}" \
   --deselect tests/kernels/test_compile.py
 run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 1 2 \
-  --variants pdl shared_stream pdl+shared_stream --json "$RESULTS/engine.json"
+  --variants pdl side_stream pdl+side_stream --json "$RESULTS/engine.json"
 run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
 run tune "$PY" scripts/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --copy-to "$RESULTS"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
@@ -130,7 +130,7 @@ else
 fi
 run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
 run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
-run v4_overlap "$PY" scripts/bench_v4.py --layers 8 --batches 1 16 --variants pdl shared_stream pdl+shared_stream \
+run v4_overlap "$PY" scripts/bench_v4.py --layers 8 --batches 1 16 --variants pdl side_stream pdl+side_stream \
   --variant-batches 1 16 --out "$RESULTS/v4_overlap.json"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
 run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \

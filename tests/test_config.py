@@ -36,7 +36,7 @@ from backend.config import ConfigError, EngineConfig
     ({"hf_overrides": {"norm_topk_prob": 1}}, "hf_overrides"),
     ({"hf_overrides": {"compress_ratios": 4}}, "hf_overrides"),  # a legacy key, of its own type
     ({"programmatic_dependent_launch": True, "device": "cpu"}, "programmatic_dependent_launch"),  # CUDA kernels only
-    ({"shared_expert_stream": True, "device": "cpu"}, "shared_expert_stream"),
+    ({"side_stream": True, "device": "cpu"}, "side_stream"),
 ])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):

@@ -36,6 +36,7 @@ its own pools with the whole attention and LM head, and with expert parallelism 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -70,9 +71,9 @@ class PendingMix(NamedTuple):
 class DeepseekV4Model:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device, dtype: torch.dtype,
                  kernels: KernelDispatch | None = None, layout: ParallelLayout = ParallelLayout(),
-                 comm: Communicator = Communicator(), shared_expert_stream: bool = False):
+                 comm: Communicator = Communicator(), side_stream: bool = False):
         """`kernels` carries the deployment's numerics (kernels/modes.py): the model's own ops follow them too.
-        `shared_expert_stream` (CUDA): the shared expert on a second stream (`use_shared_expert_stream`)."""
+        `side_stream` (CUDA): a layer's independent branches on a second stream (`use_side_stream`)."""
         self.config = config
         self.layout, self.comm = layout, comm
         split = layout.tensor_parallel_size if layout.attention_split else 1
@@ -83,7 +84,7 @@ class DeepseekV4Model:
         self.dtype = dtype
         self.kernels = kernels or KernelDispatch()
         self.numerics = self.kernels.numerics
-        self.use_shared_expert_stream(shared_expert_stream)
+        self.use_side_stream(side_stream)
         if self.kernels.use_triton(torch.empty(0, device=device)):
             self._experts_for_kernels()
         self.rotary = {label: Rotary(config, label, device) for label in ("main", "compress")}
@@ -217,20 +218,22 @@ class DeepseekV4Model:
             q_a, q_norm = k.linear_input(q_a, **q_norm), {}
         elif layer_type == CSA:  # two GEMMs read it: act_quant'ed once for both where each would quantize it ahead
             q_norm["x_quantized"] = k.shared_linear_input(q_a, **q_norm)
+        memory = kv.layer(i)
+        comp_table, topk = None, None
+        with self._side_branch():  # what writes the KV pools, and the indexer: beside q_b's GEMM where forked
+            self._store_window_entries(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], cos, sin, batch, memory)
+            if memory.pool is not None:
+                comp_table = batch.comp_block_tables[memory.pool]
+                compressors = [("compressor.", memory.pool, memory.compressed_kv, comp_table)]
+                if layer_type == CSA:  # and the indexer's keys (over the same plan: one launch with the Triton kernels)
+                    compressors.append(("compressor.indexer.", "indexer", memory.index_k,
+                                        batch.comp_block_tables["csa"]))
+                self._compress_into(i, compressors, proj, batch, memory, entry_rope)
+            if layer_type == CSA:
+                topk = self._indexer_topk(i, proj, q_a, q_norm, batch, memory, rope["compress"])
         q = self._quantized_linear(q_a, w[p + "q_b_proj.weight"], **q_norm).view(num_tokens, self.local_heads,
                                                                                  c.head_dim)
-        memory = kv.layer(i)
-        self._store_window_entries(proj["self_attn.kv_proj"], w[p + "kv_norm.weight"], cos, sin, batch, memory)
-
-        comp_table, topk = None, None
-        if memory.pool is not None:
-            comp_table = batch.comp_block_tables[memory.pool]
-            compressors = [("compressor.", memory.pool, memory.compressed_kv, comp_table)]
-            if layer_type == CSA:  # and the indexer's keys (over the same plan: one launch with the Triton kernels)
-                compressors.append(("compressor.indexer.", "indexer", memory.index_k, batch.comp_block_tables["csa"]))
-            self._compress_into(i, compressors, proj, batch, memory, entry_rope)
-        if layer_type == CSA:
-            topk = self._indexer_topk(i, proj, q_a, q_norm, batch, memory, rope["compress"])
+        self._join_side_branch()
 
         out = k.sparse_paged_attention(
             q, w[p + "sinks"], c.head_dim ** -0.5, batch.token_seq, batch.positions,
@@ -292,11 +295,8 @@ class DeepseekV4Model:
         """(routed experts' output in fp32, shared expert's output): the mix kernel adds them. x_quantized: x's
         act_quant, as the collapse wrote it (for the routed experts of this rank's own tokens)."""
         c, w, k, p = self.config, self.w, self.kernels, self.prefixes[i] + "mlp."
-        side = self.side_stream
-        if side is not None:  # the shared expert forked first, beside the router and the routed experts
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                shared = self._shared_expert(i, x, x_quantized)
+        with self._side_branch():  # the shared expert: beside the router and the routed experts where forked
+            shared = self._shared_expert(i, x, x_quantized)
         gate = w[p + "gate.weight"]
         router_logits = k.fp32_linear(x, gate) if self.numerics.fp32_router else k.linear(x, gate)
         if self.mlp_types[i] == "hash_moe":
@@ -311,11 +311,7 @@ class DeepseekV4Model:
             routed = self._experts_of_every_rank(p, x, *k.route(routing), dp_token_counts)
         else:  # routed by the experts' own launches (at decode sizes, by their alignment's)
             routed = self._local_experts(p, x, None, None, x_quantized, routing)
-        if side is None:
-            shared = self._shared_expert(i, x, x_quantized)
-        else:  # joined. `shared` lives in the side stream's memory and is read on this one: the side stream's next
-            # use of it comes after the next fork, which waits for those reads (no record_stream needed)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+        self._join_side_branch()
         return routed, shared
 
     def _shared_expert(self, i: int, x: torch.Tensor, x_quantized=None) -> torch.Tensor:
@@ -328,14 +324,32 @@ class DeepseekV4Model:
         return self._quantized_linear(gate_up, self.w[p + "shared_experts.down_proj.weight"],
                                       swiglu_limit=self.config.swiglu_limit)
 
-    def use_shared_expert_stream(self, on: bool) -> None:
-        """Run each layer's shared expert on a second CUDA stream, beside its routed experts on the step's own (SGLang's
-        alternate stream for DeepSeek's shared experts): at decode sizes each is a few small kernels that leave most
-        SMs idle, side by side they fill them. The side stream waits for the step's stream before the shared expert
-        and the step's stream for the side one after the routed experts (`_moe`), both recorded by a CUDA graph as
-        a fork and a join."""
+    # --- a second stream ---------------------------------------------------------------------------
+    def use_side_stream(self, on: bool) -> None:
+        """Run a layer's independent branches on a second CUDA stream beside the step's own (SGLang's alternate stream
+        for DeepSeek's shared experts): the writes into the KV pools and the indexer beside q_b's GEMM, the shared
+        expert beside the router and the routed experts. At decode sizes each branch is a few small kernels that leave
+        most SMs idle; side by side they fill them. A CUDA graph records each fork and join."""
         assert not on or torch.device(self.device).type == "cuda", "a second stream is a CUDA stream"
         self.side_stream = torch.cuda.Stream(self.device) if on else None
+
+    @contextlib.contextmanager
+    def _side_branch(self):
+        """Queue the block's work on the side stream, after what the step's stream has queued so far (a fork); on the
+        step's stream without one. What the branch allocates lives in the side stream's memory and is read on the
+        step's stream after the join: the side stream's next use of that memory comes after the next fork, which
+        waits for those reads (so no record_stream)."""
+        if self.side_stream is None:
+            yield
+            return
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side_stream):
+            yield
+
+    def _join_side_branch(self) -> None:
+        """The step's stream waits for the side branch (a join); nothing without a side stream."""
+        if self.side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
 
     def _local_experts(self, p: str, x, ids, weights, x_quantized=None, routing=None) -> torch.Tensor:
         """This rank's routed experts over the pairs of `x` routed to them (by `ids` and `weights`, or by `routing`),

@@ -44,4 +44,4 @@ def test_the_cuda_variants_are_refused_off_a_gpu():
     with pytest.raises(ConfigError, match="programmatic_dependent_launch.*no CUDA device"):
         bench_v4.main(tiny + ["--variants", "pdl"])
     with pytest.raises(SystemExit, match="--device cuda"):
-        bench_v4.main(tiny + ["--variants", "shared_stream"])
+        bench_v4.main(tiny + ["--variants", "side_stream"])
