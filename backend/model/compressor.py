@@ -96,14 +96,8 @@ def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets
     keep = (start + length - kept)[keep_row] + keep_rank
     keep_src = _source_index(keep, keep_row, start[keep_row], offset[keep_row], ring, len(start))
     keep_slot, keep_pos = slot[keep_row], keep % ring
-    snap_src = snap_slot = snap_pos = np.zeros(0, dtype=np.int64)
-    if snapshots:
-        snap_src, snap_slot, snap_pos = _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset)
-    if num_snapshot_keep is not None:  # (padding: source 0 into the scratch slot's ring, which no row reads)
-        missing = num_snapshot_keep - len(snap_src)
-        assert missing >= 0, "a static step's rows keep at most snapshot_keep_per_row snapshot positions each"
-        snap_src, snap_pos = (np.concatenate([a, np.zeros(missing, dtype=np.int64)]) for a in (snap_src, snap_pos))
-        snap_slot = np.concatenate([snap_slot, np.full(missing, scratch_slot, dtype=np.int64)])
+    snap_src, snap_slot, snap_pos = _snapshot_keep_rows(rate, overlap, ring, snapshots, start, length, offset,
+                                                        num_snapshot_keep, scratch_slot)
     num_snapshot_keep = len(snap_src)
     if num_snapshot_keep:
         keep_src, keep_slot = np.concatenate([snap_src, keep_src]), np.concatenate([snap_slot, keep_slot])
@@ -114,28 +108,46 @@ def build_plan(rate: int, overlap: bool, row_starts, row_lens, row_token_offsets
                  entry_index=entry_index, keep_src=keep_src, keep_slot=keep_slot, keep_pos=keep_pos)
 
 
-def build_decode_plan(rate: int, overlap: bool, row_starts, row_slots, device="cpu", ring: int | None = None,
-                      num_entries: int | None = None) -> CompressionPlan:
-    """build_plan for a batch of single-token rows (row b's token at batch offset b, no snapshots): the same plan,
-    in a third of the array operations (a decode step's host time does not grow with its batch's Python)."""
+def build_uniform_plan(rate: int, overlap: bool, row_starts, tokens_per_row: int, row_slots, device="cpu",
+                       snapshots: list[tuple[int, int, int]] = (), ring: int | None = None,
+                       num_entries: int | None = None, num_snapshot_keep: int | None = None,
+                       scratch_slot: int = 0) -> CompressionPlan:
+    """build_plan for rows of `tokens_per_row` tokens each, at most `rate` (a decode step's one, a verify step's 1 + k),
+    row b's at batch offset b * tokens_per_row: the same plan in a third of the array operations (a step's host time
+    does not grow with its batch's Python). Each row closes at most one window, and its ring keeps all of its
+    tokens."""
+    length = tokens_per_row
     span = 2 * rate if overlap else rate
     ring = ring or span
+    assert 1 <= length <= rate <= ring, "a row closes at most one window and its ring keeps all of its tokens"
     start, slot = _ints(row_starts), _ints(row_slots)
     num_rows = len(start)
     rows = np.arange(num_rows)
-    closes = (start + 1) % rate == 0  # the row's token is the last of window (start + 1) / rate - 1
+    last_end = (start + length) // rate * rate - 1  # the last window end among the row's positions, if any
+    closes = last_end >= start
     entry_row = rows[closes]
-    closing_start = start[closes]
-    entry_index = (closing_start + 1) // rate - 1
+    closing_start = start[closes][:, None]
+    entry_index = (last_end[closes] + 1) // rate - 1
     lo = (entry_index - 1) * rate if overlap else entry_index * rate
-    positions = lo[:, None] + np.arange(span)[None, :]  # [N, span]: the window's last is the row's token
+    positions = lo[:, None] + np.arange(span)[None, :]  # [N, span]: the window's last is one of the row's tokens
     source = np.maximum(positions, 0)  # (positions before 0 are invalid, read from anywhere)
-    from_ring = entry_row[:, None] * ring + (source - (closing_start[:, None] - ring))
-    entry_src = np.where(source < closing_start[:, None], from_ring, num_rows * ring + entry_row[:, None])
-    return _plan(rate, overlap, ring, device, num_entries, 0, ring_slots=slot,
+    from_ring = entry_row[:, None] * ring + (source - (closing_start - ring))
+    from_batch = num_rows * ring + entry_row[:, None] * length + (source - closing_start)
+    keep_src = num_rows * ring + np.arange(num_rows * length)
+    keep_slot = np.repeat(slot, length)
+    keep_pos = (start[:, None] + np.arange(length)[None, :]).reshape(-1) % ring
+    if snapshots or num_snapshot_keep:  # (as build_plan's)
+        snap_src, snap_slot, snap_pos = _snapshot_keep_rows(rate, overlap, ring, snapshots, start,
+                                                            np.full(num_rows, length), rows * length,
+                                                            num_snapshot_keep, scratch_slot)
+        keep_src, keep_slot = np.concatenate([snap_src, keep_src]), np.concatenate([snap_slot, keep_slot])
+        keep_pos = np.concatenate([snap_pos, keep_pos])
+        num_snapshot_keep = len(snap_src)
+    return _plan(rate, overlap, ring, device, num_entries, num_snapshot_keep or 0, ring_slots=slot,
                  ring_order=(start[:, None] - ring + np.arange(ring)[None, :]) % ring,
-                 entry_src=entry_src, entry_valid=positions >= 0, entry_pos=entry_index * rate, entry_row=entry_row,
-                 entry_index=entry_index, keep_src=num_rows * ring + rows, keep_slot=slot, keep_pos=start % ring)
+                 entry_src=np.where(source < closing_start, from_ring, from_batch), entry_valid=positions >= 0,
+                 entry_pos=entry_index * rate, entry_row=entry_row, entry_index=entry_index, keep_src=keep_src,
+                 keep_slot=keep_slot, keep_pos=keep_pos)
 
 
 def _plan(rate: int, overlap: bool, ring: int, device, num_entries: int | None, num_snapshot_keep: int,
@@ -165,6 +177,20 @@ def _snapshot_lookback(rate: int, overlap: bool, position: int) -> int:
     """How many positions before `position` a continuation from there reads from the ring: the open window,
     and with overlap the window before it (CSA's Ca half)."""
     return position % rate + (rate if overlap else 0)
+
+
+def _snapshot_keep_rows(rate, overlap, ring, snapshots, start, length, offset, num_snapshot_keep, scratch_slot):
+    """The snapshots' keep rows (source, slot, ring index); with `num_snapshot_keep`, padded to exactly that many with
+    source 0 into the scratch slot's ring, which no row reads (a static step)."""
+    snap_src = snap_slot = snap_pos = np.zeros(0, dtype=np.int64)
+    if snapshots:
+        snap_src, snap_slot, snap_pos = _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset)
+    if num_snapshot_keep is not None:
+        missing = num_snapshot_keep - len(snap_src)
+        assert missing >= 0, "a static step's rows keep at most snapshot_keep_per_row snapshot positions each"
+        snap_src, snap_pos = (np.concatenate([a, np.zeros(missing, dtype=np.int64)]) for a in (snap_src, snap_pos))
+        snap_slot = np.concatenate([snap_slot, np.full(missing, scratch_slot, dtype=np.int64)])
+    return snap_src, snap_slot, snap_pos
 
 
 def _snapshot_rows(rate, overlap, ring, snapshots, start, length, offset):

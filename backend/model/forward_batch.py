@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from backend.model.compressor import CompressionPlan, build_decode_plan, build_plan
+from backend.model.compressor import CompressionPlan, build_plan, build_uniform_plan
 from backend.model.staging import map_leaves
 from backend.model.static_batch import StaticKey, entries_per_row, snapshot_keep_per_row
 
@@ -177,13 +177,18 @@ def _plans(kv: KVCacheManager, rows: list[BatchRow], starts, lens, offsets, slot
     def make_plan(rate: int, overlap: bool, ring: int) -> CompressionPlan:
         num_entries = pad_to.rows * entries_per_row(rate, pad_width) if pad_to is not None else None
         if single:  # one token a row (decodes): no snapshot is inside a chunk
-            return build_decode_plan(rate, overlap, starts, slots, ring=ring, num_entries=num_entries)
+            return build_uniform_plan(rate, overlap, starts, 1, slots, ring=ring, num_entries=num_entries)
         snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
                      for position, slot in row.snapshots]
         snapshot_keep = (pad_to.rows * snapshot_keep_per_row(rate, overlap, pad_width, block)
                          if pad_to is not None else None)
+        if uniform and lens[0] <= rate:  # (a verify step's rows, 1 + k tokens each)
+            return build_uniform_plan(rate, overlap, starts, int(lens[0]), slots, "cpu", snapshots, ring, num_entries,
+                                      snapshot_keep, kv.state_pool.scratch_slot)
         return build_plan(rate, overlap, starts, lens, offsets, slots, "cpu", snapshots, ring, num_entries,
                           snapshot_keep, kv.state_pool.scratch_slot)
+
+    uniform = bool((lens == lens[0]).all()) if len(lens) else False
 
     if kv.has_pool("csa"):
         plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))

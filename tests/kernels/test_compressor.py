@@ -187,25 +187,37 @@ def test_snapshot_rows_run_with_the_entries_before_the_ring_updates():
 
 
 @pytest.mark.parametrize("rate,overlap", [(4, True), (128, False), (2, True), (8, False)])
-def test_the_decode_plan_is_the_general_plan_of_single_token_rows(rate, overlap):
-    """build_decode_plan (a decode step's fast path) gives exactly build_plan's tensors for one-token rows at any
-    positions: windows closing or not, before the first window is whole, rings wrapping."""
+def test_the_uniform_plan_is_the_general_plan_of_rows_of_one_length(rate, overlap):
+    """build_uniform_plan (the fast path of decode and verify steps) gives exactly build_plan's tensors for rows of
+    one to `rate` tokens each at any positions: windows closing or not (at a row's first, middle or last token),
+    before the first window is whole, rings wrapping, with a prefix-cache snapshot inside a row; padded like a
+    static step's, or not."""
     from dataclasses import fields
 
-    from backend.model.compressor import build_decode_plan
+    from backend.model.compressor import build_uniform_plan
 
     gen = torch.Generator().manual_seed(rate)
+    snapshot_rows_seen = False
     for num_rows in (1, 3, 17, 40):
-        starts = torch.randint(0, 700, (num_rows,), generator=gen)
-        starts[0] = rate - 1  # the first window closes at the row's first possible position
-        slots = torch.randperm(64, generator=gen)[:num_rows]
-        general = build_plan(rate, overlap, starts, torch.ones(num_rows, dtype=torch.long), torch.arange(num_rows),
-                             slots, DEVICE)
-        fast = build_decode_plan(rate, overlap, starts, slots, DEVICE)
-        assert general.num_entries >= 1
-        for f in fields(general):
-            a, b = getattr(general, f.name), getattr(fast, f.name)
-            assert (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b, f.name
+        for length in sorted({1, 2, rate}):
+            starts = torch.randint(0, 700, (num_rows,), generator=gen)
+            starts[0] = rate - 1  # the first window closes at the row's first possible position
+            slots = torch.randperm(64, generator=gen)[:num_rows]
+            ring = 2 * rate + 2 * length + (0 if overlap else rate)
+            snapshots = [(num_rows - 1, int(starts[-1]) + length - 1, 62)] if length > 1 else []
+            for padding in ({}, dict(num_entries=num_rows + 3, num_snapshot_keep=3 * rate, scratch_slot=63)):
+                lens, offsets = torch.full((num_rows,), length), torch.arange(num_rows) * length
+                general = build_plan(rate, overlap, starts, lens, offsets, slots, DEVICE, snapshots, ring,
+                                     padding.get("num_entries"), padding.get("num_snapshot_keep"),
+                                     padding.get("scratch_slot", 0))
+                fast = build_uniform_plan(rate, overlap, starts, length, slots, DEVICE, snapshots, ring, **padding)
+                assert general.num_entries >= 1
+                snapshot_rows_seen |= bool(snapshots) and not padding and general.num_snapshot_keep > 0
+                for f in fields(general):
+                    a, b = getattr(general, f.name), getattr(fast, f.name)
+                    assert (a.dtype == b.dtype and torch.equal(a, b)) if isinstance(a, torch.Tensor) else a == b, \
+                        (f.name, length, padding)
+    assert snapshot_rows_seen
 
 
 def test_closed_entries_returned_for_the_caller_to_store():
