@@ -693,6 +693,7 @@ def _glue_cases(torch, s, device, t, gen):
 def _compressor_pair_fns(torch, s, device, gen, t, build_plan):
     """A CSA layer's two compressors over one plan in one launch (`pair_compress_launches`), against their two
     launches (its reference: the same bytes) and the float reference; each returns both pools, flattened."""
+    from kernels.common import launch
     from kernels.compressor import (compress_into_pool_reference, compress_into_pool_triton, pair_compress_launches,
                                     plan_compress_into_pool)
 
@@ -706,8 +707,7 @@ def _compressor_pair_fns(torch, s, device, gen, t, build_plan):
     def paired():
         planned = []
         pools = [run(lambda *args: planned.append(plan_compress_into_pool(*args))) for run in runs]
-        for kernel, grid, args, kwargs in pair_compress_launches(*planned):
-            kernel[grid](*args, **kwargs)
+        launch(pair_compress_launches(*planned))
         return torch.cat([pool.flatten().float() for pool in pools])
 
     return (paired, lambda: both(compress_into_pool_triton), lambda: both(compress_into_pool_reference),
