@@ -96,7 +96,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--num-speculative-tokens", type=int, nargs="*", default=[],
                         help="also run with these many drafts per decode (fp32, graphs off and on; must equal)")
-    parser.add_argument("--variants", nargs="*", default=[], metavar="V",
+    parser.add_argument("--variants", nargs="*", default=[], metavar="V", choices=[*VARIANTS, "pdl+side_stream"],
                         help="also run in these variants (pdl, side_stream, pdl+side_stream; fp32, graphs on; "
                              "must equal)")
     parser.add_argument("--json", type=Path)

@@ -2,8 +2,8 @@
 # Everything that needs an NVIDIA GPU, in one run that installs nothing (the machine has torch + triton):
 #   1. the kernel tests with CUDA tensors (DSV4_TEST_DEVICE=cuda: no interpreter),
 #   2. the engine on CUDA against CPU fp32, CUDA graphs on and off, and with 1 and 2 speculative drafts per decode, and
-#      with programmatic dependent launch and a layer's independent branches on a second stream; seeded sampling drawn on the device
-#      repeating, with and without drafts (scripts/check_engine_device.py),
+#      with programmatic dependent launch and a layer's independent branches on a second stream; seeded sampling drawn
+#      on the device repeating, with and without drafts (scripts/check_engine_device.py),
 #   3. device launches and host syncs of a decode step on CUDA (scripts/count_launches.py --device cuda),
 #   4. the kernels' tiles tuned on this device at DeepSeek-V4-Flash's shapes (scripts/tune_kernels.py, `tune`): written
 #      to kernels/configs/<device>.json, which the parts after it launch with, and copied into the results folder
@@ -29,7 +29,8 @@
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
 #   v4_overlap: the same model at 8 layers, its decode steps at 1 and 16 requests as configured, then with
 #      programmatic dependent launch (every kernel launched while the one before it runs), with a layer's independent
-#      branches on a second stream, and with both, side by side in one run, per layer and extrapolated (v4_overlap.json, .csv).
+#      branches on a second stream, and with both, side by side in one run, per layer and extrapolated
+#      (v4_overlap.json, .csv).
 #   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
 #      at concurrency 1, 16, 64; TTFT and ITL from the server's histograms). Needs tritonserver, its Python stub and
 #      perf_analyzer with their libraries: without this checkout's venv, carry the bundle of scripts/pack_serving.sh
