@@ -192,7 +192,7 @@ def tiny_sweeps() -> list[Sweep]:
             _indexer_sweep(s, True, [dict(BLOCK_E=32), dict(BLOCK_E=64, num_warps=2)]),
             _moe_sweep(s, "bf16", [dict(gate_up=dict(BLOCK_N=16)), dict(down=dict(BLOCK_N=16))]),
             _fp8_gemm_sweep(s, [dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]),
-            _grouped_fp8_sweep(s, [dict(BLOCK_N=32), dict(BLOCK_N=64, num_warps=2)]),
+            _grouped_fp8_sweep(s, [dict(BLOCK_N=16, num_warps=1), dict(BLOCK_N=64, num_warps=4)]),
             _fp32_linear_sweep(s, [dict(BLOCK_N=32), dict(BLOCK_N=64, num_warps=2)])]
 
 
