@@ -282,12 +282,12 @@ class LLMEngine:
         self.core.close(_left(deadline))
         self._end_lock_step()
         self.grammars.close()
+        if self._receiver is not None:  # (before the group closes the sockets it polls)
+            self._receiver.join(_left(deadline))
+            self._receiver = None
         if self.group is not None:
             self.group.close(_left(deadline))
             self.group = None
-        if self._receiver is not None:
-            self._receiver.join(_left(deadline))
-            self._receiver = None
 
     def _end_lock_step(self) -> None:
         """Ranks in lock-step that are still agreeing (not all idle) leave their loops at one last agreement."""
