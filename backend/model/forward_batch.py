@@ -173,22 +173,21 @@ def _plans(kv: KVCacheManager, rows: list[BatchRow], starts, lens, offsets, slot
     step's padded to the entries its rows can close at most."""
     model, plans = kv.model, {}
     block = kv.prefix_cache.block_tokens if kv.prefix_cache is not None else None
+    # (one token a row, decodes: no snapshot is inside a chunk)
+    snapshots = [] if single else [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
+                                   for position, slot in row.snapshots]
+    # rows of one length (a decode's one token, a verify's 1 + k) take the uniform plan's fast path
+    row_length = 1 if single else int(lens[0]) if bool((lens == lens[0]).all()) else None
 
     def make_plan(rate: int, overlap: bool, ring: int) -> CompressionPlan:
         num_entries = pad_to.rows * entries_per_row(rate, pad_width) if pad_to is not None else None
-        if single:  # one token a row (decodes): no snapshot is inside a chunk
-            return build_uniform_plan(rate, overlap, starts, 1, slots, ring=ring, num_entries=num_entries)
-        snapshots = [(b, position, slot) for b, row in enumerate(rows) if row.snapshots
-                     for position, slot in row.snapshots]
         snapshot_keep = (pad_to.rows * snapshot_keep_per_row(rate, overlap, pad_width, block)
                          if pad_to is not None else None)
-        if uniform and lens[0] <= rate:  # (a verify step's rows, 1 + k tokens each)
-            return build_uniform_plan(rate, overlap, starts, int(lens[0]), slots, "cpu", snapshots, ring, num_entries,
+        if row_length is not None and row_length <= rate:
+            return build_uniform_plan(rate, overlap, starts, row_length, slots, "cpu", snapshots, ring, num_entries,
                                       snapshot_keep, kv.state_pool.scratch_slot)
         return build_plan(rate, overlap, starts, lens, offsets, slots, "cpu", snapshots, ring, num_entries,
                           snapshot_keep, kv.state_pool.scratch_slot)
-
-    uniform = bool((lens == lens[0]).all()) if len(lens) else False
 
     if kv.has_pool("csa"):
         plans["csa"] = plans["indexer"] = make_plan(model.csa_rate, True, kv.ring_length("csa"))
