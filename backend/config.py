@@ -27,6 +27,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DRAFT_SAMPLING = ("auto", "argmax", "sample")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
+CUDA_ONLY = ("programmatic_dependent_launch", "side_stream")  # settings only a CUDA device takes
 
 
 @dataclass
@@ -159,12 +160,9 @@ class EngineConfig:
         _check(not (self.kv_cache_dtype == "fp8" and self.numerics == "transformers"), "kv_cache_dtype",
                self.kv_cache_dtype, "bfloat16 or auto with numerics=transformers (the fp8 layout stores DeepSeek's "
                "roundings of the entries and its rotated indexer keys: set numerics=deepseek)")
-        _check(not self.programmatic_dependent_launch or self.resolved_device() == "cuda",
-               "programmatic_dependent_launch", self.programmatic_dependent_launch,
-               "false off a CUDA device (it launches CUDA kernels; device resolves to "
-               f"{self.resolved_device()!r})")
-        _check(not self.side_stream or self.resolved_device() == "cuda", "side_stream",
-               self.side_stream, f"false off a CUDA device (device resolves to {self.resolved_device()!r})")
+        for name in CUDA_ONLY:
+            _check(not getattr(self, name) or self.resolved_device() == "cuda", name, getattr(self, name),
+                   f"false off a CUDA device (device resolves to {self.resolved_device()!r})")
         _check_int(self, "max_running_requests", 1)
         # Every running request's decode must fit one step, and with one request still in prefill
         # the mixed budget (max_num_batched_tokens - decodes) stays >= 1.

@@ -147,15 +147,19 @@ def _roofline_ms(work: StepWork) -> float:
 def _draft_pass_ms(c, layout: str, ranks: int, batch: int) -> float:
     """One draft pass over a rank's share of `batch` requests, at the bandwidth (its weights dominate: the MTP layer
     and the LM head; its own KV reads, a window, are left out)."""
-    split = ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
-    return draft_pass_weight_bytes(c, "fp8", batch, layout=split, data_parallel=layout == "dp") / HBM_BYTES_PER_S * 1e3
+    return (draft_pass_weight_bytes(c, "fp8", batch, layout=_rank_layout(layout, ranks), data_parallel=layout == "dp")
+            / HBM_BYTES_PER_S * 1e3)
 
 
 def _weights_read(c, layout: str, ranks: int, batch: int) -> dict[str, float]:
     """What a step of `batch` requests reads of a rank's weights as the engine holds them (with the dp layout the head
     whole), by part: the experts every rank's tokens reach among its own (footprint.step_weight_bytes)."""
-    split = ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
-    return step_weight_bytes(c, "fp8", batch, layout=split, data_parallel=layout == "dp")
+    return step_weight_bytes(c, "fp8", batch, layout=_rank_layout(layout, ranks), data_parallel=layout == "dp")
+
+
+def _rank_layout(layout: str, ranks: int) -> ParallelLayout:
+    """The engine's layout of `layout` over `ranks`: tensor and expert parallel, or experts split alone (dp)."""
+    return ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
 
 
 def main() -> None:
