@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,10 @@ class SpecJob:
         scheduled before the one ahead of it was taken in (overlapped verify steps) read its drafts on the device,
         and the host only has stand-ins."""
         k = self.num_speculative_tokens
-        rows = [dataclasses.replace(row, drafts=tuple(verified[r * k:r * k + len(row.drafts)]))
+        if all(len(row.drafts) == k for row in self.rows) and verified == [d for row in self.rows for d in row.drafts]:
+            return self  # (a verify taken in before the next was scheduled: the host had them; every step, per row)
+        rows = [row if row.drafts == (drafts := tuple(verified[r * k:r * k + len(row.drafts)]))
+                else DraftRow(row.request_id, row.pages, drafts, row.position, row.lookahead_end)
                 for r, row in enumerate(self.rows)]
         return dataclasses.replace(self, rows=rows)
 
@@ -153,14 +157,18 @@ class Verifier:
             if not row.drafts:
                 continue
             state, span = states[r], slice(firsts[r], firsts[r] + 1 + len(row.drafts))
+            if _accepts_by_argmax(state) and state.params.logprobs is None:  # (most rows: nothing reads its targets)
+                argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
+                output.tokens[r] = _accepted_prefix(row.drafts, argmax[span])
+                continue
             targets[r] = _penalized(logits[span], state, list(row.drafts))
             if state.params.temperature > 0.0:
                 sampled.append(r)
             elif state.has_penalties:
-                output.tokens[r] = _accepted_prefix(list(row.drafts), targets[r].argmax(dim=-1).tolist())
+                output.tokens[r] = _accepted_prefix(row.drafts, targets[r].argmax(dim=-1).tolist())
             else:  # (its targets are the raw logits')
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
-                output.tokens[r] = _accepted_prefix(list(row.drafts), argmax[span])
+                output.tokens[r] = _accepted_prefix(row.drafts, argmax[span])
         if sampled:
             emitted = self._rejection_sample([targets[r] for r in sampled], [states[r] for r in sampled],
                                              [list(rows[r].drafts) for r in sampled])
@@ -323,7 +331,7 @@ def _long(values: list) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
-def _accepted_prefix(drafts: list[int], best: list[int]) -> list[int]:
+def _accepted_prefix(drafts: Sequence[int], best: list[int]) -> list[int]:
     """Greedy verification: the target's tokens up to and including its first disagreement with the drafts (all
     of them, and one more, when none disagrees)."""
     accepted = next((i for i, (d, t) in enumerate(zip(drafts, best)) if d != t), len(drafts))
@@ -342,6 +350,7 @@ class Drafter:
         self.sampler = sampler
         self.sample_drafts = sample_drafts
         self.masks = HostMasks(sampler.kernels)
+        self._first_passes: dict[StaticKey, tuple[DraftChain, torch.Tensor]] = {}  # (`chain_early`'s, per key)
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
@@ -457,17 +466,27 @@ class Drafter:
             return None
         key = job.static_key
         argmax = logits.argmax(dim=-1)
-        width = key.tokens_per_row  # 1 + k
-        proposed, best = batch.input_ids.view(key.rows, width)[:, 1:], argmax.view(key.rows, width)[:, :-1]
-        accepted = (proposed == best).long().cumprod(dim=1).sum(dim=1)
-        picks = torch.arange(key.rows, device=argmax.device) * width + accepted
-        rows = list(range(len(job.rows)))  # (unconstrained verify rows all draft: only the scheduler ends them)
-        placeholder = torch.zeros(key.rows * width, dtype=torch.long)
-        chain, _ = self._static_chain(job, placeholder, rows, [0] * len(rows), [row.position for row in job.rows])
-        chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
-        drafts = self.runner.draft_chain(chain, first_inputs=(argmax, picks))  # [k, rows]
-        self.runner.keep_verify_inputs(batch.logits_slot.view(key.rows, width)[:, 0], argmax[picks], drafts)
-        return argmax, drafts[0], proposed.flatten()
+        chain, row_starts = self._first_pass(key, argmax.device)
+        rows = (key.rows, key.tokens_per_row)  # (one draft a row: its last token, then its draft)
+        proposed = batch.input_ids.view(rows)[:, 1]
+        picks = row_starts + (proposed == argmax.view(rows)[:, 0])  # (+ 1 where the draft is accepted)
+        counts = self.runner.agree_drafts(chain.token_counts)
+        if counts != chain.dp_token_counts:
+            chain = dataclasses.replace(chain, dp_token_counts=counts)
+        drafts = self.runner.draft_chain(chain, first_inputs=(argmax, picks))  # [1, rows]
+        self.runner.keep_verify_inputs(batch.logits_slot.view(rows)[:, 0], argmax[picks], drafts)
+        return argmax, drafts[0], proposed
+
+    def _first_pass(self, key: StaticKey, device) -> tuple[DraftChain, torch.Tensor]:
+        """`chain_early`'s chain for a verify step of `key` (one pass, its next ids and picks the device's: nothing in
+        it depends on the step's rows), and each row's first logits row; built once per key."""
+        if key not in self._first_passes:
+            placeholder = torch.zeros(key.rows * key.tokens_per_row, dtype=torch.long)
+            chain = DraftChain(key, placeholder, torch.zeros(key.rows, dtype=torch.long),
+                               torch.empty(0, key.rows, dtype=torch.long), {}, key.context)
+            starts = torch.arange(key.rows, device=device) * key.tokens_per_row
+            self._first_passes[key] = chain, starts
+        return self._first_passes[key]
 
     def _static_chain(self, job: SpecJob, next_ids: torch.Tensor, rows: list[int], picks: list[int],
                       positions: list[int]) -> tuple[DraftChain, list[list[int]]]:
