@@ -103,6 +103,11 @@ class EngineConfig:
     # are flat). `auto`: argmax with static decode steps (cuda_graphs), where the chain is a graph, else sample.
     # Either way the emitted tokens are distributed as without speculation.
     draft_sampling: str = "auto"
+    # Speculation where it pays (with num_speculative_tokens): at each batch size (a static step's row bucket) the
+    # engine times its verify steps and plain decode steps, and drafts while verifying emits more tokens per second
+    # than decoding would (backend/engine_core.py SpeculationGate; vLLM's disable_by_batch_size, measured, not set).
+    # Greedy outputs are the same either way. Ranks in lock-step (data parallelism over split experts) always draft.
+    adaptive_speculation: bool = False
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA

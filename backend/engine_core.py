@@ -43,7 +43,7 @@ from backend.executor import StepExecutor, StepHandle, StepJob, default_cpu_thre
 from backend.model.config import checkpoint_directory
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.staging import BatchStager
-from backend.model.static_batch import StaticKey, static_key
+from backend.model.static_batch import StaticKey, row_bucket, static_key
 from backend.model.comm import RankGroupError
 from backend.parallel.sync import ALONE, Agreement, StepSync
 from backend.request import FinishReason, RequestOutput, Sequence
@@ -90,6 +90,76 @@ class VerifyOverlap:
         return self.host_s + self.device_s > (2 - alpha) * max(self.host_s, self.device_s)
 
 
+class SpeculationGate:
+    """Whether a step's rows draft for the next step (adaptive_speculation): at each batch size, whichever of verify
+    steps and plain decode steps emits more tokens per second, as measured on the steps taken in.
+
+    Kept per row bucket (a static step's: 1, 2, 4, ... rows): exponential averages of each mode's tokens per second (a
+    step's tokens over its time from scheduling to take-in). A bucket drafts for its first MIN_STEPS steps, decodes
+    plainly for the next MIN_STEPS, then follows the faster mode; every PROBE_INTERVAL steps there the other mode runs
+    MIN_STEPS steps again, so a change in acceptance or in cost is seen. Only steady steps are counted: a verify that
+    proposes drafts (every row had drafts) or a plain step that proposes none (no row had any), and not the first of
+    a mode after the other: the step changing mode costs neither mode's price, and the one after it restarts overlap
+    scheduling's pipeline (the first plain step's time is its host work alone, its device time counted in the next).
+    While a bucket decodes plainly the draft layer does not run: its window misses those positions, and drafts after
+    it read them stale (fewer accepted) until the window has passed them."""
+
+    MIN_STEPS = 8
+    PROBE_INTERVAL = 256
+    DECAY = 0.8  # of the averages, per step counted
+
+    def __init__(self) -> None:
+        self._buckets: dict[int, _GateBucket] = {}
+
+    def drafts(self, num_rows: int) -> bool:
+        """Whether the step about to be launched with `num_rows` sampling rows proposes drafts (one decision a step)."""
+        return self._bucket(num_rows).decide(self.MIN_STEPS, self.PROBE_INTERVAL)
+
+    def observe(self, num_rows: int, verified: bool, proposed: bool, tokens: int, seconds: float) -> None:
+        """A step taken in: whether its rows carried drafts, whether it proposed the next, its tokens, its time."""
+        if verified == proposed and seconds > 0:
+            self._bucket(num_rows).observe(proposed, tokens / seconds, self.DECAY)
+
+    def _bucket(self, num_rows: int) -> "_GateBucket":
+        key = row_bucket(max(1, num_rows))
+        if key not in self._buckets:
+            self._buckets[key] = _GateBucket()
+        return self._buckets[key]
+
+
+class _GateBucket:
+    """One row bucket's measurements and its decisions (SpeculationGate)."""
+
+    def __init__(self) -> None:
+        self.rate = {True: 0.0, False: 0.0}  # tokens per second, drafting and plain
+        self.counted = {True: 0, False: 0}  # steps counted
+        self.since_other = 0  # decisions since the mode not chosen last ran
+        self.probe_left = 0  # decisions left of a probe of the other mode
+        self.last_seen: bool | None = None  # the mode of the last steady step seen
+
+    def decide(self, min_steps: int, probe_interval: int) -> bool:
+        for mode in (True, False):  # (a bucket's first steps: each mode measured)
+            if self.counted[mode] < min_steps:
+                return mode
+        best = self.rate[True] >= self.rate[False]
+        if self.probe_left == 0 and self.since_other >= probe_interval:
+            self.probe_left = min_steps + 2  # (its first two steps: not counted)
+        if self.probe_left:
+            self.probe_left -= 1
+            self.since_other = 0
+            return not best
+        self.since_other += 1
+        return best
+
+    def observe(self, mode: bool, rate: float, decay: float) -> None:
+        first, self.last_seen = mode != self.last_seen, mode
+        if first:
+            return
+        keep = decay if self.counted[mode] else 0.0
+        self.rate[mode] = keep * self.rate[mode] + (1 - keep) * rate
+        self.counted[mode] += 1
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, kv, runner: ModelRunner, kernels, grammars: GrammarService, *,
                  send: Callable[[list[RequestOutput]], None], rank: int = 0, sync: StepSync = ALONE,
@@ -99,10 +169,11 @@ class EngineCore:
         self.config, self.kv, self.runner, self.grammars, self.send = config, kv, runner, grammars, send
         self.rank, self.sync, self.elsewhere = rank, sync, elsewhere
         self.num_speculative_tokens = config.num_speculative_tokens
-        # With drafts, only one a row leaves the next step's on the device (more: every step is taken in first), and
-        # ranks in lock-step agree on a step's draft passes where it runs: on the loop's own thread
-        self.overlap = config.overlap_scheduling and (
-            not self.num_speculative_tokens or (self.num_speculative_tokens == 1 and not sync.lock_step))
+        # With drafts, only one a row leaves the next step's on the device (more: every step is taken in first, but for
+        # the plain steps of adaptive_speculation, whatever k), and ranks in lock-step agree on a step's draft passes
+        # where it runs: on the loop's own thread
+        self.overlap = config.overlap_scheduling and (not self.num_speculative_tokens or not sync.lock_step and (
+            self.num_speculative_tokens == 1 or config.adaptive_speculation))
         self.scheduler = Scheduler(config, kv, resolve_prefill_chunk_tokens(config, kv),
                                    prefix_cache=kv.prefix_cache, max_steps_in_flight=2 if self.overlap else 1,
                                    rank=rank)
@@ -111,6 +182,10 @@ class EngineCore:
                                      sample_drafts=config.resolved_draft_sampling() == "sample")
         self._stager = BatchStager(runner.device, depth=2)
         self.verify_overlap = VerifyOverlap()  # whether verify steps are scheduled ahead (k = 1, chains on the device)
+        # whether a step drafts at all (adaptive_speculation; ranks in lock-step agree on every draft pass: they draft)
+        self.gate = (SpeculationGate() if config.adaptive_speculation and self.num_speculative_tokens
+                     and not sync.lock_step else None)
+        self._last_started = 0.0  # where the last step's scheduling began (the gate's step times)
         # launched, not taken in yet: each iteration's steps (its own, and its part of other ranks' when it had none)
         self._in_flight: deque[list[tuple[StepPlan | None, StepHandle]]] = deque()
         self.unavailable: str | None = None  # why this rank can no longer step (its group is broken)
@@ -143,13 +218,16 @@ class EngineCore:
         if not self.sync.ready():  # every rank went idle: none agrees again until woken (LockStep)
             return False
         ahead = drained = False
-        if self._in_flight and self.num_speculative_tokens:  # (where the next step starts depends on its output)
+        if self._in_flight and self.num_speculative_tokens and not self._plain_in_flight():
+            # (where the next step starts depends on its output)
             ahead = self.verify_overlap.pays() and self.scheduler.can_schedule_ahead()
             drained = not ahead
             if drained:
                 self._take_in_all(self._in_flight.popleft())
         started = time.perf_counter()
         plan = self.scheduler.schedule(ahead=ahead)
+        if plan is not None:
+            plan.started = self._last_started = started
         for seq in plan.aborted if plan is not None else ():
             self._report_end(seq)
         job, build_error = self._job(plan) if plan is not None and plan.chunks else (None, None)
@@ -171,6 +249,11 @@ class EngineCore:
         if self.sync.lock_step and agreed.has_work and not agreed.stepped and not took_in:
             time.sleep(WAITING_POLL_S)  # every rank waits (a grammar compiling): agree again a little later
         return agreed.has_work or drained
+
+    def _plain_in_flight(self) -> bool:
+        """The step in flight neither verifies nor drafts (`SpeculationGate`): the next is scheduled as without
+        speculation."""
+        return all(plan is not None and plan.plain_decoding for plan, _ in self._in_flight[-1])
 
     def close(self, timeout: float) -> None:
         self.executor.close(timeout)
@@ -255,7 +338,7 @@ class EngineCore:
         graphs = self.runner.graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         plan.timing.static_shape = key is not None
-        spec = self._spec_job(plan, key) if self.num_speculative_tokens else None
+        spec = self._spec_job(plan, key, len(samplers)) if self.num_speculative_tokens else None
         plan.chains_on_device = (spec is not None and self.overlap
                                  and self.executor.drafter.chains_on_device(spec, samplers))
         # (a step scheduled ahead is its rows' verifies alone, as the one before it: its executor's work reads no
@@ -277,10 +360,14 @@ class EngineCore:
             batch = self._stager.to_device(staged)
         return Forward(batch, copies, key, staged, reads_previous_tokens)
 
-    def _spec_job(self, plan: StepPlan, key: StaticKey | None) -> SpecJob:
+    def _spec_job(self, plan: StepPlan, key: StaticKey | None, num_rows: int) -> SpecJob | None:
         """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
         knows it (-1 where this step emits it), each sampling row's drafts, positions and pages, the step's static
-        shape (`key`: its drafts may then come from one static chain)."""
+        shape (`key`: its drafts may then come from one static chain), whether it proposes the next step's drafts
+        (`gate`); None for a step that neither verifies nor proposes (a plain step)."""
+        plan.proposes_drafts = self.gate is None or self.gate.drafts(num_rows)
+        if not plan.proposes_drafts and not any(chunk.drafts for chunk in plan.chunks):
+            return None
         next_ids, rows = [], []
         for chunk in plan.chunks:
             seq = chunk.seq
@@ -292,7 +379,8 @@ class EngineCore:
             if chunk.samples:
                 rows.append(DraftRow(seq.request_id, seq.pages, chunk.drafts, chunk.end - 1 - len(chunk.drafts),
                                      chunk.start + chunk.allocated))
-        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens, key)
+        return SpecJob(torch.tensor(next_ids, dtype=torch.long), rows, self.num_speculative_tokens, key,
+                       plan.proposes_drafts)
 
     def _take_in_all(self, launched: list[tuple[StepPlan | None, StepHandle]]) -> None:
         for plan, handle in launched:
@@ -311,11 +399,19 @@ class EngineCore:
                          len(plan.chunks))
         taking_in, counters = time.perf_counter(), self.scheduler.counters
         drafted, accepted = counters.num_draft_tokens, counters.num_accepted_tokens
-        self.send(self.scheduler.update_from_output(plan, output))
-        if plan.chains_on_device and output.error is None:  # (what overlapping the next verify would gain)
+        outputs = self.scheduler.update_from_output(plan, output)
+        self.send(outputs)
+        if output.error is None and plan.chains_on_device:  # (what overlapping the next verify would gain)
             self.verify_overlap.observe(plan.timing.host_s + time.perf_counter() - taking_in,
                                         output.timing.duration_s, counters.num_draft_tokens - drafted,
                                         counters.num_accepted_tokens - accepted)
+        if output.error is None and self.gate is not None and not plan.num_prefill_tokens:
+            verifies = [bool(chunk.drafts) for chunk in plan.chunks if chunk.samples]
+            if all(verifies) or not any(verifies):  # (rows of one mode: a steady step, if it proposed alike)
+                # (its time: to the next step's start where that was scheduled before it was taken in)
+                ended = self._last_started if self._last_started > plan.started else time.perf_counter()
+                self.gate.observe(len(verifies), all(verifies), plan.proposes_drafts,
+                                  sum(len(out.new_token_ids) for out in outputs), ended - plan.started)
 
     def _report_end(self, seq: Sequence) -> None:
         """The final output of a request the scheduler ended (cancelled, timed out or failed)."""

@@ -188,7 +188,8 @@ class StepExecutor:
             job.spec = spec = spec.with_verified_drafts(read[len(early[0]) + len(early[1]):])
         output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax)
         drafting = time.perf_counter()
-        output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)
+        if spec.propose:
+            output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)
         job.timing.draft_s = draft_s + time.perf_counter() - drafting
         job.timing.duration_s = time.perf_counter() - started
         return output

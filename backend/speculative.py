@@ -98,6 +98,7 @@ class SpecJob:
     rows: list[DraftRow]
     num_speculative_tokens: int
     static_key: StaticKey | None = None  # the step's static shape (a verify step whose rows all carry k drafts)
+    propose: bool = True  # the draft layer proposes the next step's drafts (False: the rows decode plainly next)
 
     @classmethod
     def idle(cls, num_speculative_tokens: int) -> "SpecJob | None":
@@ -446,7 +447,8 @@ class Drafter:
         a row whose rows all accept by the logits' argmax (greedy, without penalties or a grammar; log-probabilities
         the verify computes after), on this process's runner, with static chains (more drafts: a chained pass's
         positions depend on what the verify accepted, which the host plans)."""
-        return (job.static_key is not None and job.num_speculative_tokens == 1 and self.runner.draft_chains is not None
+        return (job.propose and job.static_key is not None and job.num_speculative_tokens == 1
+                and self.runner.draft_chains is not None
                 and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
                 and all(_accepts_by_argmax(state) for state in states))
 

@@ -67,10 +67,11 @@ def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens:
 
 
 def measure(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, k: int,
-            temperature: float = 0.0) -> tuple[float, float, float | None, float]:
+            temperature: float = 0.0, warm_up_tokens: int = 4) -> tuple[float, float, float | None, float]:
     """(decode tok/s, mean accepted length, step cost in s, share of decode steps at static shapes) of `prompts` on
-    `engine`, after a short warm-up run."""
-    decode_tokens_per_s(engine, prompts, 4, temperature)
+    `engine`, after a warm-up run of `warm_up_tokens` (adaptive_speculation measures both modes in its first steps
+    at a batch size: a longer warm-up times what follows)."""
+    decode_tokens_per_s(engine, prompts, warm_up_tokens, temperature)
     counters, records = engine.scheduler.counters, engine.scheduler.records
     verifies, drafts_accepted = counters.num_verifies, counters.num_accepted_tokens
     records.clear()  # (the scheduler's last steps, a bounded deque: from here, this run's)
@@ -130,6 +131,9 @@ def main() -> None:
                              "'{\"draft_sampling\": \"argmax\" or \"sample\"}' (default auto: argmax with "
                              "--cuda-graphs)")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warm-up-tokens", type=int, default=4,
+                        help="tokens of the untimed run before each timed one (with adaptive_speculation: its "
+                             "measuring steps)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="decode and verify steps at static shapes (CUDA graphs on CUDA; default: on for CUDA)")
@@ -178,7 +182,7 @@ def main() -> None:
                         engine.core.runner.draft_chains = static_chains if chain != "eager" else None
                         cell = c, k, chain
                         speed, length, cost, share = measure(engine, batches[c], args.max_tokens, k,
-                                                             args.temperature)
+                                                             args.temperature, args.warm_up_tokens)
                         speeds.setdefault(cell, []).append(speed)
                         accepted.setdefault(cell, []).append(length)
                         costs.setdefault(cell, []).append(cost)

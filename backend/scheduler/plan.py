@@ -67,11 +67,20 @@ class StepPlan:
     # Set by the engine once the step is built: its verify rows' next tokens and drafts are left on the device (the
     # early chain, backend/speculative.py), so the next step may be scheduled before this one is taken in.
     chains_on_device: bool = False
+    # Speculative decoding: its rows draft for the next step (the engine may decide they do not: adaptive_speculation)
+    proposes_drafts: bool = True
+    started: float = 0.0  # set by the engine: time.perf_counter() where it began scheduling the step
     _scheduled: dict[Sequence, ScheduledChunk] = field(default_factory=dict, init=False, repr=False)  # seq -> chunk
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def plain_decoding(self) -> bool:
+        """Speculative decoding: the step neither verifies drafts nor proposes any (its rows decode as without
+        speculation: the step after it may be scheduled before it is taken in, as then)."""
+        return not self.proposes_drafts and not any(chunk.drafts for chunk in self.chunks)
 
     def has_chunk(self, seq: Sequence) -> bool:
         return seq in self._scheduled

@@ -600,9 +600,10 @@ class Scheduler:
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                # (a verify in flight: the next one starts past all its drafts, where it left them on the device)
-                optimistic = speculative and seq.num_placeholders > 0
-                if optimistic and not (self._inflight and self._inflight[-1].plan.chains_on_device):
+                # (a verify in flight: the next one starts past all its drafts, where it left them on the device; a
+                # plain step in flight: its token is read on the device, as without speculation)
+                optimistic = speculative and seq.num_placeholders > 0 and not self._inflight[-1].plan.plain_decoding
+                if optimistic and not self._inflight[-1].plan.chains_on_device:
                     continue  # (its next start waits for the output)
                 drafts, allocated = self._verify_positions(seq, optimistic) if speculative else ((), 1)
                 if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
