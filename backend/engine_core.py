@@ -348,7 +348,8 @@ class EngineCore:
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         cache = self.kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, spec, plan.timing)
+        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, spec, plan.timing,
+                       decodes_only=not plan.num_prefill_tokens)
 
     def _forward(self, batch, copies: StepCopies, key, reads_previous_tokens: bool) -> Forward:
         """The step's Forward (backend/runner.py). A group's batch goes out as host tensors; otherwise a dynamic step's

@@ -53,6 +53,7 @@ class StepJob:
     plain_sampling: bool = False  # every row greedy, without penalties or log-probabilities: one argmax
     spec: SpecJob | None = None  # speculative decoding: verify rows, and the draft layer proposes the next drafts
     timing: StepTiming = field(default_factory=StepTiming)  # the step's record of times (its plan's), filled here
+    decodes_only: bool = False  # no prefill chunk: its size for the intra-op threads is its rows (a verify's drafts too)
 
 
 class StepHandle:
@@ -140,7 +141,8 @@ class StepExecutor:
             begin.record()
         if job.forward.batch is None:  # data-parallel: the other ranks' step, this rank's part of their exchanges
             return self._idle(job), None
-        _use_intra_op_threads(1 if job.forward.batch.num_tokens < self.small_step_tokens else self.cpu_threads)
+        size = len(job.samplers) if job.decodes_only else job.forward.batch.num_tokens
+        _use_intra_op_threads(1 if size < self.small_step_tokens else self.cpu_threads)
         logits, batch = self.runner.forward(job.forward)
         if job.spec is not None:
             return self._verify(job, logits, batch, started), None
