@@ -95,9 +95,10 @@ class SpeculationGate:
     steps and plain decode steps emits more tokens per second, as measured on the steps taken in.
 
     Kept per row bucket (a static step's: 1, 2, 4, ... rows): exponential averages of each mode's tokens per second (a
-    step's tokens over its time from scheduling to take-in). A bucket drafts for its first MIN_STEPS steps, decodes
-    plainly for the next MIN_STEPS, then follows the faster mode; every PROBE_INTERVAL steps there the other mode runs
-    MIN_STEPS steps again, so a change in acceptance or in cost is seen. Only steady steps are counted: a verify that
+    step's tokens over its time from its scheduling to the next step's, or to its take-in where that comes first). A
+    bucket drafts for its first MIN_STEPS steps, decodes plainly for the next MIN_STEPS, then follows the faster mode
+    (changing where the other is MARGIN faster); every PROBE_INTERVAL steps there the other mode runs MIN_STEPS steps
+    again, so a change in acceptance or in cost is seen. Only steady steps are counted: a verify that
     proposes drafts (every row had drafts) or a plain step that proposes none (no row had any), and not the first of
     a mode after the other: the step changing mode costs neither mode's price, and the one after it restarts overlap
     scheduling's pipeline (the first plain step's time is its host work alone, its device time counted in the next).
@@ -107,13 +108,14 @@ class SpeculationGate:
     MIN_STEPS = 8
     PROBE_INTERVAL = 256
     DECAY = 0.8  # of the averages, per step counted
+    MARGIN = 0.05  # a bucket changes mode where the other is this much faster (near a tie, changes cost both)
 
     def __init__(self) -> None:
         self._buckets: dict[int, _GateBucket] = {}
 
     def drafts(self, num_rows: int) -> bool:
         """Whether the step about to be launched with `num_rows` sampling rows proposes drafts (one decision a step)."""
-        return self._bucket(num_rows).decide(self.MIN_STEPS, self.PROBE_INTERVAL)
+        return self._bucket(num_rows).decide(self.MIN_STEPS, self.PROBE_INTERVAL, self.MARGIN)
 
     def observe(self, num_rows: int, verified: bool, proposed: bool, tokens: int, seconds: float) -> None:
         """A step taken in: whether its rows carried drafts, whether it proposed the next, its tokens, its time."""
@@ -136,12 +138,16 @@ class _GateBucket:
         self.since_other = 0  # decisions since the mode not chosen last ran
         self.probe_left = 0  # decisions left of a probe of the other mode
         self.last_seen: bool | None = None  # the mode of the last steady step seen
+        self.choice: bool | None = None  # the mode followed (the faster, within the margin)
 
-    def decide(self, min_steps: int, probe_interval: int) -> bool:
+    def decide(self, min_steps: int, probe_interval: int, margin: float) -> bool:
         for mode in (True, False):  # (a bucket's first steps: each mode measured)
             if self.counted[mode] < min_steps:
                 return mode
-        best = self.rate[True] >= self.rate[False]
+        faster = self.rate[True] >= self.rate[False]
+        if self.choice is None or self.rate[faster] > (1 + margin) * self.rate[self.choice]:
+            self.choice = faster
+        best = self.choice
         if self.probe_left == 0 and self.since_other >= probe_interval:
             self.probe_left = min_steps + 2  # (its first two steps: not counted)
         if self.probe_left:

@@ -54,6 +54,13 @@ def test_the_gate_decides_per_batch_size_and_sees_a_change():
     assert modes[:100] == [False] * 100 and modes[-10:] == [True] * 10
 
 
+def test_near_a_tie_the_gate_keeps_its_mode():
+    gate = SpeculationGate()
+    assert _drive(gate, {True: 200.0, False: 205.0}, rows=4, steps=40)[-10:] == [False] * 10
+    assert _drive(gate, {True: 200.0, False: 195.0}, rows=4, steps=40)[-10:] == [False] * 10  # (within 5 %)
+    assert _drive(gate, {True: 200.0, False: 180.0}, rows=4, steps=40)[-10:] == [True] * 10
+
+
 def test_steps_changing_mode_are_not_counted():
     gate = SpeculationGate()
     for _ in range(3 * MIN):  # verifies that stop drafting, plain steps that start: neither mode's price
