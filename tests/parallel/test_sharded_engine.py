@@ -209,13 +209,20 @@ def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepsee
         sharded.shutdown()
 
 
-@pytest.mark.parametrize("tp, ep, cuda_graphs", [(2, 1, False), (1, 2, False), (2, 1, True)])
-def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, tp, ep, cuda_graphs):
+@pytest.mark.parametrize("tp, ep, cuda_graphs, adaptive", [(2, 1, False, False), (1, 2, False, False),
+                                                       (2, 1, True, False), (2, 1, True, True)])
+def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, monkeypatch, tp, ep, cuda_graphs,
+                                                          adaptive):
     """Speculative decoding with two ranks (every rank runs the verify forward and each draft pass, rank 0 draws):
     with k = 2 and drafts that are partly right, the greedy tokens are the single rank's without speculation. With
     cuda_graphs (static steps, eagerly on CPU) the draft passes after a static verify step are one static chain on
-    every rank (the workers run the DraftChain rank 0 sends)."""
+    every rank (the workers run the DraftChain rank 0 sends). With adaptive_speculation, rank 0's gate made to change
+    mode every third step: the workers follow plain steps, verifies that stop drafting and plain steps that start."""
+    from backend.engine_core import SpeculationGate
     from tests.engine.test_speculative import OracleDrafter
+
+    decisions = iter(range(10 ** 6))
+    monkeypatch.setattr(SpeculationGate, "drafts", lambda gate, num_rows: next(decisions) // 3 % 2 == 0)
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (5, 140)]
@@ -223,7 +230,7 @@ def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, t
     single = _engine(parallel_checkpoint)
     expected = [r["output_ids"] for r in single.generate(prompts, params)]
     sharded = _engine(parallel_checkpoint, num_speculative_tokens=2, tensor_parallel_size=tp, expert_parallel_size=ep,
-                      cuda_graphs=cuda_graphs)
+                      cuda_graphs=cuda_graphs, adaptive_speculation=adaptive)
     try:
         executor = sharded.executor
         executor.drafter = OracleDrafter(executor.drafter, dict(enumerate(expected)), 0.3, sharded.vocab_size,
@@ -231,6 +238,8 @@ def test_speculative_decoding_shards_like_the_single_rank(parallel_checkpoint, t
         assert [r["output_ids"] for r in sharded.generate(prompts, params)] == expected
         assert sharded.stats()["num_accepted_tokens"] > 0
         assert bool(cuda_graphs) == bool(sharded.core.runner.draft_chains and sharded.core.runner.draft_chains.keys)
+        decodes = [r for r in sharded.scheduler.records if not r.num_prefill_tokens]
+        assert adaptive == any(not r.num_verifies for r in decodes)  # (plain steps only where the gate chose them)
     finally:
         sharded.shutdown()
 
