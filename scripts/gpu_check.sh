@@ -22,6 +22,8 @@
 #      (speculative_step_cost.csv, speculative_step_cost.png). The trained draft when checkpoints/dsv4-tiny-mtp is
 #      there, else the built-in checkpoint's random one (almost never accepted: what speculation costs, its worst
 #      case). speculative_v4: the same step costs at V4-Flash's widths (dummy weights, 4 layers and the MTP layer).
+#      speculative_adaptive: k = 1 against k = 0 with adaptive_speculation (drafting only at the batch sizes where
+#      verify steps measure faster than plain ones), after a warm-up run in which it measures both.
 #   sampling: drawing sampled rows at V4's vocabulary, filtered together on the device against each row on the host
 #      (scripts/bench_sampling.py, sampling.csv).
 #   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
@@ -72,7 +74,8 @@ declare -A limit=([kernel_tests]=90 [engine]=170 [launches]=30 [tune]=200 [bench
                   [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
 # not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
 # were measured beside the static ones)
-limit+=([v4_shapes]=240 [v4_overlap]=200 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60)
+limit+=([v4_shapes]=240 [v4_overlap]=200 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60
+        [speculative_adaptive]=120)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
@@ -118,6 +121,9 @@ run host_verify "$PY" scripts/bench_host_overhead.py --device cuda --rows 1 8 32
 run speculative "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
   --draft-chains static eager --runs 3 --json "$RESULTS/speculative.json" --csv "$RESULTS/speculative.csv" \
   --plot "$RESULTS/speculative.png"
+run speculative_adaptive "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs \
+  --ks 0 1 --concurrency 1 8 32 --runs 3 --warm-up-tokens 64 --engine-settings '{"adaptive_speculation": true}' \
+  --json "$RESULTS/speculative_adaptive.json" --csv "$RESULTS/speculative_adaptive.csv"
 run speculative_v4 "$PY" scripts/bench_speculative.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
   --hf-overrides '{"num_hidden_layers": 4}' --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 --max-tokens 32 \
   --engine-settings '{"weight_format": "fp8", "numerics": "deepseek", "kv_cache_dtype": "fp8", "num_tokens": 16384}' \
@@ -139,8 +145,8 @@ run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device c
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches tune bench_kernels host_loop host_verify speculative speculative_v4 structured \
-    sampling v4_shapes v4_overlap v4_serving; do
+for name in kernel_tests engine launches tune bench_kernels host_loop host_verify speculative speculative_adaptive \
+    speculative_v4 structured sampling v4_shapes v4_overlap v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
