@@ -102,8 +102,9 @@ class SpeculationGate:
     proposes drafts (every row had drafts) or a plain step that proposes none (no row had any), and not the first of
     a mode after the other: the step changing mode costs neither mode's price, and the one after it restarts overlap
     scheduling's pipeline (the first plain step's time is its host work alone, its device time counted in the next).
-    While a bucket decodes plainly the draft layer does not run: its window misses those positions, and drafts after
-    it read them stale (fewer accepted) until the window has passed them."""
+    While a bucket decodes plainly the draft layer does not run (but over the positions of a step that prefills,
+    `Drafter.keep_window`): its window misses those positions, and drafts after it read them stale (fewer accepted)
+    until the window has passed them."""
 
     MIN_STEPS = 8
     PROBE_INTERVAL = 256
@@ -371,9 +372,10 @@ class EngineCore:
         """What the draft layer needs of a step (backend/speculative.py): each position's next token where the host
         knows it (-1 where this step emits it), each sampling row's drafts, positions and pages, the step's static
         shape (`key`: its drafts may then come from one static chain), whether it proposes the next step's drafts
-        (`gate`); None for a step that neither verifies nor proposes (a plain step)."""
+        (`gate`); None for a step of decodes that neither verifies nor proposes (a plain step; one that prefills keeps
+        its positions in the draft layer's window: `Drafter.keep_window`)."""
         plan.proposes_drafts = self.gate is None or self.gate.drafts(num_rows)
-        if not plan.proposes_drafts and not any(chunk.drafts for chunk in plan.chunks):
+        if plan.plain_decoding:
             return None
         next_ids, rows = [], []
         for chunk in plan.chunks:

@@ -192,6 +192,8 @@ class StepExecutor:
         drafting = time.perf_counter()
         if spec.propose:
             output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)
+        elif not job.decodes_only:
+            self.drafter.keep_window(batch, spec, output)
         job.timing.draft_s = draft_s + time.perf_counter() - drafting
         job.timing.duration_s = time.perf_counter() - started
         return output

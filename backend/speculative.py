@@ -373,6 +373,14 @@ class Drafter:
             return self._propose_static(job, output, rows, picks, positions, ready)
         return self._propose_eager(batch, job, output, states, rows, picks, positions)
 
+    @torch.inference_mode()
+    def keep_window(self, batch: ForwardBatch, job: SpecJob, output: StepOutput) -> None:
+        """The draft layer's first pass over the step's positions with no row drafting: its sliding window takes them in
+        (a step that prefills while its rows decode plainly next, `SpecJob.propose` False: the prompt's last positions
+        are what a request's first drafts read, whenever it drafts)."""
+        first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
+        self.runner.draft(Draft(first, batch.logits_token_index[:0]))
+
     def _static(self, job: SpecJob, states: list[SamplerState]) -> bool:
         """Whether the step's drafts come from one static chain: a static verify step, on a runner that has chains,
         whose drafting rows all draft the argmax (no grammar masks a draft, no row draws one on the host)."""

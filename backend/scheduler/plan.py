@@ -78,9 +78,9 @@ class StepPlan:
 
     @property
     def plain_decoding(self) -> bool:
-        """Speculative decoding: the step neither verifies drafts nor proposes any (its rows decode as without
-        speculation: the step after it may be scheduled before it is taken in, as then)."""
-        return not self.proposes_drafts and not any(chunk.drafts for chunk in self.chunks)
+        """Speculative decoding: a step of decodes that neither verifies drafts nor proposes any (its rows decode as
+        without speculation: the step after it may be scheduled before it is taken in, as then)."""
+        return not (self.proposes_drafts or self.num_prefill_tokens or any(chunk.drafts for chunk in self.chunks))
 
     def has_chunk(self, seq: Sequence) -> bool:
         return seq in self._scheduled

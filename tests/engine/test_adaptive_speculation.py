@@ -1,7 +1,7 @@
 """adaptive_speculation: at each batch size the engine drafts while its verify steps emit more tokens per second than
 plain decode steps (`SpeculationGate`). The gate's choices are the policy's alone (fake rates stand for the measured
 ones); the engine's outputs are those without speculation whichever mode runs, plain steps overlap as without
-speculation, and no page is left held."""
+speculation, steps that prefill keep the draft layer's window, and no page is left held."""
 
 from __future__ import annotations
 
@@ -115,3 +115,22 @@ def test_the_engine_drafts_where_the_gate_says_and_emits_the_tokens_without_spec
         assert verifies > 0.6 * len(decodes) and engine.stats()["num_accepted_tokens"] > 0
     else:  # (verifies while the gate measures them)
         assert verifies < 0.4 * len(decodes) and steps.ahead_of_plain > 0.5 * (len(decodes) - verifies)
+
+
+def test_steps_that_prefill_keep_the_draft_windows_while_the_gate_keeps_decodes_plain(tiny_checkpoint, reference,
+                                                                                     monkeypatch):
+    """A gate that never drafts: no draft pass in a step of decodes, one over every step that prefills (its positions
+    into the draft layer's window, which the requests' later drafts read), and the tokens those without speculation."""
+    from backend.runner import ModelRunner
+
+    prompts, params, expected = reference
+    passes = []
+    draft = ModelRunner.draft
+    monkeypatch.setattr(SpeculationGate, "drafts", lambda gate, num_rows: False)
+    monkeypatch.setattr(ModelRunner, "draft", lambda runner, step: passes.append(step.batch.num_tokens)
+                        or draft(runner, step))
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=1, adaptive_speculation=True, max_running_requests=8)
+    assert _ids(engine.generate(prompts, params)) == expected
+    prefills = [r for r in engine.scheduler.records if r.num_prefill_tokens]
+    assert len(passes) == len(prefills) and not any(r.num_verifies for r in engine.scheduler.records)
+    assert passes == [r.num_prefill_tokens + r.num_decode_tokens for r in prefills]
