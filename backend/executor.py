@@ -53,7 +53,7 @@ class StepJob:
     plain_sampling: bool = False  # every row greedy, without penalties or log-probabilities: one argmax
     spec: SpecJob | None = None  # speculative decoding: verify rows, and the draft layer proposes the next drafts
     timing: StepTiming = field(default_factory=StepTiming)  # the step's record of times (its plan's), filled here
-    decodes_only: bool = False  # no prefill chunk: its size for the intra-op threads is its rows (a verify's drafts too)
+    decodes_only: bool = False  # no prefill chunk: its size for the intra-op threads is its rows (not its drafts)
 
 
 class StepHandle:
