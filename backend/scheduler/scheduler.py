@@ -596,14 +596,16 @@ class Scheduler:
         running request every step: the common case, a decode whose pages are already there, is kept short.)"""
         running, limit, memory = SequenceStatus.RUNNING, self.max_num_batched_tokens, self.memory
         speculative = bool(self.num_speculative_tokens)
+        in_flight = self._inflight[-1].plan if self._inflight else None  # (a request with placeholders is in it)
+        # (a verify in flight: the next one starts past all its drafts, where it left them on the device; a plain step
+        # in flight: its token is read on the device, as without speculation)
+        after_verify = speculative and in_flight is not None and not in_flight.plain_decoding
         for seq in list(self._running):  # (a copy: preemption changes the list)
             if plan.num_prefill_tokens + plan.num_decode_tokens >= limit:
                 return
             if seq.status is running and seq.is_decode and not plan.has_chunk(seq):
-                # (a verify in flight: the next one starts past all its drafts, where it left them on the device; a
-                # plain step in flight: its token is read on the device, as without speculation)
-                optimistic = speculative and seq.num_placeholders > 0 and not self._inflight[-1].plan.plain_decoding
-                if optimistic and not self._inflight[-1].plan.chains_on_device:
+                optimistic = after_verify and seq.num_placeholders > 0
+                if optimistic and not in_flight.chains_on_device:
                     continue  # (its next start waits for the output)
                 drafts, allocated = self._verify_positions(seq, optimistic) if speculative else ((), 1)
                 if memory.try_extend(seq, allocated) or self._allocate_or_preempt(plan, seq, allocated):
