@@ -158,11 +158,8 @@ class Verifier:
             if not row.drafts:
                 continue
             state, span = states[r], slice(firsts[r], firsts[r] + 1 + len(row.drafts))
-            if _accepts_by_argmax(state) and state.params.logprobs is None:  # (most rows: nothing reads its targets)
-                argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
-                output.tokens[r] = _accepted_prefix(row.drafts, argmax[span])
-                continue
-            targets[r] = _penalized(logits[span], state, list(row.drafts))
+            if state.params.temperature > 0.0 or state.has_penalties or state.params.logprobs is not None:
+                targets[r] = _penalized(logits[span], state, list(row.drafts))  # (else nothing reads them)
             if state.params.temperature > 0.0:
                 sampled.append(r)
             elif state.has_penalties:
