@@ -179,8 +179,8 @@ class EngineCore:
         # With drafts, only one a row leaves the next step's on the device (more: every step is taken in first, but for
         # the plain steps of adaptive_speculation, whatever k), and ranks in lock-step agree on a step's draft passes
         # where it runs: on the loop's own thread
-        self.overlap = config.overlap_scheduling and (not self.num_speculative_tokens or not sync.lock_step and (
-            self.num_speculative_tokens == 1 or config.adaptive_speculation))
+        self.overlap = config.overlap_scheduling and (not self.num_speculative_tokens or (
+            not sync.lock_step and (self.num_speculative_tokens == 1 or config.adaptive_speculation)))
         self.scheduler = Scheduler(config, kv, resolve_prefill_chunk_tokens(config, kv),
                                    prefix_cache=kv.prefix_cache, max_steps_in_flight=2 if self.overlap else 1,
                                    rank=rank)
