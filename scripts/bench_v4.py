@@ -50,13 +50,11 @@ sys.path.insert(0, str(REPO))
 
 from scripts.bench_results import write_csv  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
+from scripts import step_variants  # noqa: E402
 
 FLASH = REPO / "docs" / "configs" / "deepseek-v4-flash.config.json"
 GIB = 2**30
 DECODE_TOKEN = 2
-# --variants: what each one turns on beside the configured steps (CUDA only)
-VARIANTS = {"pdl": "programmatic dependent launch", "side_stream": "a layer's independent branches on a second stream",
-            "pdl+side_stream": "both"}
 # Left of the device for what the pools and weights do not count: the prefill's activations (a 8K-token step at
 # V4-Flash's widths), the CUDA graphs' pool, the allocator's slack.
 RESERVE_GIB = 16.0
@@ -74,8 +72,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeat", type=int, default=10, help="timed steps per case (the median is reported)")
     parser.add_argument("--memory-gib", type=float,
                         help="device memory the default --layers must fit (default: the device's, on CUDA)")
-    parser.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS), metavar="V",
-                        help=f"decode steps again in these variants ({', '.join(sorted(VARIANTS))}), beside the "
+    parser.add_argument("--variants", nargs="*", default=[], choices=step_variants.NAMES, metavar="V",
+                        help=f"decode steps again in these variants ({', '.join(step_variants.NAMES)}), beside the "
                              "ones as configured, in this run")
     parser.add_argument("--variant-batches", type=int, nargs="*", default=[1, 16], metavar="B",
                         help="the batches the variants' decode steps are timed at")
@@ -140,12 +138,13 @@ class Bench:
         self.timer = Timer(torch, torch.device(self.device), args.repeat)
 
     def use_variant(self, variant: str) -> None:
-        """The steps from here on in `variant` (VARIANTS): their graphs captured anew."""
+        """The steps from here on in `variant` (scripts/step_variants.py): their graphs captured anew."""
         from backend.model.graph_runner import DecodeGraphs
         from kernels.common import set_programmatic_dependent_launch
 
-        set_programmatic_dependent_launch("pdl" in variant.split("+"))
-        self.model.use_side_stream("side_stream" in variant.split("+"))
+        settings = step_variants.settings(variant)
+        set_programmatic_dependent_launch(settings["programmatic_dependent_launch"])
+        self.model.use_side_stream(settings["side_stream"])
         self.graphs = DecodeGraphs(self.model, self.kv, self.graphs.max_rows, capture=self.device == "cuda")
 
     def decoding(self, count: int, context: int) -> list:
@@ -231,7 +230,8 @@ def run(args) -> list[dict]:
     from scripts.bench_kernels import copy_bandwidth, matmul_rate
     from scripts.estimate_decode_step import step_work
 
-    if any("pdl" in variant for variant in args.variants):  # (before the model is built: refused at once)
+    pdl = any(step_variants.settings(variant)["programmatic_dependent_launch"] for variant in args.variants)
+    if pdl:  # (before the model is built: refused at once)
         from backend.deployment import check_programmatic_dependent_launch
 
         check_programmatic_dependent_launch(args.device)

@@ -38,9 +38,9 @@ import torch  # noqa: E402
 from backend.config import DEFAULT_CHECKPOINT, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
+from scripts import step_variants  # noqa: E402
 
 PROMPT_LENGTHS = [1, 7, 60, 127, 130, 255, 300]
-VARIANTS = {"pdl": "programmatic_dependent_launch", "side_stream": "side_stream"}  # --variants' settings
 POOLS = dict(max_running_requests=8, num_tokens=16384, page_size=16, swa_full_tokens_ratio=0.5)  # (every run's)
 
 
@@ -54,10 +54,11 @@ def waves(gen: torch.Generator) -> list[list[list[int]]]:
 
 def generate(checkpoint: str, device: str, dtype: str, cuda_graphs: bool, prompt_waves, max_tokens: int,
              prefix_caching: bool, speculative_tokens: int = 0, variant: str = "") -> tuple[list[list[int]], int]:
-    """Every wave's greedy tokens, and the prompt positions the cache served. `variant`: VARIANTS' settings on."""
+    """Every wave's greedy tokens, and the prompt positions the cache served. `variant`: a step variant's settings on
+    (scripts/step_variants.py)."""
     engine = LLMEngine(EngineConfig(checkpoint=checkpoint, device=device, dtype=dtype, cuda_graphs=cuda_graphs,
                                     enable_prefix_caching=prefix_caching, num_speculative_tokens=speculative_tokens,
-                                    **{VARIANTS[name]: True for name in filter(None, variant.split("+"))}, **POOLS))
+                                    **step_variants.settings(variant), **POOLS))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     tokens = [r["output_ids"] for prompts in prompt_waves for r in engine.generate(prompts, params)]
     cache = engine.kv.prefix_cache
@@ -96,7 +97,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--num-speculative-tokens", type=int, nargs="*", default=[],
                         help="also run with these many drafts per decode (fp32, graphs off and on; must equal)")
-    parser.add_argument("--variants", nargs="*", default=[], metavar="V", choices=[*VARIANTS, "pdl+side_stream"],
+    parser.add_argument("--variants", nargs="*", default=[], metavar="V", choices=step_variants.NAMES,
                         help="also run in these variants (pdl, side_stream, pdl+side_stream; fp32, graphs on; "
                              "must equal)")
     parser.add_argument("--json", type=Path)
