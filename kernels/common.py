@@ -153,17 +153,36 @@ def last_to_arrive(counter_ptr, index, arrivals):
 # the kernel after it start; a kernel after a torch operator, which never lets it start early, starts when that one
 # ends, as without. The engine's `programmatic_dependent_launch` turns it on for the process
 # (`set_programmatic_dependent_launch`).
-_PDL = {"on": False}
+#
+# While it waits, a kernel that streams a weight (the FP8 GEMMs, the grouped o_a, the fp32 linears) asks L2 for the
+# first lines of its weight rows (`prefetch_weight_rows`): weights are never written by a kernel, so they may be read
+# early, and a decode step's weight reads are what it waits on. Only a hint: nothing reaches a register before the
+# wait. PREFETCH_BYTES a program (its rows' first lines): over one program an SM, about 2 microseconds of an H200's
+# copy bandwidth (4.27 TB/s), the order of a kernel's launch and ramp-up.
+_PDL = {"on": False, "prefetch": True}
+PREFETCH_BYTES = 64 * 1024
+PREFETCH_LINE = 128  # bytes: an L2 line
 
 
-def set_programmatic_dependent_launch(on: bool) -> None:
+def set_programmatic_dependent_launch(on: bool, prefetch_weights: bool = True) -> None:
     """Launch this process's kernels with programmatic dependent launch (a CUDA device of compute capability 9.0 or
-    more) or without."""
-    _PDL["on"] = on
+    more) or without; with it, the weight-streaming kernels prefetch their first weight lines while they wait, unless
+    `prefetch_weights` is False (what the prefetch adds is timed by bench_v4's `pdl+no_prefetch`)."""
+    _PDL["on"], _PDL["prefetch"] = on, prefetch_weights
 
 
 def programmatic_dependent_launch() -> bool:
     return _PDL["on"]
+
+
+def weight_prefetch_lines(rows: int, row_bytes: int) -> int:
+    """PREFETCH_LINES of a program that streams `rows` weight rows of `row_bytes` bytes each (its share of K): how
+    many 128-byte lines of each row it asks L2 for while it waits for the kernel before it, a power of two within
+    PREFETCH_BYTES a program; 0 unless kernels are launched with programmatic dependent launch and weight prefetch."""
+    if not (_PDL["on"] and _PDL["prefetch"]) or rows <= 0 or row_bytes <= 0:
+        return 0
+    lines = min(triton.cdiv(row_bytes, PREFETCH_LINE), max(1, PREFETCH_BYTES // (PREFETCH_LINE * rows)))
+    return 1 << (lines.bit_length() - 1)
 
 
 def launch(launches) -> None:
@@ -171,6 +190,21 @@ def launch(launches) -> None:
     pdl = dict(PDL=True, launch_pdl=True) if _PDL["on"] else {}
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs, **pdl)
+
+
+@triton.jit
+def prefetch_weight_rows(PDL: tl.constexpr, w_ptr, rows, num_rows, stride, start, end, LINES: tl.constexpr):
+    """Launched with programmatic dependent launch, before `wait_for_previous_kernel`: ask L2 for LINES lines of each
+    weight row in `rows` (clamped to the weight's num_rows) from element `start` (each address clamped below the
+    row's `end`: every one in the weight). `prefetch.global.L2`: no register is loaded, nothing is written. A no-op
+    otherwise, and with LINES 0 (`weight_prefetch_lines`)."""
+    if PDL and LINES > 0:
+        PER_LINE: tl.constexpr = 8 * 128 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+        columns = tl.minimum(start + tl.arange(0, LINES) * PER_LINE, end - 1)
+        row = tl.minimum(rows, num_rows - 1).to(tl.int64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [w_ptr + row[:, None] * stride + columns[None, :]], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit

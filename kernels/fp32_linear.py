@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.common import compute_dtype, launch, rows_per_program, wait_for_previous_kernel
+from kernels.common import (compute_dtype, launch, prefetch_weight_rows, rows_per_program, wait_for_previous_kernel,
+                            weight_prefetch_lines)
 from kernels.quant_formats import round_to_dtype
 from kernels.tuning import tuned
 
@@ -35,12 +36,13 @@ def fp32_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 @triton.jit(do_not_specialize=["num_tokens"])
 def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, num_tokens, n, k, stride_xt, stride_wn, stride_ot,
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_PARTS: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                        DOT_DTYPE: tl.constexpr, PREFETCH_LINES: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (BLOCK_N weight rows, BLOCK_T tokens): acc [BLOCK_N, BLOCK_T] = W x^T over K. X_PARTS 1 or 3: the
     weight is bf16 and x goes in as that many parts on the bf16 grid (a bf16 x is one), each dot in DOT_DTYPE (bf16;
     float32 holding the same values under the interpreter, whose bf16 dots are wrong); 0: float32 dots."""
-    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_weight_rows(PDL, w_ptr, rows, n, stride_wn, 0, k, PREFETCH_LINES)
+    wait_for_previous_kernel(PDL)
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask, token_mask = rows < n, tokens < num_tokens
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
@@ -92,6 +94,7 @@ def plan_fp32_linear(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     x_parts = (1 if x.dtype == torch.bfloat16 else 3) if weight.dtype == torch.bfloat16 else 0
     cfg = dict(config or fp32_linear_config(num_tokens, n, k, x.device), X_PARTS=x_parts,
                DOT_DTYPE=compute_dtype(torch.bfloat16))
+    cfg["PREFETCH_LINES"] = weight_prefetch_lines(cfg["BLOCK_N"], k * weight.element_size())
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(num_tokens, cfg["BLOCK_T"]))
     return out, [(_fp32_linear_kernel, grid, (x, weight, out, num_tokens, n, k, x.stride(0), weight.stride(0),
                                               out.stride(0)), cfg)]

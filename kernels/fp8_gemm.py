@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from kernels.common import (DEFAULT_NUM_SMS, SPLIT_COUNTERS, clamped_swiglu_values, is_interpreting, last_to_arrive,
-                            launch, num_sms, split_counters, wait_for_previous_kernel)
+                            launch, num_sms, prefetch_weight_rows, split_counters, wait_for_previous_kernel,
+                            weight_prefetch_lines)
 from kernels.norm_rope import norm_rope_reference, rms_factor, rms_norm as rms_norm_reference, rope_tail
 from kernels.quant_formats import (FP8_BLOCK, dequantize_fp8, e4m3_groups, e4m3_scale_codes, indexer_rounded,
                                    quantize_groups, round_to_e4m3, scale_to_float)
@@ -70,6 +71,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr, PREQUANTIZED: tl.constexpr, NATIVE_FP8_DOT: tl.constexpr, PROLOGUE: tl.constexpr,
     ROPE: tl.constexpr, ROUND_INDEXER: tl.constexpr, LOG_N: tl.constexpr,  # the epilogue (`head_rope`)
+    PREFETCH_LINES: tl.constexpr = 0,  # each weight row's lines asked of L2 while it waits (`weight_prefetch_lines`)
     PDL: tl.constexpr = False,  # launched to wait for the kernel before it (common.launch)
 ):
     """Program (token tile m, column tile n, K split s): out[rows, cols] = the sum over its K groups of the scaled FP8
@@ -80,12 +82,13 @@ def _fp8_gemm_kernel(
     each step quantizes its x tile in registers, after the PROLOGUE (`gemm_input`): the clamped SwiGLU of a gate|up
     x [T, 2K], or x's weighted RMSNorm (each row's factor from a first pass over its K), rounded to x's dtype.
     ROPE > 0: a column tile is one head, roped (and with ROUND_INDEXER rounded) before it is stored (`head_rope`)."""
-    wait_for_previous_kernel(PDL)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
-    row_mask, col_mask = rows < num_tokens, cols < n
     per_split = tl.cdiv(tl.cdiv(k, BLOCK_K), SPLIT_K) * BLOCK_K
+    prefetch_weight_rows(PDL, w_ptr, cols, n, stride_wn, split * per_split, k, PREFETCH_LINES)
+    wait_for_previous_kernel(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask, col_mask = rows < num_tokens, cols < n
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     r = rms_factors_of_rows(x_ptr, rows, row_mask, k, stride_xt, prologue_scalar, BLOCK_M, BLOCK_K, PROLOGUE)
     for k0 in range(split * per_split, tl.minimum(k, (split + 1) * per_split), BLOCK_K):
@@ -286,7 +289,8 @@ def plan_fp8_gemm(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, *, 
                   SWAP_AB=cfg["SWAP_AB"], PREQUANTIZED=cfg["PREQUANTIZED"], NATIVE_FP8_DOT=not is_interpreting(),
                   PROLOGUE=NO_PROLOGUE if cfg["PREQUANTIZED"] else prologue,
                   ROPE=2 * cos.shape[-1] if rope is not None else 0, ROUND_INDEXER=rope is not None and round_indexer,
-                  LOG_N=cfg["BLOCK_N"].bit_length() - 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                  LOG_N=cfg["BLOCK_N"].bit_length() - 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                  PREFETCH_LINES=weight_prefetch_lines(cfg["BLOCK_N"], triton.cdiv(k, GROUP * cfg["SPLIT_K"]) * GROUP))
     return out, quantize + [(_fp8_gemm_kernel, grid, args, kwargs)]
 
 

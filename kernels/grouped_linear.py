@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import aligned_words, compute_dtype, launch, rows_per_program, wait_for_previous_kernel
+from kernels.common import (aligned_words, compute_dtype, launch, prefetch_weight_rows, rows_per_program,
+                            wait_for_previous_kernel, weight_prefetch_lines)
 from kernels.fp8_gemm import Fp8Weight
 from kernels.quant_formats import FP8_BLOCK, dequantize_fp8, e4m3_words_to_values
 from kernels.tuning import tuned
@@ -38,14 +39,16 @@ def grouped_linear_reference(x: torch.Tensor, weight) -> torch.Tensor:
 @triton.jit(do_not_specialize=["num_tokens"])
 def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, num_tokens, rows_per_group, k, stride_xt, stride_xg,
                         stride_wn, stride_sn, stride_ot, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_K: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, PREFETCH_LINES: tl.constexpr = 0,
+                        PDL: tl.constexpr = False):
     """Program (BLOCK_N rows of one group, BLOCK_T tokens): acc [BLOCK_N, BLOCK_T] = W_g x_g^T, a 128-wide K step at a
     time times its block scale."""
-    wait_for_previous_kernel(PDL)
     tiles_per_group = tl.cdiv(rows_per_group, BLOCK_N)
     group = tl.program_id(0) // tiles_per_group
     local = (tl.program_id(0) % tiles_per_group) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = group * rows_per_group + local
+    prefetch_weight_rows(PDL, w_ptr, rows, (group + 1) * rows_per_group, stride_wn, 0, k, PREFETCH_LINES)
+    wait_for_previous_kernel(PDL)
     tokens = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask, token_mask = local < rows_per_group, tokens < num_tokens
     acc = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
@@ -94,6 +97,7 @@ def plan_grouped_linear(x: torch.Tensor, weight: Fp8Weight, config: dict | None 
     if num_tokens == 0:
         return out, []
     cfg = dict(config or grouped_fp8_config(num_tokens, num_rows, k, x.device), COMPUTE_DTYPE=compute_dtype(x.dtype))
+    cfg["PREFETCH_LINES"] = weight_prefetch_lines(cfg["BLOCK_N"], k)
     grid = (groups * triton.cdiv(rows_per_group, cfg["BLOCK_N"]), triton.cdiv(num_tokens, cfg["BLOCK_T"]))
     args = (x, weight.data, weight.scale, out, num_tokens, rows_per_group, k, x.stride(0), x.stride(1),
             weight.data.stride(0), weight.scale.stride(0), out.stride(0))

@@ -17,8 +17,9 @@ steps at static shapes (CUDA graphs on CUDA, the same padded steps eagerly elsew
   prefill  one prompt of --context tokens in one forward (eager): tokens/s.
   --variants V ... --variant-batches B ...  then decode steps at these batches again in each variant, their graphs
            captured anew: the same model, side by side with the steps above. A variant is `pdl` (programmatic
-           dependent launch, a Hopper GPU: kernels/common.py), `side_stream` (a layer's independent branches on a
-           second CUDA stream: DeepseekV4Model.use_side_stream) or both, `pdl+side_stream`.
+           dependent launch, a Hopper GPU: kernels/common.py, the weight-streaming kernels prefetching their first
+           weight lines while they wait), `side_stream` (a layer's independent branches on a second CUDA stream:
+           DeepseekV4Model.use_side_stream), both (`pdl+side_stream`), or `pdl+no_prefetch` (scripts/step_variants.py).
 
 Per layer: the step less what runs outside the layers (embedding, hyper-head, norm, LM head; timed alone), over the
 layers; extrapolated to the config's own layer count (43 for V4-Flash): outside + layers x per layer.
@@ -72,8 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeat", type=int, default=10, help="timed steps per case (the median is reported)")
     parser.add_argument("--memory-gib", type=float,
                         help="device memory the default --layers must fit (default: the device's, on CUDA)")
-    parser.add_argument("--variants", nargs="*", default=[], choices=step_variants.NAMES, metavar="V",
-                        help=f"decode steps again in these variants ({', '.join(step_variants.NAMES)}), beside the "
+    parser.add_argument("--variants", nargs="*", default=[], choices=step_variants.TIMED, metavar="V",
+                        help=f"decode steps again in these variants ({', '.join(step_variants.TIMED)}), beside the "
                              "ones as configured, in this run")
     parser.add_argument("--variant-batches", type=int, nargs="*", default=[1, 16], metavar="B",
                         help="the batches the variants' decode steps are timed at")
@@ -143,7 +144,8 @@ class Bench:
         from kernels.common import set_programmatic_dependent_launch
 
         settings = step_variants.settings(variant)
-        set_programmatic_dependent_launch(settings["programmatic_dependent_launch"])
+        set_programmatic_dependent_launch(settings["programmatic_dependent_launch"],
+                                          prefetch_weights=step_variants.prefetches_weights(variant))
         self.model.use_side_stream(settings["side_stream"])
         self.graphs = DecodeGraphs(self.model, self.kv, self.graphs.max_rows, capture=self.device == "cuda")
 

@@ -10,8 +10,9 @@ registers, stack/local bytes come from the bundled `cuobjdump -res-usage`, share
 wgmma and griddepcontrol from the PTX.
 
 Exit status 1 when any kernel spills registers (stack or local memory in use), needs more than 227 KB of shared memory,
-does not wait for the kernel before it (no griddepcontrol.wait), or decodes MXFP4, FP4 keys or e4m3 weights without
-its asm (`decode_asm_problem`); a table of every compiled kernel is printed either way.
+does not wait for the kernel before it (no griddepcontrol.wait, or memory read or written before it: a weight's L2
+prefetch may come first: `pdl_problem`), or decodes MXFP4, FP4 keys or e4m3 weights without its asm
+(`decode_asm_problem`); a table of every compiled kernel is printed either way.
 
   python scripts/check_kernels_compile.py            # all models, all cases
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
@@ -50,6 +51,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 from backend.model.compressor import CompressionPlan  # noqa: E402
 from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
+from kernels.common import set_programmatic_dependent_launch  # noqa: E402
 from kernels.compressor import pair_compress_launches, plan_compress_into_pool  # noqa: E402
 from kernels.fp32_linear import plan_fp32_linear  # noqa: E402
 from kernels.fp8_gemm import Fp8Weight, plan_fp8_gemm  # noqa: E402
@@ -62,7 +64,11 @@ from kernels.norm_rope import plan_norm_rope  # noqa: E402
 from kernels.quant_formats import (E4M3_PAIR_ASM, FP4_PAIR_ASM, MXFP4_GROUP_ASM, indexer_fp4_entry_bytes,  # noqa: E402
                                    kv_fp8_entry_bytes)
 from kernels.token_bitmask import plan_apply_token_bitmask  # noqa: E402
-from scripts.kernel_sass import describe, loop_profile, program_length  # noqa: E402
+from scripts.kernel_sass import describe, loop_profile, pdl_problem, program_length  # noqa: E402
+
+# every launch planned as with programmatic dependent launch on (the weight-streaming kernels' prefetch lines), and
+# compiled so (PDL=True: compile_case)
+set_programmatic_dependent_launch(True)
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
@@ -115,12 +121,12 @@ class Compiled:
     seconds: float
     loop: str = ""  # --sass: what the main loop issues per iteration and per weight byte
     decode_asm: str = ""  # what is wrong with the asm instances of its MXFP4 or FP4 decode, if anything
-    waits: bool = True  # compiled for programmatic dependent launch, it waits for the kernel before it
+    pdl: str = ""  # what makes it unsafe to launch with programmatic dependent launch, if anything (`pdl_problem`)
 
     @property
     def problem(self) -> str:
-        if not self.waits:
-            return "no griddepcontrol.wait: unsafe to launch with programmatic dependent launch"
+        if self.pdl:
+            return self.pdl
         if self.spill_bytes:
             return f"spills {self.spill_bytes} B"
         if self.shared > SHARED_LIMIT:
@@ -494,7 +500,7 @@ def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
             kernel=kernel.fn.__name__, config=config, registers=usage["REG"], shared=compiled.metadata.shared,
             spill_bytes=usage.get("STACK", 0) + usage.get("LOCAL", 0), wgmma="wgmma" in compiled.asm["ptx"],
             seconds=time.time() - start, loop=loop, decode_asm=decode,
-            waits="griddepcontrol.wait" in compiled.asm["ptx"])))
+            pdl=pdl_problem(compiled.asm["ptx"]))))
     return results
 
 

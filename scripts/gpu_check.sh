@@ -30,7 +30,8 @@
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
 #      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
 #   v4_overlap: the same model at 8 layers, its decode steps at 1 and 16 requests as configured, then with
-#      programmatic dependent launch (every kernel launched while the one before it runs), with a layer's independent
+#      programmatic dependent launch (every kernel launched while the one before it runs; and without the weight
+#      prefetch while a kernel waits, what that adds), with a layer's independent
 #      branches on a second stream, and with both, side by side in one run, per layer and extrapolated
 #      (v4_overlap.json, .csv).
 #   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
@@ -74,7 +75,7 @@ declare -A limit=([kernel_tests]=90 [engine]=170 [launches]=30 [tune]=200 [bench
                   [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
 # not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
 # were measured beside the static ones)
-limit+=([v4_shapes]=240 [v4_overlap]=200 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60
+limit+=([v4_shapes]=240 [v4_overlap]=230 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60
         [speculative_adaptive]=120)
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
@@ -137,8 +138,8 @@ else
 fi
 run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
 run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
-run v4_overlap "$PY" scripts/bench_v4.py --layers 8 --batches 1 16 --variants pdl side_stream pdl+side_stream \
-  --variant-batches 1 16 --out "$RESULTS/v4_overlap.json"
+run v4_overlap "$PY" scripts/bench_v4.py --layers 8 --batches 1 16 \
+  --variants pdl pdl+no_prefetch side_stream pdl+side_stream --variant-batches 1 16 --out "$RESULTS/v4_overlap.json"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
 run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
   --out "$RESULTS/v4_serving" "${bundle[@]}"

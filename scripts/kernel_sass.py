@@ -9,7 +9,8 @@ bandwidth, whatever its tiles.
 `loop_profile(sass)` finds the main loop (the longest backward branch whose body holds a matrix multiply, else the
 longest; the whole kernel if it has none) in `cuobjdump -sass` text and counts its instructions by class; `describe`
 prints them per weight byte; `program_length` counts the whole kernel's instructions (a tile read once, outside the
-loop, as the indexer's keys, is there). Used by `scripts/check_kernels_compile.py --sass`.
+loop, as the indexer's keys, is there). Used by `scripts/check_kernels_compile.py --sass`. And `pdl_problem(ptx)`:
+whether a kernel compiled for programmatic dependent launch reads or writes memory before it waits (every compile).
 """
 
 from __future__ import annotations
@@ -82,3 +83,21 @@ def describe(body: Counter, weight_bytes_per_thread: float | None) -> str:
                         for op, n in ops.most_common(3 if name != "mma" else 1))
         parts.append(f"{name} {sum(ops.values()) / per:.2f}{unit} [{top}]")
     return head + "; " + "; ".join(parts)
+
+
+# a PTX instruction that reads or writes memory other than the kernel's parameters (a prefetch is neither)
+_MEMORY_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?!(?:ld|st)\.param)(?:ld|st|atom|red|cp\.async)\.", re.MULTILINE)
+
+
+def pdl_problem(ptx: str) -> str:
+    """What makes a kernel compiled with PDL=True unsafe to launch with programmatic dependent launch: no
+    `griddepcontrol.wait`, or memory read or written before it (the kernel before may still be writing it; an L2
+    prefetch of a weight, `prefetch_weight_rows`, may come first)."""
+    wait = ptx.find("griddepcontrol.wait")
+    if wait < 0:
+        return "no griddepcontrol.wait: unsafe to launch with programmatic dependent launch"
+    early = _MEMORY_ACCESS.search(ptx[:wait])
+    if early:
+        line = ptx[early.start():ptx.find("\n", early.start())].strip()
+        return f"reads or writes memory before its griddepcontrol.wait ({line})"
+    return ""

@@ -28,20 +28,56 @@ def _triton_kernels() -> list[tuple[str, ast.FunctionDef]]:
     return found
 
 
-def _first_statement(node: ast.FunctionDef) -> ast.stmt:
-    body = node.body
-    docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-    return body[1] if docstring else body[0]
+WAIT = "wait_for_previous_kernel(PDL)"
+# what a kernel may call before it waits: its program's indices, and the L2 prefetch of its weight rows
+BEFORE_THE_WAIT = {"tl.program_id", "tl.arange", "tl.cdiv", "tl.minimum", "prefetch_weight_rows"}
+
+
+def _statements_before_the_wait(node: ast.FunctionDef) -> list[ast.stmt]:
+    body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+        else node.body
+    waits = [i for i, statement in enumerate(body) if ast.unparse(statement) == WAIT]
+    assert waits, f"{node.name} never calls {WAIT} in its body"
+    return body[:waits[0]]
 
 
 def test_every_kernel_waits_for_the_kernel_before_it_first():
+    """Before its wait a kernel computes its program's indices and may ask L2 for its weight rows; it reads and
+    writes nothing (the compiled PTX is held to the same: check_kernels_compile.pdl_problem)."""
     kernels = _triton_kernels()
     assert len(kernels) >= 20  # (the attention, MoE, GEMM, compressor, mHC, norm/rope, store and sampling kernels)
+    prefetching = set()
     for file, node in kernels:
         params = {arg.arg: arg for arg in node.args.args}
         assert "PDL" in params and ast.unparse(params["PDL"].annotation) == "tl.constexpr", (file, node.name)
         assert ast.unparse(node.args.defaults[-1]) == "False" and node.args.args[-1].arg == "PDL", (file, node.name)
-        assert ast.unparse(_first_statement(node)) == "wait_for_previous_kernel(PDL)", (file, node.name)
+        for statement in _statements_before_the_wait(node):
+            assert isinstance(statement, (ast.Assign, ast.Expr)), (file, node.name, ast.unparse(statement))
+            calls = {ast.unparse(call.func) for call in ast.walk(statement) if isinstance(call, ast.Call)}
+            assert calls <= BEFORE_THE_WAIT, (file, node.name, calls - BEFORE_THE_WAIT)
+            if "prefetch_weight_rows" in calls:
+                assert ast.unparse(statement).startswith("prefetch_weight_rows(PDL, w_ptr, "), (file, node.name)
+                prefetching.add(node.name)
+    # the kernels that stream a dense weight at decode ask for it while they wait
+    assert prefetching == {"_fp8_gemm_kernel", "_grouped_fp8_kernel", "_fp32_linear_kernel"}
+
+
+def test_weight_prefetch_lines_only_with_pdl_and_within_the_budget(restore_pdl):
+    common.set_programmatic_dependent_launch(False)
+    assert common.weight_prefetch_lines(128, 4096) == 0
+    common.set_programmatic_dependent_launch(True, prefetch_weights=False)
+    assert common.weight_prefetch_lines(128, 4096) == 0
+    common.set_programmatic_dependent_launch(True)
+    # 128 rows: 4 lines each (64 KB); 16 rows: 32 lines; never past a row's own lines; a power of two
+    assert common.weight_prefetch_lines(128, 4096) == 4
+    assert common.weight_prefetch_lines(16, 8192) == 32
+    assert common.weight_prefetch_lines(16, 1024) == 8
+    assert common.weight_prefetch_lines(128, 100) == 1
+    assert common.weight_prefetch_lines(48, 8192) == 8  # (10 lines fit: 8)
+    assert common.weight_prefetch_lines(1024, 8192) == 1  # (one line a row, whatever the budget)
+    for rows, row_bytes in ((128, 4096), (16, 8192), (48, 8192), (32, 4096)):
+        lines = common.weight_prefetch_lines(rows, row_bytes)
+        assert lines & (lines - 1) == 0 and rows * lines * common.PREFETCH_LINE <= common.PREFETCH_BYTES
 
 
 class _RecordedKernel:
@@ -56,9 +92,9 @@ class _RecordedKernel:
 
 @pytest.fixture
 def restore_pdl():
-    before = common.programmatic_dependent_launch()
+    before = dict(common._PDL)
     yield
-    common.set_programmatic_dependent_launch(before)
+    common.set_programmatic_dependent_launch(before["on"], prefetch_weights=before["prefetch"])
 
 
 def test_launch_asks_for_the_attribute_only_when_it_is_on(restore_pdl):

@@ -3,7 +3,7 @@ multiply, counted by class; the program's length counts every instruction once."
 
 from __future__ import annotations
 
-from scripts.kernel_sass import describe, loop_profile, program_length
+from scripts.kernel_sass import describe, loop_profile, pdl_problem, program_length
 
 # cuobjdump -sass's shape: an address comment, an optional predicate, the opcode and operands, the encoding.
 SASS = """
@@ -31,3 +31,16 @@ def test_the_main_loop_is_the_one_with_the_matrix_multiply():
 
 def test_the_program_length_counts_each_instruction_once():
     assert program_length(SASS) == 11
+
+
+def test_pdl_problem_flags_memory_touched_before_the_wait():
+    """A kernel compiled for programmatic dependent launch may compute indices, read its parameters and prefetch into
+    L2 before `griddepcontrol.wait`; a load, a store or an atomic there races with the kernel before it."""
+    wait = "\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n\tld.global.b32 %r9, [%rd3];\n"
+    safe = "\tld.param.u64 %rd1, [k_param_0];\n\tmov.u32 %r1, %ctaid.x;\n\tprefetch.global.L2 [%rd2]; mov.u32 %r2, 0;\n"
+    assert pdl_problem(safe + wait) == ""
+    for early in ("\tld.global.v4.b32 {%r3, %r4, %r5, %r6}, [%rd2];\n", "\t@%p1 st.global.b16 [%rd4], %rs1;\n",
+                  "\t@!%p2 ld.global.nc.b32 %r7, [%rd2];\n", "\tatom.global.acq_rel.gpu.add.u32 %r8, [%rd2], 1;\n",
+                  "\tcp.async.cg.shared.global [%r1], [%rd2], 16;\n", "\tst.shared.b32 [%r1], %r2;\n"):
+        assert "before its griddepcontrol.wait" in pdl_problem(safe + early + wait), early
+    assert pdl_problem(safe).startswith("no griddepcontrol.wait")
