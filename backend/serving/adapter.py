@@ -187,10 +187,10 @@ class TritonAdapter:
             self._cancel(request_id, live)
 
     def _cancel(self, request_id: str, live: _Live) -> None:
-        """The client cancelled: the engine aborts at its next step and answers CANCELLED."""
+        """The client cancelled: the engine aborts at its next step and answers CANCELLED. A request that submit() has
+        not handed to the engine yet (a cancellation while it is parsed or placed) is asked again at the next poll."""
         if not live.cancelling:
-            live.cancelling = True
-            self.engine.abort(request_id)
+            live.cancelling = self.engine.abort(request_id)
 
     def _update_stats(self) -> None:
         try:

@@ -103,6 +103,24 @@ def test_cancellation_reaches_the_engine_and_ends_with_one_cancelled_final(adapt
     assert adapter.engine._running == {} and adapter._live == {}
 
 
+def test_a_cancellation_while_the_request_is_being_submitted_is_not_lost(adapter, monkeypatch):
+    """The client cancels while submit() is still placing the request (the engine has not got it: its abort finds
+    nothing): the next poll asks again, and the request ends cancelled, not after all its tokens."""
+    submit = adapter.engine.submit
+
+    def slow_submit(seq, on_output):
+        time.sleep(0.05)  # (several of the response loop's polls)
+        return submit(seq, on_output)
+
+    monkeypatch.setattr(adapter.engine, "submit", slow_submit)
+    req = request("a long one", max_tokens=900)
+    req.sender.cancelled = True
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.num_finals == 1 and errors_of(req) == ["request cancelled"]
+    assert len(tokens_of(req)) < 900 and adapter.engine._running == {} and adapter._live == {}
+
+
 def test_a_failing_send_aborts_the_request_and_still_sends_one_final(adapter):
     req = request("hello", max_tokens=50)
     req.sender.fail_sends = 1  # the first token response raises
