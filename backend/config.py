@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ DRAFT_SAMPLING = ("auto", "argmax", "sample")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 CUDA_ONLY = ("programmatic_dependent_launch", "side_stream")  # settings only a CUDA device takes
+MAX_TIMEOUT_S = 1e9  # (about 31 years: "never"; more overflows the collectives' timedelta)
 
 
 @dataclass
@@ -186,6 +188,10 @@ class EngineConfig:
         if self.priority_aging_s is not None:
             _check(is_number(self.priority_aging_s) and self.priority_aging_s >= 0, "priority_aging_s",
                    self.priority_aging_s, "a number of seconds >= 0 (0: strict priority)")
+        if self.step_log is not None:
+            _check(isinstance(self.step_log, str) and Path(self.step_log).parent.is_dir()
+                   and not Path(self.step_log).is_dir(), "step_log", self.step_log,
+                   "a file path in an existing directory (its records are appended)")
         if self.itl_target_ms is not None:
             _check(is_number(self.itl_target_ms) and self.itl_target_ms > 0, "itl_target_ms", self.itl_target_ms,
                    "a number > 0")
@@ -211,8 +217,8 @@ class EngineConfig:
         _check(self.data_parallel_size == 1 or self.tensor_parallel_size == 1, "data_parallel_size",
                self.data_parallel_size, "1 with tensor_parallel_size > 1 (data-parallel attention gives each rank "
                "whole attention heads; combine it with expert_parallel_size)")
-        _check(is_number(self.collective_timeout_s) and self.collective_timeout_s > 0, "collective_timeout_s",
-               self.collective_timeout_s, "a number of seconds > 0")
+        _check(is_number(self.collective_timeout_s) and 0 < self.collective_timeout_s <= MAX_TIMEOUT_S,
+               "collective_timeout_s", self.collective_timeout_s, f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
         _check(is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens", self.num_speculative_tokens,
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")
@@ -287,7 +293,8 @@ def is_int(value) -> bool:
 
 
 def is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float, not a bool (json takes Infinity and NaN; no setting means either)."""
+    return is_int(value) or isinstance(value, float) and math.isfinite(value)
 
 
 def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: str | None = None) -> None:

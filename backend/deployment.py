@@ -54,11 +54,20 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_layout: 
     speculative = config.num_speculative_tokens
     if speculative:
         _check_draft_layer(config, model_config)
-    kv = KVCacheManager(model_config, num_tokens=config.num_tokens, swa_full_tokens_ratio=config.swa_full_tokens_ratio,
-                        page_size=config.page_size, max_running_requests=config.max_running_requests, dtype=dtype,
-                        device=device, max_step_tokens=config.max_num_batched_tokens, kv_layout=kv_layout,
-                        state_dtype=numerics.compressor_dtype(dtype),
-                        draft_layers=1 if speculative else 0, speculative_tokens=speculative)
+    try:
+        kv = KVCacheManager(model_config, num_tokens=config.num_tokens,
+                            swa_full_tokens_ratio=config.swa_full_tokens_ratio, page_size=config.page_size,
+                            max_running_requests=config.max_running_requests, dtype=dtype, device=device,
+                            max_step_tokens=config.max_num_batched_tokens, kv_layout=kv_layout,
+                            state_dtype=numerics.compressor_dtype(dtype),
+                            draft_layers=1 if speculative else 0, speculative_tokens=speculative)
+    except (MemoryError, RuntimeError) as exc:  # (torch's out-of-memory errors are RuntimeErrors)
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc).lower() and "memory" not in str(exc).lower():
+            raise
+        why = f"{type(exc).__name__}: {str(exc)[:200] or 'no message'}"
+        raise ConfigError(f"parameters 'num_tokens' ({config.num_tokens}), 'page_size' ({config.page_size}) and "
+                          f"'max_running_requests' ({config.max_running_requests}): the pools do not fit the "
+                          f"{torch.device(device).type} memory ({why}); scripts/plan_memory.py sizes them") from exc
     if kv.max_request_positions() == 0:
         window = kv.window_pool
         if speculative:

@@ -37,6 +37,14 @@ from backend.config import ConfigError, EngineConfig
     ({"hf_overrides": {"compress_ratios": 4}}, "hf_overrides"),  # a legacy key, of its own type
     ({"programmatic_dependent_launch": True, "device": "cpu"}, "programmatic_dependent_launch"),  # CUDA kernels only
     ({"side_stream": True, "device": "cpu"}, "side_stream"),
+    ({"priority_aging_s": float("inf")}, "priority_aging_s"),  # (inf * 0 ordered the queue by NaN)
+    ({"priority_aging_s": float("nan")}, "priority_aging_s"),
+    ({"itl_target_ms": float("inf")}, "itl_target_ms"),
+    ({"collective_timeout_s": float("inf")}, "collective_timeout_s"),  # (a timedelta overflowed at a collective)
+    ({"collective_timeout_s": 1e300}, "collective_timeout_s"),
+    ({"hf_overrides": {"rope_theta": float("inf")}}, "hf_overrides"),
+    ({"step_log": "/nonexistent-directory/steps.jsonl"}, "step_log"),  # (failed when the scheduler started)
+    ({"step_log": "/tmp"}, "step_log"),
 ])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):
@@ -81,3 +89,13 @@ def test_draft_sampling_auto_drafts_the_argmax_only_where_the_draft_chain_is_sta
     assert EngineConfig(device="cpu").resolved_draft_sampling() == "sample"
     assert EngineConfig(device="cpu", draft_sampling="argmax").resolved_draft_sampling() == "argmax"
     assert EngineConfig(device="cpu", cuda_graphs=True, draft_sampling="sample").resolved_draft_sampling() == "sample"
+
+
+def test_pools_the_memory_cannot_hold_are_refused_naming_their_parameters():
+    """(A bare MemoryError with no message, or torch's allocation error, before.)"""
+    import torch
+
+    from backend.deployment import plan_deployment
+
+    with pytest.raises(ConfigError, match="'num_tokens' \\(99999999999999\\).*do not fit the cpu memory"):
+        plan_deployment(EngineConfig(num_tokens=99999999999999), "cpu", torch.bfloat16)
