@@ -3,6 +3,12 @@
 Text is released only when it is final: a trailing U+FFFD (an incomplete UTF-8 sequence that the
 next token may complete) is held back, and so is any tail that could still grow into a stop
 string. When a stop string appears, the text before it is released and generation stops.
+
+Each token decodes a few ids, not the whole output (that grew with the output: 1.8 ms a token at 16K
+tokens, on the thread that sends every request's responses). As vLLM's `detokenize_incrementally`
+does: the ids from `_prefix` are decoded with and without those past `_read`, and the text the new
+ids add is the difference; the ids before `_read` give the decoder the context it needs (a space a
+token's leading marker stands for), and once the new text is complete the window moves on.
 """
 
 from __future__ import annotations
@@ -17,16 +23,20 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self._ids: list[int] = []
-        self._text = ""  # decoded text of all ids that decode completely
+        self._text = ""  # decoded text of the ids before _read (they decode completely)
+        self._prefix = self._read = 0  # the decoding window's context starts at _prefix, its new ids at _read
         self._released = 0  # characters of _text already returned
         self.stopped = False
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly final text (possibly empty)."""
         self._ids.append(token_id)
-        text = self.tokenizer.decode(self._ids, skip_special_tokens=True)
-        if not text.endswith(_INCOMPLETE):
-            self._text = text
+        decode = self.tokenizer.decode
+        context = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+        text = decode(self._ids[self._prefix:], skip_special_tokens=True)
+        if len(text) > len(context) and not text.endswith(_INCOMPLETE):
+            self._text += text[len(context):]
+            self._prefix, self._read = self._read, len(self._ids)
         return self._release(final=False)
 
     def flush(self) -> str:

@@ -121,6 +121,31 @@ def test_incremental_text_never_splits_a_multibyte_character(tokenizer):
     assert len(ids) > len([p for p in pieces if p])  # some tokens were held back mid-character
 
 
+def test_incremental_text_is_the_whole_outputs_text_and_decodes_a_window_per_token(tokenizer):
+    """Random ids (broken UTF-8 sequences, special tokens, multi-byte characters split anywhere): what the pieces add up
+    to is the whole output decoded at once, up to the last id that completes a character; each token decodes a few
+    ids, not the whole output."""
+    gen = torch.Generator().manual_seed(0)
+    text_ids = tokenizer.encode("Hello, 世界! Привет — こんにちは 🙂 done").ids
+    decoded_lengths = []
+    decode = tokenizer.decode
+    for trial in range(40):
+        ids = torch.randint(0, tokenizer.get_vocab_size(), (int(torch.randint(1, 300, (1,), generator=gen)),),
+                            generator=gen).tolist()
+        if trial % 2:  # (mostly whole characters, a few random ids among them)
+            ids = [t for i in range(len(ids)) for t in (text_ids[i % len(text_ids)], ids[i])][:len(ids)]
+        detok = IncrementalDetokenizer(tokenizer)
+        tokenizer.decode = lambda window, **kw: decoded_lengths.append(len(window)) or decode(window, **kw)
+        try:
+            pieces = "".join(detok.add(t) for t in ids)
+        finally:
+            del tokenizer.decode
+        complete = max((j for j in range(len(ids) + 1) if not decode(ids[:j], skip_special_tokens=True)
+                        .endswith("\ufffd")), default=0)
+        assert pieces + detok.flush() == decode(ids[:complete], skip_special_tokens=True), trial
+    assert sorted(decoded_lengths)[int(0.99 * len(decoded_lengths))] <= 8  # (a window: a long output is no dearer)
+
+
 def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
     detok = IncrementalDetokenizer(tokenizer, stop=["fox jumps"])
