@@ -66,6 +66,9 @@ class FinishReason(str, enum.Enum):
 # --- sampling parameters ----------------------------------------------------------------------------
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+# Every stop string is looked for in every token's new text, on the thread that sends every request's responses:
+# bounded, so one request cannot slow the others' streams (OpenAI's API takes 4, TGI 4 by default)
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
 
 
 @dataclass
@@ -106,7 +109,10 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.200}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters, "
+                             f"got {len(self.stop)} of up to {max(map(len, self.stop))}")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):

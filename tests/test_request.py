@@ -23,6 +23,8 @@ def test_from_dict_coerces_what_clients_send():
     ({"temperature": float("nan")}, "finite"),
     ({"top_p": 0}, "top_p"),
     ({"stop": [""]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop takes at most 64 strings"),  # (each searched every token)
+    ({"stop": ["x" * 1025]}, "of at most 1024 characters"),
     ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
     ({"temp": 1}, "unknown key"),
 ])
