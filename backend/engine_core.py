@@ -28,6 +28,7 @@ stepping until rank 0 wakes them. One rank alone, or ranks that never meet, use 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -117,6 +118,11 @@ class SpeculationGate:
     def drafts(self, num_rows: int) -> bool:
         """Whether the step about to be launched with `num_rows` sampling rows proposes drafts (one decision a step)."""
         return self._bucket(num_rows).decide(self.MIN_STEPS, self.PROBE_INTERVAL, self.MARGIN)
+
+    def will_draft(self, num_rows: int) -> bool:
+        """What `drafts(num_rows)` would answer now, deciding nothing (whether to schedule a step before the one in
+        flight is taken in depends on it)."""
+        return copy.copy(self._bucket(num_rows)).decide(self.MIN_STEPS, self.PROBE_INTERVAL, self.MARGIN)
 
     def observe(self, num_rows: int, verified: bool, proposed: bool, tokens: int, seconds: float) -> None:
         """A step taken in: whether its rows carried drafts, whether it proposed the next, its tokens, its time."""
@@ -224,17 +230,16 @@ class EngineCore:
         overlap) or of this one. Returns whether to go on: this rank (in lock-step: some rank) had work."""
         if not self.sync.ready():  # every rank went idle: none agrees again until woken (LockStep)
             return False
-        ahead = drained = False
-        if self._in_flight and self.num_speculative_tokens and not self._plain_in_flight():
-            # (where the next step starts depends on its output)
-            ahead = self.verify_overlap.pays() and self.scheduler.can_schedule_ahead()
-            drained = not ahead
+        ahead = drained = stays_plain = False
+        if self._in_flight and self.num_speculative_tokens:
+            ahead, drained, stays_plain = self._before_scheduling()
             if drained:
                 self._take_in_all(self._in_flight.popleft())
         started = time.perf_counter()
         plan = self.scheduler.schedule(ahead=ahead)
         if plan is not None:
             plan.started = self._last_started = started
+            plan.proposes_drafts = not stays_plain  # (else the gate decides as the step is built: `_spec_job`)
         for seq in plan.aborted if plan is not None else ():
             self._report_end(seq)
         job, build_error = self._job(plan) if plan is not None and plan.chunks else (None, None)
@@ -256,6 +261,27 @@ class EngineCore:
         if self.sync.lock_step and agreed.has_work and not agreed.stepped and not took_in:
             time.sleep(WAITING_POLL_S)  # every rank waits (a grammar compiling): agree again a little later
         return agreed.has_work or drained
+
+    def _before_scheduling(self) -> tuple[bool, bool, bool]:
+        """With speculation and a step in flight: (the next step is a verify scheduled before that one is taken in,
+        that one is taken in first, the next step stays plain).
+
+        A verify step's output decides where the next starts: the next is scheduled ahead only as a verify that leaves
+        its drafts on the device (`VerifyOverlap`, `Scheduler.can_schedule_ahead`), so only where the gate will let its
+        rows draft; otherwise the verify is taken in first. After a plain step (`SpeculationGate`) the next is
+        scheduled as without speculation, but a step drafting more than one token a row builds its chained passes on
+        the executor's thread from its rows' pages, which the take-in of the step in flight may free: with k > 1 the
+        step in flight is taken in first where the gate will have the next step draft, and otherwise the next step
+        stays plain, whatever its rows' bucket would say once built."""
+        rows = self.scheduler.num_running  # (a step scheduled ahead has a row for each)
+        if not self._plain_in_flight():
+            ahead = (self.verify_overlap.pays() and self.scheduler.can_schedule_ahead()
+                     and (self.gate is None or self.gate.will_draft(rows)))
+            return ahead, not ahead, False
+        if self.num_speculative_tokens == 1:
+            return False, False, False
+        drafts = self.gate.will_draft(rows)
+        return False, drafts, not drafts
 
     def _plain_in_flight(self) -> bool:
         """The step in flight neither verifies nor drafts (`SpeculationGate`): the next is scheduled as without
@@ -374,7 +400,10 @@ class EngineCore:
         shape (`key`: its drafts may then come from one static chain), whether it proposes the next step's drafts
         (`gate`); None for a step of decodes that neither verifies nor proposes (a plain step; one that prefills keeps
         its positions in the draft layer's window: `Drafter.keep_window`)."""
-        plan.proposes_drafts = self.gate is None or self.gate.drafts(num_rows)
+        drafts = self.gate is None or self.gate.drafts(num_rows)  # (one decision a step, kept or not)
+        # (False already: kept plain as it was scheduled, `_before_scheduling`; a verify scheduled ahead drafts, as the
+        # gate said it would before it was scheduled)
+        plan.proposes_drafts = plan.proposes_drafts and (drafts or any(chunk.optimistic for chunk in plan.chunks))
         if plan.plain_decoding:
             return None
         next_ids, rows = [], []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine_core import SpeculationGate
+from backend.engine_core import SpeculationGate, VerifyOverlap
 from backend.request import SamplingParams
 from backend.scheduler.scheduler import Scheduler
 
@@ -134,3 +134,75 @@ def test_steps_that_prefill_keep_the_draft_windows_while_the_gate_keeps_decodes_
     prefills = [r for r in engine.scheduler.records if r.num_prefill_tokens]
     assert len(passes) == len(prefills) and not any(r.num_verifies for r in engine.scheduler.records)
     assert passes == [r.num_prefill_tokens + r.num_decode_tokens for r in prefills]
+
+
+class PatternGate(SpeculationGate):
+    """Decides by a repeating pattern of modes, whatever the rates; `will_draft` says what its next decision is."""
+
+    def __init__(self, pattern: list[bool]):
+        super().__init__()
+        self.pattern, self.decided = pattern, 0
+
+    def will_draft(self, num_rows: int) -> bool:
+        return self.pattern[self.decided % len(self.pattern)]
+
+    def drafts(self, num_rows: int) -> bool:
+        mode = self.will_draft(num_rows)
+        self.decided += 1
+        return mode
+
+
+def _optimistic_steps(monkeypatch) -> list[int]:
+    """Counts (one entry a step) the steps scheduled ahead as verifies of the step in flight."""
+    ahead, schedule = [], Scheduler.schedule
+
+    def counting(scheduler, *args, **kwargs):
+        plan = schedule(scheduler, *args, **kwargs)
+        if plan is not None and any(chunk.optimistic for chunk in plan.chunks):
+            ahead.append(plan.step_index)
+        return plan
+
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    return ahead
+
+
+def test_the_gate_stopping_drafts_while_verify_steps_overlap(tiny_checkpoint, reference, monkeypatch):
+    """k = 1 with overlapped verify steps (made to pay): where the gate turns drafting off, the verify in flight is
+    taken in first and the next step decodes plainly (a verify scheduled ahead must chain its drafts on the device);
+    the tokens are those without speculation, every request ends as they do, no page is held."""
+    prompts, params, expected = reference
+    monkeypatch.setattr(VerifyOverlap, "pays", lambda overlap: True)
+    ahead = _optimistic_steps(monkeypatch)
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=1, adaptive_speculation=True, cuda_graphs=True,
+                     max_running_requests=8)
+    engine.core.gate = PatternGate([True] * 5 + [False])
+    engine.executor.drafter = OracleDrafter(engine.executor.drafter, dict(enumerate(expected)), 0.1,
+                                            engine.vocab_size, dict(enumerate(map(len, prompts))))
+    results = engine.generate(prompts, params)
+    assert [r.get("error") for r in results] == [None] * len(prompts)
+    assert _ids(results) == expected
+    assert len(ahead) > 20 and any(r.num_verifies == 0 and not r.num_prefill_tokens for r in engine.scheduler.records)
+    engine.kv.check()
+    assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_drafting_again_after_plain_steps_while_requests_stop(tiny_checkpoint, reference, monkeypatch, cuda_graphs):
+    """k = 2: a step after a plain one in flight is scheduled before that one is taken in only as a plain step, so the
+    draft passes of a step that drafts never read the pages of a request the plain step ended (its stop token)."""
+    prompts, params, expected = reference
+    stops = [SamplingParams(max_tokens=p.max_tokens, ignore_eos=True, stop_token_ids=[out[8 + 4 * i]])
+             for i, (p, out) in enumerate(zip(params, expected))]
+    stopped = _ids(_engine(tiny_checkpoint, max_running_requests=8).generate(prompts, stops))
+    steps = Steps(monkeypatch, {True: 100.0, False: 200.0})
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=2, adaptive_speculation=True, cuda_graphs=cuda_graphs,
+                     max_running_requests=8)
+    engine.core.gate = PatternGate([False, False, False, True])
+    engine.executor.drafter = OracleDrafter(engine.executor.drafter, dict(enumerate(stopped)), 0.3,
+                                            engine.vocab_size, dict(enumerate(map(len, prompts))))
+    results = engine.generate(prompts, stops)
+    assert [(r.get("error"), r["finish_reason"]) for r in results] == [(None, "stop")] * len(prompts)
+    assert _ids(results) == stopped
+    assert steps.ahead_of_plain > 3 and any(r.num_verifies for r in engine.scheduler.records)
+    engine.kv.check()
+    assert all(held == 0 for held in engine.kv.pages_held_by_requests().values())
