@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from backend.output_processor import OutputProcessor
 from backend.request import EngineUnavailable, FinishReason, Sequence
@@ -127,7 +127,14 @@ class TritonAdapter:
                 next_stats = now + self.stats_s
 
     def _handle(self, output) -> None:
-        output = self.processor.process(output)
+        try:
+            output = self.processor.process(output)
+        except Exception as exc:  # (its text could not be made: that request ends, the thread that answers all goes on)
+            self.logger.log_error(f"[dsv4] the text of {output.request_id}'s output failed: {exc}")
+            self.engine.abort(output.request_id)
+            self.processor.discard(output.request_id)
+            output = replace(output, new_token_ids=[], logprobs=None, new_text="", finished=True,
+                             finish_reason=FinishReason.ERROR, error=f"internal error: {exc}")
         if output is None:
             return  # the request ended at a stop string: the engine's later outputs are dropped
         with self._lock:

@@ -121,6 +121,27 @@ def test_a_cancellation_while_the_request_is_being_submitted_is_not_lost(adapter
     assert len(tokens_of(req)) < 900 and adapter.engine._running == {} and adapter._live == {}
 
 
+def test_an_output_whose_text_fails_ends_that_request_and_the_others_go_on(adapter, monkeypatch):
+    """The thread that answers every request survives an output it cannot make text of: that request ends with one
+    error FINAL, the one beside it gets all its tokens."""
+    process = adapter.processor.process
+    bad, good = request("bad one", max_tokens=50), request("good one", max_tokens=50)
+    bad._id, good._id = "bad", "good"
+
+    def failing(output):
+        if output.request_id.startswith(bad.request_id()) and output.num_output_tokens > 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken tokenizer")
+        return process(output)
+
+    monkeypatch.setattr(adapter.processor, "process", failing)
+    adapter.submit(bad)
+    adapter.submit(good)
+    wait_final(bad, good)
+    assert bad.sender.num_finals == 1 and "internal error" in errors_of(bad)[0]
+    assert tokens_of(good) == expected_ids(list(b"good one"), 50) and good.sender.num_finals == 1
+    assert adapter.engine._running == {} and adapter._live == {}
+
+
 def test_a_failing_send_aborts_the_request_and_still_sends_one_final(adapter):
     req = request("hello", max_tokens=50)
     req.sender.fail_sends = 1  # the first token response raises
