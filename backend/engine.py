@@ -366,8 +366,9 @@ class LLMEngine:
             seq = Sequence(f"offline-{i}-{time.monotonic_ns()}", list(ids), p)
             processor.add(seq.request_id, p)
             self.submit(seq, collect(i))
-        while any(r["finish_reason"] is None for r in results):
-            if not self.step():
+        unfinished = lambda: any(r["finish_reason"] is None for r in results)  # noqa: E731
+        while unfinished():
+            if not self.step() and unfinished():  # (a step with nothing to run may still end a request: a timeout)
                 if not (self.scheduler.num_awaiting_grammar or self._served_elsewhere()):
                     raise RuntimeError("engine idle with unfinished requests")
                 self._wait_for_work(timeout=0.05)  # a grammar being compiled, or other ranks' requests
