@@ -87,6 +87,9 @@ class EngineConfig:
     page_size: int = 64
     # Observability.
     step_log: str | None = None  # path of a JSON-lines file, one record per step
+    # A structured-output request whose grammar is still compiling after this long fails with a message saying so;
+    # the compilation's thread is left to finish while the next one takes its place (backend/structured/grammar.py)
+    grammar_compile_timeout_s: float | None = 60.0
     # Prefix caching (backend/memory/prefix_cache.py): prompts starting with an already-computed prefix (in
     # blocks of lcm(128, page_size) positions, or a finished request's exact end) reuse its memory; up to
     # prefix_cache_entries cached states, whose compressor-ring snapshots take memory (plan_memory.py); of
@@ -188,6 +191,9 @@ class EngineConfig:
         if self.priority_aging_s is not None:
             _check(is_number(self.priority_aging_s) and self.priority_aging_s >= 0, "priority_aging_s",
                    self.priority_aging_s, "a number of seconds >= 0 (0: strict priority)")
+        if self.grammar_compile_timeout_s is not None:
+            _check(is_number(self.grammar_compile_timeout_s) and self.grammar_compile_timeout_s > 0,
+                   "grammar_compile_timeout_s", self.grammar_compile_timeout_s, "a number of seconds > 0")
         if self.step_log is not None:
             _check(isinstance(self.step_log, str) and Path(self.step_log).parent.is_dir()
                    and not Path(self.step_log).is_dir(), "step_log", self.step_log,

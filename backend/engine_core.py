@@ -481,4 +481,5 @@ def eos_token_ids(config: EngineConfig, model_config) -> list[int]:
 def grammar_service(config: EngineConfig, model_config) -> GrammarService:
     """The grammars of the requests a rank serves, compiled on its own threads."""
     return GrammarService(tokenizer_directory(config) / "tokenizer.json", vocab_size=model_config.vocab_size,
-                          stop_token_ids=eos_token_ids(config, model_config))
+                          stop_token_ids=eos_token_ids(config, model_config),
+                          compile_timeout_s=config.grammar_compile_timeout_s)

@@ -45,6 +45,7 @@ from backend.config import ConfigError, EngineConfig
     ({"hf_overrides": {"rope_theta": float("inf")}}, "hf_overrides"),
     ({"step_log": "/nonexistent-directory/steps.jsonl"}, "step_log"),  # (failed when the scheduler started)
     ({"step_log": "/tmp"}, "step_log"),
+    ({"grammar_compile_timeout_s": 0}, "grammar_compile_timeout_s"),
 ])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):

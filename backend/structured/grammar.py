@@ -13,7 +13,10 @@
 Admission parses the grammar on the caller's thread (the Triton adapter's, never the engine's), so an invalid
 schema, regex or EBNF is refused at once with XGrammar's message. Compiling (the per-token tables over the
 vocabulary, the expensive part) runs on the service's own threads; the scheduler keeps the request aside until
-its grammar is ready, so a slow schema delays only its own request. Compiled grammars are cached by the
+its grammar is ready, so a slow schema delays only its own request. A compilation still running after
+`compile_timeout_s` fails its requests with a message saying so; XGrammar cannot be interrupted, so its thread
+finishes on its own while another compilation takes its place (at most `workers` such at once), and the constraint
+fails at once from then on: a pathological grammar cannot hold up everyone else's. Compiled grammars are cached by the
 constraint's key (kind, text, whitespace): a repeated schema compiles once, and concurrent requests
 with the same schema wait for the same compilation. A compiled grammar whose first mask allows no token (the
 tokenizer cannot produce its output) fails every request that uses it, with a message saying so.
@@ -36,6 +39,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,13 +58,19 @@ class GrammarService:
     """Parses, compiles and caches the grammars of one engine's requests (see the module docstring)."""
 
     def __init__(self, tokenizer_file: str | Path, *, vocab_size: int, stop_token_ids: list[int],
-                 cache_entries: int = 256, workers: int = 2):
+                 cache_entries: int = 256, workers: int = 2, compile_timeout_s: float | None = None):
         self.tokenizer_file = Path(tokenizer_file)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_entries = cache_entries
-        # Two compilations at a time (a slow schema does not hold up the next one), each on up to half the cores.
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dsv4-grammar")
+        self.workers, self.compile_timeout_s = workers, compile_timeout_s
+        # Two compilations at a time (a slow schema does not hold up the next one), each on up to half the cores; a
+        # thread more for each that may be left running past its deadline (`_expire_overdue`).
+        self._pool = ThreadPoolExecutor(max_workers=2 * workers, thread_name_prefix="dsv4-grammar")
+        self._slots = threading.Semaphore(workers)  # compilations that count
+        self._running: dict[Future, _Running] = {}
+        self._abandoned = 0  # compilations past their deadline still running
+        self._closed = False
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()  # key -> Future[compiled grammar], LRU
         self._compiler = None  # built on first use: the tokenizer's tables take ~0.7 s at a 129K vocabulary
@@ -80,7 +90,7 @@ class GrammarService:
                 self.num_cache_hits += 1
         if future is None:
             future = self._compile_later(guided)
-        grammar = RequestGrammar(future, guided)
+        grammar = RequestGrammar(future, guided, self)
         if grammar.error is not None:
             raise ValueError(grammar.error)
         return grammar
@@ -99,6 +109,7 @@ class GrammarService:
 
     def close(self) -> None:
         """Stop compiling: pending compilations are cancelled (their requests end with an error)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- compilation ----------------------------------------------------------------------------------------
@@ -109,7 +120,9 @@ class GrammarService:
             if future is not None:
                 self.num_cache_hits += 1
             else:
-                future = self._pool.submit(self._compile, grammar, guided.key)
+                cell: list[Future] = []  # (the task reads its own future once this lock is released)
+                future = self._pool.submit(self._compile_in_slot, grammar, guided.key, cell)
+                cell.append(future)
                 self._cache[guided.key] = future
                 while len(self._cache) > self.cache_entries:
                     self._cache.popitem(last=False)
@@ -132,6 +145,54 @@ class GrammarService:
             return _narrowed(xgr.Grammar.from_ebnf(guided.spec))
         except RuntimeError as exc:
             raise ValueError(f"invalid {_KIND_NAMES[guided.kind]}: {_xgrammar_message(exc)}") from None
+
+    def _compile_in_slot(self, grammar, key: tuple, cell: list[Future]):
+        """`_compile` once one of the `workers` slots is free, its start recorded for `_expire_overdue`."""
+        self._slots.acquire()
+        if self._closed:  # (it waited for a slot while the service closed)
+            self._slots.release()
+            raise RuntimeError("the engine is shutting down")
+        with self._lock:
+            future = cell[0]
+            self._running[future] = record = _Running(key, time.monotonic())
+        try:
+            return self._compile(grammar, key)
+        finally:
+            with self._lock:
+                del self._running[future]
+                self._abandoned -= record.abandoned
+            if not record.abandoned:  # (an abandoned one's slot was given back when it was)
+                self._slots.release()
+
+    def _expire_overdue(self) -> None:
+        """Compilations running longer than compile_timeout_s are abandoned: their requests fail (`RequestGrammar`),
+        their constraint fails at once from now on, and their slot goes to the next compilation (at most `workers`
+        abandoned at once: past that, a slow compilation holds its slot until it ends)."""
+        if self.compile_timeout_s is None:
+            return
+        now, freed = time.monotonic(), 0
+        with self._lock:
+            for future, record in self._running.items():
+                if (not record.abandoned and now - record.started_s > self.compile_timeout_s
+                        and self._abandoned < self.workers):
+                    record.abandoned, freed = True, freed + 1
+                    self._abandoned += 1
+                    if self._cache.get(record.key) is future:
+                        self._cache[record.key] = _failed(ValueError(self.timeout_message))
+        for _ in range(freed):
+            self._slots.release()
+
+    def abandoned(self, future: Future) -> bool:
+        """Whether `future`'s compilation was abandoned past its deadline (and is still running)."""
+        self._expire_overdue()
+        with self._lock:
+            record = self._running.get(future)
+            return record is not None and record.abandoned
+
+    @property
+    def timeout_message(self) -> str:
+        return (f"the output constraint did not compile within {self.compile_timeout_s:g} s "
+                "(grammar_compile_timeout_s): simplify it")
 
     def _compile(self, grammar, key: tuple):
         """The compiled grammar; ValueError (cached: the constraint is at fault) when its first mask allows no
@@ -176,25 +237,43 @@ class GrammarService:
             return {"compiled": self.num_compiled, "cache_hits": self.num_cache_hits, "cached": len(self._cache)}
 
 
+@dataclass
+class _Running:
+    key: tuple
+    started_s: float  # time.monotonic()
+    abandoned: bool = False  # past the service's compile_timeout_s: its requests failed, its slot given back
+
+
+def _failed(exc: Exception) -> Future:
+    future: Future = Future()
+    future.set_exception(exc)
+    return future
+
+
 class RequestGrammar:
     """One request's grammar: the shared compilation (`ready`, `error`: for the scheduler, any thread) and, on the
     thread that runs the steps, its own matcher."""
 
-    def __init__(self, future: Future, guided: GuidedDecoding):
+    def __init__(self, future: Future, guided: GuidedDecoding, service: GrammarService | None = None):
         self.future = future
         self.guided = guided
+        self.service = service  # (whose deadline its compilation runs under)
         self._matcher = None
         self.done = False  # terminated (the grammar's end and a stop token accepted), or failed
 
     @property
     def ready(self) -> bool:
-        return self.future.done()
+        """Compiled, failed, or abandoned past the service's deadline."""
+        return self.future.done() or self._abandoned()
+
+    def _abandoned(self) -> bool:
+        return self.service is not None and self.service.abandoned(self.future)
 
     @property
     def error(self) -> str | None:
         """Why the compilation failed (a client-facing message), None when it did not (or has not finished)."""
         if not self.future.done():
-            return None
+            return self.service.timeout_message if self._abandoned() else None
         if self.future.cancelled():
             return "the engine is shutting down: the output constraint was not compiled"
         exc = self.future.exception()

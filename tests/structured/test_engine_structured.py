@@ -216,6 +216,25 @@ def test_a_request_waits_for_its_grammar_while_the_batch_goes_on(tiny_checkpoint
         engine.shutdown()
 
 
+def test_a_grammar_compiling_past_the_deadline_fails_its_request_and_the_engine_goes_on(tiny_checkpoint, monkeypatch):
+    """grammar_compile_timeout_s: a compilation that never ends (a fake) fails its request with the deadline's message
+    while the engine keeps serving, another constraint's request included."""
+    engine = _engine(tiny_checkpoint, grammar_compile_timeout_s=0.3)
+    release, compile_for_real = threading.Event(), engine.grammars._compile
+    stuck_key = _params({"regex": "a+"}, 0.0, 0, 8).guided_decoding.key
+    monkeypatch.setattr(engine.grammars, "_compile", lambda grammar, key: release.wait(30) if key == stuck_key
+                        else compile_for_real(grammar, key))
+    try:
+        results = engine.generate([[7, 8, 9]] * 3, [_params({"regex": "a+"}, 0.0, 0, 8),
+                                                    _params({"choice": CHOICES}, 0.0, 0, 32), _params(None, 0.0, 0, 8)])
+        assert results[0]["finish_reason"] == "error" and "did not compile within 0.3 s" in results[0]["error"]
+        assert results[1]["finish_reason"] == "stop" and results[2]["finish_reason"] in ("length", "stop")
+        engine.kv.check()
+    finally:
+        release.set()
+        engine.shutdown()
+
+
 def test_without_overlap_scheduling_too(tiny_checkpoint):
     engine = _engine(tiny_checkpoint, overlap_scheduling=False)
     try:

@@ -5,6 +5,7 @@ the compiled grammars never admit invalid UTF-8 or raw control characters in JSO
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -138,12 +139,42 @@ def test_a_failure_that_is_not_the_constraints_is_not_cached(service, monkeypatc
 
 def test_requests_whose_compilation_was_cancelled_at_shutdown_get_a_message(service):
     blocker = threading.Event()
-    service._pool.submit(blocker.wait, 30)  # both compile threads busy: the next compilations wait in the queue
-    service._pool.submit(blocker.wait, 30)
+    for _ in range(service._pool._max_workers):  # every compile thread busy: the next compilations wait in the queue
+        service._pool.submit(blocker.wait, 30)
     waiting = service.prepare(guided({"regex": "[a-f]{2}"}))
     service.close()
     blocker.set()
     assert waiting.future.cancelled() and waiting.error.startswith("the engine is shutting down")
+
+
+def test_a_compilation_past_its_deadline_fails_its_requests_and_gives_its_place_to_the_next(tmp_path, monkeypatch):
+    """XGrammar cannot be interrupted: a compilation still running after compile_timeout_s fails its requests with a
+    message, its constraint fails at once from then on, and the next compilations run meanwhile (two slots: two
+    slow ones do not hold up a third); the slow one's thread finishes on its own."""
+    service = GrammarService(TINY_TOKENIZER, vocab_size=512, stop_token_ids=[1], compile_timeout_s=0.3)
+    compile_, release = service._compile, threading.Event()
+    slow = {guided({"regex": "a+"}).key, guided({"regex": "b+"}).key}
+    monkeypatch.setattr(service, "_compile", lambda grammar, key: release.wait(30) if key in slow
+                        else compile_(grammar, key))
+    try:
+        started = time.monotonic()
+        stuck = [service.prepare(guided({"regex": "a+"})), service.prepare(guided({"regex": "b+"}))]
+        quick = service.prepare(guided({"regex": "[0-9]{3}"}))
+        while not stuck[0].ready and time.monotonic() < started + 30:  # (the scheduler asks at every step)
+            time.sleep(0.01)
+        assert time.monotonic() - started >= 0.3
+        assert quick.future.result(timeout=30) is not None  # (its slot: one of the two given back)
+        assert all(g.ready and "did not compile within 0.3 s" in g.error for g in stuck)
+        with pytest.raises(ValueError, match="did not compile within"):
+            service.prepare(guided({"regex": "a+"}))  # at once
+        assert service._abandoned == 2
+    finally:
+        release.set()
+        service.close()
+    deadline = time.monotonic() + 10
+    while service._abandoned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service._abandoned == 0 and service._running == {}
 
 
 def test_properties_are_generated_in_the_schemas_order(service):
