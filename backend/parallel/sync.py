@@ -74,12 +74,17 @@ class LockStep(StepSync):
         self._lock = threading.Lock()
         self._wakes = 0  # wake() calls so far
         self._idle_at: int | None = 0  # the wakes seen when every rank was found idle (None: not idle); idle at first
+        self._agreed_wakes = 0  # the wakes seen at this rank's last agreement
         self.broken: str | None = None
 
     def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
+        """A wake this rank saw since its last agreement counts as work: otherwise a wake that reaches one rank
+        before an agreement finds every rank idle and another after it leaves the first idle (not ready) and the
+        other ready, which would then wait in the next agreement alone."""
         with self._lock:
             wakes = self._wakes
-        table = self._gather([num_tokens, int(has_work), int(stop)])
+            woken, self._agreed_wakes = wakes != self._agreed_wakes, wakes
+        table = self._gather([num_tokens, int(has_work or woken), int(stop)])
         agreed = Agreement(tuple(row[0] for row in table), any(row[1] for row in table), any(row[2] for row in table))
         with self._lock:
             self._idle_at = None if agreed.has_work else wakes
