@@ -482,10 +482,21 @@ class Scheduler:
             if chunk.void:  # (not the request's step: it stands where the step before left it)
                 continue
             self.prefix_cache.release_reserved(chunk.snapshots)
+            self._void_later_chunks(chunk.seq)
             if chunk.seq.status is not SequenceStatus.FINISHED:
                 self._retire(chunk.seq, FinishReason.ERROR)
                 outputs.append(RequestOutput.of(chunk.seq, [], finished=True, error=error))
         return outputs
+
+    def _void_later_chunks(self, seq: Sequence) -> None:
+        """A step of `seq` failed: its chunks in the steps in flight after it (scheduled before the failure was taken
+        in) read what the failed step never wrote, so their prefix states are no cache entries: void, their
+        snapshots released."""
+        for inflight in self._inflight:
+            chunk = inflight.plan.chunk_of(seq)
+            if chunk is not None and not chunk.void:
+                chunk.void = True
+                self.prefix_cache.release_reserved(chunk.snapshots)
 
     def close(self) -> None:
         """Close the step log."""

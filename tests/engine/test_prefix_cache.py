@@ -162,6 +162,36 @@ def test_a_failed_step_keeps_nothing_it_may_have_half_written(tiny_checkpoint, m
     assert all(used == 0 for used in cached.kv.pages_used().values())
 
 
+def test_a_failed_step_leaves_no_entry_from_the_chunk_in_flight_after_it(tiny_checkpoint, monkeypatch):
+    """Overlap: a prompt's first chunk fails while its second, scheduled before the failure was taken in, runs over
+    positions the first never wrote. That chunk's block boundary is no cache entry: a later prompt sharing the block
+    generates what the uncached engine does."""
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(2, 500, (200,), generator=gen).tolist()
+    second = first[:128] + torch.randint(2, 500, (30,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    settings = dict(prefill_chunk_tokens=64, num_tokens=8192)
+    expected = _engine(tiny_checkpoint, enable_prefix_caching=False, **settings).generate([second], params)[0]
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True, **settings)
+    assert cached.overlap
+    forward, calls = cached.model.forward, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(cached.model, "forward", first_fails)
+    assert "injected" in cached.generate([first], params)[0]["error"]
+    assert len(calls) >= 2  # (the second chunk ran)
+    cache = cached.kv.prefix_cache
+    assert cache.snapshot_stats()["entries"] == 0 and cache.num_reserved == 0
+    got = cached.generate([second], params)[0]
+    assert got["output_ids"] == expected["output_ids"] and not got["num_cached_tokens"]
+    cached.kv.check()
+
+
 def test_a_mixed_workload_with_cancels_preemption_and_eviction_stays_exact(tiny_checkpoint):
     """60 requests arriving over time: prompts on three shared system prompts, chat turns continuing finished
     requests, every seventh cancelled after its third token, in pools so small that requests are preempted and
