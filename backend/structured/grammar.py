@@ -38,7 +38,7 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,8 +205,12 @@ class GrammarService:
             first = xgr.allocate_token_bitmask(1, self.vocab_size)
             xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
         except Exception:
+            # Not the constraint's fault: the next request compiles it again. An entry that is done already stays:
+            # the failure put there when this compilation was abandoned past its deadline (`_expire_overdue`).
             with self._lock:
-                self._cache.pop(key, None)
+                entry = self._cache.get(key)
+                if entry is not None and not entry.done():
+                    del self._cache[key]
             raise
         with self._lock:
             self.num_compiled += 1
@@ -320,7 +324,10 @@ class GrammarBatch:
         matchers = [g.matcher for g in grammars]
         shares = _shares(len(matchers), self.workers, self.ROWS_PER_SHARE)
         pending = [self._helpers.submit(self._fill_rows, matchers, masks, start, end) for start, end in shares[1:]]
-        self._fill_rows(matchers, masks, *shares[0])
+        try:
+            self._fill_rows(matchers, masks, *shares[0])
+        finally:  # (every share done before the masks are read or refilled, a failed one's too)
+            wait(pending)
         for future in pending:
             future.result()
         # (numpy's reduction runs on this thread; torch's may wait on intra-op threads another process holds)
