@@ -169,6 +169,12 @@ class PrefixCache:
         return None
 
     # --- restore ------------------------------------------------------------------------------
+    def cached_length(self, seq) -> int:
+        """The positions `match` would restore now (0: none), restoring nothing (a prefill's cost is sized by where
+        its chunk starts)."""
+        entry = self.lookup(seq)
+        return entry.length if entry is not None else 0
+
     def match(self, seq) -> int:
         """Start `seq` (holding no memory, every token on the host) after the longest cached prefix of its tokens;
         the positions restored (0: none)."""

@@ -83,7 +83,7 @@ class FixedBudget:
     def __init__(self, chunk_tokens: int):
         self.chunk_tokens = chunk_tokens
 
-    def tokens(self, plan: StepPlan, candidate: "Sequence | None") -> int:
+    def tokens(self, plan: StepPlan, candidate: "Sequence | None", context: int) -> int:
         return self.chunk_tokens
 
 
@@ -95,11 +95,12 @@ class ItlTargetBudget:
         self.max_tokens = max_tokens
         self._warned = False
 
-    def tokens(self, plan: StepPlan, candidate: "Sequence | None") -> int:
-        """Prefill tokens for this step; `candidate` is the sequence they will mostly go to."""
+    def tokens(self, plan: StepPlan, candidate: "Sequence | None", context: int) -> int:
+        """Prefill tokens for this step; `candidate` is the sequence they will mostly go to, its chunk starting at
+        position `context`."""
         if candidate is None:
             return self.max_tokens  # nothing to prefill: the budget is not used
-        base, context = StepFeatures.of(plan.chunks), candidate.num_computed_tokens
+        base = StepFeatures.of(plan.chunks)
         hi = self.max_tokens
         if candidate.last_chunk_tokens:
             hi = max(self.min_tokens, min(hi, 2 * candidate.last_chunk_tokens))

@@ -136,6 +136,9 @@ class PrefixCacheHooks(Protocol):
         """Restore the memory of the longest cached prefix of `seq` (holding nothing) into it; the positions restored
         (the scheduler counts them computed)."""
 
+    def cached_length(self, seq: Sequence) -> int:
+        """The positions `match` would restore now (0: none), restoring nothing."""
+
     def record_admission(self, num_tokens: int, num_cached: int) -> None:
         """A request of `num_tokens` positions was admitted, `num_cached` of them restored."""
 
@@ -158,6 +161,9 @@ class NoPrefixCache:
     block_tokens = None
 
     def match(self, seq: Sequence) -> int:
+        return 0
+
+    def cached_length(self, seq: Sequence) -> int:
         return 0
 
     def record_admission(self, num_tokens: int, num_cached: int) -> None:
@@ -345,16 +351,20 @@ class Scheduler:
         self._commit(plan, now)
         return plan
 
-    def can_schedule_ahead(self) -> bool:
+    def can_schedule_ahead(self, now: float | None = None) -> bool:
         """Whether the next step may be scheduled before the one in flight is taken in (overlapped verify steps): that
         one leaves its rows' next tokens and drafts on the device (`StepPlan.chains_on_device`), every running request
         has its verify in it and room for k drafts after it, and nothing else waits to be scheduled (an arrival, a
-        queued or preempted request, a prefill, an abort). The next step then holds those verifies alone: rows of one
-        width, a static step whose drafts the device chains, like the one before it."""
+        queued or preempted request, a prefill, an abort, a deadline passed). The next step then holds those verifies
+        alone: rows of one width, a static step whose drafts the device chains, like the one before it."""
         if not (self._running and self._inflight and self._inflight[-1].plan.chains_on_device):
             return False
         with self._lock:
             if self._inbox or self._abort_requests or self._grammar_compiled or self._waiting:
+                return False
+        if self._with_deadline:  # (a deadline passed: it ends at the next step taken in full)
+            now = clock() if now is None else now
+            if any(_past_deadline(seq, now) for seq in self._with_deadline):
                 return False
         cap, k = self._position_cap, self.num_speculative_tokens
         return all(seq.num_placeholders and seq.is_decode and cap - seq.num_computed_tokens >= 2 * k
@@ -659,14 +669,21 @@ class Scheduler:
         self._admit(plan, left)
 
     def prefill_budget(self, plan: StepPlan) -> int:
-        """Prefill tokens allowed in this step, given the chunks already in `plan`."""
-        return self.budget.tokens(plan, self._next_prefill_candidate(plan))
+        """Prefill tokens allowed in this step, given the chunks already in `plan`: sized for the request they will
+        mostly go to, at the context its chunk starts from (a waiting request's: where its cached prefix ends)."""
+        candidate = self._next_prefill_candidate(plan)
+        if candidate is None:
+            return self.budget.tokens(plan, None, 0)
+        waiting = candidate.pages is None and candidate.status is not SequenceStatus.RUNNING
+        context = self.prefix_cache.cached_length(candidate) if waiting else candidate.num_computed_tokens
+        return self.budget.tokens(plan, candidate, context)
 
     def _next_prefill_candidate(self, plan: StepPlan) -> Sequence | None:
+        """The running request whose prompt is prefilled next, else the waiting head if it can be admitted."""
         for seq in self._running:
             if seq.is_prefill and not plan.has_chunk(seq):
                 return seq
-        return self._waiting[0] if self._waiting else None
+        return self._waiting[0] if self._waiting and self._can_admit_another() else None
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """Move waiting requests to running, strictly in queue order (no skipping a blocked head)."""
