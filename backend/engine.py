@@ -203,7 +203,7 @@ class LLMEngine:
             if placed.ending is not None or self._placed.get(placed.request_id) is not placed:
                 return False
             placed.ending = reason
-        self.group.links.send(placed.rank.rank, Cancel(placed.request_id, reason))
+        self.group.links.send(placed.rank.rank, Cancel(placed.request_id, reason, placed.handle))
         return True
 
     def _expire_elsewhere(self) -> None:
@@ -233,6 +233,8 @@ class LLMEngine:
         block = self._affinity_tokens
         key = hash(tuple(seq.prompt_ids[:block])) if block and len(seq.prompt_ids) > block else None
         with self._placement_lock:
+            if self.unavailable:  # (`_fail_everywhere` may have looked at the placements since submit() checked)
+                raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
             if seq.request_id in self._placed:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             rank = min(self.ranks, key=lambda r: (r.load, r.rank))
@@ -426,7 +428,11 @@ class LLMEngine:
         links = self.group.links
         while not self._stop.is_set():
             batch = links.receive(timeout_s=0.1)
-            self._expire_elsewhere()
+            try:
+                self._expire_elsewhere()
+            except RankGroupError as exc:  # (its Cancel could not be sent: the rank is gone or not reading)
+                self._fail_everywhere(str(exc))
+                return
             if batch is not None:
                 self._take_outputs(batch)
             elif self.group is not None and self.group.check():

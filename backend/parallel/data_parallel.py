@@ -31,6 +31,7 @@ import pickle
 import socket as _socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +44,7 @@ from backend.request import FinishReason, RequestOutput
 logger = logging.getLogger(__name__)
 
 STATS_EVERY_S = 0.2  # a rank sends its stats snapshot at most this often (and whenever it goes idle)
+EARLY_CANCELS = 1024  # Cancels a rank keeps for requests it has not seen (most are of requests that ended already)
 _REASONS = list(FinishReason)  # a finished row's code: its index + 1 (0: not finished)
 
 
@@ -208,17 +210,23 @@ def serve_rank(core, link: RankLink) -> None:
     outbox: list[RequestOutput] = []
     core.send = outbox.extend
     handles: dict[str, int] = {}  # request id -> rank 0's handle
+    early: OrderedDict[int, FinishReason] = OrderedDict()  # Cancels of requests whose Arrival has not come (by handle)
     parent, stats_due = os.getppid(), 0.0
     while os.getppid() == parent:  # (an orphan, whose rank 0 was killed, exits)
         for message in link.receive(_wait_s(core)):
             match message:
                 case Arrival() as arrival:
                     _admit(core, arrival, handles, outbox)
+                    if arrival.handle in early:  # (cancelled before it came: it ends at the next step)
+                        core.abort(arrival.request_id, early.pop(arrival.handle))
                     core.sync.wake()
                 case Wake():
                     core.sync.wake()
-                case Cancel(request_id=request_id, reason=reason):  # (one that ended meanwhile: nothing to wake)
-                    core.abort(request_id, reason)
+                case Cancel(request_id=request_id, reason=reason, handle=handle):  # (ended meanwhile: nothing to do)
+                    if not core.abort(request_id, reason) and handle is not None and request_id not in handles:
+                        early[handle] = reason
+                        if len(early) > EARLY_CANCELS:
+                            early.popitem(last=False)
                 case Stop():
                     return
         if not core.sync.ready():

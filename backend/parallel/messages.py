@@ -36,10 +36,12 @@ class Arrival:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """End a request: cancelled by its client, or past the deadline rank 0 keeps for it."""
+    """End a request: cancelled by its client, or past the deadline rank 0 keeps for it. `handle`: its Arrival's (a
+    Cancel may overtake its Arrival: rank 0 places a request before it sends it)."""
 
     request_id: str
     reason: FinishReason = FinishReason.CANCELLED
+    handle: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,73 @@
+"""A data-parallel rank's loop (backend/parallel/data_parallel.py `serve_rank`) over a fake link and a fake engine core:
+what it does with rank 0's messages, whatever order they come in."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+from backend.parallel.data_parallel import serve_rank
+from backend.parallel.messages import Arrival, Cancel, Stop
+from backend.parallel.sync import ALONE
+from backend.request import FinishReason, SamplingParams
+
+
+class FakeLink:
+    """Hands the loop one list of messages per receive, then Stop."""
+
+    def __init__(self, *batches: list):
+        self.batches, self.sent = deque(batches), []
+
+    def receive(self, timeout_s):
+        return self.batches.popleft() if self.batches else [Stop()]
+
+    def send(self, batch) -> None:
+        self.sent.append(batch)
+
+
+class FakeCore:
+    """An engine core that admits every request and records what it is asked to abort (a live request's abort is
+    taken, an unknown one's refused, as the scheduler's)."""
+
+    rank, stopped, unavailable, busy, sync = 1, False, None, False, ALONE
+    scheduler = SimpleNamespace(num_awaiting_grammar=0)
+
+    def __init__(self):
+        self.live, self.aborted = set(), []
+
+    def prepare(self, seq, stop_ids) -> None:
+        pass
+
+    def add(self, seq, max_waiting=None) -> bool:
+        self.live.add(seq.request_id)
+        return True
+
+    def abort(self, request_id: str, reason: FinishReason) -> bool:
+        if request_id not in self.live:
+            return False
+        self.aborted.append((request_id, reason))
+        return True
+
+    def step(self) -> bool:
+        return False
+
+    def snapshot(self):
+        return None
+
+
+def _arrival(handle: int, request_id: str) -> Arrival:
+    return Arrival(handle, request_id, [5, 6, 7], SamplingParams(max_tokens=4), 0, frozenset())
+
+
+def test_a_cancel_that_overtakes_its_arrival_still_ends_the_request():
+    """Rank 0 places a request before it sends it, so a client's abort (or a deadline) can send its Cancel first."""
+    core = FakeCore()
+    serve_rank(core, FakeLink([Cancel("late", FinishReason.TIMEOUT, handle=7)], [_arrival(7, "late")]))
+    assert core.aborted == [("late", FinishReason.TIMEOUT)]
+
+
+def test_a_cancel_of_a_request_that_ended_ends_no_later_one_of_the_same_id():
+    """(Kept by the handle rank 0 gave the request it cancelled, not by its id, which a client may use again.)"""
+    core = FakeCore()
+    serve_rank(core, FakeLink([Cancel("reused", handle=3)], [_arrival(4, "reused")]))
+    assert core.aborted == [] and core.live == {"reused"}
