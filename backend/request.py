@@ -66,6 +66,7 @@ class FinishReason(str, enum.Enum):
 # --- sampling parameters ----------------------------------------------------------------------------
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 # Every stop string is looked for in every token's new text, on the thread that sends every request's responses:
 # bounded, so one request cannot slow the others' streams (OpenAI's API takes 4, TGI 4 by default)
 MAX_STOP_STRINGS, MAX_STOP_LENGTH = 64, 1024
@@ -76,9 +77,9 @@ class SamplingParams:
     """Per-request decoding parameters; a bad value raises ValueError naming the field."""
 
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or below SAMPLING_EPS, as vLLM) means greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k cut
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) means no top-k cut
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -102,9 +103,12 @@ class SamplingParams:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         _check_range("temperature", self.temperature, 0.0, 100.0, "[0, 100]")
+        if self.temperature < SAMPLING_EPS:  # (dividing by it overflows: the argmax, as vLLM takes it)
+            self.temperature = 0.0
         _check_range("top_p", self.top_p, 0.0, 1.0, "(0, 1]", low_open=True)
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be a non-negative integer (0 or -1: no cut), got {self.top_k!r}")
+        self.top_k = max(self.top_k, 0)
         _check_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")

@@ -19,6 +19,11 @@ Penalties (`apply_penalties`, rows whose request sets them; the others are not t
       the output].
 Greedy rows take the argmax of the penalised logits, sampled rows sample from them.
 
+The cuts, in vLLM's (v1) order and meaning: temperature (a logit times 1/temperature), top-k (ties at the k-th kept),
+min-p (probability at least min_p times the largest), then top-p over what those left, renormalised (the fewest
+most likely tokens whose probability reaches top_p). Top-k and min-p commute (top-k keeps the largest); top-p
+after min-p is what vLLM v1 computes, where its V0 took top-p before min-p.
+
 Structured outputs (rows whose request has a grammar, backend/structured/grammar.py): before anything else, the
 grammars of those rows fill their next-token bitmasks on the host, all rows in one call on XGrammar's threads (on
 CUDA while the forward's kernels run); the masks go to the device in one copy from pinned memory and one kernel
@@ -135,13 +140,14 @@ def _seeded(generator: torch.Generator, seed: int | None) -> torch.Generator:
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits [V] with -inf outside the top-k / top-p / min-p sets: one row, the definition
     `filter_logits_rows` (what the sampler runs) is tested against."""
-    logits = logits.float() / params.temperature
+    logits = logits.float() * (1.0 / params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.min_p > 0.0:
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)  # (top-p over what min-p left, renormalised)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
@@ -163,7 +169,8 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
             return values[0]
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).view(rows, 1)
 
-    logits = logits.float() / per_row([p.temperature for p in params])
+    # (times the reciprocal, whether one number or a column: a row's values do not depend on its batch's temperatures)
+    logits = logits.float() * per_row([1.0 / p.temperature for p in params])
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
     top_k = per_row(ks, torch.long)
     if isinstance(top_k, int) and top_k:
@@ -177,6 +184,8 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
     if any(p.min_p > 0.0 for p in params):
         floor = per_row([p.min_p for p in params]) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
+        if any(p.top_p < 1.0 for p in params):
+            probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)

@@ -99,11 +99,44 @@ def test_sampled_rows_are_distributed_as_their_filtered_distributions():
         assert statistic < {2: 10.828, 3: 13.816, 4: 16.266, 6: 20.515}[int(kept.sum())], (row, statistic)
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -1),
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
                                          ("min_p", 1.5), ("seed", -3), ("stop", [""]), ("stop_token_ids", [-1])])
 def test_invalid_sampling_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_vllms_spellings_of_no_cut_and_of_greedy_are_taken():
+    """top_k -1 (vLLM's and its Triton backend's "all tokens") is no cut; a temperature below 1e-5 is greedy, as vLLM
+    takes it (dividing by 1e-40 overflowed: token 0 drawn, a NaN log-probability)."""
+    assert SamplingParams(top_k=-1).top_k == 0
+    tiny = SamplingParams(temperature=1e-40, logprobs=1)
+    assert tiny.temperature == 0.0
+    logits = torch.tensor([[0.1, 0.2, 0.3, 2.0]])
+    assert _sample(logits, _seqs([tiny])) == [3]
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_top_p_applies_to_what_min_p_left_renormalised_as_in_vllm_v1():
+    """Probabilities [.40, .35, .10, .10, .05], min_p 0.2 (keeps >= .08: four tokens), top_p 0.78: over the four
+    renormalised (.421, .368, .105, .105) the first two reach it; top-p over the distribution before min-p kept
+    three."""
+    logits = torch.tensor([0.40, 0.35, 0.10, 0.10, 0.05]).log()
+    params = SamplingParams(temperature=1.0, min_p=0.2, top_p=0.78)
+    kept = torch.isfinite(filter_logits(logits, params)).nonzero().flatten().tolist()
+    assert kept == [0, 1]
+    assert torch.equal(filter_logits_rows(logits[None], [params])[0], filter_logits(logits, params))
+
+
+def test_a_rows_filtered_logits_do_not_depend_on_its_batchs_temperatures():
+    """One operation whether the batch shares one temperature (a number) or not (a column): times the reciprocal. On
+    CUDA a division by a number is computed as that product and a division by a column is not (an ulp apart: a seeded
+    row's draws would depend on its neighbours). The CPU divides both ways alike, so here this holds the code to one
+    operation for both (a division for one and a product for the other differ in 20 of these 150 values)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)) * 4
+    alike = [SamplingParams(temperature=0.7, top_p=0.9)] * 3
+    mixed = alike[:2] + [SamplingParams(temperature=1.3)]
+    assert torch.equal(filter_logits_rows(logits, alike)[:2], filter_logits_rows(logits, mixed)[:2])
 
 
 @pytest.fixture(scope="module")
