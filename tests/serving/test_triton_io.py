@@ -172,7 +172,7 @@ def test_max_tokens_input(tokenizer):
         ('{"temperature": NaN}', "finite"),
         ('{"temperature": "hot"}', "finite"),
         ('{"top_p": 0}', "top_p"),
-        ('{"top_k": -1}', "top_k"),
+        ('{"top_k": -2}', "top_k"),
         ('{"min_p": 2}', "min_p"),
         ('{"seed": -1}', "seed"),
         ('{"stop": [""]}', "stop"),
