@@ -97,6 +97,7 @@ class LLMEngine:
         self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go
         self._by_handle: dict[int, Placement] = {}  # the live requests other ranks serve, by their handle
         self._with_deadline: set[Placement] = set()  # those of them whose deadline rank 0 keeps, not yet passed
+        self._ranks_compile_seconds: list[float] = []  # the other ranks' grammar compile times, not yet taken
         self._handles = itertools.count()
         # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
         # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
@@ -333,12 +334,14 @@ class LLMEngine:
             "unavailable": self.unavailable,
             "prefix_cache": _total_cache_stats([s["prefix_cache"] for s in snapshots])
             if self.kv.prefix_cache is not None else None,
-            "grammars": self.grammars.stats(),
+            "grammars": _total_grammar_stats([self.grammars.stats()] + [s.get("grammars") for s in snapshots[1:]]),
         }
 
     def take_grammar_compile_seconds(self) -> list[float]:
-        """Structured outputs: the grammar compile times recorded since the last call (any thread)."""
-        return self.grammars.take_compile_seconds()
+        """Structured outputs: the grammar compile times recorded since the last call, on every rank (any thread)."""
+        with self._placement_lock:
+            elsewhere, self._ranks_compile_seconds = self._ranks_compile_seconds, []
+        return self.grammars.take_compile_seconds() + elsewhere
 
     # --- offline use --------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[dict]:
@@ -443,6 +446,8 @@ class LLMEngine:
         """Another rank's outputs of a step, as the requests' RequestOutputs."""
         if batch.stats is not None:
             self.ranks[batch.rank].snapshot = batch.stats
+            with self._placement_lock:  # (until take_grammar_compile_seconds)
+                self._ranks_compile_seconds += batch.stats.get("grammar_compile_seconds", [])
         rows = list(batch.rows())
         with self._placement_lock:
             placements = [self._by_handle.get(row[0]) for row in rows]
@@ -500,6 +505,13 @@ class Placement:
     num_output: int = field(default=0)
     deadline_s: float | None = None  # another rank's request with timeout_ms: when it passes, by clock()
     ending: FinishReason | None = None  # another rank's request ended here (_end_elsewhere), its rank not yet told
+
+
+def _total_grammar_stats(stats: list[dict | None]) -> dict:
+    """The ranks' grammar services added up (each data-parallel rank compiles its own requests' grammars; rank 0 only
+    parses those of the others)."""
+    present = [s for s in stats if s is not None]
+    return {key: sum(s[key] for s in present) for key in present[0]}
 
 
 def _idle_snapshot(rank: int, like: dict) -> dict:

@@ -236,6 +236,9 @@ def serve_rank(core, link: RankLink) -> None:
             return
         now = time.monotonic()
         stats = core.snapshot() if now >= stats_due or not active else None
+        if stats is not None:  # (its grammars: this rank compiles its own requests')
+            grammars = core.grammars
+            stats |= {"grammars": grammars.stats(), "grammar_compile_seconds": grammars.take_compile_seconds()}
         if outbox or stats is not None:
             link.send(OutputBatch.of(core.rank, outbox, handles, stats))
             for out in outbox:

@@ -90,6 +90,7 @@ class TritonAdapter:
     # --- requests in ----------------------------------------------------------------------------
     def submit(self, request) -> None:
         """Parse and hand one request to the engine; a bad request is answered at once, never raised."""
+        timer = RequestTimer()  # (its arrival: before the prompt is tokenized and its chat template rendered)
         sender = request.get_response_sender()
         request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
         try:
@@ -99,7 +100,7 @@ class TritonAdapter:
                                              self.engine.chat_template)
             seq = Sequence(request_id, parsed.prompt_ids, parsed.sampling, priority=parsed.priority)
             with self._lock:
-                self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer))
+                self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer), timer)
             self.processor.add(request_id, parsed.sampling)
             self.engine.submit(seq, self._outputs.put)
         except Exception as exc:  # a bad request, or one the engine refuses: answer it, stay up

@@ -432,6 +432,13 @@ def test_sampling_logprobs_and_structured_outputs_on_the_ranks(parallel_checkpoi
     engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2)
     try:
         got = engine.generate(prompts, params)
+        # the schema compiled on rank 1, where its request went (by load: the second placed), and is counted in the
+        # engine's stats and compile times all the same
+        deadline = time.monotonic() + 10
+        while engine.stats()["grammars"]["compiled"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # (a rank's stats come every 0.2 s)
+        assert engine.grammars.stats()["compiled"] == 0 and engine.stats()["grammars"]["compiled"] == 1
+        assert len(engine.take_grammar_compile_seconds()) == 1 and engine.take_grammar_compile_seconds() == []
     finally:
         engine.shutdown()
     assert [r["output_ids"] for r in got] == [r["output_ids"] for r in expected]

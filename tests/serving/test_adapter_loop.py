@@ -142,6 +142,19 @@ def test_an_output_whose_text_fails_ends_that_request_and_the_others_go_on(adapt
     assert adapter.engine._running == {} and adapter._live == {}
 
 
+def test_time_to_first_token_counts_from_arrival_parsing_included(adapter, monkeypatch):
+    """The request's clock starts when it arrives, before its prompt is tokenized and its chat template rendered (as
+    vLLM's arrival time): a parse of 0.2 s is in its time to first token."""
+    from backend.serving import triton_io
+
+    parse = triton_io.parse_request
+    monkeypatch.setattr(triton_io, "parse_request", lambda *args: time.sleep(0.2) or parse(*args))
+    req = request("hello", max_tokens=3)
+    adapter.submit(req)
+    wait_final(req)
+    assert adapter.metrics.ttft.observed[-1] >= 0.2
+
+
 def test_a_failing_send_aborts_the_request_and_still_sends_one_final(adapter):
     req = request("hello", max_tokens=50)
     req.sender.fail_sends = 1  # the first token response raises
