@@ -170,6 +170,9 @@ class EngineConfig:
         _check(not (self.kv_cache_dtype == "fp8" and self.numerics == "transformers"), "kv_cache_dtype",
                self.kv_cache_dtype, "bfloat16 or auto with numerics=transformers (the fp8 layout stores DeepSeek's "
                "roundings of the entries and its rotated indexer keys: set numerics=deepseek)")
+        _check(not (self.cuda_graphs and self.resolved_device() == "cuda" and self.reference_kernels()),
+               "cuda_graphs", self.cuda_graphs, "false or unset with the torch reference kernels on CUDA "
+               "(use_reference_kernels): they read values back to the host, which a CUDA graph cannot capture")
         for name in CUDA_ONLY:
             _check(not getattr(self, name) or self.resolved_device() == "cuda", name, getattr(self, name),
                    f"false off a CUDA device (device resolves to {self.resolved_device()!r})")
@@ -270,9 +273,16 @@ class EngineConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_cuda_graphs(self) -> bool:
-        if self.cuda_graphs is None:
-            return self.resolved_device() == "cuda" and self.world_size == 1
+        if self.cuda_graphs is None:  # (the torch references read values back: no CUDA graph can capture them)
+            return self.resolved_device() == "cuda" and self.world_size == 1 and not self.reference_kernels()
         return self.cuda_graphs
+
+    def reference_kernels(self) -> bool:
+        """Whether the model runs the kernels' torch references (`use_reference_kernels`, or DSV4_REFERENCE_KERNELS=1:
+        kernels/dispatch.py `default_mode`)."""
+        from kernels.dispatch import default_mode  # (not at import: scripts that only read the config stay light)
+
+        return default_mode(self.use_reference_kernels) == "reference"
 
     def resolved_draft_sampling(self) -> str:
         if self.draft_sampling == "auto":

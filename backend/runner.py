@@ -184,7 +184,7 @@ class ModelRunner:
 
     def _stage(self, batch: "ForwardBatch") -> "StagedBatch":
         if self._stager is None:
-            self._stager = BatchStager(self.device, depth=1)
+            self._stager = BatchStager(self.device, depth=2)  # (a worker never waits for a step's copy: one in flight)
         return self._stager.stage(batch)
 
     def _copy(self, copies: list[tuple]) -> None:

@@ -108,15 +108,18 @@ def compiled_programs_per_sm(kernel, make_args, kwargs, device: torch.device, ke
     return _OCCUPANCY[key]
 
 
-SPLIT_COUNTERS = 64  # per device: the tiles of one launch whose programs split a reduction (kernels/mhc.py, fp8_gemm.py)
-_COUNTERS: dict[str, torch.Tensor] = {}
+SPLIT_COUNTERS = 64  # per stream: the tiles of a launch whose programs split a reduction (kernels/mhc.py, fp8_gemm.py)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def split_counters(device: torch.device) -> torch.Tensor:
-    """Per-device int32 counters, zeroed once, for kernels whose last program to finish a tile reduces the others'
-    partial sums: each launch leaves the counters it used at zero again (no memset: a CUDA graph can replay it). One
-    stream at a time may run such launches on a device (they share these counters)."""
-    key = str(device)
+    """Int32 counters, zeroed once, for kernels whose last program to finish a tile reduces the others' partial sums:
+    each launch leaves the counters it used at zero again (no memset: a CUDA graph can replay it). A set per device
+    and CUDA stream: launches on one stream run in order, while two streams' (a layer's side stream beside its main
+    one: the indexer's q GEMM beside q_b's) would bump the same tiles' counters at once."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (str(device), stream)
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[key]

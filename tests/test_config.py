@@ -46,6 +46,7 @@ from backend.config import ConfigError, EngineConfig
     ({"step_log": "/nonexistent-directory/steps.jsonl"}, "step_log"),  # (failed when the scheduler started)
     ({"step_log": "/tmp"}, "step_log"),
     ({"grammar_compile_timeout_s": 0}, "grammar_compile_timeout_s"),
+    ({"device": "cuda", "cuda_graphs": True, "use_reference_kernels": True}, "cuda_graphs"),  # (a capture fails)
 ])
 def test_bad_values_name_the_parameter(kwargs, name):
     with pytest.raises(ConfigError, match=f"'{name}'"):
@@ -100,3 +101,9 @@ def test_pools_the_memory_cannot_hold_are_refused_naming_their_parameters():
 
     with pytest.raises(ConfigError, match="'num_tokens' \\(99999999999999\\).*do not fit the cpu memory"):
         plan_deployment(EngineConfig(num_tokens=99999999999999), "cpu", torch.bfloat16)
+
+
+def test_cuda_graphs_are_off_by_default_with_the_reference_kernels():
+    """The torch references read values back (`.tolist()`, `.item()`): a step capturing them fails on CUDA."""
+    assert EngineConfig(device="cuda").resolved_cuda_graphs()
+    assert not EngineConfig(device="cuda", use_reference_kernels=True).resolved_cuda_graphs()
