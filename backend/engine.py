@@ -332,9 +332,10 @@ class LLMEngine:
             "pages_used": {pool: sum(r["pages_used"][pool] for r in ranks) for pool in ranks[0]["pages_used"]},
             "ranks": ranks,
             "unavailable": self.unavailable,
-            "prefix_cache": _total_cache_stats([s["prefix_cache"] for s in snapshots])
+            "prefix_cache": _added_up([s["prefix_cache"] for s in snapshots])
             if self.kv.prefix_cache is not None else None,
-            "grammars": _total_grammar_stats([self.grammars.stats()] + [s.get("grammars") for s in snapshots[1:]]),
+            # (each rank compiles its own requests' grammars; rank 0 only parses those of the others)
+            "grammars": _added_up([self.grammars.stats()] + [s.get("grammars") for s in snapshots[1:]]),
         }
 
     def take_grammar_compile_seconds(self) -> list[float]:
@@ -507,13 +508,6 @@ class Placement:
     ending: FinishReason | None = None  # another rank's request ended here (_end_elsewhere), its rank not yet told
 
 
-def _total_grammar_stats(stats: list[dict | None]) -> dict:
-    """The ranks' grammar services added up (each data-parallel rank compiles its own requests' grammars; rank 0 only
-    parses those of the others)."""
-    present = [s for s in stats if s is not None]
-    return {key: sum(s[key] for s in present) for key in present[0]}
-
-
 def _idle_snapshot(rank: int, like: dict) -> dict:
     """A rank that has sent no stats yet: nothing running, nothing used (its pools are like rank 0's)."""
     zero_pools = {pool: 0 * value for pool, value in like["pool_usage"].items()}
@@ -522,15 +516,12 @@ def _idle_snapshot(rank: int, like: dict) -> dict:
             "pages_held_by_requests": None, "prefix_cache": None}
 
 
-def _total_cache_stats(snapshots: list[dict | None]) -> dict:
-    """Data-parallel ranks' prefix-cache stats (PrefixCache.snapshot_stats) added up (a rank yet to send its own
-    counts nothing)."""
-    snapshots = [s for s in snapshots if s is not None]
-    if len(snapshots) == 1:
-        return snapshots[0]
-    total = {key: sum(s[key] for s in snapshots) for key in snapshots[0] if key != "pages"}
-    total["pages"] = {pool: sum(s["pages"][pool] for s in snapshots) for pool in snapshots[0]["pages"]}
-    return total
+def _added_up(stats: list[dict | None]) -> dict:
+    """Data-parallel ranks' counts added up key by key, nested dicts too (the prefix caches' and the grammar services'
+    stats: each rank has its own; a rank yet to send its own counts nothing)."""
+    present = [s for s in stats if s is not None]
+    return {key: _added_up([s[key] for s in present]) if isinstance(value, dict) else sum(s[key] for s in present)
+            for key, value in present[0].items()}
 
 
 def _left(deadline: float) -> float:
