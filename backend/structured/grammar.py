@@ -69,7 +69,6 @@ class GrammarService:
         self._pool = ThreadPoolExecutor(max_workers=2 * workers, thread_name_prefix="dsv4-grammar")
         self._slots = threading.Semaphore(workers)  # compilations that count
         self._running: dict[Future, _Running] = {}
-        self._abandoned = 0  # compilations past their deadline still running
         self._closed = False
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()  # key -> Future[compiled grammar], LRU
@@ -160,7 +159,6 @@ class GrammarService:
         finally:
             with self._lock:
                 del self._running[future]
-                self._abandoned -= record.abandoned
             if not record.abandoned:  # (an abandoned one's slot was given back when it was)
                 self._slots.release()
 
@@ -172,15 +170,24 @@ class GrammarService:
             return
         now, freed = time.monotonic(), 0
         with self._lock:
+            abandoned = self._num_abandoned_locked()
             for future, record in self._running.items():
-                if (not record.abandoned and now - record.started_s > self.compile_timeout_s
-                        and self._abandoned < self.workers):
-                    record.abandoned, freed = True, freed + 1
-                    self._abandoned += 1
+                overdue = now - record.started_s > self.compile_timeout_s
+                if overdue and not record.abandoned and abandoned < self.workers:
+                    record.abandoned, freed, abandoned = True, freed + 1, abandoned + 1
                     if self._cache.get(record.key) is future:
                         self._cache[record.key] = _failed(ValueError(self.timeout_message))
         for _ in range(freed):
             self._slots.release()
+
+    @property
+    def num_abandoned(self) -> int:
+        """Compilations past their deadline still running."""
+        with self._lock:
+            return self._num_abandoned_locked()
+
+    def _num_abandoned_locked(self) -> int:
+        return sum(record.abandoned for record in self._running.values())
 
     def abandoned(self, future: Future) -> bool:
         """Whether `future`'s compilation was abandoned past its deadline (and is still running)."""

@@ -167,14 +167,14 @@ def test_a_compilation_past_its_deadline_fails_its_requests_and_gives_its_place_
         assert all(g.ready and "did not compile within 0.3 s" in g.error for g in stuck)
         with pytest.raises(ValueError, match="did not compile within"):
             service.prepare(guided({"regex": "a+"}))  # at once
-        assert service._abandoned == 2
+        assert service.num_abandoned == 2
     finally:
         release.set()
         service.close()
     deadline = time.monotonic() + 10
-    while service._abandoned and time.monotonic() < deadline:
+    while service.num_abandoned and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert service._abandoned == 0 and service._running == {}
+    assert service.num_abandoned == 0 and service._running == {}
 
 
 def test_properties_are_generated_in_the_schemas_order(service):
