@@ -674,8 +674,9 @@ class Scheduler:
         candidate = self._next_prefill_candidate(plan)
         if candidate is None:
             return self.budget.tokens(plan, None, 0)
-        waiting = candidate.pages is None and candidate.status is not SequenceStatus.RUNNING
-        context = self.prefix_cache.cached_length(candidate) if waiting else candidate.num_computed_tokens
+        # (one holding no memory is restored from the cache at admission, as `_admit` matches it)
+        restored = candidate.pages is None
+        context = self.prefix_cache.cached_length(candidate) if restored else candidate.num_computed_tokens
         return self.budget.tokens(plan, candidate, context)
 
     def _next_prefill_candidate(self, plan: StepPlan) -> Sequence | None:
