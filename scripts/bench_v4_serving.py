@@ -167,16 +167,27 @@ class Server:
                                             start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> bool:
+        """True once the server is ready and its metrics endpoint answers: tritonserver opens the metrics port after
+        the HTTP one, so a ready HTTP endpoint alone does not say the histograms can be read yet."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
+            if self._answers(f"http://127.0.0.1:{self.http}/v2/health/ready") and \
+                    self._answers(f"http://127.0.0.1:{self.metrics}/metrics"):
+                return True
+            time.sleep(0.5)
         return False
+
+    @staticmethod
+    def _answers(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def lost_a_port(self) -> bool:
+        """A port found free can be taken by another process before tritonserver binds it; it then exits."""
+        return self.process.poll() is not None and "already in use" in self.log.read_text(errors="replace")
 
     def histograms(self) -> dict[str, dict]:
         """{kind: {"count", "sum", "buckets": [(le, cumulative count)]}} of the TTFT and ITL histograms."""
@@ -201,6 +212,18 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+
+
+def start_server(args, env: dict[str, str], attempts: int = 3) -> tuple[Server, bool]:
+    """A server on free ports, started again on new ones when it lost one of them at start-up; and whether it is
+    ready."""
+    for _ in range(attempts):
+        server = Server(args.out / "repo", args.out / "server.log", env)
+        ready = server.wait_ready(args.ready_timeout_s)
+        if ready or not server.lost_a_port():
+            break
+        server.stop()
+    return server, ready
 
 
 # --- 3. the load and its latencies --------------------------------------------------------------------------------
@@ -276,9 +299,9 @@ def main(argv=None) -> int:
     print(f"serving {args.checkpoint} with {sets}", flush=True)
     make_repository(args.out / "repo", sets, args.checkpoint)
     tokenizer = tokenizer_directory(EngineConfig(checkpoint=args.checkpoint, load_format=args.load_format))
-    server = Server(args.out / "repo", args.out / "server.log", env)
+    server, ready = start_server(args, env)
     try:
-        if not server.wait_ready(args.ready_timeout_s):
+        if not ready:
             print(f"tritonserver not ready (exit status {server.process.poll()}); the end of {server.log}:\n"
                   f"{server.log.read_text(errors='replace')[-4000:]}", file=sys.stderr)
             return NOT_READY

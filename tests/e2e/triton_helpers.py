@@ -145,7 +145,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and self.metrics_answer():  # the metrics port opens after the HTTP one
                 return
             time.sleep(0.2)
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
@@ -204,6 +204,13 @@ class TritonServer:
         return "\n".join(line for line in lines if not line.startswith("+-"))[-chars:]
 
     # --- metrics ---------------------------------------------------------------------------
+    def metrics_answer(self) -> bool:
+        try:
+            self.metrics_text()
+            return True
+        except (urllib.error.URLError, OSError):
+            return False
+
     def metrics_text(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
             return resp.read().decode()
