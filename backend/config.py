@@ -125,7 +125,7 @@ class EngineConfig:
     # Programmatic dependent launch (kernels/common.py): each Triton kernel is started while the one before it runs and
     # waits on the device for it, so that a decode step's launches (some 800 at V4-Flash's batch 1) overlap the
     # kernels before them instead of following their ends. A CUDA device of compute capability 9.0 or more (Hopper).
-    # Off until timed on a GPU (scripts/gpu_check.sh's v4_overlap part compares it with the default).
+    # Off until timed on a GPU (scripts/gpu_check.sh's v4_shapes part compares it with the default).
     programmatic_dependent_launch: bool = False
     # A layer's independent branches on a second CUDA stream (DeepseekV4Model.use_side_stream): the KV pools' writes and
     # the indexer beside q_b's GEMM, the shared expert beside the routed experts (SGLang's alternate stream): at decode

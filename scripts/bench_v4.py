@@ -33,7 +33,9 @@ Writes --out (default docs/results/<device>-<date>/v4_shapes.json): a JSON list 
 layers measured and one extrapolated (`extrapolated`: true), with kind, batch, context, layers, step_ms, roofline_ms,
 per_layer_ms, per_layer_roofline_ms, outside_ms, weight_gb, kv_gb, tflop, copy_gbps, matmul_tflops, ratio
 (step / roofline), variant ("" for the steps as configured) and, for the prefill, tokens_per_s; the same rows as CSV
-beside it (--csv), and a table.
+beside it (--csv), and a table. Both are written again after each stage (the decode steps, the prefill, each
+variant), so a run cut short keeps what it measured; a variant that fails is reported and the next one runs (exit
+status 1).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import datetime
 import json
 import re
 import sys
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -225,7 +228,9 @@ def case_rows(kind: str, batch: int, context: int, measured: dict, layers: int, 
     return [row, full]
 
 
-def run(args) -> list[dict]:
+def run(args, save) -> list[str]:
+    """Times every case, handing each stage's rows to `save` as they are measured (a run cut short keeps them);
+    returns the variants that failed (each one's error printed; the variants after it still run)."""
     import torch
 
     from backend.model.config import load_model_config
@@ -267,26 +272,35 @@ def run(args) -> list[dict]:
 
     def decode_rows(batches: list[int], variant: str) -> list[dict]:
         rows, seqs = [], bench.decoding(max(batches), args.context)
-        for batch in batches:
-            measured = dict(step_ms=bench.decode_ms(seqs[:batch]), outside_ms=bench.outside_ms(batch),
-                            variant=variant)
-            rows += case_rows("decode", batch, args.context, measured, config.num_hidden_layers,
-                              full_config.num_hidden_layers, *bounds(batch, args.context, batch), rates)
-            print(f"decode batch {batch}{f' ({variant})' if variant else ''}: {measured['step_ms']:.2f} ms", flush=True)
-        for seq in seqs:
-            bench.kv.free(seq)
+        try:
+            for batch in batches:
+                measured = dict(step_ms=bench.decode_ms(seqs[:batch]), outside_ms=bench.outside_ms(batch),
+                                variant=variant)
+                rows += case_rows("decode", batch, args.context, measured, config.num_hidden_layers,
+                                  full_config.num_hidden_layers, *bounds(batch, args.context, batch), rates)
+                print(f"decode batch {batch}{f' ({variant})' if variant else ''}: {measured['step_ms']:.2f} ms",
+                      flush=True)
+        finally:
+            for seq in seqs:
+                bench.kv.free(seq)
         return rows
 
-    rows = decode_rows(args.batches, "")
+    save(decode_rows(args.batches, ""))
     step = bench.prefill_ms(args.context)
     measured = dict(step_ms=step, outside_ms=bench.outside_ms(1), tokens_per_s=args.context / step * 1e3,
                     variant="")
-    rows += case_rows("prefill", 1, args.context, measured, config.num_hidden_layers, full_config.num_hidden_layers,
-                      *bounds(args.context, args.context // 2, 1, prefill=True), rates)
+    save(case_rows("prefill", 1, args.context, measured, config.num_hidden_layers, full_config.num_hidden_layers,
+                   *bounds(args.context, args.context // 2, 1, prefill=True), rates))
+    failed = []
     for variant in args.variants:  # last: the process keeps the last one
-        bench.use_variant(variant)
-        rows += decode_rows(args.variant_batches, variant)
-    return rows
+        try:
+            bench.use_variant(variant)
+            save(decode_rows(args.variant_batches, variant))
+        except Exception:  # (a driver refusing one variant's launches leaves the rows above and the other variants)
+            traceback.print_exc()
+            print(f"variant {variant} failed", file=sys.stderr, flush=True)
+            failed.append(variant)
+    return failed
 
 
 def default_out() -> Path:
@@ -319,14 +333,18 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("bench_v4.py --device cuda needs a GPU (use --device cpu with small --hf-overrides)", file=sys.stderr)
             return 2
-    rows = run(args)
-    print_table(rows)
-    out = args.out or default_out()
+    out, rows = args.out or default_out(), []
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    write_csv(args.csv or out.with_suffix(".csv"), rows, list(dict.fromkeys(k for r in rows for k in r)))
-    print(f"wrote {out}")
-    return 0
+
+    def save(stage: list[dict]) -> None:
+        rows.extend(stage)
+        out.write_text(json.dumps(rows, indent=2))
+        write_csv(args.csv or out.with_suffix(".csv"), rows, list(dict.fromkeys(k for r in rows for k in r)))
+
+    failed = run(args, save)
+    print_table(rows)
+    print(f"wrote {out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -28,12 +28,10 @@
 #      (scripts/bench_sampling.py, sampling.csv).
 #   v4_shapes: V4-Flash's widths with dummy weights in the published formats, as many layers as fit (scripts/bench_v4.py):
 #      decode steps at 1, 16, 64, 256 requests of 8K positions and an 8K prefill, per layer and extrapolated to 43
-#      layers, beside their rooflines at this device's measured copy bandwidth (v4_shapes.json, .csv).
-#   v4_overlap: the same model at 8 layers, its decode steps at 1 and 16 requests as configured, then with
-#      programmatic dependent launch (every kernel launched while the one before it runs; and without the weight
-#      prefetch while a kernel waits, what that adds), with a layer's independent
-#      branches on a second stream, and with both, side by side in one run, per layer and extrapolated
-#      (v4_overlap.json, .csv).
+#      layers, beside their rooflines at this device's measured copy bandwidth; then, on the same model in the same
+#      run, the decode steps at 1 and 16 requests again with programmatic dependent launch (every kernel launched
+#      while the one before it runs; and without the weight prefetch while a kernel waits, what that adds), with a
+#      layer's independent branches on a second stream, and with both (rows named by `variant`; v4_shapes.json, .csv).
 #   v4_serving: the same model served by tritonserver (scripts/bench_v4_serving.py: serve.sh, perf_analyzer streaming
 #      at concurrency 1, 16, 64; TTFT and ITL from the server's histograms). Needs tritonserver, its Python stub and
 #      perf_analyzer with their libraries: without this checkout's venv, carry the bundle of scripts/pack_serving.sh
@@ -74,9 +72,13 @@ MTP_CHECKPOINT=checkpoints/dsv4-tiny-mtp   # scripts/train_mtp_draft.py: a draft
 declare -A limit=([kernel_tests]=90 [engine]=170 [launches]=30 [tune]=200 [bench_kernels]=150 [host_loop]=60
                   [speculative]=150 [structured]=40)  # tune: never run yet; its sweep is budgeted to 150 s (TUNE_BUDGET_S)
 # not yet run on a GPU: building the dummy model, compiling, the loads (speculative: 90 s before the eager chains
-# were measured beside the static ones)
-limit+=([v4_shapes]=240 [v4_overlap]=230 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60
+# were measured beside the static ones; v4_shapes: 60 s for its variants)
+limit+=([v4_shapes]=300 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [host_verify]=60
         [speculative_adaptive]=120)
+# The parts run in the order of what the open work needs measured first (with GPU_CHECK_DEADLINE_S, a part whose
+# limit does not fit is left and the smaller ones after it still run): the kernels' and the engine's correctness,
+# the tiles tuned for this device (the parts after it launch with them), V4-Flash's shapes end to end, the kernels
+# timed, speculative decoding and structured outputs, then the rest; v4_serving last (it carries other files).
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
@@ -112,47 +114,45 @@ run kernel_tests env DSV4_TEST_DEVICE=cuda "$PY" -m pytest tests/kernels -q -p n
   --deselect tests/kernels/test_compile.py
 run engine "$PY" scripts/check_engine_device.py --device cuda --num-speculative-tokens 1 2 \
   --variants pdl side_stream pdl+side_stream --json "$RESULTS/engine.json"
-run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
 run tune "$PY" scripts/tune_kernels.py --budget-s "${TUNE_BUDGET_S:-150}" --copy-to "$RESULTS"
+run v4_shapes "$PY" scripts/bench_v4.py --variants pdl pdl+no_prefetch side_stream pdl+side_stream --variant-batches 1 16 \
+  --out "$RESULTS/v4_shapes.json"
 run bench_kernels "$PY" scripts/bench_kernels.py --json "$RESULTS/kernels.json" --csv "$RESULTS/kernels.csv"
-run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
-  --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
-run host_verify "$PY" scripts/bench_host_overhead.py --device cuda --rows 1 8 32 --contexts 1024 --repeats 3 --steps 50 \
-  --skip-stand-in --cuda-graphs --num-speculative-tokens 0 1 2 --json "$RESULTS/host_verify.json"
 run speculative "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 \
   --draft-chains static eager --runs 3 --json "$RESULTS/speculative.json" --csv "$RESULTS/speculative.csv" \
   --plot "$RESULTS/speculative.png"
-run speculative_adaptive "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs \
-  --ks 0 1 --concurrency 1 8 32 --runs 3 --warm-up-tokens 64 --engine-settings '{"adaptive_speculation": true}' \
-  --json "$RESULTS/speculative_adaptive.json" --csv "$RESULTS/speculative_adaptive.csv"
-run speculative_v4 "$PY" scripts/bench_speculative.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
-  --hf-overrides '{"num_hidden_layers": 4}' --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 --max-tokens 32 \
-  --engine-settings '{"weight_format": "fp8", "numerics": "deepseek", "kv_cache_dtype": "fp8", "num_tokens": 16384}' \
-  --runs 3 --json "$RESULTS/speculative_v4.json" --csv "$RESULTS/speculative_v4.csv"
-
 if "$PY" -c "import xgrammar" 2>/dev/null; then
   run structured "$PY" scripts/bench_structured.py --device cuda --skip-compile --repeats 3 \
     --json "$RESULTS/structured.json" --csv "$RESULTS/structured.csv" --plot "$RESULTS/structured.png"
 else
   status[structured]="not run (xgrammar not installed)"
 fi
+run speculative_v4 "$PY" scripts/bench_speculative.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
+  --hf-overrides '{"num_hidden_layers": 4}' --device cuda --cuda-graphs --ks 0 1 2 --concurrency 1 8 32 --max-tokens 32 \
+  --engine-settings '{"weight_format": "fp8", "numerics": "deepseek", "kv_cache_dtype": "fp8", "num_tokens": 16384}' \
+  --runs 3 --json "$RESULTS/speculative_v4.json" --csv "$RESULTS/speculative_v4.csv"
+run launches "$PY" scripts/count_launches.py --device cuda --json "$RESULTS/launches.json"
 run sampling "$PY" scripts/bench_sampling.py --device cuda --csv "$RESULTS/sampling.csv"
-run v4_shapes "$PY" scripts/bench_v4.py --out "$RESULTS/v4_shapes.json"
-run v4_overlap "$PY" scripts/bench_v4.py --layers 8 --batches 1 16 \
-  --variants pdl pdl+no_prefetch side_stream pdl+side_stream --variant-batches 1 16 --out "$RESULTS/v4_overlap.json"
+run host_verify "$PY" scripts/bench_host_overhead.py --device cuda --rows 1 8 32 --contexts 1024 --repeats 3 --steps 50 \
+  --skip-stand-in --cuda-graphs --num-speculative-tokens 0 1 2 --json "$RESULTS/host_verify.json"
+run host_loop "$PY" scripts/bench_host_overhead.py --device cuda --rows 8 64 256 --contexts 1024 16384 \
+  --repeats 3 --steps 50 --real-forward --json "$RESULTS/host_loop.json"
+run speculative_adaptive "$PY" scripts/bench_speculative.py --checkpoint "$MTP_CHECKPOINT" --device cuda --cuda-graphs \
+  --ks 0 1 --concurrency 1 8 32 --runs 3 --warm-up-tokens 64 --engine-settings '{"adaptive_speculation": true}' \
+  --json "$RESULTS/speculative_adaptive.json" --csv "$RESULTS/speculative_adaptive.csv"
 bundle=(); [ -f .serving/dsv4-serving.txz ] && bundle=(--bundle .serving/dsv4-serving.txz)
 run v4_serving "${serving_path[@]}" "$PY" scripts/bench_v4_serving.py --device cuda --measurement-interval-ms 4000 \
   --out "$RESULTS/v4_serving" "${bundle[@]}"
 echo
 echo "=== summary ($("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))' 2>/dev/null || echo 'no GPU'))"
 failed=0
-for name in kernel_tests engine launches tune bench_kernels host_loop host_verify speculative speculative_adaptive \
-    speculative_v4 structured sampling v4_shapes v4_overlap v4_serving; do
+for name in kernel_tests engine tune v4_shapes bench_kernels speculative structured speculative_v4 launches sampling \
+    host_verify host_loop speculative_adaptive v4_serving; do
   printf '%-14s %s\n' "$name" "${status[$name]}"
   case "${status[$name]}" in FAILED*) failed=1 ;; esac
 done
 [ ${#left[@]} -gt 0 ] && echo "left for another run: GPU_CHECK_PARTS=\"${left[*]}\" bash scripts/gpu_check.sh"
-[ -f "$RESULTS/v4_shapes.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; print('V4-Flash decode step at 8K, extrapolated to 43 layers: ' + ', '.join(f\"batch {r['batch']} {r['step_ms']:.2f} ms ({r['ratio']:.2f}x its roofline)\" for r in rows))" "$RESULTS/v4_shapes.json"
-[ -f "$RESULTS/v4_overlap.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; base={r['batch']: r['step_ms'] for r in rows if not r['variant']}; print('decode step variants: ' + ', '.join(f\"{r['variant']} batch {r['batch']} {r['step_ms']:.2f} ms ({base[r['batch']] / r['step_ms']:.2f}x)\" for r in rows if r['variant']))" "$RESULTS/v4_overlap.json"
+[ -f "$RESULTS/v4_shapes.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated'] and not r['variant']]; print('V4-Flash decode step at 8K, extrapolated to 43 layers: ' + ', '.join(f\"batch {r['batch']} {r['step_ms']:.2f} ms ({r['ratio']:.2f}x its roofline)\" for r in rows))" "$RESULTS/v4_shapes.json"
+[ -f "$RESULTS/v4_shapes.json" ] && "$PY" -c "import json,sys; rows=[r for r in json.load(open(sys.argv[1])) if r['kind'] == 'decode' and r['extrapolated']]; base={r['batch']: r['step_ms'] for r in rows if not r['variant']}; print('decode step variants: ' + ', '.join(f\"{r['variant']} batch {r['batch']} {r['step_ms']:.2f} ms ({base[r['batch']] / r['step_ms']:.2f}x)\" for r in rows if r['variant']))" "$RESULTS/v4_shapes.json"
 [ -f "$RESULTS/launches.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"launches per layer {r['per_layer_mean']:.1f}, per step {r['per_step']:.0f}, host syncs per step {r['syncs_per_step']:g}\")" "$RESULTS/launches.json"
 exit $failed

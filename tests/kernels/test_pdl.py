@@ -2,7 +2,7 @@
 runs, so every kernel must wait for that one before it reads or writes anything. What a CPU can check: that every
 Triton kernel here takes the PDL flag and waits first (the source, here; the compiled sm_90 PTX holds the wait:
 scripts/check_kernels_compile.py, tests/kernels/test_compile.py), and that `launch` asks for the attribute exactly
-when it is on. Whether it pays is for a GPU (gpu_check.sh's v4_overlap part)."""
+when it is on. Whether it pays is for a GPU (gpu_check.sh's v4_shapes part)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys
 
 def test_the_cuda_variants_are_refused_off_a_gpu():
     """--variants time steps with programmatic dependent launch or a second stream beside those without (on a GPU:
-    gpu_check.sh's v4_overlap part); a CPU has neither, which the run says before building anything."""
+    gpu_check.sh's v4_shapes part); a CPU has neither, which the run says before building anything."""
     tiny = ["--device", "cpu", "--hf-overrides", json.dumps(TINY_FLASH_OVERRIDES), "--layers", "4", "--batches", "1",
             "--context", "256", "--repeat", "1"]
     with pytest.raises(ConfigError, match="programmatic_dependent_launch.*no CUDA device"):
