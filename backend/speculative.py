@@ -478,8 +478,9 @@ class Drafter:
         proposed = batch.input_ids.view(rows)[:, 1]
         picks = row_starts + (proposed == argmax.view(rows)[:, 0])  # (+ 1 where the draft is accepted)
         counts = self.runner.agree_drafts(chain.token_counts)
-        if counts != chain.dp_token_counts:
+        if counts != chain.dp_token_counts:  # (kept: alone, or with the same counts again, it is not rebuilt)
             chain = dataclasses.replace(chain, dp_token_counts=counts)
+            self._first_passes[key] = chain, row_starts
         drafts = self.runner.draft_chain(chain, first_inputs=(argmax, picks))  # [1, rows]
         self.runner.keep_verify_inputs(batch.logits_slot.view(rows)[:, 0], argmax[picks], drafts)
         return argmax, drafts[0], proposed
