@@ -199,12 +199,12 @@ def load_model(config: EngineConfig, deployment: Deployment, device, dtype, layo
     serves them, with its kernel dispatch (the deployment's numerics; `kernel_mode` overrides the config's choice,
     e.g. "triton" for the kernels under Triton's interpreter on CPU): read from the checkpoint, or with
     load_format=dummy built at random on `device` (backend/model/dummy_weights.py)."""
+    if config.programmatic_dependent_launch:  # (before a weight is read: a device without it hears at once)
+        check_programmatic_dependent_launch(device)
     build = dummy_weights if config.load_format == "dummy" else partial(load_weights, config.checkpoint)
     weights = build(deployment.model_config, dtype, device, deployment.weight_format, layout=layout,
                     draft_layers=deployment.draft_layers)
     kernels = KernelDispatch(kernel_mode or default_mode(config.use_reference_kernels), deployment.numerics)
-    if config.programmatic_dependent_launch:
-        check_programmatic_dependent_launch(device)
     set_programmatic_dependent_launch(config.programmatic_dependent_launch)
     return DeepseekV4Model(deployment.model_config, weights, device, dtype, kernels, layout=layout, comm=comm,
                            side_stream=config.side_stream)

@@ -35,7 +35,7 @@ from backend.model.config import CSA, HCA, SLIDING, ModelConfig
 from backend.model.parallel_layout import ParallelLayout, Shard
 from backend.model.quantization import (FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape,
                                         kept_quantized, scale_to_float)
-from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target
+from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target, layer_index
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
 
@@ -164,47 +164,74 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
         raise CheckpointError(f"{checkpoint}: {exc}") from None
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    cut = range(config.num_hidden_layers, _declared_layers(checkpoint, config))
     loader = _Loader(expected_shapes(config, draft_layers), layout, dtype, device, files,
-                     keep_quantized=weight_format == "fp8", parallel=parallel or ParallelLayout())
+                     keep_quantized=weight_format == "fp8", parallel=parallel or ParallelLayout(), cut_layers=cut)
     by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
-        by_file.setdefault(path, []).append(name)
-    for path in by_file:
+    skipped: dict[str, int] = {}
+    for name, path in files.items():  # every name checked before a weight is read: a wrong one fails at once
+        reason = loader.skips(name)
+        if reason is None:
+            loader.check(name, path)
+            by_file.setdefault(path, []).append(name)
+        else:
+            skipped[reason] = skipped.get(reason, 0) + 1
+    for path in set(files.values()):
         if not path.is_file():
             raise CheckpointError(f"{path}: file listed in the index does not exist")
-    total_bytes = sum(p.stat().st_size for p in by_file)
-    with tqdm(total=len(files), desc="loading weights", unit="tensor", disable=total_bytes < 2**30) as bar:
+    total_bytes = sum(p.stat().st_size for p in set(files.values()))
+    with tqdm(total=sum(map(len, by_file.values())), desc="loading weights", unit="tensor",
+              disable=total_bytes < 2**30) as bar:
         for path, names in by_file.items():
             with safe_open(str(path), framework="pt") as f:
                 for name in names:
                     loader.take(name, f, path)
                     bar.update()
     weights = loader.finish(checkpoint)
+    notes = {"draft": f"the {skipped.get('draft')} tensors of mtp.* draft layers not served",
+             "cut": f"the {skipped.get('cut')} tensors of layers {cut.start}-{cut.stop - 1}, cut by hf_overrides"}
     logger.info("loaded %s (%s layout): %d tensors%s", checkpoint, layout, len(weights),
-                f"; skipped the {loader.num_draft} tensors of mtp.* draft layers not served"
-                if loader.num_draft else "")
+                "".join(f"; skipped {note}" for reason, note in notes.items() if skipped.get(reason)))
     return weights
+
+
+def _declared_layers(checkpoint: Path, config: ModelConfig) -> int:
+    """The layers the checkpoint's own config.json declares (hf_overrides may have lowered config's: the layers past
+    it are then not read)."""
+    try:
+        declared = json.loads((checkpoint / "config.json").read_text()).get("num_hidden_layers")
+    except (OSError, ValueError):
+        declared = None
+    return declared if isinstance(declared, int) and declared > config.num_hidden_layers else config.num_hidden_layers
 
 
 class _Loader:
     """Fills the engine's tensors from checkpoint tensors as they are read, one at a time."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], layout: str, dtype: torch.dtype, device,
-                 files: dict[str, Path], keep_quantized: bool = False, parallel: ParallelLayout = ParallelLayout()):
+                 files: dict[str, Path], keep_quantized: bool = False, parallel: ParallelLayout = ParallelLayout(),
+                 cut_layers: range = range(0)):
         self.layout, self.dtype, self.device, self.files = layout, dtype, device, files
         self.full_shapes, self.shapes = shapes, parallel.local_shapes(shapes)  # whole tensors, this rank's parts
         self.parallel = parallel
         self.keep_quantized = keep_quantized
+        self.cut_layers = cut_layers
         self.weights: dict[str, torch.Tensor] = {}
         self.expert_parts: dict[str, set[tuple[int, str | None]]] = {}  # merged tensor -> (expert, half) filled
-        self.num_draft = 0
 
-    def take(self, name: str, f, path: Path) -> None:
+    def skips(self, name: str) -> str | None:
+        """Why a checkpoint tensor is not taken: "draft" (an MTP layer not served), "cut" (a layer past the config's
+        layers, which hf_overrides lowered), "scale" (read with its weight); None: it is taken."""
         if draft_layer_index(name) is not None and engine_target(name, self.layout).name not in self.shapes:
-            self.num_draft += 1  # an MTP layer not served
-            return
+            return "draft"
+        if layer_index(name) in self.cut_layers:
+            return "cut"
         if self._is_scale_of_a_weight(name):
-            return  # read with its weight
+            return "scale"
+        return None
+
+    def check(self, name: str, path: Path) -> None:
+        """A tensor to take must fill one of the engine's."""
         target = engine_target(name, self.layout)
         if target.name not in self.shapes:
             weight = name[: -len(".scale")] + ".weight"
@@ -212,6 +239,10 @@ class _Loader:
                 raise CheckpointError(f"{path}: block scales {name!r} without their weight {weight!r}")
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (read as {target.name!r}, which this model "
                                   "config does not have)")
+
+    def take(self, name: str, f, path: Path) -> None:
+        """Reads a tensor `skips` does not skip and `check` passed into the engine's (this rank's part of it)."""
+        target = engine_target(name, self.layout)
         if target.expert is not None:
             first, count = self.parallel.expert_range(self.full_shapes[target.name][0])
             if not first <= target.expert < first + count:

@@ -133,7 +133,7 @@ def _rope_parameters(cfg: dict) -> dict:
     """{'main': {...}, 'compress': {...}} as the reference builds it; YaRN applies to 'compress' only."""
     rp = cfg.get("rope_parameters") or {}
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
-        return {"main": rp["main"], "compress": rp["compress"]}
+        return {label: _yarn_defaults(dict(rp[label]), cfg) for label in ("main", "compress")}
     factor = cfg["partial_rotary_factor"]
     main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0), "partial_rotary_factor": factor}
     yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
@@ -143,7 +143,16 @@ def _rope_parameters(cfg: dict) -> dict:
     compress.setdefault("rope_type", "default")
     if compress["rope_type"] == "yarn":
         compress.setdefault("attention_factor", 1.0)
-    return {"main": main, "compress": compress}
+    return {"main": main, "compress": _yarn_defaults(compress, cfg)}
+
+
+def _yarn_defaults(params: dict, cfg: dict) -> dict:
+    """transformers' default for YaRN's original_max_position_embeddings: "if not provided, defaults to
+    max_position_embeddings"."""
+    if params.get("rope_type", params.get("type")) == "yarn":
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("max_position_embeddings", ModelConfig.max_position_embeddings))
+    return params
 
 
 # Counts and widths: a config (or hf_overrides) setting one to 0 describes no model.
@@ -178,9 +187,17 @@ def _validate(config: ModelConfig, source: str) -> None:
         raise bad("norm_topk_prob=false is not supported")
     if config.tie_word_embeddings:
         raise bad("tie_word_embeddings=true is not supported")
+    for layer_type in (CSA, HCA):
+        rate = config.compress_rates.get(layer_type) if isinstance(config.compress_rates, dict) else None
+        if type(rate) is not int or rate < 1:
+            raise bad(f"compress_rates[{layer_type!r}]={rate!r}: must be an integer of at least 1")
     for label, params in config.rope_parameters.items():
         if params.get("rope_type", "default") not in ("default", "yarn"):
             raise bad(f"rope_parameters[{label!r}].rope_type={params['rope_type']!r} is not supported")
+        rope_dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+        if rope_dim != config.qk_rope_head_dim:  # (the rotary tables' width, against the KV layout's rope columns)
+            raise bad(f"rope_parameters[{label!r}] rotates {rope_dim} dims, head_dim * partial_rotary_factor "
+                      f"{config.qk_rope_head_dim}: they must agree")
     if config.qk_rope_head_dim % 2 or config.qk_rope_head_dim > min(config.head_dim, config.index_head_dim):
         raise bad(f"rope dim {config.qk_rope_head_dim} must be even and fit head_dim and index_head_dim")
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
@@ -208,8 +225,11 @@ def _validate_quantization(config: ModelConfig, bad) -> None:
     if list(quant.get("weight_block_size") or [128, 128]) != [128, 128]:
         raise bad(f"quantization_config.weight_block_size={quant['weight_block_size']!r} is not supported "
                   "(only [128, 128])")
+    nested = quant.get("expert_dtype")  # (where transformers moves it: V4.1 ships it there)
+    if nested is not None and config.expert_dtype is not None and nested != config.expert_dtype:
+        raise bad(f"expert_dtype={config.expert_dtype!r} but quantization_config.expert_dtype={nested!r}")
     if config.expert_dtype is None:
-        config.expert_dtype = "fp4"  # what a quantized config without the key means
+        config.expert_dtype = nested or "fp4"  # what a quantized config without the key means
     if config.expert_dtype not in ("fp4", "fp8"):
         raise bad(f"expert_dtype={config.expert_dtype!r} is not supported (fp4 or fp8)")
 
@@ -247,10 +267,33 @@ def load_model_config(checkpoint: str | Path, overrides: dict | None = None) -> 
         raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint}")
     raw = json.loads(path.read_text())
     source = f"{path} with hf_overrides {overrides}" if overrides else str(path)
+    _check_not_shadowed(raw, overrides or {}, source)
     raw.update(overrides or {})
     if raw.get("model_type") != "deepseek_v4":
         raise UnsupportedCheckpoint(f"{source}: model_type is {raw.get('model_type')!r}, expected 'deepseek_v4'")
     return parse_model_config(raw, source)
+
+
+# A key, and the keys that take precedence over it where config.json has them (`_normalise`, as the reference reads
+# them): an override of the first alone would be accepted and change nothing, or change only part of the model.
+_SHADOWED_BY = {"rope_theta": ("rope_parameters",), "compress_rope_theta": ("rope_parameters",),
+                "rope_scaling": ("rope_parameters",), "partial_rotary_factor": ("rope_parameters",),
+                "qk_rope_head_dim": ("partial_rotary_factor", "rope_parameters"),
+                "compress_ratios": ("layer_types",), "num_hash_layers": ("mlp_layer_types",)}
+
+
+def _takes_precedence(key: str, value) -> bool:
+    if key == "rope_parameters":  # (a flat YaRN dict is read with the flat keys; the nested form replaces them)
+        return isinstance(value, dict) and isinstance(value.get("main"), dict)
+    return value is not None
+
+
+def _check_not_shadowed(raw: dict, overrides: dict, source: str) -> None:
+    for key in overrides:
+        shadows = [k for k in _SHADOWED_BY.get(key, ()) if k not in overrides and _takes_precedence(k, raw.get(k))]
+        if shadows:
+            raise UnsupportedCheckpoint(f"{source}: hf_overrides sets {key!r}, but config.json's {shadows[0]!r} "
+                                        f"takes precedence over it: override {shadows[0]!r} instead (or as well)")
 
 
 def parse_model_config(raw: dict, source: str = "config") -> ModelConfig:

@@ -70,7 +70,7 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device, weight_format
         if stored and weight_format == "fp8" and kept_quantized(name):
             if split:
                 _check_part(name, full[name], parallel, stored)
-            weights[name] = _quantized(name, shape, stored, generator, device)
+            weights[name] = _quantized(name, shape, full[name][-1], stored, generator, device)
         elif name.endswith(".tid2eid"):
             weights[name] = _hash_routes(shape, config.n_routed_experts, generator, device)
         else:
@@ -102,10 +102,10 @@ def _power_of_two(x: float) -> float:
     return 2.0 ** round(math.log2(x))
 
 
-def _quantized(name: str, shape, stored: str, generator: torch.Generator, device):
+def _quantized(name: str, shape, fan_in: int, stored: str, generator: torch.Generator, device):
     """A weight as published: e4m3 codes ~ N(0, 1) times a power-of-two scale near 1 / sqrt(fan-in) (FP8), or
-    uniformly random e2m1 codes times such a scale (MXFP4): dequantized, about N(0, 1 / fan-in) either way."""
-    fan_in = shape[-1]
+    uniformly random e2m1 codes times such a scale (MXFP4): dequantized, about N(0, 1 / fan-in) either way. `fan_in`:
+    the whole tensor's (a rank's part of a column-split weight is as scaled as the whole)."""
     if not name.endswith(ROUTED_EXPERTS):
         scale = torch.full(fp8_block_shape(shape), _power_of_two(fan_in ** -0.5), dtype=torch.float32, device=device)
         return Fp8Weight(_normal(shape, 0.0, 1.0, torch.float8_e4m3fn, generator, device), scale)

@@ -69,6 +69,7 @@ _RENAMES = [(re.compile(p), r) for p, r in (
 )]
 _EXPERT = re.compile(r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
 _DRAFT_LAYER = re.compile(r"^(model\.)?mtp\.(\d+)\.")
+_LAYER = re.compile(r"^(model\.)?layers\.(\d+)\.")
 # save_pretrained's reverse of `.norm.` -> `.kv_norm.` on module names (the final `model.norm` has no such parent)
 _HF_MODULES_KV_NORM = re.compile(r"\.(self_attn|compressor|indexer)\.norm\.")
 
@@ -99,6 +100,12 @@ def detect_layout(names: Iterable[str]) -> str:
 def draft_layer_index(name: str) -> int | None:
     """j for a tensor of multi-token-prediction layer j (`mtp.j.*`, the speculative-decoding draft), else None."""
     match = _DRAFT_LAYER.match(name)
+    return int(match[2]) if match else None
+
+
+def layer_index(name: str) -> int | None:
+    """i for a tensor of the model's layer i (`layers.i.*`, `model.layers.i.*`), else None."""
+    match = _LAYER.match(name)
     return int(match[2]) if match else None
 
 

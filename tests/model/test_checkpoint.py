@@ -325,3 +325,87 @@ def test_a_model_loaded_from_module_names_and_saved_again_loads(tiny_checkpoint,
     ours = load_weights(tmp_path, load_model_config(tmp_path), torch.float32, "cpu")
     theirs = model.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+
+
+# --- hf_overrides against what config.json already says ---------------------------------------------------
+
+
+@pytest.mark.parametrize("override, precedes", [
+    ({"rope_theta": 5000.0}, "rope_parameters"), ({"partial_rotary_factor": 0.25}, "rope_parameters"),
+    ({"rope_scaling": {"type": "yarn", "factor": 4}}, "rope_parameters"),
+    ({"compress_ratios": [128, 4, 0, 4]}, "layer_types"), ({"num_hash_layers": 1}, "mlp_layer_types"),
+])
+def test_an_override_that_config_json_would_shadow_is_refused_naming_the_key_to_override(tiny_checkpoint, override,
+                                                                                        precedes):
+    """The built-in checkpoint's config.json has the nested rope_parameters and explicit layer types, which the
+    reference reads before the flat and legacy keys: an override of those alone would change nothing (or, for
+    partial_rotary_factor, the KV layout's rope width and not the rotary tables)."""
+    with pytest.raises(UnsupportedCheckpoint, match=f"sets '{next(iter(override))}'.*'{precedes}' takes precedence"):
+        load_model_config(tiny_checkpoint, override)
+    raw = json.loads((tiny_checkpoint / "config.json").read_text())
+    load_model_config(tiny_checkpoint, {**override, precedes: None})  # overriding that key too is what it says
+    assert raw[precedes] is not None
+
+
+def test_flat_rope_overrides_apply_where_config_json_has_flat_keys():
+    config = load_model_config("docs/configs/deepseek-v4-flash.config.json", {"rope_theta": 5000.0})
+    assert config.rope_parameters["main"]["rope_theta"] == 5000.0
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"compress_rates": {"compressed_sparse_attention": 4}}, r"compress_rates\['heavily_compressed_attention'\]=None"),
+    ({"compress_rate_hca": 0}, r"compress_rates\['heavily_compressed_attention'\]=0"),
+    ({"compress_rate_csa": 2.5}, r"compress_rates\['compressed_sparse_attention'\]=2.5"),
+    ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                          "compress": {"rope_type": "default", "rope_theta": 1.6e5, "partial_rotary_factor": 0.125}}},
+     r"rope_parameters\['compress'\] rotates 8 dims, head_dim \* partial_rotary_factor 16"),
+])
+def test_values_that_would_fail_later_are_refused_when_the_config_is_read(tiny_checkpoint, override, message):
+    with pytest.raises(UnsupportedCheckpoint, match=message):
+        load_model_config(tiny_checkpoint, override)
+
+
+def test_yarn_without_its_original_length_defaults_to_max_position_embeddings_as_the_reference(tiny_checkpoint):
+    from transformers import DeepseekV4Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from backend.model.rotary import Rotary
+
+    raw = json.loads((tiny_checkpoint / "config.json").read_text())
+    raw.pop("rope_parameters")
+    raw["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    ours = parse_model_config(raw)
+    theirs = DeepseekV4Config(**{k: v for k, v in raw.items() if k not in ("transformers_version", "architectures")})
+    assert ours.rope_parameters["compress"]["original_max_position_embeddings"] == raw["max_position_embeddings"]
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu", layer_type="compress")
+    rotary = Rotary(ours, "compress", "cpu")
+    assert torch.equal(rotary.inv_freq, inv_freq) and rotary.scaling == scaling
+
+
+def test_expert_dtype_inside_quantization_config_is_read_and_a_conflict_refused(tiny_checkpoint):
+    raw = json.loads((tiny_checkpoint / "config.json").read_text())
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert parse_model_config({**raw, "quantization_config": quant}).expert_dtype == "fp4"
+    assert parse_model_config({**raw, "quantization_config": {**quant, "expert_dtype": "fp8"}}).expert_dtype == "fp8"
+    with pytest.raises(UnsupportedCheckpoint, match="expert_dtype='fp4' but quantization_config.expert_dtype='fp8'"):
+        parse_model_config({**raw, "expert_dtype": "fp4", "quantization_config": {**quant, "expert_dtype": "fp8"}})
+
+
+def test_layers_cut_by_hf_overrides_are_not_read_and_others_still_fail_before_any_weight(tmp_path, caplog):
+    """{"num_hidden_layers": 2} on a 4-layer published checkpoint: layers 2-3 skipped (one log line), the first two
+    loaded as without the cut; a stray tensor is refused before a weight is read, whichever shard holds it."""
+    import logging
+
+    ckpt, tensors = _deepseek_checkpoint(tmp_path)
+    whole = load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+    config = load_model_config(ckpt, {"num_hidden_layers": 2})
+    with caplog.at_level(logging.INFO, logger="backend.model.checkpoint"):
+        cut = load_weights(ckpt, config, torch.float32, "cpu")
+    assert cut.keys() == {name for name in whole if not name.startswith(("model.layers.2.", "model.layers.3."))}
+    assert all(torch.equal(cut[name], whole[name]) for name in cut)
+    skipped = sum(1 for name in tensors if name.startswith(("layers.2.", "layers.3.")))
+    assert f"skipped the {skipped} tensors of layers 2-3, cut by hf_overrides" in caplog.text
+    tensors["layers.4.attn.wq_a.weight"] = tensors["layers.0.attn.wq_a.weight"].clone()  # past the checkpoint's 4
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor 'layers.4.attn.wq_a.weight'"):
+        load_weights(ckpt, config, torch.float32, "cpu")

@@ -158,3 +158,17 @@ def test_a_directory_with_only_config_json(tmp_path, tiny_checkpoint):
     finally:
         engine.shutdown()
     assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 4  # the file is not changed
+
+
+def test_a_ranks_part_of_a_column_split_weight_is_scaled_by_the_whole_fan_in():
+    """Under tensor parallelism a rank holds some of o_b's and the down projections' columns: their block scales are
+    the whole weight's (1 / sqrt of its fan-in), as one rank's, not 2x larger at 2 ranks. (V4-Flash's formats at
+    widths whose halves stay on the 128-wide block grid.)"""
+    config = load_model_config(FLASH, {**TINY_FLASH_OVERRIDES, "num_hidden_layers": 1, "hidden_size": 256,
+                                       "moe_intermediate_size": 256, "o_lora_rank": 128})
+    alone = dummy_weights(config, torch.float32, "cpu", "fp8")
+    part = dummy_weights(config, torch.float32, "cpu", "fp8", ParallelLayout(2, 1, rank=0))
+    for name in ("model.layers.0.self_attn.o_b_proj.weight", "model.layers.0.mlp.shared_experts.down_proj.weight",
+                 "model.layers.0.mlp.experts.down_proj"):
+        assert part[name].shape[-1] < alone[name].shape[-1], name  # (split by columns)
+        assert part[name].scale.unique().tolist() == alone[name].scale.unique().tolist(), name
