@@ -194,7 +194,11 @@ class LLMEngine:
             return False
         if placed.rank.rank == 0:
             return self.core.abort(request_id)
-        return self._end_elsewhere(placed, FinishReason.CANCELLED)
+        try:
+            return self._end_elsewhere(placed, FinishReason.CANCELLED)
+        except RankGroupError as exc:  # (its Cancel could not be sent: the rank is gone or not reading, as the
+            self._fail_everywhere(str(exc))  # receiving thread would find; the request ends with the rest)
+            return True
 
     def _end_elsewhere(self, placed: "Placement", reason: FinishReason) -> bool:
         """End another rank's request here, as its own scheduler would at its next step: from now on what the rank
@@ -429,7 +433,7 @@ class LLMEngine:
     def _receive_loop(self) -> None:
         """The other data-parallel ranks' outputs (and stats), passed on as they come; a rank gone fails every
         request and the engine refuses later ones."""
-        links = self.group.links
+        links, next_check = self.group.links, 0.0
         while not self._stop.is_set():
             batch = links.receive(timeout_s=0.1)
             try:
@@ -439,9 +443,11 @@ class LLMEngine:
                 return
             if batch is not None:
                 self._take_outputs(batch)
-            elif self.group is not None and self.group.check():
-                self._fail_everywhere(self.group.broken)
-                return
+            if time.monotonic() >= next_check:  # (on a clock: the other ranks' outputs may never pause)
+                next_check = time.monotonic() + 0.1
+                if self.group is not None and self.group.check():
+                    self._fail_everywhere(self.group.broken)
+                    return
 
     def _take_outputs(self, batch: OutputBatch) -> None:
         """Another rank's outputs of a step, as the requests' RequestOutputs."""

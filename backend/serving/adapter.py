@@ -119,9 +119,14 @@ class TritonAdapter:
                 self._handle(self._outputs.get(timeout=self.poll_s))
             except queue.Empty:
                 pass
+            except Exception as exc:  # (this thread answers every request: it outlives what fails for one)
+                self.logger.log_error(f"[dsv4] handling an output failed: {exc}")
             now = time.monotonic()
             if now >= next_poll:
-                self._poll_cancelled()
+                try:
+                    self._poll_cancelled()
+                except Exception as exc:
+                    self.logger.log_error(f"[dsv4] passing on cancellations failed: {exc}")
                 next_poll = now + self.poll_s
             if now >= next_stats:
                 self._update_stats()
@@ -132,7 +137,7 @@ class TritonAdapter:
             output = self.processor.process(output)
         except Exception as exc:  # (its text could not be made: that request ends, the thread that answers all goes on)
             self.logger.log_error(f"[dsv4] the text of {output.request_id}'s output failed: {exc}")
-            self.engine.abort(output.request_id)
+            self._abort(output.request_id)
             self.processor.discard(output.request_id)
             output = replace(output, new_token_ids=[], logprobs=None, new_text="", finished=True,
                              finish_reason=FinishReason.ERROR, error=f"internal error: {exc}")
@@ -152,11 +157,19 @@ class TritonAdapter:
                 final_sent = self._send_output(output.request_id, live, output)
         except Exception as exc:
             self.logger.log_error(f"[dsv4] sending a response for {output.request_id} failed: {exc}")
-            self.engine.abort(output.request_id)
             final_sent = self._send_error(live.sender, f"internal error: {exc}")
+            self._abort(output.request_id)
         finally:
             if output.finished or final_sent:
                 self._retire(output, live, final_sent)
+
+    def _abort(self, request_id: str) -> None:
+        """The engine stops a request this thread is ending with an error (what fails in that is logged: the error
+        goes out either way)."""
+        try:
+            self.engine.abort(request_id)
+        except Exception as exc:
+            self.logger.log_error(f"[dsv4] aborting {request_id} failed: {exc}")
 
     def _send_end_error(self, live: _Live, output) -> bool:
         if output.error:

@@ -26,6 +26,7 @@ import torch
 from backend.config import ConfigError, EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.engine import LLMEngine
+from backend.model.comm import RankGroupError
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.parallel_layout import ParallelLayout
 from backend.request import EngineUnavailable, SamplingParams, Sequence
@@ -373,6 +374,37 @@ def test_a_killed_worker_ends_the_requests_and_later_ones_are_refused(parallel_c
             time.sleep(0.05)
         assert all(outputs[f"r{i}"][-1].error for i in range(2))
         assert sorted(resent) == ["r0", "r1"] and all("cannot serve" in why for why in resent.values()), resent
+        with pytest.raises(EngineUnavailable, match="cannot serve"):
+            engine.submit(Sequence("after", [2, 3]), lambda raw: None)
+    finally:
+        engine.shutdown()
+    assert not _workers()
+
+
+def test_a_cancel_that_cannot_reach_its_rank_ends_every_request_as_a_lost_rank_does(parallel_checkpoint, monkeypatch):
+    """A client's abort of another rank's request whose Cancel that rank does not take (gone, or its inbox full):
+    abort() does not raise into the caller (the Triton adapter's response thread), it fails the group as the
+    receiving thread does, and every request ends with an error."""
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2)
+    outputs: dict[str, list] = {}
+    try:
+        engine.start()
+        for i in range(2):
+            engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=2000, ignore_eos=True)),
+                          lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
+        while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
+            time.sleep(0.01)
+        elsewhere = next(f"r{i}" for i in range(2) if engine.rank_of(f"r{i}") == 1)
+
+        def refused(rank, message):
+            raise RankGroupError(f"data-parallel rank {rank} takes no requests")
+
+        monkeypatch.setattr(engine.group.links, "send", refused)
+        assert engine.abort(elsewhere)
+        deadline = time.monotonic() + 60
+        while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all("takes no requests" in outputs[f"r{i}"][-1].error for i in range(2))
         with pytest.raises(EngineUnavailable, match="cannot serve"):
             engine.submit(Sequence("after", [2, 3]), lambda raw: None)
     finally:

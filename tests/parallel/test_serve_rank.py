@@ -71,3 +71,34 @@ def test_a_cancel_of_a_request_that_ended_ends_no_later_one_of_the_same_id():
     core = FakeCore()
     serve_rank(core, FakeLink([Cancel("reused", handle=3)], [_arrival(4, "reused")]))
     assert core.aborted == [] and core.live == {"reused"}
+
+
+def test_rank_0_notices_a_lost_rank_while_another_keeps_sending_outputs():
+    """Rank 0's receiving thread asks the group whether a worker is gone on a clock, not only when no rank's outputs
+    come: under steady load from the ranks alive, the requests of one that died would otherwise never end."""
+    import threading
+    import time
+
+    from backend.engine import LLMEngine
+
+    class BusyLinks:  # another rank's outputs, every time
+        def receive(self, timeout_s):
+            return "a batch"
+
+    class Group:
+        links, broken, checks = BusyLinks(), None, 0
+
+        def check(self):
+            self.checks += 1
+            self.broken = "data-parallel rank 2 exited" if self.checks >= 3 else None
+            return self.broken
+
+    engine = object.__new__(LLMEngine)  # (the receiving loop alone, over fakes)
+    engine.group, engine._stop, engine._with_deadline, failed = Group(), threading.Event(), set(), []
+    engine._take_outputs = lambda batch: time.sleep(0.01)
+    engine._fail_everywhere = failed.append
+    loop = threading.Thread(target=engine._receive_loop, daemon=True)
+    loop.start()
+    loop.join(timeout=5)
+    engine._stop.set()
+    assert failed == ["data-parallel rank 2 exited"]

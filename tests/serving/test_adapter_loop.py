@@ -142,6 +142,28 @@ def test_an_output_whose_text_fails_ends_that_request_and_the_others_go_on(adapt
     assert adapter.engine._running == {} and adapter._live == {}
 
 
+def test_an_abort_that_raises_leaves_the_thread_answering_every_request(adapter, monkeypatch):
+    """engine.abort failing (a data-parallel rank gone while a Cancel is sent) on the paths the response thread calls
+    it from, a failed send and a client's cancellation: those requests still end with one FINAL, and a request
+    beside them gets all its tokens."""
+    abort = adapter.engine.abort
+
+    def failing_abort(request_id):
+        abort(request_id)
+        raise RuntimeError("rank 1 takes no requests")
+
+    monkeypatch.setattr(adapter.engine, "abort", failing_abort)
+    failing, cancelled, good = (request(p, max_tokens=50) for p in ("failing send", "cancelled one", "good one"))
+    failing.sender.fail_sends = 1
+    for req in (failing, cancelled, good):
+        adapter.submit(req)
+    cancelled.sender.cancelled = True
+    wait_final(failing, cancelled, good)
+    assert adapter._thread.is_alive()
+    assert [r.sender.num_finals for r in (failing, cancelled, good)] == [1, 1, 1]
+    assert tokens_of(good) == expected_ids(list(b"good one"), 50)
+
+
 def test_time_to_first_token_counts_from_arrival_parsing_included(adapter, monkeypatch):
     """The request's clock starts when it arrives, before its prompt is tokenized and its chat template rendered (as
     vLLM's arrival time): a parse of 0.2 s is in its time to first token."""
