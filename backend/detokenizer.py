@@ -9,6 +9,12 @@ tokens, on the thread that sends every request's responses). As vLLM's `detokeni
 does: the ids from `_prefix` are decoded with and without those past `_read`, and the text the new
 ids add is the difference; the ids before `_read` give the decoder the context it needs (a space a
 token's leading marker stands for), and once the new text is complete the window moves on.
+
+A text may end in U+FFFD of its own (the model wrote the character, or bytes no UTF-8 character
+completes): once it has ended so for more tokens than an incomplete character can still need, the
+ids before the last few are taken as they decode (where the later ids leave their text as it is),
+so the window moves on and the text goes out. At the end everything left goes out, as the whole
+output decodes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 _INCOMPLETE = "\ufffd"
+# The tokens after its first byte that an incomplete UTF-8 character may still need (at most three bytes, a byte a
+# token at the least): a text that has ended in U+FFFD for longer holds one of its own.
+_CHARACTER_TOKENS = 3
 
 
 class IncrementalDetokenizer:
@@ -35,13 +44,27 @@ class IncrementalDetokenizer:
         context = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
         text = decode(self._ids[self._prefix:], skip_special_tokens=True)
         if len(text) > len(context) and not text.endswith(_INCOMPLETE):
-            self._text += text[len(context):]
-            self._prefix, self._read = self._read, len(self._ids)
+            self._take(context, text, len(self._ids))
+        elif len(self._ids) - self._read > _CHARACTER_TOKENS:  # (a U+FFFD of the text's own)
+            cut = len(self._ids) - _CHARACTER_TOKENS
+            head = decode(self._ids[self._prefix:cut], skip_special_tokens=True)
+            if len(head) > len(context) and text.startswith(head):  # (what the last ids no longer change)
+                self._take(context, head, cut)
         return self._release(final=False)
 
     def flush(self) -> str:
-        """At the end of generation: whatever is left (an incomplete character stays out)."""
+        """At the end of generation: whatever is left, as the whole output decodes (an incomplete last character as
+        U+FFFD)."""
+        if self._read < len(self._ids):
+            context = self.tokenizer.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+            self._take(context, self.tokenizer.decode(self._ids[self._prefix:], skip_special_tokens=True),
+                       len(self._ids))
         return self._release(final=True)
+
+    def _take(self, context: str, text: str, end: int) -> None:
+        """The ids up to `end` decode to `text` (`context`, those before `_read`, then theirs): theirs is final."""
+        self._text += text[len(context):]
+        self._prefix, self._read = self._read, end
 
     def _release(self, final: bool) -> str:
         if self.stopped:
