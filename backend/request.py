@@ -202,7 +202,7 @@ def _as_float(value: Any, key: str) -> float:
         raise ValueError(f"{key} must be a number, got {value!r}")
     try:
         number = float(value) if isinstance(value, (int, float, str)) else None
-    except ValueError:
+    except (ValueError, OverflowError):  # (an integer past float's range)
         number = None
     if number is None or not math.isfinite(number):
         raise ValueError(f"{key} must be a finite number, got {value!r}")

@@ -96,6 +96,7 @@ class SamplerState:
         if params.repetition_penalty != 1.0:
             r = params.repetition_penalty
             line.copy_(torch.where(seen, torch.where(line > 0, line / r, line * r), line))
+            line.clamp_(max=torch.finfo(line.dtype).max)  # (a tiny penalty's quotient: the largest, not inf)
         if params.frequency_penalty or params.presence_penalty:
             line -= (params.frequency_penalty * counts + params.presence_penalty * (counts > 0)).to(line.dtype)
 
@@ -151,8 +152,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Drop a token when the tokens before it already reach top_p (the first is always kept).
+        # Drop a token when the tokens before it already reach top_p; the first is always kept (also at a top_p
+        # below float32's smallest number, which rounds to 0 there).
         drop_sorted = cumulative - sorted_probs >= params.top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -191,6 +194,7 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # (as filter_logits: drop a token when the tokens before it already reach top_p; rows at top_p 1 keep all)
         drop_sorted = cumulative - sorted_probs >= per_row([p.top_p for p in params])
+        drop_sorted[:, 0] = False
         if not all(p.top_p < 1.0 for p in params):
             drop_sorted &= per_row([p.top_p < 1.0 for p in params], torch.bool)
         logits = logits.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))

@@ -117,18 +117,27 @@ def parse_request(
 # The prompt.
 
 
+def _json(raw: str, what: str) -> Any:
+    """`raw` parsed as JSON; ValueError naming `what` if it is not JSON, or nests deeper than Python's parser goes."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} nests too deeply") from None
+
+
 def _chat_prompt(array: np.ndarray, tokenizer, chat_template) -> tuple[list[int], str]:
     """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat template."""
     if chat_template is None:
         raise ValueError("'messages' needs a chat template, and this checkpoint has none (tokenizer_config.json "
                          "chat_template); send text_input instead")
-    raw = _single_string(array, "messages")
-    try:
-        messages = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    messages = _json(_single_string(array, "messages"), "messages")
     text = chat_template.render(messages)
-    ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+    except (TypeError, UnicodeError):  # (a lone surrogate, which JSON's \u escapes can spell)
+        raise ValueError("messages hold text that is not valid Unicode") from None
     if not ids:
         raise ValueError("messages render to no tokens")
     return ids, text
@@ -213,10 +222,7 @@ def _load_request_parameters(raw: str | Mapping[str, Any] | None) -> dict[str, A
     if isinstance(raw, Mapping):
         params = dict(raw)
     else:
-        try:
-            params = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"request parameters are not valid JSON: {exc}") from None
+        params = _json(raw, "request parameters")
         if not isinstance(params, dict):
             raise ValueError("request parameters must be a JSON object")
     return {k: v for k, v in params.items() if not k.startswith("triton_")}
@@ -226,10 +232,7 @@ def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, 
     """sampling_parameters (or the request's own parameters), plus the max_tokens input."""
     if "sampling_parameters" in inputs:
         raw = _single_string(inputs["sampling_parameters"], "sampling_parameters")
-        try:
-            params = json.loads(raw) if raw.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        params = _json(raw, "sampling_parameters") if raw.strip() else {}
         if not isinstance(params, dict):
             raise ValueError("sampling_parameters must be a JSON object")
         where = "sampling_parameters"
@@ -271,7 +274,7 @@ MIN_REPORTED_LOGPROB = -9999.0
 
 
 def _reported_logprob(value: float) -> float:
-    return max(value, MIN_REPORTED_LOGPROB)
+    return value if value >= MIN_REPORTED_LOGPROB else MIN_REPORTED_LOGPROB  # (NaN too: JSON has no NaN)
 
 
 def logprob_arrays(logprobs: list, top_logprobs: int) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -115,6 +116,22 @@ def test_vllms_spellings_of_no_cut_and_of_greedy_are_taken():
     logits = torch.tensor([[0.1, 0.2, 0.3, 2.0]])
     assert _sample(logits, _seqs([tiny])) == [3]
     assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_the_most_likely_token_survives_any_top_p_and_any_repetition_penalty():
+    """A top_p or repetition_penalty below float32's smallest number rounds to 0 there: top-p still keeps the first
+    token (as vLLM), and a seen token's logit divided by the penalty is the largest float, not inf (whose softmax is
+    NaN: token 0 drawn, NaN log-probabilities)."""
+    logits = torch.tensor([[0.1, 0.2, 3.0, 0.3]])
+    for params in (SamplingParams(temperature=1.0, top_p=1e-50, logprobs=1),
+                   SamplingParams(temperature=1.0, top_p=1e-50, top_k=3, logprobs=1)):
+        assert torch.isfinite(filter_logits(logits[0], params)).nonzero().flatten().tolist() == [2]
+        rows = filter_logits_rows(logits.repeat(2, 1), [params, SamplingParams(temperature=1.0)])
+        assert torch.isfinite(rows[0]).sum() == 1 and torch.isfinite(rows[1]).all()
+        assert _sample(logits, _seqs([params])) == [2]
+    state = SamplerState(SamplingParams(temperature=1.0, repetition_penalty=1e-50, logprobs=1), [1])
+    output = Sampler().step(logits, [state])
+    assert output.sampled.tolist() == [1] and math.isfinite(output.logprobs[0][0].logprob)
 
 
 def test_top_p_applies_to_what_min_p_left_renormalised_as_in_vllm_v1():

@@ -181,6 +181,8 @@ def test_max_tokens_input(tokenizer):
         ('{"stop_token_ids": [-1]}', "stop_token_ids must be a list"),
         ('{"ignore_eos": "yes"}', "boolean"),
         ('{"min_tokens": 3, "max_tokens": 8}', "min_tokens"),
+        ('{"temperature": 1' + "0" * 400 + "}", "temperature must be a finite number"),  # (past float's range)
+        ("[" * 100_000 + "]" * 100_000, "sampling_parameters nests too deeply"),
     ],
 )
 def test_bad_sampling_parameters(tokenizer, raw, message):
@@ -343,3 +345,5 @@ def test_vllm_logprobs_json_is_strict_json_with_excluded_tokens_at_minus_9999():
     (entry,) = json.loads(raw, parse_constant=refuse)
     assert entry == {"0": {"logprob": -0.25, "rank": 1, "decoded_token": "a"},
                      "3": {"logprob": -9999.0, "rank": 2, "decoded_token": "d"}}
+    nan = vllm_logprobs_json([0], [TokenLogprobs(float("nan"), 1, [(0, float("nan"))])], Tokens())[0].decode()
+    assert json.loads(nan, parse_constant=refuse) == [{"0": {"logprob": -9999.0, "rank": 1, "decoded_token": "a"}}]

@@ -101,6 +101,11 @@ def test_no_constraint_is_none():
     ({"guided_decoding": {"regex": "a"}, "structured_outputs": {"regex": "b"}}, "send one output constraint"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    # (XGrammar's parse of so deep a schema, on the thread that takes requests, would take seconds to minutes)
+    ({"guided_decoding": {"json": '{"type": "array", "items": ' * 65 + '{"type": "string"}' + "}" * 65}},
+     "nests 66 deep, more than 64"),
+    ({"guided_decoding": {"json": "[" * 100_000 + "]" * 100_000}}, "nests too deeply"),
+    ({"guided_decoding": '{"json": ' + "[" * 100_000 + "]" * 100_000 + "}"}, "nests too deeply"),
 ])
 def test_malformed_constraints_are_refused_with_a_message_naming_the_problem(params, message):
     with pytest.raises(ValueError, match=message):
