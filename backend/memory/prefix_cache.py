@@ -155,8 +155,11 @@ class PrefixCache:
         return known[:num_blocks]
 
     def lookup(self, seq) -> CachedPrefix | None:
-        """The longest cached prefix of `seq`'s tokens that leaves at least one token to compute."""
-        tokens, limit = seq.token_ids, seq.num_tokens - 1
+        """The longest cached prefix of `seq`'s tokens that leaves at least one token to compute. Only the tokens on
+        the host are hashed (a request's digests are kept: a block hashed before its last token came would stay
+        wrong), so a request with tokens in flight is looked up as far as its host tokens go."""
+        tokens = seq.token_ids
+        limit = len(tokens) - 1
         digests = [b""] + self._chain(seq, limit // self.block_tokens)
         for k in range(len(digests) - 1, -1, -1):
             start = k * self.block_tokens

@@ -246,3 +246,18 @@ def test_with_no_end_slots_ends_are_not_kept_and_boundaries_are():
     kv.free(a)
     cache.clear()
     kv.check()
+
+
+def test_a_request_with_tokens_in_flight_is_hashed_only_as_far_as_its_host_tokens():
+    """A preempted request whose verify is still in flight (127 tokens on the host, 2 on the device) looked up for the
+    next step's budget: its digests are kept for good, so none may hash a block short of its last token."""
+    kv = _manager()
+    kv.enable_prefix_caching(128, max_entries=4)
+    cache, tokens = kv.prefix_cache, [3 + i % 30 for i in range(129)]
+    seq = Sequence("in-flight", tokens[:127])
+    seq.num_placeholders = 2
+    assert cache.cached_length(seq) == 0
+    seq.token_ids.extend(tokens[127:])  # (the step's tokens reach the host)
+    seq.num_placeholders = 0
+    cache.cached_length(seq)
+    assert seq.block_digests == cache.digests(tokens, 1)
