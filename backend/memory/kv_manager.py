@@ -145,7 +145,10 @@ class KVCacheManager:
         if pool is self.window_pool:
             if max_step_tokens is None:
                 return pool.num_pages
-            return min(pool.num_pages, -(-(max_step_tokens + self.window) // self.page_size) + 1)
+            # (beyond a step's tokens: a prompt's last chunk also holds its draft chain's k - 1 positions, a decode
+            # its chain's, and the positions kept behind; + 1: a run that starts mid-page)
+            reach = max_step_tokens + self.window_pool.decode_lookahead + self._lookbehind + self.window
+            return min(pool.num_pages, -(-reach // self.page_size) + 1)
         return min(pool.num_pages, pool.pages_for_tokens(self.model.max_position_embeddings) + 1)
 
     def enable_prefix_caching(self, block_tokens: int, max_entries: int, max_end_entries: int | None = None) -> None:

@@ -83,3 +83,38 @@ def test_a_decode_step_writes_no_table_cell():
     before = {name: table.copy() for name, table in kv.tables.items()}
     assert kv.try_extend(seq, 1)  # position 401: inside the window's last page, no new CSA/HCA page
     assert all((before[name] == kv.tables[name]).all() for name in kv.tables)
+
+
+def test_a_prompts_last_chunk_with_its_draft_chain_lookahead_fits_the_window_table():
+    """k = 4: a prompt's last chunk holds max_num_batched_tokens positions and its draft chain's 3 more; a chat's next
+    turn restored mid-page at its first turn's end spans one page more than a table sized by the chunk alone, whose
+    newest page then overwrote the column of the oldest, which the same step reads."""
+    from backend.config import EngineConfig
+    from backend.memory.kv_manager import KVCacheManager
+    from backend.model.forward_batch import BatchRow, build_forward_batch
+    from backend.request import SamplingParams
+    from backend.scheduler import Scheduler, StepOutput, StepTiming
+
+    from test_pools import _model_config
+
+    k, budget = 4, 256
+    kv = KVCacheManager(_model_config(), num_tokens=8192, swa_full_tokens_ratio=1.0, page_size=16,
+                        max_running_requests=4, dtype=torch.float32, device="cpu", max_step_tokens=budget,
+                        speculative_tokens=k, draft_layers=1)
+    kv.enable_prefix_caching(128, 8, 4)
+    scheduler = Scheduler(EngineConfig(policy="prefill_first", max_running_requests=4, max_num_batched_tokens=budget,
+                                       num_speculative_tokens=k), kv, budget, prefix_cache=kv.prefix_cache)
+    first = Sequence("turn 1", list(range(1, 143)), SamplingParams(max_tokens=1))  # its end kept at 142
+    scheduler.add(first)
+    while not first.is_finished:
+        plan = scheduler.schedule(now=0.0)
+        scheduler.update_from_output(plan, StepOutput([[7] for c in plan.chunks if c.samples], timing=StepTiming()))
+    second = Sequence("turn 2", list(range(1, 143)) + [9] * budget, SamplingParams(max_tokens=4))
+    scheduler.add(second)
+    (chunk,) = scheduler.schedule(now=0.0).chunks
+    assert chunk.start == 142 and chunk.allocated == budget + k - 1
+    run = second.pages.runs["window"]
+    batch = build_forward_batch([BatchRow(second.pages, second.token_ids[chunk.start:chunk.end], chunk.start, True)],
+                                kv)
+    row = batch.window_block_table[0].tolist()  # (the pages the step reads and writes: all but the chain's)
+    assert len(row) >= len(run.pages) - 1 and row[:len(run.pages)] == list(run.pages)[:len(row)]
