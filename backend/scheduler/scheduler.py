@@ -700,10 +700,12 @@ class Scheduler:
                 seq.num_computed_tokens = cached  # the positions the restored pages hold
             num_tokens = min(seq.num_uncomputed_tokens, left)
             if not self._allocate(seq, num_tokens):
-                if cached:  # it waits holding nothing, like every waiting request
-                    self.memory.free(seq)
-                    seq.num_computed_tokens = 0
-                return
+                num_tokens, cached = self._fit_alone(seq, num_tokens, cached) if not self._running else (0, cached)
+                if not num_tokens:
+                    if cached:  # it waits holding nothing, like every waiting request
+                        self.memory.free(seq)
+                        seq.num_computed_tokens = 0
+                    return
             self._waiting.pop(0)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
@@ -713,6 +715,17 @@ class Scheduler:
             self._running.append(seq)
             self._add_chunk(plan, seq, num_tokens, is_decode=False)
             left -= num_tokens
+
+    def _fit_alone(self, seq: Sequence, num_tokens: int, cached: int) -> tuple[int, int]:
+        """In an empty engine the head's whole chunk did not fit: (the largest chunk that does, allocated; the
+        positions restored), the restored prefix given up where nothing fits beside it. A prompt the engine holds at
+        all fits some chunk (a running prefill's chunks are fitted alike), so it is not failed for its chunk's size."""
+        fitted = self._fit_chunk(seq, num_tokens)
+        if not fitted and cached:
+            self.memory.free(seq)
+            seq.num_computed_tokens = cached = 0
+            fitted = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, num_tokens))
+        return fitted, cached
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """try_extend, evicting prefix-cache entries first when they hold the pages it needs."""

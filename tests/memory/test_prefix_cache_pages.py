@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -261,3 +262,43 @@ def test_a_request_with_tokens_in_flight_is_hashed_only_as_far_as_its_host_token
     seq.num_placeholders = 0
     cache.cached_length(seq)
     assert seq.block_digests == cache.digests(tokens, 1)
+
+
+def _serve_alone(kv, scheduler, seq) -> None:
+    from backend.scheduler import StepOutput, StepTiming
+
+    scheduler.add(seq)
+    while not seq.is_finished:
+        plan = scheduler.schedule(now=0.0)
+        scheduler.update_from_output(plan, StepOutput([[7] for c in plan.chunks if c.samples],
+                                                      timing=StepTiming(duration_s=0.01)))
+        kv.check()
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_empty_engine_admits_a_prompt_it_holds_in_the_chunk_its_memory_fits(cache):
+    """A 16-page window pool (256 positions) and 512-token chunks: a 359-token prompt fits the engine, not in one
+    chunk. Admission fits the chunk as a running prefill's are fitted, after a restored prefix too (giving that up
+    where nothing fits beside it), instead of failing the request as too large for an empty engine."""
+    import torch
+
+    from backend.config import EngineConfig
+    from backend.memory.kv_manager import KVCacheManager
+    from backend.request import SamplingParams
+    from backend.scheduler import Scheduler
+
+    from test_pools import _model_config
+
+    kv = KVCacheManager(_model_config(), num_tokens=1024, swa_full_tokens_ratio=0.25, page_size=16,
+                        max_running_requests=4, dtype=torch.float32, device="cpu", max_step_tokens=512)
+    if cache:
+        kv.enable_prefix_caching(128, 8, 4)
+    scheduler = Scheduler(EngineConfig(policy="prefill_first", max_running_requests=4, max_num_batched_tokens=512,
+                                       prefill_chunk_tokens=512), kv, 512, prefix_cache=kv.prefix_cache)
+    shared = list(range(1, 129))
+    first, second = (Sequence(name, shared + tail, SamplingParams(max_tokens=2))
+                     for name, tail in (("first", [3, 4]), ("second", [5] * 231)))
+    for seq in (first, second):
+        _serve_alone(kv, scheduler, seq)
+        assert seq.finish_reason.value == "length", seq.request_id
+    assert second.num_cached_tokens == (128 if cache else 0)  # (the restore kept: a smaller chunk fits beside it)
