@@ -600,7 +600,8 @@ class Scheduler:
             runnable = next((s for s in self._running if s.is_decode or s.is_prefill), None)
             if runnable is not None:
                 self._allocate_or_preempt(plan, runnable, 1)  # the oldest runnable request must progress
-            elif self._waiting and not self._running and not self._waiting[0].num_placeholders:
+            elif (self._waiting and not self._running and not self._waiting[0].num_placeholders
+                  and not self._inflight):  # (a step in flight may pin pages its take-in frees: wait for it)
                 # Admission failed in an empty engine: the memory contradicts the admission gate.
                 self._end(plan, self._waiting[0], FinishReason.ERROR)
                 logger.warning("request %r failed: it does not fit in an empty engine", plan.aborted[-1].request_id)
@@ -700,7 +701,8 @@ class Scheduler:
                 seq.num_computed_tokens = cached  # the positions the restored pages hold
             num_tokens = min(seq.num_uncomputed_tokens, left)
             if not self._allocate(seq, num_tokens):
-                num_tokens, cached = self._fit_alone(seq, num_tokens, cached) if not self._running else (0, cached)
+                alone = not self._running and seq.num_tokens <= self.memory.max_request_positions()
+                num_tokens, cached = self._fit_alone(seq, num_tokens, cached) if alone else (0, cached)
                 if not num_tokens:
                     if cached:  # it waits holding nothing, like every waiting request
                         self.memory.free(seq)
@@ -717,9 +719,9 @@ class Scheduler:
             left -= num_tokens
 
     def _fit_alone(self, seq: Sequence, num_tokens: int, cached: int) -> tuple[int, int]:
-        """In an empty engine the head's whole chunk did not fit: (the largest chunk that does, allocated; the
-        positions restored), the restored prefix given up where nothing fits beside it. A prompt the engine holds at
-        all fits some chunk (a running prefill's chunks are fitted alike), so it is not failed for its chunk's size."""
+        """In an empty engine the whole chunk of a head whose prompt the engine holds did not fit: (the largest chunk
+        that does, allocated; the positions restored), the restored prefix given up where nothing fits beside it. It
+        is not failed for its chunk's size (a running prefill's chunks are fitted alike)."""
         fitted = self._fit_chunk(seq, num_tokens)
         if not fitted and cached:
             self.memory.free(seq)
@@ -742,7 +744,8 @@ class Scheduler:
 
     def _fit_chunk(self, seq: Sequence, num_tokens: int) -> int:
         """Allocate the largest chunk <= num_tokens whose pages exist (can_extend is monotone); its size, 0 if none."""
-        self.memory.release_slid_out(seq, seq.num_computed_tokens)
+        if seq.pages is not None:  # (a request admitted now holds nothing yet)
+            self.memory.release_slid_out(seq, seq.num_computed_tokens)
         if not self._fits(seq, num_tokens):
             lo, hi = 0, num_tokens  # invariant: lo fits (0 trivially), hi does not
             while hi - lo > 1:
@@ -757,11 +760,14 @@ class Scheduler:
         """Allocate `num_tokens` for `seq`, preempting the newest running sequences without a chunk until it can.
 
         Returns False when `seq` itself was the newest (it is preempted) or is alone and still
-        cannot extend (it is failed with ERROR rather than retried forever).
+        cannot extend: it waits for the take-in of a step in flight, or with none is failed with ERROR
+        rather than retried forever.
         """
         while not self._allocate(seq, num_tokens):  # cached-only pages went first, in _allocate
             victim = next(s for s in reversed(self._running) if not plan.has_chunk(s))
             if victim is seq and len(self._running) == 1:
+                if self._inflight:  # (pages the step in flight pins, its prefix-cache snapshots', come back at its
+                    return False  # take-in: this request waits a step for them, holding what it holds)
                 self._end(plan, seq, FinishReason.ERROR)
                 logger.warning("request %r failed: it cannot extend by %d tokens even alone", seq.request_id,
                                num_tokens)

@@ -302,3 +302,48 @@ def test_an_empty_engine_admits_a_prompt_it_holds_in_the_chunk_its_memory_fits(c
         _serve_alone(kv, scheduler, seq)
         assert seq.finish_reason.value == "length", seq.request_id
     assert second.num_cached_tokens == (128 if cache else 0)  # (the restore kept: a smaller chunk fits beside it)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pages_a_step_in_flight_pins_are_waited_for_not_taken_as_too_little_memory(overlap):
+    """A 16-page window pool; A decodes alone across a block boundary, whose snapshot the step in flight reserves
+    (its pages pinned until that step's take-in), while B arrives. With overlap the next step is scheduled before
+    that take-in: A, then B, waited for those pages instead of being failed as fitting no engine."""
+    import torch
+
+    from backend.config import EngineConfig
+    from backend.memory.kv_manager import KVCacheManager
+    from backend.request import SamplingParams
+    from backend.scheduler import Scheduler, StepOutput, StepTiming
+
+    from test_pools import _model_config
+
+    kv = KVCacheManager(_model_config(), num_tokens=1024, swa_full_tokens_ratio=0.25, page_size=16,
+                        max_running_requests=4, dtype=torch.float32, device="cpu", max_step_tokens=512)
+    kv.enable_prefix_caching(128, 8, 4)
+    scheduler = Scheduler(EngineConfig(policy="mixed", max_running_requests=4, max_num_batched_tokens=512), kv, 128,
+                          prefix_cache=kv.prefix_cache, max_steps_in_flight=2 if overlap else 1)
+    a = Sequence("A", list(range(1, 101)), SamplingParams(max_tokens=200))
+    b = Sequence("B", list(range(500, 700)), SamplingParams(max_tokens=10))
+    in_flight, ended = [], {}
+
+    def take_in(plan):
+        output = StepOutput([[7] for c in plan.chunks if c.samples], timing=StepTiming(duration_s=0.01))
+        ended.update((o.request_id, o.finish_reason) for o in scheduler.update_from_output(plan, output) if o.finished)
+
+    scheduler.add(a)
+    for _ in range(600):
+        if a.num_computed_tokens == 127 and b.request_id not in scheduler._by_id and not b.is_finished:
+            scheduler.add(b)  # (A's next decode reaches the boundary at 128)
+        plan = scheduler.schedule(now=0.0)
+        if plan is not None:
+            ended.update((s.request_id, s.finish_reason) for s in plan.aborted)
+        if in_flight:
+            take_in(in_flight.pop(0))
+        if plan is not None and plan.chunks:
+            (in_flight.append if overlap else take_in)(plan)
+        kv.check()
+        if len(ended) == 2:
+            break
+    assert {name: reason.value for name, reason in ended.items()} == {"A": "length", "B": "length"}
+    assert len(a.output_ids) == 200 and len(b.output_ids) == 10
