@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded text of the ids before _read (they decode completely)
         self._prefix = self._read = 0  # the decoding window's context starts at _prefix, its new ids at _read
         self._released = 0  # characters of _text already returned
+        self._special: frozenset[int] | None = None  # the tokenizer's special tokens' ids, once needed
         self.stopped = False
 
     def add(self, token_id: int) -> str:
@@ -45,12 +46,23 @@ class IncrementalDetokenizer:
         text = decode(self._ids[self._prefix:], skip_special_tokens=True)
         if len(text) > len(context) and not text.endswith(_INCOMPLETE):
             self._take(context, text, len(self._ids))
-        elif len(self._ids) - self._read > _CHARACTER_TOKENS:  # (a U+FFFD of the text's own)
-            cut = len(self._ids) - _CHARACTER_TOKENS
-            head = decode(self._ids[self._prefix:cut], skip_special_tokens=True)
+        elif len(self._ids) - self._read > _CHARACTER_TOKENS and (cut := self._settled_end()) > self._read:
+            head = decode(self._ids[self._prefix:cut], skip_special_tokens=True)  # (a U+FFFD of the text's own)
             if len(head) > len(context) and text.startswith(head):  # (what the last ids no longer change)
                 self._take(context, head, cut)
         return self._release(final=False)
+
+    def _settled_end(self) -> int:
+        """Where the ids end that no incomplete character after them can reach back into: before the last
+        _CHARACTER_TOKENS ids that carry bytes (a special token, skipped, carries none); `_read` if there is none."""
+        if self._special is None:
+            self._special = frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items()
+                                      if token.special)
+        cut, carrying = len(self._ids), 0
+        while cut > self._read and carrying < _CHARACTER_TOKENS:
+            cut -= 1
+            carrying += self._ids[cut] not in self._special
+        return cut if carrying == _CHARACTER_TOKENS else self._read
 
     def flush(self) -> str:
         """At the end of generation: whatever is left, as the whole output decodes (an incomplete last character as

@@ -138,10 +138,13 @@ def _seeded(generator: torch.Generator, seed: int | None) -> torch.Generator:
     return generator
 
 
+_LARGEST = torch.finfo(torch.float32).max
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature-scaled logits [V] with -inf outside the top-k / top-p / min-p sets: one row, the definition
     `filter_logits_rows` (what the sampler runs) is tested against."""
-    logits = logits.float() * (1.0 / params.temperature)
+    logits = (logits.float() * (1.0 / params.temperature)).clamp_(max=_LARGEST)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -173,7 +176,8 @@ def filter_logits_rows(logits: torch.Tensor, params: list[SamplingParams]) -> to
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True).view(rows, 1)
 
     # (times the reciprocal, whether one number or a column: a row's values do not depend on its batch's temperatures)
-    logits = logits.float() * per_row([1.0 / p.temperature for p in params])
+    # (clamped: a tiny repetition penalty's largest float, times 1 / temperature, would be inf again)
+    logits = (logits.float() * per_row([1.0 / p.temperature for p in params])).clamp_(max=_LARGEST)
     ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
     top_k = per_row(ks, torch.long)
     if isinstance(top_k, int) and top_k:

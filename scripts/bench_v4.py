@@ -33,9 +33,8 @@ Writes --out (default docs/results/<device>-<date>/v4_shapes.json): a JSON list 
 layers measured and one extrapolated (`extrapolated`: true), with kind, batch, context, layers, step_ms, roofline_ms,
 per_layer_ms, per_layer_roofline_ms, outside_ms, weight_gb, kv_gb, tflop, copy_gbps, matmul_tflops, ratio
 (step / roofline), variant ("" for the steps as configured) and, for the prefill, tokens_per_s; the same rows as CSV
-beside it (--csv), and a table. Both are written again after each stage (the decode steps, the prefill, each
-variant), so a run cut short keeps what it measured; a variant that fails is reported and the next one runs (exit
-status 1).
+beside it (--csv), and a table. Both are written again after each case is measured, so a run cut short keeps what it
+measured; a variant that fails is reported and the next one runs (exit status 1).
 """
 
 from __future__ import annotations
@@ -229,7 +228,7 @@ def case_rows(kind: str, batch: int, context: int, measured: dict, layers: int, 
 
 
 def run(args, save) -> list[str]:
-    """Times every case, handing each stage's rows to `save` as they are measured (a run cut short keeps them);
+    """Times every case, handing each case's rows to `save` as it is measured (a run cut short keeps them);
     returns the variants that failed (each one's error printed; the variants after it still run)."""
     import torch
 
@@ -270,22 +269,21 @@ def run(args, save) -> list[str]:
         return tuple(roofline(c, dataclasses.replace(w, kv=0.0) if prefill else w, logits_rows, rates)
                      for c, w in zip((config, full_config), works))
 
-    def decode_rows(batches: list[int], variant: str) -> list[dict]:
-        rows, seqs = [], bench.decoding(max(batches), args.context)
+    def decode_rows(batches: list[int], variant: str) -> None:
+        seqs = bench.decoding(max(batches), args.context)
         try:
             for batch in batches:
                 measured = dict(step_ms=bench.decode_ms(seqs[:batch]), outside_ms=bench.outside_ms(batch),
                                 variant=variant)
-                rows += case_rows("decode", batch, args.context, measured, config.num_hidden_layers,
-                                  full_config.num_hidden_layers, *bounds(batch, args.context, batch), rates)
+                save(case_rows("decode", batch, args.context, measured, config.num_hidden_layers,
+                               full_config.num_hidden_layers, *bounds(batch, args.context, batch), rates))
                 print(f"decode batch {batch}{f' ({variant})' if variant else ''}: {measured['step_ms']:.2f} ms",
                       flush=True)
         finally:
             for seq in seqs:
                 bench.kv.free(seq)
-        return rows
 
-    save(decode_rows(args.batches, ""))
+    decode_rows(args.batches, "")
     step = bench.prefill_ms(args.context)
     measured = dict(step_ms=step, outside_ms=bench.outside_ms(1), tokens_per_s=args.context / step * 1e3,
                     variant="")
@@ -295,7 +293,7 @@ def run(args, save) -> list[str]:
     for variant in args.variants:  # last: the process keeps the last one
         try:
             bench.use_variant(variant)
-            save(decode_rows(args.variant_batches, variant))
+            decode_rows(args.variant_batches, variant)
         except Exception:  # (a driver refusing one variant's launches leaves the rows above and the other variants)
             traceback.print_exc()
             print(f"variant {variant} failed", file=sys.stderr, flush=True)

@@ -279,18 +279,21 @@ def load_model_config(checkpoint: str | Path, overrides: dict | None = None) -> 
 _SHADOWED_BY = {"rope_theta": ("rope_parameters",), "compress_rope_theta": ("rope_parameters",),
                 "rope_scaling": ("rope_parameters",), "partial_rotary_factor": ("rope_parameters",),
                 "qk_rope_head_dim": ("partial_rotary_factor", "rope_parameters"),
-                "compress_ratios": ("layer_types",), "num_hash_layers": ("mlp_layer_types",)}
+                "compress_ratios": ("layer_types",), "num_hash_layers": ("mlp_layer_types",),
+                "compress_rates": ("compress_rate_csa", "compress_rate_hca")}
 
 
-def _takes_precedence(key: str, value) -> bool:
-    if key == "rope_parameters":  # (a flat YaRN dict is read with the flat keys; the nested form replaces them)
-        return isinstance(value, dict) and isinstance(value.get("main"), dict)
+def _takes_precedence(shadow: str, value, key: str) -> bool:
+    """Whether config.json's `shadow`, holding `value`, is read instead of `key`."""
+    if shadow == "rope_parameters" and key != "rope_scaling":  # (the flat keys are read beside a flat YaRN dict;
+        return isinstance(value, dict) and isinstance(value.get("main"), dict)  # the nested form replaces them)
     return value is not None
 
 
 def _check_not_shadowed(raw: dict, overrides: dict, source: str) -> None:
     for key in overrides:
-        shadows = [k for k in _SHADOWED_BY.get(key, ()) if k not in overrides and _takes_precedence(k, raw.get(k))]
+        shadows = [k for k in _SHADOWED_BY.get(key, ())
+                   if k not in overrides and _takes_precedence(k, raw.get(k), key)]
         if shadows:
             raise UnsupportedCheckpoint(f"{source}: hf_overrides sets {key!r}, but config.json's {shadows[0]!r} "
                                         f"takes precedence over it: override {shadows[0]!r} instead (or as well)")

@@ -40,8 +40,10 @@ overtaken by one that arrived more than (its priority - the other's) * priority_
 stream of better-priority arrivals its wait is bounded (priority_aging_s 0: strict priority, FCFS within a
 priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most recently
 admitted running sequence (recompute: memory freed, num_computed_tokens = 0, requeued at the front of its
-priority); a prefill continuation takes a smaller chunk or waits. A sequence that cannot extend while
-running alone is failed (FinishReason.ERROR) instead of retried forever.
+priority); a prefill continuation takes a smaller chunk or waits (so does the first chunk of a request admitted
+into an empty engine). A sequence that cannot extend while running alone waits for the take-in of a step in
+flight (whose prefix-cache snapshots pin pages until then); with none, it is failed (FinishReason.ERROR) instead
+of retried forever.
 Deadlines: a request with `timeout_ms` that has not finished that long after it arrived ends, waiting
 or running, at the next schedule() with FinishReason.TIMEOUT (its memory freed).
 Sequences the scheduler ends at schedule() (cancelled, timed out or failed) come back in `plan.aborted`.
@@ -590,8 +592,9 @@ class Scheduler:
     def _build(self, plan: StepPlan) -> None:
         """Fill plan.chunks by the policy; if memory blocks every runnable candidate, free memory and retry.
 
-        Each retry preempts or fails at least one sequence, so the loop is bounded. Nothing is runnable
-        while every request waits for the output of a step in flight: the plan stays empty.
+        The retries are bounded. Nothing is runnable while every request waits for the output of a step in
+        flight, or while a request alone waits for the memory a step in flight pins: the plan stays empty, and
+        the step's take-in comes first.
         """
         for _ in range(len(self._running) + len(self._waiting) + 1):
             self.policy.build(self, plan)

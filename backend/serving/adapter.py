@@ -125,8 +125,8 @@ class TritonAdapter:
             if now >= next_poll:
                 try:
                     self._poll_cancelled()
-                except Exception as exc:
-                    self.logger.log_error(f"[dsv4] passing on cancellations failed: {exc}")
+                except Exception as exc:  # (a sender's is_cancelled() failing)
+                    self.logger.log_error(f"[dsv4] asking for cancellations failed: {exc}")
                 next_poll = now + self.poll_s
             if now >= next_stats:
                 self._update_stats()
@@ -205,7 +205,10 @@ class TritonAdapter:
             cancelled = [(request_id, live) for request_id, live in self._live.items()
                          if not live.cancelling and live.sender.is_cancelled()]
         for request_id, live in cancelled:
-            self._cancel(request_id, live)
+            try:
+                self._cancel(request_id, live)
+            except Exception as exc:  # (the others' cancellations still go through)
+                self.logger.log_error(f"[dsv4] cancelling {request_id} failed: {exc}")
 
     def _cancel(self, request_id: str, live: _Live) -> None:
         """The client cancelled: the engine aborts at its next step and answers CANCELLED. A request that submit() has

@@ -129,9 +129,10 @@ def test_the_most_likely_token_survives_any_top_p_and_any_repetition_penalty():
         rows = filter_logits_rows(logits.repeat(2, 1), [params, SamplingParams(temperature=1.0)])
         assert torch.isfinite(rows[0]).sum() == 1 and torch.isfinite(rows[1]).all()
         assert _sample(logits, _seqs([params])) == [2]
-    state = SamplerState(SamplingParams(temperature=1.0, repetition_penalty=1e-50, logprobs=1), [1])
-    output = Sampler().step(logits, [state])
-    assert output.sampled.tolist() == [1] and math.isfinite(output.logprobs[0][0].logprob)
+    for temperature in (1.0, 0.5):  # (times 1 / temperature after the penalty)
+        state = SamplerState(SamplingParams(temperature=temperature, repetition_penalty=1e-50, logprobs=1), [1])
+        output = Sampler().step(logits, [state])
+        assert output.sampled.tolist() == [1] and math.isfinite(output.logprobs[0][0].logprob)
 
 
 def test_top_p_applies_to_what_min_p_left_renormalised_as_in_vllm_v1():
@@ -217,6 +218,11 @@ def test_a_text_ending_in_its_own_replacement_character_goes_out_and_keeps_a_win
     assert max(windows) <= 16
     ending = IncrementalDetokenizer(tokenizer)
     assert "".join(ending.add(t) for t in tokenizer.encode("ok \ufffd").ids) + ending.flush() == "ok \ufffd"
+    smile = tokenizer.encode("🙂").ids  # (4 byte tokens) with special tokens, which carry no byte, between them
+    special = tokenizer.token_to_id("<｜end▁of▁sentence｜>")
+    ids = tokenizer.encode("ok ").ids + replacement * 3 + smile[:1] + [special] * 3 + smile[1:] + tail
+    between = IncrementalDetokenizer(tokenizer)
+    assert "".join(between.add(t) for t in ids) + between.flush() == decode(ids, skip_special_tokens=True)
 
 
 def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):

@@ -347,9 +347,20 @@ def test_an_override_that_config_json_would_shadow_is_refused_naming_the_key_to_
     assert raw[precedes] is not None
 
 
-def test_flat_rope_overrides_apply_where_config_json_has_flat_keys():
+def test_flat_rope_overrides_apply_where_config_json_has_flat_keys_and_a_flat_yarn_dict_shadows_rope_scaling(
+        tmp_path):
     config = load_model_config("docs/configs/deepseek-v4-flash.config.json", {"rope_theta": 5000.0})
     assert config.rope_parameters["main"]["rope_theta"] == 5000.0
+    raw = json.loads(Path("docs/configs/deepseek-v4-flash.config.json").read_text())
+    raw["rope_parameters"] = raw.pop("rope_scaling")  # (the same YaRN dict under the name that takes precedence)
+    raw["compress_rate_csa"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(tmp_path, {"rope_theta": 5000.0}).rope_parameters["main"]["rope_theta"] == 5000.0
+    with pytest.raises(UnsupportedCheckpoint, match="sets 'rope_scaling'.*'rope_parameters' takes precedence"):
+        load_model_config(tmp_path, {"rope_scaling": {"type": "yarn", "factor": 4}})
+    with pytest.raises(UnsupportedCheckpoint, match="sets 'compress_rates'.*'compress_rate_csa' takes precedence"):
+        load_model_config(tmp_path, {"compress_rates": {"compressed_sparse_attention": 8,
+                                                        "heavily_compressed_attention": 128}})
 
 
 @pytest.mark.parametrize("override, message", [

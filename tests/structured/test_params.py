@@ -103,7 +103,7 @@ def test_no_constraint_is_none():
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
     # (XGrammar's parse of so deep a schema, on the thread that takes requests, would take seconds to minutes)
     ({"guided_decoding": {"json": '{"type": "array", "items": ' * 65 + '{"type": "string"}' + "}" * 65}},
-     "nests 66 deep, more than 64"),
+     "nests 66 levels deep, more than 64"),
     ({"guided_decoding": {"json": "[" * 100_000 + "]" * 100_000}}, "nests too deeply"),
     ({"guided_decoding": '{"json": ' + "[" * 100_000 + "]" * 100_000 + "}"}, "nests too deeply"),
 ])
