@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from backend.errors import load_json
 from backend.request import FinishReason, SamplingParams
 
 INPUT_NAMES = (
@@ -117,22 +118,12 @@ def parse_request(
 # The prompt.
 
 
-def _json(raw: str, what: str) -> Any:
-    """`raw` parsed as JSON; ValueError naming `what` if it is not JSON, or nests deeper than Python's parser goes."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
-
-
 def _chat_prompt(array: np.ndarray, tokenizer, chat_template) -> tuple[list[int], str]:
     """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat template."""
     if chat_template is None:
         raise ValueError("'messages' needs a chat template, and this checkpoint has none (tokenizer_config.json "
                          "chat_template); send text_input instead")
-    messages = _json(_single_string(array, "messages"), "messages")
+    messages = load_json(_single_string(array, "messages"), "messages")
     text = chat_template.render(messages)
     try:
         ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
@@ -222,7 +213,7 @@ def _load_request_parameters(raw: str | Mapping[str, Any] | None) -> dict[str, A
     if isinstance(raw, Mapping):
         params = dict(raw)
     else:
-        params = _json(raw, "request parameters")
+        params = load_json(raw, "request parameters")
         if not isinstance(params, dict):
             raise ValueError("request parameters must be a JSON object")
     return {k: v for k, v in params.items() if not k.startswith("triton_")}
@@ -232,7 +223,7 @@ def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, 
     """sampling_parameters (or the request's own parameters), plus the max_tokens input."""
     if "sampling_parameters" in inputs:
         raw = _single_string(inputs["sampling_parameters"], "sampling_parameters")
-        params = _json(raw, "sampling_parameters") if raw.strip() else {}
+        params = load_json(raw, "sampling_parameters") if raw.strip() else {}
         if not isinstance(params, dict):
             raise ValueError("sampling_parameters must be a JSON object")
         where = "sampling_parameters"

@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from backend.errors import load_json
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 GUIDED_KEYS = ("guided_decoding", "structured_outputs", "response_format")
 _BACKENDS = (None, "", "auto", "xgrammar")
@@ -87,19 +89,10 @@ def _is_text_format(key: str, value: Any) -> bool:
 def _json_value(value: Any, where: str) -> Any:
     """An object, or a JSON string of one (Triton's OpenAI frontend and vLLM backend send strings)."""
     if isinstance(value, str):
-        value = _loads(value, f"{where} is not valid JSON")
+        value = load_json(value, where)
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
     return value
-
-
-def _loads(text: str, invalid: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{invalid}: {exc}") from None
-    except RecursionError:
-        raise ValueError(f"{invalid}: it nests too deeply") from None
 
 
 def _depth(node: Any) -> int:
@@ -155,7 +148,7 @@ def _without_additional_properties(schema_text: str) -> dict:
 def _spec(kind: str, value: Any, where: str) -> str:
     if kind == "json":
         if isinstance(value, str):
-            value = _loads(value, f"{where}: json is not a valid JSON schema text")
+            value = load_json(value, f"{where}: the json schema text")
         if not isinstance(value, (dict, bool)):
             raise ValueError(f"{where}: json must be a JSON schema (an object), got {type(value).__name__}")
         if _depth(value) > MAX_SCHEMA_DEPTH:

@@ -87,7 +87,7 @@ def test_no_constraint_is_none():
     ({"guided_decoding": {"choice": ["a", ""]}}, "non-empty string"),
     ({"guided_decoding": {"choice": "a"}}, "non-empty list"),
     ({"guided_decoding": {"regex": ""}}, "non-empty string"),
-    ({"guided_decoding": {"json": "{not json"}}, "not a valid JSON schema text"),
+    ({"guided_decoding": {"json": "{not json"}}, "json schema text is not valid JSON"),
     ({"guided_decoding": {"json": [1]}}, "must be a JSON schema"),
     ({"guided_decoding": {"json_object": "yes"}}, "json_object must be true"),
     ({"guided_decoding": "{oops"}, "not valid JSON"),
