@@ -64,6 +64,9 @@ class GroupSpec:
             else "cpu"
 
 
+IDLE_WAIT_S = 10**8  # (three years)
+
+
 def join(spec: GroupSpec, rank: int):
     """init_process_group for `rank`; returns (communicator for tensors, gloo group for the step's batch, how the
     data-parallel ranks keep in step)."""
@@ -72,7 +75,11 @@ def join(spec: GroupSpec, rank: int):
         torch.cuda.set_device(spec.device(rank))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method, rank=rank,
                             world_size=spec.layout.world_size, timeout=timedelta(seconds=spec.timeout_s))
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=spec.timeout_s)) if cuda else None
+    # The steps' messages go over a gloo group of their own. A worker waits there for rank 0's next message for as
+    # long as the server is idle: its wait has no practical limit (rank 0 gone closes the connection, which ends
+    # it), where the collective timeout would end an idle group. Rank 0's sends keep the timeout.
+    wait_s = spec.timeout_s if rank == 0 else IDLE_WAIT_S
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_s))
     lock_step = spec.layout.data_parallel and spec.layout.moe_exchange  # ranks that meet in every forward
     sync = LockStep(spec.layout.world_size, spec.timeout_s) if lock_step else ALONE
     return DistributedCommunicator(), control, sync

@@ -193,6 +193,20 @@ def test_a_silent_worker_times_out_the_step_instead_of_hanging(parallel_checkpoi
     assert not _workers()
 
 
+def test_an_idle_group_outlives_the_collective_timeout(parallel_checkpoint):
+    """No request for longer than collective_timeout_s: the workers, waiting for rank 0's next step, are still there
+    and serve the next request (an idle server is not a silent collective)."""
+    engine = _engine(parallel_checkpoint, tensor_parallel_size=2, collective_timeout_s=3)
+    try:
+        (first,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+        time.sleep(6)
+        (after,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert after["finish_reason"] == "length" and after["output_ids"] == first["output_ids"], after
+    finally:
+        engine.shutdown()
+    assert not _workers()
+
+
 def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepseek_published_checkpoint):
     """numerics=auto on DeepSeek's published layout (its numerics, the fp8 KV layout in every rank's pools) with
     EP=2: each rank's experts, then the routed sums all-reduced; the same logits as one rank."""
