@@ -81,11 +81,18 @@ class LLMEngine:
         self.layout = self.deployment.layout
         # Several ranks: the workers start loading their shards while this rank loads its own.
         self.group = RankGroup.start(config, self.layout, worker_main) if self.layout.world_size > 1 else None
-        self.model = load_model(config, self.deployment, self.device, self.dtype, self.layout,
-                                self.group.comm if self.group else Communicator())
+        try:
+            self.model = load_model(config, self.deployment, self.device, self.dtype, self.layout,
+                                    self.group.comm if self.group else Communicator())
+            if self.group is not None:
+                self.group.wait_ready()
+        except BaseException as exc:  # (the workers, and the process group, go with this rank's failure)
+            if self.group is not None:
+                self.group.broken = self.group.broken or f"rank 0 failed to load: {exc}"
+                self.group.close(timeout=5.0)
+            self.grammars.close()
+            raise
         self.kernels = self.model.kernels
-        if self.group is not None:
-            self.group.wait_ready()
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
         sync = self.group.sync if self.group is not None else ALONE
@@ -283,10 +290,14 @@ class LLMEngine:
         deadline = time.monotonic() + timeout
         self._stop.set()
         self.scheduler.wake()
+        quiet = True  # (no step still running on this rank: the workers may be told to stop)
         if self._thread is not None:
             self._thread.join(_left(deadline))
+            quiet = not self._thread.is_alive()
             self._thread = None
-        self.core.close(_left(deadline))
+        quiet = self.core.close(_left(deadline)) and quiet
+        if self.group is not None and not quiet:  # (a Stop sent now could cross that step's messages)
+            self.group.broken = self.group.broken or "shut down with a step still running"
         self._end_lock_step()
         self.grammars.close()
         if self._receiver is not None:  # (before the group closes the sockets it polls)

@@ -288,9 +288,11 @@ class EngineCore:
         speculation."""
         return all(plan is not None and plan.plain_decoding for plan, _ in self._in_flight[-1])
 
-    def close(self, timeout: float) -> None:
-        self.executor.close(timeout)
+    def close(self, timeout: float) -> bool:
+        """False if a step was still running at the timeout."""
+        stopped = self.executor.close(timeout)
         self.scheduler.close()
+        return stopped
 
     def fail_all(self, reason: str) -> None:
         """The rank can step no more: every live request ends with `reason` at the next step."""

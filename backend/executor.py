@@ -110,13 +110,16 @@ class StepExecutor:
             self._queue.put((job, handle))
         return handle
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Finish the steps submitted, then stop the thread."""
+    def close(self, timeout: float = 10.0) -> bool:
+        """Finish the steps submitted, then stop the thread; False if a step was still running at the timeout."""
+        stopped = True
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout)
+            stopped = not self._thread.is_alive()
             self._thread = None
         self.sampler.grammars.close()
+        return stopped
 
     def _loop(self) -> None:
         while True:

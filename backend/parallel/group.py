@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -171,6 +172,12 @@ class RankGroup:
             self.broken = f"tensor/expert parallel group failed: {exc}"
             raise RankGroupError(self.broken) from exc
 
+    def _tell_stop(self) -> None:
+        try:
+            dist.broadcast_object_list([Stop()], src=0, group=self.control)
+        except Exception:  # noqa: BLE001 (a broken group: the workers are terminated)
+            pass
+
     def _check_workers(self) -> None:
         dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self._processes) if not p.is_alive()]
         if dead:
@@ -191,15 +198,17 @@ class RankGroup:
         deadline = time.monotonic() + timeout
         if self.links is not None:  # data-parallel ranks listen to their sockets
             self.links.stop_all()
-        elif not self.broken:
-            try:
-                dist.broadcast_object_list([Stop()], src=0, group=self.control)
-            except Exception:  # noqa: BLE001 (a broken group: the workers are terminated below)
-                pass
+        elif not self.broken:  # (a silent worker would hold the broadcast: it gets the time left, no more)
+            telling = threading.Thread(target=self._tell_stop, name="dsv4-stop-workers", daemon=True)
+            telling.start()
+            telling.join(max(0.0, deadline - time.monotonic()))
         for p in self._processes:
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
+                p.join(5)
+            if p.is_alive():  # (SIGTERM ignored, or a stopped process)
+                p.kill()
                 p.join(5)
         if self.links is not None:
             self.links.close()

@@ -207,6 +207,41 @@ def test_an_idle_group_outlives_the_collective_timeout(parallel_checkpoint):
     assert not _workers()
 
 
+def test_a_stop_a_silent_worker_does_not_take_stays_within_its_budget(parallel_checkpoint):
+    """shutdown(timeout) with a worker stopped while idle (SIGSTOP: it reads no Stop): the Stop gets the time left,
+    then the worker is ended (SIGTERM waits on a stopped process: SIGKILL), not after collective_timeout_s."""
+    import signal
+
+    engine = _engine(parallel_checkpoint, tensor_parallel_size=2, collective_timeout_s=60)
+    (worker,) = _workers()
+    worker.send_signal(signal.SIGSTOP)
+    started = time.monotonic()
+    engine.shutdown(timeout=3)
+    assert time.monotonic() - started < 15
+    assert not _workers()
+
+
+def test_rank_0_failing_to_load_takes_its_workers_and_the_process_group_with_it(parallel_checkpoint, monkeypatch):
+    import torch.distributed as dist
+
+    import backend.engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("rank 0's shard is unreadable")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(backend.engine, "load_model", broken)
+        with pytest.raises(RuntimeError, match="unreadable"):
+            _engine(parallel_checkpoint, tensor_parallel_size=2)
+    assert not _workers() and not dist.is_initialized()
+    engine = _engine(parallel_checkpoint, tensor_parallel_size=2)  # (a new group starts in this process)
+    try:
+        (result,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert result["finish_reason"] == "length"
+    finally:
+        engine.shutdown()
+
+
 def test_deepseeks_numerics_and_the_fp8_cache_shard_like_the_single_rank(deepseek_published_checkpoint):
     """numerics=auto on DeepSeek's published layout (its numerics, the fp8 KV layout in every rank's pools) with
     EP=2: each rank's experts, then the routed sums all-reduced; the same logits as one rank."""
