@@ -47,6 +47,10 @@ class Deployment:
     kv: KVCacheManager
 
 
+def _out_of_memory(exc: RuntimeError) -> bool:
+    return "alloc" in str(exc).lower() or "memory" in str(exc).lower()
+
+
 def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_layout: KVLayout,
                   numerics: Numerics) -> KVCacheManager:
     """The pools the config asks for; ConfigError when they could not serve a single request. The compressor rings
@@ -62,7 +66,7 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_layout: 
                             state_dtype=numerics.compressor_dtype(dtype),
                             draft_layers=1 if speculative else 0, speculative_tokens=speculative)
     except (MemoryError, RuntimeError) as exc:  # (torch's out-of-memory errors are RuntimeErrors)
-        if isinstance(exc, RuntimeError) and "alloc" not in str(exc).lower() and "memory" not in str(exc).lower():
+        if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
             raise
         why = f"{type(exc).__name__}: {str(exc)[:200] or 'no message'}"
         raise ConfigError(f"parameters 'num_tokens' ({config.num_tokens}), 'page_size' ({config.page_size}) and "
@@ -187,8 +191,16 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
     kv_layout = resolve_kv_layout(config, model_config, numerics, config.resolved_device(), dtype)
     kv = _memory_pools(config, model_config, dtype, device, kv_layout, numerics)
     if config.enable_prefix_caching:
-        kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
-                                 config.prefix_cache_end_entries)
+        try:
+            kv.enable_prefix_caching(math.lcm(128, config.page_size), config.prefix_cache_entries,
+                                     config.prefix_cache_end_entries)
+        except (MemoryError, RuntimeError) as exc:  # (its snapshot slots: a ring state of every layer each)
+            if isinstance(exc, RuntimeError) and not _out_of_memory(exc):
+                raise
+            raise ConfigError(f"parameters 'prefix_cache_entries' ({config.prefix_cache_entries}) and "
+                              f"'prefix_cache_end_entries' ({config.prefix_cache_end_entries}): the prefix cache's "
+                              f"snapshots do not fit the {torch.device(device).type} memory "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from exc
     return Deployment(model_config, layout, weight_format, numerics, kv_layout,
                       1 if config.num_speculative_tokens else 0, kv)
 

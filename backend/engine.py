@@ -48,7 +48,7 @@ from backend.engine_core import EngineCore, eos_token_ids, grammar_service, toke
 from backend.output_processor import OutputProcessor
 from backend.model.comm import Communicator, RankGroupError
 from backend.parallel.data_parallel import OutputBatch
-from backend.parallel.group import RankGroup
+from backend.parallel.group import RankGroup, check_devices
 from backend.parallel.messages import Arrival, Cancel
 from backend.parallel.sync import ALONE
 from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        check_devices(config)
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         tokenizer = tokenizer_directory(config)

@@ -107,3 +107,22 @@ def test_cuda_graphs_are_off_by_default_with_the_reference_kernels():
     """The torch references read values back (`.tolist()`, `.item()`): a step capturing them fails on CUDA."""
     assert EngineConfig(device="cuda").resolved_cuda_graphs()
     assert not EngineConfig(device="cuda", use_reference_kernels=True).resolved_cuda_graphs()
+
+
+def test_settings_the_machine_cannot_serve_are_refused_naming_them_before_a_weight_is_read(monkeypatch):
+    """device=cuda without a CUDA device; more ranks on a node than its GPUs (two would share one); a prefix cache
+    whose snapshots do not fit memory: each a ConfigError naming the parameters, not torch's own error."""
+    import torch
+
+    from backend.engine import LLMEngine
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="parameter 'device': cuda, but torch sees no CUDA device"):
+            LLMEngine(EngineConfig(device="cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="'tensor_parallel_size'.*2 ranks on this node.*1 CUDA device$"):
+        LLMEngine(EngineConfig(device="cuda", tensor_parallel_size=2))
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="'prefix_cache_entries' \\(100000000\\).*do not fit the cpu memory"):
+        LLMEngine(EngineConfig(device="cpu", prefix_cache_entries=100_000_000))

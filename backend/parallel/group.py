@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from backend.config import EngineConfig
+from backend.errors import ConfigError
 from backend.model.comm import DistributedCommunicator, RankGroupError
 from backend.model.parallel_layout import ParallelLayout
 from backend.parallel.data_parallel import RankLinks
@@ -91,6 +92,21 @@ def ready(control, inbox: str | None) -> list[str | None]:
     inboxes = [None] * dist.get_world_size()
     dist.all_gather_object(inboxes, inbox, group=control)
     return inboxes
+
+
+def check_devices(config: EngineConfig) -> None:
+    """ConfigError naming the parameters, before anything is loaded: device=cuda where torch sees no CUDA device, or
+    more ranks on this node than it has GPUs (two ranks would share one: NCCL refuses that at its first collective)."""
+    if config.resolved_device() != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("parameter 'device': cuda, but torch sees no CUDA device on this machine")
+    layout = ParallelLayout.from_config(config)
+    per_node, gpus = ranks_per_node(layout.world_size), torch.cuda.device_count()
+    if per_node > gpus:
+        raise ConfigError(f"parameters 'tensor_parallel_size', 'expert_parallel_size' and 'data_parallel_size': "
+                          f"{per_node} ranks on this node (NNODES={os.environ.get('NNODES', '1')}), but it has "
+                          f"{gpus} CUDA device{'s' if gpus != 1 else ''}")
 
 
 def ranks_per_node(world_size: int) -> int:
