@@ -13,8 +13,7 @@ token's leading marker stands for), and once the new text is complete the window
 A text may end in U+FFFD of its own (the model wrote the character, or bytes no UTF-8 character
 completes): once it has ended so for more tokens than an incomplete character can still need, the
 ids before the last few are taken as they decode (where the later ids leave their text as it is),
-so the window moves on and the text goes out. At the end everything left goes out, as the whole
-output decodes.
+so the window moves on and the text goes out.
 """
 
 from __future__ import annotations
@@ -65,12 +64,8 @@ class IncrementalDetokenizer:
         return cut if carrying == _CHARACTER_TOKENS else self._read
 
     def flush(self) -> str:
-        """At the end of generation: whatever is left, as the whole output decodes (an incomplete last character as
-        U+FFFD)."""
-        if self._read < len(self._ids):
-            context = self.tokenizer.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
-            self._take(context, self.tokenizer.decode(self._ids[self._prefix:], skip_special_tokens=True),
-                       len(self._ids))
+        """At the end of generation: whatever is left (an incomplete character stays out, as vLLM leaves it: a
+        U+FFFD of the text's own in its last few tokens with it)."""
         return self._release(final=True)
 
     def _take(self, context: str, text: str, end: int) -> None:
