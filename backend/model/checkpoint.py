@@ -176,10 +176,11 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
             by_file.setdefault(path, []).append(name)
         else:
             skipped[reason] = skipped.get(reason, 0) + 1
-    for path in set(files.values()):
+    paths = set(files.values())
+    for path in paths:
         if not path.is_file():
             raise CheckpointError(f"{path}: file listed in the index does not exist")
-    total_bytes = sum(p.stat().st_size for p in set(files.values()))
+    total_bytes = sum(p.stat().st_size for p in paths)
     with tqdm(total=sum(map(len, by_file.values())), desc="loading weights", unit="tensor",
               disable=total_bytes < 2**30) as bar:
         for path, names in by_file.items():

@@ -163,13 +163,14 @@ class TritonAdapter:
             if output.finished or final_sent:
                 self._retire(output, live, final_sent)
 
-    def _abort(self, request_id: str) -> None:
-        """The engine stops a request this thread is ending with an error (what fails in that is logged: the error
-        goes out either way)."""
+    def _abort(self, request_id: str) -> bool:
+        """engine.abort from this thread, which answers every request: what fails in it is logged (False), not raised
+        (an error being sent still goes out, the other requests' cancellations still go through)."""
         try:
-            self.engine.abort(request_id)
+            return self.engine.abort(request_id)
         except Exception as exc:
             self.logger.log_error(f"[dsv4] aborting {request_id} failed: {exc}")
+            return False
 
     def _send_end_error(self, live: _Live, output) -> bool:
         if output.error:
@@ -205,16 +206,13 @@ class TritonAdapter:
             cancelled = [(request_id, live) for request_id, live in self._live.items()
                          if not live.cancelling and live.sender.is_cancelled()]
         for request_id, live in cancelled:
-            try:
-                self._cancel(request_id, live)
-            except Exception as exc:  # (the others' cancellations still go through)
-                self.logger.log_error(f"[dsv4] cancelling {request_id} failed: {exc}")
+            self._cancel(request_id, live)
 
     def _cancel(self, request_id: str, live: _Live) -> None:
         """The client cancelled: the engine aborts at its next step and answers CANCELLED. A request that submit() has
         not handed to the engine yet (a cancellation while it is parsed or placed) is asked again at the next poll."""
         if not live.cancelling:
-            live.cancelling = self.engine.abort(request_id)
+            live.cancelling = self._abort(request_id)
 
     def _update_stats(self) -> None:
         try:

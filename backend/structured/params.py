@@ -151,9 +151,8 @@ def _spec(kind: str, value: Any, where: str) -> str:
             value = load_json(value, f"{where}: the json schema text")
         if not isinstance(value, (dict, bool)):
             raise ValueError(f"{where}: json must be a JSON schema (an object), got {type(value).__name__}")
-        if _depth(value) > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"{where}: the JSON schema's JSON nests {_depth(value)} levels deep, more than "
-                             f"{MAX_SCHEMA_DEPTH}")
+        if (depth := _depth(value)) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{where}: the JSON schema's JSON nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}")
         return json.dumps(value, separators=(",", ":"))  # (key order kept: it is the output's property order)
     if kind == "json_object":
         if value is not True:
