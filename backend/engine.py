@@ -45,6 +45,7 @@ from backend.chat import ChatTemplate
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.engine_core import EngineCore, eos_token_ids, grammar_service, tokenizer_directory
+from backend.host_memory import freeze_start_up_heap, thaw_heap
 from backend.output_processor import OutputProcessor
 from backend.model.comm import Communicator, RankGroupError
 from backend.parallel.data_parallel import OutputBatch
@@ -114,6 +115,7 @@ class LLMEngine:
         self._affinity: OrderedDict[int, DataParallelRank] = OrderedDict()
         self._max_affinity = config.prefix_cache_entries * len(self.ranks)
         self._thread: threading.Thread | None = None
+        self._froze_heap = False
         self._stop = threading.Event()
         self._local_stats = self.core.snapshot()
         self._receiver: threading.Thread | None = None
@@ -279,7 +281,12 @@ class LLMEngine:
         return placed
 
     def start(self) -> None:
+        """Serve: the loop thread. What is alive now lives as long as the engine, so the collector stops walking it
+        (backend/host_memory.py: a full collection of it held every running request ~100 ms now and then)."""
         if self._thread is None:
+            if not self._froze_heap:
+                logger.info("froze %d start-up objects out of the garbage collector's walks", freeze_start_up_heap())
+                self._froze_heap = True
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
             self._thread.start()
@@ -307,6 +314,9 @@ class LLMEngine:
         if self.group is not None:
             self.group.close(_left(deadline))
             self.group = None
+        if self._froze_heap:  # (this engine's objects become collectable)
+            thaw_heap()
+            self._froze_heap = False
 
     def _end_lock_step(self) -> None:
         """Ranks in lock-step that are still agreeing (not all idle) leave their loops at one last agreement."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.engine_core import EngineCore, grammar_service
+from backend.host_memory import freeze_start_up_heap
 from backend.model.comm import RankGroupError
 from backend.parallel.data_parallel import RankLink, serve_rank
 from backend.parallel.group import GroupSpec, join, ranks_per_node, ready, spawn_ranks
@@ -42,6 +43,7 @@ def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     runner = make_runner(config, model, deployment.kv, sync=sync)
     link = RankLink() if layout.data_parallel else None
     inboxes = ready(control, link.address if link else None)
+    freeze_start_up_heap()  # (this process serves until it exits: backend/host_memory.py)
     if link is not None:
         link.connect(inboxes[0])
         _serve(config, rank, runner, link)

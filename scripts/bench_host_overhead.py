@@ -37,6 +37,13 @@ Two measurements, each repeated (--repeats) in one process, the spread reported:
    would; rank 0's engine-thread step time, the receiving thread's time per step, and the bytes a rank sends per
    request.
 
+5. Inter-token gaps while requests come and go (--churn-seconds, e.g. 30): --churn-rows requests always running (a
+   finished one replaced at once by a new one, prompts of 64-1,024 tokens, 32-512 tokens out), the engine serving
+   on its own thread as under tritonserver, the stub forward; each request's gaps between consecutive tokens (median,
+   p99, p99.9, max) and the collector's full (generation-2) collections meanwhile, with the start-up heap frozen as
+   the engine serves (backend/host_memory.py) and thawed right after start, in turn within each repetition, the
+   same requests in both.
+
 Prefix caching is on, as by default (decodes reaching block boundaries are snapshotted; each snapshot
 references the request's compressed pages, a cost that grows with the context: --no-enable-prefix-caching
 shows it). Each configuration's
@@ -46,9 +53,11 @@ pools are sized for it (--dtype bfloat16 halves them). --device cuda runs the sa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import queue
+import random
 import statistics
 import sys
 import threading
@@ -61,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.config import EngineConfig  # noqa: E402
 from backend.engine import LLMEngine, Placement  # noqa: E402
+from backend.host_memory import thaw_heap  # noqa: E402
 from backend.model.deepseek_v4 import DeepseekV4Model  # noqa: E402
 from backend.parallel.data_parallel import OutputBatch  # noqa: E402
 from backend.request import RequestOutput, SamplingParams, Sequence  # noqa: E402
@@ -370,6 +380,82 @@ def data_parallel(options, results: dict) -> None:
             for key in keys))
 
 
+CHURN_PROMPT = (64, 1024)  # part 5: prompt and output lengths, drawn uniformly
+CHURN_OUTPUT = (32, 512)
+
+
+def inter_token_gaps(options, frozen: bool, seed: int) -> dict:
+    """Part 5, once: the gaps between consecutive tokens of every request (ms), and the full collections meanwhile."""
+    rows, draw = options.churn_rows, random.Random(seed)
+    engine = make_engine(options, rows, CHURN_PROMPT[1] + CHURN_OUTPUT[1], overlap=True)
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+
+    def on_output(out: RequestOutput) -> None:  # (the engine thread's, as the Triton adapter's callback)
+        now = time.perf_counter()
+        if out.request_id in last:
+            gaps.append(now - last[out.request_id])
+        last[out.request_id] = now
+        if out.finished:
+            del last[out.request_id]
+            finished.put(out.request_id)
+
+    def submit(index: int) -> None:
+        prompt = [draw.randrange(2, engine.vocab_size) for _ in range(draw.randint(*CHURN_PROMPT))]
+        params = SamplingParams(max_tokens=draw.randint(*CHURN_OUTPUT), ignore_eos=True)
+        engine.submit(Sequence(f"churn-{index}", prompt, params), on_output)
+
+    collections: list[float] = []
+
+    def on_collection(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            collections.append(time.perf_counter() * (1 if phase == "stop" else -1))
+
+    engine.start()
+    if not frozen:
+        thaw_heap()
+    frozen_objects = gc.get_freeze_count()
+    gc.callbacks.append(on_collection)
+    try:
+        submitted = 0
+        for submitted in range(rows):
+            submit(submitted)
+        end = time.perf_counter() + options.churn_seconds
+        while time.perf_counter() < end:
+            try:
+                finished.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            submitted += 1
+            submit(submitted)
+    finally:
+        gc.callbacks.remove(on_collection)
+        engine.shutdown()
+    gaps.sort()
+    pauses = [collections[i] + collections[i + 1] for i in range(0, len(collections) - 1, 2)]
+    quantile = lambda q: 1e3 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
+    return {"gaps": len(gaps), "median_ms": quantile(0.5), "p99_ms": quantile(0.99), "p999_ms": quantile(0.999),
+            "max_ms": 1e3 * gaps[-1], "full_collections": len(pauses), "collection_ms": 1e3 * sum(pauses),
+            "longest_collection_ms": 1e3 * max(pauses, default=0.0), "frozen_objects": frozen_objects}
+
+
+def churn(options, results: dict) -> None:
+    """Part 5: inter_token_gaps with the heap frozen and thawed, in turn within each repetition."""
+    runs: dict[bool, list[dict]] = {True: [], False: []}
+    for repeat in range(options.repeats):
+        for frozen in runs:
+            runs[frozen].append(inter_token_gaps(options, frozen, seed=repeat))
+    results["churn"] = {("frozen" if frozen else "thawed"): {key: spread([run[key] for run in values])
+                                                              for key in values[0]}
+                        for frozen, values in runs.items()}
+    print(f"\n{options.churn_rows} requests running for {options.churn_seconds:g} s, replaced as they finish "
+          f"(stub forward): gaps between a request's tokens, ms, and full collections (median, min-max over runs)")
+    for name, cell in results["churn"].items():
+        print(f"  heap {name}: " + ", ".join(f"{key} {v['median']:.1f} ({v['min']:.1f}-{v['max']:.1f})"
+                                             for key, v in cell.items() if key not in ("gaps", "frozen_objects")))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_flags(parser)
@@ -390,6 +476,9 @@ def main() -> int:
                         help="part 3: rank 0's step with these many data-parallel ranks (processes; e.g. 1 2)")
     parser.add_argument("--simulate-ranks", type=int, nargs="*", default=[],
                         help="part 4: rank 0's step with these many ranks simulated (e.g. 1 2 4 8)")
+    parser.add_argument("--churn-seconds", type=float, default=0.0,
+                        help="part 5: this long of requests coming and going, heap frozen and thawed (e.g. 30)")
+    parser.add_argument("--churn-rows", type=int, default=64)
     parser.add_argument("--dp-rows", type=int, default=128)
     parser.add_argument("--dp-context", type=int, default=1024)
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[0],
@@ -430,6 +519,8 @@ def main() -> int:
                   f"({growth['min']:.2f}-{growth['max']:.2f})")
     if not options.skip_stand_in:
         stand_in(options, results)
+    if options.churn_seconds:
+        churn(options, results)
     if options.simulate_ranks:
         simulate(options, results)
     if options.data_parallel_sizes:  # (last: it stubs every model of this process)
