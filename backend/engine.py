@@ -88,19 +88,21 @@ class LLMEngine:
                                     self.group.comm if self.group else Communicator())
             if self.group is not None:
                 self.group.wait_ready()
+            self.kernels = self.model.kernels
+            sync = self.group.sync if self.group is not None else ALONE
+            follows = self.group if self.group is not None and not self.layout.data_parallel else None
+            # (the runner captures the decode steps' graphs: on a GPU, where memory may still run out)
+            self.core = EngineCore(config, self.kv, make_runner(config, self.model, self.kv, follows, sync),
+                                   self.kernels, self.grammars, send=self._send_all, rank=0, sync=sync,
+                                   elsewhere=self._served_elsewhere)
         except BaseException as exc:  # (the workers, and the process group, go with this rank's failure)
             if self.group is not None:
-                self.group.broken = self.group.broken or f"rank 0 failed to load: {exc}"
+                self.group.broken = self.group.broken or f"rank 0 failed to start: {exc}"
                 self.group.close(timeout=5.0)
             self.grammars.close()
             raise
-        self.kernels = self.model.kernels
         self.unavailable: str | None = None  # why this instance can no longer serve (a rank is gone)
         self.num_rejected_queue_full = 0
-        sync = self.group.sync if self.group is not None else ALONE
-        follows = self.group if self.group is not None and not self.layout.data_parallel else None
-        self.core = EngineCore(config, self.kv, make_runner(config, self.model, self.kv, follows, sync), self.kernels,
-                               self.grammars, send=self._send_all, rank=0, sync=sync, elsewhere=self._served_elsewhere)
         self.ranks = [DataParallelRank(r) for r in range(config.data_parallel_size)]
         self._placement_lock = threading.Lock()
         self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go

@@ -221,7 +221,9 @@ def test_a_stop_a_silent_worker_does_not_take_stays_within_its_budget(parallel_c
     assert not _workers()
 
 
-def test_rank_0_failing_to_load_takes_its_workers_and_the_process_group_with_it(parallel_checkpoint, monkeypatch):
+@pytest.mark.parametrize("failing", ["load_model", "make_runner"])  # (its shard; its graphs, after the workers' ready)
+def test_rank_0_failing_to_start_takes_its_workers_and_the_process_group_with_it(parallel_checkpoint, monkeypatch,
+                                                                                 failing):
     import torch.distributed as dist
 
     import backend.engine
@@ -230,7 +232,7 @@ def test_rank_0_failing_to_load_takes_its_workers_and_the_process_group_with_it(
         raise RuntimeError("rank 0's shard is unreadable")
 
     with monkeypatch.context() as patch:
-        patch.setattr(backend.engine, "load_model", broken)
+        patch.setattr(backend.engine, failing, broken)
         with pytest.raises(RuntimeError, match="unreadable"):
             _engine(parallel_checkpoint, tensor_parallel_size=2)
     assert not _workers() and not dist.is_initialized()
