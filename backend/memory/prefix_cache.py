@@ -111,6 +111,11 @@ class PrefixCacheStats:
     hits: int = 0  # requests that started after a cached prefix
     cached_tokens: int = 0  # prompt positions served from the cache
     queried_tokens: int = 0  # prompt positions of every admission (the hit rate's denominator)
+    # Preempted requests' readmissions, counted apart (as vLLM does): they mostly restore what they computed
+    # themselves, and counted with new requests they would raise the hit rate as memory runs short.
+    readmitted_hits: int = 0
+    readmitted_cached_tokens: int = 0
+    readmitted_queried_tokens: int = 0
     evictions: int = 0
     registered: int = 0
 
@@ -198,13 +203,18 @@ class PrefixCache:
         self._touch(entry, self._chain(seq, (entry.length - 1) // self.block_tokens))
         return True
 
-    def record_admission(self, num_tokens: int, num_cached: int) -> None:
-        """A request of `num_tokens` positions was admitted, the first `num_cached` restored from the cache (a
-        restore undone before admission is no hit)."""
-        self.stats.queried_tokens += num_tokens
-        if num_cached:
-            self.stats.hits += 1
-            self.stats.cached_tokens += num_cached
+    def record_admission(self, num_tokens: int, num_cached: int, readmission: bool = False) -> None:
+        """A request of `num_tokens` positions was admitted (`readmission`: again, after a preemption), the first
+        `num_cached` restored from the cache (a restore undone before admission is no hit)."""
+        stats = self.stats
+        if readmission:
+            stats.readmitted_queried_tokens += num_tokens
+            stats.readmitted_hits += bool(num_cached)
+            stats.readmitted_cached_tokens += num_cached
+        else:
+            stats.queried_tokens += num_tokens
+            stats.hits += bool(num_cached)
+            stats.cached_tokens += num_cached
 
     # --- register -----------------------------------------------------------------------------
     def reserve(self, seq, start: int, end: int) -> list[ReservedSnapshot]:
@@ -412,10 +422,13 @@ class PrefixCache:
 
     # --- accounting ---------------------------------------------------------------------------
     def snapshot_stats(self) -> dict:
-        """For engine.stats(): hits, positions served, evictions, entries, and distinct pages entries hold."""
+        """For engine.stats(): hits, positions served and queried (new requests, then readmissions apart),
+        evictions, entries, and distinct pages entries hold."""
         pools = [self.kv.window_pool.name, *self.kv.compressed_pools]
-        return {"hits": self.stats.hits, "cached_tokens": self.stats.cached_tokens,
-                "queried_tokens": self.stats.queried_tokens, "evictions": self.stats.evictions,
+        stats = self.stats
+        return {"hits": stats.hits, "cached_tokens": stats.cached_tokens, "queried_tokens": stats.queried_tokens,
+                "readmitted_hits": stats.readmitted_hits, "readmitted_cached_tokens": stats.readmitted_cached_tokens,
+                "readmitted_queried_tokens": stats.readmitted_queried_tokens, "evictions": stats.evictions,
                 "entries": len(self._entries), "pages": {pool: len(self._held.get(pool, ())) for pool in pools}}
 
     def held_pages(self, pool: str) -> list[list[int]]:

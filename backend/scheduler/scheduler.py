@@ -141,8 +141,8 @@ class PrefixCacheHooks(Protocol):
     def cached_length(self, seq: Sequence) -> int:
         """The positions `match` would restore now (0: none), restoring nothing."""
 
-    def record_admission(self, num_tokens: int, num_cached: int) -> None:
-        """A request of `num_tokens` positions was admitted, `num_cached` of them restored."""
+    def record_admission(self, num_tokens: int, num_cached: int, readmission: bool = False) -> None:
+        """A request of `num_tokens` positions was admitted (again, after a preemption), `num_cached` restored."""
 
     def reserve(self, seq: Sequence, start: int, end: int) -> list:
         """Snapshot slots for the block boundaries in (start, end] a step computes."""
@@ -168,7 +168,7 @@ class NoPrefixCache:
     def cached_length(self, seq: Sequence) -> int:
         return 0
 
-    def record_admission(self, num_tokens: int, num_cached: int) -> None:
+    def record_admission(self, num_tokens: int, num_cached: int, readmission: bool = False) -> None:
         pass
 
     def reserve(self, seq: Sequence, start: int, end: int) -> list:
@@ -715,7 +715,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = cached
             plan.num_cached_tokens += cached
-            self.prefix_cache.record_admission(seq.num_tokens, cached)
+            self.prefix_cache.record_admission(seq.num_tokens, cached, readmission=seq.num_preemptions > 0)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             self._add_chunk(plan, seq, num_tokens, is_decode=False)
