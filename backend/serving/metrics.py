@@ -8,8 +8,8 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`)
     dsv4_requests_finished_total       counter    by finish_reason (stop|length|cancelled|timeout|error)
     dsv4_requests_rejected_total       counter    by reason: queue_full (max_queue_size)
     dsv4_prefix_cache_hit_tokens_total counter    prompt positions served from the prefix cache
-    dsv4_prefix_cache_queried_tokens_total counter  prompt positions of admitted requests (hit rate: hit / queried; neither
-                                                    counts a preempted request's readmission)
+    dsv4_prefix_cache_queried_tokens_total counter  prompt positions of admitted requests (hit rate: hit / queried;
+                                                    neither counts a preempted request's readmission)
     dsv4_prefix_cache_evictions_total  counter    prefix-cache entries evicted
     dsv4_prefix_cache_pages            gauge      by pool, pages the prefix cache's entries hold
     dsv4_engine_steps_total            counter    by kind (engine.stats()["steps_by_kind"])
