@@ -894,22 +894,27 @@ def main() -> int:
     else:
         print(f"device: {name}; no bandwidth or matmul baseline")
 
-    results = []
-    for kernel in kernels:
-        results += BENCHES[kernel](torch, shapes, device, timer, options)
-    rows = [r.derived(copy_gbps, matmul_tflops) for r in results]
-    _print_table(rows)
     meta = dict(device=name, copy_gbps=copy_gbps, matmul_tflops=matmul_tflops, dry_run=options.dry_run,
                 shapes=asdict(shapes))
+    results, rows = [], []
+    for kernel in kernels:  # (written after each kernel: a run stopped by its time limit keeps what it timed)
+        results += BENCHES[kernel](torch, shapes, device, timer, options)
+        rows = [r.derived(copy_gbps, matmul_tflops) for r in results]
+        _write(options, meta, rows)
+    _print_table(rows)
+    mismatches = [r for r in results if not r.max_error <= 1]
+    for r in mismatches:
+        print(f"MISMATCH {r.kernel} {r.case}: normalised error {r.max_error:.3g}", file=sys.stderr)
+    return 1 if mismatches else 0
+
+
+def _write(options, meta: dict, rows: list[dict]) -> None:
     if options.json:
         options.json.write_text(json.dumps(dict(meta=meta, results=rows), indent=2))
     if options.csv:
         write_csv(options.csv, rows, ["kernel", "case", "ms", "reference_ms", "speedup", "gbytes", "gflop", "gbps",
                                       "pct_copy_bw", "tflops", "pct_matmul", "max_error"])
-    mismatches = [r for r in results if not r.max_error <= 1]
-    for r in mismatches:
-        print(f"MISMATCH {r.kernel} {r.case}: normalised error {r.max_error:.3g}", file=sys.stderr)
-    return 1 if mismatches else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

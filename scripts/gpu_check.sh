@@ -82,7 +82,11 @@ limit+=([v4_shapes]=300 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [hos
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
-# add up to more than one command of a lease may run); the summary names the parts left, as a GPU_CHECK_PARTS= line
+# add up to more than one command of a lease may run); the summary names the parts left, as a GPU_CHECK_PARTS= line.
+# The parts that write their results as they go (tune after each sweep, v4_shapes after each case, bench_kernels after
+# each kernel) start anyway when at least this many seconds are left, limited to them: what they wrote before the
+# deadline cut them is kept, and they are named for the next run as well.
+declare -A keeps_partial=([tune]=60 [v4_shapes]=120 [bench_kernels]=60)
 
 echo "=== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$RESULTS/device.txt"
@@ -94,15 +98,23 @@ left=()
 run() {  # name, command...
   local name="$1"; shift
   if [ -n "${GPU_CHECK_PARTS:-}" ] && [[ " $GPU_CHECK_PARTS " != *" $name "* ]]; then status[$name]="skipped"; return; fi
-  if [ -n "${GPU_CHECK_DEADLINE_S:-}" ] && [ $((SECONDS + ${limit[$name]})) -gt "$GPU_CHECK_DEADLINE_S" ]; then
-    status[$name]="not started (its ${limit[$name]} s limit would end past GPU_CHECK_DEADLINE_S)"; left+=("$name"); return
+  local part_limit=${limit[$name]} cut=""
+  if [ -n "${GPU_CHECK_DEADLINE_S:-}" ] && [ $((SECONDS + part_limit)) -gt "$GPU_CHECK_DEADLINE_S" ]; then
+    local remaining=$((GPU_CHECK_DEADLINE_S - SECONDS))
+    if [ -z "${keeps_partial[$name]:-}" ] || [ "$remaining" -lt "${keeps_partial[$name]}" ]; then
+      status[$name]="not started (its $part_limit s limit would end past GPU_CHECK_DEADLINE_S)"; left+=("$name"); return
+    fi
+    part_limit=$remaining; cut=" (cut to what is left before GPU_CHECK_DEADLINE_S)"
   fi
-  echo "=== $name (limit ${limit[$name]} s): $*"
+  echo "=== $name (limit $part_limit s$cut): $*"
   local start=$SECONDS rc
-  timeout -k 5 "${limit[$name]}" "$@" > >(tee "$RESULTS/$name.log") 2>&1
+  timeout -k 5 "$part_limit" "$@" > >(tee "$RESULTS/$name.log") 2>&1
   rc=$?
   if [ $rc -eq 0 ]; then status[$name]="ok ($((SECONDS - start)) s)"
-  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status[$name]="FAILED (over its ${limit[$name]} s limit, see $RESULTS/$name.log)"
+  elif { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ -n "$cut" ]; then
+    status[$name]="cut at GPU_CHECK_DEADLINE_S after $((SECONDS - start)) s (what it wrote is kept; see $RESULTS/$name.log)"
+    left+=("$name")
+  elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status[$name]="FAILED (over its $part_limit s limit, see $RESULTS/$name.log)"
   else status[$name]="FAILED (rc $rc, $((SECONDS - start)) s, see $RESULTS/$name.log)"; fi
   [ -n "${GPU_CHECK_ARCHIVE:-}" ] && tar czf "$GPU_CHECK_ARCHIVE" -C "$RESULTS" .
 }

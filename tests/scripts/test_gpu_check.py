@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,3 +90,17 @@ def test_the_kernel_tests_part_deselects_a_file_that_exists():
     assert "tests/kernels" in command
     for path in re.findall(r"--deselect (\S+)", command):
         assert (REPO / path).is_file(), path
+
+
+def test_a_deadline_cuts_the_parts_that_keep_what_they_wrote_and_leaves_the_others(tmp_path):
+    """GPU_CHECK_DEADLINE_S on this CPU (each part fails fast without a GPU; what matters is what is started): tune,
+    which writes after every sweep, starts with the 90 s left although its limit is 1000; engine and v4_shapes
+    (whose floor is 120 s) do not start, and the summary names them for the next run."""
+    env = {**os.environ, "RESULTS": str(tmp_path), "GPU_CHECK_PARTS": "engine tune v4_shapes",
+           "GPU_CHECK_DEADLINE_S": "90", "GPU_CHECK_LIMITS": "engine=1000 tune=1000 v4_shapes=1000"}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert re.search(r"=== tune \(limit (8\d|90) s \(cut to what is left before GPU_CHECK_DEADLINE_S\)\)", run.stdout)
+    assert "=== engine" not in run.stdout and "=== v4_shapes" not in run.stdout
+    assert re.search(r"engine +not started", run.stdout) and re.search(r"v4_shapes +not started", run.stdout)
+    assert 'GPU_CHECK_PARTS="engine v4_shapes"' in run.stdout
