@@ -43,11 +43,11 @@ def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     runner = make_runner(config, model, deployment.kv, sync=sync)
     link = RankLink() if layout.data_parallel else None
     inboxes = ready(control, link.address if link else None)
-    freeze_start_up_heap()  # (this process serves until it exits: backend/host_memory.py)
     if link is not None:
         link.connect(inboxes[0])
         _serve(config, rank, runner, link)
     else:
+        freeze_start_up_heap()  # (this process serves until it exits: backend/host_memory.py)
         _follow(runner, control)
     dist.destroy_process_group()
 
@@ -74,6 +74,7 @@ def _serve(config: EngineConfig, rank: int, runner: ModelRunner, link: RankLink)
     grammars = grammar_service(config, runner.model.config)
     core = EngineCore(config, runner.kv, runner, runner.model.kernels, grammars, send=None, rank=rank,
                       sync=runner.sync)
+    freeze_start_up_heap()  # (this process serves until it exits: backend/host_memory.py)
     try:
         serve_rank(core, link)
     finally:
