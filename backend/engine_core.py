@@ -297,7 +297,7 @@ class EngineCore:
     def fail_all(self, reason: str) -> None:
         """The rank can step no more: every live request ends with `reason` at the next step."""
         self.unavailable = reason
-        self.scheduler.abort_all()
+        self.scheduler.abort_all(FinishReason.ERROR)
 
     def snapshot(self) -> dict:
         """This rank's counters, requests, pools and prefix cache (what the engine's stats add up); the pages live
@@ -455,9 +455,10 @@ class EngineCore:
 
     def _report_end(self, seq: Sequence) -> None:
         """The final output of a request the scheduler ended (cancelled, timed out or failed)."""
-        error = ((seq.error or "the request no longer fits in the memory pools")
-                 if seq.finish_reason is FinishReason.ERROR else None)
-        self.send([RequestOutput.of(seq, [], finished=True, error=error or self.unavailable)])
+        error = self.unavailable  # (the rank can step no more: every request it ends, ends with why)
+        if seq.finish_reason is FinishReason.ERROR:
+            error = seq.error or error or "the request no longer fits in the memory pools"
+        self.send([RequestOutput.of(seq, [], finished=True, error=error)])
 
 
 def tokenizer_directory(config: EngineConfig) -> Path:

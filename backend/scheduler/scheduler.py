@@ -288,10 +288,10 @@ class Scheduler:
             self._work_changed.notify_all()
             return True
 
-    def abort_all(self) -> None:
-        """abort() every live request (the engine can no longer run a step)."""
+    def abort_all(self, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        """abort() every live request (ERROR: the engine can no longer run a step)."""
         with self._lock:
-            self._abort_requests.update(dict.fromkeys(self._live_ids, FinishReason.CANCELLED))
+            self._abort_requests.update(dict.fromkeys(self._live_ids, reason))
             self._work_changed.notify_all()
 
     @property

@@ -78,6 +78,34 @@ def test_abort_takes_effect_at_the_next_step_and_frees_every_page(tiny_checkpoin
     assert not engine.abort("long")  # already gone
 
 
+def test_a_rank_that_can_step_no_more_ends_its_requests_as_errors_naming_why(tiny_checkpoint):
+    """fail_all (a rank of its group gone): the running and the waiting request end with ERROR (not CANCELLED: the
+    metrics count them by finish reason, and no client cancelled) and the cause as their error."""
+    engine = _engine(tiny_checkpoint, max_running_requests=1)
+    outputs: dict[str, list[RequestOutput]] = {"running": [], "waiting": []}
+    started, done = threading.Event(), threading.Event()
+
+    def on_output(out: RequestOutput):
+        outputs[out.request_id].append(out)
+        started.set()
+        if all(o and o[-1].finished for o in outputs.values()):
+            done.set()
+
+    engine.start()
+    try:
+        for request_id in outputs:
+            engine.submit(Sequence(request_id, _prompts(1, 50)[0], SamplingParams(max_tokens=5000, ignore_eos=True)),
+                          on_output)
+        assert started.wait(60)
+        engine.core.fail_all("rank 1 is gone")
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    for request_id, got in outputs.items():
+        assert got[-1].finish_reason is FinishReason.ERROR and got[-1].error == "rank 1 is gone", (request_id, got[-1])
+    assert _all_pages_free(engine)
+
+
 @pytest.mark.parametrize("prompt,params,message", [
     ([], {}, "empty"),
     ([5, 600], {}, "out of the vocabulary"),
