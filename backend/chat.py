@@ -3,12 +3,14 @@
     template = ChatTemplate.from_checkpoint(path)       # None: the checkpoint ships no template
     text = template.render([{"role": "user", "content": "Hi"}])
 
-The template is tokenizer_config.json's `chat_template` (Jinja, as transformers' apply_chat_template
-renders it: `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`), rendered in Jinja's
-immutable sandbox. Messages are checked first: a non-empty list of objects with `role` (system, user,
-assistant) and string `content`; anything else is a ValueError naming the message. The rendered text
-carries its own special tokens, so it is tokenized without adding any (`Tokenizer.encode(text,
-add_special_tokens=False)`).
+The template is tokenizer_config.json's `chat_template`, rendered by transformers' own renderer (what
+apply_chat_template calls: Jinja's immutable sandbox with transformers' loop controls, `{% generation %}` blocks,
+`tojson` without HTML escapes, `raise_exception` and `strftime_now`; `messages`, `add_generation_prompt=True`,
+`bos_token`, `eos_token`), so that templates written for it render here as there. A template that refuses the
+messages (`raise_exception`) or fails on them is a ValueError with its message. Messages are checked first: a
+non-empty list of objects with `role` (system, user, assistant) and string `content`; anything else is a ValueError
+naming the message. The rendered text carries its own special tokens, so it is tokenized without adding any
+(`Tokenizer.encode(text, add_special_tokens=False)`).
 """
 
 from __future__ import annotations
@@ -38,15 +40,21 @@ class ChatTemplate:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if not template:
             return None
+        import transformers.utils.chat_template_utils  # noqa: F401 (its import, half a second, at start-up)
+
         return cls(template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
     def render(self, messages: Any) -> str:
         check_messages(messages)
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2 import TemplateError
+        from transformers.utils.chat_template_utils import render_jinja_template
 
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return environment.from_string(self.source).render(messages=messages, add_generation_prompt=True,
-                                                           bos_token=self.bos_token, eos_token=self.eos_token)
+        try:
+            (text,), _ = render_jinja_template([messages], chat_template=self.source, add_generation_prompt=True,
+                                               bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+        return text
 
 
 def check_messages(messages: Any) -> None:

@@ -65,3 +65,27 @@ def test_messages_without_a_template_and_two_prompts_are_refused(tiny_checkpoint
         triton_io.parse_request({"messages": messages}, tokenizer, None, None)
     with pytest.raises(ValueError, match="exactly one of"):
         triton_io.parse_request({"messages": messages, "text_input": np.array([b"x"], dtype=np.object_)}, tokenizer)
+
+
+@pytest.mark.parametrize("source,expected", [
+    ("{% for m in messages %}{{ m.content|tojson }}{% endfor %}", '"a<b & c""d"'),  # no HTML escapes
+    ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}", "user"),
+    ("{{ strftime_now('%Y') | length }}{{ bos_token }}", "4<s>"),
+    ("{% generation %}{{ messages[0].content }}{% endgeneration %}", "a<b & c"),
+])
+def test_templates_written_for_transformers_render_as_there(source, expected):
+    """What transformers' renderer adds to Jinja (loop controls, generation blocks, its tojson, strftime_now): a
+    checkpoint's template that uses them renders as apply_chat_template renders it."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [{"role": "user", "content": "a<b & c"}, {"role": "assistant", "content": "d"}]
+    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    (reference,), _ = render_jinja_template([messages], chat_template=source, add_generation_prompt=True,
+                                            bos_token="<s>", eos_token="</s>")
+    assert template.render(messages) == reference == expected
+
+
+def test_a_template_that_refuses_the_messages_is_a_clear_error():
+    template = ChatTemplate("{{ raise_exception('Conversation roles must alternate user/assistant') }}")
+    with pytest.raises(ValueError, match="cannot render these messages: Conversation roles must alternate"):
+        template.render([{"role": "user", "content": "x"}])
