@@ -109,7 +109,7 @@ def missing_for_serving(env: dict[str, str]) -> list[str]:
     if stub.exists():
         wanted = re.search(r"libpython(\d+\.\d+)", subprocess.run(["ldd", str(stub)], capture_output=True, text=True,
                                                                  env=env).stdout)
-        found = subprocess.run(["python3", "-c", "import sys, numpy, torch, tokenizers; "
+        found = subprocess.run(["python3", "-c", "import sys, numpy, torch, tokenizers, transformers; "
                                 "print('%d.%d' % sys.version_info[:2], numpy.__version__)"],
                                capture_output=True, text=True, env=env)
         if found.returncode:
