@@ -238,6 +238,7 @@ class Verifier:
             keep[grammar] = held = min(len(emitted) - 1, taken)
             if held == taken and walk.blocked(grammar):
                 output.tokens[r] = emitted[:held]
+                output.drafts_alone.add(r)
                 cut.append(r)
             else:
                 final.append(r)

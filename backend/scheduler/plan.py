@@ -113,6 +113,9 @@ class StepOutput:
     # "stop"); a message, it could not go on (finish_reason "error").
     ends: dict[int, str | None] = field(default_factory=dict)
     drafts: dict[int, list[int]] = field(default_factory=dict)  # speculative decoding: each row's next drafts
+    # Verify rows whose tokens are accepted drafts alone, no token after them (the grammar allowed none there): every
+    # token of theirs is an accepted draft, where a verify row's last token is otherwise the one after its drafts.
+    drafts_alone: set[int] = field(default_factory=set)
     timing: StepTiming = field(default_factory=StepTiming)
     error: str | None = None
     # The sampler's tokens, one per row, where it drew them (a tensor on the logits' device) until they are read to

@@ -405,11 +405,11 @@ class Scheduler:
             if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
                 cache.keep_reserved(seq, chunk.snapshots)
             if seq.status is SequenceStatus.FINISHED or not chunk.samples:  # (ended while the step ran: dropped)
-                self._keep_verified_snapshots(chunk, 0)
+                self._keep_verified_snapshots(chunk, -1)
                 continue
             seq.num_placeholders -= 1 + len(chunk.drafts)
             if ends and ends.get(row) is not None:
-                self._keep_verified_snapshots(chunk, 0)
+                self._keep_verified_snapshots(chunk, -1)
                 seq.error = ends[row]  # the constraint cannot go on: the token is not kept
                 self._retire(seq, FinishReason.ERROR)
                 outputs.append(RequestOutput.of(seq, [], finished=True, error=seq.error))
@@ -420,11 +420,12 @@ class Scheduler:
             if kept < len(emitted):
                 emitted, row_logprobs = emitted[:kept], row_logprobs and row_logprobs[:kept]
             if chunk.drafts:
-                self._keep_verified_snapshots(chunk, len(tokens[row]))  # (once its tokens are known: they key them)
+                accepted = len(tokens[row]) - (row not in output.drafts_alone)  # (its last is not a draft)
+                self._keep_verified_snapshots(chunk, accepted)  # (once its tokens are known: they key them)
                 if len(tokens[row]) < 1 + len(chunk.drafts):
                     self._void_successor(seq)
                 if seq.num_preemptions == chunk.epoch:
-                    self._settle_verify(seq, chunk, len(tokens[row]), record,
+                    self._settle_verify(seq, chunk, len(tokens[row]), accepted, record,
                                         seq.sampling.max_tokens - len(seq.output_ids) + kept)
             if drafts or seq.draft_tokens:
                 seq.draft_tokens = drafts.get(row, [])
@@ -451,30 +452,32 @@ class Scheduler:
                 break
         return kept, reason
 
-    def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_emitted: int) -> None:
-        """A verify's prefix states become cache entries up to its accepted positions (the state at its first
-        position's end always stands); those of rejected drafts are void. (Nothing for any other chunk.)"""
+    def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_accepted: int) -> None:
+        """A verify's prefix states become cache entries up to its accepted drafts' positions (the state at its first
+        position's end always stands: -1 for none accepted, or nothing known); those of rejected drafts are void.
+        (Nothing for any other chunk.)"""
         if not (chunk.drafts and chunk.snapshots):
             return
-        valid_end = chunk.start + max(1, num_emitted)
+        valid_end = chunk.start + max(1, num_accepted + 1)
         self.prefix_cache.keep_reserved(chunk.seq, [r for r in chunk.snapshots if r.position <= valid_end])
         self.prefix_cache.release_reserved([r for r in chunk.snapshots if r.position > valid_end])
 
-    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int, record: StepRecord,
-                       could_emit: int) -> None:
-        """A verify step computed positions [start, start + 1 + drafts) and emitted `num_emitted` tokens: the last
-        token's and the accepted drafts' positions stand, the rejected drafts' are given up by moving the request's
-        position back. Nothing is copied: what those positions wrote is never read before it is written again
-        (their window and compressed entries lie past every later query's causal reach until recomputed, and the
-        rings keep more positions than a window reads: backend/speculative.py). The tallies count the drafts the
-        request `could_emit` (what max_tokens left it, less the token after them): those past it only kept the
-        step's shape."""
+    def _settle_verify(self, seq: Sequence, chunk: ScheduledChunk, num_emitted: int, num_accepted: int,
+                       record: StepRecord, could_emit: int) -> None:
+        """A verify step computed positions [start, start + 1 + drafts) and emitted `num_emitted` tokens, the first
+        `num_accepted` of them its drafts: the last token's and the accepted drafts' positions stand, the rejected
+        drafts' are given up by moving the request's position back (to its last token's: a row of drafts alone
+        computes its last draft again, as its last token). Nothing is copied: what those positions wrote is never
+        read before it is written again (their window and compressed entries lie past every later query's causal
+        reach until recomputed, and the rings keep more positions than a window reads: backend/speculative.py). The
+        tallies count the drafts the request `could_emit` (what max_tokens left it, less the token after them):
+        those past it only kept the step's shape."""
         if num_emitted < 1 + len(chunk.drafts):  # (all accepted: it stands where the step scheduled it, or past)
             seq.num_computed_tokens = chunk.start + num_emitted
         counted = min(len(chunk.drafts), could_emit - 1)
         for tally in (self.counters, record):  # the running totals and the step's own
             tally.num_draft_tokens += counted
-            tally.num_accepted_tokens += min(num_emitted - 1, counted)
+            tally.num_accepted_tokens += min(num_accepted, counted)
             tally.num_verifies += 1
 
     def _void_successor(self, seq: Sequence) -> None:

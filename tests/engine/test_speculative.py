@@ -515,7 +515,6 @@ class GrammarCheckingDrafter(Drafter):
 
     def propose(self, batch, job, output, states, ready=None):
         drafts = super().propose(batch, job, output, states, ready)
-        firsts = job.first_logits_rows()  # (a row's state slot as the step had it: the request may be gone since)
         for r, proposed in drafts.items():
             if states[r].grammar is None:
                 continue
@@ -548,6 +547,19 @@ def test_constrained_greedy_outputs_with_speculation_equal_those_without(tiny_ch
     stats = engine.stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     assert stats["mean_accepted_length"] > 1.0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafts_that_end_a_grammar_count_as_accepted(tiny_checkpoint, constrained_reference, k):
+    """Every draft right (the reference outputs, uncorrupted): each constrained request's last drafts run to its
+    grammar's end, where the verify emits those drafts alone (no token can follow them). Every draft is accepted, and
+    the counters (what the metrics and step records report) say so."""
+    prompts, params, expected = constrained_reference
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    got = _generate(engine, prompts, params, dict(enumerate(_ids(expected))), error_rate=0.0)
+    assert _ids(got) == _ids(expected)
+    stats = engine.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
