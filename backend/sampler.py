@@ -10,8 +10,8 @@ Greedy rows (temperature 0) are one argmax over the batch. Sampled rows are filt
 (`filter_logits_rows`: each row's temperature, top-k, top-p and min-p, a few batched kernels on a GPU instead of a
 copy of each row to the host and a host sort of 129K values), then drawn there with exponential noise and one
 argmax (no host sync): a seeded request's noise off its own `torch.Generator` on that device (one small launch a
-row), so it gets the same tokens whatever it is batched with (with speculative decoding, as long as its drafts are:
-docs/speculative.md); the other rows' in one launch.
+row), so it gets the same tokens whatever it is batched with (with speculative decoding, while its drafts are the
+same: docs/speculative.md); the other rows' in one launch.
 
 Penalties (`apply_penalties`, rows whose request sets them; the others are not touched or copied):
   repetition_penalty r (vLLM / HF): every token in the prompt or the output so far has its logit divided
