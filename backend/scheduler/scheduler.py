@@ -405,11 +405,11 @@ class Scheduler:
             if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
                 cache.keep_reserved(seq, chunk.snapshots)
             if seq.status is SequenceStatus.FINISHED or not chunk.samples:  # (ended while the step ran: dropped)
-                self._keep_verified_snapshots(chunk, -1)
+                self._keep_verified_snapshots(chunk, 0)
                 continue
             seq.num_placeholders -= 1 + len(chunk.drafts)
             if ends and ends.get(row) is not None:
-                self._keep_verified_snapshots(chunk, -1)
+                self._keep_verified_snapshots(chunk, 0)
                 seq.error = ends[row]  # the constraint cannot go on: the token is not kept
                 self._retire(seq, FinishReason.ERROR)
                 outputs.append(RequestOutput.of(seq, [], finished=True, error=seq.error))
@@ -454,11 +454,10 @@ class Scheduler:
 
     def _keep_verified_snapshots(self, chunk: ScheduledChunk, num_accepted: int) -> None:
         """A verify's prefix states become cache entries up to its accepted drafts' positions (the state at its first
-        position's end always stands: -1 for none accepted, or nothing known); those of rejected drafts are void.
-        (Nothing for any other chunk.)"""
+        position's end always stands); those of rejected drafts are void. (Nothing for any other chunk.)"""
         if not (chunk.drafts and chunk.snapshots):
             return
-        valid_end = chunk.start + max(1, num_accepted + 1)
+        valid_end = chunk.start + 1 + num_accepted
         self.prefix_cache.keep_reserved(chunk.seq, [r for r in chunk.snapshots if r.position <= valid_end])
         self.prefix_cache.release_reserved([r for r in chunk.snapshots if r.position > valid_end])
 
