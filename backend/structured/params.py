@@ -82,8 +82,15 @@ def guided_decoding_from_sampling(params: Mapping[str, Any], where: str) -> Guid
 
 
 def _is_text_format(key: str, value: Any) -> bool:
-    """response_format {"type": "text"}: no constraint (so it may come beside one)."""
-    return key == "response_format" and isinstance(value, dict) and value.get("type") == "text"
+    """response_format {"type": "text"} (or its JSON string): no constraint (so it may come beside one)."""
+    if key != "response_format":
+        return False
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False  # (reported when it is read as the constraint)
+    return isinstance(value, dict) and value.get("type") == "text"
 
 
 def _json_value(value: Any, where: str) -> Any:
@@ -132,17 +139,61 @@ def _from_guided(value: dict, where: str) -> GuidedDecoding:
 
 
 def _without_additional_properties(schema_text: str) -> dict:
-    """The schema with `additionalProperties: false` on every object in it (vLLM's disable_additional_properties)."""
+    """The schema with `additionalProperties: false` on every object schema in it (vLLM's
+    disable_additional_properties); values (`const`, `enum`, `default`) and property names are left as they are."""
     def close(node):
-        if isinstance(node, dict):
-            node = {key: close(value) for key, value in node.items()}
-            if node.get("type") == "object" or "properties" in node:
-                node["additionalProperties"] = False
-        elif isinstance(node, list):
-            node = [close(item) for item in node]
+        if not isinstance(node, dict):  # (a boolean schema)
+            return node
+        node = _map_subschemas(node, close)
+        if node.get("type") == "object" or isinstance(node.get("properties"), dict):
+            node["additionalProperties"] = False
         return node
 
     return close(json.loads(schema_text))
+
+
+# A schema's keywords whose values are schemas: maps of them, lists of them, or one (`items` may be a list, as in
+# draft 4). The other keywords hold values (`const`, `enum`, `default`, `examples`) or numbers and names.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "unevaluatedProperties", "not",
+               "if", "then", "else", "contains", "propertyNames")
+
+
+def _map_subschemas(node: dict, fn) -> dict:
+    """A copy of the schema `node` with `fn` applied to each of its subschemas."""
+    node = dict(node)
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            node[key] = {name: fn(schema) for name, schema in node[key].items()}
+    for key in (*_SCHEMA_LISTS, *_SCHEMA_ONE):
+        if key in node:
+            node[key] = [fn(schema) for schema in node[key]] if isinstance(node[key], list) else fn(node[key])
+    return node
+
+
+# Keywords XGrammar (0.2.8) drops without a word, so that an output could break them and still end with "stop"
+# (compiled with and without each, the grammar is the same); vLLM refuses schemas with such features for XGrammar
+# too. allOf of more than one schema is compiled as any JSON value.
+_NOT_ENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "propertyNames",
+                 "unevaluatedProperties", "uniqueItems", "contains", "minContains", "maxContains")
+
+
+def _check_enforceable(schema: Any, where: str) -> None:
+    """ValueError naming the first keyword of the schema (in schema positions) that its grammar would not enforce."""
+    def visit(node):
+        if isinstance(node, dict):
+            found = [key for key in _NOT_ENFORCED if key in node and node[key] is not False]
+            if found:
+                raise ValueError(f"{where}: the JSON schema keyword(s) {found} cannot be enforced here (XGrammar "
+                                 f"ignores them); remove them or check the output yourself")
+            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+                raise ValueError(f"{where}: allOf of more than one schema cannot be enforced here (XGrammar takes "
+                                 f"it as any value); merge them into one schema")
+            _map_subschemas(node, visit)
+        return node
+
+    visit(schema)
 
 
 def _spec(kind: str, value: Any, where: str) -> str:
@@ -153,6 +204,7 @@ def _spec(kind: str, value: Any, where: str) -> str:
             raise ValueError(f"{where}: json must be a JSON schema (an object), got {type(value).__name__}")
         if (depth := _depth(value)) > MAX_SCHEMA_DEPTH:
             raise ValueError(f"{where}: the JSON schema's JSON nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}")
+        _check_enforceable(value, where)
         return json.dumps(value, separators=(",", ":"))  # (key order kept: it is the output's property order)
     if kind == "json_object":
         if value is not True:

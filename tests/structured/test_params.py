@@ -62,8 +62,34 @@ def test_disable_additional_properties_closes_every_object_of_the_schema():
     assert _guided({"guided_decoding": {"json": open_schema}}).spec == json.dumps(open_schema, separators=(",", ":"))
 
 
-def test_a_text_response_format_beside_a_constraint_is_no_second_constraint():
-    guided = _guided({"response_format": {"type": "text"}, "guided_decoding": {"regex": "a+"}})
+def test_disable_additional_properties_leaves_values_and_property_names_alone():
+    """Only schemas are closed: a `const` value shaped like a schema, and a property named "properties", are not."""
+    schema = {"type": "object", "properties": {"c": {"const": {"type": "object"}},
+                                               "properties": {"type": "integer"}}, "required": ["c"]}
+    closed = json.loads(_guided({"guided_decoding": {"json": schema, "disable_additional_properties": True}}).spec)
+    assert closed["properties"]["c"] == {"const": {"type": "object"}}
+    assert closed["properties"]["properties"] == {"type": "integer"} and closed["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "array", "contains": {"const": 5}}, "contains"),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"$defs": {"x": {"if": {"type": "string"}, "then": {"minLength": 2}}}, "$ref": "#/$defs/x"}, "if"),
+    ({"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 6}]}, "allOf of more than one schema"),
+])
+def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword):
+    """XGrammar drops these without a word: an output could break them and still end with "stop"."""
+    with pytest.raises(ValueError, match=keyword):
+        _guided({"guided_decoding": {"json": schema}})
+    # (in a value, not a schema, they are only data)
+    assert _guided({"guided_decoding": {"json": {"const": schema}}}).kind == "json"
+
+
+@pytest.mark.parametrize("text", [{"type": "text"}, '{"type": "text"}'])
+def test_a_text_response_format_beside_a_constraint_is_no_second_constraint(text):
+    guided = _guided({"response_format": text, "guided_decoding": {"regex": "a+"}})
     assert guided.kind == "regex"
 
 
