@@ -449,9 +449,9 @@ def _xgrammar_message(exc: BaseException) -> str:
 
 
 # Two narrowings of what XGrammar 0.2.8 converts, so that every output is valid UTF-8 and valid JSON:
-# - its negated character classes ([^...], e.g. a JSON string's characters) and a regex's "." admit the UTF-8
-#   encodings of the surrogates U+D800..U+DFFF, which are not valid UTF-8 (a byte-level tokenizer can produce
-#   them byte by byte);
+# - its negated character classes ([^...], e.g. a JSON string's characters), a regex's "." and a class's range
+#   across them ([\u0100-\uffff]) admit the UTF-8 encodings of the surrogates U+D800..U+DFFF, which are not valid
+#   UTF-8 (a byte-level tokenizer can produce them byte by byte);
 # - it writes the characters of a length-bounded JSON string (minLength / maxLength) as [^\"\\\r\n], which admits
 #   raw control characters; JSON forbids them (its unbounded strings exclude \0-\x1f).
 # The grammar is printed, its classes narrowed, and the text parsed again.
@@ -471,8 +471,8 @@ def _narrowed(grammar, json: bool = False):
 
 
 def _exclude_surrogates(ebnf: str) -> str:
-    """The printed grammar with the surrogates added to every negated character class (string literals and other
-    classes copied as they are)."""
+    """The printed grammar with the surrogates added to every negated character class and cut out of every other
+    class's ranges (string literals copied as they are)."""
     out, i = [], 0
     while i < len(ebnf):
         c = ebnf[i]
@@ -481,12 +481,48 @@ def _exclude_surrogates(ebnf: str) -> str:
             while ebnf[end] != ('"' if c == '"' else "]"):
                 end += 2 if ebnf[end] == "\\" else 1
             body = ebnf[i:end + 1]
-            out.append("[^" + _SURROGATES + body[2:] if body.startswith("[^") else body)
+            if body.startswith("[^"):
+                body = "[^" + _SURROGATES + body[2:]
+            elif c == "[":
+                body = _without_surrogate_ranges(body)
+            out.append(body)
             i = end + 1
         else:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+_CLASS_ITEM = re.compile(r"(\\(?:u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|x[0-9a-fA-F]{1,2}|.)|[^\\])"
+                         r"(?:-(\\(?:u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|x[0-9a-fA-F]{1,2}|.)|[^\\]))?", re.S)
+_SURROGATE_LOW, _SURROGATE_HIGH = 0xD800, 0xDFFF
+
+
+def _without_surrogate_ranges(body: str) -> str:
+    """A positive character class ("[...]", as XGrammar prints it) with U+D800..U+DFFF cut out of its ranges (a range
+    across them split in two, a range or a character inside them dropped); other items as they are."""
+    items, changed = [], False
+    for match in _CLASS_ITEM.finditer(body[1:-1]):
+        low, high = match.group(1), match.group(2)
+        first, last = _code_point(low), _code_point(high if high is not None else low)
+        if first is None or last is None or last < _SURROGATE_LOW or first > _SURROGATE_HIGH:
+            items.append(match.group(0))
+            continue
+        changed = True
+        if first < _SURROGATE_LOW:
+            items.append(f"{low}-\\ud7ff")
+        if last > _SURROGATE_HIGH:
+            items.append(f"\\ue000-{high}")
+    return "[" + "".join(items) + "]" if changed else body
+
+
+def _code_point(item: str) -> int | None:
+    """A class item's code point: a character, or XGrammar's \\uXXXX / \\UXXXXXXXX / \\xXX escape; None otherwise."""
+    if not item.startswith("\\"):
+        return ord(item)
+    if item[1] in "uUx":
+        return int(item[2:], 16)
+    return None
 
 
 def choice_grammar(choices: list[str]) -> str:

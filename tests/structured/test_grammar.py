@@ -107,9 +107,11 @@ def test_json_strings_never_hold_surrogates_or_raw_control_characters(service):
         assert not _matches(service, constraint, b'"\xed\xa1\xad"')  # U+D86D, a surrogate
         assert not _matches(service, constraint, b'"a\x01"')
     assert _matches(service, guided({"json": {"type": "string"}}), b'"\\n"')  # escapes stay allowed
-    for regex in ("[^a]+", ".+"):
+    for regex in ("[^a]+", ".+", "[\u0100-\uffff]+", "[a\u00e0-\uffff]+"):  # (a range across the surrogates too)
         constraint = guided({"regex": regex})
-        assert _matches(service, constraint, "xé".encode()) and not _matches(service, constraint, b"\xed\xa1\xad")
+        assert _matches(service, constraint, "Āā".encode()) and not _matches(service, constraint, b"\xed\xa1\xad")
+    pattern = guided({"json": {"type": "string", "pattern": "^[\u0100-\uffff]$"}})
+    assert _matches(service, pattern, '"Ā"'.encode()) and not _matches(service, pattern, b'"\xed\xa0\x80"')
 
 
 def test_choice_grammar_matches_exactly_the_choices_escapes_included(service):
