@@ -37,6 +37,7 @@ import os
 import re
 import threading
 import time
+import queue
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ class GrammarService:
         self.workers, self.compile_timeout_s = workers, compile_timeout_s
         # Two compilations at a time (a slow schema does not hold up the next one), each on up to half the cores; a
         # thread more for each that may be left running past its deadline (`_expire_overdue`).
-        self._pool = ThreadPoolExecutor(max_workers=2 * workers, thread_name_prefix="dsv4-grammar")
+        self._pool = _DaemonPool(2 * workers, "dsv4-grammar")
         self._slots = threading.Semaphore(workers)  # compilations that count
         self._running: dict[Future, _Running] = {}
         self._closed = False
@@ -107,9 +108,10 @@ class GrammarService:
         return taken
 
     def close(self) -> None:
-        """Stop compiling: pending compilations are cancelled (their requests end with an error)."""
+        """Stop compiling: pending compilations are cancelled (their requests end with an error); one still running
+        is left to its daemon thread, which does not hold the process's exit."""
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     # --- compilation ----------------------------------------------------------------------------------------
     def _compile_later(self, guided: GuidedDecoding) -> Future:
@@ -119,9 +121,7 @@ class GrammarService:
             if future is not None:
                 self.num_cache_hits += 1
             else:
-                cell: list[Future] = []  # (the task reads its own future once this lock is released)
-                future = self._pool.submit(self._compile_in_slot, grammar, guided.key, cell)
-                cell.append(future)
+                future = self._pool.submit(self._compile_in_slot, grammar, guided.key)
                 self._cache[guided.key] = future
                 while len(self._cache) > self.cache_entries:
                     self._cache.popitem(last=False)
@@ -145,14 +145,13 @@ class GrammarService:
         except RuntimeError as exc:
             raise ValueError(f"invalid {_KIND_NAMES[guided.kind]}: {_xgrammar_message(exc)}") from None
 
-    def _compile_in_slot(self, grammar, key: tuple, cell: list[Future]):
+    def _compile_in_slot(self, future: Future, grammar, key: tuple):
         """`_compile` once one of the `workers` slots is free, its start recorded for `_expire_overdue`."""
         self._slots.acquire()
         if self._closed:  # (it waited for a slot while the service closed)
             self._slots.release()
             raise RuntimeError("the engine is shutting down")
         with self._lock:
-            future = cell[0]
             self._running[future] = record = _Running(key, time.monotonic())
         try:
             return self._compile(grammar, key)
@@ -248,6 +247,44 @@ class GrammarService:
             return {"compiled": self.num_compiled, "cache_hits": self.num_cache_hits, "cached": len(self._cache)}
 
 
+class _DaemonPool:
+    """`size` daemon threads running submitted calls, each given its own Future first. ThreadPoolExecutor's threads are
+    joined when the interpreter exits, so a compilation XGrammar never ends (it cannot be interrupted) held the
+    process's exit, and with it tritonserver's unload of the model; these are left behind."""
+
+    def __init__(self, size: int, name: str):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._size = size
+        for i in range(size):
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._tasks.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Cancel what has not started; the threads end once the calls they run return."""
+        while True:
+            try:
+                future, _, _ = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            future.cancel()
+        for _ in range(self._size):  # (each thread takes one stop)
+            self._tasks.put(None)
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, fn, args = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(future, *args))
+            except BaseException as exc:  # noqa: BLE001 (the caller's to read)
+                future.set_exception(exc)
+
+
 @dataclass
 class _Running:
     key: tuple
@@ -269,16 +306,23 @@ class RequestGrammar:
         self.future = future
         self.guided = guided
         self.service = service  # (whose deadline its compilation runs under)
+        timeout = service.compile_timeout_s if service is not None else None
+        # Its own deadline too: a compilation waiting for a slot (behind slow ones) is not yet running to be abandoned
+        self.deadline = time.monotonic() + timeout if timeout is not None else None
+        self._expired = False  # (once said, kept: `ready` and `error` read it one after the other)
         self._matcher = None
         self.done = False  # terminated (the grammar's end and a stop token accepted), or failed
 
     @property
     def ready(self) -> bool:
-        """Compiled, failed, or abandoned past the service's deadline."""
+        """Compiled, failed, or past its deadline (its own, or its compilation abandoned past the service's)."""
         return self.future.done() or self._abandoned()
 
     def _abandoned(self) -> bool:
-        return self.service is not None and self.service.abandoned(self.future)
+        if not self._expired:  # (the service's check first: it gives overdue compilations' slots to the next ones)
+            abandoned = self.service is not None and self.service.abandoned(self.future)
+            self._expired = abandoned or (self.deadline is not None and time.monotonic() > self.deadline)
+        return self._expired
 
     @property
     def error(self) -> str | None:

@@ -4,8 +4,11 @@ the compiled grammars never admit invalid UTF-8 or raw control characters in JSO
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,8 +144,8 @@ def test_a_failure_that_is_not_the_constraints_is_not_cached(service, monkeypatc
 
 def test_requests_whose_compilation_was_cancelled_at_shutdown_get_a_message(service):
     blocker = threading.Event()
-    for _ in range(service._pool._max_workers):  # every compile thread busy: the next compilations wait in the queue
-        service._pool.submit(blocker.wait, 30)
+    for _ in range(service._pool._size):  # every compile thread busy: the next compilations wait in the queue
+        service._pool.submit(lambda future: blocker.wait(30))
     waiting = service.prepare(guided({"regex": "[a-f]{2}"}))
     service.close()
     blocker.set()
@@ -251,3 +254,45 @@ def test_a_lookahead_takes_drafts_tentatively_stops_where_the_grammar_does_and_r
     assert walk.blocked(grammar) and not walk.open(grammar) and grammar.matcher.is_terminated()
     walk.rollback({grammar: 2})  # "ab" emitted
     assert not grammar.matcher.is_terminated() and grammar.matcher.accept_token(token["x"])
+
+
+def test_a_request_waiting_behind_slow_compilations_fails_at_its_own_deadline(monkeypatch):
+    """Four slow compilations take every compile thread (two past their deadline are abandoned, two more fill the
+    slots they gave back): a request whose grammar is still queued behind them fails when its own deadline passes,
+    not when a thread frees up."""
+    service = GrammarService(TINY_TOKENIZER, vocab_size=512, stop_token_ids=[1], compile_timeout_s=0.3)
+    compile_, release = service._compile, threading.Event()
+    slow = {guided({"regex": f"{c}+"}).key for c in "abcd"}
+    monkeypatch.setattr(service, "_compile", lambda grammar, key: release.wait(30) if key in slow
+                        else compile_(grammar, key))
+    try:
+        stuck = [service.prepare(guided({"regex": f"{c}+"})) for c in "abcd"]
+        started = time.monotonic()
+        queued = service.prepare(guided({"regex": "[0-9]{3}"}))
+        while not queued.ready and time.monotonic() < started + 20:  # (the scheduler asks at every step)
+            time.sleep(0.01)
+        assert time.monotonic() - started < 5 and "did not compile within 0.3 s" in queued.error
+        assert not queued.future.done()
+        assert all(g.ready and "did not compile within" in g.error for g in stuck)
+    finally:
+        release.set()
+        service.close()
+
+
+def test_a_compilation_left_running_does_not_hold_the_process_exit():
+    """XGrammar cannot be interrupted: a compilation abandoned past its deadline keeps its thread until it ends, and
+    that thread must not hold the process (tritonserver's unload of the model) on its way out."""
+    script = f"""
+import time
+from backend.structured.grammar import GrammarService
+from backend.structured.params import GuidedDecoding
+service = GrammarService({str(TINY_TOKENIZER)!r}, vocab_size=512, stop_token_ids=[1], compile_timeout_s=0.2)
+service._compile = lambda grammar, key: time.sleep(60)
+grammar = service.prepare(GuidedDecoding("regex", "a+"))
+while not grammar.ready:
+    time.sleep(0.01)
+service.close()
+"""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).resolve().parents[2], timeout=50)
+    assert time.monotonic() - started < 30
