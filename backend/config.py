@@ -26,6 +26,7 @@ PARALLEL_SIZES = ("tensor_parallel_size", "expert_parallel_size", "data_parallel
 NUMERICS = ("auto", "transformers", "deepseek")
 LOAD_FORMATS = ("auto", "dummy")
 DRAFT_SAMPLING = ("auto", "argmax", "sample")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 CUDA_ONLY = ("programmatic_dependent_launch", "side_stream")  # settings only a CUDA device takes
@@ -113,6 +114,10 @@ class EngineConfig:
     # than decoding would (backend/engine_core.py SpeculationGate; vLLM's disable_by_batch_size, measured, not set).
     # Greedy outputs are the same either way. Ranks in lock-step (data parallelism over split experts) always draft.
     adaptive_speculation: bool = False
+    # What requests' log-probabilities are of (vLLM's logprobs_mode): `raw_logprobs`, the model's own distribution
+    # (after an output constraint's mask, before penalties, temperature and the top-k / top-p / min-p cut), as vLLM v1
+    # reports them by default; `processed_logprobs`, the distribution the token was drawn from.
+    logprobs_mode: str = "raw_logprobs"
     # Limits on requests.
     max_tokens_limit: int = 32768
     use_reference_kernels: bool = False  # force the torch references on CUDA
@@ -233,6 +238,7 @@ class EngineConfig:
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")
         _check(self.draft_sampling in DRAFT_SAMPLING, "draft_sampling", self.draft_sampling,
                " or ".join(DRAFT_SAMPLING))
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode, " or ".join(LOGPROBS_MODES))
         if self.num_speculative_tokens:
             verify = self.max_running_requests * (1 + self.num_speculative_tokens)
             _check(self.max_num_batched_tokens >= verify, "num_speculative_tokens", self.num_speculative_tokens,

@@ -192,7 +192,8 @@ class EngineCore:
                                    rank=rank)
         self.executor = StepExecutor(runner, kernels, asynchronous=self.overlap,
                                      cpu_threads=config.cpu_threads or default_cpu_threads(),
-                                     sample_drafts=config.resolved_draft_sampling() == "sample")
+                                     sample_drafts=config.resolved_draft_sampling() == "sample",
+                                     raw_logprobs=config.logprobs_mode == "raw_logprobs")
         self._stager = BatchStager(runner.device, depth=2)
         self.verify_overlap = VerifyOverlap()  # whether verify steps are scheduled ahead (k = 1, chains on the device)
         # whether a step drafts at all (adaptive_speculation; ranks in lock-step agree on every draft pass: they draft)

@@ -88,12 +88,12 @@ class StepHandle:
 
 class StepExecutor:
     def __init__(self, runner: ModelRunner, kernels, *, asynchronous: bool, cpu_threads: int,
-                 sample_drafts: bool = False):
+                 sample_drafts: bool = False, raw_logprobs: bool = True):
         self.runner = runner
         self.device = runner.device
         self.cpu_threads = cpu_threads
         self.small_step_tokens = SMALL_STEP_TOKENS  # steps below this run on one intra-op thread
-        self.sampler = Sampler(kernels)
+        self.sampler = Sampler(kernels, raw_logprobs)
         self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner, self.sampler, sample_drafts)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None

@@ -35,10 +35,12 @@ end, or allows no token at all, is reported in the step's `StepOutput.ends`. Spe
 rows and its drafts the same way (backend/speculative.py, through `HostMasks` and this sampler's fill pool), each
 position with the grammar's mask after the drafts before it.
 
-Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set) are those of the distribution
-the token was drawn from: with temperature > 0, log_softmax of the penalised, temperature-scaled logits
-after the top-k / top-p / min-p cut (tokens cut away have -inf); greedy, log_softmax of the (penalised)
-logits themselves (temperature 1, nothing cut): without penalties, the model's own log-probability.
+Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set), as vLLM's `logprobs_mode`: raw (the
+default, as vLLM v1's), log_softmax of the model's logits (after an output constraint's mask, before penalties,
+temperature and the cuts); processed, those of the distribution the token was drawn from: with temperature > 0,
+log_softmax of the penalised, temperature-scaled logits after the top-k / top-p / min-p cut (tokens cut away have
+-inf), greedy, log_softmax of the penalised logits. A token's rank counts the tokens at least as likely, itself
+included (as vLLM's: ties rank last).
 """
 
 from __future__ import annotations
@@ -251,8 +253,9 @@ class Sampler:
     """Draws one token per row; row r belongs to states[r]. `kernels` (kernels/dispatch.py) applies token masks;
     `grammars` fills them (its pool also serves speculative decoding's masks)."""
 
-    def __init__(self, kernels: KernelDispatch | None = None):
+    def __init__(self, kernels: KernelDispatch | None = None, raw_logprobs: bool = True):
         self.kernels = kernels or KernelDispatch()
+        self.raw_logprobs = raw_logprobs  # (EngineConfig.logprobs_mode)
         self.grammars = GrammarBatch()
         self._masks = HostMasks(self.kernels)
 
@@ -269,10 +272,11 @@ class Sampler:
         constrained = [row for row, state in enumerate(states) if state.grammar is not None and not state.grammar.done]
         if constrained:
             output.timing.mask_fill_s += self._mask(logits, states, constrained, output.ends)
-        logits = apply_penalties(logits, states)
+        masked, logits = logits, apply_penalties(logits, states)  # (a copy where a row has penalties)
         tokens = self.sample(logits, states)
         if any(state.params.logprobs is not None for state in states):
-            output.logprobs = [None if lp is None else [lp] for lp in self.logprobs(logits, states, tokens.tolist())]
+            of = masked if self.raw_logprobs else logits
+            output.logprobs = [None if lp is None else [lp] for lp in self.logprobs(of, states, tokens.tolist())]
         for row, state in enumerate(states):
             if state.has_penalties:
                 state.observe(tokens[row:row + 1])
@@ -325,15 +329,17 @@ class Sampler:
 
     def logprobs(self, logits: torch.Tensor, states: list[SamplerState],
                  tokens: list[int]) -> list[TokenLogprobs | None]:
-        """For each row whose request asked for them, the sampled token's log-probability and the top ones, computed
-        where the logits are (rows in shares, as `sample`); the host reads only what it reports."""
+        """For each row whose request asked for them, the sampled token's log-probability, its rank and the top ones
+        (of the raw `logits` or of the distribution each row samples from, as `raw_logprobs` says), computed where
+        the logits are (rows in shares, as `sample`); the host reads only what it reports."""
         out: list[TokenLogprobs | None] = [None] * len(states)
         rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
         for part in row_shares(rows, logits.device):
             params = [states[row].params for row in part]
-            dist = sampling_log_probs(logits[row_index(part, logits.device)], params)
+            rows = logits[row_index(part, logits.device)]
+            dist = torch.log_softmax(rows.float(), dim=-1) if self.raw_logprobs else sampling_log_probs(rows, params)
             chosen = dist.gather(1, long_on([tokens[row] for row in part], logits.device)[:, None])
-            ranks = ((dist > chosen).sum(dim=1) + 1).tolist()
+            ranks = (dist >= chosen).sum(dim=1).tolist()
             top = dist.topk(max(p.logprobs for p in params), dim=-1)
             top_ids, top_values, chosen = top.indices.tolist(), top.values.tolist(), chosen.flatten().tolist()
             for i, (row, p) in enumerate(zip(part, params)):

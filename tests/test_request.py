@@ -17,6 +17,14 @@ def test_from_dict_coerces_what_clients_send():
     assert SamplingParams.from_dict({"stop": "fox"}).stop == ["fox"]
 
 
+def test_null_means_not_given_where_vllm_takes_none():
+    """Clients written for Triton's vLLM backend send explicit nulls for these (vLLM's SamplingParams takes None)."""
+    nulls = {"seed": None, "logprobs": None, "stop": None, "stop_token_ids": None, "timeout_ms": None}
+    assert SamplingParams.from_dict({"max_tokens": 5, **nulls}) == SamplingParams(max_tokens=5)
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):  # (as the vLLM backend's int() refuses it)
+        SamplingParams.from_dict({"max_tokens": None})
+
+
 @pytest.mark.parametrize("params, message", [
     ({"max_tokens": 0}, "max_tokens must be a positive"),
     ({"max_tokens": "many"}, "max_tokens must be an integer"),

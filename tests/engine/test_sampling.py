@@ -235,20 +235,38 @@ def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
     assert detok.stopped and "".join(pieces) + detok.flush() == "The quick brown "
 
 
-def test_logprobs_come_from_the_distribution_sampled_from():
-    """Sampled rows: log_softmax of the temperature-scaled logits after the top-k cut (cut tokens -inf), the
-    drawn token's value and the top ones; greedy rows: the model's own log_softmax; rows that did not ask: None."""
+def test_logprobs_are_the_models_own_by_default_and_the_sampled_distributions_when_processed():
+    """raw_logprobs (vLLM v1's default): every row's log_softmax of its logits, whatever its temperature, cuts and
+    penalties; processed_logprobs: sampled rows' of the temperature-scaled logits after the top-k cut (cut tokens
+    -inf), greedy rows' of their (penalised) logits. Rows that did not ask: None."""
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.1, 3.0, 0.2, 0.3], [1.0, 1.0, 1.0, 1.0]])
     sampled = SamplingParams(temperature=0.5, top_k=2, seed=1, logprobs=3)
-    seqs = _seqs([sampled, SamplingParams(logprobs=1), SamplingParams()])
-    sampler = Sampler()
-    tokens = sampler.sample(logits, seqs).tolist()
-    first, second, third = sampler.logprobs(logits, seqs, tokens)
-    scaled = torch.log_softmax(torch.tensor([2.0, 1.0]) / 0.5, dim=-1)
-    assert tokens[0] in (0, 1) and abs(first.logprob - scaled[tokens[0]].item()) < 1e-6
-    assert [t for t, _ in first.top[:2]] == [0, 1] and first.top[2][1] == float("-inf")
-    assert abs(second.logprob - torch.log_softmax(logits[1], -1)[1].item()) < 1e-6 and second.top[0][0] == 1
-    assert third is None
+    penalised = SamplingParams(logprobs=1, repetition_penalty=2.0)
+    raw = torch.log_softmax(logits, dim=-1)
+    for raw_logprobs in (True, False):
+        seqs = _seqs([sampled, penalised, SamplingParams()])
+        output = Sampler(raw_logprobs=raw_logprobs).step(logits.clone(), seqs)
+        tokens = output.sampled.tolist()
+        (first,), (second,), third = output.logprobs
+        assert tokens[0] in (0, 1) and tokens[1] == 1 and third is None
+        if raw_logprobs:
+            assert abs(first.logprob - raw[0, tokens[0]].item()) < 1e-6
+            assert first.top == [(i, pytest.approx(raw[0, i].item())) for i in (0, 1, 2)]
+            assert abs(second.logprob - raw[1, 1].item()) < 1e-6
+        else:
+            scaled = torch.log_softmax(torch.tensor([2.0, 1.0]) / 0.5, dim=-1)
+            assert abs(first.logprob - scaled[tokens[0]].item()) < 1e-6
+            assert [t for t, _ in first.top[:2]] == [0, 1] and first.top[2][1] == float("-inf")
+            # the prompt's token 1 penalised (3.0 / 2)
+            expected = torch.log_softmax(torch.tensor([0.1, 1.5, 0.2, 0.3]), dim=-1)[1].item()
+            assert abs(second.logprob - expected) < 1e-6
+
+
+def test_a_tied_tokens_rank_counts_every_token_as_likely_as_it():
+    """As vLLM's ranks: with four equal logits the drawn token ranks 4th, whichever it is."""
+    seqs = _seqs([SamplingParams(logprobs=2)])
+    (out,) = Sampler().logprobs(torch.zeros(1, 4), seqs, [0])
+    assert out.rank == 4
 
 
 def test_penalties_follow_openai_and_vllm_definitions():
