@@ -64,5 +64,6 @@ def freeze_start_up_heap() -> int:
 
 
 def thaw_heap() -> None:
-    """Give the frozen objects back to the collector (those of an engine shut down become collectable)."""
+    """Give the frozen objects back to the collector (those of an engine shut down become collectable). The whole
+    process's: another engine serving in it (a test's, a benchmark's) is walked again from then on."""
     gc.unfreeze()

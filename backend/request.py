@@ -143,7 +143,7 @@ class SamplingParams:
             raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
         kwargs: dict[str, Any] = {"guided_decoding": guided_decoding_from_sampling(params, where)}
         for key, value in params.items():
-            if key in GUIDED_KEYS or (value is None and key in _NULL_IS_UNSET):
+            if key in GUIDED_KEYS or (value is None and key in NULL_IS_UNSET):
                 continue
             if key in _INT_KEYS:
                 kwargs[key] = _as_int(value, key)
@@ -160,7 +160,7 @@ class SamplingParams:
 _INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprobs", "n")
 # Keys whose JSON null means "not given", as vLLM's SamplingParams takes None for them (Triton's vLLM backend passes
 # them through as they come)
-_NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms")
+NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms")
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens", *GUIDED_KEYS])
 

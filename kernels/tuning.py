@@ -50,7 +50,9 @@ def write_table(path: Path, table: dict, **meta) -> None:
                         for key, by_count in sorted(shapes.items())}
                for kernel, shapes in sorted(table.items())}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({**meta, "kernels": kernels}, indent=1) + "\n")
+    partial = Path(path).with_suffix(".json.partial")  # (renamed over it: a run cut while writing leaves it whole)
+    partial.write_text(json.dumps({**meta, "kernels": kernels}, indent=1) + "\n")
+    partial.replace(path)
 
 
 def _device_table() -> dict:

@@ -319,7 +319,8 @@ def main() -> int:
     meta = dict(device=device_name, triton=triton.__version__, torch=torch.__version__,
                 shapes="tiny" if options.tiny else "deepseek-v4-flash", written=time.strftime("%Y-%m-%d"))
     timer = Timer(torch, device, options.repeat)
-    table: dict = {}
+    # (what an earlier run tuned stays, each sweep's shapes replaced: a run cut by its time limit loses nothing)
+    table: dict = tuning.read_table(out) if out.is_file() else {}
     start = time.time()
     for sweep in sweeps:
         if options.budget_s is not None and time.time() - start > options.budget_s:

@@ -110,7 +110,7 @@ class ReservedSnapshot:
 class PrefixCacheStats:
     hits: int = 0  # requests that started after a cached prefix
     cached_tokens: int = 0  # prompt positions served from the cache
-    queried_tokens: int = 0  # prompt positions of every admission (the hit rate's denominator)
+    queried_tokens: int = 0  # positions of every new request admitted (the hit rate's denominator)
     # Preempted requests' readmissions, counted apart (as vLLM does): they mostly restore what they computed
     # themselves, and counted with new requests they would raise the hit rate as memory runs short.
     readmitted_hits: int = 0

@@ -254,23 +254,28 @@ class _DaemonPool:
 
     def __init__(self, size: int, name: str):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._size = size
+        self._size, self._shut = size, False
         for i in range(size):
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True).start()
 
     def submit(self, fn, *args) -> Future:
+        if self._shut:
+            raise RuntimeError("the engine is shutting down")
         future: Future = Future()
         self._tasks.put((future, fn, args))
         return future
 
     def shutdown(self) -> None:
-        """Cancel what has not started; the threads end once the calls they run return."""
+        """Cancel what has not started; the threads end once the calls they run return. Once."""
+        if self._shut:
+            return
+        self._shut = True
         while True:
             try:
-                future, _, _ = self._tasks.get_nowait()
+                task = self._tasks.get_nowait()
             except queue.Empty:
                 break
-            future.cancel()
+            task[0].cancel()
         for _ in range(self._size):  # (each thread takes one stop)
             self._tasks.put(None)
 
@@ -549,7 +554,7 @@ def _without_surrogate_ranges(body: str) -> str:
     for match in _CLASS_ITEM.finditer(body[1:-1]):
         low, high = match.group(1), match.group(2)
         first, last = _code_point(low), _code_point(high if high is not None else low)
-        if first is None or last is None or last < _SURROGATE_LOW or first > _SURROGATE_HIGH:
+        if last < _SURROGATE_LOW or first > _SURROGATE_HIGH:
             items.append(match.group(0))
             continue
         changed = True
@@ -560,13 +565,17 @@ def _without_surrogate_ranges(body: str) -> str:
     return "[" + "".join(items) + "]" if changed else body
 
 
-def _code_point(item: str) -> int | None:
-    """A class item's code point: a character, or XGrammar's \\uXXXX / \\UXXXXXXXX / \\xXX escape; None otherwise."""
+_ESCAPED = {"0": 0, "t": 9, "n": 10, "r": 13, "b": 8, "f": 12, "v": 11, "e": 27}  # (XGrammar's printed escapes)
+
+
+def _code_point(item: str) -> int:
+    """A class item's code point: a character, or one as XGrammar prints it escaped (\\uXXXX, \\UXXXXXXXX, \\xXX,
+    \\0, \\n and the like, or a backslash before the character itself: \\", \\\\, \\])."""
     if not item.startswith("\\"):
         return ord(item)
-    if item[1] in "uUx":
+    if item[1] in "uUx" and len(item) > 2:
         return int(item[2:], 16)
-    return None
+    return _ESCAPED.get(item[1], ord(item[1]))
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -190,6 +190,14 @@ def test_bad_sampling_parameters(tokenizer, raw, message):
         parse(tokenizer, text_input=text("hello"), sampling_parameters=text(raw))
 
 
+def test_a_null_in_the_json_leaves_the_input_of_the_same_value(tokenizer):
+    """"logprobs": null means not given (as vLLM takes it), so the top_logprobs input stands alone."""
+    nulls = sampling({"logprobs": None, "timeout_ms": None})
+    req = parse(tokenizer, text_input=text("hello"), top_logprobs=np.array([3], np.int32),
+                timeout_ms=np.array([500], np.int32), sampling_parameters=nulls)
+    assert (req.sampling.logprobs, req.sampling.timeout_ms) == (3, 500)
+
+
 def test_max_tokens_input_and_json_must_agree(tokenizer):
     with pytest.raises(ValueError, match="disagree"):
         parse(

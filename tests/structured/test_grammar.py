@@ -110,7 +110,8 @@ def test_json_strings_never_hold_surrogates_or_raw_control_characters(service):
         assert not _matches(service, constraint, b'"\xed\xa1\xad"')  # U+D86D, a surrogate
         assert not _matches(service, constraint, b'"a\x01"')
     assert _matches(service, guided({"json": {"type": "string"}}), b'"\\n"')  # escapes stay allowed
-    for regex in ("[^a]+", ".+", "[\u0100-\uffff]+", "[a\u00e0-\uffff]+"):  # (a range across the surrogates too)
+    # (a range across the surrogates too, its ends printed as characters or escapes)
+    for regex in ("[^a]+", ".+", "[\u0100-\uffff]+", "[a\u00e0-\uffff]+", r"[\u0000-\uffff]+", r"[\n-\uffff]+"):
         constraint = guided({"regex": regex})
         assert _matches(service, constraint, "Āā".encode()) and not _matches(service, constraint, b"\xed\xa1\xad")
     pattern = guided({"json": {"type": "string", "pattern": "^[\u0100-\uffff]$"}})
@@ -277,6 +278,15 @@ def test_a_request_waiting_behind_slow_compilations_fails_at_its_own_deadline(mo
     finally:
         release.set()
         service.close()
+
+
+def test_a_closed_service_closes_once_and_refuses_new_compilations(service):
+    """close() twice (the engine's shutdown may run twice), then a compilation asked for: refused, not left waiting
+    behind the compile threads' stops forever."""
+    service.close()
+    service.close()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        service.prepare(guided({"regex": "[x-z]{4}"}))
 
 
 def test_a_compilation_left_running_does_not_hold_the_process_exit():
