@@ -79,3 +79,17 @@ def test_the_written_configurations_change_the_plans(tuned_file):
         (config_at_one_token,) = [by_count[DRY.top_k if kernel == "moe" else 1] for by_count in table[kernel].values()]
         assert plan != default[kernel], kernel
         assert all(plan[k] == v for k, v in config_at_one_token.items() if k in plan), (kernel, plan)
+
+
+def test_a_run_of_some_sweeps_keeps_what_the_file_held(tmp_path):
+    """A run cut by its time limit (or limited to some sweeps) replaces its sweeps' entries and keeps the rest of the
+    table it found: a later, shorter run does not throw an earlier full tuning away."""
+    out = tmp_path / "cpu.json"
+    tuning.write_table(out, {"earlier": {"shape": {1: {"BLOCK_N": 8}}}}, device="cpu")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "tune_kernels.py"), "--device", "cpu", "--tiny",
+                             "--repeat", "1", "--sweeps", "fp32 linear", "--out", str(out)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = tuning.read_table(out)
+    assert table["earlier"] == {"shape": {1: {"BLOCK_N": 8}}} and "fp32_linear" in table, sorted(table)
