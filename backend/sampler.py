@@ -336,8 +336,8 @@ class Sampler:
         rows = [row for row, state in enumerate(states) if state.params.logprobs is not None]
         for part in row_shares(rows, logits.device):
             params = [states[row].params for row in part]
-            rows = logits[row_index(part, logits.device)]
-            dist = torch.log_softmax(rows.float(), dim=-1) if self.raw_logprobs else sampling_log_probs(rows, params)
+            of = logits[row_index(part, logits.device)]
+            dist = torch.log_softmax(of.float(), dim=-1) if self.raw_logprobs else sampling_log_probs(of, params)
             chosen = dist.gather(1, long_on([tokens[row] for row in part], logits.device)[:, None])
             ranks = (dist >= chosen).sum(dim=1).tolist()
             top = dist.topk(max(p.logprobs for p in params), dim=-1)
