@@ -34,10 +34,10 @@ XGrammar's `rollback` before the step ends, so that it then holds exactly the em
 from __future__ import annotations
 
 import os
+import queue
 import re
 import threading
 import time
-import queue
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass

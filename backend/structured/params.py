@@ -87,7 +87,7 @@ def _is_text_format(key: str, value: Any) -> bool:
         return False
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = load_json(value, key)
         except ValueError:
             return False  # (reported when it is read as the constraint)
     return isinstance(value, dict) and value.get("type") == "text"

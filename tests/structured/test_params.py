@@ -132,6 +132,7 @@ def test_no_constraint_is_none():
      "nests 66 levels deep, more than 64"),
     ({"guided_decoding": {"json": "[" * 100_000 + "]" * 100_000}}, "nests too deeply"),
     ({"guided_decoding": '{"json": ' + "[" * 100_000 + "]" * 100_000 + "}"}, "nests too deeply"),
+    ({"response_format": "[" * 100_000 + "]" * 100_000}, "nests too deeply"),
 ])
 def test_malformed_constraints_are_refused_with_a_message_naming_the_problem(params, message):
     with pytest.raises(ValueError, match=message):
