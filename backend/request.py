@@ -142,8 +142,8 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
         kwargs: dict[str, Any] = {"guided_decoding": guided_decoding_from_sampling(params, where)}
-        for key, value in params.items():
-            if key in GUIDED_KEYS or (value is None and key in NULL_IS_UNSET):
+        for key, value in without_unset_nulls(params).items():
+            if key in GUIDED_KEYS:
                 continue
             if key in _INT_KEYS:
                 kwargs[key] = _as_int(value, key)
@@ -160,7 +160,12 @@ class SamplingParams:
 _INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprobs", "n")
 # Keys whose JSON null means "not given", as vLLM's SamplingParams takes None for them (Triton's vLLM backend passes
 # them through as they come)
-NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms")
+_NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms")
+
+
+def without_unset_nulls(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` less the keys whose null means "not given" (_NULL_IS_UNSET) where they are null."""
+    return {key: value for key, value in params.items() if value is not None or key not in _NULL_IS_UNSET}
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens", *GUIDED_KEYS])
 

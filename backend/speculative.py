@@ -176,8 +176,7 @@ class Verifier:
             self._settle_grammars(walk, states, constrained, output)
         for r, row_targets in targets.items():  # (raw log-probabilities: the logits before the penalties)
             raw = logits[firsts[r]:firsts[r] + len(row_targets)]
-            logprobs[r] = self._observe(row_targets, raw if self.sampler.raw_logprobs else row_targets, states[r],
-                                        output.tokens[r])
+            logprobs[r] = self._observe(raw if self.sampler.raw_logprobs else row_targets, states[r], output.tokens[r])
         if any(lp is not None for lp in logprobs):
             output.logprobs = logprobs
         return output
@@ -257,12 +256,11 @@ class Verifier:
             output.ends[final[i]] = None
         output.timing.grammar_accept_s += time.perf_counter() - started
 
-    def _observe(self, targets: torch.Tensor, reported: torch.Tensor, state: SamplerState,
-                 emitted: list[int]) -> list[TokenLogprobs] | None:
+    def _observe(self, reported: torch.Tensor, state: SamplerState, emitted: list[int]) -> list[TokenLogprobs] | None:
         """A verify row's emitted tokens seen by its penalties; their log-probabilities, each token's from its row of
         `reported` (the raw logits, or the targets it was drawn from), when the request asks for them."""
         if state.has_penalties:
-            state.observe(torch.tensor(emitted, device=targets.device))
+            state.observe(torch.tensor(emitted, device=reported.device))
         if state.params.logprobs is None:
             return None
         return self.sampler.logprobs(reported[:len(emitted)], [state] * len(emitted), emitted)

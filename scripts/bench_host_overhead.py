@@ -406,11 +406,15 @@ def inter_token_gaps(options, frozen: bool, seed: int) -> dict:
         params = SamplingParams(max_tokens=draw.randint(*CHURN_OUTPUT), ignore_eos=True)
         engine.submit(Sequence(f"churn-{index}", prompt, params), on_output)
 
-    collections: list[float] = []
+    pauses: list[float] = []  # each full collection's seconds
+    collecting_since = [0.0]
 
     def on_collection(phase: str, info: dict) -> None:
         if info["generation"] == 2:
-            collections.append(time.perf_counter() * (1 if phase == "stop" else -1))
+            if phase == "start":
+                collecting_since[0] = time.perf_counter()
+            else:
+                pauses.append(time.perf_counter() - collecting_since[0])
 
     engine.start()
     if not frozen:
@@ -433,7 +437,6 @@ def inter_token_gaps(options, frozen: bool, seed: int) -> dict:
         gc.callbacks.remove(on_collection)
         engine.shutdown()
     gaps.sort()
-    pauses = [collections[i] + collections[i + 1] for i in range(0, len(collections) - 1, 2)]
     quantile = lambda q: 1e3 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
     return {"gaps": len(gaps), "median_ms": quantile(0.5), "p99_ms": quantile(0.99), "p999_ms": quantile(0.999),
             "max_ms": 1e3 * gaps[-1], "full_collections": len(pauses), "collection_ms": 1e3 * sum(pauses),

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from backend.errors import load_json
-from backend.request import NULL_IS_UNSET, FinishReason, SamplingParams
+from backend.request import FinishReason, SamplingParams, without_unset_nulls
 
 INPUT_NAMES = (
     "text_input",
@@ -230,7 +230,7 @@ def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, 
     else:
         params = {k: v for k, v in request_params.items() if k not in _REQUEST_ONLY_KEYS}
         where = "request parameters"
-    params = {key: value for key, value in params.items() if value is not None or key not in NULL_IS_UNSET}
+    params = without_unset_nulls(params)  # (so that a null leaves the input of the same value standing)
     given = {key: (name, value) for name, key in _SAMPLING_INPUTS.items()
              if (value := _optional_int(inputs, name)) is not None}
     sampling = SamplingParams.from_dict({**{k: v for k, (_, v) in given.items()}, **params}, where)
