@@ -2,7 +2,9 @@
 
 Text is released only when it is final: a trailing U+FFFD (an incomplete UTF-8 sequence that the
 next token may complete) is held back, and so is any tail that could still grow into a stop
-string. When a stop string appears, the text before it is released and generation stops.
+string. When a stop string appears, the text before it is released and generation stops. With
+min_tokens (vLLM's), a stop string counts only where it ends in the text after the first min_tokens
+tokens'.
 
 Each token decodes a few ids, not the whole output (that grew with the output: 1.8 ms a token at 16K
 tokens, on the thread that sends every request's responses). As vLLM's `detokenize_incrementally`
@@ -27,9 +29,12 @@ _CHARACTER_TOKENS = 3
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
+        self.min_tokens = min_tokens
+        # stop strings count where they end past this many characters of the text: once min_tokens tokens are in
+        self._stops_from: int | None = 0 if min_tokens == 0 else None
         self._ids: list[int] = []
         self._text = ""  # decoded text of the ids before _read (they decode completely)
         self._prefix = self._read = 0  # the decoding window's context starts at _prefix, its new ids at _read
@@ -49,6 +54,8 @@ class IncrementalDetokenizer:
             head = decode(self._ids[self._prefix:cut], skip_special_tokens=True)  # (a U+FFFD of the text's own)
             if len(head) > len(context) and text.startswith(head):  # (what the last ids no longer change)
                 self._take(context, head, cut)
+        if len(self._ids) == self.min_tokens:
+            self._stops_from = len(self._text)
         return self._release(final=False)
 
     def _settled_end(self) -> int:
@@ -77,8 +84,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         limit = len(self._text)
-        for s in self.stop:
-            at = self._text.find(s, max(0, self._released - len(s) + 1))
+        for s in self.stop if self._stops_from is not None else ():
+            at = self._text.find(s, max(0, max(self._released, self._stops_from) - len(s) + 1))  # (ending past both)
             if at != -1 and at < limit:
                 limit = at
                 self.stopped = True

@@ -49,7 +49,7 @@ from backend.model.comm import RankGroupError
 from backend.parallel.sync import ALONE, Agreement, StepSync
 from backend.request import FinishReason, RequestOutput, Sequence
 from backend.runner import Forward, ModelRunner, StepCopies
-from backend.sampler import SamplerState
+from backend.sampler import HeldStops, SamplerState
 from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
 from backend.speculative import DraftRow, SpecJob
 from backend.structured.grammar import GrammarService
@@ -351,7 +351,7 @@ class EngineCore:
 
     def _build(self, plan: StepPlan) -> StepJob:
         """The step's batch, built on the host over this rank's pages, with what the executor needs to run it."""
-        rows, samplers, from_device, plain, copies_after = [], [], False, True, []
+        rows, samplers, from_device, plain, copies_after, held = [], [], False, True, [], {}
         for chunk in plan.chunks:  # (once per row every step: plain local reads)
             seq, start, drafts = chunk.seq, chunk.start, chunk.drafts
             end = start + chunk.num_tokens
@@ -369,14 +369,20 @@ class EngineCore:
             rows.append(BatchRow(seq.pages, tokens, start, chunk.samples, snapshots, not known, 1 + len(drafts)))
             if chunk.samples:
                 state = seq.sampler_state
+                # (its logits rows draw the outputs from the one after its last token on: a verify's last token is
+                # the one at `start`, any other row's the chunk's last)
+                first_output = (start + 1 if drafts else end) - len(seq.prompt_ids)
+                hold = HeldStops.of(seq.sampling, seq.stop_ids, first_output, 1 + len(drafts))
+                if hold is not None:
+                    held[len(samplers)] = hold
                 samplers.append(state)
-                plain &= state.plain
+                plain &= state.plain and hold is None
         graphs = self.runner.graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         plan.timing.static_shape = key is not None
         spec = self._spec_job(plan, key, len(samplers)) if self.num_speculative_tokens else None
         plan.chains_on_device = (spec is not None and self.overlap
-                                 and self.executor.drafter.chains_on_device(spec, samplers))
+                                 and self.executor.drafter.chains_on_device(spec, samplers, held))
         # (a step scheduled ahead is its rows' verifies alone, as the one before it: its executor's work reads no
         # request's pages, which the take-in of the step before may free meanwhile)
         assert plan.chains_on_device or not any(chunk.optimistic for chunk in plan.chunks), \
@@ -384,7 +390,7 @@ class EngineCore:
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         cache = self.kv.prefix_cache
         copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, spec, plan.timing,
+        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, held, spec, plan.timing,
                        decodes_only=not plan.num_prefill_tokens)
 
     def _forward(self, batch, copies: StepCopies, key, reads_previous_tokens: bool) -> Forward:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backend.runner import Forward, ModelRunner
-from backend.sampler import Sampler, SamplerState
+from backend.sampler import HeldStops, Sampler, SamplerState
 from backend.scheduler import StepOutput, StepTiming
 from backend.speculative import Drafter, SpecJob, Verifier
 
@@ -51,6 +51,7 @@ class StepJob:
     forward: Forward  # the batch (on the device, or host tensors for a group), its copies, its static shape
     samplers: list[SamplerState]  # one per sampling row: the batch's first logits rows
     plain_sampling: bool = False  # every row greedy, without penalties or log-probabilities: one argmax
+    held_stops: dict[int, HeldStops] = field(default_factory=dict)  # sampling row -> its stop tokens held (min_tokens)
     spec: SpecJob | None = None  # speculative decoding: verify rows, and the draft layer proposes the next drafts
     timing: StepTiming = field(default_factory=StepTiming)  # the step's record of times (its plan's), filled here
     decodes_only: bool = False  # no prefill chunk: its size for the intra-op threads is its rows (not its drafts)
@@ -150,7 +151,7 @@ class StepExecutor:
         if job.spec is not None:
             return self._verify(job, logits, batch, started), None
         num_rows = len(job.samplers)
-        output = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling, job.timing)
+        output = self.sampler.step(logits[:num_rows], job.samplers, job.plain_sampling, job.timing, job.held_stops)
         tokens = output.sampled
         self.runner.keep_tokens(batch, tokens)
         if not cuda:
@@ -184,14 +185,14 @@ class StepExecutor:
         read on the device (overlapped verify steps, backend/engine_core.py)."""
         spec, drafting = job.spec, time.perf_counter()
         argmax = ready = None
-        early = self.drafter.chain_early(logits, batch, spec, job.samplers)
+        early = self.drafter.chain_early(logits, batch, spec, job.samplers, job.held_stops)
         draft_s = time.perf_counter() - drafting  # (launching it; the read waits for the verify's forward too)
         if early is not None:
             read = torch.cat(early).tolist()  # (the step's one host read)
             argmax, ready = read[:len(early[0])], read[len(early[0]):len(early[0]) + len(early[1])]
             # (a verify scheduled before the one ahead of it was taken in: its drafts were on the device only)
             job.spec = spec = spec.with_verified_drafts(read[len(early[0]) + len(early[1]):])
-        output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax)
+        output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax, held=job.held_stops)
         drafting = time.perf_counter()
         if spec.propose:
             output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)

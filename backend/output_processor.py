@@ -35,7 +35,8 @@ class OutputProcessor:
         self._streams: dict[str, _Stream] = {}
 
     def add(self, request_id: str, sampling: SamplingParams) -> None:
-        self._streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer, sampling.stop))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, sampling.stop, sampling.min_tokens)
+        self._streams[request_id] = _Stream(detokenizer)
 
     def discard(self, request_id: str) -> None:
         """The consumer no longer wants this request's outputs."""

@@ -85,6 +85,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: no stop token (eos, stop_token_ids) is drawn and no stop string ends the output before this many output
+    # tokens (backend/sampler.py `HeldStops`, backend/detokenizer.py); a grammar's end still ends it.
+    min_tokens: int = 0
     timeout_ms: int | None = None  # from arrival: a request not finished by then ends with finish_reason "timeout"
     # Log-probabilities (vLLM's meaning): None: none; k >= 0: each generated token's, and the k most likely
     # tokens' of the same distribution (backend/sampler.py says which distribution).
@@ -121,6 +124,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens!r}")
         if self.timeout_ms is not None and (not is_int(self.timeout_ms) or self.timeout_ms < 1):
             raise ValueError(f"timeout_ms must be a positive integer (milliseconds), got {self.timeout_ms!r}")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
@@ -136,8 +142,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any], where: str = "sampling_parameters") -> "SamplingParams":
-        """Coerce what clients send (numbers as numeric strings, `stop` as one string, genai-perf's
-        `min_tokens`) and build; unknown keys and bad values raise ValueError naming them."""
+        """Coerce what clients send (numbers as numeric strings, `stop` as one string) and build; unknown keys and bad
+        values raise ValueError naming them."""
         unknown = sorted(set(params) - SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
@@ -153,7 +159,6 @@ class SamplingParams:
                 kwargs[key] = [value] if isinstance(value, str) else value
             else:
                 kwargs[key] = value
-        _apply_min_tokens(kwargs)
         return cls(**kwargs)
 
 
@@ -167,23 +172,7 @@ def without_unset_nulls(params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` less the keys whose null means "not given" (_NULL_IS_UNSET) where they are null."""
     return {key: value for key, value in params.items() if value is not None or key not in _NULL_IS_UNSET}
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + ["min_tokens", *GUIDED_KEYS])
-
-
-def _apply_min_tokens(kwargs: dict[str, Any]) -> None:
-    """genai-perf's deterministic output length sends min_tokens == max_tokens: that is ignore_eos."""
-    min_tokens = kwargs.pop("min_tokens", None)
-    if min_tokens is None or min_tokens == 0:
-        return
-    max_tokens = kwargs.get("max_tokens", SamplingParams.max_tokens)
-    if min_tokens < 0:
-        raise ValueError(f"min_tokens must be a non-negative integer, got {min_tokens}")
-    if min_tokens < max_tokens or kwargs.get("stop") or kwargs.get("stop_token_ids"):
-        raise ValueError(
-            "min_tokens is only supported as min_tokens >= max_tokens without stop/stop_token_ids "
-            "(it then means ignore_eos=true)"
-        )
-    kwargs["ignore_eos"] = True
+SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + [*GUIDED_KEYS])
 
 
 def _check_range(name: str, value: Any, low: float, high: float, text: str, low_open: bool = False) -> None:
@@ -277,8 +266,8 @@ class RequestOutput:
 
 @dataclass
 class TokenLogprobs:
-    """A generated token's log-probability and the `logprobs` most likely tokens' (best first), all under the
-    distribution the sampler drew from (backend/sampler.py)."""
+    """A generated token's log-probability and the `logprobs` most likely tokens' (best first), all of one
+    distribution (backend/sampler.py says which: `logprobs_mode`)."""
 
     logprob: float
     rank: int = 1  # 1 + the number of tokens more likely than this one

@@ -35,6 +35,12 @@ end, or allows no token at all, is reported in the step's `StepOutput.ends`. Spe
 rows and its drafts the same way (backend/speculative.py, through `HostMasks` and this sampler's fill pool), each
 position with the grammar's mask after the drafts before it.
 
+min_tokens (vLLM's): until a request has that many outputs, its stop tokens (eos unless ignore_eos, stop_token_ids)
+are held back: their logits are -inf (`hold_stops`, after the grammar's mask and the penalties), at each row the step's
+plan says (`HeldStops`, built with the step: a verify row holds them at the positions before the min_tokens-th output).
+A constrained row whose grammar allows nothing but a stop token keeps it (the grammar's end ends the request). Raw
+log-probabilities do not see the hold (vLLM's raw ones are taken before its min-tokens processor); processed ones do.
+
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set), as vLLM's `logprobs_mode`: raw (the
 default, as vLLM v1's), log_softmax of the model's logits (after an output constraint's mask, before penalties,
 temperature and the cuts); processed, those of the distribution the token was drawn from: with temperature > 0,
@@ -46,6 +52,7 @@ included (as vLLM's: ties rank last).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -220,6 +227,40 @@ def apply_penalties(logits: torch.Tensor, states: list[SamplerState]) -> torch.T
     return logits
 
 
+@dataclass(frozen=True)
+class HeldStops:
+    """A sampling row's stop tokens, held back (min_tokens) at its first `positions` logits rows (a verify row has
+    1 + drafts of them)."""
+
+    positions: int
+    token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, params: SamplingParams, stop_ids: frozenset[int], first_output: int,
+           num_positions: int) -> "HeldStops | None":
+        """What a row whose logits rows draw outputs `first_output`, `first_output + 1`, ... (`num_positions` of them)
+        holds back; None where it holds nothing."""
+        positions = min(params.min_tokens - first_output, num_positions)
+        return cls(positions, tuple(sorted(stop_ids))) if positions > 0 and stop_ids else None
+
+
+def hold_stops(logits: torch.Tensor, rows: list[int], held: list[HeldStops], guarded: list[bool]) -> None:
+    """-inf, in place, at each held row's stop tokens (logits rows `rows[i]` to `rows[i] + held[i].positions`); a
+    `guarded` row (a grammar's) keeps them where they are all it allows. Where the logits are, without a host sync."""
+    pairs = [(row + p, token) for row, hold in zip(rows, held) for p in range(hold.positions)
+             for token in hold.token_ids]
+    at_rows, at_tokens = long_on([r for r, _ in pairs], logits.device), long_on([t for _, t in pairs], logits.device)
+    values = logits[at_rows, at_tokens]
+    logits.index_put_((at_rows, at_tokens), torch.full_like(values, float("-inf")))
+    guarded_rows = sorted({row + p for row, hold, guard in zip(rows, held, guarded) if guard
+                           for p in range(hold.positions)})
+    if guarded_rows:  # (put back where nothing else is left)
+        index = long_on(guarded_rows, logits.device)
+        nothing_left = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        nothing_left[index] = torch.isinf(logits[index]).all(dim=-1)
+        logits.index_put_((at_rows, at_tokens), torch.where(nothing_left[at_rows], values, logits[at_rows, at_tokens]))
+
+
 class HostMasks:
     """Token masks on their way to the logits: int32 rows filled on the host (pinned for CUDA logits), each with the
     logits row it masks, sent in one copy and applied in place by one kernel (kernels/token_bitmask.py).
@@ -261,10 +302,11 @@ class Sampler:
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors; masks change them in place)
     def step(self, logits: torch.Tensor, states: list[SamplerState], plain: bool = False,
-             timing: StepTiming | None = None) -> StepOutput:
-        """Masks, penalties, one token per row (already observed by the states), log-probabilities: a StepOutput whose
-        tokens are still `sampled` (a [R] long tensor on the logits' device), its host times in `timing` (the step's
-        record). `plain`: every state is (SamplerState.plain), so the tokens are the argmax."""
+             timing: StepTiming | None = None, held: dict[int, HeldStops] | None = None) -> StepOutput:
+        """Masks, penalties, held stops (`held`: row -> what it holds back), one token per row (already observed by the
+        states), log-probabilities: a StepOutput whose tokens are still `sampled` (a [R] long tensor on the logits'
+        device), its host times in `timing` (the step's record). `plain`: every state is (SamplerState.plain) and no
+        row holds stops, so the tokens are the argmax."""
         output = StepOutput(timing=timing or StepTiming())
         if plain:
             output.sampled = torch.argmax(logits, dim=-1)
@@ -273,6 +315,10 @@ class Sampler:
         if constrained:
             output.timing.mask_fill_s += self._mask(logits, states, constrained, output.ends)
         masked, logits = logits, apply_penalties(logits, states)  # (a copy where a row has penalties)
+        if held:
+            logits = logits.clone() if logits is masked else logits  # (raw log-probabilities read `masked`)
+            rows = sorted(held)
+            hold_stops(logits, rows, [held[row] for row in rows], [states[row].grammar is not None for row in rows])
         tokens = self.sample(logits, states)
         if any(state.params.logprobs is not None for state in states):
             of = masked if self.raw_logprobs else logits

@@ -71,8 +71,8 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
-from backend.sampler import (NO_TOKEN_FITS, HostMasks, Sampler, SamplerState, draw_rows, draws, filtered_probs, long_on,
-                             row_index, row_shares)
+from backend.sampler import (NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState, draw_rows, draws,
+                             filtered_probs, hold_stops, long_on, row_index, row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -131,20 +131,23 @@ class Verifier:
 
     @torch.inference_mode()  # (the logits are the forward's inference tensors, and so are the penalty states)
     def verify(self, logits: torch.Tensor, states: list[SamplerState], job: SpecJob,
-               timing: StepTiming | None = None, argmax: list[int] | None = None) -> StepOutput:
+               timing: StepTiming | None = None, argmax: list[int] | None = None,
+               held: dict[int, HeldStops] | None = None) -> StepOutput:
         """The tokens each sampling row emits (the step's StepOutput, its host times in `timing`), their
         log-probabilities, the rows a grammar ended. `argmax`: every logits row's argmax, where the host has read it
-        already (`Drafter.chain_early`)."""
-        rows, firsts = job.rows, job.first_logits_rows()
+        already (`Drafter.chain_early`); `held`: the stop tokens rows hold back (min_tokens), by sampling row."""
+        rows, firsts, held = job.rows, job.first_logits_rows(), held or {}
         output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
         # Ordinary rows (prefill ends, decodes without drafts): the sampler, in one call.
         single = [r for r, row in enumerate(rows) if not row.drafts]
         if single:
             index = torch.tensor([firsts[r] for r in single], device=logits.device)
-            states_single = [states[r] for r in single]
-            sampled = self.sampler.step(logits[index], states_single, all(s.plain for s in states_single),
-                                        output.timing)
+            states_single, held_single = [states[r] for r in single], {i: held[r] for i, r in enumerate(single)
+                                                                        if r in held}
+            sampled = self.sampler.step(logits[index], states_single,
+                                        all(s.plain for s in states_single) and not held_single, output.timing,
+                                        held_single)
             for i, (r, token) in enumerate(zip(single, sampled.sampled.tolist())):
                 output.tokens[r] = [token]
                 logprobs[r] = sampled.row_logprobs(i)
@@ -158,11 +161,11 @@ class Verifier:
             if not row.drafts:
                 continue
             state, span = states[r], slice(firsts[r], firsts[r] + 1 + len(row.drafts))
-            if state.params.temperature > 0.0 or state.has_penalties or state.params.logprobs is not None:
-                targets[r] = _penalized(logits[span], state, list(row.drafts))  # (else nothing reads them)
+            if state.params.temperature > 0.0 or state.has_penalties or state.params.logprobs is not None or r in held:
+                targets[r] = _targets(logits[span], state, list(row.drafts), held.get(r))  # (else nothing reads them)
             if state.params.temperature > 0.0:
                 sampled.append(r)
-            elif state.has_penalties:
+            elif state.has_penalties or r in held:
                 output.tokens[r] = _accepted_prefix(row.drafts, targets[r].argmax(dim=-1).tolist())
             else:  # (its targets are the raw logits')
                 argmax = logits.argmax(dim=-1).tolist() if argmax is None else argmax
@@ -307,14 +310,17 @@ class Verifier:
         return emitted
 
 
-def _penalized(logits: torch.Tensor, state: SamplerState, drafts: list[int]) -> torch.Tensor:
-    """A verify row's target logits [1 + k, V]: `logits` itself, or with penalties a copy whose position i sees the
-    outputs so far and the drafts before it."""
-    if not state.has_penalties:
+def _targets(logits: torch.Tensor, state: SamplerState, drafts: list[int], held: HeldStops | None) -> torch.Tensor:
+    """A verify row's target logits [1 + k, V]: `logits` itself, or a copy whose position i sees the penalties of
+    the outputs so far and the drafts before it, and the stop tokens the row holds back there."""
+    if not state.has_penalties and held is None:
         return logits
     targets = logits.clone()
-    for i in range(len(targets)):
-        state.penalize(targets[i], pending=drafts[:i])
+    if state.has_penalties:
+        for i in range(len(targets)):
+            state.penalize(targets[i], pending=drafts[:i])
+    if held is not None:
+        hold_stops(targets, [0], [held], [state.grammar is not None])
     return targets
 
 
@@ -449,19 +455,19 @@ class Drafter:
                 drafts[rows[i]].append(token)
         return drafts
 
-    def chains_on_device(self, job: SpecJob, states: list[SamplerState]) -> bool:
+    def chains_on_device(self, job: SpecJob, states: list[SamplerState], held: dict | None = None) -> bool:
         """Whether the step's drafts follow its verify on the device (`chain_early`): a static verify step of one draft
-        a row whose rows all accept by the logits' argmax (greedy, without penalties or a grammar; log-probabilities
-        the verify computes after), on this process's runner, with static chains (more drafts: a chained pass's
-        positions depend on what the verify accepted, which the host plans)."""
+        a row whose rows all accept by the logits' argmax (greedy, without penalties, a grammar or stop tokens `held`
+        back; log-probabilities the verify computes after), on this process's runner, with static chains (more drafts:
+        a chained pass's positions depend on what the verify accepted, which the host plans)."""
         return (job.propose and job.static_key is not None and job.num_speculative_tokens == 1
-                and self.runner.draft_chains is not None
+                and self.runner.draft_chains is not None and not held
                 and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
                 and all(_accepts_by_argmax(state) for state in states))
 
     @torch.inference_mode()  # (as `propose`: the chains' buffers are inference tensors)
-    def chain_early(self, logits: torch.Tensor, batch: ForwardBatch, job: SpecJob,
-                    states: list[SamplerState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def chain_early(self, logits: torch.Tensor, batch: ForwardBatch, job: SpecJob, states: list[SamplerState],
+                    held: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where the step's drafts need nothing the host reads from its verify (`chains_on_device`): (the target's
         argmax at every logits row, each batch row's draft, each batch row's drafts as verified), on the device, the
         static chain launched; else None (`propose` plans the chain from the verify's output). The argmax is what the
@@ -471,7 +477,7 @@ class Drafter:
         argmax accepts, counted on the device from the batch's own input ids (each row's last token, then its
         draft). The token after that position and the draft are kept where the next verify, scheduled before this
         one is taken in, reads them (`ModelRunner.keep_verify_inputs`)."""
-        if not self.chains_on_device(job, states):
+        if not self.chains_on_device(job, states, held):
             return None
         key = job.static_key
         argmax = logits.argmax(dim=-1)

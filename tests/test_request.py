@@ -12,7 +12,7 @@ LIMITS = RequestLimits(vocab_size=8, max_tokens_limit=100, max_request_positions
 
 def test_from_dict_coerces_what_clients_send():
     params = SamplingParams.from_dict({"max_tokens": "12", "temperature": 1, "top_k": 3.0, "min_tokens": "12"})
-    assert params == SamplingParams(max_tokens=12, temperature=1.0, top_k=3, ignore_eos=True)
+    assert params == SamplingParams(max_tokens=12, temperature=1.0, top_k=3, min_tokens=12)
     assert isinstance(params.temperature, float)
     assert SamplingParams.from_dict({"stop": "fox"}).stop == ["fox"]
 
@@ -34,6 +34,9 @@ def test_null_means_not_given_where_vllm_takes_none():
     ({"stop": [f"s{i}" for i in range(65)]}, "stop takes at most 64 strings"),  # (each searched every token)
     ({"stop": ["x" * 1025]}, "of at most 1024 characters"),
     ({"ignore_eos": "yes"}, "ignore_eos must be a boolean"),
+    ({"min_tokens": 17}, r"min_tokens must be an integer from 0 to max_tokens \(16\), got 17"),  # (vLLM refuses it)
+    ({"min_tokens": -1}, "min_tokens must be an integer from 0"),
+    ({"min_tokens": "some"}, "min_tokens must be an integer"),
     ({"temp": 1}, "unknown key"),
 ])
 def test_from_dict_refuses_bad_values_naming_them(params, message):

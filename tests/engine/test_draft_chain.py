@@ -157,8 +157,8 @@ def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, refe
         chains_run, verifies_read = [], []
         monkeypatch.setattr(ModelRunner, "draft_chain", lambda runner, chain, first_inputs=None: chains_run.append(
             first_inputs is not None) or draft_chain(runner, chain, first_inputs))
-        monkeypatch.setattr(Verifier, "verify", lambda verifier, *args, argmax=None: verifies_read.append(
-            argmax is not None) or verify(verifier, *args, argmax=argmax))
+        monkeypatch.setattr(Verifier, "verify", lambda verifier, *args, argmax=None, **kwargs: verifies_read.append(
+            argmax is not None) or verify(verifier, *args, argmax=argmax, **kwargs))
         tokens, drafter, _ = _run(tiny_checkpoint, 1, SCENARIOS[scenario], prompts, expected, static=True,
                                   logprobs=logprobs)
         runs[early] = tokens, dict(drafter.proposals), drafter.chains.count("static")

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 
 from backend.detokenizer import IncrementalDetokenizer
 from backend.request import SamplingParams
-from backend.sampler import Sampler, SamplerState, apply_penalties, filter_logits, filter_logits_rows
+from backend.sampler import (HeldStops, Sampler, SamplerState, apply_penalties, filter_logits, filter_logits_rows,
+                             hold_stops)
 
 
 def _logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -233,6 +234,65 @@ def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
         if detok.stopped:
             break
     assert detok.stopped and "".join(pieces) + detok.flush() == "The quick brown "
+
+
+def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_past_those_tokens(tokenizer):
+    """vLLM's: a stop string that ends within the first min_tokens tokens' text is passed over; one ending later,
+    even where it starts earlier, stops the text."""
+    ids = tokenizer.encode("a fox and a fox and a fox").ids
+    second_fox = [n for n in range(len(ids) + 1) if tokenizer.decode(ids[:n]).count("fox") == 2][0]
+    assert tokenizer.decode(ids[:second_fox - 1]).endswith(" fo")  # (the second fox starts within them)
+
+    def streamed(min_tokens: int, stop: str) -> tuple[str, bool]:
+        detok = IncrementalDetokenizer(tokenizer, stop=[stop], min_tokens=min_tokens)
+        pieces = []
+        for t in ids:
+            pieces.append(detok.add(t))
+            if detok.stopped:
+                break
+        return "".join(pieces) + detok.flush(), detok.stopped
+
+    assert streamed(0, "fox") == ("a ", True)
+    assert streamed(second_fox - 1, "fox") == ("a fox and a ", True)  # (the second ends after them)
+    assert streamed(second_fox, "fox") == ("a fox and a fox and a ", True)
+    assert streamed(len(ids), "fox") == ("a fox and a fox and a fox", False)
+
+
+def test_min_tokens_holds_a_rows_stop_tokens_back_and_raw_logprobs_do_not_see_it():
+    """A held row draws the best of the other tokens (greedy) and never a stop token (sampled); its raw
+    log-probabilities are its logits' own, its processed ones give the held tokens none. A row whose grammar allows
+    only its stop token keeps it (`guarded`): the grammar's end ends the request."""
+    logits = _logits(rows=3, vocab=50)
+    top2 = logits.topk(2, dim=-1).indices
+    states = _seqs([SamplingParams(logprobs=2), SamplingParams(), SamplingParams(temperature=5.0, seed=1)])
+    top_sampled = logits[2].topk(25).indices.tolist()
+    held = {0: HeldStops(1, (int(top2[0, 0]),)), 2: HeldStops(1, tuple(top_sampled))}
+    for raw in (True, False):
+        output = Sampler(raw_logprobs=raw).step(logits.clone(), states, held=held)
+        tokens = output.sampled.tolist()
+        assert tokens[:2] == [int(top2[0, 1]), int(top2[1, 0])] and tokens[2] not in top_sampled
+        chosen, top = output.logprobs[0][0].logprob, output.logprobs[0][0].top
+        if raw:
+            assert top[0][0] == int(top2[0, 0]) and chosen == pytest.approx(
+                float(torch.log_softmax(logits[0], -1)[top2[0, 1]]), abs=1e-6)
+        else:
+            assert top[0][0] == int(top2[0, 1]) and int(top2[0, 0]) not in [token for token, _ in top]
+    draws = {Sampler().step(logits.clone(), _seqs([SamplingParams(temperature=5.0, seed=s)] * 3),
+                            held={2: HeldStops(1, tuple(top_sampled))}).sampled[2].item() for s in range(40)}
+    assert draws.isdisjoint(top_sampled) and len(draws) > 3
+    only_stop = torch.full((2, 6), float("-inf"))
+    only_stop[:, 3] = 1.0
+    hold_stops(only_stop, [0, 1], [HeldStops(1, (3,))] * 2, guarded=[True, False])
+    assert only_stop[0, 3] == 1.0 and only_stop[1, 3] == float("-inf")
+
+
+def test_held_stops_cover_the_positions_before_the_min_tokens_th_output():
+    params = SamplingParams(max_tokens=20, min_tokens=5)
+    assert HeldStops.of(params, frozenset({7, 2}), 0, 1) == HeldStops(1, (2, 7))
+    assert HeldStops.of(params, frozenset({7}), 3, 4) == HeldStops(2, (7,))  # (a verify of 3 drafts: outputs 3..6)
+    assert HeldStops.of(params, frozenset({7}), 5, 1) is None
+    assert HeldStops.of(params, frozenset(), 0, 1) is None  # (ignore_eos without stop ids: nothing to hold)
+    assert HeldStops.of(SamplingParams(max_tokens=20), frozenset({7}), 0, 1) is None
 
 
 def test_logprobs_are_the_models_own_by_default_and_the_sampled_distributions_when_processed():

@@ -144,7 +144,7 @@ def test_genai_perf_style_string_numbers_and_min_tokens(tokenizer):
     """genai-perf sends {"max_tokens": "12", "min_tokens": "12"} for a deterministic output length."""
     params = sampling({"max_tokens": "12", "min_tokens": "12"})
     req = parse(tokenizer, text_input=text("hello"), sampling_parameters=params)
-    assert (req.sampling.max_tokens, req.sampling.ignore_eos) == (12, True)
+    assert (req.sampling.max_tokens, req.sampling.min_tokens, req.sampling.ignore_eos) == (12, 12, False)
 
 
 def test_max_tokens_input(tokenizer):
@@ -180,7 +180,7 @@ def test_max_tokens_input(tokenizer):
         ('{"stop_token_ids": "1"}', "stop_token_ids must be a list"),
         ('{"stop_token_ids": [-1]}', "stop_token_ids must be a list"),
         ('{"ignore_eos": "yes"}', "boolean"),
-        ('{"min_tokens": 3, "max_tokens": 8}', "min_tokens"),
+        ('{"min_tokens": 9, "max_tokens": 8}', "min_tokens must be an integer from 0 to max_tokens"),
         ('{"temperature": 1' + "0" * 400 + "}", "temperature must be a finite number"),  # (past float's range)
         ("[" * 100_000 + "]" * 100_000, "sampling_parameters nests too deeply"),
     ],
