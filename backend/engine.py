@@ -183,6 +183,7 @@ class LLMEngine:
         limit = self.config.max_queue_size
         if placed.rank.rank == 0:
             self.core.prepare(seq, stop_ids)
+            seq.arrival_s = clock()  # (its deadline counts from here, not from the scheduler's next take-in)
             return self.core.add(seq, max_waiting=limit)
         if seq.sampling.guided_decoding is not None:  # refused here if invalid; the rank compiles it
             self.grammars.check(seq.sampling.guided_decoding)

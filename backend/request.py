@@ -88,7 +88,7 @@ class SamplingParams:
     # vLLM's: no stop token (eos, stop_token_ids) is drawn and no stop string ends the output before this many output
     # tokens (backend/sampler.py `HeldStops`, backend/detokenizer.py); a grammar's end still ends it.
     min_tokens: int = 0
-    timeout_ms: int | None = None  # from arrival: a request not finished by then ends with finish_reason "timeout"
+    timeout_ms: int | None = None  # from submission: a request not finished by then ends with finish_reason "timeout"
     # Log-probabilities (vLLM's meaning): None: none; k >= 0: each generated token's, and the k most likely
     # tokens' of the same distribution (backend/sampler.py says which distribution).
     logprobs: int | None = None
@@ -300,7 +300,9 @@ class Sequence:
     # (backend/sampler.py), created by the engine at submit.
     sampler_state: "SamplerState | None" = field(default=None, repr=False)
     queue_rank: int = 0  # position in the waiting queue within its priority; negative: requeued in front
-    arrival_s: float = 0.0  # when the scheduler took it in (its clock): the start of its aging and deadline
+    # The start of its aging and deadline, by the scheduler's clock: when the engine took it (LLMEngine.submit), or
+    # where none stamped it (a scheduler on its own, another data-parallel rank's), when the scheduler took it in.
+    arrival_s: float | None = None
     last_chunk_tokens: int = 0  # its latest prefill chunk (the ITL budget grows a chunk at most 2x)
     pages: "RequestPages | None" = field(default=None, repr=False)  # set by the memory manager
     # Its output constraint's grammar (backend/structured/grammar.py), set at submit; the scheduler admits the

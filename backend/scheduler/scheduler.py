@@ -44,8 +44,9 @@ priority); a prefill continuation takes a smaller chunk or waits (so does the fi
 into an empty engine). A sequence that cannot extend while running alone waits for the take-in of a step in
 flight (whose prefix-cache snapshots pin pages until then); with none, it is failed (FinishReason.ERROR) instead
 of retried forever.
-Deadlines: a request with `timeout_ms` that has not finished that long after it arrived ends, waiting
-or running, at the next schedule() with FinishReason.TIMEOUT (its memory freed).
+Deadlines: a request with `timeout_ms` that has not finished that long after it arrived (`Sequence.arrival_s`: its
+submission to the engine) ends, waiting or running, at the next schedule() with FinishReason.TIMEOUT (its memory
+freed).
 Sequences the scheduler ends at schedule() (cancelled, timed out or failed) come back in `plan.aborted`.
 Whether a request can ever fit is the engine's admission gate (RequestLimits); the scheduler
 only guards against a memory manager that contradicts it.
@@ -526,7 +527,8 @@ class Scheduler:
             aborts, self._abort_requests = self._abort_requests, {}
             self._grammar_compiled = False
         for seq in arrivals:
-            seq.arrival_s = now
+            if seq.arrival_s is None:
+                seq.arrival_s = now
             self._by_id[seq.request_id] = seq
             if seq.sampling.timeout_ms is not None:
                 self._with_deadline.add(seq)

@@ -149,6 +149,23 @@ def test_a_deadline_while_a_step_is_in_flight_ends_the_request_cleanly(tiny_chec
     assert _all_pages_free(engine)
 
 
+def test_a_deadline_counts_from_the_submission_not_from_the_schedulers_take_in(tiny_checkpoint, monkeypatch):
+    """The scheduler takes arrivals in at its next step, which may come a long prefill later: a request whose
+    timeout_ms passed meanwhile ends at that step, with no token; one submitted beside it without a deadline runs."""
+    clock = endings.FakeClock(monkeypatch)
+    engine = _engine(tiny_checkpoint)
+    late, other = [], []
+    engine.submit(Sequence("late", [5, 6, 7], SamplingParams(max_tokens=8, timeout_ms=1000)), late.append)
+    engine.submit(Sequence("other", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)), other.append)
+    clock.advance(1.5)
+    for _ in range(100):
+        if not engine.step():
+            break
+    assert [(o.new_token_ids, o.finish_reason) for o in late] == [([], FinishReason.TIMEOUT)]
+    assert other[-1].finish_reason is FinishReason.LENGTH and sum(len(o.new_token_ids) for o in other) == 8
+    assert _all_pages_free(engine)
+
+
 def test_a_step_failing_while_the_next_is_in_flight_fails_only_its_requests(tiny_checkpoint, monkeypatch):
     """The fourth forward raises: its requests fail (the step launched after it is dropped for them), a request
     submitted later is served, and no page stays held."""
