@@ -352,6 +352,7 @@ class EngineCore:
     def _build(self, plan: StepPlan) -> StepJob:
         """The step's batch, built on the host over this rank's pages, with what the executor needs to run it."""
         rows, samplers, from_device, plain, copies_after, held = [], [], False, True, [], {}
+        raw_logprobs = self.executor.sampler.raw_logprobs
         for chunk in plan.chunks:  # (once per row every step: plain local reads)
             seq, start, drafts = chunk.seq, chunk.start, chunk.drafts
             end = start + chunk.num_tokens
@@ -372,11 +373,11 @@ class EngineCore:
                 # (its logits rows draw the outputs from the one after its last token on: a verify's last token is
                 # the one at `start`, any other row's the chunk's last)
                 first_output = (start + 1 if drafts else end) - len(seq.prompt_ids)
-                hold = HeldStops.of(seq.sampling, seq.stop_ids, first_output, 1 + len(drafts))
+                hold = HeldStops.of(state, seq.stop_ids, first_output, 1 + len(drafts), raw_logprobs)
                 if hold is not None:
                     held[len(samplers)] = hold
                 samplers.append(state)
-                plain &= state.plain and hold is None
+                plain &= state.plain and (hold is None or hold.in_place)
         graphs = self.runner.graphs
         key = static_key(rows) if graphs is not None and graphs.accepts(rows) else None
         plan.timing.static_shape = key is not None

@@ -148,6 +148,9 @@ class StepExecutor:
         size = len(job.samplers) if job.decodes_only else job.forward.batch.num_tokens
         _use_intra_op_threads(1 if size < self.small_step_tokens else self.cpu_threads)
         logits, batch = self.runner.forward(job.forward)
+        if job.held_stops:  # (min_tokens: the holds nothing reads the logits unheld for, before anything else)
+            firsts = job.spec.first_logits_rows() if job.spec is not None else range(len(job.samplers))
+            self.sampler.hold_in_place(logits, list(firsts), job.held_stops)
         if job.spec is not None:
             return self._verify(job, logits, batch, started), None
         num_rows = len(job.samplers)

@@ -36,10 +36,14 @@ rows and its drafts the same way (backend/speculative.py, through `HostMasks` an
 position with the grammar's mask after the drafts before it.
 
 min_tokens (vLLM's): until a request has that many outputs, its stop tokens (eos unless ignore_eos, stop_token_ids)
-are held back: their logits are -inf (`hold_stops`, after the grammar's mask and the penalties), at each row the step's
-plan says (`HeldStops`, built with the step: a verify row holds them at the positions before the min_tokens-th output).
-A constrained row whose grammar allows nothing but a stop token keeps it (the grammar's end ends the request). Raw
-log-probabilities do not see the hold (vLLM's raw ones are taken before its min-tokens processor); processed ones do.
+are held back: their logits are -inf (`hold_stops`), at each row the step's plan says (`HeldStops`, built with the
+step: a verify row holds them at the positions before the min_tokens-th output). Raw log-probabilities do not see the
+hold (vLLM's raw ones are taken before its min-tokens processor); processed ones do. Where nothing reads a row's
+logits unheld (no raw log-probabilities, no grammar), the hold is made on the step's logits themselves before
+anything else (`HeldStops.in_place`: a greedy row then still samples, and accepts drafts, by the logits' argmax);
+otherwise on a copy, after the grammar's mask and the penalties, and a constrained row whose grammar allows nothing
+but a stop token keeps it (an output like any other: only the grammar's end, or a stop past min_tokens, ends the
+request).
 
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set), as vLLM's `logprobs_mode`: raw (the
 default, as vLLM v1's), log_softmax of the model's logits (after an output constraint's mask, before penalties,
@@ -234,14 +238,24 @@ class HeldStops:
 
     positions: int
     token_ids: tuple[int, ...]
+    in_place: bool = False  # held on the step's logits before the sampler: nothing reads the row's logits unheld
 
     @classmethod
-    def of(cls, params: SamplingParams, stop_ids: frozenset[int], first_output: int,
-           num_positions: int) -> "HeldStops | None":
+    def of(cls, state: SamplerState, stop_ids: frozenset[int], first_output: int, num_positions: int,
+           raw_logprobs: bool) -> "HeldStops | None":
         """What a row whose logits rows draw outputs `first_output`, `first_output + 1`, ... (`num_positions` of them)
-        holds back; None where it holds nothing."""
+        holds back; None where it holds nothing. (`raw_logprobs`: the sampler's mode.)"""
+        params = state.params
         positions = min(params.min_tokens - first_output, num_positions)
-        return cls(positions, tuple(sorted(stop_ids))) if positions > 0 and stop_ids else None
+        if positions <= 0 or not stop_ids:
+            return None
+        in_place = state.grammar is None and not (raw_logprobs and params.logprobs is not None)
+        return cls(positions, tuple(sorted(stop_ids)), in_place)
+
+
+def held_on_copies(held: dict[int, HeldStops] | None) -> dict[int, HeldStops]:
+    """The holds of `held` (sampling row -> its hold) that the sampler or the verifier makes, on a copy."""
+    return {row: hold for row, hold in (held or {}).items() if not hold.in_place}
 
 
 def hold_stops(logits: torch.Tensor, rows: list[int], held: list[HeldStops], guarded: list[bool]) -> None:
@@ -300,13 +314,20 @@ class Sampler:
         self.grammars = GrammarBatch()
         self._masks = HostMasks(self.kernels)
 
+    @torch.inference_mode()  # (as `step`)
+    def hold_in_place(self, logits: torch.Tensor, first_rows: list[int], held: dict[int, HeldStops]) -> None:
+        """The step's `in_place` holds, on its logits (sampling row r's first logits row: first_rows[r])."""
+        rows = sorted(row for row, hold in held.items() if hold.in_place)
+        if rows:
+            hold_stops(logits, [first_rows[row] for row in rows], [held[row] for row in rows], [False] * len(rows))
+
     @torch.inference_mode()  # (the logits are the forward's inference tensors; masks change them in place)
     def step(self, logits: torch.Tensor, states: list[SamplerState], plain: bool = False,
              timing: StepTiming | None = None, held: dict[int, HeldStops] | None = None) -> StepOutput:
-        """Masks, penalties, held stops (`held`: row -> what it holds back), one token per row (already observed by the
-        states), log-probabilities: a StepOutput whose tokens are still `sampled` (a [R] long tensor on the logits'
-        device), its host times in `timing` (the step's record). `plain`: every state is (SamplerState.plain) and no
-        row holds stops, so the tokens are the argmax."""
+        """Masks, penalties, held stops (`held`: row -> what it holds back on a copy; those `in_place` were held
+        already), one token per row (already observed by the states), log-probabilities: a StepOutput whose tokens are
+        still `sampled` (a [R] long tensor on the logits' device), its host times in `timing` (the step's record).
+        `plain`: every state is (SamplerState.plain) and holds nothing but in place, so the tokens are the argmax."""
         output = StepOutput(timing=timing or StepTiming())
         if plain:
             output.sampled = torch.argmax(logits, dim=-1)
@@ -315,9 +336,10 @@ class Sampler:
         if constrained:
             output.timing.mask_fill_s += self._mask(logits, states, constrained, output.ends)
         masked, logits = logits, apply_penalties(logits, states)  # (a copy where a row has penalties)
+        held = held_on_copies(held)
         if held:
-            logits = logits.clone() if logits is masked else logits  # (raw log-probabilities read `masked`)
             rows = sorted(held)
+            logits = logits.clone() if logits is masked else logits  # (raw log-probabilities read `masked`)
             hold_stops(logits, rows, [held[row] for row in rows], [states[row].grammar is not None for row in rows])
         tokens = self.sample(logits, states)
         if any(state.params.logprobs is not None for state in states):

@@ -72,7 +72,7 @@ from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
 from backend.sampler import (NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState, draw_rows, draws,
-                             filtered_probs, hold_stops, long_on, row_index, row_shares)
+                             filtered_probs, held_on_copies, hold_stops, long_on, row_index, row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -135,8 +135,9 @@ class Verifier:
                held: dict[int, HeldStops] | None = None) -> StepOutput:
         """The tokens each sampling row emits (the step's StepOutput, its host times in `timing`), their
         log-probabilities, the rows a grammar ended. `argmax`: every logits row's argmax, where the host has read it
-        already (`Drafter.chain_early`); `held`: the stop tokens rows hold back (min_tokens), by sampling row."""
-        rows, firsts, held = job.rows, job.first_logits_rows(), held or {}
+        already (`Drafter.chain_early`); `held`: the stop tokens rows hold back (min_tokens), by sampling row (those
+        held in place are already)."""
+        rows, firsts, held = job.rows, job.first_logits_rows(), held_on_copies(held)
         output = StepOutput([[] for _ in rows], timing=timing or StepTiming())
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(rows)
         # Ordinary rows (prefill ends, decodes without drafts): the sampler, in one call.
@@ -458,10 +459,10 @@ class Drafter:
     def chains_on_device(self, job: SpecJob, states: list[SamplerState], held: dict | None = None) -> bool:
         """Whether the step's drafts follow its verify on the device (`chain_early`): a static verify step of one draft
         a row whose rows all accept by the logits' argmax (greedy, without penalties, a grammar or stop tokens `held`
-        back; log-probabilities the verify computes after), on this process's runner, with static chains (more drafts:
-        a chained pass's positions depend on what the verify accepted, which the host plans)."""
+        back on a copy; log-probabilities the verify computes after), on this process's runner, with static chains
+        (more drafts: a chained pass's positions depend on what the verify accepted, which the host plans)."""
         return (job.propose and job.static_key is not None and job.num_speculative_tokens == 1
-                and self.runner.draft_chains is not None and not held
+                and self.runner.draft_chains is not None and not held_on_copies(held)
                 and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
                 and all(_accepts_by_argmax(state) for state in states))
 

@@ -14,6 +14,7 @@ import pytest
 
 from backend.engine_core import VerifyOverlap
 from backend.request import SamplingParams
+from backend.speculative import Drafter
 
 from .test_speculative import _engine, _generate, _ids, _prompts
 
@@ -47,21 +48,33 @@ def test_greedy_rows_take_the_best_token_that_is_not_a_stop_until_min_tokens(hel
         assert result["finish_reason"] == ("stop" if tokens[-1] == stop else "length")
 
 
+@pytest.mark.parametrize("logprobs", [5, None])
 @pytest.mark.parametrize("k, settings", [(1, {}), (3, {}), (2, {"cuda_graphs": True}),
                                          (1, {"cuda_graphs": True, "max_running_requests": 8})])
 def test_speculative_decoding_holds_stops_at_each_verified_position(tiny_checkpoint, held_runs, monkeypatch, k,
-                                                                    settings):
+                                                                    settings, logprobs):
     """Drafts from the held runs, 30 % corrupted, so verifies span the min_tokens-th output and some propose the stop
-    token where it is held: the same tokens and endings as the plain engine. (cuda_graphs: static verify steps; at
-    k = 1 the draft chain follows the verify on the device where no row holds stops, and the next verify is scheduled
-    before the one in flight is taken in: made to pay here, as tests/engine/test_verify_overlap.py does.)"""
+    token where it is held: the same tokens and endings as the plain engine. Without log-probabilities the holds are
+    made on the step's logits (`HeldStops.in_place`), with raw ones on copies. (cuda_graphs: static verify steps; at
+    k = 1 without log-probabilities the draft chain follows the verify on the device, and the next verify is
+    scheduled before the one in flight is taken in: made to pay here, as tests/engine/test_verify_overlap.py does.)"""
     monkeypatch.setattr(VerifyOverlap, "pays", lambda overlap: True)
+    chain_early, chained = Drafter.chain_early, []  # (what each verify's chain_early gave, and the step's holds)
+
+    def recording_chain_early(*args):
+        chained.append((chain_early(*args), args[-1]))
+        return chained[-1][0]
+
+    monkeypatch.setattr(Drafter, "chain_early", recording_chain_early)
     prompts, params, expected = held_runs
+    params = [dataclasses.replace(p, logprobs=logprobs) for p in params]
     engine = _engine(tiny_checkpoint, num_speculative_tokens=k, **settings)
     got = _generate(engine, prompts, params, dict(enumerate(_ids(expected))))
     assert _ids(got) == _ids(expected)
     assert [r["finish_reason"] for r in got] == [r["finish_reason"] for r in expected]
     assert 0 < engine.stats()["num_accepted_tokens"] < engine.stats()["num_draft_tokens"]
+    chained_while_held = sum(chain is not None and bool(held) for chain, held in chained)
+    assert (chained_while_held > 3) == bool(k == 1 and settings.get("cuda_graphs") and logprobs is None)
 
 
 @pytest.mark.parametrize("k", [0, 2])
@@ -91,6 +104,18 @@ def test_a_grammars_end_still_ends_a_request_before_min_tokens(tiny_checkpoint, 
     results = _generate(_engine(tiny_checkpoint, num_speculative_tokens=k), _prompts([4, 30], seed=6), params)
     assert [(r["finish_reason"], r["error"]) for r in results] == [("stop", None)] * 2
     assert all(r["text"] in ("yes", "no") and len(r["output_ids"]) < 20 for r in results)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_stop_token_a_grammar_leaves_alone_before_min_tokens_is_an_output(tiny_checkpoint, k):
+    """The choice's first token is a stop token here: held back, nothing else would be allowed, so the row keeps it,
+    and it does not end the request before min_tokens (vLLM's check_stop); the grammar's end does."""
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    first = engine.tokenizer.encode("yes", add_special_tokens=False).ids[0]
+    params = SamplingParams.from_dict({"max_tokens": 30, "min_tokens": 20, "stop_token_ids": [first],
+                                       "guided_decoding": {"choice": ["yes"]}})
+    (result,) = _generate(engine, _prompts([5], seed=2), params)
+    assert (result["finish_reason"], result["text"]) == ("stop", "yes") and result["output_ids"][0] == first
 
 
 @pytest.mark.parametrize("k", [0, 2])

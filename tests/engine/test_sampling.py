@@ -287,12 +287,17 @@ def test_min_tokens_holds_a_rows_stop_tokens_back_and_raw_logprobs_do_not_see_it
 
 
 def test_held_stops_cover_the_positions_before_the_min_tokens_th_output():
-    params = SamplingParams(max_tokens=20, min_tokens=5)
-    assert HeldStops.of(params, frozenset({7, 2}), 0, 1) == HeldStops(1, (2, 7))
-    assert HeldStops.of(params, frozenset({7}), 3, 4) == HeldStops(2, (7,))  # (a verify of 3 drafts: outputs 3..6)
-    assert HeldStops.of(params, frozenset({7}), 5, 1) is None
-    assert HeldStops.of(params, frozenset(), 0, 1) is None  # (ignore_eos without stop ids: nothing to hold)
-    assert HeldStops.of(SamplingParams(max_tokens=20), frozenset({7}), 0, 1) is None
+    """...and are held on the step's logits themselves where nothing reads them unheld: no grammar (its mask comes
+    first), no raw log-probabilities."""
+    state = SamplerState(SamplingParams(max_tokens=20, min_tokens=5), [1])
+    assert HeldStops.of(state, frozenset({7, 2}), 0, 1, True) == HeldStops(1, (2, 7), in_place=True)
+    assert HeldStops.of(state, frozenset({7}), 3, 4, True) == HeldStops(2, (7,), True)  # (3 drafts: outputs 3..6)
+    assert HeldStops.of(state, frozenset({7}), 5, 1, True) is None
+    assert HeldStops.of(state, frozenset(), 0, 1, True) is None  # (ignore_eos without stop ids: nothing to hold)
+    assert HeldStops.of(SamplerState(SamplingParams(max_tokens=20), [1]), frozenset({7}), 0, 1, True) is None
+    with_logprobs = SamplerState(SamplingParams(max_tokens=20, min_tokens=5, logprobs=1), [1])
+    assert not HeldStops.of(with_logprobs, frozenset({7}), 0, 1, raw_logprobs=True).in_place
+    assert HeldStops.of(with_logprobs, frozenset({7}), 0, 1, raw_logprobs=False).in_place
 
 
 def test_logprobs_are_the_models_own_by_default_and_the_sampled_distributions_when_processed():
