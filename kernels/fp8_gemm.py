@@ -241,8 +241,12 @@ def fp8_gemm_config(num_tokens: int, n: int, k: int, num_sms: int = DEFAULT_NUM_
                         PREQUANTIZED=num_tokens >= QUANTIZE_AHEAD_MIN_TOKENS, num_warps=4 if block_m <= 64 else 8,
                         num_stages=3))
     if head_dim is not None and config["BLOCK_N"] != head_dim:
-        tiles = triton.cdiv(num_tokens, config["BLOCK_M"]) * triton.cdiv(n, head_dim)
-        config = dict(config, BLOCK_N=head_dim, SPLIT_K=config["SPLIT_K"] if tiles <= SPLIT_COUNTERS else 1)
+        config = dict(config, BLOCK_N=head_dim)
+    # (split-K's counters take at most SPLIT_COUNTERS tiles: the tiles a tuned change or a head's width leaves may be
+    # more than those the default split for, at this count)
+    tiles = triton.cdiv(num_tokens, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    if config["SPLIT_K"] > 1 and tiles > SPLIT_COUNTERS:
+        config = dict(config, SPLIT_K=1)
     return config
 
 

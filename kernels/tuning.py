@@ -4,25 +4,33 @@ vLLM's convention for tuned Triton kernels (benchmark_moe.py --tune): scripts/tu
 on a GPU at DeepSeek-V4-Flash's shapes and writes kernels/configs/<device name>.json, one file per device:
 
     {"device": "NVIDIA H200", "triton": "3.6.0", "torch": "2.11.0+cu130",
-     "kernels": {"attention": {"dtype=bfloat16,head_dim=512,heads=64,kv=fp8,mode=csa":
-                                   {"1": {"BLOCK_H": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}, ...}}}}
+     "kernels": {"attention": {"dtype=bfloat16,head_dim=512,heads=64,kv_cache=fp8,mode=csa,tokens":
+                                   {"1": {"BLOCK_N": 16, "num_stages": 1}, "8": {}, ...}}}}
 
-A kernel's table maps a shape key (its fields, sorted, "name=value" joined by commas) to configurations by count
-(tokens, or (token, expert) pairs for the MoE): a plan asks with `tuned(kernel, shape_key, default)` and gets the
-configuration of the count nearest its own (vLLM picks the closest M), laid over its default. A device without a
-file, a shape not tuned, the CPU and the interpreter all get the default: today's choice.
+A kernel's table maps a shape key (its fields, sorted, "name=value" joined by commas) to what the tuning changed of
+the plan's default, by count (tokens, or (token, expert) pairs for the MoE; {}: the default won there): a plan asks
+with `tuned(kernel, shape_key, default)` and gets the change of the count nearest its own (vLLM picks the closest M;
+nearest by ratio here: 2,000 tokens take 4,096's, not 256's) laid over its own default, which keeps what its count
+decides (the orientation, the split of K, the tiles a count needs) unless the tuning changed that very field. A
+device without a file, a shape not tuned, the CPU and the interpreter all get the default: today's choice. A table
+written under another Triton than this one's is still read, with a warning (tiles valid under one may spill under
+the other: scripts/check_kernels_compile.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import re
 from pathlib import Path
 
 import torch
 
 from kernels.common import is_interpreting
+
+logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 COUNT_FIELDS = ("tokens", "pairs")  # the one field of a shape key matched to the nearest tuned count
@@ -59,7 +67,36 @@ def _device_table() -> dict:
     if is_interpreting() or not torch.cuda.is_available():
         return {}
     path = device_file(torch.cuda.get_device_name())
-    return read_table(path) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    import triton
+
+    written_under = json.loads(path.read_text()).get("triton", "")
+    if written_under.split(".")[:2] != triton.__version__.split(".")[:2]:
+        logger.warning("%s was tuned under Triton %s, this is %s: its tiles are used, but were not compiled here",
+                       path.name, written_under or "(not said)", triton.__version__)
+    return read_table(path)
+
+
+def overlay(config: dict, patch: dict) -> dict:
+    """config with patch laid over it, nested dicts (the MoE's per-GEMM tiles) merged key by key."""
+    out = dict(config)
+    for key, value in patch.items():
+        nested = isinstance(value, dict) and isinstance(config.get(key), dict)
+        out[key] = overlay(config[key], value) if nested else value
+    return out
+
+
+def difference(config: dict, default: dict) -> dict:
+    """What config changes of default (nested dicts key by key): the patch `overlay(default, patch) == config`."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and isinstance(default.get(key), dict):
+            if changed := difference(value, default[key]):
+                out[key] = changed
+        elif key not in default or default[key] != value:
+            out[key] = value
+    return out
 
 
 def load(path: Path | None) -> None:
@@ -106,7 +143,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def tuned(kernel: str, shape: dict | tuple, default: dict) -> dict:
-    """The tuned configuration of `kernel` at `shape` (the nearest tuned count's) over `default`, or `default`."""
+    """`default` with the change tuned for `kernel` at `shape` laid over it (the nearest tuned count's), or
+    `default`."""
     global _table
     if _table is None:
         _table = _device_table()
@@ -116,5 +154,10 @@ def tuned(kernel: str, shape: dict | tuple, default: dict) -> dict:
     by_count = _table.get(kernel, {}).get(key)
     if not by_count:
         return default
-    nearest = min(by_count, key=lambda tuned_count: (abs(tuned_count - (count or 0)), tuned_count))
-    return {**default, **by_count[nearest]}
+    return overlay(default, by_count[nearest_count(by_count, count)])
+
+
+def nearest_count(counts, count: int | None) -> int:
+    """The tuned count nearest `count` by ratio (the larger of two as near)."""
+    at = math.log2(max(count or 1, 1))
+    return min(counts, key=lambda tuned_count: (abs(math.log2(max(tuned_count, 1)) - at), -tuned_count))

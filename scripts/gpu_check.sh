@@ -108,7 +108,7 @@ run() {  # name, command...
   fi
   echo "=== $name (limit $part_limit s$cut): $*"
   local start=$SECONDS rc
-  timeout -k 5 "$part_limit" "$@" > >(tee "$RESULTS/$name.log") 2>&1
+  PART_LIMIT_S=$part_limit timeout -k 5 "$part_limit" "$@" > >(tee "$RESULTS/$name.log") 2>&1
   rc=$?
   if [ $rc -eq 0 ]; then status[$name]="ok ($((SECONDS - start)) s)"
   elif { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ -n "$cut" ]; then

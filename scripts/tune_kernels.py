@@ -7,9 +7,12 @@ batches and the prefill chunk), the plan is run once to learn the shape key and 
 with; every candidate (the default with one of a few changes laid over it) then runs through the kernel's own
 wrapper as its tuned configuration, is checked against the torch reference (bench_kernels.py's tolerances) and, if
 right, timed (bench_kernels.Timer: CUDA events, L2 flushed). A candidate that does not compile, is refused by the
-plan or is wrong is skipped; the fastest is written (cases sharing a key and count, as the FP8 linears of one width,
-are timed together). The sweep is estimated first: --budget-s drops the sweeps that do not fit, last first, and no
-sweep starts once the budget is spent.
+plan or is wrong is skipped; what the fastest changes of the default is written, {} where no candidate is 3 % faster
+than the default (cases sharing a key and count, as the FP8 linears of one width, are timed together): a plan at
+another count lays it over its own default (kernels/tuning.py). A sweep that fails (out of memory, say) leaves its
+kernel untuned and the others run. The sweep is estimated first: --budget-s drops the sweeps that do not fit, last
+first, and no candidate starts once the budget is spent (what was timed is written); under scripts/gpu_check.sh the
+budget is at most the part's limit less STARTUP_S (PART_LIMIT_S).
 
   python scripts/tune_kernels.py                                  # a GPU: every sweep, kernels/configs/<device>.json
   python scripts/tune_kernels.py --sweeps attention --budget-s 120
@@ -36,6 +39,7 @@ from scripts.bench_kernels import (DRY, FULL, TOLERANCES, Timer, _max_error, _to
                                    quantized_experts, _dequantized_bf16)
 
 COMPILE_S = 3.0  # a guess at one variant's JIT compile on the GPU machine, for the estimate
+STARTUP_S = 45.0  # imports, the first sweep's inputs and the writes: what a part's limit leaves out of the budget
 
 
 @dataclass
@@ -197,30 +201,27 @@ def tiny_sweeps() -> list[Sweep]:
 
 
 # --- running them -------------------------------------------------------------------------------------------------
-def _overlay(config: dict, patch: dict) -> dict:
-    """config with patch laid over it, nested dicts (the MoE's per-GEMM tiles) merged key by key."""
-    out = dict(config)
-    for key, value in patch.items():
-        out[key] = _overlay(config[key], value) if isinstance(value, dict) and isinstance(config.get(key), dict) \
-            else value
-    return out
+MIN_GAIN = 0.03  # a candidate replaces the default only this much faster (less is the timing's noise)
 
 
 def candidates(default: dict, patches, tiny: bool) -> list[dict]:
     """The default (left out with --tiny) and each patch over it, without repeats."""
+    from kernels.tuning import overlay
+
     out = [] if tiny else [default]
     for patch in patches:
-        candidate = _overlay(default, patch(default) if callable(patch) else patch)
+        candidate = overlay(default, patch(default) if callable(patch) else patch)
         if candidate not in out:
             out.append(candidate)
     return out
 
 
 def _plan_request(kernel: str, run) -> tuple[str, int, dict]:
-    """(shape key, count, default) the plan of `run` asks kernels/tuning.py for, learned by running it."""
+    """(shape key, count, default) the plan of `run` asks kernels/tuning.py for, learned by running it (over no table:
+    the default, whatever an earlier run wrote)."""
     from kernels import tuning
 
-    with tuning.recording() as requests:
+    with tuning.recording() as requests, tuning.using({}):
         run()
     asked = [(key, count, default) for name, key, count, default in requests if name == kernel]
     assert asked, f"the plan never asked for a tuned {kernel} configuration"
@@ -236,8 +237,10 @@ def _first_error(torch, tolerance, run, expected) -> str | None:
     return None if error <= 1 else f"normalised error {error:.3g}"
 
 
-def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool) -> dict:
-    """{shape key: {count: fastest correct configuration}} of one sweep."""
+def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool, deadline: float | None = None) -> dict:
+    """{shape key: {count: what the fastest correct candidate changes of the default}} of one sweep ({}: the default,
+    unless a candidate is MIN_GAIN faster; with --tiny, which leaves the default out, the fastest). Past `deadline`
+    (time.time()) no candidate starts: what was tuned before is returned."""
     from kernels import tuning
 
     groups: dict[tuple[str, int], dict] = {}  # (key, count) -> default, cases [(run, expected)]
@@ -252,7 +255,10 @@ def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool) -> dict:
     for (key, count), group in groups.items():
         timings = []
         for candidate in candidates(group["default"], sweep.patches, tiny):
-            with tuning.using({sweep.kernel: {key: {count: candidate}}}):
+            if deadline is not None and time.time() > deadline:
+                print(f"    budget spent: {sweep.name} {key} count={count} left with what it timed", flush=True)
+                break
+            with tuning.using({sweep.kernel: {key: {count: tuning.difference(candidate, group["default"])}}}):
                 errors = [_first_error(torch, tolerance, run, expected) for run, expected in group["cases"]]
                 if any(errors):
                     print(f"    skip {candidate}: {next(e for e in errors if e)}", flush=True)
@@ -261,9 +267,14 @@ def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool) -> dict:
         if timings:
             ms, chosen = min(timings, key=lambda pair: pair[0])
             default_ms = next((t for t, c in timings if c == group["default"]), None)
+            if default_ms is not None and ms > (1 - MIN_GAIN) * default_ms:
+                ms, chosen = default_ms, group["default"]
             versus = f", default {default_ms:.3f} ms" if default_ms is not None else ""
-            print(f"  {sweep.name} {key} count={count}: {ms:.3f} ms{versus} <- {chosen}", flush=True)
-            best.setdefault(key, {})[count] = chosen
+            patch = tuning.difference(chosen, group["default"])
+            print(f"  {sweep.name} {key} count={count}: {ms:.3f} ms{versus} <- {patch or 'the default'}", flush=True)
+            best.setdefault(key, {})[count] = patch
+        if deadline is not None and time.time() > deadline:
+            break
     return best
 
 
@@ -294,6 +305,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="the file to write (default: kernels/configs/<device>.json)")
     parser.add_argument("--copy-to", type=Path, help="also write it into this folder (a results folder)")
     options = parser.parse_args()
+    if os.environ.get("PART_LIMIT_S"):  # (scripts/gpu_check.sh: the part's time limit, which may be cut)
+        limit = float(os.environ["PART_LIMIT_S"]) - STARTUP_S
+        options.budget_s = limit if options.budget_s is None else min(options.budget_s, limit)
     if options.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
     import torch
@@ -322,12 +336,18 @@ def main() -> int:
     # (what an earlier run tuned stays, each sweep's shapes replaced: a run cut by its time limit loses nothing)
     table: dict = tuning.read_table(out) if out.is_file() else {}
     start = time.time()
+    deadline = start + options.budget_s if options.budget_s is not None else None
     for sweep in sweeps:
-        if options.budget_s is not None and time.time() - start > options.budget_s:
+        if deadline is not None and time.time() > deadline:
             print(f"budget spent: {sweep.name} and the rest not tuned", flush=True)
             break
         sweep_start = time.time()
-        for key, by_count in run_sweep(torch, device, timer, sweep, options.tiny).items():
+        try:
+            found = run_sweep(torch, device, timer, sweep, options.tiny, deadline)
+        except Exception as failure:  # noqa: BLE001 (one sweep's failure, e.g. out of memory, leaves the others)
+            print(f"  {sweep.name} failed, left untuned: {type(failure).__name__}: {failure}", flush=True)
+            found = {}
+        for key, by_count in found.items():
             table.setdefault(sweep.kernel, {}).setdefault(key, {}).update(by_count)
         for path in paths:  # after every sweep: a run stopped by its time limit keeps what it tuned
             tuning.write_table(path, table, **meta)

@@ -76,9 +76,53 @@ def test_the_written_configurations_change_the_plans(tuned_file):
         tuning.load(None)
     table = tuning.read_table(tuned_file)
     for kernel, plan in tuned.items():
-        (config_at_one_token,) = [by_count[DRY.top_k if kernel == "moe" else 1] for by_count in table[kernel].values()]
-        assert plan != default[kernel], kernel
-        assert all(plan[k] == v for k, v in config_at_one_token.items() if k in plan), (kernel, plan)
+        (change_at_one_token,) = [by_count[DRY.top_k if kernel == "moe" else 1] for by_count in table[kernel].values()]
+        assert plan != default[kernel] and change_at_one_token, kernel
+        launched = {k: v for k, v in change_at_one_token.items() if k in plan}  # (the launch options of it)
+        assert tuning.overlay(plan, launched) == plan, (kernel, plan, change_at_one_token)
+
+
+def test_a_change_is_written_as_what_it_changes_and_read_at_the_nearest_count_by_ratio():
+    default = dict(BLOCK_M=16, SPLIT_K=3, gate_up=dict(BLOCK_N=64, num_warps=4))
+    tuned = dict(BLOCK_M=16, SPLIT_K=3, gate_up=dict(BLOCK_N=128, num_warps=4))
+    change = tuning.difference(tuned, default)
+    assert change == {"gate_up": {"BLOCK_N": 128}} and tuning.overlay(default, change) == tuned
+    assert tuning.difference(default, default) == {}
+    assert [tuning.nearest_count([1, 64, 256, 4096], c) for c in (1, 7, 9, 100, 192, 2000)] == [1, 1, 64, 64, 256, 4096]
+    with tuning.using({"k": {"n=1": {1: {"SPLIT_K": 1}, 256: {}}}}):
+        own = dict(BLOCK_M=64, SPLIT_K=2)  # (a plan's default at its count keeps what the change does not touch)
+        assert tuning.tuned("k", dict(n=1, tokens=2), own) == dict(BLOCK_M=64, SPLIT_K=1)
+        assert tuning.tuned("k", dict(n=1, tokens=300), own) == own
+
+
+def test_every_fp8_gemm_plan_is_valid_whatever_count_a_change_was_tuned_at():
+    """Each candidate of the V4-Flash fp8 GEMM sweep, written as tuned at every count the sweep times (the change it
+    makes of that count's default), for every V4-Flash linear: at every token count from 1 to 300 and the prefill's,
+    the plan keeps what its count decides (the orientation, x act_quant'ed ahead) and splits K over no more tiles than
+    the split's counters take (a change tuned where K was split, laid over a count with more tiles, once asserted)."""
+    from kernels.fp8_gemm import QUANTIZE_AHEAD_MIN_TOKENS, SPLIT_COUNTERS, SWAP_AB_MAX_TOKENS, fp8_gemm_config
+    from scripts.bench_kernels import FULL
+    from scripts.tune_kernels import v4_flash_sweeps
+
+    (sweep,) = [sw for sw in v4_flash_sweeps() if sw.kernel == "fp8_gemm"]
+    num_sms, counts = 132, [*FULL.decode_batches, FULL.prefill_tokens]
+    for n, k in FULL.fp8_linears.values():
+        with tuning.using({}), tuning.recording() as asked:
+            for count in counts:
+                fp8_gemm_config(count, n, k, num_sms)
+        key = asked[0][1]
+        defaults = {count: default for _, _, count, default in asked}
+        for patch in sweep.patches:
+            changes = {count: tuning.difference(tuning.overlay(d, patch(d) if callable(patch) else patch), d)
+                       for count, d in defaults.items()}
+            with tuning.using({"fp8_gemm": {key: changes}}):
+                for t in [*range(1, 301), FULL.prefill_tokens]:
+                    for head_dim in (None, 128) if n % 128 == 0 else (None,):
+                        cfg = fp8_gemm_config(t, n, k, num_sms, head_dim)
+                        tiles = -(-t // cfg["BLOCK_M"]) * -(-n // cfg["BLOCK_N"])
+                        assert cfg["SPLIT_K"] == 1 or tiles <= SPLIT_COUNTERS, (n, k, t, patch, cfg)
+                        assert cfg["SWAP_AB"] == (t <= SWAP_AB_MAX_TOKENS), (n, k, t, cfg)
+                        assert cfg["PREQUANTIZED"] == (t >= QUANTIZE_AHEAD_MIN_TOKENS), (n, k, t, cfg)
 
 
 def test_a_run_of_some_sweeps_keeps_what_the_file_held(tmp_path):
