@@ -29,8 +29,9 @@ Step cost: in the same timed runs, a step's cost is the time from its scheduling
 host's work, the forward, with drafts the verify and the draft passes, and what overlap scheduling hides), the median
 over the steps where all C requests decode (with k > 0: each verifying k drafts). The verify step's cost ratio is its
 cost over k = 0's at the same concurrency within each run (median, min-max over runs), and the speed-up it gives at
-per-position acceptance rates a_i (--acceptance: the probability that draft i is accepted; V4-Flash's published
-0.77, 0.38 at k = 2) is (1 + a_1 + ... + a_k) / cost ratio, the tokens a step emits on average over what it costs.
+per-position acceptance rates a_i (--acceptance, vLLM's: the share of verifies that accept draft i, and so every
+draft before it; V4-Flash's published 0.77, 0.38 at k = 2) is (1 + a_1 + ... + a_k) / cost ratio, the tokens a step
+emits on average over what it costs (not projected for a k past the rates given).
 With --cuda-graphs the verify steps run at static shapes and the draft passes after them as one static chain
 (--draft-chains eager: pass by pass, as before there were chains; both: side by side). Prints a second table; writes
 --cost-csv (default: --csv's name with _step_cost) and, with --plot, a second figure (_step_cost) of the cost ratios
@@ -56,6 +57,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from scripts.bench_engine import throughput, time_engine  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
+from scripts.estimate_decode_step import acceptance_problem, expected_tokens_per_step  # noqa: E402
 
 
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
@@ -100,14 +102,9 @@ def static_share(records: list) -> float:
 
 def parse_rates(text: str) -> list[float]:
     rates = [float(x) for x in text.split(",") if x.strip()]
-    if not all(0.0 <= r <= 1.0 for r in rates):
-        raise argparse.ArgumentTypeError(f"acceptance rates are probabilities: {text}")
+    if problem := acceptance_problem(rates):
+        raise argparse.ArgumentTypeError(problem)
     return rates
-
-
-def expected_tokens_per_step(rates: list[float], k: int) -> float:
-    """1 + the per-position acceptance rates of drafts 1..k (a draft past the listed ones counts as never accepted)."""
-    return 1.0 + sum(rates[:k])
 
 
 def spread(values: list[float], digits: int = 3) -> dict:

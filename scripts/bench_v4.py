@@ -265,7 +265,7 @@ def run(args, save) -> list[str]:
         """At the layers measured and at the config's own. A prefill's: its FLOPs counted at the mean position
         (context / 2) and its weights (every expert reached); the KV entries its queries read are left out (its
         FLOPs bound it)."""
-        works = [step_work(c, "tp", 1, batch, context) for c in (config, full_config)]
+        works = [step_work(c, "tp", 1, batch, context, logits_rows) for c in (config, full_config)]
         return tuple(roofline(c, dataclasses.replace(w, kv=0.0) if prefill else w, logits_rows, rates)
                      for c, w in zip((config, full_config), works))
 

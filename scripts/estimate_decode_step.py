@@ -24,9 +24,10 @@ bound, not a measurement; communication is listed apart (NVLink's 900 GB/s for s
 With --drafts K, speculative decoding's step beside it: a verify step of the B requests with 1 + K tokens each (as B (1
 + K) tokens: the experts they reach, the entries each reads) and the K draft passes after it, each over the B requests
 (footprint.draft_pass_weight_bytes: the MTP layer, of its experts those the requests reach, the LM head it shares);
-`verify_ms` their rooflines together and `verify_x` that over the decode step's. With --acceptance a_1 .. a_K (the
-probability that draft i is accepted, e.g. V4-Flash's published 0.77 0.38), `speedup` = (1 + a_1 + ... + a_K) /
-verify_x: the tokens a step emits over what it costs, where both steps run at their rooflines.
+`verify_ms` their rooflines together and `verify_x` that over the decode step's. With --acceptance a_1 .. a_K (vLLM's
+per-position acceptance rates: a_i the share of verifies that accept draft i, and so every draft before it, e.g.
+V4-Flash's published 0.77 0.38), `speedup` = (1 + a_1 + ... + a_K) / verify_x: the tokens a step emits on average
+over what it costs, where both steps run at their rooflines.
 
     python scripts/estimate_decode_step.py --config docs/configs/deepseek-v4-flash.config.json --ranks 1 --batch 1 \
         --contexts 8192 --drafts 1 --acceptance 0.77
@@ -52,6 +53,23 @@ HBM_BYTES_PER_S = 4.8e12  # H200
 BF16_FLOPS_PER_S = 989e12  # H200 dense bf16
 LAYOUTS = ("tp", "dp")
 
+
+
+def acceptance_problem(rates: list[float]) -> str | None:
+    """Why `rates` are not per-position acceptance rates (probabilities that never increase: a verify accepts draft
+    i + 1 only with draft i), or None."""
+    if not all(0.0 <= r <= 1.0 for r in rates):
+        return f"acceptance rates are probabilities, got {rates}"
+    if any(later > earlier for earlier, later in zip(rates, rates[1:])):
+        return (f"per-position acceptance rates cannot increase (a draft is accepted only with those before it), "
+                f"got {rates}")
+    return None
+
+
+def expected_tokens_per_step(rates: list[float], k: int) -> float:
+    """The tokens a verify of k drafts emits on average at per-position acceptance rates a_1, a_2, ...: 1 + a_1 + ...
+    + a_k (the token after the accepted drafts, and draft i where it is accepted); NaN past the rates given."""
+    return 1.0 + sum(rates[:k]) if k <= len(rates) else float("nan")
 
 @dataclass
 class StepEstimate:
@@ -89,9 +107,10 @@ class StepWork:
     tokens_per_rank: int
 
 
-def step_work(c, layout: str, ranks: int, batch: int, context: int) -> StepWork:
+def step_work(c, layout: str, ranks: int, batch: int, context: int, logits_rows: int | None = None) -> StepWork:
     """One decode step of `batch` requests at `context` positions each, on one of `ranks` ranks (see the module
-    docstring). scripts/bench_v4.py puts its measured steps beside it."""
+    docstring); `logits_rows`: the rows the LM head computes, if not every one of this rank's (a prefill's: its last
+    position's). scripts/bench_v4.py puts its measured steps beside it."""
     d, heads, dh, q = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
     hi, di, inter, k = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.num_experts_per_tok
     own = batch // ranks if layout == "dp" else batch  # requests whose attention this rank runs
@@ -113,7 +132,8 @@ def step_work(c, layout: str, ranks: int, batch: int, context: int) -> StepWork:
         flops += own * (replicated + per_head / split)
         routed_pairs = batch * k / ranks  # (expert parallelism: every token's pairs on their experts' ranks)
         flops += routed_pairs * 6 * d * inter + (own / split) * 6 * d * inter + own * 2 * d * c.n_routed_experts
-    flops += (own / (ranks if layout == "tp" else 1)) * 2 * d * c.vocab_size  # the LM head (vocabulary-parallel)
+    head_rows = own if logits_rows is None else logits_rows
+    flops += (head_rows / (ranks if layout == "tp" else 1)) * 2 * d * c.vocab_size  # the LM head (vocabulary-parallel)
     weights = _weights_read(c, layout, ranks, batch)
     activation = batch * d * 2  # [B, hidden] in bf16
     ring = (ranks - 1) / ranks
@@ -136,7 +156,7 @@ def estimate(c, layout: str, ranks: int, batch: int, context: int, drafts: int =
         verify += drafts * _draft_pass_ms(c, layout, ranks, batch)
         row.verify_ms, row.verify_x = round(verify, 2), round(verify / roofline, 3)
         if acceptance:
-            row.speedup = round((1 + sum(acceptance)) / (verify / roofline), 3)
+            row.speedup = round(expected_tokens_per_step(acceptance, drafts) / (verify / roofline), 3)
     return row
 
 
@@ -171,12 +191,15 @@ def main() -> None:
     parser.add_argument("--drafts", type=int, default=0, help="K: also a verify step of 1 + K tokens a request and "
                         "its K draft passes")
     parser.add_argument("--acceptance", type=float, nargs="*", default=[], metavar="A",
-                        help="the probability that draft i is accepted, one per draft (V4-Flash: 0.77 0.38)")
+                        help="per-position acceptance rates, one per draft: the share of verifies that accept draft i "
+                             "and every draft before it (V4-Flash: 0.77 0.38)")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.acceptance and len(args.acceptance) != args.drafts:
         parser.error(f"--acceptance takes one rate per draft: {args.drafts}, got {len(args.acceptance)}")
+    if problem := acceptance_problem(args.acceptance):
+        parser.error(problem)
     config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
     rows = [estimate(config, layout, args.ranks, args.batch, context, args.drafts, args.acceptance)
             for context in args.contexts for layout in LAYOUTS]

@@ -70,7 +70,7 @@ def weight_bytes(config: ModelConfig, fmt: str, dtype_bytes: int = 2, layout=Non
 
 def experts_reached(num_experts: int, top_k: int, tokens: int) -> float:
     """The distinct experts `tokens` tokens reach when each picks `top_k` of `num_experts` uniformly, expected:
-    E (1 - (1 - k / E)^B). k at one token, all E as B grows (V4-Flash's 256 top-6: 6 at 1, 80 at 16, 203 at 64)."""
+    E (1 - (1 - k / E)^B). k at one token, all E as B grows (V4-Flash's 256 top-6: 6 at 1, 81 at 16, 200 at 64)."""
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 

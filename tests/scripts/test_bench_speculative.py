@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 import bench_speculative
 import pytest
@@ -38,7 +39,7 @@ def test_the_projected_speed_up_is_the_tokens_a_step_emits_over_its_cost():
     rates = bench_speculative.parse_rates("0.77,0.38")
     assert bench_speculative.expected_tokens_per_step(rates, 0) == 1.0
     assert bench_speculative.expected_tokens_per_step(rates, 2) == pytest.approx(2.15)
-    assert bench_speculative.expected_tokens_per_step(rates, 3) == pytest.approx(2.15)  # no rate: never accepted
+    assert math.isnan(bench_speculative.expected_tokens_per_step(rates, 3))  # no rate given: not projected
     args = argparse.Namespace(concurrency=[8], acceptance=rates)
     cells = [(0, "-"), (2, "static")]
     costs = {(8, 0, "-"): [0.010, 0.012, 0.011], (8, 2, "static"): [0.020, 0.018, None]}
@@ -51,3 +52,5 @@ def test_the_projected_speed_up_is_the_tokens_a_step_emits_over_its_cost():
     assert verify["speedup_at_measured_acceptance"] == pytest.approx(1.5 / 1.75, abs=1e-3)
     with pytest.raises(argparse.ArgumentTypeError):
         bench_speculative.parse_rates("0.7,1.3")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot increase"):  # (vLLM's per-position rates)
+        bench_speculative.parse_rates("0.38,0.77")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from estimate_decode_step import estimate
+from estimate_decode_step import estimate, step_work
 from plan_memory import plan
 
 from backend.model.config import parse_model_config
@@ -85,3 +85,11 @@ def test_a_verify_step_and_its_draft_passes_on_paper():
     two = estimate(config, "tp", 1, 1, 8192, drafts=2, acceptance=[0.77, 0.38])
     assert two.verify_x > one.verify_x and two.speedup < one.speedup  # a second draft at 0.38 costs more than it gives
     assert decode.verify_ms is None
+
+
+def test_a_prefills_lm_head_computes_its_last_positions_logits_only():
+    """bench_v4.py's prefill roofline: the LM head over one row (the chunk's last position), not over every token."""
+    c = _flash()
+    every_row, last_row = step_work(c, "tp", 1, 4096, 4096), step_work(c, "tp", 1, 4096, 4096, logits_rows=1)
+    assert every_row.flops - last_row.flops == 4095 * 2 * c.hidden_size * c.vocab_size
+    assert step_work(c, "tp", 1, 8, 4096, logits_rows=8).flops == step_work(c, "tp", 1, 8, 4096).flops
