@@ -117,8 +117,15 @@ class Result:
 
 
 # --- timing ---------------------------------------------------------------------------------------------------
+HOST_COVER_CYCLES = 2_000_000  # about 1 ms of a GPU's clock (H200: 1.98 GHz)
+
+
 class Timer:
-    """Median time of fn() in ms: CUDA events with an L2 flush before each run, or perf_counter on CPU."""
+    """Median time of fn() in ms: CUDA events with an L2 flush before each run, or perf_counter on CPU.
+
+    On CUDA the GPU is kept busy (torch.cuda._sleep, after the flush) while the host records the start event and fn
+    plans and launches its kernels: the start is then timestamped when the GPU reaches it, with fn's kernels queued
+    behind it, so the host's planning (Python, tens to hundreds of microseconds) is not timed as a ~10 us kernel's."""
 
     def __init__(self, torch, device, repeat: int):
         self.torch, self.device, self.repeat = torch, device, repeat
@@ -131,6 +138,8 @@ class Timer:
         for _ in range(self.repeat):
             if self.flush is not None:
                 self.flush.zero_()
+                if hasattr(torch.cuda, "_sleep"):
+                    torch.cuda._sleep(HOST_COVER_CYCLES)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
