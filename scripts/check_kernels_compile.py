@@ -18,6 +18,8 @@ prefetch may come first: `pdl_problem`), or decodes MXFP4, FP4 keys or e4m3 weig
   python scripts/check_kernels_compile.py --quick    # a subset for CI (tests/kernels/test_compile.py)
   python scripts/check_kernels_compile.py --sass "moe fp8 .*T=256"   # and what each main loop issues per byte
                                                      # it streams (weights, or keys), from its SASS (kernel_sass.py)
+  python scripts/check_kernels_compile.py --config kernels/configs/NVIDIA_H200.json  # the tiles a device's tuned
+                                                     # table gives (kernels/tuning.py), compiled by this Triton
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 from backend.model.compressor import CompressionPlan  # noqa: E402
+from kernels import tuning  # noqa: E402
 from kernels.act_rounding import plan_round  # noqa: E402
 from kernels.attention import plan_sparse_paged_attention  # noqa: E402
 from kernels.common import set_programmatic_dependent_launch  # noqa: E402
@@ -480,9 +483,11 @@ def _compile(kernel, args, kwargs):
 _VARIANT_KWARGS = ("IS_SPLIT", "COMP_MODE", "SPLIT_K", "SWAP_AB", "PREQUANTIZED", "WEIGHT_FORMAT", "QUANTIZE_H")
 
 
-def compile_case(index: int, sass: bool = False) -> list[tuple[str, Compiled]]:
+def compile_case(index: int, sass: bool = False, config: Path | None = None) -> list[tuple[str, Compiled]]:
     """Compile the launches of case `index` (a worker process rebuilds the case list: launches hold kernels);
-    sass: also profile each kernel's main loop."""
+    sass: also profile each kernel's main loop; config: the plans read that tuned table."""
+    if config is not None:
+        tuning.load(config)
     model, case, launches = cases()[index]
     results = []
     for kernel, _grid, args, kwargs in launches:
@@ -519,9 +524,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="compile only the CI subset")
     parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
+    parser.add_argument("--config", type=Path, help="a tuned table (kernels/configs/<device>.json) the plans read")
     parser.add_argument("--sass", metavar="REGEX", help="only the cases whose 'model case' matches, each with what "
                         "its main loop issues per iteration and per byte it streams (weights or keys)")
     options = parser.parse_args()
+    if options.config is not None:
+        tuning.load(options.config)
 
     all_cases = cases()
     selected = [i for i, (model, case, _) in enumerate(all_cases)
@@ -529,7 +537,7 @@ def main() -> int:
                 and (not options.sass or re.search(options.sass, f"{model} {case}"))]
     selected = _unique_cases(selected, all_cases)
     start = time.time()
-    compile_one = partial(compile_case, sass=bool(options.sass))
+    compile_one = partial(compile_case, sass=bool(options.sass), config=options.config)
     if options.jobs > 1:
         with ProcessPoolExecutor(options.jobs) as pool:
             per_case = list(pool.map(compile_one, selected))
