@@ -13,11 +13,26 @@ def _asked(tokens, **shape):
     return tuning.tuned("attention", dict(dtype="bfloat16", head_dim=512, mode="csa", tokens=tokens, **shape), DEFAULT)
 
 
-def test_the_nearest_tuned_count_over_the_default():
+def test_the_nearest_tuned_count_by_ratio_over_the_default():
     with tuning.using(TABLE):
         assert _asked(1) == dict(BLOCK_N=16, num_warps=4)
-        assert _asked(100)["BLOCK_N"] == 32 and _asked(200)["BLOCK_N"] == 64 and _asked(4096)["BLOCK_N"] == 64
-        assert _asked(160)["BLOCK_N"] == 32  # a tie goes to the smaller count
+        assert _asked(100)["BLOCK_N"] == 32 and _asked(160)["BLOCK_N"] == 64 and _asked(4096)["BLOCK_N"] == 64
+        assert _asked(128)["BLOCK_N"] == 64  # (as near 64 as 256: the larger)
+    assert [tuning.nearest_count([1, 64, 256, 4096], c) for c in (1, 7, 9, 100, 192, 2000)] == [1, 1, 64, 64, 256, 4096]
+
+
+def test_a_change_is_written_as_what_it_changes_and_laid_over_the_plans_own_default():
+    """A table holds what tuning changed of a count's default ({}: nothing), so a plan at another count keeps what its
+    own count decides where the change does not touch it."""
+    default = dict(BLOCK_M=16, SPLIT_K=3, gate_up=dict(BLOCK_N=64, num_warps=4))
+    tuned = dict(BLOCK_M=16, SPLIT_K=3, gate_up=dict(BLOCK_N=128, num_warps=4))
+    change = tuning.difference(tuned, default)
+    assert change == {"gate_up": {"BLOCK_N": 128}} and tuning.overlay(default, change) == tuned
+    assert tuning.difference(default, default) == {}
+    with tuning.using({"k": {"n=1": {1: {"SPLIT_K": 1}, 256: {}}}}):
+        own = dict(BLOCK_M=64, SPLIT_K=2)
+        assert tuning.tuned("k", dict(n=1, tokens=2), own) == dict(BLOCK_M=64, SPLIT_K=1)
+        assert tuning.tuned("k", dict(n=1, tokens=300), own) == own
 
 
 def test_an_untuned_shape_or_kernel_gets_the_default():

@@ -82,19 +82,6 @@ def test_the_written_configurations_change_the_plans(tuned_file):
         assert tuning.overlay(plan, launched) == plan, (kernel, plan, change_at_one_token)
 
 
-def test_a_change_is_written_as_what_it_changes_and_read_at_the_nearest_count_by_ratio():
-    default = dict(BLOCK_M=16, SPLIT_K=3, gate_up=dict(BLOCK_N=64, num_warps=4))
-    tuned = dict(BLOCK_M=16, SPLIT_K=3, gate_up=dict(BLOCK_N=128, num_warps=4))
-    change = tuning.difference(tuned, default)
-    assert change == {"gate_up": {"BLOCK_N": 128}} and tuning.overlay(default, change) == tuned
-    assert tuning.difference(default, default) == {}
-    assert [tuning.nearest_count([1, 64, 256, 4096], c) for c in (1, 7, 9, 100, 192, 2000)] == [1, 1, 64, 64, 256, 4096]
-    with tuning.using({"k": {"n=1": {1: {"SPLIT_K": 1}, 256: {}}}}):
-        own = dict(BLOCK_M=64, SPLIT_K=2)  # (a plan's default at its count keeps what the change does not touch)
-        assert tuning.tuned("k", dict(n=1, tokens=2), own) == dict(BLOCK_M=64, SPLIT_K=1)
-        assert tuning.tuned("k", dict(n=1, tokens=300), own) == own
-
-
 def test_every_fp8_gemm_plan_is_valid_whatever_count_a_change_was_tuned_at():
     """Each candidate of the V4-Flash fp8 GEMM sweep, written as tuned at every count the sweep times (the change it
     makes of that count's default), for every V4-Flash linear: at every token count from 1 to 300 and the prefill's,
