@@ -41,6 +41,7 @@ and projected speed-ups by concurrency.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -107,6 +108,15 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def free_device_memory() -> None:
+    """What engines already shut down held, freed before the next is built: an engine's parts refer to each other, so
+    its weights and pools wait for a full collection otherwise (at V4-Flash's widths, 15-19 GiB an engine: a few alive
+    at once did not fit an H100)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def spread(values: list[float], digits: int = 3) -> dict:
     """Median, min and max of the runs that measured something (NaN where none did)."""
     values = [v for v in values if not math.isnan(v)] or [math.nan]
@@ -154,13 +164,15 @@ def main() -> None:
                                          **args.engine_settings}))
 
     g = torch.Generator().manual_seed(0)
-    vocab = engine_for(0)
-    batches = {c: torch.randint(2, vocab.vocab_size, (c, args.prompt_tokens), generator=g).tolist()
+    first = engine_for(0)
+    batches = {c: torch.randint(2, first.vocab_size, (c, args.prompt_tokens), generator=g).tolist()
                for c in args.concurrency}
     # (sampled requests under draft_sampling=sample draft pass by pass, as without chains)
-    drafts_in_chains = vocab.core.runner.graphs is not None and not (
-        args.temperature > 0 and vocab.core.executor.drafter.sample_drafts)
-    vocab.shutdown()
+    drafts_in_chains = first.core.runner.graphs is not None and not (
+        args.temperature > 0 and first.core.executor.drafter.sample_drafts)
+    first.shutdown()
+    first = None
+    free_device_memory()
     # (k, draft chain) cells: without static chains every chain is eager
     chains = sorted(set(args.draft_chains), reverse=True) if drafts_in_chains else ["eager"]
     cells = [(0, "-")] + [(k, chain) for k in ks if k for chain in chains]
@@ -189,6 +201,8 @@ def main() -> None:
                               f"{share:.0%} of decode steps static", flush=True)
             finally:
                 engine.shutdown()
+                engine = static_chains = None
+                free_device_memory()
 
     rows = []
     for c in args.concurrency:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import weakref
 
 import bench_speculative
 import pytest
@@ -54,3 +56,22 @@ def test_the_projected_speed_up_is_the_tokens_a_step_emits_over_its_cost():
         bench_speculative.parse_rates("0.7,1.3")
     with pytest.raises(argparse.ArgumentTypeError, match="cannot increase"):  # (vLLM's per-position rates)
         bench_speculative.parse_rates("0.38,0.77")
+
+
+def test_each_engine_is_freed_before_the_next_is_built(tiny_checkpoint, monkeypatch):
+    """At V4-Flash's widths an engine holds 15-19 GiB: the run builds one engine a k and run, and each must be gone
+    (its parts refer to each other: only a collection frees them) before the next is built."""
+    alive, seen = weakref.WeakSet(), []
+    real = bench_speculative.LLMEngine
+
+    def counting_engine(config):
+        seen.append(len(alive))
+        engine = real(config)
+        alive.add(engine)
+        return engine
+
+    monkeypatch.setattr(bench_speculative, "LLMEngine", counting_engine)
+    monkeypatch.setattr(sys, "argv", ["bench_speculative.py", "--checkpoint", str(tiny_checkpoint), "--ks", "0", "1",
+                                      "--concurrency", "1", "--runs", "2", "--max-tokens", "4", "--prompt-tokens", "4"])
+    bench_speculative.main()
+    assert seen == [0] * 5  # (the first engine, read for the vocabulary, then k = 0 and 1 twice)
