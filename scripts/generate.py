@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Offline generation through the engine: every prompt submitted at once, so they batch.
+r"""Offline generation through the engine: every prompt submitted at once, so they batch.
 
-    python scripts/generate.py --checkpoint checkpoints/dsv4-tiny --prompts-file prompts.json --max-tokens 32
-    python scripts/generate.py ... --tensor-parallel-size 2 [--expert-parallel-size 2]   # 2 ranks (processes)
-    python scripts/generate.py ... --data-parallel-size 2 --expert-parallel-size 2      # 2 ranks, attention by request
-    python scripts/generate.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
+    .venv/bin/python scripts/generate.py --checkpoint checkpoints/dsv4-tiny --prompts-file prompts.json --max-tokens 32
+    .venv/bin/python scripts/generate.py ... --tensor-parallel-size 2 [--expert-parallel-size 2]  # 2 ranks (processes)
+    .venv/bin/python scripts/generate.py ... --data-parallel-size 2 --expert-parallel-size 2  # attention by request
+    .venv/bin/python scripts/generate.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
         --hf-overrides '{"num_hidden_layers": 4}' ...     # random weights at V4-Flash's shapes, no weight file
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Write a Triton model repository serving this checkout's engine, with chosen parameters.
+r"""Write a Triton model repository serving this checkout's engine, with chosen parameters.
 
-    python scripts/make_model_repository.py --out /tmp/repo --checkpoint checkpoints/dsv4-tiny \
+    .venv/bin/python scripts/make_model_repository.py --out /tmp/repo --checkpoint checkpoints/dsv4-tiny \
         --set policy=mixed --set max_running_requests=8
 
 copies model_repository/dsv4 to OUT/<model-name>/ and rewrites the `parameters` of its

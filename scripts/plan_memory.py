@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""How a DeepSeek-V4 model fits on GPUs: weights per device, KV bytes per token, token capacity.
+r"""How a DeepSeek-V4 model fits on GPUs: weights per device, KV bytes per token, token capacity.
 
-    python scripts/plan_memory.py --config docs/configs/deepseek-v4-flash.config.json \
+    .venv/bin/python scripts/plan_memory.py --config docs/configs/deepseek-v4-flash.config.json \
         --tensor-parallel-size 8 --expert-parallel-size 8
-    python scripts/plan_memory.py --checkpoint /data/DeepSeek-V4-Flash --weight-format fp8 --json plan.json
+    .venv/bin/python scripts/plan_memory.py --checkpoint /data/DeepSeek-V4-Flash --weight-format fp8 --json plan.json
 
 Reads config.json only (no weight). Weights come from backend/model/footprint.py: what the engine
 holds with --weight-format `dequantize` (every weight in bf16) or `fp8` (kept as published: FP8

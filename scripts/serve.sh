@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Serve the model repository with tritonserver on 127.0.0.1 (Ctrl-C stops it).
-#   bash scripts/serve.sh [--set KEY=VALUE ...] [--model-repository DIR] [--http-port P] [--grpc-port P]
-#                         [--metrics-port P] [-- EXTRA_TRITONSERVER_FLAGS...]
-# Defaults: model_repository/ of this checkout, ports 8000 (HTTP) / 8001 (gRPC) / 8002 (metrics).
+#   bash scripts/serve.sh [--set KEY=VALUE ...] [--model-repository DIR] [--address A] [--http-port P]
+#                         [--grpc-port P] [--metrics-port P] [-- EXTRA_TRITONSERVER_FLAGS...]
+# Defaults: model_repository/ of this checkout, address 127.0.0.1 (0.0.0.0: every interface), ports 8000 (HTTP) /
+# 8001 (gRPC) / 8002 (metrics).
 # --set changes a config.pbtxt parameter (e.g. --set checkpoint=/data/DeepSeek-V4-Flash): the
 # repository is then written to build/model_repository by scripts/make_model_repository.py, which
 # checks the values first.
@@ -10,6 +11,7 @@ set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL_REPOSITORY="$REPO_ROOT/model_repository"
+ADDRESS=127.0.0.1
 HTTP_PORT=8000
 GRPC_PORT=8001
 METRICS_PORT=8002
@@ -21,6 +23,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --model-repository) MODEL_REPOSITORY="$2"; shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;
+    --address) ADDRESS="$2"; shift 2 ;;
     --http-port) HTTP_PORT="$2"; shift 2 ;;
     --grpc-port) GRPC_PORT="$2"; shift 2 ;;
     --metrics-port) METRICS_PORT="$2"; shift 2 ;;
@@ -42,13 +45,13 @@ if [ ${#SETS[@]} -gt 0 ]; then
 fi
 
 echo "[serve] tritonserver: model repository $MODEL_REPOSITORY;" \
-  "HTTP 127.0.0.1:$HTTP_PORT, gRPC 127.0.0.1:$GRPC_PORT, metrics 127.0.0.1:$METRICS_PORT"
+  "HTTP $ADDRESS:$HTTP_PORT, gRPC $ADDRESS:$GRPC_PORT, metrics $ADDRESS:$METRICS_PORT"
 exec "$TRITON_BIN" \
   --model-repository="$MODEL_REPOSITORY" \
   --backend-directory="$TRITON_BACKEND_DIR" \
-  --http-address=127.0.0.1 --http-port="$HTTP_PORT" \
-  --grpc-address=127.0.0.1 --grpc-port="$GRPC_PORT" \
-  --metrics-address=127.0.0.1 --metrics-port="$METRICS_PORT" \
+  --http-address="$ADDRESS" --http-port="$HTTP_PORT" \
+  --grpc-address="$ADDRESS" --grpc-port="$GRPC_PORT" \
+  --metrics-address="$ADDRESS" --metrics-port="$METRICS_PORT" \
   --allow-gpu-metrics=false \
   --pinned-memory-pool-byte-size=0 \
   --exit-timeout-secs=10 \
