@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.moe import QuantizedExperts, fused_moe_reference, fused_moe_triton, moe_align, route_hash, route_topk
+from kernels.moe import (REPACK_EXPERTS, QuantizedExperts, fused_moe_reference, fused_moe_triton, moe_align, route_hash,
+                         route_topk)
 
 # The reference rounds x @ W_gate_up to x's dtype before the SwiGLU; the kernel keeps it in fp32. bf16 compares
 # against the reference in fp32 and includes the interpreter's truncating fp32->bf16 store of h and out.
@@ -219,6 +220,10 @@ def test_the_kernels_mxfp4_layout_holds_the_published_codes_and_scales():
     assert all(torch.equal(a, b) for a, b in zip(unpack_mxfp4(words, padded, 160), (codes, scales)))
     experts = QuantizedExperts("mxfp4", codes.view(torch.int8), scales, (3, 5, 160), 5)
     assert torch.equal(experts.for_kernels().dequantize(), experts.dequantize())
+    many = 2 * REPACK_EXPERTS + 3  # (several passes, the last a partial one)
+    codes, scales = codes.repeat(many, 1, 1)[:many], scales.repeat(many, 1, 1)[:many]
+    experts = QuantizedExperts("mxfp4", codes.view(torch.int8), scales, (many, 5, 160), 5)
+    assert torch.equal(experts.for_kernels().data, repack_mxfp4(codes, scales)[0])
     with pytest.raises(ValueError, match="codes above 128"):
         repack_mxfp4(codes, scales + 1)
 
