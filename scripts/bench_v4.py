@@ -63,6 +63,17 @@ DECODE_TOKEN = 2
 RESERVE_GIB = 16.0
 
 
+def free_device_gib(other_processes: int = 0) -> float:
+    """GiB free on the GPU now (the total less what is already in use: this process's CUDA context, anything else
+    on the device), less CONTEXT_GIB for each other process that will hold a context of its own (a server's)."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] / GIB - other_processes * CONTEXT_GIB
+
+
+CONTEXT_GIB = 0.75  # a CUDA context with torch's kernels loaded, about (what another process's costs the device)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_checkpoint_flags(parser, checkpoint=str(FLASH))
@@ -74,7 +85,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--repeat", type=int, default=10, help="timed steps per case (the median is reported)")
     parser.add_argument("--memory-gib", type=float,
-                        help="device memory the default --layers must fit (default: the device's, on CUDA)")
+                        help="device memory the default --layers must fit (default: what is free on the device, on CUDA)")
     parser.add_argument("--variants", nargs="*", default=[], choices=step_variants.TIMED, metavar="V",
                         help=f"decode steps again in these variants ({', '.join(step_variants.TIMED)}), beside the "
                              "ones as configured, in this run")
@@ -248,7 +259,7 @@ def run(args, save) -> list[str]:
     if args.layers is None:
         if args.memory_gib is None and args.device != "cuda":
             raise SystemExit("--layers or --memory-gib: the default fits the GPU's memory")
-        memory = args.memory_gib or torch.cuda.get_device_properties(0).total_memory / GIB
+        memory = args.memory_gib or free_device_gib()
         args.layers = fitting_layers(args.checkpoint, overrides, memory, max_batch, args.context)
     full_config = load_model_config(args.checkpoint, overrides)  # the config's own layers
     overrides["num_hidden_layers"] = args.layers

@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from scripts.bench_results import write_csv  # noqa: E402
-from scripts.bench_v4 import FLASH, GIB, fitting_layers, pool_sizes  # noqa: E402
+from scripts.bench_v4 import FLASH, fitting_layers, free_device_gib, pool_sizes  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags  # noqa: E402
 
 HISTOGRAMS = {"ttft": "dsv4_time_to_first_token_seconds", "itl": "dsv4_inter_token_latency_seconds"}
@@ -132,7 +132,7 @@ def repository_sets(args) -> dict[str, str]:
 
         if args.device != "cuda" or not torch.cuda.is_available():
             raise SystemExit("--layers: the default fits a GPU's memory")
-        memory = torch.cuda.get_device_properties(0).total_memory / GIB
+        memory = free_device_gib(other_processes=2)  # (tritonserver's and its Python stub's contexts)
         args.layers = fitting_layers(args.checkpoint, overrides, memory, most, positions)
     overrides["num_hidden_layers"] = args.layers
     sets = {"load_format": args.load_format, "device": args.device, "hf_overrides": json.dumps(overrides),
