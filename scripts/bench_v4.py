@@ -85,7 +85,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--repeat", type=int, default=10, help="timed steps per case (the median is reported)")
     parser.add_argument("--memory-gib", type=float,
-                        help="device memory the default --layers must fit (default: what is free on the device, on CUDA)")
+                        help="device memory the default --layers must fit (default: what is free on the device, "
+                             "on CUDA)")
     parser.add_argument("--variants", nargs="*", default=[], choices=step_variants.TIMED, metavar="V",
                         help=f"decode steps again in these variants ({', '.join(step_variants.TIMED)}), beside the "
                              "ones as configured, in this run")
