@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from backend.errors import ConfigError
 from backend.model.checkpoint import (check_quantized_part, empty_quantized_experts, expected_shapes, expert_part,
                                       is_fp32_parameter)
 from backend.model.config import ModelConfig
@@ -64,20 +65,38 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device, weight_format
     full = expected_shapes(config, draft_layers)
     weights = {}
     for name, shape in parallel.local_shapes(full).items():
-        split = parallel.shard(name, full[name]) is not None
-        generator = _generator(f"{seed}:{name}" + (f":rank {parallel.rank}" if split else ""), device)
-        stored = published_format(name, config)
-        if stored and weight_format == "fp8" and kept_quantized(name):
-            if split:
-                _check_part(name, full[name], parallel, stored)
-            weights[name] = _quantized(name, shape, full[name][-1], stored, generator, device)
-        elif name.endswith(".tid2eid"):
-            weights[name] = _hash_routes(shape, config.n_routed_experts, generator, device)
-        else:
-            mean, std = init_scale(name, full[name])
-            weights[name] = _normal(shape, mean, std, torch.float32 if is_fp32_parameter(name) else dtype,
-                                    generator, device)
+        try:
+            weights[name] = _dummy_tensor(config, name, shape, full[name], parallel, dtype, device, weight_format, seed)
+        except torch.cuda.OutOfMemoryError:
+            built = sum(_nbytes(w) for w in weights.values()) / 2**30
+            raise ConfigError(
+                f"load_format=dummy: the weights do not fit {device}: out of memory at {name} after {built:.1f} GiB of "
+                f"tensors; fewer layers (hf_overrides num_hidden_layers, now {config.num_hidden_layers}; "
+                f"scripts/plan_memory.py sizes them) or more devices") from None
     return weights
+
+
+def _dummy_tensor(config: ModelConfig, name: str, shape, full_shape, parallel: ParallelLayout, dtype, device,
+                  weight_format: str, seed: int):
+    """One tensor of `dummy_weights` (its rank's part of `full_shape`)."""
+    split = parallel.shard(name, full_shape) is not None
+    generator = _generator(f"{seed}:{name}" + (f":rank {parallel.rank}" if split else ""), device)
+    stored = published_format(name, config)
+    if stored and weight_format == "fp8" and kept_quantized(name):
+        if split:
+            _check_part(name, full_shape, parallel, stored)
+        return _quantized(name, shape, full_shape[-1], stored, generator, device)
+    if name.endswith(".tid2eid"):
+        return _hash_routes(shape, config.n_routed_experts, generator, device)
+    mean, std = init_scale(name, full_shape)
+    return _normal(shape, mean, std, torch.float32 if is_fp32_parameter(name) else dtype, generator, device)
+
+
+def _nbytes(weight) -> int:
+    """The bytes of a weight: a tensor, or the tensors of a quantized one (a named tuple of them)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return sum(_nbytes(part) for part in weight if isinstance(part, torch.Tensor))
 
 
 def _generator(key: str, device) -> torch.Generator:

@@ -172,3 +172,25 @@ def test_a_ranks_part_of_a_column_split_weight_is_scaled_by_the_whole_fan_in():
                  "model.layers.0.mlp.experts.down_proj"):
         assert part[name].shape[-1] < alone[name].shape[-1], name  # (split by columns)
         assert part[name].scale.unique().tolist() == alone[name].scale.unique().tolist(), name
+
+
+def test_a_device_too_small_for_the_dummy_weights_is_told_how_many_layers_it_has(monkeypatch):
+    """Out of memory while building (a GPU holding fewer layers than asked) is a ConfigError naming the tensor, what
+    was built, the layer count and what sizes it: not torch's bare OutOfMemoryError."""
+    from backend.errors import ConfigError
+    from backend.model import dummy_weights as module
+
+    config = load_model_config(FLASH, TINY_FLASH)
+    real, calls = module._dummy_tensor, []
+
+    def failing_at_the_tenth(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 10:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_dummy_tensor", failing_at_the_tenth)
+    expected = r"out of memory at (\S+) after .* GiB .*num_hidden_layers, now 4.*plan_memory"
+    with pytest.raises(ConfigError, match=expected) as refused:
+        dummy_weights(config, torch.bfloat16, "cpu", "fp8")
+    assert len(calls) == 10 and f"at {calls[-1]} after" in str(refused.value)
