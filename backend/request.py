@@ -86,7 +86,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # vLLM's: no stop token (eos, stop_token_ids) is drawn and no stop string ends the output before this many output
-    # tokens (backend/sampler.py `HeldStops`, backend/detokenizer.py); a grammar's end still ends it.
+    # tokens (backend/sampler.py `HeldStops`, backend/detokenizer.py); a grammar's end still ends it. Above max_tokens
+    # it is max_tokens (vLLM refuses it; genai-perf may send a max_tokens below its output length).
     min_tokens: int = 0
     timeout_ms: int | None = None  # from submission: a request not finished by then ends with finish_reason "timeout"
     # Log-probabilities (vLLM's meaning): None: none; k >= 0: each generated token's, and the k most likely
@@ -124,9 +125,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens ({self.max_tokens}), "
-                             f"got {self.min_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        self.min_tokens = min(self.min_tokens, self.max_tokens)
         if self.timeout_ms is not None and (not is_int(self.timeout_ms) or self.timeout_ms < 1):
             raise ValueError(f"timeout_ms must be a positive integer (milliseconds), got {self.timeout_ms!r}")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")

@@ -96,6 +96,8 @@ class SamplerState:
         # drafts they were filled along, which the verify of those drafts needs again at the same positions.
         self.draft_masks: list[tuple[torch.Tensor, bool]] = []
         self.masked_drafts: list[int] = []
+        # min_tokens: its HeldStops by positions held (`HeldStops.of`, where the host builds a step: only there)
+        self.holds: dict[tuple[int, bool], HeldStops] = {}
 
     def penalize(self, line: torch.Tensor, pending: list[int] = ()) -> None:
         """Apply this request's penalties to its logits row [V], in place; `pending`: tokens that precede this
@@ -249,8 +251,11 @@ class HeldStops:
         positions = min(params.min_tokens - first_output, num_positions)
         if positions <= 0 or not stop_ids:
             return None
-        in_place = state.grammar is None and not (raw_logprobs and params.logprobs is not None)
-        return cls(positions, tuple(sorted(stop_ids)), in_place)
+        hold = state.holds.get((positions, raw_logprobs))  # (a request's holds differ by their positions: made once)
+        if hold is None:
+            in_place = state.grammar is None and not (raw_logprobs and params.logprobs is not None)
+            hold = state.holds[positions, raw_logprobs] = cls(positions, tuple(sorted(stop_ids)), in_place)
+        return hold
 
 
 def held_on_copies(held: dict[int, HeldStops] | None) -> dict[int, HeldStops]:

@@ -441,14 +441,14 @@ class Scheduler:
     def _append(seq: Sequence, emitted: list[int], grammar_ended: bool) -> tuple[int, FinishReason | None]:
         """Append the tokens a row emitted, up to the first that ends the request (a verify emits its accepted
         drafts' successors too: each stop holds per token); (how many were kept, why it ended or None). A stop token
-        ends it only past its min_tokens (the sampler holds them back before; one a grammar left as all it allowed is
-        an output like any other, as vLLM's check_stop takes it)."""
+        ends it only as its min_tokens-th output or later, as vLLM's check_stop has it (the sampler holds them back
+        before; one a grammar left as all it allowed, earlier, is an output like any other)."""
         kept, reason, stop_ids, max_tokens = 0, None, seq.stop_ids, seq.sampling.max_tokens
         min_tokens = seq.sampling.min_tokens
         for token in emitted:
             seq.append_output(token)
             kept += 1
-            stops = token in stop_ids and len(seq.output_ids) > min_tokens
+            stops = token in stop_ids and len(seq.output_ids) >= min_tokens
             if stops or (grammar_ended and kept == len(emitted)):  # (a grammar's end: its last token)
                 reason = FinishReason.STOP
             elif len(seq.output_ids) >= max_tokens:
