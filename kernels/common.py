@@ -121,6 +121,10 @@ def split_counters(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (str(device), stream)
     if key not in _COUNTERS:
+        # (made in a capture, they would be the graph's memory, zeroed only when it first replays: whatever ran
+        # before that would read what the memory held)
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+            "split counters are made before a CUDA graph capture (graph_runner.CapturedGraph)"
         _COUNTERS[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return _COUNTERS[key]
 

@@ -4,7 +4,7 @@ vLLM's convention for tuned Triton kernels (benchmark_moe.py --tune): scripts/tu
 on a GPU at DeepSeek-V4-Flash's shapes and writes kernels/configs/<device name>.json, one file per device:
 
     {"device": "NVIDIA H200", "triton": "3.6.0", "torch": "2.11.0+cu130",
-     "kernels": {"attention": {"dtype=bfloat16,head_dim=512,heads=64,kv_cache=fp8,mode=csa,tokens":
+     "kernels": {"attention": {"dtype=bfloat16,head_dim=512,heads=64,kv_cache=fp8,mode=csa":
                                    {"1": {"BLOCK_N": 16, "num_stages": 1}, "8": {}, ...}}}}
 
 A kernel's table maps a shape key (its fields, sorted, "name=value" joined by commas) to what the tuning changed of

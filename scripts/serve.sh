@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Serve the model repository with tritonserver on 127.0.0.1 (Ctrl-C stops it).
+# Serve the model repository with tritonserver (on 127.0.0.1 unless --address says otherwise; Ctrl-C stops it).
 #   bash scripts/serve.sh [--set KEY=VALUE ...] [--model-repository DIR] [--address A] [--http-port P]
 #                         [--grpc-port P] [--metrics-port P] [-- EXTRA_TRITONSERVER_FLAGS...]
 # Defaults: model_repository/ of this checkout, address 127.0.0.1 (0.0.0.0: every interface), ports 8000 (HTTP) /

@@ -240,7 +240,8 @@ def _first_error(torch, tolerance, run, expected) -> str | None:
 def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool, deadline: float | None = None) -> dict:
     """{shape key: {count: what the fastest correct candidate changes of the default}} of one sweep ({}: the default,
     unless a candidate is MIN_GAIN faster; with --tiny, which leaves the default out, the fastest). Past `deadline`
-    (time.time()) no candidate starts: what was tuned before is returned."""
+    (time.time()) no candidate starts: the counts whose candidates were all timed are returned (one cut short would
+    replace what an earlier run tuned there with less)."""
     from kernels import tuning
 
     groups: dict[tuple[str, int], dict] = {}  # (key, count) -> default, cases [(run, expected)]
@@ -256,7 +257,8 @@ def run_sweep(torch, device, timer, sweep: Sweep, tiny: bool, deadline: float | 
         timings = []
         for candidate in candidates(group["default"], sweep.patches, tiny):
             if deadline is not None and time.time() > deadline:
-                print(f"    budget spent: {sweep.name} {key} count={count} left with what it timed", flush=True)
+                print(f"    budget spent: {sweep.name} {key} count={count} left as it was", flush=True)
+                timings = []
                 break
             with tuning.using({sweep.kernel: {key: {count: tuning.difference(candidate, group["default"])}}}):
                 errors = [_first_error(torch, tolerance, run, expected) for run, expected in group["cases"]]

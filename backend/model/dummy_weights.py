@@ -69,6 +69,7 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device, weight_format
             weights[name] = _dummy_tensor(config, name, shape, full[name], parallel, dtype, device, weight_format, seed)
         except torch.cuda.OutOfMemoryError:
             built = sum(_nbytes(w) for w in weights.values()) / 2**30
+            weights.clear()  # (the error's traceback keeps this frame: what was built is freed now, not with it)
             raise ConfigError(
                 f"load_format=dummy: the weights do not fit {device}: out of memory at {name} after {built:.1f} GiB of "
                 f"tensors; fewer layers (hf_overrides num_hidden_layers, now {config.num_hidden_layers}; "

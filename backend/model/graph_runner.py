@@ -41,6 +41,7 @@ import torch
 from backend.model.forward_batch import ForwardBatch
 from backend.model.staging import BatchStager, StagedBatch
 from backend.model.static_batch import StaticKey, is_decode_batch, row_bucket
+from kernels.common import split_counters
 
 if TYPE_CHECKING:  # the pools are handed in, never made here
     from backend.memory.kv_manager import KVCacheManager
@@ -212,6 +213,18 @@ class DraftChains:
         return torch.stack(drafts)
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> "torch.cuda.Stream":
+    """The stream the current device's graphs are captured on (torch's own choice made explicit, so that what keys
+    on a stream, the split kernels' counters, can be made for it before a capture)."""
+    device = torch.cuda.current_device()
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 class CapturedGraph:
     """The CUDA graph of `run` and its output buffers. Capturing runs nothing: it is recorded after an eager run of
     the same step on the same buffers, which compiled every Triton kernel for these shapes (a kernel compiled during a
@@ -219,10 +232,13 @@ class CapturedGraph:
 
     def __init__(self, run: Callable[[], object], pool):
         self.graph = torch.cuda.CUDAGraph()
+        stream = capture_stream()
+        with torch.cuda.stream(stream):  # (the split kernels' counters of the stream it is captured on, zeroed now:
+            split_counters(torch.device("cuda", torch.cuda.current_device()))  # made in a capture, never zeroed)
         # thread_local: graphs are recorded while serving, on the executor's thread, while the engine's thread may
         # stage the next step or read the last one's tokens; under the default (global) mode such a call from any
         # thread during the capture fails the capture
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             self.output = run()
 
     def replay(self):

@@ -223,7 +223,8 @@ def test_the_kernels_mxfp4_layout_holds_the_published_codes_and_scales():
     many = 2 * REPACK_EXPERTS + 3  # (several passes, the last a partial one)
     codes, scales = codes.repeat(many, 1, 1)[:many], scales.repeat(many, 1, 1)[:many]
     experts = QuantizedExperts("mxfp4", codes.view(torch.int8), scales, (many, 5, 160), 5)
-    assert torch.equal(experts.for_kernels().data, repack_mxfp4(codes, scales)[0])
+    repacked, whole = experts.for_kernels(), repack_mxfp4(codes, scales)
+    assert torch.equal(repacked.data, whole[0]) and torch.equal(repacked.scale, whole[1])
     with pytest.raises(ValueError, match="codes above 128"):
         repack_mxfp4(codes, scales + 1)
 

@@ -124,3 +124,31 @@ def test_a_run_of_some_sweeps_keeps_what_the_file_held(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     table = tuning.read_table(out)
     assert table["earlier"] == {"shape": {1: {"BLOCK_N": 8}}} and "fp32_linear" in table, sorted(table)
+
+
+def test_a_count_the_budget_cuts_short_is_left_as_an_earlier_run_tuned_it(monkeypatch):
+    """Past the deadline no candidate starts, and a count whose candidates were not all timed is not written: an
+    earlier run's full tuning there stands (a default timed alone would have replaced it by {})."""
+    import types
+
+    from scripts import tune_kernels
+
+    out = torch.ones(2)
+
+    def run():
+        tuning.tuned("fp32_linear", dict(n=1, k=1, tokens=1), dict(BLOCK_N=8))
+        return out
+
+    sweep = tune_kernels.Sweep("fake", "fp32_linear", lambda torch, device: iter([(run, lambda: out)]),
+                               [dict(BLOCK_N=16), dict(BLOCK_N=32)], run_ms=0.1)
+    clock = [0.0]
+    monkeypatch.setattr(tune_kernels, "time", types.SimpleNamespace(time=lambda: clock[0]))
+
+    def timer(fn):  # (each candidate timed takes 10 s of the fake clock; all equally fast)
+        clock[0] += 10.0
+        return 1.0
+
+    assert tune_kernels.run_sweep(torch, torch.device("cpu"), timer, sweep, tiny=False, deadline=15.0) == {}
+    clock[0] = 0.0
+    assert tune_kernels.run_sweep(torch, torch.device("cpu"), timer, sweep, tiny=False, deadline=100.0) == \
+        {"k=1,n=1": {1: {}}}
