@@ -42,8 +42,8 @@ hold (vLLM's raw ones are taken before its min-tokens processor); processed ones
 logits unheld (no raw log-probabilities, no grammar), the hold is made on the step's logits themselves before
 anything else (`HeldStops.in_place`: a greedy row then still samples, and accepts drafts, by the logits' argmax);
 otherwise on a copy, after the grammar's mask and the penalties, and a constrained row whose grammar allows nothing
-but a stop token keeps it (an output like any other: only the grammar's end, or a stop past min_tokens, ends the
-request).
+but a stop token keeps it (an output like any other before the min_tokens-th: the grammar's end still ends the
+request, backend/scheduler/scheduler.py `_append`).
 
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set), as vLLM's `logprobs_mode`: raw (the
 default, as vLLM v1's), log_softmax of the model's logits (after an output constraint's mask, before penalties,
