@@ -15,7 +15,9 @@ Threads:
   engine thread.
 Every request gets exactly one FINAL response: an error response (bad request, engine error,
 cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
-response could not carry it.
+response could not carry it. Three threads may answer a request (the response thread, submit()'s
+when the engine refuses it, finalize()'s at shutdown): each response goes out holding the request's
+`sending` lock, and whoever sends the FINAL marks it `answered` there, so nothing follows a FINAL.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class _Live:
     builder: triton_io.ResponseBuilder
     timer: RequestTimer = field(default_factory=RequestTimer)
     cancelling: bool = False
+    sending: threading.Lock = field(default_factory=threading.Lock)  # held while a response of it goes out
+    answered: bool = False  # its FINAL went out (or failed to): nothing more is sent (under `sending`)
 
 
 # How long finalize() may take: below tritonserver's exit timeout (30 s by default, 10 s in scripts/serve.sh, 3 s in the
@@ -82,8 +86,8 @@ class TritonAdapter:
         self._thread.join(timeout=max(0.5, deadline - time.monotonic()))
         with self._lock:
             leftovers, self._live = list(self._live.values()), {}
-        for live in leftovers:
-            self._send_error(live.sender, "the model is shutting down")
+        for live in leftovers:  # (the response thread may still be sending one of theirs: after it, or not at all)
+            self._answer_with_error(live, "the model is shutting down", wait_s=max(0.25, deadline - time.monotonic()))
         leftovers.clear()
         self.metrics.close()
 
@@ -93,23 +97,30 @@ class TritonAdapter:
         timer = RequestTimer()  # (its arrival: before the prompt is tokenized and its chat template rendered)
         sender = request.get_response_sender()
         request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+        live = None
         try:
             inputs = triton_io.to_numpy_inputs(
                 list(triton_io.INPUT_NAMES), lambda name: self.pb.get_input_tensor_by_name(request, name))
             parsed = triton_io.parse_request(inputs, self.engine.tokenizer, request.parameters(),
                                              self.engine.chat_template)
             seq = Sequence(request_id, parsed.prompt_ids, parsed.sampling, priority=parsed.priority)
+            live = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer), timer)
             with self._lock:
-                self._live[request_id] = _Live(sender, triton_io.ResponseBuilder(parsed, self.engine.tokenizer), timer)
+                self._live[request_id] = live
             self.processor.add(request_id, parsed.sampling)
             self.engine.submit(seq, self._outputs.put)
         except Exception as exc:  # a bad request, or one the engine refuses: answer it, stay up
+            # (listed, the response thread may have answered it already: an engine that failed it, then raised)
             with self._lock:
                 self._live.pop(request_id, None)
+            live = live or _Live(sender, None)
+            self._abort(request_id)  # (an engine that queued it before it raised: it ends, its pages freed)
             self.processor.discard(request_id)
-            self.metrics.on_finished(FinishReason.ERROR.value)
-            code = "UNAVAILABLE" if isinstance(exc, EngineUnavailable) else "INVALID_ARG"  # 503 / 400
-            self._send_error(sender, str(exc), getattr(self.pb.TritonError, code, None))
+            refused = isinstance(exc, ValueError)  # (a bad request, or a full queue: EngineUnavailable)
+            code = "UNAVAILABLE" if isinstance(exc, EngineUnavailable) else "INVALID_ARG" if refused else "INTERNAL"
+            message = str(exc) if refused else f"internal error: {exc}"  # (503 / 400 / 500)
+            if self._answer_with_error(live, message, getattr(self.pb.TritonError, code, None)):
+                self.metrics.on_finished(FinishReason.ERROR.value)
 
     # --- responses out --------------------------------------------------------------------------
     def _response_loop(self) -> None:
@@ -147,10 +158,18 @@ class TritonAdapter:
             live = self._live.get(output.request_id)
         if live is None:
             return  # already answered (an error while sending, or shutdown)
+        with live.sending:
+            if not live.answered:
+                self._send_for(output, live)
+
+    def _send_for(self, output, live: _Live) -> None:
+        """The response(s) of one output (holding its request's `sending` lock)."""
         final_sent = False
         try:
             if output.new_token_ids:
                 self.metrics.on_tokens(live.timer)
+            if output.finished and not output.error and live.sender.is_cancelled():
+                output = replace(output, finish_reason=FinishReason.CANCELLED)  # (as any cancelled request ends)
             if output.error or output.finish_reason == FinishReason.CANCELLED:
                 final_sent = self._send_end_error(live, output)
             else:
@@ -191,6 +210,7 @@ class TritonAdapter:
         return output.finished
 
     def _retire(self, output, live: _Live, final_sent: bool) -> None:
+        live.answered = True
         with self._lock:
             self._live.pop(output.request_id, None)
         self.processor.discard(output.request_id)
@@ -204,9 +224,18 @@ class TritonAdapter:
         # the server, in TRITONBACKEND_ResponseFactoryIsCancelled).
         with self._lock:
             cancelled = [(request_id, live) for request_id, live in self._live.items()
-                         if not live.cancelling and live.sender.is_cancelled()]
+                         if not live.cancelling and self._is_cancelled(request_id, live)]
         for request_id, live in cancelled:
             self._cancel(request_id, live)
+
+    def _is_cancelled(self, request_id: str, live: _Live) -> bool:
+        """Whether the client cancelled; one sender failing to say is logged and asked again next time, while every
+        other request's cancellation still goes through."""
+        try:
+            return live.sender.is_cancelled()
+        except Exception as exc:
+            self.logger.log_error(f"[dsv4] asking whether {request_id} was cancelled failed: {exc}")
+            return False
 
     def _cancel(self, request_id: str, live: _Live) -> None:
         """The client cancelled: the engine aborts at its next step and answers CANCELLED. A request that submit() has
@@ -235,6 +264,22 @@ class TritonAdapter:
             self.pb.unload_model(self.model_name)  # non-blocking: finalize() runs once the in-flight requests end
         except Exception as exc:  # noqa: BLE001 (no explicit model control after all)
             self.logger.log_warn(f"[dsv4] cannot unload the model ({exc}): it stays loaded, answering UNAVAILABLE")
+
+    def _answer_with_error(self, live: _Live, message: str, code=None, wait_s: float = -1) -> bool:
+        """An error FINAL, from a thread other than the response thread, unless the request was answered already
+        (or a response of it is still going out after `wait_s` seconds; -1: as long as it takes); True when this
+        call answered it."""
+        if not live.sending.acquire(timeout=wait_s):
+            self.logger.log_warn(f"[dsv4] a response still going out: left unanswered ({message})")
+            return False
+        try:
+            if live.answered:
+                return False
+            live.answered = True
+            self._send_error(live.sender, message, code)
+            return True
+        finally:
+            live.sending.release()
 
     def _send_error(self, sender, message: str, code=None) -> bool:
         """Send an error response flagged FINAL; True when it went out."""

@@ -44,6 +44,12 @@ def adapter():
     assert not any(sender.asked_after_final for sender in Sender.made), "is_cancelled() after a FINAL"
 
 
+def finished(adapter, reason: str) -> float:
+    """dsv4_requests_finished_total{finish_reason=reason} as the adapter counted it."""
+    metric = adapter.metrics._metrics.get(("dsv4_requests_finished_total", (("finish_reason", reason),)))
+    return metric.value if metric is not None else 0
+
+
 def wait_final(*requests: Request, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -289,3 +295,81 @@ def test_refused_requests_are_never_asked_about_cancellation_after_their_final(a
         thread.join()
     assert all(req.sender.num_finals == 1 for reqs in refused for req in reqs)
     assert not any(req.sender.asked_after_final for reqs in refused for req in reqs)
+
+
+def test_shutdown_while_a_response_is_going_out_sends_the_final_after_it_and_only_one():
+    """The response thread is still sending a token response when shutdown() has waited for it as long as it
+    may: shutdown's error FINAL goes out after that send, never beside it, and nothing follows it."""
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.005)
+    adapter.start()
+    req = request("slow", max_tokens=900)
+    send, sending = req.sender.send, []
+
+    def slow_send(response=None, flags=0):
+        if not sending:  # (the first response: the thread holds it 0.6 s)
+            sending.append(True)
+            time.sleep(0.6)
+        send(response, flags)
+
+    req.sender.send = slow_send
+    adapter.submit(req)
+    while not sending:
+        time.sleep(0.005)
+    adapter.shutdown(timeout_s=0.5)
+    time.sleep(0.2)  # (a response the thread would send after the FINAL shows up by now)
+    assert req.sender.num_finals == 1 and req.sender.sent[-1][1] == 1
+    assert errors_of(req) == ["the model is shutting down"] and len(req.sender.sent) == 2
+
+
+def test_a_request_the_engine_answers_and_then_refuses_gets_one_final(adapter, monkeypatch):
+    """An engine that fails a request (an ERROR output: a rank lost while placing it) and then raises from submit:
+    the one FINAL is the output's; submit() sends no second one, nor counts it twice."""
+    from backend.request import EngineUnavailable, FinishReason, RequestOutput
+
+    def answering_then_refusing(seq, on_output):
+        on_output(RequestOutput(seq.request_id, [], "", True, FinishReason.ERROR, len(seq.prompt_ids), 0,
+                                error="the rank serving it is gone"))
+        time.sleep(0.1)  # (the response thread sends that FINAL first)
+        raise EngineUnavailable("the model cannot serve")
+
+    monkeypatch.setattr(adapter.engine, "submit", answering_then_refusing)
+    req = request("hello")
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.num_finals == 1 and errors_of(req) == ["the rank serving it is gone"]
+    assert finished(adapter, "error") == 1
+
+
+def test_one_sender_failing_to_say_whether_it_was_cancelled_holds_up_no_other_cancellation(adapter, monkeypatch):
+    """Requests that have no output yet (nothing else asks their senders): the poll asks each one apart."""
+    aborted = []
+    monkeypatch.setattr(adapter.engine, "submit", lambda seq, on_output: None)  # (queued, no output yet)
+    monkeypatch.setattr(adapter.engine, "abort", lambda request_id: aborted.append(request_id) or True)
+    first, second = request("first", max_tokens=900), request("second", max_tokens=900)
+
+    def failing():
+        raise RuntimeError("no answer")
+
+    first.sender.is_cancelled = failing
+    adapter.submit(first)
+    adapter.submit(second)
+    second.sender.cancelled = True
+    deadline = time.monotonic() + 5
+    while not aborted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [request_id.split("-")[0] for request_id in aborted] == ["r"] and len(adapter._live) == 2
+    with adapter._lock:
+        assert [live.cancelling for live in adapter._live.values()] == [False, True]
+
+
+def test_a_cancellation_that_meets_the_last_output_ends_cancelled(adapter, monkeypatch):
+    """The client cancelled as the request finished: it hears CANCELLED, and is counted cancelled, as any
+    cancelled request (not a bare FINAL counted by the output's reason)."""
+    req = request("hello", max_tokens=3, stream=False)  # (one response: the last)
+    req.sender.cancelled = True
+    monkeypatch.setattr(adapter, "_poll_cancelled", lambda: None)  # (the cancellation is seen with the output)
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.num_finals == 1 and errors_of(req) == ["request cancelled"]
+    assert finished(adapter, "cancelled") == 1 and finished(adapter, "length") == 0
