@@ -45,6 +45,8 @@ INPUT_NAMES = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_num_cached_tokens",
+    "return_finish_reason",
+    "return_cumulative_logprob",
 )
 
 # INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style): input name -> key; both given, they
@@ -67,6 +69,7 @@ class ParsedRequest(NamedTuple):
     return_num_input_tokens: bool = True  # False only when the client sends the input false
     return_num_output_tokens: bool = True
     return_num_cached_tokens: bool = False  # opt-in, like the vLLM backend's additional outputs
+    return_cumulative_logprob: bool = False  # the vLLM backend's: the generated tokens' log-probabilities summed
 
 
 def parse_request(
@@ -111,6 +114,7 @@ def parse_request(
         return_num_input_tokens=_optional_bool(inputs, "return_num_input_tokens") is not False,
         return_num_output_tokens=_optional_bool(inputs, "return_num_output_tokens") is not False,
         return_num_cached_tokens=bool(_optional_bool(inputs, "return_num_cached_tokens")),
+        return_cumulative_logprob=bool(_optional_bool(inputs, "return_cumulative_logprob")),
     )
 
 
@@ -237,7 +241,8 @@ def _parse_sampling(inputs: Mapping[str, np.ndarray], request_params: dict[str, 
     for key, (name, value) in given.items():
         if getattr(sampling, key) != value:
             raise ValueError(f"the {name} input ({value}) and {key} in {where} ({getattr(sampling, key)}) disagree")
-    if _optional_bool(inputs, "return_logprobs") and sampling.logprobs is None:
+    wants_logprobs = _optional_bool(inputs, "return_logprobs") or _optional_bool(inputs, "return_cumulative_logprob")
+    if wants_logprobs and sampling.logprobs is None:
         sampling = dataclasses.replace(sampling, logprobs=0)  # the generated tokens' own log-probabilities
     return sampling
 
@@ -312,6 +317,7 @@ class ResponseBuilder:
     _pending_ids: list[int] = field(default_factory=list)
     _pending_text: list[str] = field(default_factory=list)
     _pending_logprobs: list = field(default_factory=list)
+    _cumulative_logprob: float = 0.0  # of every token sent so far (return_cumulative_logprob)
 
     def on_output(self, output) -> dict[str, np.ndarray] | None:
         """Arrays of the response to send for `output`, or None when nothing is to be sent yet."""
@@ -337,6 +343,9 @@ class ResponseBuilder:
             arrays.update(logprob_arrays(self._pending_logprobs, request.sampling.logprobs))
         if request.return_logprobs:
             arrays["logprobs"] = vllm_logprobs_json(self._pending_ids, self._pending_logprobs, self.tokenizer)
+        if request.return_cumulative_logprob:  # (as the vLLM backend: the total so far, in every response)
+            self._cumulative_logprob += sum(lp.logprob for lp in self._pending_logprobs)
+            arrays["cumulative_logprob"] = np.array([self._cumulative_logprob], dtype=np.float32)
         self._pending_ids, self._pending_text, self._pending_logprobs = [], [], []
         return arrays
 

@@ -273,6 +273,28 @@ def decoded(arrays):
     return arrays["text_output"][0].decode(), arrays["output_ids"].tolist(), arrays["finish_reason"][0].decode()
 
 
+def test_the_vllm_backends_finish_reason_and_cumulative_logprob_inputs(tokenizer):
+    """return_finish_reason is taken (finish_reason is always sent); return_cumulative_logprob asks for the tokens'
+    log-probabilities and sends their running total in every response, as the vLLM backend does."""
+    req = parse(tokenizer, text_input=text("hello"), stream=np.array([True]), return_finish_reason=np.array([True]),
+                return_cumulative_logprob=np.array([True]))
+    assert req.sampling.logprobs == 0 and req.return_cumulative_logprob
+    builder = ResponseBuilder(req)
+    first = builder.on_output(with_logprobs(output([5, 6], "ab"), -0.5, -1.0))
+    last = builder.on_output(with_logprobs(output([7], "c", finished=True, reason=FinishReason.LENGTH), -0.25))
+    assert first["cumulative_logprob"].dtype == np.float32 and first["cumulative_logprob"].tolist() == [-1.5]
+    assert last["cumulative_logprob"].tolist() == [-1.75] and last["finish_reason"].tolist() == [b"length"]
+    assert "cumulative_logprob" not in ResponseBuilder(parse(tokenizer, text_input=text("hi"))).on_output(
+        output([5], "a", finished=True, reason=FinishReason.LENGTH))
+
+
+def with_logprobs(out, *values):
+    """`out` with one TokenLogprobs a token."""
+    from backend.request import TokenLogprobs
+
+    return SimpleNamespace(**{**vars(out), "logprobs": [TokenLogprobs(v) for v in values]})
+
+
 def test_response_arrays_types():
     arrays = response_arrays("héllo", [1, 2], FinishReason.LENGTH, 3)
     assert arrays["text_output"].dtype == np.object_ and arrays["text_output"].tolist() == ["héllo".encode()]
