@@ -390,9 +390,14 @@ class EngineCore:
             "a step scheduled ahead of the one in flight must leave its drafts on the device too"
         batch = build_forward_batch(rows, self.kv, pad_to=key)
         cache = self.kv.prefix_cache
-        copies = StepCopies(cache.take_pending() if cache is not None else [], copies_after)
-        return StepJob(self._forward(batch, copies, key, from_device), samplers, plain, held, spec, plan.timing,
-                       decodes_only=not plan.num_prefill_tokens)
+        pending = cache.take_pending() if cache is not None else []
+        try:
+            forward = self._forward(batch, StepCopies(pending, copies_after), key, from_device)
+        except BaseException:
+            if cache is not None:  # (the snapshots of entries already made must still be saved: the next step does)
+                cache.requeue_saves(pending)
+            raise
+        return StepJob(forward, samplers, plain, held, spec, plan.timing, decodes_only=not plan.num_prefill_tokens)
 
     def _forward(self, batch, copies: StepCopies, key, reads_previous_tokens: bool) -> Forward:
         """The step's Forward (backend/runner.py). A group's batch goes out as host tensors; otherwise a dynamic step's

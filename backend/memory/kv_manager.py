@@ -293,11 +293,13 @@ class KVCacheManager:
         runs = pages.runs
         return [pool.pages_needed(runs.get(pool.name), start, num_new_tokens) for pool in self._pools]
 
-    def _fits(self, seq, needs: list[int]) -> bool:
+    def _fits(self, seq, needs: list[int], freeable: dict[str, int] | None = None) -> bool:
+        """Whether `needs` (pages a pool) fit what the pools have free (and `freeable`: pages a pool an eviction
+        would free), and a slot where `seq` holds none."""
         if (seq.pages is None or seq.pages.slot is None) and self.state_pool.num_free == 0:
             return False
         for pool, need in zip(self._pools, needs):
-            if need > pool.num_free:
+            if need > pool.num_free + (freeable or {}).get(pool.name, 0):
                 return False
         return True
 
@@ -424,6 +426,11 @@ class KVCacheManager:
             out[pool.name] = pool.bytes_per_page() / (self.page_size * pool.compress_rate)
         return out
 
+    def _held_only_by_the_cache(self) -> dict[str, int]:
+        """Pool -> its pages no request holds, only prefix-cache entries: what evicting every entry would free."""
+        return {pool.name: sum(1 for page, count in self.prefix_cache.holders(pool.name).items()
+                               if pool.allocator.refs(page) == count) for pool in self._pools}
+
     def capacity(self) -> dict[str, int]:
         """Positions each pool can hold across all requests."""
         out = {"window": self.window_pool.num_pages * self.page_size}
@@ -432,10 +439,17 @@ class KVCacheManager:
         out["running_requests"] = self.state_pool.allocator.num_pages
         return out
 
-    def evict_cached_until(self, fits) -> bool:
-        """Evict prefix-cache entries (least recently used first) until `fits()`; its final answer."""
-        while not fits():
-            if self.prefix_cache is None or not self.prefix_cache.evict_one():
+    def evict_cached_until(self, seq, num_new_tokens: int) -> bool:
+        """Evict prefix-cache entries (least recently used first) until `seq`'s next `num_new_tokens` fit; whether they
+        do. None is evicted where evicting every entry could not make them fit (the pages are running requests'):
+        a head of the queue that waits for memory would otherwise empty the cache, step after step, for nothing."""
+        if self.can_extend(seq, num_new_tokens):
+            return True
+        if self.prefix_cache is None or not self._fits(seq, self._page_needs(seq, num_new_tokens),
+                                                       self._held_only_by_the_cache()):
+            return False
+        while not self.can_extend(seq, num_new_tokens):
+            if not self.prefix_cache.evict_one():
                 return False
         return True
 

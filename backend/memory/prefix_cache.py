@@ -58,6 +58,7 @@ import hashlib
 import heapq
 import itertools
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -354,6 +355,12 @@ class PrefixCache:
         ops, self._pending = self._pending, []
         return ops
 
+    def requeue_saves(self, ops: list[tuple]) -> None:
+        """`ops` were taken for a step that was never launched (building it failed): their snapshot saves go first in
+        the next step's copies, since the entries they fill are already matchable (a request that ended at an earlier
+        take-in); their restores and page copies served that step's own requests, which fail with it."""
+        self._pending = [op for op in ops if op[0] == "save"] + self._pending
+
     def apply(self, ops: list[tuple]) -> None:
         """Make these copies in this rank's pools: ("page", pool, src, dst), ("save", slot, snapshot),
         ("load", snapshot, slot)."""
@@ -419,6 +426,10 @@ class PrefixCache:
     def clear(self) -> None:
         while self.evict_one():
             pass
+
+    def holders(self, pool: str) -> Mapping[int, int]:
+        """Page -> the entries holding it, of `pool`'s pages the cache holds."""
+        return self._held.get(pool, {})
 
     # --- accounting ---------------------------------------------------------------------------
     def snapshot_stats(self) -> dict:

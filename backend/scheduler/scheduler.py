@@ -77,7 +77,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from backend.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
@@ -120,8 +120,8 @@ class MemoryManager(Protocol):
     def release_slid_out(self, seq: Sequence, next_pos: int) -> None:
         """`seq` computes from `next_pos` on: drop the window pages no later token reads (try_extend does it too)."""
 
-    def evict_cached_until(self, fits: Callable[[], bool]) -> bool:
-        """Evict prefix-cache entries until `fits()` (no cache: `fits()`)."""
+    def evict_cached_until(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Evict prefix-cache entries until `seq`'s next tokens fit (none where they could not); whether they do."""
 
     def usage(self) -> dict[str, float]:
         """Pool name -> fraction of its pages in use."""
@@ -747,8 +747,7 @@ class Scheduler:
 
     def _fits(self, seq: Sequence, num_tokens: int) -> bool:
         """can_extend, evicting prefix-cache entries first when they hold the pages it needs."""
-        return self.memory.can_extend(seq, num_tokens) or self.memory.evict_cached_until(
-            lambda: self.memory.can_extend(seq, num_tokens))
+        return self.memory.can_extend(seq, num_tokens) or self.memory.evict_cached_until(seq, num_tokens)
 
     def _can_admit_another(self) -> bool:
         return len(self._running) < self.max_running_requests and self.memory.has_free_slot()

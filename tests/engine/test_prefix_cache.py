@@ -271,3 +271,35 @@ def test_a_block_boundary_is_restored_from_a_light_snapshot_without_the_hca_ring
         assert got["output_ids"] == want["output_ids"]
         assert max(abs(a.logprob - b.logprob) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-5
     cached.kv.check()
+
+
+def test_a_step_that_fails_to_build_does_not_lose_an_earlier_requests_snapshot(tiny_checkpoint, monkeypatch):
+    """A request's end entry is matchable once it ends, its compressor state saved by the next step's copies: when
+    that step fails before it is launched (its batch could not be staged), the save goes with the step after it, so a
+    later request restoring that entry computes what an uncached engine computes."""
+    from backend.engine_core import EngineCore
+
+    first = torch.randint(2, 500, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine = _engine(tiny_checkpoint, enable_prefix_caching=True)
+    (ended,) = engine.generate([first], params)
+    assert any(op[0] == "save" for op in engine.kv.prefix_cache._pending)  # (what the next step copies first)
+    real, failures = EngineCore._forward, []
+
+    def staging_fails_once(core, *args, **kwargs):
+        if not failures:
+            failures.append(True)
+            raise RuntimeError("staging failed")
+        return real(core, *args, **kwargs)
+
+    monkeypatch.setattr(EngineCore, "_forward", staging_fails_once)
+    (failed,) = engine.generate([[7] * 40], params)
+    assert failed["finish_reason"] == "error" and failures
+    # (past position 256, where the HCA compressor closes a block over the restored state: a stale one shows)
+    later = first + ended["output_ids"] + torch.randint(2, 500, (100,), generator=torch.Generator()).tolist()
+    scored = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)  # (a stale state moves them, if no token)
+    (got,) = engine.generate([later], scored)
+    (want,) = _engine(tiny_checkpoint).generate([later], scored)
+    assert got["num_cached_tokens"] == len(first) + len(ended["output_ids"]) - 1  # (the end entry)
+    assert got["output_ids"] == want["output_ids"]
+    assert [lp.logprob for lp in got["logprobs"]] == pytest.approx([lp.logprob for lp in want["logprobs"]], abs=1e-5)

@@ -54,7 +54,7 @@ def test_any_sequence_of_operations_conserves_pages(operations):
             seq = live[value % len(live)]
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, 1 + value % 300)
-            if n > 0 and kv.evict_cached_until(lambda: kv.can_extend(seq, n)):
+            if n > 0 and kv.evict_cached_until(seq, n):
                 kv.extend(seq, n)
                 reserved = cache.reserve(seq, start, start + n)
                 assert all(start < r.position <= start + n and r.position % 128 == 0 for r in reserved)
@@ -347,3 +347,41 @@ def test_pages_a_step_in_flight_pins_are_waited_for_not_taken_as_too_little_memo
             break
     assert {name: reason.value for name, reason in ended.items()} == {"A": "length", "B": "length"}
     assert len(a.output_ids) == 200 and len(b.output_ids) == 10
+
+
+def test_a_head_that_cannot_fit_beside_running_requests_leaves_the_cache_alone():
+    """B shares A's first 256 tokens, but its first chunk cannot fit beside A, which is decoding: evicting the cache
+    frees nothing A holds, so B's tries evict nothing (they emptied the cache at once, B's own prefix too; A's
+    decode may still evict for its own pages), and B restores A's prefix once A has ended."""
+    import torch
+
+    from backend.config import EngineConfig
+    from backend.memory.kv_manager import KVCacheManager
+    from backend.request import SamplingParams
+    from backend.scheduler import Scheduler, StepOutput, StepTiming
+
+    from test_pools import _model_config
+
+    kv = KVCacheManager(_model_config(), num_tokens=1024, swa_full_tokens_ratio=0.5, page_size=16,
+                        max_running_requests=4, dtype=torch.float32, device="cpu", max_step_tokens=512)
+    kv.enable_prefix_caching(128, 8, 4)
+    cache = kv.prefix_cache
+    scheduler = Scheduler(EngineConfig(max_running_requests=4, max_num_batched_tokens=512, prefill_chunk_tokens=512),
+                          kv, 512, prefix_cache=cache)
+    a = Sequence("A", list(range(1000, 1300)), SamplingParams(max_tokens=240))
+    b = Sequence("B", list(range(1000, 1256)) + [5] * 600, SamplingParams(max_tokens=2))
+    scheduler.add(a)
+    steps_b_waited = None
+    while not (a.is_finished and b.is_finished):
+        if a.num_computed_tokens >= 300 and steps_b_waited is None:
+            assert cache.cached_length(b) == 256 and cache.stats.evictions == 0  # (A's boundaries at 128 and 256)
+            scheduler.add(b)
+            steps_b_waited = 0
+        plan = scheduler.schedule(now=0.0)
+        scheduler.update_from_output(plan, StepOutput([[7] for c in plan.chunks if c.samples],
+                                                      timing=StepTiming(duration_s=0.01)))
+        kv.check()
+        if steps_b_waited is not None and steps_b_waited < 50:  # (A's own pages last it that long)
+            steps_b_waited += 1
+            assert b.status.value == "waiting" and cache.stats.evictions == 0, "evicted for a head that cannot fit"
+    assert b.num_cached_tokens == 256

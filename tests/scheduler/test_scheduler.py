@@ -88,8 +88,8 @@ class FakeMemory:
         self.num_free += self.pages.pop(seq.request_id, 0)
         self.positions.pop(seq.request_id, None)
 
-    def evict_cached_until(self, fits) -> bool:
-        return fits()  # no prefix cache
+    def evict_cached_until(self, seq, num_new_tokens: int) -> bool:
+        return self.can_extend(seq, num_new_tokens)  # no prefix cache
 
     def derived_prefill_chunk_tokens(self, max_running_requests: int) -> int:
         self.derive_calls.append(max_running_requests)
