@@ -14,6 +14,7 @@ after a request's final output.
 from __future__ import annotations
 
 import dataclasses
+import time
 import types
 from dataclasses import dataclass, field
 
@@ -119,6 +120,11 @@ def run(engine, requests: list[Request], clock: FakeClock) -> list[Stream]:
             assert engine._served_elsewhere(), "the engine went idle with requests unfinished"
             engine._wait_for_work(timeout=0.05)
     engine.drain()
+    # (a request ended by its stop string is aborted: on another data-parallel rank its last output comes after)
+    deadline = time.monotonic() + 30
+    while engine._placed and time.monotonic() < deadline:
+        engine._wait_for_work(timeout=0.05)
+    assert not engine._placed, f"requests still placed: {sorted(engine._placed)}"
     return streams
 
 
