@@ -144,8 +144,8 @@ class Verifier:
         single = [r for r, row in enumerate(rows) if not row.drafts]
         if single:
             index = torch.tensor([firsts[r] for r in single], device=logits.device)
-            states_single, held_single = [states[r] for r in single], {i: held[r] for i, r in enumerate(single)
-                                                                        if r in held}
+            states_single = [states[r] for r in single]
+            held_single = {i: held[r] for i, r in enumerate(single) if r in held}
             sampled = self.sampler.step(logits[index], states_single,
                                         all(s.plain for s in states_single) and not held_single, output.timing,
                                         held_single)

@@ -46,10 +46,14 @@ def device_file(device_name: str) -> Path:
 
 def read_table(path: Path) -> dict:
     """The kernels' table of a configuration file, its counts as ints."""
-    kernels = json.loads(Path(path).read_text())["kernels"]
+    return _table_of(json.loads(Path(path).read_text()))
+
+
+def _table_of(written: dict) -> dict:
+    """The kernels' table of a configuration file's contents, its counts as ints."""
     return {kernel: {key: {int(count): config for count, config in by_count.items()}
                      for key, by_count in shapes.items()}
-            for kernel, shapes in kernels.items()}
+            for kernel, shapes in written["kernels"].items()}
 
 
 def write_table(path: Path, table: dict, **meta) -> None:
@@ -71,11 +75,12 @@ def _device_table() -> dict:
         return {}
     import triton
 
-    written_under = json.loads(path.read_text()).get("triton", "")
+    written = json.loads(path.read_text())
+    written_under = written.get("triton", "")
     if written_under.split(".")[:2] != triton.__version__.split(".")[:2]:
         logger.warning("%s was tuned under Triton %s, this is %s: its tiles are used, but were not compiled here",
                        path.name, written_under or "(not said)", triton.__version__)
-    return read_table(path)
+    return _table_of(written)
 
 
 def overlay(config: dict, patch: dict) -> dict:

@@ -61,6 +61,7 @@ DECODE_TOKEN = 2
 # Left of the device for what the pools and weights do not count: the prefill's activations (a 8K-token step at
 # V4-Flash's widths), the CUDA graphs' pool, the allocator's slack.
 RESERVE_GIB = 16.0
+CONTEXT_GIB = 0.75  # a CUDA context with torch's kernels loaded, about (what another process's costs the device)
 
 
 def free_device_gib(other_processes: int = 0) -> float:
@@ -69,9 +70,6 @@ def free_device_gib(other_processes: int = 0) -> float:
     import torch
 
     return torch.cuda.mem_get_info()[0] / GIB - other_processes * CONTEXT_GIB
-
-
-CONTEXT_GIB = 0.75  # a CUDA context with torch's kernels loaded, about (what another process's costs the device)
 
 
 def parse_args(argv=None):
