@@ -97,6 +97,7 @@ class Sender:
         self.cancelled = False
         self.fail_sends = 0
         self.asked_after_final = False
+        self.asks = 0  # is_cancelled() calls
         self.lock = threading.Lock()
         Sender.made.append(self)
 
@@ -110,6 +111,7 @@ class Sender:
     def is_cancelled(self):
         time.sleep(0.0002)  # the real call is a round trip to the server (the GIL is released meanwhile)
         with self.lock:
+            self.asks += 1
             if self.num_finals:
                 self.asked_after_final = True
             return self.cancelled

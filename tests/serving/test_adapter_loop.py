@@ -363,6 +363,32 @@ def test_one_sender_failing_to_say_whether_it_was_cancelled_holds_up_no_other_ca
         assert [live.cancelling for live in adapter._live.values()] == [False, True]
 
 
+def test_cancellation_asks_stay_within_their_rate_however_many_requests_and_responses():
+    """Each is_cancelled() is a round trip to tritonserver holding the GIL: asking every live request at every poll
+    and before every response grew with streams x tokens/s. The asks stay within `max_cancel_asks_per_s` (plus the
+    one a request's last output makes), and a cancellation is still seen."""
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.001, max_cancel_asks_per_s=200)
+    adapter.start()
+    try:
+        reqs = [request(f"prompt {i}", max_tokens=60) for i in range(20)]
+        start = time.monotonic()
+        for req in reqs:
+            adapter.submit(req)
+        time.sleep(0.2)
+        reqs[0].sender.cancelled = True
+        wait_final(*reqs)
+        elapsed = time.monotonic() - start
+    finally:
+        adapter.shutdown()
+    asks = sum(req.sender.asks for req in reqs)
+    responses = sum(len(req.sender.sent) for req in reqs)
+    assert responses > 20 * 50  # (a response a token: the old asks were at least this many)
+    assert asks <= 200 * elapsed * 1.25 + len(reqs), (asks, elapsed)
+    assert errors_of(reqs[0]) == ["request cancelled"] and len(tokens_of(reqs[0])) < 60
+    assert all(len(tokens_of(req)) == 60 for req in reqs[1:])
+
+
 def test_a_cancellation_that_meets_the_last_output_ends_cancelled(adapter, monkeypatch):
     """The client cancelled as the request finished: it hears CANCELLED, and is counted cancelled, as any
     cancelled request (not a bare FINAL counted by the output's reason)."""
