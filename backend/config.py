@@ -30,6 +30,9 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_SPECULATIVE_TOKENS = 8
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")
 CUDA_ONLY = ("programmatic_dependent_launch", "side_stream")  # settings only a CUDA device takes
+# Parameters the Python backend itself reads from config.pbtxt (python_backend's python_be.cc): a packed environment
+# to run the stub in, whether input tensors always arrive on the CPU. The engine leaves them to it.
+PYTHON_BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS")
 MAX_TIMEOUT_S = 1e9  # (about 31 years: "never"; more overflows the collectives' timedelta)
 
 
@@ -252,10 +255,13 @@ class EngineConfig:
 
     @classmethod
     def from_parameters(cls, params: dict[str, str]) -> "EngineConfig":
-        """Build from string key/values (config.pbtxt parameters); empty strings mean 'unset'."""
+        """Build from string key/values (config.pbtxt parameters); empty strings mean 'unset'; the Python backend's own
+        parameters are left to it."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, raw in params.items():
+            if key in PYTHON_BACKEND_PARAMETERS:
+                continue
             if key not in fields:
                 raise ConfigError(f"unknown parameter {key!r}; known: {', '.join(sorted(fields))}")
             value = raw.strip() if isinstance(raw, str) else raw

@@ -75,6 +75,14 @@ def test_good_parameters_parse_and_empty_means_default():
     assert config.prefill_chunk_tokens is None and config.use_reference_kernels is True
 
 
+def test_the_python_backends_own_parameters_are_left_to_it():
+    """EXECUTION_ENV_PATH (a packed environment for the stub, how a stock Triton container gets torch) and
+    FORCE_CPU_ONLY_INPUT_TENSORS sit beside the engine's parameters in config.pbtxt; they must not fail the load."""
+    config = EngineConfig.from_parameters({"EXECUTION_ENV_PATH": "$$TRITON_MODEL_DIRECTORY/env.tar.gz",
+                                           "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "max_running_requests": "8"})
+    assert config.max_running_requests == 8
+
+
 def test_hf_overrides_parse_from_json_and_keep_config_json_types():
     config = EngineConfig.from_parameters({"load_format": "dummy", "checkpoint": "docs/configs/x.config.json",
                                            "hf_overrides": '{"num_hidden_layers": 12, "rms_norm_eps": 1, '
