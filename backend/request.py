@@ -30,6 +30,7 @@ max_tokens_limit, positions) and is called by `LLMEngine.submit`, the only admis
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -114,8 +115,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0 or -1: no cut), got {self.top_k!r}")
         self.top_k = max(self.top_k, 0)
         _check_range("min_p", self.min_p, 0.0, 1.0, "[0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be a non-negative integer below 2**63, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")  # (OpenAI's range)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.200}")
         if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
@@ -152,6 +153,12 @@ class SamplingParams:
         for key, value in without_unset_nulls(params).items():
             if key in GUIDED_KEYS:
                 continue
+            if key in VLLM_FIXED_KEYS:
+                fixed = VLLM_FIXED_KEYS[key]
+                if value is not fixed:
+                    raise ValueError(f"{key}={json.dumps(value)} is not supported here (only {json.dumps(fixed)}, "
+                                     "vLLM's default)")
+                continue
             if key in _INT_KEYS:
                 kwargs[key] = _as_int(value, key)
             elif key in _FLOAT_KEYS:
@@ -166,14 +173,19 @@ class SamplingParams:
 _INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprobs", "n")
 # Keys whose JSON null means "not given", as vLLM's SamplingParams takes None for them (Triton's vLLM backend passes
 # them through as they come)
-_NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms")
+_NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms", "ignore_eos", "skip_special_tokens",
+                  "spaces_between_special_tokens", "include_stop_str_in_output")
+# vLLM's sampling parameters this engine always applies at vLLM's default: accepted at that value (clients that send
+# vLLM's whole parameter set send them), refused otherwise. Text skips special tokens; a stop string is left out.
+VLLM_FIXED_KEYS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                   "include_stop_str_in_output": False}
 
 
 def without_unset_nulls(params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` less the keys whose null means "not given" (_NULL_IS_UNSET) where they are null."""
     return {key: value for key, value in params.items() if value is not None or key not in _NULL_IS_UNSET}
 _FLOAT_KEYS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + [*GUIDED_KEYS])
+SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + [*GUIDED_KEYS, *VLLM_FIXED_KEYS])
 
 
 def _check_range(name: str, value: Any, low: float, high: float, text: str, low_open: bool = False) -> None:

@@ -26,10 +26,31 @@ def test_min_tokens_above_max_tokens_is_max_tokens():
 
 def test_null_means_not_given_where_vllm_takes_none():
     """Clients written for Triton's vLLM backend send explicit nulls for these (vLLM's SamplingParams takes None)."""
-    nulls = {"seed": None, "logprobs": None, "stop": None, "stop_token_ids": None, "timeout_ms": None}
+    nulls = {"seed": None, "logprobs": None, "stop": None, "stop_token_ids": None, "timeout_ms": None,
+             "ignore_eos": None}
     assert SamplingParams.from_dict({"max_tokens": 5, **nulls}) == SamplingParams(max_tokens=5)
     with pytest.raises(ValueError, match="max_tokens must be an integer"):  # (as the vLLM backend's int() refuses it)
         SamplingParams.from_dict({"max_tokens": None})
+
+
+def test_vllm_parameters_at_the_values_this_engine_applies_are_accepted():
+    """Clients that send vLLM's whole parameter set send these at vLLM's defaults, which is what the engine does;
+    another value is refused naming it, not ignored."""
+    defaults = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False}
+    assert SamplingParams.from_dict({"max_tokens": 5, **defaults}) == SamplingParams(max_tokens=5)
+    for key, value in defaults.items():
+        with pytest.raises(ValueError, match=f"{key}={str(not value).lower()} is not supported"):
+            SamplingParams.from_dict({key: not value})
+
+
+def test_any_64_bit_seed_is_taken_as_openai_allows_and_repeats():
+    """OpenAI's seed is any int64 (Triton's OpenAI frontend passes it through); torch's generators take negatives."""
+    from backend.sampler import SamplerState
+
+    draws = [[SamplerState(SamplingParams(temperature=1.0, seed=seed), [1]).uniform() for _ in range(2)]
+             for seed in (-7, -7, 7)]
+    assert draws[0] == draws[1] != draws[2]
+    assert SamplingParams.from_dict({"seed": -2**63}).seed == -2**63
 
 
 @pytest.mark.parametrize("params, message", [

@@ -289,13 +289,16 @@ def logprob_arrays(logprobs: list, top_logprobs: int) -> dict[str, np.ndarray]:
 def vllm_logprobs_json(token_ids: list[int], logprobs: list, tokenizer) -> np.ndarray:
     """The vLLM backend's `logprobs` output (what Triton's OpenAI frontend parses): one JSON string, a list with,
     per generated token, {token id: {"logprob", "rank", "decoded_token"}} for the token itself and the top ones
-    (rank 1 = most likely)."""
+    (rank 1 = most likely). A special token's decoded_token is its text (vLLM's, where the output text skips it)."""
+    def decoded(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
     entries = []
     for token, lp in zip(token_ids, logprobs):
-        entry = {str(t): {"logprob": _reported_logprob(v), "rank": rank, "decoded_token": tokenizer.decode([t])}
+        entry = {str(t): {"logprob": _reported_logprob(v), "rank": rank, "decoded_token": decoded(t)}
                  for rank, (t, v) in enumerate(lp.top, start=1)}
         entry[str(token)] = {"logprob": _reported_logprob(lp.logprob), "rank": lp.rank,
-                             "decoded_token": tokenizer.decode([token])}
+                             "decoded_token": decoded(token)}
         entries.append(entry)
     return np.array([json.dumps(entries).encode("utf-8")], dtype=np.object_)
 

@@ -119,7 +119,7 @@ def test_streamed_completion_with_logprobs_as_the_frontend_reads_it(server):
         chosen = min(entry.items(), key=lambda item: item[1]["rank"])  # how the frontend picks the token
         assert int(chosen[0]) == token and chosen[1]["rank"] == 1  # greedy: the most likely token
         assert abs(chosen[1]["logprob"] - want.logprob) < 1e-4
-        assert chosen[1]["decoded_token"] == engine.tokenizer.decode([token])
+        assert chosen[1]["decoded_token"] == engine.tokenizer.decode([token], skip_special_tokens=False)
         assert sorted(e["rank"] for e in entry.values()) == [1, 2]
 
 

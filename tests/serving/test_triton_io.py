@@ -174,7 +174,8 @@ def test_max_tokens_input(tokenizer):
         ('{"top_p": 0}', "top_p"),
         ('{"top_k": -2}', "top_k"),
         ('{"min_p": 2}', "min_p"),
-        ('{"seed": -1}', "seed"),
+        ('{"seed": 9223372036854775808}', "seed must be a 64-bit signed integer"),
+        ('{"skip_special_tokens": false}', "skip_special_tokens=false is not supported"),
         ('{"stop": [""]}', "stop"),
         ('{"stop": 3}', "stop"),
         ('{"stop_token_ids": "1"}', "stop_token_ids must be a list"),
@@ -362,9 +363,9 @@ def test_vllm_logprobs_json_is_strict_json_with_excluded_tokens_at_minus_9999():
     from backend.request import TokenLogprobs
     from backend.serving.triton_io import vllm_logprobs_json
 
-    class Tokens:
-        def decode(self, ids):
-            return "".join(chr(97 + i) for i in ids)
+    class Tokens:  # (token 3 is special: the output text skips it)
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("<eos>" if i == 3 else chr(97 + i) for i in ids if not (skip_special_tokens and i == 3))
 
     logprobs = [TokenLogprobs(-0.25, 1, [(0, -0.25), (3, float("-inf"))])]
     raw = vllm_logprobs_json([0], logprobs, Tokens())[0].decode()
@@ -374,6 +375,6 @@ def test_vllm_logprobs_json_is_strict_json_with_excluded_tokens_at_minus_9999():
 
     (entry,) = json.loads(raw, parse_constant=refuse)
     assert entry == {"0": {"logprob": -0.25, "rank": 1, "decoded_token": "a"},
-                     "3": {"logprob": -9999.0, "rank": 2, "decoded_token": "d"}}
+                     "3": {"logprob": -9999.0, "rank": 2, "decoded_token": "<eos>"}}  # (vLLM's: the token's text)
     nan = vllm_logprobs_json([0], [TokenLogprobs(float("nan"), 1, [(0, float("nan"))])], Tokens())[0].decode()
     assert json.loads(nan, parse_constant=refuse) == [{"0": {"logprob": -9999.0, "rank": 1, "decoded_token": "a"}}]
