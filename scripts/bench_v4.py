@@ -212,11 +212,13 @@ class Bench:
 def roofline(config, work, logits_rows: int, rates: dict) -> dict:
     """The step's bytes (weights + KV) over the copy bandwidth, or its FLOPs over the matmul rate where those take
     longer; and the same bound of what runs outside the layers (the LM head over `logits_rows` rows)."""
+    from scripts.estimate_decode_step import lm_head_flops
+
     def bound(num_bytes: float, flops: float) -> float:
         return max(num_bytes / (rates["copy_gbps"] * 1e9), flops / (rates["matmul_tflops"] * 1e12)) * 1e3
 
     weights = sum(work.weights.values())
-    outside = bound(work.weights["embed+head"], logits_rows * 2 * config.hidden_size * config.vocab_size)
+    outside = bound(work.weights["embed+head"], lm_head_flops(config, logits_rows))
     return dict(roofline_ms=bound(weights + work.kv, work.flops), outside_roofline_ms=outside,
                 weight_gb=weights / 1e9, kv_gb=work.kv / 1e9, tflop=work.flops / 1e12)
 

@@ -107,6 +107,11 @@ class StepWork:
     tokens_per_rank: int
 
 
+def lm_head_flops(c, rows: float) -> float:
+    """The LM head's FLOPs over `rows` rows (the whole vocabulary)."""
+    return rows * 2 * c.hidden_size * c.vocab_size
+
+
 def step_work(c, layout: str, ranks: int, batch: int, context: int, logits_rows: int | None = None) -> StepWork:
     """One decode step of `batch` requests at `context` positions each, on one of `ranks` ranks (see the module
     docstring); `logits_rows`: the rows the LM head computes, if not every one of this rank's (a prefill's: its last
@@ -133,7 +138,7 @@ def step_work(c, layout: str, ranks: int, batch: int, context: int, logits_rows:
         routed_pairs = batch * k / ranks  # (expert parallelism: every token's pairs on their experts' ranks)
         flops += routed_pairs * 6 * d * inter + (own / split) * 6 * d * inter + own * 2 * d * c.n_routed_experts
     head_rows = own if logits_rows is None else logits_rows
-    flops += (head_rows / (ranks if layout == "tp" else 1)) * 2 * d * c.vocab_size  # the LM head (vocabulary-parallel)
+    flops += lm_head_flops(c, head_rows) / (ranks if layout == "tp" else 1)  # (vocabulary-parallel under TP)
     weights = _weights_read(c, layout, ranks, batch)
     activation = batch * d * 2  # [B, hidden] in bf16
     ring = (ranks - 1) / ranks
