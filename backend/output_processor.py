@@ -68,3 +68,27 @@ class OutputProcessor:
             del self._streams[output.request_id]
         return replace(output, new_token_ids=tokens, logprobs=logprobs, new_text=text, finished=finished,
                        finish_reason=reason, num_output_tokens=stream.num_tokens)
+
+
+def coalesce(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """The engine's outputs, each request's consecutive ones merged into one (its tokens, log-probabilities and end
+    together), requests in the order they first appear. A consumer that drains what queued while it was busy sends
+    one response a request instead of one a step: each send is a round trip to tritonserver, so a response thread
+    that falls behind catches up rather than falling further behind (vLLM's output collector merges the same way).
+    An output with an error is never merged into: the tokens before it still go out first."""
+    merged: dict[str, list[RequestOutput]] = {}
+    for output in outputs:
+        runs = merged.setdefault(output.request_id, [])
+        last = runs[-1] if runs else None
+        if last is None or last.finished or last.error is not None or output.error is not None:
+            runs.append(output)
+        else:
+            runs[-1] = _merged(last, output)
+    return [output for runs in merged.values() for output in runs]
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    logprobs = None if first.logprobs is None and then.logprobs is None else \
+        (first.logprobs or []) + (then.logprobs or [])
+    return replace(then, new_token_ids=first.new_token_ids + then.new_token_ids,
+                   new_text=first.new_text + then.new_text, logprobs=logprobs)

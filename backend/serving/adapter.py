@@ -9,10 +9,11 @@ Threads:
   engine (`engine.submit`, the admission gate) and return at once (decoupled mode);
 - the engine thread calls back with each `RequestOutput` (token ids); the callback only queues it;
 - one response thread turns them into text and applies stop strings (backend/output_processor.py),
-  sends what the queue holds (`triton_io.ResponseBuilder` decides what), asks each live request's
-  sender `is_cancelled()` (at most once per `ask_interval_s()`, with its responses or by a poll every
-  `poll_s`) and turns a cancellation into `engine.abort`, and mirrors
-  `engine.stats()` into the metrics every `stats_s`. Detokenization and sending never run on the
+  sends what the queue holds (`triton_io.ResponseBuilder` decides what; a request's outputs queued together go as
+  one response: sends are round trips to tritonserver, so a thread behind the engine catches up), asks each live
+  request's sender `is_cancelled()` (at most once per `ask_interval_s()`, with its responses or by a poll every
+  `poll_s`) and turns a cancellation into `engine.abort`, and mirrors `engine.stats()` into the metrics every
+  `stats_s`. Detokenization and sending never run on the
   engine thread.
 Every request gets exactly one FINAL response: an error response (bad request, engine error,
 cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
@@ -29,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from backend.output_processor import OutputProcessor
+from backend.output_processor import OutputProcessor, coalesce
 from backend.request import EngineUnavailable, FinishReason, Sequence
 from backend.serving import triton_io
 from backend.serving.metrics import RequestTimer, ServingMetrics
@@ -59,6 +60,8 @@ SHUTDOWN_TIMEOUT_S = 2.5
 # then asked every max(poll_s, live requests / 1000) seconds (0.26 s at 256), which bounds how long a cancelled
 # request keeps decoding.
 MAX_CANCEL_ASKS_PER_S = 1000
+# At most this many queued outputs are taken (and merged) at once, so that cancellations are still asked for between.
+MAX_OUTPUTS_TAKEN = 4096
 
 
 class TritonAdapter:
@@ -138,12 +141,11 @@ class TritonAdapter:
     def _response_loop(self) -> None:
         next_poll = next_stats = 0.0
         while not (self._stop.is_set() and self._outputs.empty()):
-            try:
-                self._handle(self._outputs.get(timeout=self.poll_s))
-            except queue.Empty:
-                pass
-            except Exception as exc:  # (this thread answers every request: it outlives what fails for one)
-                self.logger.log_error(f"[dsv4] handling an output failed: {exc}")
+            for output in self._take_outputs():
+                try:
+                    self._handle(output)
+                except Exception as exc:  # (this thread answers every request: it outlives what fails for one)
+                    self.logger.log_error(f"[dsv4] handling an output failed: {exc}")
             now = time.monotonic()
             if now >= next_poll:
                 try:
@@ -154,6 +156,21 @@ class TritonAdapter:
             if now >= next_stats:
                 self._update_stats()
                 next_stats = now + self.stats_s
+
+    def _take_outputs(self) -> list:
+        """What the engine queued (waiting up to poll_s for it), each request's outputs merged into one response's
+        worth (output_processor.coalesce): one response per step while this thread keeps up, fewer carrying more
+        tokens when sending falls behind."""
+        try:
+            outputs = [self._outputs.get(timeout=self.poll_s)]
+        except queue.Empty:
+            return []
+        while len(outputs) < MAX_OUTPUTS_TAKEN:
+            try:
+                outputs.append(self._outputs.get_nowait())
+            except queue.Empty:
+                break
+        return coalesce(outputs)
 
     def _handle(self, output) -> None:
         try:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from backend.output_processor import OutputProcessor
-from backend.request import FinishReason, RequestOutput, SamplingParams
+from backend.output_processor import OutputProcessor, coalesce
+from backend.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,43 @@ def test_outputs_of_several_tokens_stop_where_a_stop_ends(tokenizer):
     hello = tokenizer.encode("Hello world").ids
     final = processor.process(RequestOutput("s", hello + [1], "", True, FinishReason.STOP, 3, len(hello) + 1))
     assert final.new_text == "Hello world" and final.new_token_ids == hello + [1]
+
+
+def test_coalesced_outputs_carry_what_the_outputs_one_by_one_carry(tokenizer):
+    """A response thread behind the engine takes several outputs of a request at once and sends them as one: the same
+    tokens, log-probabilities and text, stop strings and a stop token's text handled as one by one."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
+
+    def outputs(request_id):
+        raw = [RequestOutput(request_id, [t], "", False, None, 3, i + 1, logprobs=[TokenLogprobs(-0.5 * i)])
+               for i, t in enumerate(ids)]
+        return raw + [RequestOutput(request_id, [1], "", True, FinishReason.STOP, 3, len(ids) + 1,
+                                    logprobs=[TokenLogprobs(-9.0)])]
+
+    def sent(batches, stop):
+        processor = OutputProcessor(tokenizer, lambda rid: None)
+        for rid in ("a", "b"):
+            processor.add(rid, SamplingParams(stop=stop))
+        results = [processor.process(out) for batch in batches for out in coalesce(batch)]
+        return {rid: ([t for r in results if r and r.request_id == rid for t in r.new_token_ids],
+                      "".join(r.new_text for r in results if r and r.request_id == rid),
+                      [lp.logprob for r in results if r and r.request_id == rid for lp in r.logprobs],
+                      [r.finish_reason for r in results if r and r.request_id == rid and r.finished])
+                for rid in ("a", "b")}
+
+    interleaved = [out for pair in zip(outputs("a"), outputs("b")) for out in pair]
+    for stop in ([], ["fox jumps"]):
+        one_by_one = sent([[out] for out in interleaved], stop)
+        for size in (2, 5, len(interleaved)):
+            batches = [interleaved[i:i + size] for i in range(0, len(interleaved), size)]
+            assert sent(batches, stop) == one_by_one
+    merged = coalesce(interleaved)
+    assert [out.request_id for out in merged] == ["a", "b"] and merged[0].finished
+
+
+def test_an_error_output_is_never_merged_into():
+    """The tokens before an engine error still go out as their own response, then the error."""
+    tokens = RequestOutput("r", [5, 6], "", False, None, 3, 2)
+    error = RequestOutput("r", [], "", True, FinishReason.ERROR, 3, 2, error="the engine failed")
+    assert coalesce([tokens, error]) == [tokens, error]
+    assert coalesce([tokens, RequestOutput("r", [7], "", False, None, 3, 3)])[0].new_token_ids == [5, 6, 7]
