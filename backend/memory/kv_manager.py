@@ -439,14 +439,18 @@ class KVCacheManager:
         out["running_requests"] = self.state_pool.allocator.num_pages
         return out
 
+    def can_extend_evicting(self, seq, num_new_tokens: int) -> bool:
+        """can_extend, with the pages only prefix-cache entries hold counted free (nothing is evicted)."""
+        freeable = self._held_only_by_the_cache() if self.prefix_cache is not None else None
+        return self._fits(seq, self._page_needs(seq, num_new_tokens), freeable)
+
     def evict_cached_until(self, seq, num_new_tokens: int) -> bool:
         """Evict prefix-cache entries (least recently used first) until `seq`'s next `num_new_tokens` fit; whether they
         do. None is evicted where evicting every entry could not make them fit (the pages are running requests'):
         a head of the queue that waits for memory would otherwise empty the cache, step after step, for nothing."""
         if self.can_extend(seq, num_new_tokens):
             return True
-        if self.prefix_cache is None or not self._fits(seq, self._page_needs(seq, num_new_tokens),
-                                                       self._held_only_by_the_cache()):
+        if self.prefix_cache is None or not self.can_extend_evicting(seq, num_new_tokens):
             return False
         while not self.can_extend(seq, num_new_tokens):
             if not self.prefix_cache.evict_one():

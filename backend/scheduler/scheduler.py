@@ -123,6 +123,9 @@ class MemoryManager(Protocol):
     def evict_cached_until(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Evict prefix-cache entries until `seq`'s next tokens fit (none where they could not); whether they do."""
 
+    def can_extend_evicting(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """can_extend, counting as free the pages only prefix-cache entries hold (evicts nothing; monotone in n)."""
+
     def usage(self) -> dict[str, float]:
         """Pool name -> fraction of its pages in use."""
 
@@ -753,15 +756,16 @@ class Scheduler:
         return len(self._running) < self.max_running_requests and self.memory.has_free_slot()
 
     def _fit_chunk(self, seq: Sequence, num_tokens: int) -> int:
-        """Allocate the largest chunk <= num_tokens whose pages exist (can_extend is monotone); its size, 0 if none."""
+        """Allocate the largest chunk <= num_tokens whose pages exist, or would once prefix-cache entries holding them
+        are evicted (then evicted); its size, 0 if none. (Both are monotone in the chunk's size.)"""
         if seq.pages is not None:  # (a request admitted now holds nothing yet)
             self.memory.release_slid_out(seq, seq.num_computed_tokens)
         if not self._fits(seq, num_tokens):
             lo, hi = 0, num_tokens  # invariant: lo fits (0 trivially), hi does not
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if self.memory.can_extend(seq, mid) else (lo, mid)
-            num_tokens = lo
+                lo, hi = (mid, hi) if self.memory.can_extend_evicting(seq, mid) else (lo, mid)
+            num_tokens = lo if lo and self._fits(seq, lo) else 0  # (_fits evicts the entries `lo` needs gone)
         if num_tokens and not self.memory.try_extend(seq, num_tokens):
             raise RuntimeError(f"request {seq.request_id!r}: {num_tokens} tokens fit but could not be allocated")
         return num_tokens

@@ -385,3 +385,31 @@ def test_a_head_that_cannot_fit_beside_running_requests_leaves_the_cache_alone()
             steps_b_waited += 1
             assert b.status.value == "waiting" and cache.stats.evictions == 0, "evicted for a head that cannot fit"
     assert b.num_cached_tokens == 256
+
+
+def test_a_chunk_fitted_in_an_empty_engine_may_evict_the_entries_holding_its_pages():
+    """Two ended requests' entries hold every page of a 16-page window pool; a 300-token prompt (which the engine
+    holds) cannot take its 512-token chunk whole even with the cache emptied, so its chunk is fitted smaller: the
+    fitting counts the pages only entries hold as free, and evicts them (it counted only free pages and failed the
+    request as fitting no engine)."""
+    import torch
+
+    from backend.config import EngineConfig
+    from backend.memory.kv_manager import KVCacheManager
+    from backend.request import SamplingParams
+    from backend.scheduler import Scheduler
+
+    from test_pools import _model_config
+
+    kv = KVCacheManager(_model_config(), num_tokens=512, swa_full_tokens_ratio=0.5, page_size=16,
+                        max_running_requests=4, dtype=torch.float32, device="cpu", max_step_tokens=512)
+    kv.enable_prefix_caching(128, 8, 4)
+    scheduler = Scheduler(EngineConfig(policy="prefill_first", max_running_requests=4, max_num_batched_tokens=512,
+                                       prefill_chunk_tokens=512), kv, 512, prefix_cache=kv.prefix_cache)
+    for name, prompt in (("first", list(range(1, 129))), ("second", list(range(200, 300)))):
+        _serve_alone(kv, scheduler, Sequence(name, prompt, SamplingParams(max_tokens=3)))
+    assert kv.pages_used()["window"] == kv.window_pool.num_pages and not any(kv.pages_held_by_requests().values())
+    big = Sequence("big", list(range(400, 700)), SamplingParams(max_tokens=4))
+    _serve_alone(kv, scheduler, big)
+    assert big.finish_reason.value == "length" and len(big.output_ids) == 4
+    assert kv.prefix_cache.stats.evictions > 0
