@@ -13,7 +13,9 @@ See docs/seed-bug-report.md for the failure they answer and docs/scheduling.md f
 - `ItlTargetBudget`: the most prefill tokens the step-cost model predicts (at its 90th percentile)
   to fit the target, never below a minimum chunk (prefill always progresses) and never more than
   twice the sequence's previous chunk (a trust region: one mispredicted step can at most double).
-  With `mixed` it bounds every step; with `prefill_first` it caps each prefill step. A step that
+  With `mixed` it bounds every step; with `prefill_first` it caps each prefill step. The budget is sized for
+  the step's first prefill chunk; each further chunk (another running prefill, an admission) gets what the step
+  has left at its own context (`more_tokens`), possibly none. A step that
   could not meet the target even with the minimum chunk is flagged infeasible (plan, step record,
   counter, metric) and logged once with the predicted floor; it still takes the minimum chunk.
 """
@@ -86,6 +88,9 @@ class FixedBudget:
     def tokens(self, plan: StepPlan, candidate: "Sequence | None", context: int) -> int:
         return self.chunk_tokens
 
+    def more_tokens(self, plan: StepPlan, candidate: "Sequence", context: int, left: int) -> int:
+        return left
+
 
 class ItlTargetBudget:
     def __init__(self, target_ms: float, cost_model: StepCostModel, min_tokens: int, max_tokens: int):
@@ -110,6 +115,15 @@ class ItlTargetBudget:
             self._warn_once(floor_s, base, context)
             return self.min_tokens
         return self.cost_model.max_prefill_tokens(self.target_s, base, context, lo=self.min_tokens, hi=hi)
+
+    def more_tokens(self, plan: StepPlan, candidate: "Sequence", context: int, left: int) -> int:
+        """Prefill tokens, at most `left`, for a further chunk of a step that carries a prefill chunk already (its
+        budget was sized for that one): as many as the step, with what it carries, is predicted to take within the
+        target at this chunk's own context; 0 when none (the minimum chunk is the first one's alone)."""
+        if self.cost_model.num_observations == 0:
+            return left  # (nothing learned yet: the first chunk took the minimum)
+        hi = min(left, 2 * candidate.last_chunk_tokens) if candidate.last_chunk_tokens else left
+        return self.cost_model.max_prefill_tokens(self.target_s, StepFeatures.of(plan.chunks), context, lo=0, hi=hi)
 
     def _warn_once(self, floor_s: float, base: StepFeatures, context: int) -> None:
         if not self._warned:

@@ -677,11 +677,26 @@ class Scheduler:
             if left <= 0:
                 return
             if seq.is_prefill and not plan.has_chunk(seq):
+                left = self._left_for(plan, seq, left)
+                if left <= 0:
+                    return
                 num_tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, left))
                 if num_tokens:
                     self._add_chunk(plan, seq, num_tokens, is_decode=False)
                     left -= num_tokens
         self._admit(plan, left)
+
+    def _left_for(self, plan: StepPlan, seq: Sequence, left: int) -> int:
+        """The prefill tokens `seq`'s next chunk may take of the `left` the step has: all of them for the step's first
+        prefill chunk (the budget was sized for it), what the budget allows a further one at its own context."""
+        if not plan.num_prefill_tokens:
+            return left
+        return self.budget.more_tokens(plan, seq, self._chunk_context(seq), left)
+
+    def _chunk_context(self, seq: Sequence) -> int:
+        """Where `seq`'s next chunk starts: a request holding no memory is restored from the prefix cache at
+        admission (as `_admit` matches it), so from where its cached prefix ends."""
+        return self.prefix_cache.cached_length(seq) if seq.pages is None else seq.num_computed_tokens
 
     def prefill_budget(self, plan: StepPlan) -> int:
         """Prefill tokens allowed in this step, given the chunks already in `plan`: sized for the request they will
@@ -689,10 +704,7 @@ class Scheduler:
         candidate = self._next_prefill_candidate(plan)
         if candidate is None:
             return self.budget.tokens(plan, None, 0)
-        # (one holding no memory is restored from the cache at admission, as `_admit` matches it)
-        restored = candidate.pages is None
-        context = self.prefix_cache.cached_length(candidate) if restored else candidate.num_computed_tokens
-        return self.budget.tokens(plan, candidate, context)
+        return self.budget.tokens(plan, candidate, self._chunk_context(candidate))
 
     def _next_prefill_candidate(self, plan: StepPlan) -> Sequence | None:
         """The running request whose prompt is prefilled next, else the waiting head if it can be admitted."""
@@ -710,6 +722,9 @@ class Scheduler:
             seq = self._waiting[0]
             if seq.num_placeholders:
                 return  # preempted while its last token was in flight: admitted once that token is in
+            left = self._left_for(plan, seq, left)
+            if left <= 0:
+                return
             cached = 0 if seq.pages is not None else self.prefix_cache.match(seq)
             if cached:
                 seq.num_computed_tokens = cached  # the positions the restored pages hold
