@@ -361,13 +361,16 @@ class Scheduler:
         """Whether the next step may be scheduled before the one in flight is taken in (overlapped verify steps): that
         one leaves its rows' next tokens and drafts on the device (`StepPlan.chains_on_device`), every running request
         has its verify in it and room for k drafts after it, and nothing else waits to be scheduled (an arrival, a
-        queued or preempted request, a prefill, an abort, a deadline passed). The next step then holds those verifies
+        queued or preempted request, a prefill, an abort, a deadline passed, a grammar compiled or past its compile
+        deadline). The next step then holds those verifies
         alone: rows of one width, a static step whose drafts the device chains, like the one before it."""
         if not (self._running and self._inflight and self._inflight[-1].plan.chains_on_device):
             return False
         with self._lock:
             if self._inbox or self._abort_requests or self._grammar_compiled or self._waiting:
                 return False
+        if any(seq.grammar.ready for seq in self._awaiting_grammar):  # (one past its compile deadline: no callback)
+            return False
         if self._with_deadline:  # (a deadline passed: it ends at the next step taken in full)
             now = clock() if now is None else now
             if any(_past_deadline(seq, now) for seq in self._with_deadline):

@@ -1,9 +1,10 @@
-"""Deadlines while verify steps are scheduled ahead, and the itl_target_ms budget of a prefill that starts after a
-cached prefix, or that cannot start at all."""
+"""Deadlines (a request's, a grammar compile's) while verify steps are scheduled ahead, and the itl_target_ms budget
+of a prefill that starts after a cached prefix, or that cannot start at all."""
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future
 
 import pytest
 from test_scheduler import FakeEngine, FakeMemory, make_scheduler, make_seq  # tests/scheduler: on sys.path
@@ -42,6 +43,49 @@ def test_a_deadline_ends_a_request_whose_verifies_are_scheduled_ahead():
             plan.chains_on_device = True
             in_flight.append(plan)
     assert ahead > 3 and seq.finish_reason is FinishReason.TIMEOUT and now < 1.3
+
+
+class _ExpiringGrammar:
+    """RequestGrammar's contract as the scheduler reads it: ready once compiled, failed, or past its compile deadline
+    (which no future's callback announces)."""
+
+    def __init__(self):
+        self.future, self.expired = Future(), False
+
+    @property
+    def ready(self) -> bool:
+        return self.future.done() or self.expired
+
+    @property
+    def error(self) -> str | None:
+        return "the output constraint did not compile within 60 s" if self.expired else None
+
+
+def test_a_grammar_past_its_compile_deadline_ends_its_request_while_verifies_are_scheduled_ahead():
+    """k = 1, every draft accepted, verifies scheduled ahead: a constrained request whose grammar passes its compile
+    deadline is failed at the next step, not once the ahead streak ends (it went on for the other request's life)."""
+    scheduler = make_scheduler(FakeMemory(), policy="mixed", num_speculative_tokens=1, max_steps_in_flight=2)
+    runner, constrained = make_seq("runner", 8, max_tokens=400), make_seq("constrained", 8, max_tokens=5)
+    constrained.grammar = _ExpiringGrammar()
+    scheduler.add(runner)
+    scheduler.add(constrained)
+    plan = scheduler.schedule(now=0.0)
+    scheduler.update_from_output(plan, _all_accepted(plan))
+    in_flight = [scheduler.schedule(now=0.0)]
+    in_flight[0].chains_on_device = True
+    constrained.grammar.expired = True
+    steps = 0
+    while constrained.finish_reason is None and runner.finish_reason is None:
+        steps += 1
+        plan = scheduler.schedule(now=0.0, ahead=True) if scheduler.can_schedule_ahead(0.0) else None
+        done = in_flight.pop(0)
+        scheduler.update_from_output(done, _all_accepted(done))
+        plan = plan or scheduler.schedule(now=0.0)
+        if plan is not None and plan.chunks:
+            plan.chains_on_device = True
+            in_flight.append(plan)
+    assert constrained.finish_reason is FinishReason.ERROR and "did not compile" in constrained.error
+    assert steps <= 2 and runner.finish_reason is None
 
 
 class OneHit(NoPrefixCache):
