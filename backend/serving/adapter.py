@@ -54,9 +54,9 @@ class _Live:
 SHUTDOWN_TIMEOUT_S = 2.5
 
 # How many is_cancelled() calls a second the response thread makes at most, over all live requests. Each is a round
-# trip to tritonserver that holds the GIL (55 us measured under tritonserver on the 2-core CPU): asking every live
-# request every 20 ms and before every response took 16 % of a core at 64 streams, all of it blocking the engine
-# thread, and would take more than a core at 256 streams of 100 tokens/s. 1,000 a second is about 5 %; a request is
+# trip to tritonserver (55 us measured under tritonserver on the 2-core CPU) on the thread that also sends every
+# response: asking every live request every 20 ms and before every response took 16 % of a core at 64 streams, and
+# would take more than the thread has at 256 streams of 100 tokens/s. 1,000 a second is about 5 %; a request is
 # then asked every max(poll_s, live requests / 1000) seconds (0.26 s at 256), which bounds how long a cancelled
 # request keeps decoding.
 MAX_CANCEL_ASKS_PER_S = 1000
