@@ -102,7 +102,7 @@ def test_sampled_rows_are_distributed_as_their_filtered_distributions():
 
 
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2),
-                                         ("min_p", 1.5), ("seed", -3), ("stop", [""]), ("stop_token_ids", [-1])])
+                                         ("min_p", 1.5), ("seed", 2**64), ("stop", [""]), ("stop_token_ids", [-1])])
 def test_invalid_sampling_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
