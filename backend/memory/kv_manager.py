@@ -426,11 +426,6 @@ class KVCacheManager:
             out[pool.name] = pool.bytes_per_page() / (self.page_size * pool.compress_rate)
         return out
 
-    def _held_only_by_the_cache(self) -> dict[str, int]:
-        """Pool -> its pages no request holds, only prefix-cache entries: what evicting every entry would free."""
-        return {pool.name: sum(1 for page, count in self.prefix_cache.holders(pool.name).items()
-                               if pool.allocator.refs(page) == count) for pool in self._pools}
-
     def capacity(self) -> dict[str, int]:
         """Positions each pool can hold across all requests."""
         out = {"window": self.window_pool.num_pages * self.page_size}
@@ -439,10 +434,17 @@ class KVCacheManager:
         out["running_requests"] = self.state_pool.allocator.num_pages
         return out
 
-    def can_extend_evicting(self, seq, num_new_tokens: int) -> bool:
-        """can_extend, with the pages only prefix-cache entries hold counted free (nothing is evicted)."""
-        freeable = self._held_only_by_the_cache() if self.prefix_cache is not None else None
-        return self._fits(seq, self._page_needs(seq, num_new_tokens), freeable)
+    def evictable_pages(self) -> dict[str, int] | None:
+        """Pool -> its pages no request holds, only prefix-cache entries: what evicting every entry would free (None
+        without a prefix cache). It walks every page the cache holds."""
+        if self.prefix_cache is None:
+            return None
+        return {pool.name: sum(1 for page, count in self.prefix_cache.holders(pool.name).items()
+                               if pool.allocator.refs(page) == count) for pool in self._pools}
+
+    def can_extend_evicting(self, seq, num_new_tokens: int, evictable: dict[str, int] | None) -> bool:
+        """can_extend, with `evictable` (evictable_pages()) counted free; nothing is evicted."""
+        return self._fits(seq, self._page_needs(seq, num_new_tokens), evictable)
 
     def evict_cached_until(self, seq, num_new_tokens: int) -> bool:
         """Evict prefix-cache entries (least recently used first) until `seq`'s next `num_new_tokens` fit; whether they
@@ -450,7 +452,7 @@ class KVCacheManager:
         a head of the queue that waits for memory would otherwise empty the cache, step after step, for nothing."""
         if self.can_extend(seq, num_new_tokens):
             return True
-        if self.prefix_cache is None or not self.can_extend_evicting(seq, num_new_tokens):
+        if self.prefix_cache is None or not self.can_extend_evicting(seq, num_new_tokens, self.evictable_pages()):
             return False
         while not self.can_extend(seq, num_new_tokens):
             if not self.prefix_cache.evict_one():

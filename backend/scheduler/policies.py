@@ -23,7 +23,7 @@ See docs/seed-bug-report.md for the failure they answer and docs/scheduling.md f
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from backend.config import ConfigError
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
@@ -88,7 +88,7 @@ class FixedBudget:
     def tokens(self, plan: StepPlan, candidate: "Sequence | None", context: int) -> int:
         return self.chunk_tokens
 
-    def more_tokens(self, plan: StepPlan, candidate: "Sequence", context: int, left: int) -> int:
+    def more_tokens(self, plan: StepPlan, candidate: "Sequence", context: Callable[[], int], left: int) -> int:
         return left
 
 
@@ -116,14 +116,15 @@ class ItlTargetBudget:
             return self.min_tokens
         return self.cost_model.max_prefill_tokens(self.target_s, base, context, lo=self.min_tokens, hi=hi)
 
-    def more_tokens(self, plan: StepPlan, candidate: "Sequence", context: int, left: int) -> int:
+    def more_tokens(self, plan: StepPlan, candidate: "Sequence", context: Callable[[], int], left: int) -> int:
         """Prefill tokens, at most `left`, for a further chunk of a step that carries a prefill chunk already (its
         budget was sized for that one): as many as the step, with what it carries, is predicted to take within the
-        target at this chunk's own context; 0 when none (the minimum chunk is the first one's alone)."""
+        target at this chunk's own context (`context()`: where it starts); 0 when none (the minimum chunk is the
+        first one's alone)."""
         if self.cost_model.num_observations == 0:
             return left  # (nothing learned yet: the first chunk took the minimum)
         hi = min(left, 2 * candidate.last_chunk_tokens) if candidate.last_chunk_tokens else left
-        return self.cost_model.max_prefill_tokens(self.target_s, StepFeatures.of(plan.chunks), context, lo=0, hi=hi)
+        return self.cost_model.max_prefill_tokens(self.target_s, StepFeatures.of(plan.chunks), context(), lo=0, hi=hi)
 
     def _warn_once(self, floor_s: float, base: StepFeatures, context: int) -> None:
         if not self._warned:

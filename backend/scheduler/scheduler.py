@@ -123,8 +123,12 @@ class MemoryManager(Protocol):
     def evict_cached_until(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Evict prefix-cache entries until `seq`'s next tokens fit (none where they could not); whether they do."""
 
-    def can_extend_evicting(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """can_extend, counting as free the pages only prefix-cache entries hold (evicts nothing; monotone in n)."""
+    def evictable_pages(self) -> object:
+        """The pages only prefix-cache entries hold (what evicting them all would free), for can_extend_evicting."""
+
+    def can_extend_evicting(self, seq: Sequence, num_new_tokens: int, evictable: object) -> bool:
+        """can_extend, counting `evictable` (evictable_pages(), nothing changed since) as free; evicts nothing;
+        monotone in n."""
 
     def usage(self) -> dict[str, float]:
         """Pool name -> fraction of its pages in use."""
@@ -680,21 +684,21 @@ class Scheduler:
             if left <= 0:
                 return
             if seq.is_prefill and not plan.has_chunk(seq):
-                left = self._left_for(plan, seq, left)
-                if left <= 0:
-                    return
-                num_tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, left))
+                allowed = self._allowed(plan, seq, left)
+                if allowed <= 0:
+                    continue  # (its context leaves it nothing this step; another's may leave it some)
+                num_tokens = self._fit_chunk(seq, min(seq.num_uncomputed_tokens, allowed))
                 if num_tokens:
                     self._add_chunk(plan, seq, num_tokens, is_decode=False)
                     left -= num_tokens
         self._admit(plan, left)
 
-    def _left_for(self, plan: StepPlan, seq: Sequence, left: int) -> int:
+    def _allowed(self, plan: StepPlan, seq: Sequence, left: int) -> int:
         """The prefill tokens `seq`'s next chunk may take of the `left` the step has: all of them for the step's first
         prefill chunk (the budget was sized for it), what the budget allows a further one at its own context."""
         if not plan.num_prefill_tokens:
             return left
-        return self.budget.more_tokens(plan, seq, self._chunk_context(seq), left)
+        return self.budget.more_tokens(plan, seq, lambda: self._chunk_context(seq), left)
 
     def _chunk_context(self, seq: Sequence) -> int:
         """Where `seq`'s next chunk starts: a request holding no memory is restored from the prefix cache at
@@ -725,13 +729,13 @@ class Scheduler:
             seq = self._waiting[0]
             if seq.num_placeholders:
                 return  # preempted while its last token was in flight: admitted once that token is in
-            left = self._left_for(plan, seq, left)
-            if left <= 0:
-                return
+            allowed = self._allowed(plan, seq, left)
+            if allowed <= 0:
+                return  # (strictly in queue order: nothing admitted past it)
             cached = 0 if seq.pages is not None else self.prefix_cache.match(seq)
             if cached:
                 seq.num_computed_tokens = cached  # the positions the restored pages hold
-            num_tokens = min(seq.num_uncomputed_tokens, left)
+            num_tokens = min(seq.num_uncomputed_tokens, allowed)
             if not self._allocate(seq, num_tokens):
                 alone = not self._running and seq.num_tokens <= self.memory.max_request_positions()
                 num_tokens, cached = self._fit_alone(seq, num_tokens, cached) if alone else (0, cached)
@@ -779,10 +783,11 @@ class Scheduler:
         if seq.pages is not None:  # (a request admitted now holds nothing yet)
             self.memory.release_slid_out(seq, seq.num_computed_tokens)
         if not self._fits(seq, num_tokens):
+            evictable = self.memory.evictable_pages()  # (once: each count walks every page the cache holds)
             lo, hi = 0, num_tokens  # invariant: lo fits (0 trivially), hi does not
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if self.memory.can_extend_evicting(seq, mid) else (lo, mid)
+                lo, hi = (mid, hi) if self.memory.can_extend_evicting(seq, mid, evictable) else (lo, mid)
             num_tokens = lo if lo and self._fits(seq, lo) else 0  # (_fits evicts the entries `lo` needs gone)
         if num_tokens and not self.memory.try_extend(seq, num_tokens):
             raise RuntimeError(f"request {seq.request_id!r}: {num_tokens} tokens fit but could not be allocated")

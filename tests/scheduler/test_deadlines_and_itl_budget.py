@@ -88,6 +88,12 @@ def test_a_grammar_past_its_compile_deadline_ends_its_request_while_verifies_are
     assert steps <= 2 and runner.finish_reason is None
 
 
+def _cost_of_pairs(plan) -> float:
+    """A step at a fixed cost plus one per token and one per token pair attended."""
+    pairs = sum(c.num_tokens * (c.start + (c.num_tokens + 1) / 2) for c in plan.chunks)
+    return 0.005 + 20e-6 * plan.num_prefill_tokens + 1e-4 * plan.num_decode_tokens + 2e-9 * pairs
+
+
 class OneHit(NoPrefixCache):
     """A prefix cache holding one prompt's first `length` positions (restored as FakeMemory pages)."""
 
@@ -116,12 +122,7 @@ def test_the_itl_budget_of_a_prefill_after_a_cached_prefix_counts_that_context(s
     memory = FakeMemory()
     scheduler = make_scheduler(memory, prefill_chunk_tokens=8192, policy="mixed", itl_target_ms=100,
                                max_running_requests=8)
-
-    def cost(plan) -> float:
-        pairs = sum(c.num_tokens * (c.start + (c.num_tokens + 1) / 2) for c in plan.chunks)
-        return 0.005 + 20e-6 * plan.num_prefill_tokens + 1e-4 * plan.num_decode_tokens + 2e-9 * pairs
-
-    engine = FakeEngine(scheduler, cost=cost)
+    engine = FakeEngine(scheduler, cost=_cost_of_pairs)
     scheduler.add(make_seq("decoding", 8, max_tokens=100000))
     scheduler.add(make_seq("first", 60_000, max_tokens=1))
     while "first" not in engine.finals:  # (the cost model learns the machine)
@@ -154,3 +155,27 @@ def test_a_step_that_cannot_admit_its_waiting_request_is_not_counted_over_the_it
         engine.step()
     tail = list(scheduler.records)[-30:]
     assert sum(r.num_prefill_tokens for r in tail) == 0 and not any(r.itl_infeasible for r in tail)
+
+
+def test_each_further_chunk_gets_what_the_step_has_left_at_its_own_context():
+    """A short prompt, a turn with 50 positions to compute after 60,000 cached, and a 6,000-token prompt, admitted in
+    one step under a 100 ms target: each chunk after the first is sized at its own context from what the step has
+    left, so the long prompt fills the step up to the target (it got what remained of the turn's allowance: 618
+    tokens, a step predicted at 26 ms)."""
+    from backend.scheduler.cost_model import StepFeatures
+
+    memory = FakeMemory()
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=8192, policy="mixed", itl_target_ms=100,
+                               max_running_requests=8)
+    engine = FakeEngine(scheduler, cost=_cost_of_pairs)
+    scheduler.add(make_seq("decoding", 8, max_tokens=100000))
+    scheduler.add(make_seq("first", 60_000, max_tokens=1))
+    while "first" not in engine.finals:  # (the cost model learns the machine)
+        engine.step()
+    scheduler.prefix_cache = OneHit(memory, "turn", 60_000)
+    for name, length in (("short", 40), ("turn", 60_050), ("long", 6000)):
+        scheduler.add(make_seq(name, length, max_tokens=1))
+    plan = engine.step()
+    assert [c.seq.request_id for c in plan.chunks] == ["decoding", "short", "turn", "long"]
+    predicted = scheduler.cost_model.predict_upper(StepFeatures.of(plan.chunks))
+    assert 0.09 <= predicted <= 0.1001 and plan.chunks[-1].num_tokens > 3000

@@ -91,7 +91,10 @@ class FakeMemory:
     def evict_cached_until(self, seq, num_new_tokens: int) -> bool:
         return self.can_extend(seq, num_new_tokens)  # no prefix cache
 
-    def can_extend_evicting(self, seq, num_new_tokens: int) -> bool:
+    def evictable_pages(self) -> None:
+        return None  # no prefix cache
+
+    def can_extend_evicting(self, seq, num_new_tokens: int, evictable) -> bool:
         return self.can_extend(seq, num_new_tokens)
 
     def derived_prefill_chunk_tokens(self, max_running_requests: int) -> int:
