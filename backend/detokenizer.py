@@ -16,9 +16,14 @@ A text may end in U+FFFD of its own (the model wrote the character, or bytes no 
 completes): once it has ended so for more tokens than an incomplete character can still need, the
 ids before the last few are taken as they decode (where the later ids leave their text as it is),
 so the window moves on and the text goes out.
+
+Special tokens (end-of-sequence, chat markers) are skipped in the text, as the decoder skips them: they never
+enter the window (a run of them, an ignore_eos benchmark's, kept it from moving, every token decoding the whole run).
 """
 
 from __future__ import annotations
+
+import functools
 
 from tokenizers import Tokenizer
 
@@ -35,15 +40,24 @@ class IncrementalDetokenizer:
         self.min_tokens = min_tokens
         # stop strings count where they end past this many characters of the text: once min_tokens tokens are in
         self._stops_from: int | None = 0 if min_tokens == 0 else None
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # the tokens that carry text (special tokens skipped)
+        self._num_tokens = 0  # every token added
         self._text = ""  # decoded text of the ids before _read (they decode completely)
         self._prefix = self._read = 0  # the decoding window's context starts at _prefix, its new ids at _read
         self._released = 0  # characters of _text already returned
-        self._special: frozenset[int] | None = None  # the tokenizer's special tokens' ids, once needed
+        self._special = special_token_ids(tokenizer)
         self.stopped = False
 
     def add(self, token_id: int) -> str:
         """Append one token; return the newly final text (possibly empty)."""
+        self._num_tokens += 1
+        if token_id not in self._special:
+            self._decode_with(token_id)
+        if self._num_tokens == self.min_tokens:
+            self._stops_from = len(self._text)
+        return self._release(final=False)
+
+    def _decode_with(self, token_id: int) -> None:
         self._ids.append(token_id)
         decode = self.tokenizer.decode
         context = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
@@ -54,25 +68,20 @@ class IncrementalDetokenizer:
             head = decode(self._ids[self._prefix:cut], skip_special_tokens=True)  # (a U+FFFD of the text's own)
             if len(head) > len(context) and text.startswith(head):  # (what the last ids no longer change)
                 self._take(context, head, cut)
-        if len(self._ids) == self.min_tokens:
-            self._stops_from = len(self._text)
-        return self._release(final=False)
 
     def _settled_end(self) -> int:
         """Where the ids end that no incomplete character after them can reach back into: before the last
-        _CHARACTER_TOKENS ids that carry bytes (a special token, skipped, carries none); `_read` if there is none."""
-        if self._special is None:
-            self._special = frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items()
-                                      if token.special)
-        cut, carrying = len(self._ids), 0
-        while cut > self._read and carrying < _CHARACTER_TOKENS:
-            cut -= 1
-            carrying += self._ids[cut] not in self._special
-        return cut if carrying == _CHARACTER_TOKENS else self._read
+        _CHARACTER_TOKENS ids (each carries bytes); `_read` if there are not that many past it."""
+        return max(self._read, len(self._ids) - _CHARACTER_TOKENS)
 
     def flush(self) -> str:
-        """At the end of generation: whatever is left (an incomplete character stays out, as vLLM leaves it: a
-        U+FFFD of the text's own in its last few tokens with it)."""
+        """At the end of generation: whatever is left, but an incomplete character at its end (as vLLM leaves it out;
+        a U+FFFD of the text's own there goes with it). The complete characters before it go out."""
+        if not self.stopped and len(self._ids) > self._read:
+            context = self.tokenizer.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+            text = self.tokenizer.decode(self._ids[self._prefix:], skip_special_tokens=True).rstrip(_INCOMPLETE)
+            if len(text) > len(context) and text.startswith(context):
+                self._take(context, text, len(self._ids))
         return self._release(final=True)
 
     def _take(self, context: str, text: str, end: int) -> None:
@@ -94,3 +103,11 @@ class IncrementalDetokenizer:
         out = self._text[self._released:limit]
         self._released = max(self._released, limit)
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens, which decoding with skip_special_tokens leaves out (a stand-in
+    tokenizer without added tokens has none)."""
+    added = getattr(tokenizer, "get_added_tokens_decoder", None)
+    return frozenset(i for i, token in added().items() if token.special) if added is not None else frozenset()
