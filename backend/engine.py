@@ -107,6 +107,7 @@ class LLMEngine:
         self._placement_lock = threading.Lock()
         self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go
         self._by_handle: dict[int, Placement] = {}  # the live requests other ranks serve, by their handle
+        self._delivering = 0  # last outputs taken out of the placements, not yet handed to their consumers
         self._with_deadline: set[Placement] = set()  # those of them whose deadline rank 0 keeps, not yet passed
         self._ranks_compile_seconds: list[float] = []  # the other ranks' grammar compile times, not yet taken
         self._handles = itertools.count()
@@ -309,7 +310,8 @@ class LLMEngine:
         quiet = self.core.close(_left(deadline)) and quiet
         if self.group is not None and not quiet:  # (a Stop sent now could cross that step's messages)
             self.group.broken = self.group.broken or "shut down with a step still running"
-        self._end_lock_step()
+        if quiet:  # (else the loop is still in a collective, with a rank that does not answer: the group ends them)
+            self._end_lock_step()
         self.grammars.close()
         if self._receiver is not None:  # (before the group closes the sockets it polls)
             self._receiver.join(_left(deadline))
@@ -417,8 +419,9 @@ class LLMEngine:
             pass
 
     def _served_elsewhere(self) -> bool:
+        """Whether another rank serves a request still, or its last output is on its way to the consumer."""
         with self._placement_lock:
-            return bool(self._by_handle)
+            return bool(self._by_handle) or self._delivering > 0
 
     # --- the loop -------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -447,13 +450,19 @@ class LLMEngine:
         with self._placement_lock:
             placements = [self._unplace_locked(out.request_id) if out.finished else self._placed.get(out.request_id)
                           for out in outputs]
-        for output, placed in zip(outputs, placements):
-            if placed is None:  # (failed here already)
-                continue
-            try:
-                placed.on_output(output)
-            except Exception:  # a broken consumer must not take the engine down
-                logger.exception("on_output callback failed for request %r", output.request_id)
+            delivering = sum(1 for out, placed in zip(outputs, placements) if out.finished and placed is not None)
+            self._delivering += delivering  # (unplaced, not yet delivered: still served, for _served_elsewhere)
+        try:
+            for output, placed in zip(outputs, placements):
+                if placed is None:  # (failed here already)
+                    continue
+                try:
+                    placed.on_output(output)
+                except Exception:  # a broken consumer must not take the engine down
+                    logger.exception("on_output callback failed for request %r", output.request_id)
+        finally:
+            with self._placement_lock:
+                self._delivering -= delivering
 
     def _receive_loop(self) -> None:
         """The other data-parallel ranks' outputs (and stats), passed on as they come; a rank gone fails every

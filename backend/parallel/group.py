@@ -220,9 +220,9 @@ class RankGroup:
             telling.join(max(0.0, deadline - time.monotonic()))
         for p in self._processes:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
+            if p.is_alive():  # (past the budget: half a second for SIGTERM, then SIGKILL)
                 p.terminate()
-                p.join(5)
+                p.join(0.5)
             if p.is_alive():  # (SIGTERM ignored, or a stopped process)
                 p.kill()
                 p.join(5)

@@ -503,3 +503,46 @@ def test_a_prompt_follows_its_prefix_to_the_rank_that_cached_it(parallel_checkpo
         engine.shutdown()
     # "spills": rank 1 (4058 + 309) is now further ahead of rank 0 (4038) than its own 309 tokens: rank 0
     assert placed == {"busy": 0, "busier": 1, "follows": 1, "spills": 0}
+
+
+def test_generate_waits_for_another_ranks_last_output_on_its_way_to_the_consumer(parallel_checkpoint, monkeypatch):
+    """Another rank's last output leaves the placements before its consumer records it (a slow consumer: 0.3 s
+    here): generate() took the engine for idle with a request unfinished and raised."""
+    import backend.output_processor as output_processor
+
+    process = output_processor.OutputProcessor.process
+
+    def slow_on_the_ranks_thread(self, output):
+        if output.finished and threading.current_thread().name == "dsv4-ranks":
+            time.sleep(0.3)
+        return process(self, output)
+
+    monkeypatch.setattr(output_processor.OutputProcessor, "process", slow_on_the_ranks_thread)
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2)
+    try:
+        results = engine.generate([list(range(2, 20)), list(range(2, 21))],
+                                  SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    assert [r["finish_reason"] for r in results] == ["length", "length"]
+
+
+def test_shutdown_keeps_its_budget_with_a_rank_in_lock_step_that_stopped_answering(parallel_checkpoint):
+    """A worker stopped (SIGSTOP) while rank 0's loop waits for it in a collective: shutdown(3 s) ended the lock
+    step from its own thread too, a second collective with the silent rank, and waited the whole collective
+    timeout (tritonserver kills a model past its exit timeout); SIGTERM to a stopped process waited 5 s more."""
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=40)
+    outputs: dict[str, list] = {}
+    engine.start()
+    for i in range(2):
+        engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=5000, ignore_eos=True)),
+                      lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
+    while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
+        time.sleep(0.01)
+    (worker,) = engine.group._processes
+    os.kill(worker.pid, signal.SIGSTOP)
+    time.sleep(1.0)  # (rank 0's loop is in a collective with it by now)
+    start = time.monotonic()
+    engine.shutdown(timeout=3.0)
+    assert time.monotonic() - start < 5.0
+    assert not worker.is_alive()
