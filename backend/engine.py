@@ -265,6 +265,8 @@ class LLMEngine:
                 self._affinity.move_to_end(key)
                 if len(self._affinity) > self._max_affinity:
                     self._affinity.popitem(last=False)
+            if not rank.load:  # (an idle rank may be silent: in lock-step, while every rank is idle, none sends)
+                rank.heard_at = time.monotonic()
             rank.load += load
             placed = Placement(rank, load, on_output, seq.request_id, len(seq.prompt_ids), next(self._handles))
             self._placed[seq.request_id] = placed
@@ -482,9 +484,27 @@ class LLMEngine:
                 if self.group is not None and self.group.check():
                     self._fail_everywhere(self.group.broken)
                     return
+                silent = self._silent_rank()
+                if silent is not None:
+                    self._fail_everywhere(silent)
+                    return
+
+    def _silent_rank(self) -> str | None:
+        """Why another rank is taken for hung: requests are placed on it and it has sent nothing for
+        collective_timeout_s (a rank at work sends its stats every STATS_EVERY_S, its outputs every step; a rank whose
+        process died is the group's check). Without expert parallelism the ranks meet in no collective that would
+        time out, and its requests, cancels included, would wait forever."""
+        limit, now = self.config.collective_timeout_s, time.monotonic()
+        with self._placement_lock:
+            rank = next((r for r in self.ranks[1:] if r.load and now - r.heard_at > limit), None)
+        if rank is None:
+            return None
+        return (f"data-parallel rank {rank.rank} sent nothing for {now - rank.heard_at:.0f} s with requests on it "
+                f"(collective_timeout_s={limit:g})")
 
     def _take_outputs(self, batch: OutputBatch) -> None:
         """Another rank's outputs of a step, as the requests' RequestOutputs."""
+        self.ranks[batch.rank].heard_at = time.monotonic()
         if batch.stats is not None:
             self.ranks[batch.rank].snapshot = batch.stats
             with self._placement_lock:  # (until take_grammar_compile_seconds)
@@ -530,6 +550,7 @@ class DataParallelRank:
     rank: int
     load: int = 0  # tokens of its live requests (prompt + max_tokens), under the engine's placement lock
     snapshot: dict | None = None  # EngineCore.snapshot() as the rank last sent it
+    heard_at: float = 0.0  # (another rank) when it last sent anything, or got requests while idle (time.monotonic)
 
 
 @dataclass(eq=False, slots=True)

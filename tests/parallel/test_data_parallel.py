@@ -546,3 +546,29 @@ def test_shutdown_keeps_its_budget_with_a_rank_in_lock_step_that_stopped_answeri
     engine.shutdown(timeout=3.0)
     assert time.monotonic() - start < 5.0
     assert not worker.is_alive()
+
+
+def test_a_rank_that_stops_answering_without_collectives_fails_its_requests(parallel_checkpoint):
+    """Data parallelism without expert parallelism: the ranks meet in no collective, so a rank that hangs (SIGSTOP
+    here) timed out nowhere, and its requests, a cancel of them too, waited forever. Silent for
+    collective_timeout_s with requests on it, it fails them, and the engine refuses what comes next."""
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, collective_timeout_s=3)
+    outputs: dict[str, list] = {}
+    engine.start()
+    try:
+        for i in range(2):
+            engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=5000, ignore_eos=True)),
+                          lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
+        while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
+            time.sleep(0.01)
+        (worker,) = engine.group._processes
+        os.kill(worker.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 20
+        while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(outputs[f"r{i}"][-1].finished for i in range(2))
+        assert "sent nothing" in (engine.unavailable or "")
+        with pytest.raises(EngineUnavailable):
+            engine.submit(Sequence("later", [2, 3, 4], SamplingParams(max_tokens=2)), lambda raw: None)
+    finally:
+        engine.shutdown(timeout=3.0)
