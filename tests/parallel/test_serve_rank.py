@@ -79,6 +79,7 @@ def test_rank_0_notices_a_lost_rank_while_another_keeps_sending_outputs():
     import threading
     import time
 
+    from backend.config import EngineConfig
     from backend.engine import LLMEngine
 
     class BusyLinks:  # another rank's outputs, every time
@@ -95,6 +96,7 @@ def test_rank_0_notices_a_lost_rank_while_another_keeps_sending_outputs():
 
     engine = object.__new__(LLMEngine)  # (the receiving loop alone, over fakes)
     engine.group, engine._stop, engine._with_deadline, failed = Group(), threading.Event(), set(), []
+    engine.config, engine.ranks, engine._placement_lock = EngineConfig(), [], threading.Lock()  # (none silent)
     engine._take_outputs = lambda batch: time.sleep(0.01)
     engine._fail_everywhere = failed.append
     loop = threading.Thread(target=engine._receive_loop, daemon=True)
