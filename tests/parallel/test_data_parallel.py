@@ -527,11 +527,8 @@ def test_generate_waits_for_another_ranks_last_output_on_its_way_to_the_consumer
     assert [r["finish_reason"] for r in results] == ["length", "length"]
 
 
-def test_shutdown_keeps_its_budget_with_a_rank_in_lock_step_that_stopped_answering(parallel_checkpoint):
-    """A worker stopped (SIGSTOP) while rank 0's loop waits for it in a collective: shutdown(3 s) ended the lock
-    step from its own thread too, a second collective with the silent rank, and waited the whole collective
-    timeout (tritonserver kills a model past its exit timeout); SIGTERM to a stopped process waited 5 s more."""
-    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=40)
+def _stop_a_worker_mid_decode(engine: LLMEngine):
+    """Start `engine` (two ranks), decode a request on each, then stop the worker (SIGSTOP); (it, the outputs)."""
     outputs: dict[str, list] = {}
     engine.start()
     for i in range(2):
@@ -541,6 +538,15 @@ def test_shutdown_keeps_its_budget_with_a_rank_in_lock_step_that_stopped_answeri
         time.sleep(0.01)
     (worker,) = engine.group._processes
     os.kill(worker.pid, signal.SIGSTOP)
+    return worker, outputs
+
+
+def test_shutdown_keeps_its_budget_with_a_rank_in_lock_step_that_stopped_answering(parallel_checkpoint):
+    """A worker stopped (SIGSTOP) while rank 0's loop waits for it in a collective: shutdown(3 s) ended the lock
+    step from its own thread too, a second collective with the silent rank, and waited the whole collective
+    timeout (tritonserver kills a model past its exit timeout); SIGTERM to a stopped process waited 5 s more."""
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=40)
+    worker, _ = _stop_a_worker_mid_decode(engine)
     time.sleep(1.0)  # (rank 0's loop is in a collective with it by now)
     start = time.monotonic()
     engine.shutdown(timeout=3.0)
@@ -553,16 +559,8 @@ def test_a_rank_that_stops_answering_without_collectives_fails_its_requests(para
     here) timed out nowhere, and its requests, a cancel of them too, waited forever. Silent for
     collective_timeout_s with requests on it, it fails them, and the engine refuses what comes next."""
     engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, collective_timeout_s=3)
-    outputs: dict[str, list] = {}
-    engine.start()
     try:
-        for i in range(2):
-            engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=5000, ignore_eos=True)),
-                          lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
-        while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
-            time.sleep(0.01)
-        (worker,) = engine.group._processes
-        os.kill(worker.pid, signal.SIGSTOP)
+        _, outputs = _stop_a_worker_mid_decode(engine)
         deadline = time.monotonic() + 20
         while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
             time.sleep(0.05)

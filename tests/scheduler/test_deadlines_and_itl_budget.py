@@ -94,6 +94,21 @@ def _cost_of_pairs(plan) -> float:
     return 0.005 + 20e-6 * plan.num_prefill_tokens + 1e-4 * plan.num_decode_tokens + 2e-9 * pairs
 
 
+def _decoding_beside_a_learned_long_prefill():
+    """Mixed steps under a 100 ms target: a request decoding, a 60,000-token prompt prefilled beside it (the cost
+    model learns the machine), then a prefix cache holding the first 60,000 positions of a request named "turn"."""
+    memory = FakeMemory()
+    scheduler = make_scheduler(memory, prefill_chunk_tokens=8192, policy="mixed", itl_target_ms=100,
+                               max_running_requests=8)
+    engine = FakeEngine(scheduler, cost=_cost_of_pairs)
+    scheduler.add(make_seq("decoding", 8, max_tokens=100000))
+    scheduler.add(make_seq("first", 60_000, max_tokens=1))
+    while "first" not in engine.finals:
+        engine.step()
+    scheduler.prefix_cache = OneHit(memory, "turn", 60_000)
+    return scheduler, engine
+
+
 class OneHit(NoPrefixCache):
     """A prefix cache holding one prompt's first `length` positions (restored as FakeMemory pages)."""
 
@@ -119,15 +134,7 @@ def test_the_itl_budget_of_a_prefill_after_a_cached_prefix_counts_that_context(s
     so (a step at a fixed cost plus one per token and one per token pair attended), under the 100 ms target. Also
     when a short prompt queued before it takes the step's first chunk: the step's budget was sized for that one at
     context 0, and the turn's chunk gets what is left at its own context (it got the rest: 570 ms)."""
-    memory = FakeMemory()
-    scheduler = make_scheduler(memory, prefill_chunk_tokens=8192, policy="mixed", itl_target_ms=100,
-                               max_running_requests=8)
-    engine = FakeEngine(scheduler, cost=_cost_of_pairs)
-    scheduler.add(make_seq("decoding", 8, max_tokens=100000))
-    scheduler.add(make_seq("first", 60_000, max_tokens=1))
-    while "first" not in engine.finals:  # (the cost model learns the machine)
-        engine.step()
-    scheduler.prefix_cache = OneHit(memory, "turn", 60_000)
+    scheduler, engine = _decoding_beside_a_learned_long_prefill()
     if short_prompt_first:
         scheduler.add(make_seq("short", 40, max_tokens=1))
     scheduler.add(make_seq("turn", 68_000, max_tokens=1))
@@ -164,15 +171,7 @@ def test_each_further_chunk_gets_what_the_step_has_left_at_its_own_context():
     tokens, a step predicted at 26 ms)."""
     from backend.scheduler.cost_model import StepFeatures
 
-    memory = FakeMemory()
-    scheduler = make_scheduler(memory, prefill_chunk_tokens=8192, policy="mixed", itl_target_ms=100,
-                               max_running_requests=8)
-    engine = FakeEngine(scheduler, cost=_cost_of_pairs)
-    scheduler.add(make_seq("decoding", 8, max_tokens=100000))
-    scheduler.add(make_seq("first", 60_000, max_tokens=1))
-    while "first" not in engine.finals:  # (the cost model learns the machine)
-        engine.step()
-    scheduler.prefix_cache = OneHit(memory, "turn", 60_000)
+    scheduler, engine = _decoding_beside_a_learned_long_prefill()
     for name, length in (("short", 40), ("turn", 60_050), ("long", 6000)):
         scheduler.add(make_seq(name, length, max_tokens=1))
     plan = engine.step()
