@@ -38,8 +38,10 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = list(stop or [])
         self.min_tokens = min_tokens
-        # stop strings count where they end past this many characters of the text: once min_tokens tokens are in
+        # stop strings count where they end past this many characters of the text: the first min_tokens tokens' text,
+        # known once those tokens are in and their text is taken (`_boundary`: the ids it ends at, until then)
         self._stops_from: int | None = 0 if min_tokens == 0 else None
+        self._boundary: int | None = None
         self._ids: list[int] = []  # the tokens that carry text (special tokens skipped)
         self._num_tokens = 0  # every token added
         self._text = ""  # decoded text of the ids before _read (they decode completely)
@@ -51,10 +53,12 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly final text (possibly empty)."""
         self._num_tokens += 1
+        if self._num_tokens == self.min_tokens:
+            self._boundary = len(self._ids) + (token_id not in self._special)
         if token_id not in self._special:
             self._decode_with(token_id)
-        if self._num_tokens == self.min_tokens:
-            self._stops_from = len(self._text)
+        if self._boundary is not None and self._read >= self._boundary:  # (a special token's: nothing to take)
+            self._stops_from, self._boundary = len(self._text), None
         return self._release(final=False)
 
     def _decode_with(self, token_id: int) -> None:
@@ -86,6 +90,10 @@ class IncrementalDetokenizer:
 
     def _take(self, context: str, text: str, end: int) -> None:
         """The ids up to `end` decode to `text` (`context`, those before `_read`, then theirs): theirs is final."""
+        if self._boundary is not None and end >= self._boundary:  # (the first min_tokens tokens' text ends in it)
+            head = text if end == self._boundary else self.tokenizer.decode(
+                self._ids[self._prefix:self._boundary], skip_special_tokens=True).rstrip(_INCOMPLETE)
+            self._stops_from, self._boundary = len(self._text) + max(0, len(head) - len(context)), None
         self._text += text[len(context):]
         self._prefix, self._read = self._read, end
 

@@ -277,6 +277,24 @@ def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_past_those_toke
     assert streamed(len(ids), "fox") == ("a fox and a fox and a fox", False)
 
 
+def test_the_min_tokens_boundary_counts_text_held_back_at_a_split_character(tokenizer):
+    """The second token holds "世" and the start of "界" (held back, not yet text when it comes): "世" is within the
+    first two tokens' text, so with min_tokens 2 it is passed over (the boundary was taken before it: it stopped)."""
+    ids = [497, 386, 236, 66]  # (the tiny checkpoint's tokenizer)
+    assert [tokenizer.decode(ids[:n]) for n in (1, 2, 3)] == [" prin", " prin世\ufffd", " prin世界"]
+
+    def streamed(min_tokens: int) -> tuple[str, bool]:
+        detok = IncrementalDetokenizer(tokenizer, stop=["世"], min_tokens=min_tokens)
+        text = ""
+        for t in ids:
+            text += detok.add(t)
+            if detok.stopped:
+                break
+        return text + detok.flush(), detok.stopped
+
+    assert streamed(1) == (" prin", True) and streamed(2) == (" prin世界a", False)
+
+
 def test_min_tokens_holds_a_rows_stop_tokens_back_and_raw_logprobs_do_not_see_it():
     """A held row draws the best of the other tokens (greedy) and never a stop token (sampled); its raw
     log-probabilities are its logits' own, its processed ones give the held tokens none. A row whose grammar allows
