@@ -47,7 +47,7 @@ from backend.deployment import load_model, plan_deployment
 from backend.engine_core import EngineCore, eos_token_ids, grammar_service, tokenizer_directory
 from backend.host_memory import freeze_start_up_heap, thaw_heap
 from backend.output_processor import OutputProcessor
-from backend.model.comm import Communicator, RankGroupError
+from backend.model.comm import Communicator
 from backend.parallel.data_parallel import OutputBatch
 from backend.parallel.group import RankGroup, check_devices
 from backend.parallel.messages import Arrival, Cancel
@@ -162,9 +162,6 @@ class LLMEngine:
         placed = self._place(seq, on_output)
         try:
             added = self._queue(seq, stop_ids, placed)
-        except RankGroupError as exc:  # (the rank is gone: the receiving thread is failing everything)
-            self._unplace(seq.request_id)
-            raise EngineUnavailable(f"the model cannot serve: {exc}") from None
         except BaseException:
             self._unplace(seq.request_id)
             raise
@@ -208,11 +205,7 @@ class LLMEngine:
             return False
         if placed.rank.rank == 0:
             return self.core.abort(request_id)
-        try:
-            return self._end_elsewhere(placed, FinishReason.CANCELLED)
-        except RankGroupError as exc:  # (its Cancel could not be sent: the rank is gone or not reading, as the
-            self._fail_everywhere(str(exc))  # receiving thread would find; the request ends with the rest)
-            return True
+        return self._end_elsewhere(placed, FinishReason.CANCELLED)
 
     def _end_elsewhere(self, placed: "Placement", reason: FinishReason) -> bool:
         """End another rank's request here, as its own scheduler would at its next step: from now on what the rank
@@ -472,11 +465,8 @@ class LLMEngine:
         links, next_check = self.group.links, 0.0
         while not self._stop.is_set():
             batch = links.receive(timeout_s=0.1)
-            try:
-                self._expire_elsewhere()
-            except RankGroupError as exc:  # (its Cancel could not be sent: the rank is gone or not reading)
-                self._fail_everywhere(str(exc))
-                return
+            self._expire_elsewhere()
+            links.flush()  # (what a rank's full inbox refused, as far as it takes messages again)
             if batch is not None:
                 self._take_outputs(batch)
             if time.monotonic() >= next_check:  # (on a clock: the other ranks' outputs may never pause)

@@ -31,13 +31,12 @@ import pickle
 import socket as _socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
-from backend.model.comm import RankGroupError
 from backend.parallel.messages import Arrival, Cancel, Stop, Wake
 from backend.request import FinishReason, RequestOutput
 
@@ -102,14 +101,17 @@ class OutputBatch:
 class RankLinks:
     """Rank 0's sockets: one PULL from every other rank (bound before they start: its address goes to them), and one
     PUSH to each rank's own inbox (connected once they are ready, `connect`: a connected socket queues what it is
-    sent until the rank takes it). Sends may come from any thread (under a lock) and never wait: a rank that has
-    stopped taking messages (gone) refuses them; `receive` from one thread only."""
+    sent until the rank takes it). Sends may come from any thread (under a lock) and never wait: what a rank's full
+    inbox refuses (a rank busy with a long step while requests keep coming) is kept, in order, and sent when it
+    takes messages again (`flush`, from the receiving thread). A rank that never does is the engine's to fail: it
+    sends nothing either (`LLMEngine._silent_rank`), or its process is gone. `receive` from one thread only."""
 
     def __init__(self):
         self._context = zmq.Context()
         self._inbox = self._context.socket(zmq.PULL)
         self.address = _bind(self._inbox)
         self._to: dict[int, zmq.Socket] = {}
+        self._unsent: dict[int, deque] = {}  # per rank, the messages its inbox refused, oldest first
         self._lock = threading.Lock()
 
     def connect(self, inboxes: dict[int, str]) -> None:
@@ -121,12 +123,27 @@ class RankLinks:
             self._to[rank] = socket
 
     def send(self, rank: int, message) -> None:
-        """RankGroupError if the rank takes no message."""
+        """`message` to `rank`, now or, behind what its inbox refused before, once it takes messages again."""
         with self._lock:
+            unsent = self._unsent.setdefault(rank, deque())
+            unsent.append(message)
+            self._send_unsent(rank, unsent)
+
+    def flush(self) -> int:
+        """Send what the ranks' inboxes refused, as far as they take it now; the messages still unsent."""
+        with self._lock:
+            for rank, unsent in self._unsent.items():
+                self._send_unsent(rank, unsent)
+            return sum(len(unsent) for unsent in self._unsent.values())
+
+    def _send_unsent(self, rank: int, unsent: deque) -> None:
+        socket = self._to[rank]
+        while unsent:
             try:
-                self._to[rank].send_pyobj(message, zmq.NOBLOCK)
+                socket.send_pyobj(unsent[0], zmq.NOBLOCK)
             except zmq.Again:
-                raise RankGroupError(f"data-parallel rank {rank} takes no requests") from None
+                return
+            unsent.popleft()
 
     def wake_all(self, but: int | None = None) -> None:
         self._tell_all(Wake(), but)
