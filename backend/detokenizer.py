@@ -23,7 +23,8 @@ enter the window (a run of them, an ignore_eos benchmark's, kept it from moving,
 
 from __future__ import annotations
 
-import functools
+import threading
+import weakref
 
 from tokenizers import Tokenizer
 
@@ -113,9 +114,17 @@ class IncrementalDetokenizer:
         return out
 
 
-@functools.lru_cache(maxsize=8)
+_SPECIAL_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its special tokens' ids
+_SPECIAL_IDS_LOCK = threading.Lock()
+
+
 def special_token_ids(tokenizer) -> frozenset[int]:
     """The ids of the tokenizer's special tokens, which decoding with skip_special_tokens leaves out (a stand-in
-    tokenizer without added tokens has none)."""
-    added = getattr(tokenizer, "get_added_tokens_decoder", None)
-    return frozenset(i for i, token in added().items() if token.special) if added is not None else frozenset()
+    tokenizer without added tokens has none); found once a tokenizer, kept as long as it lives."""
+    with _SPECIAL_IDS_LOCK:
+        ids = _SPECIAL_IDS.get(tokenizer)
+        if ids is None:
+            added = getattr(tokenizer, "get_added_tokens_decoder", None)
+            ids = frozenset(i for i, t in added().items() if t.special) if added is not None else frozenset()
+            _SPECIAL_IDS[tokenizer] = ids
+        return ids

@@ -401,8 +401,8 @@ class LLMEngine:
         unfinished = lambda: any(r["finish_reason"] is None for r in results)  # noqa: E731
         while unfinished():
             if not self.step() and unfinished():  # (a step with nothing to run may still end a request: a timeout)
-                if not (self.scheduler.num_awaiting_grammar or self._served_elsewhere()):
-                    raise RuntimeError("engine idle with unfinished requests")
+                if not (self.scheduler.num_awaiting_grammar or self._served_elsewhere()) and unfinished():
+                    raise RuntimeError("engine idle with unfinished requests")  # (asked again: one may end meanwhile)
                 self._wait_for_work(timeout=0.05)  # a grammar being compiled, or other ranks' requests
         self.drain()
         return results

@@ -220,9 +220,12 @@ class RankGroup:
             telling.join(max(0.0, deadline - time.monotonic()))
         for p in self._processes:
             p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():  # (past the budget: half a second for SIGTERM, then SIGKILL)
-                p.terminate()
-                p.join(0.5)
+        stragglers = [p for p in self._processes if p.is_alive()]
+        for p in stragglers:  # (past the budget: half a second for SIGTERM, all of them together, then SIGKILL)
+            p.terminate()
+        grace = time.monotonic() + 0.5
+        for p in stragglers:
+            p.join(max(0.0, grace - time.monotonic()))
             if p.is_alive():  # (SIGTERM ignored, or a stopped process)
                 p.kill()
                 p.join(5)

@@ -86,6 +86,9 @@ def test_rank_0_notices_a_lost_rank_while_another_keeps_sending_outputs():
         def receive(self, timeout_s):
             return "a batch"
 
+        def flush(self):
+            return 0
+
     class Group:
         links, broken, checks = BusyLinks(), None, 0
 
