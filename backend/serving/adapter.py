@@ -13,8 +13,7 @@ Threads:
   one response: sends are round trips to tritonserver, so a thread behind the engine catches up), asks each live
   request's sender `is_cancelled()` (at most once per `ask_interval_s()`, with its responses or by a poll every
   `poll_s`) and turns a cancellation into `engine.abort`, and mirrors `engine.stats()` into the metrics every
-  `stats_s`. Detokenization and sending never run on the
-  engine thread.
+  `stats_s`. Detokenization and sending never run on the engine thread.
 Every request gets exactly one FINAL response: an error response (bad request, engine error,
 cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
 response could not carry it. Three threads may answer a request (the response thread, submit()'s
