@@ -401,14 +401,8 @@ def test_a_cancel_a_full_inbox_refuses_is_sent_once_the_rank_takes_messages_agai
             return getattr(self.socket, name)
 
     engine = _dp_engine(parallel_checkpoint, data_parallel_size=2)
-    outputs: dict[str, list] = {}
     try:
-        engine.start()
-        for i in range(2):
-            engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=2000, ignore_eos=True)),
-                          lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
-        while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
-            time.sleep(0.01)
+        outputs = _decoding_on_both_ranks(engine, max_tokens=2000)
         elsewhere, here = sorted((f"r{i}" for i in range(2)), key=lambda r: -engine.rank_of(r))
         links = engine.group.links
         inbox = links._to[1] = Refusing(links._to[1])
@@ -542,15 +536,22 @@ def test_generate_waits_for_another_ranks_last_output_on_its_way_to_the_consumer
     assert [r["finish_reason"] for r in results] == ["length", "length"]
 
 
-def _stop_a_worker_mid_decode(engine: LLMEngine):
-    """Start `engine` (two ranks), decode a request on each, then stop the worker (SIGSTOP); (it, the outputs)."""
+def _decoding_on_both_ranks(engine: LLMEngine, max_tokens: int) -> dict[str, list]:
+    """Start `engine` (two ranks) and decode a request on each ("r0", "r1") until both have a few outputs; the outputs
+    by request, still growing."""
     outputs: dict[str, list] = {}
     engine.start()
     for i in range(2):
-        engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=5000, ignore_eos=True)),
+        engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
                       lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
     while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
         time.sleep(0.01)
+    return outputs
+
+
+def _stop_a_worker_mid_decode(engine: LLMEngine):
+    """Start `engine` (two ranks), decode a request on each, then stop the worker (SIGSTOP); (it, the outputs)."""
+    outputs = _decoding_on_both_ranks(engine, max_tokens=5000)
     (worker,) = engine.group._processes
     os.kill(worker.pid, signal.SIGSTOP)
     return worker, outputs
