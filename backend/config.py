@@ -152,6 +152,10 @@ class EngineConfig:
     # When the engine can no longer serve (a rank is gone): ask Triton to unload the model, so that its ready
     # endpoint says not ready (as Triton's vLLM backend does). Needs tritonserver --model-control-mode=explicit.
     unload_when_unavailable: bool = False
+    # Once tritonserver stops (or unloads the model), how long the requests still running may go on before each ends
+    # with an UNAVAILABLE error (backend/serving/server_stop.py). None: what the server's --exit-timeout-secs leaves
+    # after the model's own stop (5 s less), so that tritonserver exits cleanly.
+    stop_grace_s: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -236,6 +240,8 @@ class EngineConfig:
                "whole attention heads; combine it with expert_parallel_size)")
         _check(is_number(self.collective_timeout_s) and 0 < self.collective_timeout_s <= MAX_TIMEOUT_S,
                "collective_timeout_s", self.collective_timeout_s, f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
+        _check(self.stop_grace_s is None or (is_number(self.stop_grace_s) and 0 <= self.stop_grace_s <= MAX_TIMEOUT_S),
+               "stop_grace_s", self.stop_grace_s, f"a number of seconds >= 0 and <= {MAX_TIMEOUT_S:g}")
         _check(is_int(self.num_speculative_tokens) and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens", self.num_speculative_tokens,
                f"an integer in [0, {MAX_SPECULATIVE_TOKENS}] (0: off)")

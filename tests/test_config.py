@@ -42,6 +42,8 @@ from backend.config import ConfigError, EngineConfig
     ({"itl_target_ms": float("inf")}, "itl_target_ms"),
     ({"collective_timeout_s": float("inf")}, "collective_timeout_s"),  # (a timedelta overflowed at a collective)
     ({"collective_timeout_s": 1e300}, "collective_timeout_s"),
+    ({"stop_grace_s": -1}, "stop_grace_s"),
+    ({"stop_grace_s": float("nan")}, "stop_grace_s"),
     ({"hf_overrides": {"rope_theta": float("inf")}}, "hf_overrides"),
     ({"step_log": "/nonexistent-directory/steps.jsonl"}, "step_log"),  # (failed when the scheduler started)
     ({"step_log": "/tmp"}, "step_log"),

@@ -12,8 +12,10 @@ Threads:
   sends what the queue holds (`triton_io.ResponseBuilder` decides what; a request's outputs queued together go as
   one response: sends are round trips to tritonserver, so a thread behind the engine catches up), asks each live
   request's sender `is_cancelled()` (at most once per `ask_interval_s()`, with its responses or by a poll every
-  `poll_s`) and turns a cancellation into `engine.abort`, and mirrors `engine.stats()` into the metrics every
-  `stats_s`. Detokenization and sending never run on the engine thread.
+  `poll_s`) and turns a cancellation into `engine.abort`, mirrors `engine.stats()` into the metrics every
+  `stats_s`, and watches for tritonserver stopping (server_stop.py: the requests still running then get a grace, and
+  end with an error after it, so that the model unloads within the server's exit timeout). Detokenization and sending
+  never run on the engine thread.
 Every request gets exactly one FINAL response: an error response (bad request, engine error,
 cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
 response could not carry it. Three threads may answer a request (the response thread, submit()'s
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from backend.output_processor import OutputProcessor, coalesce
 from backend.request import EngineUnavailable, FinishReason, Sequence
-from backend.serving import triton_io
+from backend.serving import server_stop, triton_io
 from backend.serving.metrics import RequestTimer, ServingMetrics
 
 
@@ -48,8 +50,8 @@ class _Live:
     asked_at: float = float("-inf")  # when its sender was last asked is_cancelled() (time.monotonic())
 
 
-# How long finalize() may take: below tritonserver's exit timeout (30 s by default, 10 s in scripts/serve.sh, 3 s in the
-# end-to-end tests), past which the server gives up on the model and aborts.
+# How long finalize() may take: below tritonserver's exit timeout (30 s by default, 10 s in scripts/serve.sh and the
+# end-to-end tests), past which the server gives up on the model and aborts (server_stop.STOP_MARGIN_S counts it).
 SHUTDOWN_TIMEOUT_S = 2.5
 
 # How many is_cancelled() calls a second the response thread makes at most, over all live requests. Each is a round
@@ -64,8 +66,8 @@ MAX_OUTPUTS_TAKEN = 4096
 
 
 class TritonAdapter:
-    def __init__(self, engine, pb_utils, model_name: str, *, poll_s: float = 0.02, stats_s: float = 0.1,
-                 max_cancel_asks_per_s: float = MAX_CANCEL_ASKS_PER_S):
+    def __init__(self, engine, pb_utils, model_name: str, model_version: str = "", *, poll_s: float = 0.02,
+                 stats_s: float = 0.1, max_cancel_asks_per_s: float = MAX_CANCEL_ASKS_PER_S, stop_check_s: float = 0.5):
         self.engine = engine
         self.pb = pb_utils
         self.final_flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -75,6 +77,10 @@ class TritonAdapter:
         self.max_cancel_asks_per_s = max_cancel_asks_per_s
         self.model_name = model_name
         self._unload_requested = False
+        grace_s = engine.config.stop_grace_s
+        self.stop_watch = server_stop.ServerStopWatch(
+            pb_utils, model_name, model_version, check_s=stop_check_s,
+            grace_s=server_stop.default_grace_s() if grace_s is None else grace_s)
         self._live: dict[str, _Live] = {}
         self.processor = OutputProcessor(engine.tokenizer, engine.abort)
         self._lock = threading.Lock()
@@ -113,6 +119,8 @@ class TritonAdapter:
         request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
         live = None
         try:
+            if self.stop_watch.must_end(time.monotonic()):  # (tritonserver routes none to a stopping model)
+                raise EngineUnavailable(self.stop_watch.message())
             inputs = triton_io.to_numpy_inputs(
                 list(triton_io.INPUT_NAMES), lambda name: self.pb.get_input_tensor_by_name(request, name))
             parsed = triton_io.parse_request(inputs, self.engine.tokenizer, request.parameters(),
@@ -155,6 +163,7 @@ class TritonAdapter:
             if now >= next_stats:
                 self._update_stats()
                 next_stats = now + self.stats_s
+            self._watch_for_stop(now)
 
     def _take_outputs(self) -> list:
         """What the engine queued (waiting up to poll_s for it), each request's outputs merged into one response's
@@ -279,6 +288,33 @@ class TritonAdapter:
         not handed to the engine yet (a cancellation while it is parsed or placed) is asked again at the next poll."""
         if not live.cancelling:
             live.cancelling = self._abort(request_id)
+
+    def _watch_for_stop(self, now: float) -> None:
+        """Once tritonserver stops (or unloads this model) and the requests running have had their grace, each still
+        running ends with an UNAVAILABLE error, its pages freed: only then can the model unload, within the server's
+        exit timeout."""
+        watch = self.stop_watch
+        if not self._live:
+            return
+        if watch.since is None:
+            failure = watch.check(now)
+            if failure:
+                self.logger.log_warn(f"[dsv4] {failure}")
+            if watch.since is not None:
+                self.logger.log_info(f"[dsv4] {watch.reason}: the {len(self._live)} requests running get "
+                                     f"{watch.grace_s:g} s to finish (stop_grace_s)")
+        if watch.must_end(now):
+            self._end_live_requests(watch.message())
+
+    def _end_live_requests(self, message: str) -> None:
+        with self._lock:
+            ending, self._live = list(self._live.items()), {}
+        self.logger.log_warn(f"[dsv4] ending {len(ending)} requests unfinished: {message}")
+        for request_id, live in ending:
+            self._abort(request_id)
+            self.processor.discard(request_id)
+            if self._answer_with_error(live, message, getattr(self.pb.TritonError, "UNAVAILABLE", None)):
+                self.metrics.on_finished(FinishReason.ERROR.value)
 
     def _update_stats(self) -> None:
         try:

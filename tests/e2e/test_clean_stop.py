@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -90,6 +91,31 @@ def test_the_server_stops_cleanly_after_mixed_traffic(repository, tmp_path, cycl
         server.stop(signal.SIGINT if cycle % 2 == 0 else signal.SIGTERM)
     assert server.unclean_stop() == [], f"{server.unclean_stop()}\n{server.log_tail()}"
     assert server.stop_s < 8, f"the stop took {server.stop_s:.1f} s"
+
+
+def test_requests_still_decoding_at_the_stop_end_in_time_for_a_clean_exit(repository, tmp_path):
+    """A client keeps its stream open while its requests run (as a script waiting for their ends does), and
+    tritonserver waits for them up to its exit timeout. They decode on through the grace that timeout leaves, then
+    each ends with an UNAVAILABLE error; the client closes its stream, and the server exits cleanly within the timeout.
+    (Without it, nothing ended them: the exit timeout expired, and tritonserver often crashed on its way out.)"""
+    server = TritonServer(repository, tmp_path / "tritonserver.log").start()
+    streams, ids = GrpcStreams(server.grpc_url), [f"long{i}" for i in range(8)]
+    stopper = threading.Thread(target=server.stop, args=(signal.SIGINT,))
+    try:
+        for rid in ids:
+            streams.send(rid, grpc_inputs(f"Long {rid}", 2000, sampling={"temperature": 0, "ignore_eos": True}))
+        deadline = time.monotonic() + 120
+        while not all(streams.results[rid].num_responses for rid in ids):  # (each decoding)
+            streams._take(timeout=max(0.01, deadline - time.monotonic()))
+        stopper.start()
+        results = streams.wait(ids, timeout=EXIT_TIMEOUT_S)
+    finally:
+        streams.close()
+        stopper.join() if stopper.ident else server.stop()
+    assert [r.error for r in results.values() if "tritonserver is stopping" not in str(r.error)] == []
+    assert all(0 < len(r.ids) < 2000 for r in results.values())
+    assert server.unclean_stop() == [], f"{server.unclean_stop()}\n{server.log_tail()}"
+    assert server.stop_s < EXIT_TIMEOUT_S, f"the stop took {server.stop_s:.1f} s"
 
 
 def _stub_shm_region(pgid: int) -> str | None:

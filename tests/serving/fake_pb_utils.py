@@ -48,7 +48,7 @@ class Tensor:
 
 
 class TritonError:
-    INVALID_ARG, CANCELLED = "INVALID_ARG", "CANCELLED"
+    INVALID_ARG, CANCELLED, UNAVAILABLE = "INVALID_ARG", "CANCELLED", "UNAVAILABLE"
 
     def __init__(self, message, code=None):
         self.message, self.code = message, code
@@ -81,6 +81,18 @@ class FakePbUtils:
     def get_input_tensor_by_name(request, name):
         array = request.inputs.get(name)
         return None if array is None else Tensor(name, array)
+
+    # What is_model_ready answers: True / False, or an exception it raises (as the real one does once the server
+    # stops); every call is recorded as (model name, version).
+    readiness: bool | Exception = True
+    readiness_asks: list[tuple[str, str]] = []
+
+    @classmethod
+    def is_model_ready(cls, model_name, model_version=""):
+        cls.readiness_asks.append((model_name, model_version))
+        if isinstance(cls.readiness, Exception):
+            raise cls.readiness
+        return cls.readiness
 
 
 class Sender:

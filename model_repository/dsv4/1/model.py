@@ -60,7 +60,7 @@ class TritonPythonModel:
             config.checkpoint = str(root / config.checkpoint)
         pb_utils.Logger.log_info(f"[dsv4] repo {root}; MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS', '')}; "
                                  f"engine config {config}")
-        self.adapter = TritonAdapter(LLMEngine(config), pb_utils, args["model_name"])
+        self.adapter = TritonAdapter(LLMEngine(config), pb_utils, args["model_name"], args["model_version"])
         self.adapter.start()
 
     def execute(self, requests):

@@ -1,0 +1,136 @@
+"""tritonserver stopping with requests running (backend/serving/server_stop.py, and the adapter acting on it).
+
+tritonserver never tells a model that it stops; it waits up to its exit timeout for the model's requests to end. The
+model sees its readiness fail ("Server not ready"), gives the requests running `stop_grace_s`, then ends the rest with
+one UNAVAILABLE FINAL each, freeing their pages, so that the model can unload in time. The same runs in a real
+tritonserver in tests/e2e/test_clean_stop.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from fake_pb_utils import FakePbUtils, Sender
+from test_adapter_loop import errors_of, finished, request, tokens_of, wait_final
+
+from backend.config import EngineConfig
+from backend.serving import server_stop
+from backend.serving.adapter import TritonAdapter
+from tests.e2e.fake_engine import LLMEngine as FakeEngine
+from tests.e2e.fake_engine import expected_ids
+
+GRACE_S = 0.3
+SERVER_STOPPING = RuntimeError("Failed to check model readiness: Failed to process the request for model 'dsv4_0_0', "
+                               "message: Server not ready")
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+    monkeypatch.setattr(FakePbUtils, "readiness", True)
+    monkeypatch.setattr(FakePbUtils, "readiness_asks", [])
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000, stop_grace_s=GRACE_S))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", "1", poll_s=0.005, stats_s=0.01, stop_check_s=0.01)
+    adapter.start()
+    Sender.made.clear()
+    yield adapter
+    adapter.shutdown()
+
+
+def wait_tokens(req, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(tokens_of(req)) < count:
+        assert time.monotonic() < deadline, "no tokens in time"
+        time.sleep(0.005)
+
+
+def test_requests_still_running_after_the_grace_end_with_one_unavailable_final_and_free_their_pages(adapter):
+    long_one, short_one = request("long", max_tokens=900), request("short", max_tokens=10)
+    adapter.submit(long_one)
+    wait_tokens(long_one, 3)
+    adapter.submit(short_one)
+    FakePbUtils.readiness = SERVER_STOPPING
+    stopped = time.monotonic()
+    wait_final(long_one, short_one)
+    # The short one finished within the grace, whole; the long one ended after it, with the tokens it had.
+    assert short_one.sender.num_finals == 1 and errors_of(short_one) == []
+    assert tokens_of(short_one) == expected_ids(list(b"short"), 10)
+    assert long_one.sender.num_finals == 1 and time.monotonic() - stopped >= GRACE_S
+    assert errors_of(long_one) == ["tritonserver is stopping: the request was ended unfinished 0.3 s after that "
+                                   "(stop_grace_s)"]
+    assert long_one.sender.sent[-1][0].error.code == "UNAVAILABLE"
+    assert 3 <= len(tokens_of(long_one)) < 900
+    assert tokens_of(long_one) == expected_ids(list(b"long"), len(tokens_of(long_one)))
+    deadline = time.monotonic() + 5
+    while adapter.engine._running and time.monotonic() < deadline:  # (aborted at the engine's next step)
+        time.sleep(0.005)
+    assert adapter._live == {} and adapter.engine._running == {}
+    assert finished(adapter, "error") == 1 and finished(adapter, "length") == 1
+
+
+def test_a_model_being_unloaded_ends_its_requests_the_same_way(adapter):
+    req = request("unloading", max_tokens=900)
+    adapter.submit(req)
+    wait_tokens(req, 1)
+    FakePbUtils.readiness = False  # (an explicit unload, a new version: the server itself still serves)
+    wait_final(req)
+    assert errors_of(req) == ["the model is being unloaded: the request was ended unfinished 0.3 s after that "
+                              "(stop_grace_s)"]
+
+
+@pytest.mark.parametrize("error", [
+    "Failed to check model readiness: Failed to process the request for model 'dsv4', message: 'dsv4' version 1 is "
+    "not at ready state",
+    "Failed to check model readiness: ... 'dsv4' version 1 is not found",
+])
+def test_readiness_failing_because_the_model_unloads_is_a_stop(error):
+    assert server_stop.stop_reason(error) == "the model is being unloaded"
+
+
+def test_failing_to_ask_is_not_a_stop_and_is_asked_again(adapter):
+    FakePbUtils.readiness = RuntimeError("Failed to check model readiness: the shared memory is full")
+    req = request("goes on", max_tokens=60)
+    adapter.submit(req)
+    wait_final(req, timeout=20)
+    assert errors_of(req) == [] and tokens_of(req) == expected_ids(list(b"goes on"), 60)
+    assert len(FakePbUtils.readiness_asks) > 1 and adapter.stop_watch.since is None
+
+
+def test_readiness_is_asked_only_while_requests_run_and_never_again_once_a_stop_is_seen(adapter):
+    """Each ask holds the stub's GIL until tritonserver answers; asked every 0.5 s during a real stop, it stopped
+    being answered within seconds."""
+    time.sleep(0.1)
+    assert FakePbUtils.readiness_asks == []  # (idle: nothing to end)
+    req = request("asked", max_tokens=900)
+    adapter.submit(req)
+    wait_tokens(req, 3)
+    assert FakePbUtils.readiness_asks and set(FakePbUtils.readiness_asks) == {("dsv4", "1")}
+    FakePbUtils.readiness = SERVER_STOPPING
+    wait_final(req)
+    asks = len(FakePbUtils.readiness_asks)
+    later = request("too late", max_tokens=5)  # (tritonserver routes none to a stopping model: a straggler)
+    adapter.submit(later)
+    wait_final(later)
+    time.sleep(0.1)
+    assert len(FakePbUtils.readiness_asks) == asks
+    assert errors_of(later) == [adapter.stop_watch.message()]
+
+
+def test_the_grace_defaults_to_what_the_servers_exit_timeout_leaves():
+    def server(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+
+    servers = [server("--exit-timeout-secs=12"), server("--exit-timeout-secs", "7"), server("--http-port=1"),
+               server("--exit-timeout-secs=10", "--exit-timeout-secs=3")]
+    try:
+        time.sleep(0.2)
+        assert [server_stop.exit_timeout_s(s.pid) for s in servers] == [12, 7, 30, 3]
+        assert server_stop.default_grace_s(servers[0].pid) == 12 - server_stop.STOP_MARGIN_S
+        assert server_stop.default_grace_s(servers[3].pid) == 0
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
+    assert server_stop.exit_timeout_s(servers[0].pid) == server_stop.DEFAULT_EXIT_TIMEOUT_S  # (gone)
