@@ -131,6 +131,11 @@ class TritonAdapter:
                 self._live[request_id] = live
             self.processor.add(request_id, parsed.sampling)
             self.engine.submit(seq, self._outputs.put)
+            with self._lock:
+                answered_meanwhile = request_id not in self._live
+            if answered_meanwhile:  # (the server's stop ended it before the engine knew it: the abort found nothing)
+                self._abort(request_id)
+                self.processor.discard(request_id)
         except Exception as exc:  # a bad request, or one the engine refuses: answer it, stay up
             # (listed, the response thread may have answered it already: an engine that failed it, then raised)
             with self._lock:
@@ -163,7 +168,10 @@ class TritonAdapter:
             if now >= next_stats:
                 self._update_stats()
                 next_stats = now + self.stats_s
-            self._watch_for_stop(now)
+            try:
+                self._watch_for_stop(now)
+            except Exception as exc:  # (this thread answers every request: it outlives what fails here)
+                self.logger.log_error(f"[dsv4] acting on the server's stop failed: {exc}")
 
     def _take_outputs(self) -> list:
         """What the engine queued (waiting up to poll_s for it), each request's outputs merged into one response's
@@ -339,7 +347,7 @@ class TritonAdapter:
             self.logger.log_warn(f"[dsv4] cannot unload the model ({exc}): it stays loaded, answering UNAVAILABLE")
 
     def _answer_with_error(self, live: _Live, message: str, code=None, wait_s: float = -1) -> bool:
-        """An error FINAL, from a thread other than the response thread, unless the request was answered already
+        """An error FINAL, sent outside the response thread's own output path, unless the request was answered already
         (or a response of it is still going out after `wait_s` seconds; -1: as long as it takes); True when this
         call answered it."""
         if not live.sending.acquire(timeout=wait_s):
