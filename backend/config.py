@@ -154,7 +154,7 @@ class EngineConfig:
     unload_when_unavailable: bool = False
     # Once tritonserver stops (or unloads the model), how long the requests still running may go on before each ends
     # with an UNAVAILABLE error (backend/serving/server_stop.py). None: what the server's --exit-timeout-secs leaves
-    # after the model's own stop (5 s less), so that tritonserver exits cleanly.
+    # after the model's own stop (6 s less), so that tritonserver exits cleanly.
     stop_grace_s: float | None = None
 
     def __post_init__(self) -> None:
