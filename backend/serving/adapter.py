@@ -71,7 +71,7 @@ class TritonAdapter:
         self.engine = engine
         self.pb = pb_utils
         self.final_flag = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        self.metrics = ServingMetrics(pb_utils, model_name)
+        self.metrics = ServingMetrics(pb_utils, model_name, model_version)
         self.logger = pb_utils.Logger
         self.poll_s, self.stats_s = poll_s, stats_s
         self.max_cancel_asks_per_s = max_cancel_asks_per_s

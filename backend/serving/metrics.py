@@ -1,7 +1,7 @@
 """Serving metrics, exported through Triton's custom-metrics API (`pb_utils.MetricFamily`).
 
 The adapter passes the `triton_python_backend_utils` module in, so this file imports nothing from
-tritonserver and can be tested with a fake. Families (all labelled with `model`):
+tritonserver and can be tested with a fake. Families (all labelled with `model`, and `version` when the model has one):
 
     dsv4_time_to_first_token_seconds   histogram  arrival -> first generated token leaves
     dsv4_inter_token_latency_seconds   histogram  gap between consecutive outputs with tokens
@@ -59,9 +59,11 @@ class RequestTimer:
 class ServingMetrics:
     """Owns the metric families; `update(stats)` mirrors `engine.stats()` into them."""
 
-    def __init__(self, pb_utils, model_name: str) -> None:
+    def __init__(self, pb_utils, model_name: str, model_version: str = "") -> None:
         family = pb_utils.MetricFamily
-        self._labels = {"model": model_name}
+        # (as Triton's own metrics and its vLLM backend's: two versions of the model loaded together, in poll mode,
+        # would otherwise share each series, and the first to unload would delete the other's)
+        self._labels = {"model": model_name, **({"version": model_version} if model_version else {})}
         self._families = {
             name: family(name=name, description=description, kind=getattr(family, kind))
             for name, description, kind in (

@@ -94,7 +94,7 @@ def _pages_used(server) -> float:
 
 def test_cancel_frees_pages(fake_server):
     before = settled(lambda: fake_server.metric_values("dsv4_requests_finished_total").get(
-        '{finish_reason="cancelled",model="dsv4"}', 0.0))
+        '{finish_reason="cancelled",model="dsv4",version="1"}', 0.0))
     streams = GrpcStreams(fake_server.grpc_url)
     streams.send("long", grpc_inputs("a long one", max_tokens=900))
     deadline = time.monotonic() + 30
@@ -105,7 +105,7 @@ def test_cancel_frees_pages(fake_server):
     streams.close(cancel=True)
     assert wait_for(lambda: _pages_used(fake_server) == 0, timeout=10.0), fake_server.metrics_text()
     assert wait_for(lambda: fake_server.metric_values("dsv4_requests_finished_total").get(
-        '{finish_reason="cancelled",model="dsv4"}', 0.0) == before + 1, timeout=10.0)
+        '{finish_reason="cancelled",model="dsv4",version="1"}', 0.0) == before + 1, timeout=10.0)
 
 
 BAD_REQUESTS = {
@@ -160,7 +160,7 @@ def test_metrics_are_exported(fake_server):
                    "dsv4_requests_finished_total", "dsv4_engine_steps_total", "dsv4_longest_prefill_streak",
                    "dsv4_num_requests_running", "dsv4_num_requests_waiting", "dsv4_pool_usage_ratio"):
         assert f"# TYPE {family}" in text, family
-    assert fake_server.metric_values("dsv4_time_to_first_token_seconds_count")['{model="dsv4"}'] >= 1
+    assert fake_server.metric_values("dsv4_time_to_first_token_seconds_count")['{model="dsv4",version="1"}'] >= 1
 
 
 def test_a_bad_parameter_fails_the_model_load_naming_it(tmp_path, fake_repo_root):

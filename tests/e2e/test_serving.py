@@ -124,7 +124,7 @@ def test_a_chat_turn_is_served_from_the_prefix_cache_exactly(server, tmp_path):
     but the last reply token), reports it per request (num_cached_tokens), and streams what offline generation
     without the cache gives."""
     def counter(name):
-        return server.metric_values(f"dsv4_prefix_cache_{name}_tokens_total").get('{model="dsv4"}', 0)
+        return server.metric_values(f"dsv4_prefix_cache_{name}_tokens_total").get('{model="dsv4",version="1"}', 0)
 
     gen = np.random.default_rng(12)
     history = gen.integers(2, _vocab_size(), 300).tolist()
@@ -152,7 +152,8 @@ def test_cancelling_a_stream_frees_its_pages(server):
         return sum(used - cached.get(labels, 0) for labels, used in server.metric_values("dsv4_pool_pages_used").items())
 
     def cancelled():
-        return server.metric_values("dsv4_requests_finished_total").get('{finish_reason="cancelled",model="dsv4"}', 0)
+        return server.metric_values("dsv4_requests_finished_total").get(
+            '{finish_reason="cancelled",model="dsv4",version="1"}', 0)
 
     assert wait_for(lambda: pages_used() == 0), "pages in use before the test"
     before = settled(cancelled)
@@ -242,9 +243,10 @@ def test_metrics_endpoint(server):
                    "dsv4_num_requests_running", "dsv4_num_requests_waiting", "dsv4_pool_usage_ratio",
                    "dsv4_pool_pages_used"):
         assert f"# TYPE {family}" in text, family
-    assert server.metric_values("dsv4_time_to_first_token_seconds_count")['{model="dsv4"}'] >= 1
+    assert server.metric_values("dsv4_time_to_first_token_seconds_count")['{model="dsv4",version="1"}'] >= 1
     steps = server.metric_values("dsv4_engine_steps_total")
-    assert steps['{kind="prefill",model="dsv4"}'] >= 1 and steps['{kind="decode",model="dsv4"}'] >= 1
+    assert steps['{kind="prefill",model="dsv4",version="1"}'] >= 1
+    assert steps['{kind="decode",model="dsv4",version="1"}'] >= 1
     assert "nv_inference_request_success" in text  # Triton's own metrics on the same port
 
 

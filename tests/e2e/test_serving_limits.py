@@ -35,7 +35,7 @@ def test_timeout_ends_a_stream_after_the_tokens_it_got(limited_server):
     assert result.finish_reason == "timeout" and result.num_finals == 1
     assert 0 < len(result.ids) < 5000
     assert wait_for(lambda: limited_server.metric_values("dsv4_requests_finished_total").get(
-        '{finish_reason="timeout",model="dsv4"}', 0) >= 1)
+        '{finish_reason="timeout",model="dsv4",version="1"}', 0) >= 1)
 
 
 def test_arrivals_beyond_the_queue_limit_are_refused_at_once(limited_server):
@@ -48,7 +48,7 @@ def test_arrivals_beyond_the_queue_limit_are_refused_at_once(limited_server):
         streams.send("waiting", grpc_inputs("b", 5, sampling=LONG))
         # Requests on two streams reach the model in no set order: send the third once the second is queued.
         assert wait_for(lambda: limited_server.metric_values("dsv4_num_requests_waiting").get(
-            '{model="dsv4"}', 0) == 1)
+            '{model="dsv4",version="1"}', 0) == 1)
         third = GrpcStreams(limited_server.grpc_url)  # its own stream: errors carry no request id
         try:
             third.send("refused", grpc_inputs("c", 5, sampling=LONG))
@@ -59,7 +59,7 @@ def test_arrivals_beyond_the_queue_limit_are_refused_at_once(limited_server):
     finally:
         streams.close(cancel=True)
     assert wait_for(lambda: limited_server.metric_values("dsv4_requests_rejected_total").get(
-        '{model="dsv4",reason="queue_full"}', 0) >= 1)
+        '{model="dsv4",reason="queue_full",version="1"}', 0) >= 1)
 
 
 @pytest.mark.parametrize("sampling,extra,message", [

@@ -129,7 +129,7 @@ def test_a_bad_constraint_is_refused_and_harms_nothing(server):
 
 def test_grammar_metrics(server):
     constraint = {"json": {**SCHEMAS["date_like"], "title": "only this test's"}, "disable_any_whitespace": True}
-    before = {name: settled(lambda: server.metric_values(name).get('{model="dsv4"}', 0))
+    before = {name: settled(lambda: server.metric_values(name).get('{model="dsv4",version="1"}', 0))
               for name in ("dsv4_grammar_cache_hits_total", "dsv4_grammar_compiles_total",
                            "dsv4_grammar_compile_seconds_count")}
     for rid in ("first", "again"):  # the second finds the first's grammar in the cache
@@ -139,7 +139,8 @@ def test_grammar_metrics(server):
             assert streams.wait([rid], timeout=120)[rid].finish_reason == "stop"
         finally:
             streams.close()
-    after = {name: settled(lambda: server.metric_values(name)['{model="dsv4"}']) for name in before}
+    after = {name: settled(lambda: server.metric_values(name)['{model="dsv4",version="1"}']) for name in before}
     assert {name: after[name] - before[name] for name in before} == {
         "dsv4_grammar_cache_hits_total": 1, "dsv4_grammar_compiles_total": 1, "dsv4_grammar_compile_seconds_count": 1}
-    np.testing.assert_array_less(0, server.metric_values("dsv4_grammar_compile_seconds_sum")['{model="dsv4"}'])
+    compile_seconds = server.metric_values("dsv4_grammar_compile_seconds_sum")['{model="dsv4",version="1"}']
+    np.testing.assert_array_less(0, compile_seconds)

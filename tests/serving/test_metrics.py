@@ -91,3 +91,14 @@ def test_grammar_counters_and_compile_times(metrics):
     assert series("dsv4_grammar_compiles_total").value == 3
     assert series("dsv4_grammar_cache_hits_total").value == 9
     assert series("dsv4_grammar_compile_seconds").observed == [0.004]
+
+
+def test_every_series_carries_the_model_version_when_one_is_given():
+    """Two versions of the model loaded together (poll mode) would otherwise share each series, and the first to
+    unload would delete the other's."""
+    FakeFamily.created = {}
+    metrics = ServingMetrics(FakePbUtils, "dsv4", "2")
+    metrics.update({"num_running": 1, "pool_usage": {"window": 0.5}, "steps_by_kind": {"decode": 1}})
+    metrics.on_finished("stop")
+    created = [m for family in FakeFamily.created.values() for m in family.metrics]
+    assert created and all(m.labels["model"] == "dsv4" and m.labels["version"] == "2" for m in created)
