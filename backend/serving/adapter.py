@@ -78,6 +78,8 @@ class TritonAdapter:
         self.model_name = model_name
         self._unload_requested = False
         grace_s = engine.config.stop_grace_s
+        if grace_s is not None and (warning := server_stop.grace_warning(grace_s)):
+            self.logger.log_warn(f"[dsv4] {warning}")
         self.stop_watch = server_stop.ServerStopWatch(
             pb_utils, model_name, model_version, check_s=stop_check_s,
             grace_s=server_stop.default_grace_s() if grace_s is None else grace_s)

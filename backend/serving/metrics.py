@@ -62,7 +62,7 @@ class ServingMetrics:
     def __init__(self, pb_utils, model_name: str, model_version: str = "") -> None:
         family = pb_utils.MetricFamily
         # (as Triton's own metrics and its vLLM backend's: two versions of the model loaded together, in poll mode,
-        # would otherwise share each series, and the first to unload would delete the other's)
+        # would otherwise share each series, each setting the other's gauges and adding to its counters)
         self._labels = {"model": model_name, **({"version": model_version} if model_version else {})}
         self._families = {
             name: family(name=name, description=description, kind=getattr(family, kind))

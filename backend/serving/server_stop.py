@@ -30,8 +30,9 @@ DEFAULT_EXIT_TIMEOUT_S = 30.0
 # tritonserver's one-second polls before and after the unload, finalize() (adapter.SHUTDOWN_TIMEOUT_S, 2.5 s), and a
 # second for the stub's own exit and a loaded machine (3.2-3.4 s in all, measured on the 2-core CPU).
 STOP_MARGIN_S = 6.0
-# A failure to ask for readiness is asked again after check_s doubled this many times at most (32 s at 0.5 s).
-MAX_BACK_OFF_DOUBLINGS = 6
+# A failure to ask for readiness is asked again after check_s doubled per failure in a row, up to this: asks that far
+# apart cannot freeze the stub for long (each could be one made during a stop), and a stop is still seen in time.
+MAX_CHECK_INTERVAL_S = 2.0
 
 
 def exit_timeout_s(server_pid: int) -> float:
@@ -57,6 +58,17 @@ def default_grace_s(server_pid: int | None = None) -> float:
     """How long requests may go on once the stop is seen: the exit timeout of tritonserver (this stub's parent) less
     STOP_MARGIN_S."""
     return max(0.0, exit_timeout_s(os.getppid() if server_pid is None else server_pid) - STOP_MARGIN_S)
+
+
+def grace_warning(grace_s: float, server_pid: int | None = None) -> str | None:
+    """What to tell the operator of a stop_grace_s longer than tritonserver's exit timeout leaves: the stop then runs
+    out the timeout whenever requests run past the grace."""
+    fits = default_grace_s(server_pid)
+    if grace_s <= fits:
+        return None
+    return (f"stop_grace_s={grace_s:g} is longer than tritonserver's --exit-timeout-secs leaves the requests running "
+            f"at a stop ({fits:g} s, after the model's own {STOP_MARGIN_S:g} s): a stop with requests still running "
+            f"then runs out that timeout")
 
 
 class ServerStopWatch:
@@ -93,7 +105,7 @@ class ServerStopWatch:
 
     def _failed(self, now: float, failure: str) -> str | None:
         self.failures += 1
-        self.next_check = now + self.check_s * 2 ** min(self.failures, MAX_BACK_OFF_DOUBLINGS)
+        self.next_check = now + min(self.check_s * 2 ** min(self.failures, 16), max(self.check_s, MAX_CHECK_INTERVAL_S))
         if failure == self.last_failure:
             return None
         self.last_failure = failure

@@ -169,3 +169,36 @@ def test_the_grace_defaults_to_what_the_servers_exit_timeout_leaves():
             s.kill()
             s.wait()
     assert server_stop.exit_timeout_s(servers[0].pid) == server_stop.DEFAULT_EXIT_TIMEOUT_S  # (gone)
+
+
+def test_a_grace_longer_than_the_exit_timeout_leaves_is_warned_about():
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--exit-timeout-secs=10"])
+    try:
+        time.sleep(0.2)
+        assert server_stop.grace_warning(10 - server_stop.STOP_MARGIN_S, server.pid) is None
+        assert "runs out that timeout" in server_stop.grace_warning(30, server.pid)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_failed_asks_back_off_no_further_than_a_stop_can_wait():
+    """However long asks failed, once they work again a stop is seen within MAX_CHECK_INTERVAL_S."""
+    pb = type("Pb", (), {"answer": RuntimeError("Failed to check model readiness: busy")})
+
+    def is_model_ready(name, version=""):
+        if isinstance(pb.answer, Exception):
+            raise pb.answer
+        return pb.answer
+
+    pb.is_model_ready = staticmethod(is_model_ready)
+    watch, now = server_stop.ServerStopWatch(pb, "dsv4", grace_s=1), 0.0
+    while now < 100:  # (100 s of failures)
+        watch.check(now)
+        now += 0.1
+    pb.answer = SERVER_STOPPING
+    stopped = now
+    while watch.since is None:
+        watch.check(now)
+        now += 0.1
+    assert now - stopped <= server_stop.MAX_CHECK_INTERVAL_S + 0.2
