@@ -118,6 +118,31 @@ def test_requests_still_decoding_at_the_stop_end_in_time_for_a_clean_exit(reposi
     assert server.stop_s < EXIT_TIMEOUT_S, f"the stop took {server.stop_s:.1f} s"
 
 
+def test_requests_still_decoding_when_the_model_is_unloaded_end_after_the_grace(repository, tmp_path):
+    """An explicit unload (--model-control-mode=explicit) while requests decode: tritonserver waits for them without
+    a timeout; each ends after the grace with the unload's error, and the model unloads."""
+    server = TritonServer(repository, tmp_path / "tritonserver.log",
+                          extra_args=("--model-control-mode=explicit", "--load-model=dsv4")).start()
+    streams, ids = GrpcStreams(server.grpc_url), [f"unload{i}" for i in range(4)]
+    try:
+        for rid in ids:
+            streams.send(rid, grpc_inputs(f"Long {rid}", 2000, sampling={"temperature": 0, "ignore_eos": True}))
+        deadline = time.monotonic() + 120
+        while not all(streams.results[rid].num_responses for rid in ids):  # (each decoding)
+            streams._take(timeout=max(0.01, deadline - time.monotonic()))
+        status, body = http_post(f"http://{server.http_url}/v2/repository/models/dsv4/unload", {})
+        assert status == 200, body
+        results = streams.wait(ids, timeout=EXIT_TIMEOUT_S)
+        streams.close()
+        assert wait_for(lambda: not server.is_ready("/v2/models/dsv4/ready"), timeout=EXIT_TIMEOUT_S)
+    finally:
+        server.stop(signal.SIGINT)
+    assert [r.error for r in results.values() if "the model is being unloaded" not in str(r.error)] == []
+    assert all(0 < len(r.ids) < 2000 for r in results.values())
+    assert "successfully unloaded 'dsv4'" in server.log_path.read_text(errors="replace")
+    assert server.unclean_stop() == [], f"{server.unclean_stop()}\n{server.log_tail()}"
+
+
 def _stub_shm_region(pgid: int) -> str | None:
     """The shm region named on the command line of the group's Python-backend stub."""
     for pid in group_members(pgid):
