@@ -198,7 +198,7 @@ class StepExecutor:
         output = self.verifier.verify(logits, job.samplers, spec, job.timing, argmax=argmax, held=job.held_stops)
         drafting = time.perf_counter()
         if spec.propose:
-            output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready)
+            output.drafts = self.drafter.propose(batch, spec, output, job.samplers, ready=ready, held=job.held_stops)
         elif not job.decodes_only:
             self.drafter.keep_window(batch, spec, output)
         job.timing.draft_s = draft_s + time.perf_counter() - drafting

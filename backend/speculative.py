@@ -360,13 +360,15 @@ class Drafter:
         self._first_passes: dict[StaticKey, tuple[DraftChain, torch.Tensor]] = {}  # (`chain_early`'s, per key)
 
     @torch.inference_mode()
-    def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput,
-                states: list[SamplerState], ready: list[int] | None = None) -> dict[int, list[int]]:
+    def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput, states: list[SamplerState],
+                ready: list[int] | None = None, held: dict[int, HeldStops] | None = None) -> dict[int, list[int]]:
         """Sampling row -> its drafts for the next step (rows that draft only), after the tokens `output` emits; the
         first pass reads the step's own streams (the runner kept them). In lock-step every rank runs the first pass
         and k - 1 chained ones at the counts agreed before the first (a rank whose rows ran out of pages, or that
         has none, takes part in the others' exchanges alone). `ready`: the drafts the step's chain proposed before
-        the verify was read (`chain_early`), one per batch row."""
+        the verify was read (`chain_early`), one per batch row. `held`: the step's holds (min_tokens), by sampling
+        row: drafted pass by pass, a row drafts none of its stop tokens before its min_tokens-th output, where the
+        verify would reject it (a static chain drafts the argmax regardless: the verify rejects it there)."""
         rows = [r for r in range(len(job.rows)) if r not in output.ends]
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits row (emitted - 1) and its position. (No row: the draft
@@ -377,7 +379,7 @@ class Drafter:
             states[r].draft_probs, states[r].draft_masks = [], []
         if ready is not None or self._static(job, [states[r] for r in rows]):
             return self._propose_static(job, output, rows, picks, positions, ready)
-        return self._propose_eager(batch, job, output, states, rows, picks, positions)
+        return self._propose_eager(batch, job, output, states, rows, picks, positions, held or {})
 
     @torch.inference_mode()
     def keep_window(self, batch: ForwardBatch, job: SpecJob, output: StepOutput) -> None:
@@ -398,15 +400,17 @@ class Drafter:
         return self.sample_drafts and state.params.temperature > 0.0
 
     def _propose_eager(self, batch: ForwardBatch, job: SpecJob, output: StepOutput, states: list[SamplerState],
-                       rows: list[int], picks: list[int], positions: list[int]) -> dict[int, list[int]]:
-        """Pass by pass: each pass's drafts drawn on the host before the next pass is built."""
+                       rows: list[int], picks: list[int], positions: list[int],
+                       held: dict[int, HeldStops]) -> dict[int, list[int]]:
+        """Pass by pass: each pass's drafts drawn on the host before the next pass is built (`held`: `propose`'s)."""
         first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         index = batch.logits_token_index[torch.tensor(picks, dtype=torch.long, device=batch.input_ids.device)]
         counts = self.runner.agree_drafts(self._eager_counts(batch, job, rows, positions))
         logits = self.runner.draft(Draft(first, index, dp_token_counts=counts[0]))
         drafts = {r: [] for r in rows}
         walk = GrammarLookahead()  # constrained rows: their matchers take the drafts, rolled back at the end
-        tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing)
+        tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing,
+                            _draft_holds(rows, positions, 0, states, held))
         for step in range(1, job.num_speculative_tokens + 1):
             for r, token in zip(rows, tokens):
                 if token is not None:  # (None: its grammar can take no draft there)
@@ -424,7 +428,8 @@ class Drafter:
                 self.runner.idle_draft(counts[step])
                 continue
             logits = self.runner.draft(self._chain(chain, live, batch.input_ids.device, counts[step]))
-            tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing)
+            tokens = self._draw(logits, [states[r] for r in rows], walk, output.timing,
+                                _draft_holds(rows, positions, step, states, held))
         rolling_back = time.perf_counter()
         walk.rollback()
         output.timing.grammar_accept_s += time.perf_counter() - rolling_back
@@ -563,13 +568,17 @@ class Drafter:
         return _long(after + [0] * (key.rows * key.tokens_per_row - len(after)))
 
     def _draw(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
-              timing: StepTiming) -> list[int | None]:
+              timing: StepTiming, held: dict[int, HeldStops]) -> list[int | None]:
         """One draft per row: the argmax, or for sampled requests under draft_sampling=sample a draw from the draft
         distribution q (filtered as the request samples), which the state keeps for the verify's rejection rule (an
         argmax draft keeps none: its q is all on the draft). A constrained row drafts under
         its grammar's mask after its drafts so far, and its matcher takes the draft (`walk`); None where no token
-        fits."""
+        fits. `held`: the rows whose stop tokens are held back at this draft (min_tokens), as the verify holds
+        them (after the grammar's mask: a stop token that is all it allows stays)."""
         unfit = self._mask(logits, states, walk, timing)
+        if held:
+            rows = sorted(held)
+            hold_stops(logits, rows, [held[i] for i in rows], [states[i].grammar is not None for i in rows])
         tokens = logits.argmax(dim=-1).tolist()
         for i in unfit:
             tokens[i] = None
@@ -604,6 +613,17 @@ class Drafter:
         timing.mask_fill_s += time.perf_counter() - started
         self.masks.apply(logits, len(rows))
         return unfit
+
+
+def _draft_holds(rows: list[int], positions: list[int], step: int, states: list[SamplerState],
+                 held: dict[int, HeldStops]) -> dict[int, HeldStops]:
+    """Of a pass's rows (sampling rows `rows`, drafting from `positions` + `step`), those whose draft there is an
+    output before their min_tokens-th, by index in the pass: their stop tokens held at that one logits row."""
+    holds = {}
+    for i, (r, position) in enumerate(zip(rows, positions)):
+        if r in held and position + step + 1 - len(states[r].prompt_ids) < states[r].params.min_tokens:
+            holds[i] = HeldStops(1, held[r].token_ids)
+    return holds
 
 
 def _drafted_mask(state: SamplerState, drafts: tuple[int, ...], position: int) -> tuple[torch.Tensor, bool] | None:

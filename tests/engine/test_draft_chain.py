@@ -53,14 +53,15 @@ class RecordingDrafter(OracleDrafter):
         self.chains: list[str] = []  # per step: "static", "eager" or "eager after a static step"
         self.short_static = 0  # static chains' rows given fewer than k drafts (their chain stopped early)
 
-    def propose(self, batch, job, output, states, ready=None):
+    def propose(self, batch, job, output, states, ready=None, held=None):
         if self.cut_chains and job.static_key is not None:
             self.static_steps += 1
             if self.static_steps % 2:  # row r's pages end 1 + r % k positions after its verify's first
                 k = job.num_speculative_tokens
                 job = replace(job, rows=[replace(row, lookahead_end=min(row.lookahead_end, row.position + 1 + r % k))
                                          for r, row in enumerate(job.rows)])
-        return (super() if self.use_oracle else super(OracleDrafter, self)).propose(batch, job, output, states, ready)
+        drafter = super() if self.use_oracle else super(OracleDrafter, self)
+        return drafter.propose(batch, job, output, states, ready, held)
 
     def _propose_static(self, job, *args):
         drafts = super()._propose_static(job, *args)

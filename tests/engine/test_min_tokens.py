@@ -143,3 +143,38 @@ def test_the_hold_ends_at_the_min_tokens_th_output(tiny_checkpoint, k):
         assert (stops_there["output_ids"], stops_there["finish_reason"]) == (want, "stop")
         assert held_there["output_ids"][:len(want) - 2] == want[:-2] and len(held_there["output_ids"]) > len(want) - 1
         assert held_there["output_ids"][len(want) - 2] != want[-2]
+
+
+def _record_drafts(monkeypatch) -> list[tuple[int, int, SamplingParams]]:
+    """Every draft the draft layer proposes, as (the output it drafts, 0-based; the token; the request's params)."""
+    propose, drafted = Drafter.propose, []
+
+    def recording(self, batch, job, output, states, *args, **kwargs):
+        drafts = propose(self, batch, job, output, states, *args, **kwargs)
+        for r, proposed in drafts.items():
+            first = job.rows[r].position + len(output.tokens[r]) - len(states[r].prompt_ids)
+            drafted.extend((first + j, token, states[r].params) for j, token in enumerate(proposed))
+        return drafts
+
+    monkeypatch.setattr(Drafter, "propose", recording)
+    return drafted
+
+
+@pytest.mark.parametrize("temperature, settings", [(0.0, {}), (1.0, {"draft_sampling": "sample"})])
+def test_drafts_propose_no_stop_token_before_min_tokens(tiny_checkpoint, monkeypatch, temperature, settings):
+    """The stops are the tokens the draft layer itself proposes for a free run's first outputs: held back, the target
+    never emits them there, so a draft of one would be a draft lost. The draft layer proposes its best other token
+    instead, as the target does (argmax drafts, and drafts drawn from the draft distribution)."""
+    prompts = _prompts([3, 50, 140], seed=5)
+    free = [SamplingParams(max_tokens=MIN_TOKENS + 8, temperature=temperature, seed=s, ignore_eos=True)
+            for s in range(len(prompts))]
+    drafted = _record_drafts(monkeypatch)
+    _generate(_engine(tiny_checkpoint, num_speculative_tokens=2, **settings), prompts, free)
+    stops = sorted({token for output, token, _ in drafted if output < MIN_TOKENS})
+    drafted.clear()
+    params = [dataclasses.replace(p, stop_token_ids=stops, min_tokens=MIN_TOKENS) for p in free]
+    results = _generate(_engine(tiny_checkpoint, num_speculative_tokens=2, **settings), prompts, params)
+    assert all(len(r["output_ids"]) >= MIN_TOKENS for r in results)
+    held = [token for output, token, _ in drafted if output < MIN_TOKENS]
+    assert len(held) > 2 * MIN_TOKENS and not set(held) & set(stops), held
+    assert any(token in stops for output, token, _ in drafted if output >= MIN_TOKENS)  # (the hold ends)

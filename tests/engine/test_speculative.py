@@ -58,8 +58,8 @@ class OracleDrafter(Drafter):
         self.prompt_lengths = prompt_lengths
         self.random = random.Random(0)
 
-    def propose(self, batch, job, output, states, ready=None):
-        drafts = super().propose(batch, job, output, states, ready)
+    def propose(self, batch, job, output, states, ready=None, held=None):
+        drafts = super().propose(batch, job, output, states, ready, held)
         firsts = job.first_logits_rows()  # (a row's state slot as the step had it: the request may be gone since)
         for r, proposed in drafts.items():
             row = job.rows[r]
@@ -352,8 +352,8 @@ class ModeDrafter(Drafter):
                 follows.setdefault(tuple(out[:i]), Counter())[out[i]] += 1
         self.mode = {history: counts.most_common(1)[0][0] for history, counts in follows.items()}
 
-    def propose(self, batch, job, output, states, ready=None):
-        drafts = super().propose(batch, job, output, states, ready)
+    def propose(self, batch, job, output, states, ready=None, held=None):
+        drafts = super().propose(batch, job, output, states, ready, held)
         for r, row in enumerate(job.rows):
             self.outputs.setdefault(row.request_id, []).extend(output.tokens[r])
         for r, proposed in drafts.items():
@@ -513,8 +513,8 @@ class GrammarCheckingDrafter(Drafter):
         self.constrained_drafts = 0
         self.invalid: list[list[int]] = []  # draft chains their grammar does not take
 
-    def propose(self, batch, job, output, states, ready=None):
-        drafts = super().propose(batch, job, output, states, ready)
+    def propose(self, batch, job, output, states, ready=None, held=None):
+        drafts = super().propose(batch, job, output, states, ready, held)
         for r, proposed in drafts.items():
             if states[r].grammar is None:
                 continue
