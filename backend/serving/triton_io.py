@@ -260,8 +260,8 @@ def response_arrays(
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
         "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(-1),
         "finish_reason": np.array([reason.encode("utf-8")], dtype=np.object_),
-        "num_input_tokens": np.array([num_input_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([len(token_ids)], dtype=np.int32),
+        "num_input_tokens": np.array([num_input_tokens], dtype=np.uint32),
+        "num_output_tokens": np.array([len(token_ids)], dtype=np.uint32),
     }
 
 
@@ -341,7 +341,7 @@ class ResponseBuilder:
         if not request.return_num_output_tokens:
             del arrays["num_output_tokens"]
         if request.return_num_cached_tokens:  # the prompt positions the prefix cache served (OpenAI's cached_tokens)
-            arrays["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.int32)
+            arrays["num_cached_tokens"] = np.array([output.num_cached_tokens], dtype=np.uint32)
         if request.sampling.logprobs is not None:
             arrays.update(logprob_arrays(self._pending_logprobs, request.sampling.logprobs))
         if request.return_logprobs:

@@ -6,7 +6,7 @@ It sends text_input (BYTES [1]; chat prompts already templated by the frontend),
 return_num_input_tokens, return_num_output_tokens, return_logprobs (BOOL [1]) and sampling_parameters (a JSON
 string of every non-empty OpenAI field: n, frequency_penalty, presence_penalty, temperature, top_p, ignore_eos,
 max_tokens, seed, stop, logprobs). It reads text_output (exactly one element; not streaming, only the first
-response), num_input_tokens once and num_output_tokens summed over streamed responses (INT32, element 0), and
+response), num_input_tokens once and num_output_tokens summed over streamed responses (UINT32, element 0), and
 `logprobs`: one JSON string, a list per generated token of {token id: {logprob, rank, decoded_token}}.
 """
 

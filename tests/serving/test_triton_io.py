@@ -4,17 +4,22 @@ The values (vocabulary, limits, capacity) are the engine's admission gate: tests
 """
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from google.protobuf import text_format
 from tokenizers import Tokenizer, models, pre_tokenizers
+from tritonclient.grpc import model_config_pb2
+from tritonclient.utils import triton_to_np_dtype
 
-from backend.request import FinishReason, SamplingParams
+from backend.request import FinishReason, SamplingParams, TokenLogprobs
 from backend.serving.triton_io import ParsedRequest, ResponseBuilder, parse_request, response_arrays
 
+REPO = Path(__file__).resolve().parents[2]
 WORDS = ["[UNK]", "hello", "world", "the", "quick", "brown", "fox", "é"]
 
 
@@ -301,10 +306,27 @@ def test_response_arrays_types():
     assert arrays["text_output"].dtype == np.object_ and arrays["text_output"].tolist() == ["héllo".encode()]
     assert arrays["output_ids"].dtype == np.int32 and arrays["output_ids"].tolist() == [1, 2]
     assert arrays["finish_reason"].tolist() == [b"length"]
-    assert arrays["num_input_tokens"].dtype == np.int32 and arrays["num_input_tokens"].tolist() == [3]
+    assert arrays["num_input_tokens"].dtype == np.uint32 and arrays["num_input_tokens"].tolist() == [3]
     assert arrays["num_output_tokens"].tolist() == [2]
     assert response_arrays("", [], None, 3)["finish_reason"].tolist() == [b""]
     assert response_arrays("", [], None, 3)["output_ids"].shape == (0,)
+
+
+def test_every_output_has_the_data_type_the_model_config_declares(tokenizer):
+    """A response with every output asked for: each array's dtype is the one config.pbtxt declares for that output
+    (the token counts UINT32, as the vLLM backend's), and no output is left out of the config or never sent."""
+    config = text_format.Parse((REPO / "model_repository/dsv4/config.pbtxt").read_text(),
+                               model_config_pb2.ModelConfig())
+    types = {o.name: model_config_pb2.DataType.Name(o.data_type).removeprefix("TYPE_") for o in config.output}
+    declared = {name: triton_to_np_dtype("BYTES" if type_ == "STRING" else type_) for name, type_ in types.items()}
+    req = parse(tokenizer, text_input=text("hello"), top_logprobs=np.array([2], np.int32),
+                return_logprobs=np.array([True]), return_num_cached_tokens=np.array([True]),
+                return_cumulative_logprob=np.array([True]))
+    out = output([5, 6], "ab", finished=True, reason=FinishReason.LENGTH, num_cached_tokens=16)
+    out.logprobs = [TokenLogprobs(-0.5, 1, [(5, -0.5), (6, -1.0)]), TokenLogprobs(-1.0, 2, [(5, -0.7), (6, -1.0)])]
+    arrays = ResponseBuilder(req, tokenizer).on_output(out)
+    assert set(arrays) == set(declared)
+    assert {name: array.dtype.type for name, array in arrays.items()} == declared
 
 
 def test_token_count_outputs_follow_their_return_inputs(tokenizer):
@@ -318,7 +340,7 @@ def test_token_count_outputs_follow_their_return_inputs(tokenizer):
     assert default["num_input_tokens"].tolist() == [2] and default["num_output_tokens"].tolist() == [1]
     assert "num_cached_tokens" not in default
     cached = sent(return_num_cached_tokens=True)
-    assert cached["num_cached_tokens"].dtype == np.int32 and cached["num_cached_tokens"].tolist() == [128]
+    assert cached["num_cached_tokens"].dtype == np.uint32 and cached["num_cached_tokens"].tolist() == [128]
     assert set(sent(return_num_input_tokens=False, return_num_output_tokens=False)) & {
         "num_input_tokens", "num_output_tokens"} == set()
 
