@@ -45,7 +45,8 @@ class EngineConfig:
     # itself (docs/configs/*.config.json). Without a tokenizer there, the built-in checkpoint's is used.
     load_format: str = "auto"
     # A JSON object merged into the checkpoint's config.json (its top-level keys replace config.json's) before
-    # anything is planned, e.g. {"num_hidden_layers": 12}; keys and value types are those config.json has.
+    # anything is planned, e.g. {"num_hidden_layers": 12}; its keys are the config.json keys the engine reads (a key
+    # only other software reads, such as torch_dtype, is refused), each value of that key's type.
     hf_overrides: dict | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16
@@ -337,13 +338,14 @@ def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: st
 
 
 def _check_hf_overrides(overrides) -> None:
-    """A JSON object of config.json's keys (backend/model/config.py reads them), each value of that key's type."""
+    """A JSON object of the config.json keys this engine reads (backend/model/config.py `config_keys`), each value of
+    that key's type."""
     from backend.model.config import config_keys
 
-    _check(isinstance(overrides, dict), "hf_overrides", overrides, "a JSON object of config.json keys")
+    _check(isinstance(overrides, dict), "hf_overrides", overrides, "a JSON object of config.json keys this engine reads")
     keys = config_keys()
     for key, value in overrides.items():
-        _check(key in keys, "hf_overrides", overrides, f"keys config.json has; {key!r} is not one (known: "
+        _check(key in keys, "hf_overrides", overrides, f"config.json keys this engine reads; {key!r} is not one (it reads: "
                f"{', '.join(sorted(keys))})")
         _check(_is_of_type(value, keys[key]), "hf_overrides", overrides, f"{key!r} of type {keys[key]}, not "
                f"{type(value).__name__}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # THE test command: set up (idempotent), then run the whole suite with the venv.
-#   bash scripts/test.sh [PYTEST_ARGS...]     (default: tests/ -q)
+#   bash scripts/test.sh [PYTEST_ARGS...]     (default: tests/ -q --durations=25: the slowest tests listed last, where
+#                                              the suite's time goes)
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -10,7 +11,7 @@ bash scripts/setup.sh
 source scripts/env.sh
 
 args=("$@")
-[ ${#args[@]} -gt 0 ] || args=(tests/ -q)
+[ ${#args[@]} -gt 0 ] || args=(tests/ -q --durations=25)
 set +e
 python -m pytest "${args[@]}"
 rc=$?
