@@ -144,8 +144,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: Mapping[str, Any], where: str = "sampling_parameters") -> "SamplingParams":
-        """Coerce what clients send (numbers as numeric strings, `stop` as one string) and build; unknown keys and bad
-        values raise ValueError naming them."""
+        """Coerce what clients send (numbers as numeric strings, booleans as "true" / "false", `stop` as one string)
+        and build; unknown keys and bad values raise ValueError naming them."""
         unknown = sorted(set(params) - SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in {where}; known: {sorted(SAMPLING_KEYS)}")
@@ -154,7 +154,7 @@ class SamplingParams:
             if key in GUIDED_KEYS:
                 continue
             if key in VLLM_FIXED_KEYS:
-                fixed = VLLM_FIXED_KEYS[key]
+                fixed, value = VLLM_FIXED_KEYS[key], _as_bool(value)
                 if value is not fixed:
                     raise ValueError(f"{key}={json.dumps(value)} is not supported here (only {json.dumps(fixed)}, "
                                      "vLLM's default)")
@@ -163,6 +163,8 @@ class SamplingParams:
                 kwargs[key] = _as_int(value, key)
             elif key in _FLOAT_KEYS:
                 kwargs[key] = _as_float(value, key)
+            elif key == "ignore_eos":
+                kwargs[key] = _as_bool(value)
             elif key == "stop":
                 kwargs[key] = [value] if isinstance(value, str) else value
             else:
@@ -205,6 +207,15 @@ def _as_int(value: Any, key: str) -> int:
         except ValueError:
             pass
     raise ValueError(f"{key} must be an integer, got {value!r}")
+
+
+def _as_bool(value: Any) -> Any:
+    """A boolean, or the string "true" / "false" (any case) as one, as numbers come as numeric strings (the vLLM
+    backend's parser takes strings for its boolean keys; perf_analyzer input files carry them so); anything else is
+    left for the parameters' own check to refuse."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return value
 
 
 def _as_float(value: Any, key: str) -> float:

@@ -43,6 +43,18 @@ def test_vllm_parameters_at_the_values_this_engine_applies_are_accepted():
             SamplingParams.from_dict({key: not value})
 
 
+def test_booleans_may_come_as_the_strings_true_and_false_as_numbers_come_as_numeric_strings():
+    """The vLLM backend's parser takes strings for its boolean keys, and clients built for it send them so."""
+    assert SamplingParams.from_dict({"ignore_eos": "true"}).ignore_eos is True
+    assert SamplingParams.from_dict({"ignore_eos": " False "}).ignore_eos is False
+    assert SamplingParams.from_dict({"skip_special_tokens": "TRUE", "include_stop_str_in_output": "false"}) == \
+        SamplingParams()
+    with pytest.raises(ValueError, match="skip_special_tokens=false is not supported"):
+        SamplingParams.from_dict({"skip_special_tokens": "false"})
+    with pytest.raises(ValueError, match="ignore_eos must be a boolean"):
+        SamplingParams.from_dict({"ignore_eos": "1"})
+
+
 def test_any_64_bit_seed_is_taken_as_openai_allows_and_repeats():
     """OpenAI's seed is any int64 (Triton's OpenAI frontend passes it through); torch's generators take negatives."""
     from backend.sampler import SamplerState
