@@ -618,10 +618,12 @@ class Drafter:
 def _draft_holds(rows: list[int], positions: list[int], step: int, states: list[SamplerState],
                  held: dict[int, HeldStops]) -> dict[int, HeldStops]:
     """Of a pass's rows (sampling rows `rows`, drafting from `positions` + `step`), those whose draft there is an
-    output before their min_tokens-th, by index in the pass: their stop tokens held at that one logits row."""
+    output before their min_tokens-th, by index in the pass: their stop tokens held at that one logits row. (A row's
+    position is its last emitted token's logits row, so that token sits one further and the pass drafts the token two
+    further: the output at position + step + 2 - the prompt's length.)"""
     holds = {}
     for i, (r, position) in enumerate(zip(rows, positions)):
-        if r in held and position + step + 1 - len(states[r].prompt_ids) < states[r].params.min_tokens:
+        if r in held and position + step + 2 - len(states[r].prompt_ids) < states[r].params.min_tokens:
             holds[i] = HeldStops(1, held[r].token_ids)
     return holds
 

@@ -152,7 +152,7 @@ def _record_drafts(monkeypatch) -> list[tuple[int, int, SamplingParams]]:
     def recording(self, batch, job, output, states, *args, **kwargs):
         drafts = propose(self, batch, job, output, states, *args, **kwargs)
         for r, proposed in drafts.items():
-            first = job.rows[r].position + len(output.tokens[r]) - len(states[r].prompt_ids)
+            first = job.rows[r].position + len(output.tokens[r]) + 1 - len(states[r].prompt_ids)  # (its first draft's)
             drafted.extend((first + j, token, states[r].params) for j, token in enumerate(proposed))
         return drafts
 
@@ -177,4 +177,5 @@ def test_drafts_propose_no_stop_token_before_min_tokens(tiny_checkpoint, monkeyp
     assert all(len(r["output_ids"]) >= MIN_TOKENS for r in results)
     held = [token for output, token, _ in drafted if output < MIN_TOKENS]
     assert len(held) > 2 * MIN_TOKENS and not set(held) & set(stops), held
-    assert any(token in stops for output, token, _ in drafted if output >= MIN_TOKENS)  # (the hold ends)
+    # The hold ends at the min_tokens-th output (output MIN_TOKENS, 0-based), where the target may stop: drafted there.
+    assert any(token in stops for output, token, _ in drafted if output == MIN_TOKENS)
