@@ -52,7 +52,7 @@ class OutputBatch:
     """One rank's outputs of a step, as arrays (see the module docstring), and now and then its stats."""
 
     rank: int
-    handles: np.ndarray  # int32 [R]
+    handles: np.ndarray  # int64 [R] (rank 0 numbers every placement: past 2^31 within weeks at a high rate)
     counts: np.ndarray  # uint8 [R]: each row's new tokens
     finished: np.ndarray  # int8 [R]: 0, or the finish reason's index + 1
     num_cached: np.ndarray  # int32 [R]: the request's prompt positions the prefix cache served
@@ -61,13 +61,13 @@ class OutputBatch:
     stats: dict | None = None
 
     ARRAYS = ("handles", "counts", "finished", "num_cached", "tokens")
-    DTYPES = (np.int32, np.uint8, np.int8, np.int32, np.int32)
+    DTYPES = (np.int64, np.uint8, np.int8, np.int32, np.int32)
 
     @classmethod
     def of(cls, rank: int, outputs: list[RequestOutput], handle_of: dict[str, int],
            stats: dict | None = None) -> "OutputBatch":
         tokens = [t for out in outputs for t in out.new_token_ids]
-        return cls(rank, np.fromiter((handle_of[out.request_id] for out in outputs), np.int32, len(outputs)),
+        return cls(rank, np.fromiter((handle_of[out.request_id] for out in outputs), np.int64, len(outputs)),
                    np.fromiter((len(out.new_token_ids) for out in outputs), np.uint8, len(outputs)),
                    np.fromiter((_REASONS.index(out.finish_reason) + 1 if out.finished else 0 for out in outputs),
                                np.int8, len(outputs)),

@@ -65,11 +65,12 @@ def test_speculative_decoding_with_a_schema_and_seeded_sampling_over_ranks_gives
 
 def test_an_output_batch_carries_a_request_in_at_most_32_bytes():
     """128 requests of one token each, a few of them ending (one with an error, one with log-probabilities): the
-    frames a rank sends are at most 32 bytes a request, and come back as they were."""
+    frames a rank sends are at most 32 bytes a request, and come back as they were, handles past 2^31 included (rank
+    0 numbers every placement it makes: at 1,000 requests a second it passes 2^31 in 25 days)."""
     outputs = [RequestOutput(f"r{i}", [1000 + i], "", i % 40 == 0, FinishReason.LENGTH if i % 40 == 0 else None, 50,
                              3, None, None, 128 * (i % 2)) for i in range(128)]
     outputs[7] = RequestOutput("r7", [], "", True, FinishReason.ERROR, 50, 3, "the constraint cannot go on")
-    handles = {out.request_id: 10_000 + i for i, out in enumerate(outputs)}
+    handles = {out.request_id: 2**31 - 64 + i for i, out in enumerate(outputs)}
     plain = OutputBatch.of(3, outputs, handles, None).frames()
     assert sum(len(frame) for frame in plain) <= 32 * len(outputs)
     outputs[9] = RequestOutput("r9", [5, 6], "", False, None, 50, 3, None, [TokenLogprobs(-0.5, 1, [(5, -0.5)]),
@@ -78,7 +79,6 @@ def test_an_output_batch_carries_a_request_in_at_most_32_bytes():
     assert [(h, t, r, c, e) for h, t, r, c, e, _ in back] == [
         (handles[o.request_id], o.new_token_ids, o.finish_reason, o.num_cached_tokens, o.error) for o in outputs]
     assert back[9][5][1].top == [(4, -0.2)] and back[8][5] is None
-    assert OutputBatch.from_frames(plain).handles.dtype == np.int32
 
 
 def _single_rank_tokens(checkpoint, prompts, params, **settings) -> list[list[int]]:
