@@ -48,6 +48,7 @@ class _Live:
     sending: threading.Lock = field(default_factory=threading.Lock)  # held while a response of it goes out
     answered: bool = False  # its FINAL went out (or failed to): nothing more is sent (under `sending`)
     asked_at: float = float("-inf")  # when its sender was last asked is_cancelled() (time.monotonic())
+    failed: str | None = None  # sending one of its responses failed: its end is this error, counted as one
 
 
 # How long finalize() may take: below tritonserver's exit timeout (30 s by default, 10 s in scripts/serve.sh and the
@@ -217,13 +218,14 @@ class TritonAdapter:
                 self.metrics.on_tokens(live.timer)
             if output.finished and not output.error and live.sender.is_cancelled():
                 output = replace(output, finish_reason=FinishReason.CANCELLED)  # (as any cancelled request ends)
-            if output.error or output.finish_reason == FinishReason.CANCELLED:
+            if output.error or output.finish_reason == FinishReason.CANCELLED or live.failed:
                 final_sent = self._send_end_error(live, output)
             else:
                 final_sent = self._send_output(output.request_id, live, output)
         except Exception as exc:
             self.logger.log_error(f"[dsv4] sending a response for {output.request_id} failed: {exc}")
-            final_sent = self._send_error(live.sender, f"internal error: {exc}")
+            live.failed = f"internal error: {exc}"  # (if this error cannot go out either: sent at the abort's end)
+            final_sent = self._send_error(live.sender, live.failed)
             self._abort(output.request_id)
         finally:
             if output.finished or final_sent:
@@ -239,8 +241,8 @@ class TritonAdapter:
             return False
 
     def _send_end_error(self, live: _Live, output) -> bool:
-        if output.error:
-            return self._send_error(live.sender, output.error)
+        if live.failed or output.error:
+            return self._send_error(live.sender, live.failed or output.error)
         return self._send_error(live.sender, "request cancelled", getattr(self.pb.TritonError, "CANCELLED", None))
 
     def _send_output(self, request_id: str, live: _Live, output) -> bool:
@@ -261,7 +263,8 @@ class TritonAdapter:
         with self._lock:
             self._live.pop(output.request_id, None)
         self.processor.discard(output.request_id)
-        self.metrics.on_finished((output.finish_reason or FinishReason.ERROR).value)
+        reason = FinishReason.ERROR if live.failed else output.finish_reason or FinishReason.ERROR
+        self.metrics.on_finished(reason.value)
         if not final_sent:
             self._send_final_flag(live.sender)
 
@@ -360,7 +363,8 @@ class TritonAdapter:
             if live.answered:
                 return False
             live.answered = True
-            self._send_error(live.sender, message, code)
+            if not self._send_error(live.sender, message, code):
+                self._send_final_flag(live.sender)  # (the request must still end)
             return True
         finally:
             live.sending.release()

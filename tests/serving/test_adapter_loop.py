@@ -196,6 +196,30 @@ def test_a_failing_send_aborts_the_request_and_still_sends_one_final(adapter):
     assert adapter.engine._running == {} and adapter._live == {}
 
 
+def test_a_request_whose_error_response_fails_too_still_ends_with_that_error_counted_as_one(adapter):
+    """The first token response raises, and so does the error response after it: the request is aborted, and at the
+    abort's end the client gets the internal error (not "request cancelled": it never cancelled), counted `error`."""
+    req = request("hello", max_tokens=50)
+    req.sender.fail_sends = 2
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.num_finals == 1 and errors_of(req) == ["internal error: the client went away"]
+    deadline = time.monotonic() + 2
+    while finished(adapter, "error") == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert (finished(adapter, "error"), finished(adapter, "cancelled")) == (1, 0)
+
+
+def test_a_refused_request_whose_error_response_fails_still_gets_a_final(adapter):
+    """A bad request's one response is its error: when that send fails, a bare FINAL still ends the request (else it
+    stays open in tritonserver, holding up an unload or a stop)."""
+    req = request("hello", max_tokens=0)
+    req.sender.fail_sends = 1
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.sent == [(None, FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)]
+
+
 def test_a_sender_that_always_fails_leaves_nothing_behind(adapter):
     req = request("hello", max_tokens=50)
     req.sender.fail_sends = 10**6
