@@ -474,6 +474,11 @@ class LLMEngine:
                 if self.group is not None and self.group.check():
                     self._fail_everywhere(self.group.broken)
                     return
+                gone = links.gone()
+                if gone and not self._stop.is_set():  # (at a shutdown the ranks leave as told)
+                    self._fail_everywhere(f"data-parallel rank {gone[0]} is gone: its connection to rank 0 dropped "
+                                          "(its process exited or was killed)")
+                    return
                 silent = self._silent_rank()
                 if silent is not None:
                     self._fail_everywhere(silent)
@@ -482,8 +487,9 @@ class LLMEngine:
     def _silent_rank(self) -> str | None:
         """Why another rank is taken for hung: requests are placed on it and it has sent nothing for
         collective_timeout_s (a rank at work sends its stats every STATS_EVERY_S, its outputs every step; a rank whose
-        process died is the group's check). Without expert parallelism the ranks meet in no collective that would
-        time out, and its requests, cancels included, would wait forever."""
+        process died is the group's check on this node, and its dropped connection on any). Without expert
+        parallelism the ranks meet in no collective that would time out, and its requests, cancels included, would
+        wait forever."""
         limit, now = self.config.collective_timeout_s, time.monotonic()
         with self._placement_lock:
             rank = next((r for r in self.ranks[1:] if r.load and now - r.heard_at > limit), None)

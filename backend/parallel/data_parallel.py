@@ -14,11 +14,14 @@ backend/engine.py) places each request on a rank by load and prefix affinity and
 prompt, the sampling parameters, the stop ids, rank 0's handle for it); aborts follow it (`Cancel`). Each step a rank
 sends back only what the responses need, packed in arrays (`OutputBatch`: per request its handle, its new tokens,
 whether and why it ended, its prefix-cache hits; errors and log-probabilities, which only some requests carry, beside
-them): 14 bytes a request for one token. Its counters, requests and pools come with it every STATS_EVERY_S.
+them): 18 bytes a request for one token. Its counters, requests and pools come with it every STATS_EVERY_S.
 
 Messages travel over ZeroMQ (PUSH/PULL, one socket from rank 0 to each rank's inbox, one from all ranks back),
 pickled: every rank binds its inbox and reports its address when it is ready (the group's ready barrier gathers
-them), then connects to the others'. The MoE exchanges keep ranks in
+them), then connects to the others'. A rank whose connection drops (its process exited or was killed, on this node or
+another: its end of the TCP connection closed) is gone at once (`RankLinks.gone`, ZeroMQ's DISCONNECTED event on
+rank 0's socket to it; rank 0 then fails every request), and so is rank 0 for a rank (`RankLink.rank_0_gone`: the
+rank exits). The MoE exchanges keep ranks in
 step where they meet (backend/parallel/sync.py, `LockStep`): every request that arrives wakes every rank (`Wake`), so
 ranks that all went idle take up their agreements together again.
 """
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from backend.parallel.messages import Arrival, Cancel, Stop, Wake
 from backend.request import FinishReason, RequestOutput
@@ -98,6 +102,27 @@ class OutputBatch:
             start = end
 
 
+class _PeerWatch:
+    """Whether a connected socket's peer went away: ZeroMQ's DISCONNECTED event on it (the peer's end of the TCP
+    connection closed: its process exited or was killed; ZeroMQ would reconnect, but a rank never comes back). Set up
+    before the socket connects; polled from one thread."""
+
+    def __init__(self, socket: zmq.Socket):
+        self._socket = socket
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.gone = False
+
+    def poll(self) -> bool:
+        while not self.gone and self._monitor.poll(0):
+            self.gone = recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return self.gone
+
+    def close(self) -> None:
+        """Before the socket closes (a monitor left open holds its context's term())."""
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+
+
 class RankLinks:
     """Rank 0's sockets: one PULL from every other rank (bound before they start: its address goes to them), and one
     PUSH to each rank's own inbox (connected once they are ready, `connect`: a connected socket queues what it is
@@ -111,6 +136,7 @@ class RankLinks:
         self._inbox = self._context.socket(zmq.PULL)
         self.address = _bind(self._inbox)
         self._to: dict[int, zmq.Socket] = {}
+        self._watches: dict[int, _PeerWatch] = {}  # per rank, whether its inbox's connection dropped
         self._unsent: dict[int, deque] = {}  # per rank, the messages its inbox refused, oldest first
         self._lock = threading.Lock()
 
@@ -119,8 +145,13 @@ class RankLinks:
         for rank, address in inboxes.items():
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.LINGER, 0)
+            self._watches[rank] = _PeerWatch(socket)
             socket.connect(address)
             self._to[rank] = socket
+
+    def gone(self) -> list[int]:
+        """The ranks whose inbox's connection dropped (from the receiving thread)."""
+        return [rank for rank, watch in self._watches.items() if watch.poll()]
 
     def send(self, rank: int, message) -> None:
         """`message` to `rank`, now or, behind what its inbox refused before, once it takes messages again."""
@@ -169,6 +200,8 @@ class RankLinks:
     def close(self) -> None:
         with self._lock:
             self._inbox.close(linger=0)
+            for watch in self._watches.values():
+                watch.close()
             for socket in self._to.values():
                 socket.close(linger=0)
             self._context.term()
@@ -184,6 +217,7 @@ class RankLink:
         self.address = _bind(self._inbox)
         self._outbox = self._context.socket(zmq.PUSH)
         self._outbox.setsockopt(zmq.LINGER, 5000)  # (its last outputs still reach rank 0 when it exits)
+        self._rank_0 = _PeerWatch(self._outbox)
 
     def connect(self, rank_0: str) -> None:
         """Rank 0's inbox, as the ranks' ready barrier gave it."""
@@ -203,8 +237,13 @@ class RankLink:
     def send(self, batch: OutputBatch) -> None:
         self._outbox.send_multipart(batch.frames(), copy=False)
 
+    def rank_0_gone(self) -> bool:
+        """Whether the connection to rank 0's inbox dropped (its process, on this node or another, is gone)."""
+        return self._rank_0.poll()
+
     def close(self) -> None:
         self._inbox.close(linger=0)
+        self._rank_0.close()
         self._outbox.close()
         self._context.term()
 
@@ -229,7 +268,7 @@ def serve_rank(core, link: RankLink) -> None:
     handles: dict[str, int] = {}  # request id -> rank 0's handle
     early: OrderedDict[int, FinishReason] = OrderedDict()  # Cancels of requests whose Arrival has not come (by handle)
     parent, stats_due = os.getppid(), 0.0
-    while os.getppid() == parent:  # (an orphan, whose rank 0 was killed, exits)
+    while os.getppid() == parent and not link.rank_0_gone():  # (whose rank 0 is gone, on this node or another, exits)
         for message in link.receive(_wait_s(core)):
             match message:
                 case Arrival() as arrival:

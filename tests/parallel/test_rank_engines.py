@@ -10,6 +10,7 @@ request; the other ranks' stats reach rank 0's.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 
 import numpy as np
@@ -18,7 +19,8 @@ import torch
 
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
-from backend.parallel.data_parallel import OutputBatch
+from backend.parallel.data_parallel import OutputBatch, RankLink, RankLinks
+from backend.parallel.messages import Wake
 from backend.request import FinishReason, RequestOutput, SamplingParams, TokenLogprobs
 from backend.structured.params import guided_decoding_from_sampling
 
@@ -79,6 +81,38 @@ def test_an_output_batch_carries_a_request_in_at_most_32_bytes():
     assert [(h, t, r, c, e) for h, t, r, c, e, _ in back] == [
         (handles[o.request_id], o.new_token_ids, o.finish_reason, o.num_cached_tokens, o.error) for o in outputs]
     assert back[9][5][1].top == [(4, -0.2)] and back[8][5] is None
+
+
+def test_each_side_sees_the_others_connection_drop():
+    """Rank 0's sockets and a rank's, connected as a group connects them (over TCP on loopback): once a side's
+    process is gone (its sockets closed), the other side knows it at once, whichever node it is on."""
+    links, link = RankLinks(), RankLink()
+    try:
+        link.connect(links.address)
+        links.connect({1: link.address})
+        links.send(1, Wake())  # (the connection is up)
+        assert link.receive(timeout_s=5) == [Wake()]
+        assert links.gone() == [] and not link.rank_0_gone()
+        link.close()  # (the rank's process exits)
+        deadline = time.monotonic() + 5
+        while not links.gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert links.gone() == [1]
+    finally:
+        links.close()
+    links, link = RankLinks(), RankLink()
+    try:
+        link.connect(links.address)
+        links.connect({1: link.address})
+        link.send(OutputBatch.of(1, [], {}, {"rank": 1}))  # (the connection is up)
+        assert links.receive(timeout_s=5).stats == {"rank": 1}
+        links.close()  # (rank 0's process exits)
+        deadline = time.monotonic() + 5
+        while not link.rank_0_gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.rank_0_gone()
+    finally:
+        link.close()
 
 
 def _single_rank_tokens(checkpoint, prompts, params, **settings) -> list[list[int]]:

@@ -170,6 +170,52 @@ def test_two_nodes_on_loopback(parallel_checkpoint, monkeypatch):
             node1.wait()
 
 
+def test_a_data_parallel_rank_on_another_node_that_dies_fails_its_requests_at_once(parallel_checkpoint, monkeypatch):
+    """DP=2 over two nodes on loopback (no expert parallelism: the ranks meet in no collective), node 1 killed while
+    its rank decodes a request: rank 0 sees the rank's connection drop and ends every request with the reason in
+    seconds, not after collective_timeout_s (10 minutes by default); later requests are refused."""
+    import signal
+
+    from backend.parallel.group import _free_port
+    from backend.request import EngineUnavailable
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
+    sets = [f"checkpoint={parallel_checkpoint}", "device=cpu", "num_tokens=8192", "page_size=16",
+            "swa_full_tokens_ratio=0.5", "data_parallel_size=2"]
+    node1 = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_node.py"),
+                              *(a for s in sets for a in ("--set", s))], env={**os.environ, **env, "NODE_RANK": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for key, value in {**env, "NODE_RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        engine = _engine(parallel_checkpoint, data_parallel_size=2)
+        outputs = {}
+        try:
+            for i in range(2):
+                engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=5000,
+                                                                                      ignore_eos=True)),
+                              lambda out: outputs.setdefault(out.request_id, []).append(out))
+            remote = next(f"r{i}" for i in range(2) if engine.rank_of(f"r{i}") == 1)
+            deadline = time.monotonic() + 60
+            while len(outputs.get(remote, [])) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.killpg(node1.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while not (outputs[remote][-1].finished or time.monotonic() - killed > 30):
+                time.sleep(0.01)
+            assert time.monotonic() - killed < 10
+            end = outputs[remote][-1]
+            assert end.finished and end.finish_reason.value == "error" and "rank 1 is gone" in end.error, end
+            with pytest.raises(EngineUnavailable, match="rank 1 is gone"):
+                engine.submit(Sequence("later", [1, 2]), lambda out: None)
+        finally:
+            engine.shutdown()
+    finally:
+        if node1.poll() is None:
+            os.killpg(node1.pid, signal.SIGKILL)
+        node1.wait()
+
+
 def test_a_silent_worker_times_out_the_step_instead_of_hanging(parallel_checkpoint):
     """A worker that stops answering (SIGSTOP: alive, silent) fails the in-flight requests after
     collective_timeout_s, and the engine refuses what comes next, naming the cause."""
