@@ -497,7 +497,7 @@ def _xgrammar_message(exc: BaseException) -> str:
     return _XGRAMMAR_LOCATION.sub("", str(exc).strip()) or repr(exc)
 
 
-# Two narrowings of what XGrammar 0.2.8 converts, so that every output is valid UTF-8 and valid JSON:
+# Two narrowings of what XGrammar (0.2.8, 0.2.9) converts, so that every output is valid UTF-8 and valid JSON:
 # - its negated character classes ([^...], e.g. a JSON string's characters), a regex's "." and a class's range
 #   across them ([\u0100-\uffff]) admit the UTF-8 encodings of the surrogates U+D800..U+DFFF, which are not valid
 #   UTF-8 (a byte-level tokenizer can produce them byte by byte);

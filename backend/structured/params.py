@@ -172,9 +172,9 @@ def _map_subschemas(node: dict, fn) -> dict:
     return node
 
 
-# Keywords XGrammar (0.2.8) drops without a word, so that an output could break them and still end with "stop"
-# (compiled with and without each, the grammar is the same); vLLM refuses schemas with such features for XGrammar
-# too. allOf of more than one schema is compiled as any JSON value.
+# Keywords XGrammar (0.2.8, 0.2.9) drops without a word, so that an output could break them and still end with "stop"
+# (compiled with and without each, the grammar is the same; 0.2.9 takes minContains as a minItems, no more); vLLM
+# refuses schemas with such features for XGrammar too. allOf of more than one schema is compiled as any JSON value.
 _NOT_ENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "propertyNames",
                  "unevaluatedProperties", "uniqueItems", "contains", "minContains", "maxContains")
 

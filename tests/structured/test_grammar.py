@@ -102,8 +102,8 @@ def _matches(service, constraint: GuidedDecoding, text: bytes) -> bool:
 
 
 def test_json_strings_never_hold_surrogates_or_raw_control_characters(service):
-    """XGrammar 0.2.8 admits both (surrogates in every string, control characters in length-bounded ones); the
-    service narrows its grammars so that outputs are valid UTF-8 and valid JSON."""
+    """XGrammar 0.2.8 and 0.2.9 admit both (surrogates in every string, control characters in length-bounded ones);
+    the service narrows its grammars so that outputs are valid UTF-8 and valid JSON."""
     for schema in ({"type": "string"}, {"type": "string", "maxLength": 5}, {"type": "string", "minLength": 1}):
         constraint = guided({"json": schema})
         assert _matches(service, constraint, '"ok é"'.encode())
