@@ -154,12 +154,18 @@ class SamplingParams:
             if key in GUIDED_KEYS:
                 continue
             if key in VLLM_FIXED_KEYS:
-                fixed, value = VLLM_FIXED_KEYS[key], _as_bool(value)
-                if value is not fixed:
+                fixed = VLLM_FIXED_KEYS[key]
+                value = _as_bool(value) if isinstance(fixed, bool) else _as_int(value, key)
+                if value is not fixed if isinstance(fixed, bool) else value != fixed:
                     raise ValueError(f"{key}={json.dumps(value)} is not supported here (only {json.dumps(fixed)}, "
                                      "vLLM's default)")
                 continue
-            if key in _INT_KEYS:
+            if key == "logprobs" and isinstance(_as_bool(value), bool):
+                # (Triton's OpenAI frontend up to 25.11 sends chat's boolean `logprobs`, false unless asked for;
+                # the vLLM backend takes it as int(): true asks for 1)
+                if _as_bool(value):
+                    kwargs[key] = 1
+            elif key in _INT_KEYS:
                 kwargs[key] = _as_int(value, key)
             elif key in _FLOAT_KEYS:
                 kwargs[key] = _as_float(value, key)
@@ -176,11 +182,12 @@ _INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprob
 # Keys whose JSON null means "not given", as vLLM's SamplingParams takes None for them (Triton's vLLM backend passes
 # them through as they come)
 _NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms", "ignore_eos", "skip_special_tokens",
-                  "spaces_between_special_tokens", "include_stop_str_in_output")
+                  "spaces_between_special_tokens", "include_stop_str_in_output", "best_of")
 # vLLM's sampling parameters this engine always applies at vLLM's default: accepted at that value (clients that send
-# vLLM's whole parameter set send them), refused otherwise. Text skips special tokens; a stop string is left out.
+# vLLM's whole parameter set send them: Triton's OpenAI frontend up to 25.12 sends completions' best_of 1), refused
+# otherwise. Text skips special tokens; a stop string is left out; one completion is drawn (n is 1).
 VLLM_FIXED_KEYS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
-                   "include_stop_str_in_output": False}
+                   "include_stop_str_in_output": False, "best_of": 1}
 
 
 def without_unset_nulls(params: Mapping[str, Any]) -> dict[str, Any]:

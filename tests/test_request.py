@@ -43,6 +43,20 @@ def test_vllm_parameters_at_the_values_this_engine_applies_are_accepted():
             SamplingParams.from_dict({key: not value})
 
 
+def test_what_older_triton_openai_frontends_send_is_taken_as_the_vllm_backend_takes_it():
+    """Triton's OpenAI frontend dumps the OpenAI request without its None fields: up to 25.11 a chat request carries
+    its boolean `logprobs` (false unless asked for), up to 25.12 a completion carries `best_of` 1. false asks for
+    nothing, true for one log-probability (the vLLM backend's int()); best_of is accepted at 1 (n is 1) only."""
+    chat = {"frequency_penalty": 0, "ignore_eos": False, "logprobs": False, "max_tokens": 8, "n": 1,
+            "presence_penalty": 0, "temperature": 0.7, "top_p": 1}
+    assert SamplingParams.from_dict(chat) == SamplingParams(max_tokens=8, temperature=0.7)
+    assert SamplingParams.from_dict({**chat, "logprobs": True}).logprobs == 1
+    assert SamplingParams.from_dict({"best_of": 1, "max_tokens": 8, "n": 1}) == SamplingParams(max_tokens=8)
+    assert SamplingParams.from_dict({"best_of": None}) == SamplingParams()
+    with pytest.raises(ValueError, match="best_of=2 is not supported here"):
+        SamplingParams.from_dict({"best_of": 2})
+
+
 def test_booleans_may_come_as_the_strings_true_and_false_as_numbers_come_as_numeric_strings():
     """The vLLM backend's parser takes strings for its boolean keys, and clients built for it send them so."""
     assert SamplingParams.from_dict({"ignore_eos": "true"}).ignore_eos is True
