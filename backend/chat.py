@@ -1,16 +1,21 @@
-"""Chat prompts: a list of messages turned into the prompt text by the checkpoint's chat template.
+"""Chat prompts: a list of messages turned into the prompt text by a chat template.
 
-    template = ChatTemplate.from_checkpoint(path)       # None: the checkpoint ships no template
+    template = ChatTemplate.from_checkpoint(path)       # None: neither the checkpoint nor the deployment has one
     text = template.render([{"role": "user", "content": "Hi"}])
 
-The template is tokenizer_config.json's `chat_template`, rendered by transformers' own renderer (what
-apply_chat_template calls: Jinja's immutable sandbox with transformers' loop controls, `{% generation %}` blocks,
-`tojson` without HTML escapes, `raise_exception` and `strftime_now`; `messages`, `add_generation_prompt=True`,
-`bos_token`, `eos_token`), so that templates written for it render here as there. A template that refuses the
-messages (`raise_exception`) or fails on them is a ValueError with its message. Messages are checked first: a
-non-empty list of objects with `role` (system, user, assistant) and string `content`; anything else is a ValueError
-naming the message. The rendered text carries its own special tokens, so it is tokenized without adding any
-(`Tokenizer.encode(text, add_special_tokens=False)`).
+The template is the deployment's `chat_template` file if it names one (as vLLM's and Triton's OpenAI frontend's
+--chat-template: DeepSeek-V4's published checkpoints ship no Jinja template), else the checkpoint's, where
+transformers finds it: chat_template.jinja (which transformers v5 writes), else tokenizer_config.json's
+`chat_template`. It is rendered by transformers' own renderer (what apply_chat_template calls: Jinja's immutable
+sandbox with transformers' loop controls, `{% generation %}` blocks, `tojson` without HTML escapes,
+`raise_exception` and `strftime_now`; `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`), so that
+templates written for it render here as there. A template that refuses the messages (`raise_exception`) or fails on
+them is a ValueError with its message. Messages are checked first: a non-empty list of objects, each with an
+OpenAI role (system, developer, user, assistant, tool) and its `content`: a string, a list of text parts (joined
+with newlines, as vLLM joins them), or null beside an assistant's `tool_calls`; other keys (`name`, `tool_calls`,
+`tool_call_id`, `reasoning_content`, ...) go to the template as they are, as transformers passes them. Anything else
+is a ValueError naming the message. The rendered text carries its own special tokens, so it is tokenized without
+adding any (`Tokenizer.encode(text, add_special_tokens=False)`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; the template decides what it takes
 
 
 @dataclass(frozen=True)
@@ -30,14 +35,23 @@ class ChatTemplate:
     eos_token: str = ""
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path) -> "ChatTemplate | None":
-        path = Path(checkpoint) / "tokenizer_config.json"
-        if not path.is_file():
-            return None
-        config = json.loads(path.read_text())
-        template = config.get("chat_template")
-        if isinstance(template, list):  # transformers' named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    def from_checkpoint(cls, checkpoint: str | Path, template_file: str | Path | None = None) -> "ChatTemplate | None":
+        """`template_file`'s template (the deployment's `chat_template`), else the checkpoint's; None without one."""
+        directory = Path(checkpoint)
+        config_path = directory / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if template_file is not None:
+            if not Path(template_file).is_file():
+                from backend.config import ConfigError
+
+                raise ConfigError(f"parameter 'chat_template': no file at {str(template_file)!r}")
+            template = Path(template_file).read_text()
+        elif (directory / "chat_template.jinja").is_file():  # (transformers reads it before tokenizer_config.json's)
+            template = (directory / "chat_template.jinja").read_text()
+        else:
+            template = config.get("chat_template")
+            if isinstance(template, list):  # transformers' named templates: the default one
+                template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if not template:
             return None
         import transformers.utils.chat_template_utils  # noqa: F401 (its import, half a second, at start-up)
@@ -45,7 +59,7 @@ class ChatTemplate:
         return cls(template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
     def render(self, messages: Any) -> str:
-        check_messages(messages)
+        messages = checked_messages(messages)
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -57,16 +71,36 @@ class ChatTemplate:
         return text
 
 
-def check_messages(messages: Any) -> None:
+def checked_messages(messages: Any) -> list[dict]:
+    """The messages as the template gets them (text parts joined); ValueError naming the first malformed one."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty JSON list of {\"role\", \"content\"} objects")
+    checked = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
-            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content' (and optionally 'name')")
-        if message.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {list(ROLES)}, got {message.get('role')!r}")
-        if not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
+        if message["role"] not in ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {list(ROLES)}, got {message['role']!r}")
+        checked.append({**message, "content": _content(message, i)})
+    return checked
+
+
+def _content(message: dict, i: int) -> str | None:
+    """A message's content as a string: text parts joined with newlines; null only beside an assistant's tool
+    calls."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message["role"] == "assistant" and message.get("tool_calls"):
+        return None
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = sorted({str(part.get("type")) for part in content} - {"text"})
+        if kinds:
+            raise ValueError(f"messages[{i}].content has parts of type {kinds}: only text parts are taken")
+        if all(isinstance(part.get("text"), str) for part in content):
+            return "\n".join(part["text"] for part in content)
+    raise ValueError(f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
+                     "parts")
 
 
 def _token_text(token: Any) -> str:

@@ -48,6 +48,9 @@ class EngineConfig:
     # anything is planned, e.g. {"num_hidden_layers": 12}; its keys are the config.json keys the engine reads (a key
     # only other software reads, such as torch_dtype, is refused), each value of that key's type.
     hf_overrides: dict | None = None
+    # A Jinja chat template file for `messages` requests, in place of the checkpoint's (backend/chat.py; as vLLM's
+    # --chat-template): DeepSeek-V4's published checkpoints ship none. Relative paths are taken from the repo root.
+    chat_template: str | None = None
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (float32 on cpu, bfloat16 on cuda) | float32 | bfloat16 | float16
     # Quantized checkpoints: `dequantize` expands FP8/MXFP4 at load (exact); `fp8` keeps them as published
@@ -275,8 +278,9 @@ class EngineConfig:
             if value in ("", None):
                 continue
             kwargs[key] = _parse(key, fields[key].type, value)
-        if "checkpoint" in kwargs:
-            kwargs["checkpoint"] = os.path.expanduser(kwargs["checkpoint"])
+        for path in ("checkpoint", "chat_template"):
+            if path in kwargs:
+                kwargs[path] = os.path.expanduser(kwargs[path])
         try:
             return cls(**kwargs)
         except ConfigError:
@@ -342,11 +346,12 @@ def _check_hf_overrides(overrides) -> None:
     that key's type."""
     from backend.model.config import config_keys
 
-    _check(isinstance(overrides, dict), "hf_overrides", overrides, "a JSON object of config.json keys this engine reads")
+    _check(isinstance(overrides, dict), "hf_overrides", overrides,
+           "a JSON object of config.json keys this engine reads")
     keys = config_keys()
     for key, value in overrides.items():
-        _check(key in keys, "hf_overrides", overrides, f"config.json keys this engine reads; {key!r} is not one (it reads: "
-               f"{', '.join(sorted(keys))})")
+        _check(key in keys, "hf_overrides", overrides, f"config.json keys this engine reads; {key!r} is not one "
+               f"(it reads: {', '.join(sorted(keys))})")
         _check(_is_of_type(value, keys[key]), "hf_overrides", overrides, f"{key!r} of type {keys[key]}, not "
                f"{type(value).__name__}")
 

@@ -74,7 +74,7 @@ class LLMEngine:
         self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
                                                           self.deployment.kv)
         self.tokenizer = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
-        self.chat_template = ChatTemplate.from_checkpoint(tokenizer)  # None: `messages` requests are refused
+        self.chat_template = ChatTemplate.from_checkpoint(tokenizer, config.chat_template)  # None: no `messages`
         self.eos_token_ids = eos_token_ids(config, self.model_config)
         # Structured outputs: the grammars of constrained requests, compiled on their own threads.
         self.grammars = grammar_service(config, self.model_config)

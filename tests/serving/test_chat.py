@@ -49,13 +49,49 @@ def test_messages_input_becomes_the_rendered_prompt_without_extra_special_tokens
 @pytest.mark.parametrize("messages,message", [
     ("not json", "not valid JSON"), ("[]", "non-empty"), ('[{"role": "robot", "content": "x"}]', "role"),
     ('[{"role": "user", "content": 3}]', "content must be a string"), ('{"role": "user"}', "non-empty JSON list"),
-    ('[{"role": "user", "content": "x", "extra": 1}]', "messages\\[0\\]"),
+    ('[{"role": "user", "content": null}]', "messages\\[0\\].content must be a string or a list"),
+    ('[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]', "only text parts"),
+    ('[{"content": "x"}]', "messages\\[0\\] must be an object with 'role'"),
 ])
 def test_malformed_messages_are_refused_naming_the_problem(tiny_checkpoint, template, messages, message):
     tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
     inputs = {"messages": np.array([messages.encode()], dtype=np.object_)}
     with pytest.raises(ValueError, match=message):
         triton_io.parse_request(inputs, tokenizer, None, template)
+
+
+def test_openai_messages_reach_the_template_as_transformers_passes_them():
+    """Text parts joined with newlines (as vLLM joins them), the developer and tool roles, an assistant's tool calls
+    with null content and a tool's call id: the template sees each message with its keys, and decides."""
+    template = ChatTemplate("{% for m in messages %}[{{ m.role }}|{{ m.content }}|"
+                            "{{ m.tool_calls[0].id if m.tool_calls else '' }}{{ m.tool_call_id or '' }}]{% endfor %}")
+    parts = [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Oslo?"}]
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
+                {"role": "tool", "content": "3 C", "tool_call_id": "c1", "name": "weather"}]
+    assert template.render(messages) == ("[developer|Be brief.|][user|Weather\nin Oslo?|][assistant|None|c1]"
+                                         "[tool|3 C|c1]")
+
+
+def test_the_template_comes_from_the_parameter_then_chat_template_jinja_then_tokenizer_config(tiny_checkpoint,
+                                                                                            tmp_path):
+    """As transformers finds a checkpoint's template (chat_template.jinja first), and a deployment's chat_template
+    file before either (vLLM's --chat-template); a chat_template file that is not there fails the load, naming it."""
+    from backend.config import ConfigError
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps({"chat_template": "config {{ messages[0].content }}",
+                                                                  "bos_token": "<s>"}))
+    assert ChatTemplate.from_checkpoint(checkpoint).render([{"role": "user", "content": "x"}]) == "config x"
+    (checkpoint / "chat_template.jinja").write_text("jinja {{ bos_token }}{{ messages[0].content }}")
+    assert ChatTemplate.from_checkpoint(checkpoint).render([{"role": "user", "content": "x"}]) == "jinja <s>x"
+    (tmp_path / "mine.jinja").write_text("mine {{ messages[0].content }}")
+    chosen = ChatTemplate.from_checkpoint(checkpoint, tmp_path / "mine.jinja")
+    assert chosen.render([{"role": "user", "content": "x"}]) == "mine x"
+    assert ChatTemplate.from_checkpoint(tmp_path / "nothing there") is None
+    with pytest.raises(ConfigError, match="chat_template.*no file at"):
+        ChatTemplate.from_checkpoint(checkpoint, tmp_path / "missing.jinja")
 
 
 def test_messages_without_a_template_and_two_prompts_are_refused(tiny_checkpoint):

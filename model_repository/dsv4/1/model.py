@@ -58,6 +58,8 @@ class TritonPythonModel:
         config = EngineConfig.from_parameters(params)  # ConfigError names the bad parameter
         if not os.path.isabs(config.checkpoint):
             config.checkpoint = str(root / config.checkpoint)
+        if config.chat_template is not None and not os.path.isabs(config.chat_template):
+            config.chat_template = str(root / config.chat_template)
         pb_utils.Logger.log_info(f"[dsv4] repo {root}; MKL_NUM_THREADS={os.environ.get('MKL_NUM_THREADS', '')}; "
                                  f"engine config {config}")
         self.adapter = TritonAdapter(LLMEngine(config), pb_utils, args["model_name"], args["model_version"])
