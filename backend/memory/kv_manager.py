@@ -434,13 +434,25 @@ class KVCacheManager:
         out["running_requests"] = self.state_pool.allocator.num_pages
         return out
 
-    def evictable_pages(self) -> dict[str, int] | None:
-        """Pool -> its pages no request holds, only prefix-cache entries: what evicting every entry would free (None
-        without a prefix cache). It walks every page the cache holds."""
+    def evictable_pages(self, keep: PrefixPages | None = None) -> dict[str, int] | None:
+        """Pool -> its pages no request holds, only prefix-cache entries: what evicting every entry (but the one
+        holding `keep`) would free (None without a prefix cache). It walks every page the cache holds."""
         if self.prefix_cache is None:
             return None
+        kept = {name: set(pages) for name, pages in keep.by_pool()} if keep is not None else {}
         return {pool.name: sum(1 for page, count in self.prefix_cache.holders(pool.name).items()
-                               if pool.allocator.refs(page) == count) for pool in self._pools}
+                               if pool.allocator.refs(page) == count and page not in kept.get(pool.name, ()))
+                for pool in self._pools}
+
+    def can_adopt_evicting(self, pinned: PrefixPages, length: int) -> bool:
+        """Whether `adopt(seq, pinned, length)` could succeed once every other prefix-cache entry were evicted: a free
+        state slot (entries hold none), and a page for each partly filled last page, free or only entries' (not
+        `pinned`'s, which stay). Nothing is evicted."""
+        if self.state_pool.num_free < 1:
+            return False
+        evictable = self.evictable_pages(keep=pinned) or {}
+        return all(self.paged_pool(name).num_free + evictable.get(name, 0) >= 1 for name, _ in pinned.by_pool()
+                   if self._last_page_partial(name, length))
 
     def can_extend_evicting(self, seq, num_new_tokens: int, evictable: dict[str, int] | None) -> bool:
         """can_extend, with `evictable` (evictable_pages()) counted free; nothing is evicted."""

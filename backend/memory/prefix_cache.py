@@ -194,10 +194,14 @@ class PrefixCache:
         """Give `seq` (holding no memory) the memory of `entry` (its first entry.length positions are then computed:
         the caller counts them); False (nothing changed) when the copies of the partly filled pages or the state
         slot cannot be allocated."""
+        copies = self.kv.adopt(seq, entry.pages, entry.length)
+        if copies is None and not self.kv.can_adopt_evicting(entry.pages, entry.length):
+            return False  # (the pages are running requests': evicting would empty the cache, step after step, for none)
         # other entries' pages go first (this one is kept: its pages are about to be shared)
-        while (copies := self.kv.adopt(seq, entry.pages, entry.length)) is None:
+        while copies is None:
             if not self.evict_one(keep=entry):
                 return False
+            copies = self.kv.adopt(seq, entry.pages, entry.length)
         self._do(("load", entry.snapshot, seq.pages.slot))
         for name, src, dst in copies:
             self._do(("page", name, src, dst))

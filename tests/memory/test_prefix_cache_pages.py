@@ -413,3 +413,37 @@ def test_a_chunk_fitted_in_an_empty_engine_may_evict_the_entries_holding_its_pag
     _serve_alone(kv, scheduler, big)
     assert big.finish_reason.value == "length" and len(big.output_ids) == 4
     assert kv.prefix_cache.stats.evictions > 0
+
+
+def test_a_hit_whose_partly_filled_pages_evicting_cannot_free_evicts_nothing(tiny_checkpoint):
+    """A restore needs a page of its own for each partly filled last page of the hit. When running requests hold every
+    free page of a pool, and share every page the cache holds there (their own boundaries), evicting frees none:
+    the restore fails without evicting (it emptied the cache down to the hit, at every step the request waited), and
+    succeeds once pages are free again."""
+    import torch
+
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", num_tokens=4096, page_size=16,
+                                    swa_full_tokens_ratio=0.5, enable_prefix_caching=True,
+                                    overlap_scheduling=False))
+    cache, hca = engine.kv.prefix_cache, engine.kv.compressed_pools["hca"].allocator
+    generator = torch.Generator().manual_seed(1)
+    first = torch.randint(2, 500, (200,), generator=generator).tolist()
+    (result,) = engine.generate([first], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.generate([torch.randint(2, 500, (300,), generator=generator).tolist() for _ in range(3)],
+                    SamplingParams(max_tokens=4, ignore_eos=True))
+    follow_up = Sequence("again", first + result["output_ids"] + [7, 8, 9], SamplingParams(max_tokens=3))
+    hit, entries = cache.cached_length(follow_up), len(cache._entries)
+    assert hit > 0 and entries > 2
+    held, shared = hca.allocate(hca.num_free), sorted(cache.holders("hca"))  # (as running requests would)
+    hca.retain(shared)
+    assert cache.match(follow_up) == 0
+    assert (len(cache._entries), cache.stats.evictions) == (entries, 0)
+    hca.free(held)
+    hca.free(shared)
+    assert cache.match(follow_up) == hit
+    engine.kv.free(follow_up)
+    engine.kv.check()
