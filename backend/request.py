@@ -218,8 +218,8 @@ def _as_int(value: Any, key: str) -> int:
 
 def _as_bool(value: Any) -> Any:
     """A boolean, or the string "true" / "false" (any case) as one, as numbers come as numeric strings (the vLLM
-    backend's parser takes strings for its boolean keys; perf_analyzer input files carry them so); anything else is
-    left for the parameters' own check to refuse."""
+    backend's parser takes strings for its boolean keys, and clients written for it may send them so); anything else
+    is left for the parameters' own check to refuse."""
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     return value

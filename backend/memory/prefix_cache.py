@@ -196,7 +196,7 @@ class PrefixCache:
         slot cannot be allocated."""
         copies = self.kv.adopt(seq, entry.pages, entry.length)
         if copies is None and not self.kv.can_adopt_evicting(entry.pages, entry.length):
-            return False  # (the pages are running requests': evicting would empty the cache, step after step, for none)
+            return False  # (the pages are running requests': evicting would empty the cache step after step)
         # other entries' pages go first (this one is kept: its pages are about to be shared)
         while copies is None:
             if not self.evict_one(keep=entry):
