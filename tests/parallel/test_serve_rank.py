@@ -24,6 +24,9 @@ class FakeLink:
     def send(self, batch) -> None:
         self.sent.append(batch)
 
+    def rank_0_gone(self) -> bool:
+        return False
+
 
 class FakeCore:
     """An engine core that admits every request and records what it is asked to abort (a live request's abort is
@@ -88,6 +91,9 @@ def test_rank_0_notices_a_lost_rank_while_another_keeps_sending_outputs():
 
         def flush(self):
             return 0
+
+        def gone(self):
+            return []
 
     class Group:
         links, broken, checks = BusyLinks(), None, 0
