@@ -13,7 +13,6 @@ import json
 import time
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
