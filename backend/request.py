@@ -156,14 +156,14 @@ class SamplingParams:
             if key in VLLM_FIXED_KEYS:
                 fixed = VLLM_FIXED_KEYS[key]
                 value = _as_bool(value) if isinstance(fixed, bool) else _as_int(value, key)
-                if value is not fixed if isinstance(fixed, bool) else value != fixed:
+                if type(value) is not type(fixed) or value != fixed:  # (1 is no True, nor True a 1)
                     raise ValueError(f"{key}={json.dumps(value)} is not supported here (only {json.dumps(fixed)}, "
                                      "vLLM's default)")
                 continue
-            if key == "logprobs" and isinstance(_as_bool(value), bool):
+            if key == "logprobs" and isinstance(flag := _as_bool(value), bool):
                 # (Triton's OpenAI frontend up to 25.11 sends chat's boolean `logprobs`, false unless asked for;
                 # the vLLM backend takes it as int(): true asks for 1)
-                if _as_bool(value):
+                if flag:
                     kwargs[key] = 1
             elif key in _INT_KEYS:
                 kwargs[key] = _as_int(value, key)

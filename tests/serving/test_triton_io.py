@@ -296,8 +296,6 @@ def test_the_vllm_backends_finish_reason_and_cumulative_logprob_inputs(tokenizer
 
 def with_logprobs(out, *values):
     """`out` with one TokenLogprobs a token."""
-    from backend.request import TokenLogprobs
-
     return SimpleNamespace(**{**vars(out), "logprobs": [TokenLogprobs(v) for v in values]})
 
 
@@ -382,7 +380,6 @@ def test_non_streaming_excluding_the_prompt(tokenizer):
 
 def test_vllm_logprobs_json_is_strict_json_with_excluded_tokens_at_minus_9999():
     """A masked or cut token's log-probability is -inf: JSON cannot hold it, so it is written as vLLM writes it."""
-    from backend.request import TokenLogprobs
     from backend.serving.triton_io import vllm_logprobs_json
 
     class Tokens:  # (token 3 is special: the output text skips it)
