@@ -488,7 +488,7 @@ def tokenizer_directory(config: EngineConfig) -> Path:
 def eos_token_ids(config: EngineConfig, model_config) -> list[int]:
     path = checkpoint_directory(config.checkpoint) / "generation_config.json"
     if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
         if eos is not None:
             return list(eos) if isinstance(eos, list) else [eos]
     return model_config.eos_token_ids

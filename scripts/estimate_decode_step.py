@@ -205,7 +205,7 @@ def main() -> None:
         parser.error(f"--acceptance takes one rate per draft: {args.drafts}, got {len(args.acceptance)}")
     if problem := acceptance_problem(args.acceptance):
         parser.error(problem)
-    config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
+    config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
     rows = [estimate(config, layout, args.ranks, args.batch, context, args.drafts, args.acceptance)
             for context in args.contexts for layout in LAYOUTS]
     print(f"one decode step per rank: {args.ranks} ranks, batch {args.batch}, {args.config.name} (paper estimate)")

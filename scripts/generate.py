@@ -69,11 +69,11 @@ def parse_args(argv=None):
 
 def load_prompts(args, tokenizer) -> list[list[int]]:
     if args.prompts_file is not None:
-        prompts = json.loads(args.prompts_file.read_text())
+        prompts = json.loads(args.prompts_file.read_text(encoding="utf-8"))
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise SystemExit(f"{args.prompts_file}: expected a JSON list of strings")
         return [tokenizer.encode(p).ids for p in prompts]
-    ids = json.loads(args.input_ids_file.read_text())
+    ids = json.loads(args.input_ids_file.read_text(encoding="utf-8"))
     if not isinstance(ids, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids):
         raise SystemExit(f"{args.input_ids_file}: expected a JSON list of lists of token ids")
     return ids

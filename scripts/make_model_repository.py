@@ -68,7 +68,7 @@ def parse_sets(items: list[str], known: list[str]) -> dict[str, str]:
 
 def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, model_name: str = "dsv4") -> Path:
     """Write OUT/<model_name>/ and return its config.pbtxt path."""
-    pbtxt = (SOURCE / "config.pbtxt").read_text()
+    pbtxt = (SOURCE / "config.pbtxt").read_text(encoding="utf-8")
     values = dict(sets)
     if checkpoint is not None:
         values["checkpoint"] = str(Path(checkpoint).expanduser().resolve())
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-name", default="dsv4", help="served model name (default: dsv4)")
     args = parser.parse_args(argv)
     try:
-        known = list(read_parameters((SOURCE / "config.pbtxt").read_text()))
+        known = list(read_parameters((SOURCE / "config.pbtxt").read_text(encoding="utf-8")))
         sets = parse_sets(args.sets, [k for k in known if k not in NON_ENGINE_KEYS])
         config_path = make_repository(args.out, sets, args.checkpoint, args.model_name)
     except ConfigError as exc:

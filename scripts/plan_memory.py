@@ -175,7 +175,7 @@ def main() -> None:
     if args.checkpoint is not None:
         config = load_model_config(args.checkpoint)
     else:
-        config = parse_model_config(json.loads(args.config.read_text()), str(args.config))
+        config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
     if args.data_parallel_size > 1 and (args.tensor_parallel_size != 1
                                         or args.expert_parallel_size not in (1, args.data_parallel_size)):
         parser.error("--data-parallel-size: with --tensor-parallel-size 1 and --expert-parallel-size 1 or the same")

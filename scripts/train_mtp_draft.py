@@ -97,7 +97,7 @@ def one_layer_config(checkpoint: Path):
     """The checkpoint's transformers config, cut to the draft layer's shape: one sliding layer, top-k routing."""
     from transformers import DeepseekV4Config
 
-    raw = json.loads((checkpoint / "config.json").read_text())
+    raw = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     for legacy in ("compress_ratios", "num_hash_layers"):
         raw.pop(legacy, None)
     raw.update(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["moe"])

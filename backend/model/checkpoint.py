@@ -130,7 +130,7 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
     """Tensor name -> file, from model.safetensors.index.json or by listing the safetensors files."""
     index = checkpoint / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         return {name: checkpoint / fname for name, fname in weight_map.items()}
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
@@ -200,7 +200,7 @@ def _declared_layers(checkpoint: Path, config: ModelConfig) -> int:
     """The layers the checkpoint's own config.json declares (hf_overrides may have lowered config's: the layers past
     it are then not read)."""
     try:
-        declared = json.loads((checkpoint / "config.json").read_text()).get("num_hidden_layers")
+        declared = json.loads((checkpoint / "config.json").read_text(encoding="utf-8")).get("num_hidden_layers")
     except (OSError, ValueError):
         declared = None
     return declared if isinstance(declared, int) and declared > config.num_hidden_layers else config.num_hidden_layers

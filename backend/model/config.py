@@ -265,7 +265,7 @@ def load_model_config(checkpoint: str | Path, overrides: dict | None = None) -> 
     path = config_path(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint}")
-    raw = json.loads(path.read_text())
+    raw = json.loads(path.read_text(encoding="utf-8"))
     source = f"{path} with hf_overrides {overrides}" if overrides else str(path)
     _check_not_shadowed(raw, overrides or {}, source)
     raw.update(overrides or {})
