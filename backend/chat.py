@@ -1,21 +1,31 @@
-"""Chat prompts: a list of messages turned into the prompt text by a chat template.
+"""Chat prompts: a list of messages turned into the prompt text, by a Jinja chat template or by DeepSeek-V4's own
+chat format.
 
-    template = ChatTemplate.from_checkpoint(path)       # None: neither the checkpoint nor the deployment has one
-    text = template.render([{"role": "user", "content": "Hi"}])
+    chat = chat_format(checkpoint, template_file)      # a ChatTemplate: the deployment's, the checkpoint's, V4's
+    text = chat.render([{"role": "user", "content": "Hi"}], {"thinking": True})   # options: chat_template_kwargs
 
 The template is the deployment's `chat_template` file if it names one (as vLLM's and Triton's OpenAI frontend's
---chat-template: DeepSeek-V4's published checkpoints ship no Jinja template), else the checkpoint's, where
-transformers finds it: chat_template.jinja (which transformers v5 writes), else tokenizer_config.json's
-`chat_template`. It is rendered by transformers' own renderer (what apply_chat_template calls: Jinja's immutable
-sandbox with transformers' loop controls, `{% generation %}` blocks, `tojson` without HTML escapes,
-`raise_exception` and `strftime_now`; `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`), so that
-templates written for it render here as there. A template that refuses the messages (`raise_exception`) or fails on
-them is a ValueError with its message. Messages are checked first: a non-empty list of objects, each with an
-OpenAI role (system, developer, user, assistant, tool) and its `content`: a string, a list of text parts (joined
-with newlines, as vLLM joins them), or null beside an assistant's `tool_calls`; other keys (`name`, `tool_calls`,
-`tool_call_id`, `reasoning_content`, ...) go to the template as they are, as transformers passes them. Anything else
-is a ValueError naming the message. The rendered text carries its own special tokens, so it is tokenized without
-adding any (`Tokenizer.encode(text, add_special_tokens=False)`).
+--chat-template), else the checkpoint's, where transformers finds it: chat_template.jinja (which transformers v5
+writes), else tokenizer_config.json's `chat_template`. It is rendered by transformers' own renderer (what
+apply_chat_template calls: Jinja's immutable sandbox with transformers' loop controls, `{% generation %}` blocks,
+`tojson` without HTML escapes, `raise_exception` and `strftime_now`; `messages`, `add_generation_prompt=True`,
+`bos_token`, `eos_token`, and the request's `chat_template_kwargs` as further variables, as transformers passes
+them), so that templates written for it render here as there. A template that refuses the messages
+(`raise_exception`) or fails on them is a ValueError with its message.
+
+DeepSeek-V4's published checkpoints ship no Jinja template: DeepSeek gives the format as Python
+(encoding/encoding_dsv4.py). Without a template, deepseek_v4_chat.jinja beside this file renders that format, as
+vLLM's and SGLang's DeepSeek-V4 tokenizers render it, with their request options (`thinking` / `enable_thinking`,
+`reasoning_effort`, `drop_thinking`); it refuses tool calls, tool results and the "max" reasoning effort (a template
+that renders them can be given as `chat_template`). Being Jinja, the same file serves Triton's OpenAI frontend
+(--chat-template), which applies the template itself.
+
+Messages are checked first: a non-empty list of objects, each with an OpenAI role (system, developer, user,
+assistant, tool) and its `content`: a string, a list of text parts (joined with newlines, as vLLM joins them), or null
+beside an assistant's `tool_calls`; other keys (`name`, `tool_calls`, `tool_call_id`, `reasoning_content`, ...) go to
+the template as they are, as transformers passes them. Anything else is a ValueError naming the message. The rendered
+text carries its own special tokens, so it is tokenized without adding any
+(`Tokenizer.encode(text, add_special_tokens=False)`).
 """
 
 from __future__ import annotations
@@ -26,6 +36,24 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; the template decides what it takes
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # DeepSeek-V4's, unless tokenizer_config.json says
+DEEPSEEK_V4_TEMPLATE = Path(__file__).with_name("deepseek_v4_chat.jinja")  # DeepSeek's format (its Python) in Jinja
+
+# The variables the renderer itself passes a Jinja template: a request's options must not replace them.
+_RENDERER_VARIABLES = frozenset({"messages", "conversations", "add_generation_prompt", "bos_token", "eos_token",
+                                 "chat_template", "tools", "documents", "continue_final_message",
+                                 "return_assistant_tokens_mask"})
+
+
+def chat_format(checkpoint: str | Path, template_file: str | Path | None = None) -> "ChatTemplate":
+    """The deployment's template (`template_file`), else the checkpoint's, else DeepSeek-V4's own format
+    (DEEPSEEK_V4_TEMPLATE)."""
+    template = ChatTemplate.from_checkpoint(checkpoint, template_file)
+    if template is not None:
+        return template
+    config = _tokenizer_config(Path(checkpoint))
+    return ChatTemplate(DEEPSEEK_V4_TEMPLATE.read_text(encoding="utf-8"), _token_text(config.get("bos_token")) or BOS,
+                        _token_text(config.get("eos_token")) or EOS)
 
 
 @dataclass(frozen=True)
@@ -34,41 +62,55 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
 
+    def __post_init__(self):
+        import transformers.utils.chat_template_utils  # noqa: F401 (its import, half a second, at start-up)
+
     @classmethod
     def from_checkpoint(cls, checkpoint: str | Path, template_file: str | Path | None = None) -> "ChatTemplate | None":
         """`template_file`'s template (the deployment's `chat_template`), else the checkpoint's; None without one."""
         directory = Path(checkpoint)
-        config_path = directory / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = _tokenizer_config(directory)
         if template_file is not None:
             if not Path(template_file).is_file():
                 from backend.config import ConfigError
 
                 raise ConfigError(f"parameter 'chat_template': no file at {str(template_file)!r}")
-            template = Path(template_file).read_text()
+            template = Path(template_file).read_text(encoding="utf-8")
         elif (directory / "chat_template.jinja").is_file():  # (transformers reads it before tokenizer_config.json's)
-            template = (directory / "chat_template.jinja").read_text()
+            template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
         else:
             template = config.get("chat_template")
             if isinstance(template, list):  # transformers' named templates: the default one
                 template = next((t.get("template") for t in template if t.get("name") == "default"), None)
         if not template:
             return None
-        import transformers.utils.chat_template_utils  # noqa: F401 (its import, half a second, at start-up)
-
         return cls(template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
-    def render(self, messages: Any) -> str:
+    def render(self, messages: Any, options: dict[str, Any] | None = None) -> str:
+        """`options`: the request's chat_template_kwargs, further variables of the template."""
         messages = checked_messages(messages)
+        options = checked_options(options)
+        taken = sorted(_RENDERER_VARIABLES & set(options))
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {taken}: the server sets them")
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
             (text,), _ = render_jinja_template([messages], chat_template=self.source, add_generation_prompt=True,
-                                               bos_token=self.bos_token, eos_token=self.eos_token)
+                                               bos_token=self.bos_token, eos_token=self.eos_token, **options)
         except TemplateError as exc:
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         return text
+
+
+def checked_options(options: Any) -> dict[str, Any]:
+    """A request's chat_template_kwargs: a JSON object (None: none)."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(options).__name__}")
+    return options
 
 
 def checked_messages(messages: Any) -> list[dict]:
@@ -101,6 +143,11 @@ def _content(message: dict, i: int) -> str | None:
             return "\n".join(part["text"] for part in content)
     raise ValueError(f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
                      "parts")
+
+
+def _tokenizer_config(directory: Path) -> dict:
+    path = directory / "tokenizer_config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def _token_text(token: Any) -> str:

@@ -41,7 +41,7 @@ from typing import Callable
 
 from tokenizers import Tokenizer
 
-from backend.chat import ChatTemplate
+from backend.chat import chat_format
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
 from backend.engine_core import EngineCore, eos_token_ids, grammar_service, tokenizer_directory
@@ -74,7 +74,7 @@ class LLMEngine:
         self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
                                                           self.deployment.kv)
         self.tokenizer = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
-        self.chat_template = ChatTemplate.from_checkpoint(tokenizer, config.chat_template)  # None: no `messages`
+        self.chat_template = chat_format(tokenizer, config.chat_template)  # `messages` -> prompt text
         self.eos_token_ids = eos_token_ids(config, self.model_config)
         # Structured outputs: the grammars of constrained requests, compiled on their own threads.
         self.grammars = grammar_service(config, self.model_config)

@@ -232,7 +232,7 @@ def _quantized(weight_name: str, weight: torch.Tensor, quantize: str, is_expert:
 
 def _declare_quantization(config_path: Path, quantize: str) -> None:
     """The published config.json's quantization fields."""
-    raw = json.loads(config_path.read_text())
+    raw = json.loads(config_path.read_text(encoding="utf-8"))
     raw["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                   "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
     raw["expert_dtype"] = "fp4" if quantize == "fp8-mxfp4" else "fp8"
@@ -253,25 +253,19 @@ def _save_shards(out: Path, shards: list[dict[str, torch.Tensor]]) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-# DeepSeek's chat format, small: system text after BOS, then <｜User｜> / <｜Assistant｜> turns, each
-# assistant turn closed by EOS, and a final <｜Assistant｜> to generate from (backend/chat.py renders it).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% else %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
-
-
 def _write_tokenizer(out: Path, config) -> None:
+    """tokenizer.json and its config; no chat template, as DeepSeek-V4's published checkpoints have none (the server
+    renders their `messages` in DeepSeek's format: backend/deepseek_v4_chat.jinja)."""
     tokenizer = build_tokenizer(min(config.vocab_size, 512))
     tokenizer.save(str(out / "tokenizer.json"))
+    # (UTF-8 as transformers writes it, the special tokens unescaped: what the server must read under any locale)
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast",
-             "model_max_length": config.max_position_embeddings, "chat_template": CHAT_TEMPLATE},
-            indent=2,
-        )
+             "model_max_length": config.max_position_embeddings},
+            indent=2, ensure_ascii=False,
+        ),
+        encoding="utf-8",
     )
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 0, "eos_token_id": 1}, indent=2)

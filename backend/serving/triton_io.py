@@ -34,6 +34,7 @@ INPUT_NAMES = (
     "text_input",
     "input_ids",
     "messages",
+    "chat_template_kwargs",
     "max_tokens",
     "stream",
     "sampling_parameters",
@@ -122,13 +123,17 @@ def parse_request(
 # The prompt.
 
 
-def _chat_prompt(array: np.ndarray, tokenizer, chat_template) -> tuple[list[int], str]:
-    """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat template."""
+def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> tuple[list[int], str]:
+    """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat format (backend/chat.py),
+    with the `chat_template_kwargs` input's options (STRING [1], a JSON object) if given."""
     if chat_template is None:
-        raise ValueError("'messages' needs a chat template, and this checkpoint has none (tokenizer_config.json "
-                         "chat_template); send text_input instead")
-    messages = load_json(_single_string(array, "messages"), "messages")
-    text = chat_template.render(messages)
+        raise ValueError("'messages' needs a chat template, and this model has none; send text_input instead")
+    messages = load_json(_single_string(inputs["messages"], "messages"), "messages")
+    options = None
+    if "chat_template_kwargs" in inputs:
+        options = load_json(_single_string(inputs["chat_template_kwargs"], "chat_template_kwargs"),
+                            "chat_template_kwargs")
+    text = chat_template.render(messages, options)
     try:
         ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
     except (TypeError, UnicodeError):  # (a lone surrogate, which JSON's \u escapes can spell)
@@ -143,8 +148,11 @@ def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template=Non
     if len(given) != 1:
         raise ValueError("give exactly one of 'text_input', 'input_ids' and 'messages'"
                          + (f" (got {', '.join(given)})" if given else ""))
+    if "chat_template_kwargs" in inputs and given[0] != "messages":
+        raise ValueError("'chat_template_kwargs' is an option of 'messages' (the chat template's); it was given "
+                         f"with {given[0]!r}")
     if given[0] == "messages":
-        return _chat_prompt(inputs["messages"], tokenizer, chat_template)
+        return _chat_prompt(inputs, tokenizer, chat_template)
     has_text = given[0] == "text_input"
     if has_text:
         text = _single_string(inputs["text_input"], "text_input")

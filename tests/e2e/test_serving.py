@@ -250,23 +250,29 @@ def test_metrics_endpoint(server):
     assert "nv_inference_request_success" in text  # Triton's own metrics on the same port
 
 
-def test_chat_messages_are_rendered_by_the_checkpoint_template(server):
-    """A `messages` input (JSON list) is the prompt the checkpoint's chat template renders: the served tokens
-    are the offline engine's for that prompt's ids; malformed messages get a clear error."""
-    from backend.chat import ChatTemplate
+def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server):
+    """A `messages` input (JSON list) is the prompt DeepSeek-V4's chat format renders (the built-in checkpoint, as
+    the published ones, has no template of its own), with the request's `chat_template_kwargs`: the served tokens
+    are the offline engine's for that prompt's ids; malformed messages and options get a clear error."""
+    from backend.chat import chat_format
     from backend.config import EngineConfig
     from backend.engine import LLMEngine
     from backend.request import SamplingParams
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": MAX_TOKENS,
+                                         "chat_template_kwargs": json.dumps({"thinking": True}),
                                          "exclude_input_in_output": True,
                                          "sampling_parameters": json.dumps({"temperature": 0})})
     assert status == 200, out
     engine = LLMEngine(EngineConfig(checkpoint=str(CHECKPOINT), device="cpu"))
-    prompt = ChatTemplate.from_checkpoint(CHECKPOINT).render(messages)
+    prompt = chat_format(CHECKPOINT).render(messages, {"thinking": True})
+    assert prompt.endswith("<｜User｜>Hello there<｜Assistant｜><think>")
     (offline,) = engine.generate([engine.tokenizer.encode(prompt, add_special_tokens=False).ids],
                                  SamplingParams(max_tokens=MAX_TOKENS))
     assert as_list(out["output_ids"]) == offline["output_ids"] and out["text_output"] == offline["text"]
+    status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": 4,
+                                         "chat_template_kwargs": json.dumps({"reasoning_effort": "max"})})
+    assert status == 400 and "reasoning_effort must be" in json.dumps(out)
     status, out = http_generate(server, {"messages": '[{"role": "robot", "content": "x"}]', "max_tokens": 4})
     assert status == 400 and "role must be one of" in json.dumps(out)

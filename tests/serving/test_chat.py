@@ -1,4 +1,5 @@
-"""Chat prompts: the checkpoint's chat template renders `messages`; malformed messages get clear errors."""
+"""Chat prompts: a chat template, or DeepSeek-V4's own format, renders `messages`; malformed messages and options get
+clear errors."""
 
 from __future__ import annotations
 
@@ -8,32 +9,73 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from backend.chat import ChatTemplate
+from backend.chat import DEEPSEEK_V4_TEMPLATE, ChatTemplate, chat_format
 from backend.serving import triton_io
+
+B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 
 
 @pytest.fixture(scope="module")
 def template(tiny_checkpoint) -> ChatTemplate:
-    found = ChatTemplate.from_checkpoint(tiny_checkpoint)
-    assert found is not None, "the built-in checkpoint ships a chat template"
+    found = chat_format(tiny_checkpoint)
+    assert found.source == DEEPSEEK_V4_TEMPLATE.read_text(), "the built-in checkpoint, as V4's, has no template"
     return found
 
 
-def test_the_built_in_template_renders_deepseeks_chat_format(template):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]
-    assert template.render(messages) == ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜>Hello."
-                                         "<｜end▁of▁sentence｜><｜User｜>Again<｜Assistant｜>")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "A greeting."},
+        {"role": "user", "content": "Again"}]
 
 
-def test_the_template_matches_transformers_apply_chat_template(tiny_checkpoint, template):
-    """The same rendering as transformers' tokenizer (what Triton's OpenAI frontend applies itself)."""
+@pytest.mark.parametrize("options,expected", [
+    (None, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}</think>"),  # chat mode
+    ({"thinking": True}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}<think>"),  # earlier reasoning dropped
+    ({"enable_thinking": True, "drop_thinking": False},
+     f"{B}Be brief.{U}Hi{A}<think>A greeting.</think>Hello.{E}{U}Again{A}<think>"),
+    ({"thinking": True, "reasoning_effort": "none"}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}</think>"),
+    ({"thinking": True, "reasoning_effort": "high"}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}<think>"),
+])
+def test_deepseek_v4s_chat_format_in_chat_and_thinking_modes(template, options, expected):
+    """DeepSeek's encoding_dsv4.py's prompts, with vLLM's and SGLang's options (chat_template_kwargs)."""
+    assert template.render(CHAT, options) == expected
+
+
+def test_deepseek_v4s_chat_format_merges_user_turns_and_drops_earlier_developer_turns(template):
+    """Consecutive user messages are one turn (a blank line between); in thinking mode with dropped reasoning a
+    developer turn before the last user turn is dropped, while the reasoning of an answer after it is kept."""
+    parts = [{"type": "text", "text": "b"}, {"type": "text", "text": "c"}]
+    merged = [{"role": "user", "content": "a"}, {"role": "user", "content": parts}]
+    assert template.render(merged) == f"{B}{U}a\n\nb\nc{A}</think>"
+    turns = [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "Q"},
+             {"role": "assistant", "content": "Part", "reasoning_content": "R"}]
+    assert template.render(turns) == f"{B}{U}Rules.{U}Q{A}</think>Part{E}"
+    assert template.render(turns, {"thinking": True}) == f"{B}{U}Q{A}<think>R</think>Part{E}"
+
+
+def test_triton_openai_frontend_renders_the_same_prompt_from_the_template_file(tiny_checkpoint, template):
+    """The frontend applies `--chat-template` itself, through transformers' apply_chat_template, with the request's
+    chat_template_kwargs: deepseek_v4_chat.jinja gives it the prompt this server renders."""
     from transformers import AutoTokenizer
 
-    messages = [{"role": "user", "content": "What is 2+2?"}]
     reference = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
-    assert template.render(messages) == reference.apply_chat_template(messages, tokenize=False,
-                                                                      add_generation_prompt=True)
+    for options in ({}, {"thinking": True}, {"enable_thinking": True, "drop_thinking": False}):
+        assert template.render(CHAT, options) == reference.apply_chat_template(
+            CHAT, chat_template=DEEPSEEK_V4_TEMPLATE.read_text(), tokenize=False, add_generation_prompt=True, **options)
+
+
+@pytest.mark.parametrize("messages,options,message", [
+    ([{"role": "tool", "content": "3 C", "tool_call_id": "c1"}], None, "no tool calls or tool results"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], None, "no tool calls"),
+    ([{"role": "developer", "content": ""}], None, "developer message needs content"),
+    (CHAT, {"thinking": "yes"}, "true or false"),
+    (CHAT, {"drop_thinking": 0}, "true or false"),
+    (CHAT, {"reasoning_effort": "max"}, "reasoning_effort must be .*got \"max\""),
+    (CHAT, {"add_generation_prompt": False}, "cannot set \\['add_generation_prompt'\\]"),
+    (CHAT, ["thinking"], "must be a JSON object"),
+])
+def test_what_deepseek_v4s_chat_format_cannot_render_is_refused_naming_it(template, messages, options, message):
+    with pytest.raises(ValueError, match=message):
+        template.render(messages, options)
 
 
 def test_messages_input_becomes_the_rendered_prompt_without_extra_special_tokens(tiny_checkpoint, template):
@@ -44,6 +86,21 @@ def test_messages_input_becomes_the_rendered_prompt_without_extra_special_tokens
     assert parsed.prompt_text == template.render(messages)
     assert parsed.prompt_ids == tokenizer.encode(parsed.prompt_text, add_special_tokens=False).ids
     assert parsed.prompt_ids[0] == 0  # the template's BOS, once
+    inputs["chat_template_kwargs"] = np.array([b'{"thinking": true}'], dtype=np.object_)
+    parsed = triton_io.parse_request(inputs, tokenizer, None, template)
+    assert parsed.prompt_text == template.render(messages, {"thinking": True}) == f"{B}{U}Hi{A}<think>"
+
+
+@pytest.mark.parametrize("inputs,message", [
+    ({"text_input": [b"Hi"], "chat_template_kwargs": [b"{}"]}, "an option of 'messages'.*given with 'text_input'"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'], "chat_template_kwargs": [b"{"]}, "not valid JSON"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'], "chat_template_kwargs": [b"[]"]}, "JSON object"),
+])
+def test_malformed_chat_template_kwargs_are_refused(tiny_checkpoint, template, inputs, message):
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    arrays = {name: np.array(value, dtype=np.object_) for name, value in inputs.items()}
+    with pytest.raises(ValueError, match=message):
+        triton_io.parse_request(arrays, tokenizer, None, template)
 
 
 @pytest.mark.parametrize("messages,message", [
@@ -90,6 +147,8 @@ def test_the_template_comes_from_the_parameter_then_chat_template_jinja_then_tok
     chosen = ChatTemplate.from_checkpoint(checkpoint, tmp_path / "mine.jinja")
     assert chosen.render([{"role": "user", "content": "x"}]) == "mine x"
     assert ChatTemplate.from_checkpoint(tmp_path / "nothing there") is None
+    assert chat_format(tmp_path / "nothing there").source == DEEPSEEK_V4_TEMPLATE.read_text()
+    assert chat_format(checkpoint).render([{"role": "user", "content": "x"}]) == "jinja <s>x"
     with pytest.raises(ConfigError, match="chat_template.*no file at"):
         ChatTemplate.from_checkpoint(checkpoint, tmp_path / "missing.jinja")
 
