@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backend.model.graph_runner import DecodeGraphs, DraftChain, DraftChains
+from backend.model.graph_runner import DecodeGraphs, DraftChain, DraftChains, FirstInputs
 from backend.model.staging import BatchStager
 from backend.parallel.sync import ALONE, StepSync
 
@@ -151,13 +151,12 @@ class ModelRunner:
         self.hidden = streams[index]
         return logits
 
-    def draft_chain(self, chain: DraftChain,
-                    first_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def draft_chain(self, chain: DraftChain, first_inputs: FirstInputs | None = None) -> torch.Tensor:
         """The drafts [k, rows] of a static chain (on the device), from the streams the verify step kept. In
         lock-step, as a decode graph (`forward`), its graph replays only where every pass's MoE exchange pads to this
         rank's own count, the count it was captured at (a captured exchange's size is fixed); where another rank
         brings more to some pass, the same chain runs eagerly at the agreed counts. `first_inputs`: the first pass's
-        next ids and picks, on the device (DraftChains.run; this process's runner only: a group's workers are sent
+        inputs, on the device (DraftChains.run; this process's runner only: a group's workers are sent
         the chain as the host built it)."""
         replay = all(not counts or own == max(counts)
                      for own, counts in zip(chain.token_counts, chain.dp_token_counts))

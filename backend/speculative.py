@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
-from backend.model.graph_runner import DraftChain
+from backend.model.graph_runner import HELD_STOP_SLOTS, DraftChain, FirstInputs
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
 from backend.sampler import (NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState, draw_rows, draws,
@@ -358,6 +358,7 @@ class Drafter:
         self.sample_drafts = sample_drafts
         self.masks = HostMasks(sampler.kernels)
         self._first_passes: dict[StaticKey, tuple[DraftChain, torch.Tensor]] = {}  # (`chain_early`'s, per key)
+        self._no_holds: dict[StaticKey, tuple[torch.Tensor, torch.Tensor]] = {}  # (`_early_holds`' zeros, per key)
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput, states: list[SamplerState],
@@ -367,8 +368,8 @@ class Drafter:
         and k - 1 chained ones at the counts agreed before the first (a rank whose rows ran out of pages, or that
         has none, takes part in the others' exchanges alone). `ready`: the drafts the step's chain proposed before
         the verify was read (`chain_early`), one per batch row. `held`: the step's holds (min_tokens), by sampling
-        row: drafted pass by pass, a row drafts none of its stop tokens before its min_tokens-th output, where the
-        verify would reject it (a static chain drafts the argmax regardless: the verify rejects it there)."""
+        row: a row drafts none of its stop tokens before its min_tokens-th output, where the verify would reject
+        it."""
         rows = [r for r in range(len(job.rows)) if r not in output.ends]
         firsts = job.first_logits_rows()
         # The row's last emitted position: its logits row (emitted - 1) and its position. (No row: the draft
@@ -377,9 +378,10 @@ class Drafter:
         positions = [job.rows[r].position + len(output.tokens[r]) - 1 for r in rows]
         for r in rows:
             states[r].draft_probs, states[r].draft_masks = [], []
-        if ready is not None or self._static(job, [states[r] for r in rows]):
-            return self._propose_static(job, output, rows, picks, positions, ready)
-        return self._propose_eager(batch, job, output, states, rows, picks, positions, held or {})
+        held = held or {}
+        if ready is not None or self._static(job, [states[r] for r in rows], [held.get(r) for r in rows]):
+            return self._propose_static(job, output, rows, picks, positions, ready, states, held)
+        return self._propose_eager(batch, job, output, states, rows, picks, positions, held)
 
     @torch.inference_mode()
     def keep_window(self, batch: ForwardBatch, job: SpecJob, output: StepOutput) -> None:
@@ -389,11 +391,12 @@ class Drafter:
         first = dataclasses.replace(batch, input_ids=self._next_ids(batch, job, output))
         self.runner.draft(Draft(first, batch.logits_token_index[:0]))
 
-    def _static(self, job: SpecJob, states: list[SamplerState]) -> bool:
+    def _static(self, job: SpecJob, states: list[SamplerState], holds: Sequence[HeldStops | None] = ()) -> bool:
         """Whether the step's drafts come from one static chain: a static verify step, on a runner that has chains,
-        whose drafting rows all draft the argmax (no grammar masks a draft, no row draws one on the host)."""
+        whose drafting rows all draft the argmax (no grammar masks a draft, no row draws one on the host) and hold
+        back no more stop tokens (min_tokens) than a chain has slots for."""
         return (job.static_key is not None and self.runner.draft_chains is not None
-                and all(s.grammar is None and not self._draws(s) for s in states))
+                and all(s.grammar is None and not self._draws(s) for s in states) and _slots_hold(holds))
 
     def _draws(self, state: SamplerState) -> bool:
         """Whether the row draws its drafts from the draft distribution (else it drafts the argmax)."""
@@ -445,14 +448,15 @@ class Drafter:
                                     for step in range(1, job.num_speculative_tokens)])
 
     def _propose_static(self, job: SpecJob, output: StepOutput, rows: list[int], picks: list[int],
-                        positions: list[int], ready: list[int] | None = None) -> dict[int, list[int]]:
+                        positions: list[int], ready: list[int] | None, states: list[SamplerState],
+                        held: dict[int, HeldStops]) -> dict[int, list[int]]:
         """One static chain (DraftChain): planned on the host, its passes agreed on at once (in lock-step), its
         drafts read once; or the drafts `ready` (`chain_early`: the chain ran before the verify was read)."""
         output.timing.static_drafts = True
         if ready is not None:
             return {r: [ready[r]] for r in rows}
         next_ids = self._next_ids_static(job, output, job.static_key)
-        chain, order = self._static_chain(job, next_ids, rows, picks, positions)
+        chain, order = self._static_chain(job, next_ids, rows, picks, positions, states, held)
         chain = dataclasses.replace(chain, dp_token_counts=self.runner.agree_drafts(chain.token_counts))
         tokens = self.runner.draft_chain(chain).tolist()  # (the chain's one host sync)
         drafts = {r: [] for r in rows}
@@ -468,6 +472,7 @@ class Drafter:
         (more drafts: a chained pass's positions depend on what the verify accepted, which the host plans)."""
         return (job.propose and job.static_key is not None and job.num_speculative_tokens == 1
                 and self.runner.draft_chains is not None and not held_on_copies(held)
+                and _slots_hold(list((held or {}).values()))
                 and not self.runner.sends_host_batches and all(row.drafts for row in job.rows)
                 and all(_accepts_by_argmax(state) for state in states))
 
@@ -481,8 +486,10 @@ class Drafter:
         its first disagreement with its draft, and past it (a rejected position) the first pass may embed any token
         (`_next_ids`). Each row drafts from its last emitted position: its first logits row plus the drafts its
         argmax accepts, counted on the device from the batch's own input ids (each row's last token, then its
-        draft). The token after that position and the draft are kept where the next verify, scheduled before this
-        one is taken in, reads them (`ModelRunner.keep_verify_inputs`)."""
+        draft). A row under min_tokens holds its stop tokens back from its draft where that draft would be an output
+        before its min_tokens-th, which depends on the drafts accepted: decided on the device too (`_early_holds`).
+        The token after that position and the draft are kept where the next verify, scheduled before this one is
+        taken in, reads them (`ModelRunner.keep_verify_inputs`)."""
         if not self.chains_on_device(job, states, held):
             return None
         key = job.static_key
@@ -495,25 +502,46 @@ class Drafter:
         if counts != chain.dp_token_counts:  # (kept: alone, or with the same counts again, it is not rebuilt)
             chain = dataclasses.replace(chain, dp_token_counts=counts)
             self._first_passes[key] = chain, row_starts
-        drafts = self.runner.draft_chain(chain, first_inputs=(argmax, picks))  # [1, rows]
+        stop_ids, limits = self._early_holds(job, states, held or {}, argmax.device)
+        first = FirstInputs(argmax, picks, stop_ids, (picks - row_starts) < limits)
+        drafts = self.runner.draft_chain(chain, first_inputs=first)  # [1, rows]
         self.runner.keep_verify_inputs(batch.logits_slot.view(rows)[:, 0], argmax[picks], drafts)
         return argmax, drafts[0], proposed
 
     def _first_pass(self, key: StaticKey, device) -> tuple[DraftChain, torch.Tensor]:
-        """`chain_early`'s chain for a verify step of `key` (one pass, its next ids and picks the device's: nothing in
-        it depends on the step's rows), and each row's first logits row; built once per key."""
+        """`chain_early`'s chain for a verify step of `key` (one pass, its inputs the device's: nothing in it depends
+        on the step's rows), and each row's first logits row; built once per key."""
         if key not in self._first_passes:
             placeholder = torch.zeros(key.rows * key.tokens_per_row, dtype=torch.long)
             chain = DraftChain(key, placeholder, torch.zeros(key.rows, dtype=torch.long),
-                               torch.empty(0, key.rows, dtype=torch.long), {}, key.context)
+                               torch.empty(0, key.rows, dtype=torch.long), {}, key.context,
+                               stop_ids=_stop_slots([], key.rows), holds=torch.zeros(1, key.rows, dtype=torch.bool))
             starts = torch.arange(key.rows, device=device) * key.tokens_per_row
             self._first_passes[key] = chain, starts
         return self._first_passes[key]
 
+    def _early_holds(self, job: SpecJob, states: list[SamplerState], held: dict[int, HeldStops],
+                     device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`chain_early`'s holds: each batch row's stop tokens, and the number of drafts it must accept for its next
+        draft to be its min_tokens-th output or later (it drafts output position + accepted + 2 - prompt length;
+        0 for a row that holds nothing). Without holds the key's zeros, made once."""
+        key = job.static_key
+        if not held:
+            if key not in self._no_holds:
+                self._no_holds[key] = (_stop_slots([], key.rows).to(device),
+                                       torch.zeros(key.rows, dtype=torch.long, device=device))
+            return self._no_holds[key]
+        limits = [0] * key.rows
+        for r in held:
+            limits[r] = states[r].params.min_tokens + len(states[r].prompt_ids) - 2 - job.rows[r].position
+        return _stop_slots([held.get(r) for r in range(key.rows)], key.rows).to(device), long_on(limits, device)
+
     def _static_chain(self, job: SpecJob, next_ids: torch.Tensor, rows: list[int], picks: list[int],
-                      positions: list[int]) -> tuple[DraftChain, list[list[int]]]:
+                      positions: list[int], states: list[SamplerState],
+                      held: dict[int, HeldStops]) -> tuple[DraftChain, list[list[int]]]:
         """The chain of the step's drafting rows, and each pass's rows (indices into `rows`, in its row order): the
-        first pass has them all, chained pass s those whose pages reach position + s (as the eager chain)."""
+        first pass has them all, chained pass s those whose pages reach position + s (as the eager chain); each pass's
+        holds (min_tokens) as the eager chain's (`_draft_holds`)."""
         key, k = job.static_key, job.num_speculative_tokens
         order = [list(range(len(rows)))]
         for step in range(1, k):
@@ -532,8 +560,12 @@ class Drafter:
             place = {i: j for j, i in enumerate(before)}
             sources.append([place[i] for i in live] + list(range(len(live), key.rows)))
         padded_picks = picks + [0] * (key.rows - len(picks))
-        chain = DraftChain(key, next_ids, _long(padded_picks),
-                           _long(sources).view(k - 1, key.rows), passes, context)
+        holds = torch.zeros(k, key.rows, dtype=torch.bool)
+        for step, live in enumerate(order):
+            at = _draft_holds(rows, positions, step, states, held)
+            holds[step, :len(live)] = torch.tensor([i in at for i in live], dtype=torch.bool)
+        chain = DraftChain(key, next_ids, _long(padded_picks), _long(sources).view(k - 1, key.rows), passes, context,
+                           stop_ids=_stop_slots([held.get(r) for r in rows], key.rows), holds=holds)
         return chain, order
 
     def idle(self, job: SpecJob) -> None:
@@ -626,6 +658,22 @@ def _draft_holds(rows: list[int], positions: list[int], step: int, states: list[
         if r in held and position + step + 2 - len(states[r].prompt_ids) < states[r].params.min_tokens:
             holds[i] = HeldStops(1, held[r].token_ids)
     return holds
+
+
+def _slots_hold(holds: Sequence[HeldStops | None]) -> bool:
+    """Whether a static chain has the slots for these holds' stop tokens."""
+    return all(hold is None or len(hold.token_ids) <= HELD_STOP_SLOTS for hold in holds)
+
+
+def _stop_slots(holds: list[HeldStops | None], num_rows: int) -> torch.Tensor:
+    """[num_rows, HELD_STOP_SLOTS] long: row i's held stop tokens (holds[i]; none past the list), its first repeated
+    in the spare slots (holding writes the same -inf twice), zeros for a row that holds nothing."""
+    slots = torch.zeros(num_rows, HELD_STOP_SLOTS, dtype=torch.long)
+    for i, hold in enumerate(holds):
+        if hold is not None:
+            ids = list(hold.token_ids)
+            slots[i] = torch.tensor(ids + ids[:1] * (HELD_STOP_SLOTS - len(ids)))
+    return slots
 
 
 def _drafted_mask(state: SamplerState, drafts: tuple[int, ...], position: int) -> tuple[torch.Tensor, bool] | None:

@@ -34,7 +34,7 @@ capture=False runs every static step eagerly on the same buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -118,9 +118,10 @@ class DraftChain:
     rows' positions and pages), for rows that draft greedily. Row i of every pass is a drafting row (or padding):
     the first pass picks its logits and streams at `picks[i]` of the verify's batch; chained pass s (1..k-1) is a
     decode batch of the rows still drafting, at one position further each, whose row j continues row sources[s-1][j]
-    of the pass before (its streams, its argmax as the input token). It is also what rank 0 of a group sends its
-    workers. `dp_token_counts`: data-parallel ranks in lock-step, every rank's tokens in each pass (agreed; what each
-    pass's MoE exchange pads to the largest of)."""
+    of the pass before (its streams, its stop tokens, its argmax as the input token). A row whose draft would be an
+    output before its min_tokens-th drafts the argmax of the rest (`holds`: the verify would reject a stop token
+    there). It is also what rank 0 of a group sends its workers. `dp_token_counts`: data-parallel ranks in lock-step,
+    every rank's tokens in each pass (agreed; what each pass's MoE exchange pads to the largest of)."""
 
     key: StaticKey  # the verify step's: the first pass runs over its static batch
     next_ids: torch.Tensor  # [key.rows * key.tokens_per_row] long: each position's next token (the first pass's ids)
@@ -129,6 +130,10 @@ class DraftChain:
     passes: dict[int, ForwardBatch]  # 1..k-1 -> chained pass s, padded to StaticKey(key.rows, context)
     context: int  # the chained passes' context bucket
     dp_token_counts: tuple[tuple[int, ...], ...] = ()  # per pass, every rank's tokens (in lock-step)
+    # min_tokens: each first-pass row's stop tokens [key.rows, HELD_STOP_SLOTS] (its first repeated in the spare
+    # slots), and where pass s's row j (the pass's own row order) holds them back from its draft [k, key.rows] bool
+    stop_ids: torch.Tensor | None = None
+    holds: torch.Tensor | None = None
 
     @property
     def chain_key(self) -> tuple[StaticKey, int]:
@@ -138,6 +143,19 @@ class DraftChain:
     def token_counts(self) -> tuple[int, ...]:
         """This rank's tokens in each pass: the verify's static batch, then key.rows a chained pass."""
         return (self.key.rows * self.key.tokens_per_row, *[self.key.rows] * len(self.passes))
+
+
+HELD_STOP_SLOTS = 4  # a static chain's stop tokens a row (min_tokens): a row with more drafts eagerly
+
+
+class FirstInputs(NamedTuple):
+    """What `Drafter.chain_early` computes on the device for a chain's first pass: each position's next token, each
+    row's logits row, and where each row's draft holds back its stop tokens; with the stop tokens themselves."""
+
+    next_ids: torch.Tensor
+    picks: torch.Tensor
+    stop_ids: torch.Tensor
+    holds: torch.Tensor  # [key.rows] bool
 
 
 @dataclass
@@ -169,14 +187,14 @@ class DraftChains:
         return [step.graph for step in self._chains.values() if step.graph is not None]
 
     def run(self, chain: DraftChain, hidden: torch.Tensor, replay: bool = True,
-            first_inputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            first_inputs: FirstInputs | None = None) -> torch.Tensor:
         """The drafts [k, key.rows] on the device, line s pass s's argmax at each of its rows (line 0: the first
         pass's); `hidden` the verify step's streams [T, N, D]. `replay` False: eagerly on the same buffers at the
         chain's agreed counts (a data-parallel step where some pass's MoE exchange pads to another rank's larger count
         than the graph's own; a graph is only recorded on a step it could replay, so its counts are its own).
-        `first_inputs`: the first pass's (next ids, picks) as device tensors, in place of the chain's own (computed
-        on the device from the verify's logits: the host has not read them); a chain of one pass then has nothing
-        else to copy in, once its buffers exist."""
+        `first_inputs`: the first pass's inputs as device tensors, in place of the chain's own (computed on the
+        device from the verify's logits: the host has not read them); a chain of one pass then has nothing else to
+        copy in, once its buffers exist."""
         step = self._chains.get(chain.chain_key)
         if step is None or first_inputs is None or chain.passes:
             staged = self._stager.stage(chain)
@@ -189,28 +207,41 @@ class DraftChains:
             assert staged.layout == step.layout, f"a draft chain of key {chain.chain_key} with another layout"
             staged.copy_into(step.buffer)
         if first_inputs is not None:
-            step.chain.next_ids.copy_(first_inputs[0])
-            step.chain.picks.copy_(first_inputs[1])
+            step.chain.next_ids.copy_(first_inputs.next_ids)
+            step.chain.picks.copy_(first_inputs.picks)
+            step.chain.stop_ids.copy_(first_inputs.stop_ids)
+            step.chain.holds[0].copy_(first_inputs.holds)
         step.hidden.copy_(hidden)
         counts = chain.dp_token_counts or tuple(() for _ in chain.token_counts)
         return self.graphs.run_or_replay(step, lambda: self._passes(step, counts), replay)
 
     def _passes(self, step: _StaticChain, counts: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-        """The k passes, each row's draft the argmax of its logits (greedy drafts need nothing else); pass s's MoE
-        exchange at `counts[s]` (the buffers' views hold the first chain's, not this one's)."""
+        """The k passes, each row's draft the argmax of its logits, its stop tokens held where it holds them (greedy
+        drafts need nothing else); pass s's MoE exchange at `counts[s]` (the buffers' views hold the first chain's,
+        not this one's)."""
         chain = step.chain
         first = replace(step.first, dp_token_counts=counts[0])
         index = first.logits_token_index[chain.picks]
         logits, streams = self.model.draft(first, self.kv, step.hidden, index)
-        hidden, tokens = streams[index], logits.argmax(dim=-1)
+        stop_ids = chain.stop_ids
+        hidden, tokens = streams[index], _held_back(logits, stop_ids, chain.holds[0]).argmax(dim=-1)
         drafts = [tokens]
         for s, batch in chain.passes.items():
             source = chain.sources[s - 1]
             batch = replace(batch, input_ids=tokens[source], dp_token_counts=counts[s])
             logits, streams = self.model.draft(batch, self.kv, hidden[source], batch.logits_token_index)
-            hidden, tokens = streams[batch.logits_token_index], logits.argmax(dim=-1)
+            stop_ids = stop_ids[source]
+            hidden = streams[batch.logits_token_index]
+            tokens = _held_back(logits, stop_ids, chain.holds[s]).argmax(dim=-1)
             drafts.append(tokens)
         return torch.stack(drafts)
+
+
+def _held_back(logits: torch.Tensor, stop_ids: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:
+    """The logits with -inf at each holding row's stop tokens (every row, every slot: static shapes, no host sync;
+    a row that holds nothing writes its own values back)."""
+    values = logits.gather(1, stop_ids)
+    return logits.scatter(1, stop_ids, values.masked_fill(holds[:, None], float("-inf")))
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}

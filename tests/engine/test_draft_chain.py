@@ -28,7 +28,7 @@ from backend.model.graph_runner import DraftChain
 from backend.model.static_batch import StaticKey
 from backend.request import SamplingParams
 from backend.runner import ModelRunner
-from backend.sampler import SamplerState
+from backend.sampler import HeldStops, SamplerState
 from backend.speculative import Drafter, SpecJob, Verifier
 
 from .test_speculative import OracleDrafter, _engine, _ids, _prompts
@@ -39,6 +39,7 @@ SCENARIOS = {
     "lock-step, 3 rows": dict(lengths=[20, 20, 20], error_rate=None),
 }
 MAX_TOKENS = 40
+MIN_TOKENS = 16
 
 
 class RecordingDrafter(OracleDrafter):
@@ -90,10 +91,12 @@ def references(tiny_checkpoint):
     return out
 
 
-def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, logprobs: int | None = None):
+def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, logprobs: int | None = None,
+         params: SamplingParams | None = None):
     """(each request's tokens, or with `logprobs` its (tokens, log-probabilities)), the drafter, the engine. Each step
     is taken in before the next is scheduled (no overlapped verify steps: every verify's drafts are the oracle's as
     the host saw them, the steps the same in every run)."""
+    params = params or SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     engine = _engine(checkpoint, num_speculative_tokens=k, cuda_graphs=True, max_running_requests=8,
                      overlap_scheduling=False)
     if not static:
@@ -101,7 +104,7 @@ def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, lo
     drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
                                engine.vocab_size, dict(enumerate(map(len, prompts))), scenario.get("cut_chains", False))
     engine.executor.drafter = drafter
-    results = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs))
+    results = engine.generate(prompts, replace(params, logprobs=logprobs))
     engine.kv.check()
     tokens = _ids(results) if logprobs is None else [(r["output_ids"], r["logprobs"]) for r in results]
     return tokens, drafter, engine
@@ -172,6 +175,51 @@ def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, refe
     assert runs[True] == runs[False]
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_rows_under_min_tokens_hold_their_stops_in_the_static_chain_as_pass_by_pass(tiny_checkpoint, references,
+                                                                                   monkeypatch, k):
+    """min_tokens: a row's stop tokens (here the first tokens the target itself would emit) are held back from its
+    drafts wherever a draft would be an output before its min_tokens-th, in the static chain (per pass, its holds on
+    the device; at k = 1 in the chain that follows its verify, where the drafts accepted decide it) as pass by pass:
+    the same proposals, none of them a stop there, the same tokens."""
+    scenario = "oracle drafts, 5 rows"
+    prompts, expected = references[scenario]
+    stops = list(dict.fromkeys(t for tokens in expected for t in tokens[:3]))[:graph_runner.HELD_STOP_SLOTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, min_tokens=MIN_TOKENS, stop_token_ids=stops)
+    run, holding = graph_runner.DraftChains.run, []
+    monkeypatch.setattr(graph_runner.DraftChains, "run", lambda chains, chain, hidden, replay=True, first_inputs=None:
+                        holding.append(bool((chain.holds if first_inputs is None else first_inputs.holds).any()))
+                        or run(chains, chain, hidden, replay, first_inputs))
+    eager_tokens, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, False, params=params)
+    static_tokens, static, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, True, params=params)
+    assert static_tokens == eager_tokens != expected and all(len(t) >= MIN_TOKENS for t in static_tokens)
+    assert static.proposals == eager.proposals and static.chains.count("static") > 10 and sum(holding) > 3
+    for request, proposals in static.proposals.items():  # (output of a step's first draft: past what it emitted)
+        assert not any(set(drafts) & set(stops) for drafts in proposals[:MIN_TOKENS // (k + 1)]), request
+
+
+def test_the_chain_after_a_verify_holds_each_draft_as_the_host_planned_chain_would():
+    """`Drafter.chain_early` decides on the device, from the drafts each row accepted, which rows hold their stop
+    tokens back: exactly the rows whose draft the host-planned chain holds (`_draft_holds`, from the row's last
+    emitted position), around the min_tokens-th output, accepted or not."""
+    from types import SimpleNamespace
+
+    from backend.speculative import _draft_holds
+
+    prompt, min_tokens, positions = [5] * 7, 10, list(range(12, 20))  # (outputs 7..15 drafted: both sides of 10)
+    key = StaticKey(rows=len(positions), context=256, tokens_per_row=2)
+    states = [SimpleNamespace(prompt_ids=prompt, params=SamplingParams(min_tokens=min_tokens))] * len(positions)
+    held = {r: HeldStops(2, (1, 2)) for r in range(len(positions))}
+    job = SimpleNamespace(static_key=key, rows=[SimpleNamespace(position=p) for p in positions])
+    drafter = Drafter.__new__(Drafter)
+    stop_ids, limits = drafter._early_holds(job, states, held, torch.device("cpu"))
+    assert stop_ids.tolist() == [[1, 2, 1, 1]] * len(positions)
+    for accepted in (0, 1):
+        on_device = (torch.full((key.rows,), accepted) < limits).tolist()
+        planned = _draft_holds(list(range(key.rows)), [p + accepted for p in positions], 0, states, held)
+        assert on_device == [r in planned for r in range(key.rows)] and 0 < sum(on_device) < key.rows
+
+
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
     """A constrained row's drafts are masked by its grammar, and under draft_sampling=sample a sampled row draws each
     draft from q with its own generator (both on the host, between passes): a step with one drafts pass by pass, as
@@ -185,6 +233,10 @@ def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
     assert drafter._static(job, [greedy, sampled])
     assert not drafter._static(job, [greedy, SamplerState(SamplingParams(), [], grammar=object())])
     assert not drafter._static(replace(job, static_key=None), [greedy])
+    # min_tokens: a static chain holds back up to HELD_STOP_SLOTS stop tokens a row; a row with more drafts eagerly
+    slots = graph_runner.HELD_STOP_SLOTS
+    assert drafter._static(job, [greedy, greedy], [None, HeldStops(1, tuple(range(slots)))])
+    assert not drafter._static(job, [greedy, greedy], [None, HeldStops(1, tuple(range(slots + 1)))])
     drafter.sample_drafts = True  # (draft_sampling=sample)
     assert not drafter._static(job, [greedy, sampled]) and drafter._static(job, [greedy, greedy])
 
