@@ -39,10 +39,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; the te
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # DeepSeek-V4's, unless tokenizer_config.json says
 DEEPSEEK_V4_TEMPLATE = Path(__file__).with_name("deepseek_v4_chat.jinja")  # DeepSeek's format (its Python) in Jinja
 
-# The variables the renderer itself passes a Jinja template: a request's options must not replace them.
+# The names the renderer itself gives a Jinja template (its variables, Jinja's and transformers' functions, the
+# render call's own `self`): a request's options must not replace them.
 _RENDERER_VARIABLES = frozenset({"messages", "conversations", "add_generation_prompt", "bos_token", "eos_token",
                                  "chat_template", "tools", "documents", "continue_final_message",
-                                 "return_assistant_tokens_mask"})
+                                 "return_assistant_tokens_mask", "self", "range", "dict", "lipsum", "cycler", "joiner",
+                                 "namespace", "raise_exception", "strftime_now"})
 
 
 def chat_format(checkpoint: str | Path, template_file: str | Path | None = None) -> "ChatTemplate":
@@ -99,7 +101,7 @@ class ChatTemplate:
         try:
             (text,), _ = render_jinja_template([messages], chat_template=self.source, add_generation_prompt=True,
                                                bos_token=self.bos_token, eos_token=self.eos_token, **options)
-        except TemplateError as exc:
+        except (TemplateError, TypeError) as exc:  # (TypeError: an option the template calls or compares wrongly)
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         return text
 

@@ -272,7 +272,8 @@ def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server):
                                  SamplingParams(max_tokens=MAX_TOKENS))
     assert as_list(out["output_ids"]) == offline["output_ids"] and out["text_output"] == offline["text"]
     status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": 4,
-                                         "chat_template_kwargs": json.dumps({"reasoning_effort": "max"})})
-    assert status == 400 and "reasoning_effort must be" in json.dumps(out)
+                                         "chat_template_kwargs": json.dumps({"thinking": True,
+                                                                             "reasoning_effort": "max"})})
+    assert status == 400 and "maximum-effort prompt is not in this template" in json.dumps(out)
     status, out = http_generate(server, {"messages": '[{"role": "robot", "content": "x"}]', "max_tokens": 4})
     assert status == 400 and "role must be one of" in json.dumps(out)

@@ -34,6 +34,9 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
      f"{B}Be brief.{U}Hi{A}<think>A greeting.</think>Hello.{E}{U}Again{A}<think>"),
     ({"thinking": True, "reasoning_effort": "none"}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}</think>"),
     ({"thinking": True, "reasoning_effort": "high"}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}<think>"),
+    ({"thinking": True, "reasoning_effort": "minimal", "drop_thinking": None},  # (any other effort: as "high")
+     f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}<think>"),
+    ({"thinking": None, "reasoning_effort": "max"}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}</think>"),
 ])
 def test_deepseek_v4s_chat_format_in_chat_and_thinking_modes(template, options, expected):
     """DeepSeek's encoding_dsv4.py's prompts, with vLLM's and SGLang's options (chat_template_kwargs)."""
@@ -52,25 +55,34 @@ def test_deepseek_v4s_chat_format_merges_user_turns_and_drops_earlier_developer_
     assert template.render(turns, {"thinking": True}) == f"{B}{U}Q{A}<think>R</think>Part{E}"
 
 
-def test_triton_openai_frontend_renders_the_same_prompt_from_the_template_file(tiny_checkpoint, template):
-    """The frontend applies `--chat-template` itself, through transformers' apply_chat_template, with the request's
-    chat_template_kwargs: deepseek_v4_chat.jinja gives it the prompt this server renders."""
+def test_transformers_apply_chat_template_renders_the_same_prompt_from_the_template_file(tiny_checkpoint, template):
+    """What takes a template file (Triton's OpenAI frontend's `--chat-template`, a client's tokenizer) renders it
+    through transformers' apply_chat_template: deepseek_v4_chat.jinja gives it the prompt this server renders, and
+    refuses request-level tools, which it cannot render (the frontend passes them to the template)."""
     from transformers import AutoTokenizer
 
     reference = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    source = DEEPSEEK_V4_TEMPLATE.read_text()
     for options in ({}, {"thinking": True}, {"enable_thinking": True, "drop_thinking": False}):
         assert template.render(CHAT, options) == reference.apply_chat_template(
-            CHAT, chat_template=DEEPSEEK_V4_TEMPLATE.read_text(), tokenize=False, add_generation_prompt=True, **options)
+            CHAT, chat_template=source, tokenize=False, add_generation_prompt=True, **options)
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    with pytest.raises(Exception, match="renders no tools"):
+        reference.apply_chat_template(CHAT, chat_template=source, tools=[tool], tokenize=False)
 
 
 @pytest.mark.parametrize("messages,options,message", [
     ([{"role": "tool", "content": "3 C", "tool_call_id": "c1"}], None, "no tool calls or tool results"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], None, "no tool calls"),
     ([{"role": "developer", "content": ""}], None, "developer message needs content"),
-    (CHAT, {"thinking": "yes"}, "true or false"),
-    (CHAT, {"drop_thinking": 0}, "true or false"),
-    (CHAT, {"reasoning_effort": "max"}, "reasoning_effort must be .*got \"max\""),
+    (CHAT, {"thinking": "yes"}, "thinking must be true or false"),
+    (CHAT, {"thinking": False, "enable_thinking": 1}, "enable_thinking must be true or false"),
+    (CHAT, {"drop_thinking": 0}, "drop_thinking must be true or false"),
+    (CHAT, {"thinking": True, "reasoning_effort": "max"}, "reasoning_effort \"max\": DeepSeek's maximum-effort"),
+    (CHAT, {"enable_thinking": True, "reasoning_effort": "xhigh"}, "reasoning_effort \"xhigh\""),
+    (CHAT, {"reasoning_effort": 5}, "reasoning_effort must be a string"),
     (CHAT, {"add_generation_prompt": False}, "cannot set \\['add_generation_prompt'\\]"),
+    (CHAT, {"namespace": 1, "self": 2}, "cannot set \\['namespace', 'self'\\]"),
     (CHAT, ["thinking"], "must be a JSON object"),
 ])
 def test_what_deepseek_v4s_chat_format_cannot_render_is_refused_naming_it(template, messages, options, message):
