@@ -16,8 +16,8 @@ them), so that templates written for it render here as there. A template that re
 DeepSeek-V4's published checkpoints ship no Jinja template: DeepSeek gives the format as Python
 (encoding/encoding_dsv4.py). Without a template, deepseek_v4_chat.jinja beside this file renders that format, as
 vLLM's and SGLang's DeepSeek-V4 tokenizers render it, with their request options (`thinking` / `enable_thinking`,
-`reasoning_effort`, `drop_thinking`); it refuses tool calls, tool results and the "max" reasoning effort (a template
-that renders them can be given as `chat_template`). Being Jinja, the same file serves Triton's OpenAI frontend
+`reasoning_effort`, `drop_thinking`); it refuses tools, tool calls, tool results and DeepSeek's maximum reasoning
+effort (a template that renders them can be given as `chat_template`). Being Jinja, the same file serves Triton's OpenAI frontend
 (--chat-template), which applies the template itself.
 
 Messages are checked first: a non-empty list of objects, each with an OpenAI role (system, developer, user,
