@@ -503,7 +503,7 @@ class Drafter:
             chain = dataclasses.replace(chain, dp_token_counts=counts)
             self._first_passes[key] = chain, row_starts
         stop_ids, limits = self._early_holds(job, states, held or {}, argmax.device)
-        first = FirstInputs(argmax, picks, stop_ids, (picks - row_starts) < limits)
+        first = FirstInputs(argmax, picks, stop_ids, _holds_after_verify(picks - row_starts, limits))
         drafts = self.runner.draft_chain(chain, first_inputs=first)  # [1, rows]
         self.runner.keep_verify_inputs(batch.logits_slot.view(rows)[:, 0], argmax[picks], drafts)
         return argmax, drafts[0], proposed
@@ -534,7 +534,8 @@ class Drafter:
         limits = [0] * key.rows
         for r in held:
             limits[r] = states[r].params.min_tokens + len(states[r].prompt_ids) - 2 - job.rows[r].position
-        return _stop_slots([held.get(r) for r in range(key.rows)], key.rows).to(device), long_on(limits, device)
+        stop_ids = _stop_slots([held.get(r) for r in range(key.rows)], key.rows).to(device, non_blocking=True)
+        return stop_ids, long_on(limits, device)  # (neither copy waits for the verify in flight)
 
     def _static_chain(self, job: SpecJob, next_ids: torch.Tensor, rows: list[int], picks: list[int],
                       positions: list[int], states: list[SamplerState],
@@ -658,6 +659,12 @@ def _draft_holds(rows: list[int], positions: list[int], step: int, states: list[
         if r in held and position + step + 2 - len(states[r].prompt_ids) < states[r].params.min_tokens:
             holds[i] = HeldStops(1, held[r].token_ids)
     return holds
+
+
+def _holds_after_verify(accepted: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """Which rows' draft after a verify holds their stop tokens back (`Drafter.chain_early`, on the device): those that
+    accepted fewer drafts than their limit (`Drafter._early_holds`)."""
+    return accepted < limits
 
 
 def _slots_hold(holds: Sequence[HeldStops | None]) -> bool:

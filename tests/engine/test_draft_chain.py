@@ -17,7 +17,7 @@ chain replays only where every pass's exchange pads to its own count.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import replace
 
 import pytest
@@ -39,7 +39,6 @@ SCENARIOS = {
     "lock-step, 3 rows": dict(lengths=[20, 20, 20], error_rate=None),
 }
 MAX_TOKENS = 40
-MIN_TOKENS = 16
 
 
 class RecordingDrafter(OracleDrafter):
@@ -47,10 +46,13 @@ class RecordingDrafter(OracleDrafter):
     drafts (error_rate None: the layer's own)."""
 
     def __init__(self, drafter: Drafter, reference: dict[int, list[int]], error_rate: float | None, vocab: int,
-                 prompt_lengths: dict[int, int], cut_chains: bool = False):
+                 prompt_lengths: dict[int, int], cut_chains: bool = False, unchain_first_row: bool = False):
         super().__init__(drafter, reference, error_rate or 0.0, vocab, prompt_lengths)
         self.use_oracle, self.cut_chains, self.static_steps = error_rate is not None, cut_chains, 0
+        self.unchain_first_row = unchain_first_row  # batch row 0's pages end after its first draft (static steps)
         self.proposals: dict[int, list[list[int]]] = defaultdict(list)  # by the request's place in the batch
+        # (pass, the output it drafts, the token, the drafts its row accepted in the verify before)
+        self.outputs: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
         self.chains: list[str] = []  # per step: "static", "eager" or "eager after a static step"
         self.short_static = 0  # static chains' rows given fewer than k drafts (their chain stopped early)
 
@@ -61,22 +63,29 @@ class RecordingDrafter(OracleDrafter):
                 k = job.num_speculative_tokens
                 job = replace(job, rows=[replace(row, lookahead_end=min(row.lookahead_end, row.position + 1 + r % k))
                                          for r, row in enumerate(job.rows)])
+        if self.unchain_first_row and job.static_key is not None and job.rows:
+            job = replace(job, rows=[replace(job.rows[0], lookahead_end=job.rows[0].position + 1), *job.rows[1:]])
         drafter = super() if self.use_oracle else super(OracleDrafter, self)
         return drafter.propose(batch, job, output, states, ready, held)
 
-    def _propose_static(self, job, *args):
-        drafts = super()._propose_static(job, *args)
+    def _propose_static(self, job, output, rows, picks, positions, ready, states, held):
+        drafts = super()._propose_static(job, output, rows, picks, positions, ready, states, held)
         self.short_static += sum(len(d) < job.num_speculative_tokens for d in drafts.values())
-        return self._record("static", job, drafts)
+        return self._record("static", job, drafts, rows, positions, states)
 
-    def _propose_eager(self, batch, job, *args):
+    def _propose_eager(self, batch, job, output, states, rows, picks, positions, held):
         chain = "eager" if job.static_key is None else "eager after a static step"
-        return self._record(chain, job, super()._propose_eager(batch, job, *args))
+        drafts = super()._propose_eager(batch, job, output, states, rows, picks, positions, held)
+        return self._record(chain, job, drafts, rows, positions, states)
 
-    def _record(self, chain: str, job, drafts: dict[int, list[int]]) -> dict[int, list[int]]:
+    def _record(self, chain: str, job, drafts: dict[int, list[int]], rows, positions, states) -> dict[int, list[int]]:
         self.chains.append(chain)
-        for r, proposed in drafts.items():
-            self.proposals[int(job.rows[r].request_id.split("-")[1])].append(list(proposed))
+        for r, position in zip(rows, positions):
+            request = int(job.rows[r].request_id.split("-")[1])
+            self.proposals[request].append(list(drafts[r]))
+            # (a pass drafts the token two past its row's last emitted position: `_draft_holds`)
+            self.outputs[request] += [(s, position + s + 2 - len(states[r].prompt_ids), token,
+                                       position - job.rows[r].position) for s, token in enumerate(drafts[r])]
         return drafts
 
 
@@ -92,7 +101,7 @@ def references(tiny_checkpoint):
 
 
 def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, logprobs: int | None = None,
-         params: SamplingParams | None = None):
+         params: SamplingParams | list[SamplingParams] | None = None, unchain_first_row: bool = False):
     """(each request's tokens, or with `logprobs` its (tokens, log-probabilities)), the drafter, the engine. Each step
     is taken in before the next is scheduled (no overlapped verify steps: every verify's drafts are the oracle's as
     the host saw them, the steps the same in every run)."""
@@ -102,9 +111,11 @@ def _run(checkpoint, k: int, scenario: dict, prompts, expected, static: bool, lo
     if not static:
         engine.core.runner.draft_chains = None  # pass by pass, after the same static verify steps
     drafter = RecordingDrafter(engine.executor.drafter, dict(enumerate(expected)), scenario["error_rate"],
-                               engine.vocab_size, dict(enumerate(map(len, prompts))), scenario.get("cut_chains", False))
+                               engine.vocab_size, dict(enumerate(map(len, prompts))), scenario.get("cut_chains", False),
+                               unchain_first_row)
     engine.executor.drafter = drafter
-    results = engine.generate(prompts, replace(params, logprobs=logprobs))
+    params = [replace(p, logprobs=logprobs) for p in (params if isinstance(params, list) else [params] * len(prompts))]
+    results = engine.generate(prompts, params)
     engine.kv.check()
     tokens = _ids(results) if logprobs is None else [(r["output_ids"], r["logprobs"]) for r in results]
     return tokens, drafter, engine
@@ -178,24 +189,50 @@ def test_one_greedy_draft_follows_its_verify_on_the_device(tiny_checkpoint, refe
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_rows_under_min_tokens_hold_their_stops_in_the_static_chain_as_pass_by_pass(tiny_checkpoint, references,
                                                                                    monkeypatch, k):
-    """min_tokens: a row's stop tokens (here the first tokens the target itself would emit) are held back from its
-    drafts wherever a draft would be an output before its min_tokens-th, in the static chain (per pass, its holds on
-    the device; at k = 1 in the chain that follows its verify, where the drafts accepted decide it) as pass by pass:
-    the same proposals, none of them a stop there, the same tokens."""
+    """min_tokens: a row's stop tokens are held back from its drafts wherever a draft would be an output before its
+    min_tokens-th, in the static chain (per pass, its holds on the device; at k = 1 in the chain that follows its
+    verify, where the drafts accepted decide it) as pass by pass: the same proposals, none of them a stop there, the
+    same tokens. Each request has its own min_tokens (an output its free run's first pass drafted after accepting a
+    draft, where it has one: the hold's end then depends on the drafts accepted) and its own stops, the tokens its
+    free run drafted right around its min_tokens-th output (nearest first), then those its chained passes drafted
+    before it, none of them a token the target emits before it (so that the target's tokens, and with them the
+    drafts there, are the free run's); batch row 0's pages end after its first draft, so every chained pass's rows
+    are the first pass's shifted by one."""
     scenario = "oracle drafts, 5 rows"
     prompts, expected = references[scenario]
-    stops = list(dict.fromkeys(t for tokens in expected for t in tokens[:3]))[:graph_runner.HELD_STOP_SLOTS]
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, min_tokens=MIN_TOKENS, stop_token_ids=stops)
+    free = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    _, recorded, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, True, params=free,
+                          unchain_first_row=True)
+    params, after_accepting = [], 0
+    for request, target in enumerate(expected):
+        drafted, first = recorded.outputs[request], 8 + 3 * request
+        # (where it can, min_tokens is an output its first pass drafted after its row accepted a draft)
+        min_tokens = min((output for step, output, token, accepted in drafted if step == 0 and accepted
+                          and output >= first and token not in target[:output]), default=first)
+        after_accepting += min_tokens != first
+        near = [token for _, output, token, _ in sorted(drafted, key=lambda d: abs(d[1] - min_tokens))
+                if abs(output - min_tokens) <= 1]
+        chained = Counter(token for step, output, token, _ in drafted if step > 0 and output < min_tokens)
+        stops = [t for t in dict.fromkeys(near + [token for token, _ in chained.most_common()])
+                 if t not in target[:min_tokens]]
+        params.append(replace(free, min_tokens=min_tokens, stop_token_ids=stops[:graph_runner.HELD_STOP_SLOTS]))
+    assert after_accepting >= 2
     run, holding = graph_runner.DraftChains.run, []
     monkeypatch.setattr(graph_runner.DraftChains, "run", lambda chains, chain, hidden, replay=True, first_inputs=None:
                         holding.append(bool((chain.holds if first_inputs is None else first_inputs.holds).any()))
+
                         or run(chains, chain, hidden, replay, first_inputs))
-    eager_tokens, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, False, params=params)
-    static_tokens, static, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, True, params=params)
-    assert static_tokens == eager_tokens != expected and all(len(t) >= MIN_TOKENS for t in static_tokens)
-    assert static.proposals == eager.proposals and static.chains.count("static") > 10 and sum(holding) > 3
-    for request, proposals in static.proposals.items():  # (output of a step's first draft: past what it emitted)
-        assert not any(set(drafts) & set(stops) for drafts in proposals[:MIN_TOKENS // (k + 1)]), request
+    eager_tokens, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, False, params=params,
+                                  unchain_first_row=True)
+    static_tokens, static, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, True, params=params,
+                                    unchain_first_row=True)
+    assert static_tokens == eager_tokens and all(len(t) >= p.min_tokens for t, p in zip(static_tokens, params))
+    assert all(t[:p.min_tokens] == e[:p.min_tokens] for t, e, p in zip(static_tokens, expected, params))
+    assert static.proposals == eager.proposals and static.chains.count("static") > 5 and sum(holding) > 2
+    assert static.short_static > 5 or k == 1  # (row 0's chains stopped after its first draft)
+    for request, p in enumerate(params):
+        assert not any(token in p.stop_token_ids for _, output, token, _ in static.outputs[request]
+                       if output < p.min_tokens), request
 
 
 def test_the_chain_after_a_verify_holds_each_draft_as_the_host_planned_chain_would():
@@ -204,7 +241,7 @@ def test_the_chain_after_a_verify_holds_each_draft_as_the_host_planned_chain_wou
     emitted position), around the min_tokens-th output, accepted or not."""
     from types import SimpleNamespace
 
-    from backend.speculative import _draft_holds
+    from backend.speculative import _draft_holds, _holds_after_verify
 
     prompt, min_tokens, positions = [5] * 7, 10, list(range(12, 20))  # (outputs 7..15 drafted: both sides of 10)
     key = StaticKey(rows=len(positions), context=256, tokens_per_row=2)
@@ -215,7 +252,7 @@ def test_the_chain_after_a_verify_holds_each_draft_as_the_host_planned_chain_wou
     stop_ids, limits = drafter._early_holds(job, states, held, torch.device("cpu"))
     assert stop_ids.tolist() == [[1, 2, 1, 1]] * len(positions)
     for accepted in (0, 1):
-        on_device = (torch.full((key.rows,), accepted) < limits).tolist()
+        on_device = _holds_after_verify(torch.full((key.rows,), accepted), limits).tolist()
         planned = _draft_holds(list(range(key.rows)), [p + accepted for p in positions], 0, states, held)
         assert on_device == [r in planned for r in range(key.rows)] and 0 < sum(on_device) < key.rows
 
