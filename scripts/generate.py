@@ -7,8 +7,12 @@ r"""Offline generation through the engine: every prompt submitted at once, so th
     .venv/bin/python scripts/generate.py --checkpoint docs/configs/deepseek-v4-flash.config.json --load-format dummy \
         --hf-overrides '{"num_hidden_layers": 4}' ...     # random weights at V4-Flash's shapes, no weight file
 
+    .venv/bin/python scripts/generate.py ... --chats-file chats.json --chat-template-kwargs '{"thinking": true}'
+
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
-Input files are JSON lists of strings (--prompts-file) or of lists of token ids (--input-ids-file).
+Input files are JSON lists of strings (--prompts-file), of lists of token ids (--input-ids-file), or of chats
+(--chats-file: each a list of OpenAI messages, rendered as the server renders a `messages` input: the checkpoint's
+chat template, or --chat-template's, else DeepSeek-V4's own format, with --chat-template-kwargs' options).
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ def parse_args(argv=None):
     inputs = parser.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--prompts-file", type=Path, help="JSON list of prompt strings")
     inputs.add_argument("--input-ids-file", type=Path, help="JSON list of lists of token ids")
+    inputs.add_argument("--chats-file", type=Path, help="JSON list of chats, each a list of OpenAI messages")
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template file in place of the checkpoint's")
+    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                        help='the chat template\'s options, e.g. \'{"thinking": true}\' (DeepSeek-V4\'s format)')
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
@@ -67,12 +75,35 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def load_prompts(args, tokenizer) -> list[list[int]]:
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def load_prompts(args, engine: LLMEngine) -> list[list[int]]:
+    tokenizer = engine.tokenizer
     if args.prompts_file is not None:
         prompts = json.loads(args.prompts_file.read_text(encoding="utf-8"))
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise SystemExit(f"{args.prompts_file}: expected a JSON list of strings")
         return [tokenizer.encode(p).ids for p in prompts]
+    if args.chats_file is not None:
+        chats = json.loads(args.chats_file.read_text(encoding="utf-8"))
+        if not isinstance(chats, list):
+            raise SystemExit(f"{args.chats_file}: expected a JSON list of chats (lists of messages)")
+        prompts = []
+        for i, chat in enumerate(chats):
+            try:  # (the rendered text carries its special tokens: backend/chat.py)
+                text = engine.chat_template.render(chat, args.chat_template_kwargs)
+            except ValueError as exc:
+                raise SystemExit(f"{args.chats_file}: chat {i}: {exc}") from None
+            prompts.append(tokenizer.encode(text, add_special_tokens=False).ids)
+        return prompts
     ids = json.loads(args.input_ids_file.read_text(encoding="utf-8"))
     if not isinstance(ids, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids):
         raise SystemExit(f"{args.input_ids_file}: expected a JSON list of lists of token ids")
@@ -94,10 +125,10 @@ def main(argv=None) -> None:
                           prefix_cache_entries=args.prefix_cache_entries,
                           policy=args.policy, overlap_scheduling=args.overlap_scheduling,
                           prefix_cache_end_entries=args.prefix_cache_end_entries,
-                          num_speculative_tokens=args.num_speculative_tokens)
+                          num_speculative_tokens=args.num_speculative_tokens, chat_template=args.chat_template)
     engine = LLMEngine(config)
     try:
-        prompts = load_prompts(args, engine.tokenizer)
+        prompts = load_prompts(args, engine)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
         results = engine.generate(prompts, params)

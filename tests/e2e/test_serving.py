@@ -250,14 +250,11 @@ def test_metrics_endpoint(server):
     assert "nv_inference_request_success" in text  # Triton's own metrics on the same port
 
 
-def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server):
+def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server, tmp_path):
     """A `messages` input (JSON list) is the prompt DeepSeek-V4's chat format renders (the built-in checkpoint, as
     the published ones, has no template of its own), with the request's `chat_template_kwargs`: the served tokens
-    are the offline engine's for that prompt's ids; malformed messages and options get a clear error."""
+    are scripts/generate.py's for the same chat (--chats-file); malformed messages and options get a clear error."""
     from backend.chat import chat_format
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.request import SamplingParams
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": MAX_TOKENS,
@@ -265,11 +262,15 @@ def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server):
                                          "exclude_input_in_output": True,
                                          "sampling_parameters": json.dumps({"temperature": 0})})
     assert status == 200, out
-    engine = LLMEngine(EngineConfig(checkpoint=str(CHECKPOINT), device="cpu"))
-    prompt = chat_format(CHECKPOINT).render(messages, {"thinking": True})
-    assert prompt.endswith("<｜User｜>Hello there<｜Assistant｜><think>")
-    (offline,) = engine.generate([engine.tokenizer.encode(prompt, add_special_tokens=False).ids],
-                                 SamplingParams(max_tokens=MAX_TOKENS))
+    assert chat_format(CHECKPOINT).render(messages, {"thinking": True}).endswith(
+        "<｜User｜>Hello there<｜Assistant｜><think>")
+    chats_file = tmp_path / "chats.json"
+    chats_file.write_text(json.dumps([messages]))
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT), "--device",
+           "cpu", "--chats-file", str(chats_file), "--chat-template-kwargs", '{"thinking": true}',
+           "--max-tokens", str(MAX_TOKENS)]
+    (offline,) = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300,
+                                           env=server_env()).stdout)
     assert as_list(out["output_ids"]) == offline["output_ids"] and out["text_output"] == offline["text"]
     status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": 4,
                                          "chat_template_kwargs": json.dumps({"thinking": True,
