@@ -67,6 +67,7 @@ class FinishReason(str, enum.Enum):
 # --- sampling parameters ----------------------------------------------------------------------------
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's API allows
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 # Every stop string is looked for in every token's new text, on the thread that sends every request's responses:
 # bounded, so one request cannot slow the others' streams (OpenAI's API takes 4, TGI 4 by default)
@@ -99,6 +100,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias (token id -> a bias in [-100, 100] added to its logit) and vLLM's allowed_token_ids (every
+    # other token's logit -inf), before the penalties, as vLLM applies them (backend/sampler.py)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     n: int = 1  # completions per request: only 1 (accepted because OpenAI clients send it)
     # The output constraint (backend/structured/params.py): from `guided_decoding`, `structured_outputs` or
     # `response_format` in what clients send.
@@ -134,6 +139,16 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, "(0, 10]", low_open=True)
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict) and all(is_int(t) and t >= 0 for t in self.logit_bias)
+                and all(_in_range(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for b in self.logit_bias.values())):
+            raise ValueError(f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {self.logit_bias!r:.200}")
+        if self.allowed_token_ids is not None and not (
+                isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                             f"{self.allowed_token_ids!r:.200}")
         if not is_int(self.n) or self.n != 1:
             raise ValueError(f"n must be 1: one completion per request (send the request again for more), got {self.n!r}")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecoding):
@@ -173,6 +188,9 @@ class SamplingParams:
                 kwargs[key] = _as_bool(value)
             elif key == "stop":
                 kwargs[key] = [value] if isinstance(value, str) else value
+            elif key == "logit_bias" and isinstance(value, dict):  # (JSON's keys are strings: "50256": -100)
+                kwargs[key] = {_as_int(token, "a logit_bias token id"): _as_float(bias, f"logit_bias[{token!r}]")
+                               for token, bias in value.items()}
             else:
                 kwargs[key] = value
         return cls(**kwargs)
@@ -182,7 +200,8 @@ _INT_KEYS = ("max_tokens", "top_k", "seed", "min_tokens", "timeout_ms", "logprob
 # Keys whose JSON null means "not given", as vLLM's SamplingParams takes None for them (Triton's vLLM backend passes
 # them through as they come)
 _NULL_IS_UNSET = ("seed", "logprobs", "stop", "stop_token_ids", "timeout_ms", "ignore_eos", "skip_special_tokens",
-                  "spaces_between_special_tokens", "include_stop_str_in_output", "best_of")
+                  "spaces_between_special_tokens", "include_stop_str_in_output", "best_of", "logit_bias",
+                  "allowed_token_ids")
 # vLLM's sampling parameters this engine always applies at vLLM's default: accepted at that value (clients that send
 # vLLM's whole parameter set send them: Triton's OpenAI frontend up to 25.12 sends completions' best_of 1), refused
 # otherwise. Text skips special tokens; a stop string is left out; one completion is drawn (n is 1).
@@ -198,9 +217,12 @@ SAMPLING_KEYS = frozenset([f.name for f in fields(SamplingParams)] + [*GUIDED_KE
 
 
 def _check_range(name: str, value: Any, low: float, high: float, text: str, low_open: bool = False) -> None:
-    number_ok = is_number(value) and math.isfinite(value)
-    if not number_ok or not (low < value if low_open else low <= value) or value > high:
+    if not _in_range(value, low, high, low_open):
         raise ValueError(f"{name} must be in {text}, got {value!r}")
+
+
+def _in_range(value: Any, low: float, high: float, low_open: bool = False) -> bool:
+    return is_number(value) and math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
 
 
 def _as_int(value: Any, key: str) -> int:
@@ -257,9 +279,11 @@ class RequestLimits:
             raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})")
         if sampling.max_tokens > self.max_tokens_limit:
             raise ValueError(f"max_tokens must be at most {self.max_tokens_limit}, got {sampling.max_tokens}")
-        bad = [t for t in sampling.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        for name, ids in (("stop_token_ids", sampling.stop_token_ids), ("logit_bias", sampling.logit_bias or ()),
+                          ("allowed_token_ids", sampling.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         # The last sampled token is never fed back, so a request needs prompt + max_tokens - 1 positions.
         positions = len(prompt_ids) + sampling.max_tokens - 1
         if positions > self.max_request_positions:

@@ -13,7 +13,9 @@ argmax (no host sync): a seeded request's noise off its own `torch.Generator` on
 row), so it gets the same tokens whatever it is batched with (with speculative decoding, while its drafts are the
 same: docs/speculative.md); the other rows' in one launch.
 
-Penalties (`apply_penalties`, rows whose request sets them; the others are not touched or copied):
+Penalties (`apply_penalties`, rows whose request sets them; the others are not touched or copied), after the
+request's logit_bias (OpenAI's: added to its tokens' logits) and allowed_token_ids (vLLM's: every other token -inf),
+as vLLM applies those first:
   repetition_penalty r (vLLM / HF): every token in the prompt or the output so far has its logit divided
       by r where positive, multiplied by r where negative;
   frequency_penalty f and presence_penalty p (OpenAI): logit[t] -= f * count(t in the output) + p * [t in
@@ -80,8 +82,10 @@ class SamplerState:
         self.params = params
         self.prompt_ids = prompt_ids
         self.grammar = grammar
+        # (logit_bias and allowed_token_ids count as penalties here: the same rows' logits are adjusted, in one place)
         self.has_penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
-                              or params.presence_penalty != 0.0)
+                              or params.presence_penalty != 0.0 or bool(params.logit_bias)
+                              or params.allowed_token_ids is not None)
         # Greedy, no penalties, no log-probabilities, no grammar: its token is the argmax of its logits.
         self.plain = (params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
                       and grammar is None)
@@ -89,6 +93,7 @@ class SamplerState:
         self._device_generator: torch.Generator | None = None  # (sampling on a GPU: Sampler.sample)
         self._seen: torch.Tensor | None = None  # bool [V]
         self._counts: torch.Tensor | None = None  # long [V]
+        self._bias: torch.Tensor | None = None  # [V]: logit_bias, -inf outside allowed_token_ids (None: neither)
         # Speculative decoding: the distributions its sampled drafts were drawn from, where the logits are
         # (backend/speculative.py; empty for argmax drafts, each all on its draft).
         self.draft_probs: list[torch.Tensor] = []
@@ -104,6 +109,8 @@ class SamplerState:
         position beyond those observed (a verify's drafts before it)."""
         params = self.params
         self._ensure(line)
+        if self._bias is not None:
+            line += self._bias
         seen, counts = self._seen, self._counts
         if pending:
             extra = torch.tensor(pending, dtype=torch.long, device=line.device)
@@ -127,6 +134,9 @@ class SamplerState:
             self._seen = torch.zeros(line.shape[0], dtype=torch.bool, device=line.device)
             self._seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=line.device)] = True
             self._counts = torch.zeros(line.shape[0], dtype=torch.long, device=line.device)
+            self._bias = _logit_bias(self.params, line)
+
+
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The request's generator on `device`: the host one on CPU; on a GPU a second one, seeded alike."""
@@ -144,6 +154,21 @@ class SamplerState:
         if self.generator is None:
             self.generator = _seeded(torch.Generator(), self.params.seed)
         return self.generator
+
+
+def _logit_bias(params: SamplingParams, line: torch.Tensor) -> torch.Tensor | None:
+    """What a request adds to its logits [V] before its penalties: logit_bias at its tokens, -inf outside
+    allowed_token_ids; None where it sets neither."""
+    if not params.logit_bias and params.allowed_token_ids is None:
+        return None
+    bias = torch.zeros_like(line)
+    if params.allowed_token_ids is not None:
+        bias.fill_(float("-inf"))
+        bias[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=line.device)] = 0.0
+    if params.logit_bias:
+        tokens = torch.tensor(list(params.logit_bias), dtype=torch.long, device=line.device)
+        bias[tokens] += torch.tensor(list(params.logit_bias.values()), dtype=line.dtype, device=line.device)
+    return bias
 
 
 def _seeded(generator: torch.Generator, seed: int | None) -> torch.Generator:

@@ -91,6 +91,9 @@ def test_any_64_bit_seed_is_taken_as_openai_allows_and_repeats():
     ({"min_tokens": -1}, "min_tokens must be a non-negative integer"),
     ({"min_tokens": "some"}, "min_tokens must be an integer"),
     ({"temp": 1}, "unknown key"),
+    ({"logit_bias": {"x": 1}}, "a logit_bias token id must be an integer"),
+    ({"logit_bias": {"5": "much"}}, "logit_bias\\['5'\\] must be a finite number"),
+    ({"logit_bias": {"5": 150}}, "logit_bias must map token ids to numbers in \\[-100, 100\\]"),
 ])
 def test_from_dict_refuses_bad_values_naming_them(params, message):
     with pytest.raises(ValueError, match=message):
@@ -103,6 +106,8 @@ def test_from_dict_refuses_bad_values_naming_them(params, message):
     ([-1], {}, "token id -1 is out of the vocabulary"),
     ([1], {"max_tokens": 101}, "max_tokens must be at most 100"),
     ([1], {"stop_token_ids": [9]}, "stop_token_ids outside the vocabulary"),
+    ([1], {"logit_bias": {2: 1.0, 8: -1.0}}, "logit_bias outside the vocabulary \\[0, 8\\): \\[8\\]"),
+    ([1], {"allowed_token_ids": [3, 12]}, "allowed_token_ids outside the vocabulary"),
     ([1] * 10, {"max_tokens": 8}, "needs 17 positions, more than the 16"),
 ])
 def test_limits_refuse_what_the_deployment_cannot_serve(prompt, params, message):

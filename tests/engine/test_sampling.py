@@ -391,10 +391,28 @@ def test_penalties_follow_openai_and_vllm_definitions():
     assert apply_penalties(logits, [state])[0, 2] == 0.5 / 2 - 0.5 - 0.25
 
 
+def test_logit_bias_and_allowed_token_ids_come_before_the_penalties_as_in_vllm():
+    """OpenAI's logit_bias adds to its tokens' logits, vLLM's allowed_token_ids leaves every other token at -inf; both
+    before the repetition penalty (which then divides a positive biased logit). JSON's string keys are taken."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, 0.0]])
+    params = SamplingParams.from_dict({"logit_bias": {"1": 5.0, "4": -100}, "allowed_token_ids": [1, 2, 4],
+                                       "repetition_penalty": 2.0})
+    assert params.logit_bias == {1: 5.0, 4: -100.0}
+    state = SamplerState(params, [1])  # (token 1 is in the prompt: repetition-penalised)
+    out = apply_penalties(logits, [state])
+    inf = float("inf")
+    torch.testing.assert_close(out, torch.tensor([[-inf, (-1.0 + 5.0) / 2, 0.5, -inf, -100.0]]))
+    assert Sampler().step(logits, [state]).sampled.tolist() == [1]
+    assert SamplerState(SamplingParams(logit_bias={}), [1]).plain  # (an empty bias changes nothing)
+
+
 @pytest.mark.parametrize("params,message", [
     (dict(n=2), "n must be 1"), (dict(frequency_penalty=3.0), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logprobs=21), "logprobs"),
-    (dict(timeout_ms=0), "timeout_ms"),
+    (dict(timeout_ms=0), "timeout_ms"), (dict(logit_bias={3: 101.0}), "logit_bias must map token ids to numbers"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias=[1]), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[1, "2"]), "allowed_token_ids"),
 ])
 def test_out_of_range_serving_parameters_are_refused(params, message):
     with pytest.raises(ValueError, match=message):

@@ -192,6 +192,21 @@ def test_sampled_requests_keep_their_seeds_and_logprobs(tiny_checkpoint):
     assert all(len(r["logprobs"]) == len(r["output_ids"]) == 24 for r in first)
 
 
+def test_logit_bias_and_allowed_token_ids_hold_through_verifies(tiny_checkpoint):
+    """Greedy requests with a logit bias (one token pushed up, another banned) and with allowed tokens: verified drafts
+    emit what plain decoding emits, every token among the allowed ones, never the banned one."""
+    prompts = _prompts([12, 40], seed=3)
+    plain = _ids(_generate(_engine(tiny_checkpoint), prompts, SamplingParams(max_tokens=20, ignore_eos=True)))
+    banned, pushed = plain[0][1], plain[1][3]
+    params = [SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={banned: -100.0, pushed: 3.0}),
+              SamplingParams(max_tokens=20, ignore_eos=True, allowed_token_ids=sorted(set(plain[1][::2])))]
+    expected = _ids(_generate(_engine(tiny_checkpoint), prompts, params))
+    assert banned not in expected[0] and expected[0] != plain[0]
+    assert set(expected[1]) <= set(params[1].allowed_token_ids) and expected[1] != plain[1]
+    for k in (1, 2):
+        assert _ids(_generate(_engine(tiny_checkpoint, num_speculative_tokens=k), prompts, params)) == expected
+
+
 @pytest.mark.parametrize("argmax_drafts", [False, True], ids=["drafts drawn from q", "argmax drafts"])
 def test_rejection_sampling_preserves_the_target_distribution(argmax_drafts):
     """Leviathan et al.'s rule: whatever the draft distribution, each emitted token is distributed as the target's
