@@ -106,6 +106,18 @@ class ChatTemplate:
         return text
 
 
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """A rendered chat's token ids: its special tokens are in the text, so none is added; ValueError for text that
+    is not valid Unicode or renders to no tokens."""
+    try:
+        ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
+    except (TypeError, UnicodeError):  # (a lone surrogate, which JSON's \u escapes can spell)
+        raise ValueError("messages hold text that is not valid Unicode") from None
+    if not ids:
+        raise ValueError("messages render to no tokens")
+    return ids
+
+
 def checked_options(options: Any) -> dict[str, Any]:
     """A request's chat_template_kwargs: a JSON object (None: none)."""
     if options is None:

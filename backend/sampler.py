@@ -41,11 +41,11 @@ min_tokens (vLLM's): until a request has that many outputs, its stop tokens (eos
 are held back: their logits are -inf (`hold_stops`), at each row the step's plan says (`HeldStops`, built with the
 step: a verify row holds them at the positions before the min_tokens-th output). Raw log-probabilities do not see the
 hold (vLLM's raw ones are taken before its min-tokens processor); processed ones do. Where nothing reads a row's
-logits unheld (no raw log-probabilities, no grammar), the hold is made on the step's logits themselves before
-anything else (`HeldStops.in_place`: a greedy row then still samples, and accepts drafts, by the logits' argmax);
-otherwise on a copy, after the grammar's mask and the penalties, and a constrained row whose grammar allows nothing
-but a stop token keeps it (an output like any other before the min_tokens-th: the grammar's end still ends the
-request, backend/scheduler/scheduler.py `_append`).
+logits unheld (no raw log-probabilities, no grammar, no allowed_token_ids), the hold is made on the step's logits
+themselves before anything else (`HeldStops.in_place`: a greedy row then still samples, and accepts drafts, by the
+logits' argmax); otherwise on a copy, after the grammar's mask and the penalties, and a row whose grammar or
+allowed_token_ids allow nothing but a stop token keeps it (an output like any other before the min_tokens-th: the
+grammar's end still ends the request, backend/scheduler/scheduler.py `_append`).
 
 Log-probabilities (`Sampler.logprobs`, for requests with `logprobs` set), as vLLM's `logprobs_mode`: raw (the
 default, as vLLM v1's), log_softmax of the model's logits (after an output constraint's mask, before penalties,
@@ -86,6 +86,8 @@ class SamplerState:
         self.has_penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                               or params.presence_penalty != 0.0 or bool(params.logit_bias)
                               or params.allowed_token_ids is not None)
+        # Its tokens narrowed (a grammar, allowed_token_ids): a hold leaves its stop tokens where they are all it allows.
+        self.narrowed = grammar is not None or params.allowed_token_ids is not None
         # Greedy, no penalties, no log-probabilities, no grammar: its token is the argmax of its logits.
         self.plain = (params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
                       and grammar is None)
@@ -278,7 +280,7 @@ class HeldStops:
             return None
         hold = state.holds.get((positions, raw_logprobs))  # (a request's holds differ by their positions: made once)
         if hold is None:
-            in_place = state.grammar is None and not (raw_logprobs and params.logprobs is not None)
+            in_place = not state.narrowed and not (raw_logprobs and params.logprobs is not None)
             hold = state.holds[positions, raw_logprobs] = cls(positions, tuple(sorted(stop_ids)), in_place)
         return hold
 
@@ -290,7 +292,8 @@ def held_on_copies(held: dict[int, HeldStops] | None) -> dict[int, HeldStops]:
 
 def hold_stops(logits: torch.Tensor, rows: list[int], held: list[HeldStops], guarded: list[bool]) -> None:
     """-inf, in place, at each held row's stop tokens (logits rows `rows[i]` to `rows[i] + held[i].positions`); a
-    `guarded` row (a grammar's) keeps them where they are all it allows. Where the logits are, without a host sync."""
+    `guarded` row (`SamplerState.narrowed`) keeps them where they are all it allows. Where the logits are, without a
+    host sync."""
     pairs = [(row + p, token) for row, hold in zip(rows, held) for p in range(hold.positions)
              for token in hold.token_ids]
     at_rows, at_tokens = long_on([r for r, _ in pairs], logits.device), long_on([t for _, t in pairs], logits.device)
@@ -370,7 +373,7 @@ class Sampler:
         if held:
             rows = sorted(held)
             logits = logits.clone() if logits is masked else logits  # (raw log-probabilities read `masked`)
-            hold_stops(logits, rows, [held[row] for row in rows], [states[row].grammar is not None for row in rows])
+            hold_stops(logits, rows, [held[row] for row in rows], [states[row].narrowed for row in rows])
         tokens = self.sample(logits, states)
         if any(state.params.logprobs is not None for state in states):
             of = masked if self.raw_logprobs else logits

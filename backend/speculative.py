@@ -296,7 +296,8 @@ class Verifier:
         for j, (state, row, start) in enumerate(zip(states, drafts, starts)):
             p_row, at = p_values[at:at + len(row)], at + len(row)
             q_row = [next(q_values) for _ in row] if state.draft_probs else [1.0] * len(row)
-            accepted = next((i for i, (p, q) in enumerate(zip(p_row, q_row)) if float(state.uniform()) * q >= p),
+            # (rejected unless u q < p: a row without any finite logit, p NaN, accepts nothing)
+            accepted = next((i for i, (p, q) in enumerate(zip(p_row, q_row)) if not float(state.uniform()) * q < p),
                             len(row))
             emitted.append(row[:accepted])
             p = probs[start + accepted]
@@ -321,7 +322,7 @@ def _targets(logits: torch.Tensor, state: SamplerState, drafts: list[int], held:
         for i in range(len(targets)):
             state.penalize(targets[i], pending=drafts[:i])
     if held is not None:
-        hold_stops(targets, [0], [held], [state.grammar is not None])
+        hold_stops(targets, [0], [held], [state.narrowed])
     return targets
 
 
@@ -611,7 +612,7 @@ class Drafter:
         unfit = self._mask(logits, states, walk, timing)
         if held:
             rows = sorted(held)
-            hold_stops(logits, rows, [held[i] for i in rows], [states[i].grammar is not None for i in rows])
+            hold_stops(logits, rows, [held[i] for i in rows], [states[i].narrowed for i in rows])
         tokens = logits.argmax(dim=-1).tolist()
         for i in unfit:
             tokens[i] = None

@@ -11,8 +11,9 @@ r"""Offline generation through the engine: every prompt submitted at once, so th
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
 Input files are JSON lists of strings (--prompts-file), of lists of token ids (--input-ids-file), or of chats
-(--chats-file: each a list of OpenAI messages, rendered as the server renders a `messages` input: the checkpoint's
-chat template, or --chat-template's, else DeepSeek-V4's own format, with --chat-template-kwargs' options).
+(--chats-file: each a list of OpenAI messages, rendered as the server renders a `messages` input: --chat-template's
+template, else the checkpoint's, else DeepSeek-V4's own format, with --chat-template-kwargs' options; every chat is
+rendered before the model loads, so that a bad one fails at once).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.config import EngineConfig  # noqa: E402
+from backend.chat import chat_format, chat_prompt_ids  # noqa: E402
+from backend.config import ConfigError, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
+from backend.engine_core import tokenizer_directory  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
@@ -72,7 +75,10 @@ def parse_args(argv=None):
                         help="schedule step N+1 while step N runs (docs/host-loop.md)")
     parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
                         help="draft tokens per decode from the checkpoint's MTP layer (docs/speculative.md)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.chats_file is None and (args.chat_template is not None or args.chat_template_kwargs is not None):
+        parser.error("--chat-template and --chat-template-kwargs render --chats-file's chats: give one")
+    return args
 
 
 def _json_object(text: str) -> dict:
@@ -85,26 +91,48 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def load_prompts(args, engine: LLMEngine) -> list[list[int]]:
-    tokenizer = engine.tokenizer
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: {exc}") from None
+
+
+def render_chats(args, config: EngineConfig) -> list[str] | None:
+    """--chats-file's chats as prompt texts (the chat format the server would use); None without the flag."""
+    if args.chats_file is None:
+        return None
+    chats = _read_json(args.chats_file)
+    if not isinstance(chats, list):
+        raise SystemExit(f"{args.chats_file}: expected a JSON list of chats (lists of messages)")
+    try:
+        chat = chat_format(tokenizer_directory(config), config.chat_template)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    texts = []
+    for i, messages in enumerate(chats):
+        try:
+            texts.append(chat.render(messages, args.chat_template_kwargs))
+        except ValueError as exc:
+            raise SystemExit(f"{args.chats_file}: chat {i}: {exc}") from None
+    return texts
+
+
+def load_prompts(args, tokenizer, chats: list[str] | None) -> list[list[int]]:
     if args.prompts_file is not None:
-        prompts = json.loads(args.prompts_file.read_text(encoding="utf-8"))
+        prompts = _read_json(args.prompts_file)
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise SystemExit(f"{args.prompts_file}: expected a JSON list of strings")
         return [tokenizer.encode(p).ids for p in prompts]
-    if args.chats_file is not None:
-        chats = json.loads(args.chats_file.read_text(encoding="utf-8"))
-        if not isinstance(chats, list):
-            raise SystemExit(f"{args.chats_file}: expected a JSON list of chats (lists of messages)")
+    if chats is not None:
         prompts = []
-        for i, chat in enumerate(chats):
-            try:  # (the rendered text carries its special tokens: backend/chat.py)
-                text = engine.chat_template.render(chat, args.chat_template_kwargs)
+        for i, text in enumerate(chats):
+            try:
+                prompts.append(chat_prompt_ids(tokenizer, text))
             except ValueError as exc:
                 raise SystemExit(f"{args.chats_file}: chat {i}: {exc}") from None
-            prompts.append(tokenizer.encode(text, add_special_tokens=False).ids)
         return prompts
-    ids = json.loads(args.input_ids_file.read_text(encoding="utf-8"))
+    ids = _read_json(args.input_ids_file)
     if not isinstance(ids, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids):
         raise SystemExit(f"{args.input_ids_file}: expected a JSON list of lists of token ids")
     return ids
@@ -126,9 +154,10 @@ def main(argv=None) -> None:
                           policy=args.policy, overlap_scheduling=args.overlap_scheduling,
                           prefix_cache_end_entries=args.prefix_cache_end_entries,
                           num_speculative_tokens=args.num_speculative_tokens, chat_template=args.chat_template)
+    chats = render_chats(args, config)
     engine = LLMEngine(config)
     try:
-        prompts = load_prompts(args, engine)
+        prompts = load_prompts(args, engine.tokenizer, chats)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
         results = engine.generate(prompts, params)

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from backend.chat import chat_prompt_ids
 from backend.errors import load_json
 from backend.request import FinishReason, SamplingParams, without_unset_nulls
 
@@ -134,13 +135,7 @@ def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> 
         options = load_json(_single_string(inputs["chat_template_kwargs"], "chat_template_kwargs"),
                             "chat_template_kwargs")
     text = chat_template.render(messages, options)
-    try:
-        ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
-    except (TypeError, UnicodeError):  # (a lone surrogate, which JSON's \u escapes can spell)
-        raise ValueError("messages hold text that is not valid Unicode") from None
-    if not ids:
-        raise ValueError("messages render to no tokens")
-    return ids, text
+    return chat_prompt_ids(tokenizer, text), text
 
 
 def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template=None) -> tuple[list[int], str | None]:

@@ -124,6 +124,20 @@ def test_a_stop_token_a_grammar_leaves_alone_before_min_tokens_is_an_output(tiny
 
 
 @pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_stop_token_that_is_all_allowed_token_ids_allow_is_an_output_before_min_tokens(tiny_checkpoint, k,
+                                                                                      temperature):
+    """allowed_token_ids of one stop token: held back, nothing would be left (every logit -inf, an argmax of token 0),
+    so the row keeps it, as a grammar's row keeps a stop that is all the grammar allows; it is an output until the
+    min_tokens-th, which ends the request."""
+    stop = 7
+    params = SamplingParams(max_tokens=30, min_tokens=5, stop_token_ids=[stop], allowed_token_ids=[stop],
+                            temperature=temperature, seed=1)
+    results = _generate(_engine(tiny_checkpoint, num_speculative_tokens=k), _prompts([6, 25], seed=8), params)
+    assert [(r["output_ids"], r["finish_reason"]) for r in results] == [([stop] * 5, "stop")] * 2
+
+
+@pytest.mark.parametrize("k", [0, 2])
 def test_the_hold_ends_at_the_min_tokens_th_output(tiny_checkpoint, k):
     """A free greedy run draws t_m as its output m (0-based), each new there: with stop [t_m] and min_tokens m the
     request emits the free run's first m tokens and then stops on t_m, which is no longer held; with stop [t_(m-1)]

@@ -207,6 +207,15 @@ def test_logit_bias_and_allowed_token_ids_hold_through_verifies(tiny_checkpoint)
         assert _ids(_generate(_engine(tiny_checkpoint, num_speculative_tokens=k), prompts, params)) == expected
 
 
+def test_a_verify_row_without_any_finite_logit_accepts_none_of_its_drafts():
+    """A sampled row whose every logit is -inf (a grammar and allowed_token_ids that share no token) has p NaN at every
+    draft: rejected, not accepted by a comparison NaN fails."""
+    state = SamplerState(SamplingParams(temperature=1.0, seed=0), [1])
+    targets = torch.full((3, 10), float("-inf"))
+    (emitted,) = Verifier._rejection_sample([targets], [state], [[4, 5]])
+    assert emitted[:-1] == []
+
+
 @pytest.mark.parametrize("argmax_drafts", [False, True], ids=["drafts drawn from q", "argmax drafts"])
 def test_rejection_sampling_preserves_the_target_distribution(argmax_drafts):
     """Leviathan et al.'s rule: whatever the draft distribution, each emitted token is distributed as the target's
