@@ -17,8 +17,8 @@ DeepSeek-V4's published checkpoints ship no Jinja template: DeepSeek gives the f
 (encoding/encoding_dsv4.py). Without a template, deepseek_v4_chat.jinja beside this file renders that format, as
 vLLM's and SGLang's DeepSeek-V4 tokenizers render it, with their request options (`thinking` / `enable_thinking`,
 `reasoning_effort`, `drop_thinking`); it refuses tools, tool calls, tool results and DeepSeek's maximum reasoning
-effort (a template that renders them can be given as `chat_template`). Being Jinja, the same file serves Triton's OpenAI frontend
-(--chat-template), which applies the template itself.
+effort (a template that renders them can be given as `chat_template`). Being Jinja, the same file serves Triton's
+OpenAI frontend (--chat-template), which applies the template itself.
 
 Messages are checked first: a non-empty list of objects, each with an OpenAI role (system, developer, user,
 assistant, tool) and its `content`: a string, a list of text parts (joined with newlines, as vLLM joins them), or null

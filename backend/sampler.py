@@ -86,7 +86,8 @@ class SamplerState:
         self.has_penalties = (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
                               or params.presence_penalty != 0.0 or bool(params.logit_bias)
                               or params.allowed_token_ids is not None)
-        # Its tokens narrowed (a grammar, allowed_token_ids): a hold leaves its stop tokens where they are all it allows.
+        # Its tokens narrowed (a grammar, allowed_token_ids): a hold leaves its stop tokens where they are all it
+        # allows.
         self.narrowed = grammar is not None or params.allowed_token_ids is not None
         # Greedy, no penalties, no log-probabilities, no grammar: its token is the argmax of its logits.
         self.plain = (params.temperature == 0.0 and not self.has_penalties and params.logprobs is None
