@@ -238,10 +238,11 @@ class DraftChains:
 
 
 def _held_back(logits: torch.Tensor, stop_ids: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:
-    """The logits with -inf at each holding row's stop tokens (every row, every slot: static shapes, no host sync;
-    a row that holds nothing writes its own values back)."""
+    """The draft pass's logits (its own: nothing else reads them) with -inf, in place, at each holding row's stop
+    tokens (every row, every slot: static shapes, no host sync; a row that holds nothing writes its own values
+    back). In place: a copy would move the whole [rows, vocab] block once more a pass."""
     values = logits.gather(1, stop_ids)
-    return logits.scatter(1, stop_ids, values.masked_fill(holds[:, None], float("-inf")))
+    return logits.scatter_(1, stop_ids, values.masked_fill(holds[:, None], float("-inf")))
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
