@@ -26,10 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.chat import chat_format, chat_prompt_ids  # noqa: E402
+from backend.chat import chat_format, chat_prompt_ids, checked_options  # noqa: E402
 from backend.config import ConfigError, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_core import tokenizer_directory  # noqa: E402
+from backend.errors import load_json  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     inputs.add_argument("--input-ids-file", type=Path, help="JSON list of lists of token ids")
     inputs.add_argument("--chats-file", type=Path, help="JSON list of chats, each a list of OpenAI messages")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file in place of the checkpoint's")
-    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+    parser.add_argument("--chat-template-kwargs", type=_chat_options, default=None, metavar="JSON",
                         help='the chat template\'s options, e.g. \'{"thinking": true}\' (DeepSeek-V4\'s format)')
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -81,14 +82,12 @@ def parse_args(argv=None):
     return args
 
 
-def _json_object(text: str) -> dict:
+def _chat_options(text: str) -> dict:
+    """--chat-template-kwargs, checked as the server checks a chat_template_kwargs input."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
+        return checked_options(load_json(text, "chat_template_kwargs"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _read_json(path: Path):
