@@ -31,7 +31,7 @@ from backend.runner import ModelRunner
 from backend.sampler import HeldStops, SamplerState
 from backend.speculative import Drafter, SpecJob, Verifier
 
-from .test_speculative import OracleDrafter, _engine, _ids, _prompts
+from .test_speculative import OracleDrafter, _engine, _ids, _prompts, _record_chain_holds
 
 SCENARIOS = {
     "oracle drafts, 5 rows": dict(lengths=[1, 7, 30, 12, 20], error_rate=0.3),
@@ -217,11 +217,7 @@ def test_rows_under_min_tokens_hold_their_stops_in_the_static_chain_as_pass_by_p
                  if t not in target[:min_tokens]]
         params.append(replace(free, min_tokens=min_tokens, stop_token_ids=stops[:graph_runner.HELD_STOP_SLOTS]))
     assert after_accepting >= 2
-    run, holding = graph_runner.DraftChains.run, []
-    monkeypatch.setattr(graph_runner.DraftChains, "run", lambda chains, chain, hidden, replay=True, first_inputs=None:
-                        holding.append(bool((chain.holds if first_inputs is None else first_inputs.holds).any()))
-
-                        or run(chains, chain, hidden, replay, first_inputs))
+    holding = _record_chain_holds(monkeypatch)
     eager_tokens, eager, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, False, params=params,
                                   unchain_first_row=True)
     static_tokens, static, _ = _run(tiny_checkpoint, k, SCENARIOS[scenario], prompts, expected, True, params=params,

@@ -14,11 +14,11 @@ from collections import Counter
 import pytest
 
 from backend.engine_core import VerifyOverlap
-from backend.model.graph_runner import HELD_STOP_SLOTS, DraftChains
+from backend.model.graph_runner import HELD_STOP_SLOTS
 from backend.request import SamplingParams
 from backend.speculative import Drafter
 
-from .test_speculative import _engine, _generate, _ids, _prompts
+from .test_speculative import _engine, _generate, _ids, _prompts, _record_chain_holds
 
 MIN_TOKENS = 12
 
@@ -208,16 +208,3 @@ def test_drafts_propose_no_stop_token_before_min_tokens(tiny_checkpoint, monkeyp
     # to the eager chain's under the same holds.)
     assert static or any(token in stops for output, token, _ in drafted if output == MIN_TOKENS)
     assert (sum(chains_holding) > 3) == static  # (the static chains held them, not eager passes)
-
-
-def _record_chain_holds(monkeypatch) -> list[bool]:
-    """For every static chain run, whether any of its rows held its stop tokens back."""
-    run, holding = DraftChains.run, []
-
-    def recording(self, chain, hidden, replay=True, first_inputs=None):
-        holds = chain.holds if first_inputs is None else first_inputs.holds
-        holding.append(bool(holds.any()))
-        return run(self, chain, hidden, replay, first_inputs)
-
-    monkeypatch.setattr(DraftChains, "run", recording)
-    return holding

@@ -24,6 +24,7 @@ import torch
 
 from backend.config import ConfigError, EngineConfig
 from backend.engine import LLMEngine
+from backend.model.graph_runner import DraftChains
 from backend.request import SamplingParams
 from backend.sampler import Sampler, SamplerState
 from backend import speculative
@@ -71,6 +72,19 @@ class OracleDrafter(Drafter):
                 kept = self.runner.last_tokens.view(-1, self.runner.tokens_per_slot)
                 kept[batch.logits_slot[firsts[r]], 1:1 + len(drafts[r])] = torch.tensor(drafts[r])
         return drafts
+
+
+def _record_chain_holds(monkeypatch) -> list[bool]:
+    """For every static chain run, whether any of its rows held its stop tokens back."""
+    run, holding = DraftChains.run, []
+
+    def recording(self, chain, hidden, replay=True, first_inputs=None):
+        holds = chain.holds if first_inputs is None else first_inputs.holds
+        holding.append(bool(holds.any()))
+        return run(self, chain, hidden, replay, first_inputs)
+
+    monkeypatch.setattr(DraftChains, "run", recording)
+    return holding
 
 
 def _generate(engine: LLMEngine, prompts, params, reference=None, error_rate: float = 0.3):
