@@ -215,6 +215,7 @@ class DraftChains:
         counts = chain.dp_token_counts or tuple(() for _ in chain.token_counts)
         return self.graphs.run_or_replay(step, lambda: self._passes(step, counts), replay)
 
+    @torch.inference_mode()  # (the holds write into the passes' logits, inference tensors, also on a group's workers)
     def _passes(self, step: _StaticChain, counts: tuple[tuple[int, ...], ...]) -> torch.Tensor:
         """The k passes, each row's draft the argmax of its logits, its stop tokens held where it holds them (greedy
         drafts need nothing else); pass s's MoE exchange at `counts[s]` (the buffers' views hold the first chain's,
