@@ -25,6 +25,7 @@ when the engine refuses it, finalize()'s at shutdown): each response goes out ho
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -83,7 +84,8 @@ class TritonAdapter:
             self.logger.log_warn(f"[dsv4] {warning}")
         self.stop_watch = server_stop.ServerStopWatch(
             pb_utils, model_name, model_version, check_s=stop_check_s,
-            grace_s=server_stop.default_grace_s() if grace_s is None else grace_s)
+            grace_s=server_stop.default_grace_s() if grace_s is None else grace_s,
+            http=server_stop.HttpHealth.of_server(os.getppid()))
         self._live: dict[str, _Live] = {}
         self.processor = OutputProcessor(engine.tokenizer, engine.abort)
         self._lock = threading.Lock()

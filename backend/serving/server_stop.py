@@ -6,22 +6,30 @@ is only unloaded once each of them has sent its FINAL response. Streams still de
 the timeout, and tritonserver 2.51 then aborted, often crashing on its way out (Signal 11, with 16 streams of 2,000
 tokens on this CPU).
 
-What the model can see is its own readiness: the Python backend's `is_model_ready` raises "Server not ready" from the
-moment the server stops (0.3-0.5 s after the signal, measured), and fails or says false while this model unloads (an
-explicit unload, a new version). `ServerStopWatch` asks it every `check_s` while requests are running; those running
-when the stop is seen get `grace_s` to finish, and those still running after it end with an UNAVAILABLE error, in time
-for the model to unload and tritonserver to exit cleanly. By default the grace is what the server's exit timeout leaves
-after the time the model needs to go (STOP_MARGIN_S).
+What the model can see is its own readiness. `ServerStopWatch` asks for it every `check_s` while requests are running;
+those running when the stop is seen get `grace_s` to finish, and those still running after it end with an UNAVAILABLE
+error, in time for the model to unload and tritonserver to exit cleanly. By default the grace is what the server's
+exit timeout leaves after the time the model needs to go (STOP_MARGIN_S).
 
-Once the stop is seen, readiness is never asked again: the call holds the stub's GIL until tritonserver answers, and
-asked every 0.5 s during the stop it went unanswered within seconds in 10 runs of 14 (the whole stub frozen; one more
-crashed tritonserver's finalize of the model); asked once, no stub froze in 20 stops with requests running
-(docs/serving.md#stopping-the-server). Nor is it asked while no request runs: there is nothing to end then.
+It asks tritonserver's own HTTP endpoint (`HttpHealth`: the model's readiness, then the server's liveness to tell a
+stop from an unload; a stopping tritonserver closes its HTTP service at once, so a refused connection where the
+endpoint answered before is a stop), where the stub's parent is a tritonserver serving HTTP, and the Python backend's
+`is_model_ready` only where it is not. `is_model_ready` raises "Server not ready" from the moment the server stops
+(0.3-0.5 s after the signal), and a call that fails is not safe in the Python backend (2.51, and its code as published
+since): the server frees the error text it sends the stub as soon as the stub has read the answer's flag, while the
+stub is about to take that text and free it again. When the stub's thread loses that race (about one stop in ten on
+the 2-core CPU under load), the stub crashes in its shared-memory allocator (a core dump shows
+`Stub::SendMessage<ModelLoaderMessage>` freeing the `PbString`) or freezes, and the stop runs out the exit timeout.
+An HTTP ask has no such path. Where `is_model_ready` is still used, it is asked once the stop is seen never again, and
+never while no request runs (there is nothing to end then).
 """
 
 from __future__ import annotations
 
 import os
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 # tritonserver's own default for --exit-timeout-secs.
@@ -35,19 +43,31 @@ STOP_MARGIN_S = 6.0
 MAX_CHECK_INTERVAL_S = 2.0
 
 
+def server_argv(server_pid: int) -> list[str]:
+    """The command line of process `server_pid`; empty when it cannot be read (gone)."""
+    try:
+        raw = Path(f"/proc/{server_pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [arg.decode(errors="replace") for arg in raw.split(b"\0")]
+
+
+def option_value(argv: list[str], name: str, shortest: str) -> str | None:
+    """The value given to option `name` on `argv` (the last one given wins, as with any option); None when not given.
+    tritonserver parses its options with getopt_long, which takes any unambiguous prefix of a name: `shortest` is the
+    shortest one for `name`."""
+    value = None
+    for i, arg in enumerate(argv):
+        given, equals, rest = arg.partition("=")
+        if len(given) >= len(shortest) and name.startswith(given):
+            value = rest if equals else argv[i + 1] if i + 1 < len(argv) else None
+    return value
+
+
 def exit_timeout_s(server_pid: int) -> float:
     """The --exit-timeout-secs on the command line of process `server_pid` (tritonserver), its default when not given
     or when the process cannot be read."""
-    try:
-        argv = [arg.decode(errors="replace") for arg in Path(f"/proc/{server_pid}/cmdline").read_bytes().split(b"\0")]
-    except OSError:
-        return DEFAULT_EXIT_TIMEOUT_S
-    value = None
-    for i, arg in enumerate(argv):  # (the last one given wins, as with any option)
-        name, equals, given = arg.partition("=")
-        # (getopt_long, as tritonserver parses its options, takes any unambiguous prefix: --exit-t is the shortest)
-        if len(name) >= len("--exit-t") and "--exit-timeout-secs".startswith(name):
-            value = given if equals else argv[i + 1] if i + 1 < len(argv) else None
+    value = option_value(server_argv(server_pid), "--exit-timeout-secs", "--exit-t")
     try:
         return float(value) if value is not None else DEFAULT_EXIT_TIMEOUT_S
     except ValueError:
@@ -71,18 +91,77 @@ def grace_warning(grace_s: float, server_pid: int | None = None) -> str | None:
             f"then runs out that timeout")
 
 
+class HealthUnknown(Exception):
+    """An HTTP health ask that said nothing either way (refused, restricted, timed out)."""
+
+
+class HttpHealth:
+    """tritonserver's own HTTP health endpoints, asked over the address it serves them on."""
+
+    def __init__(self, base_url: str, timeout_s: float = 1.0):
+        self.base_url, self.timeout_s = base_url, timeout_s
+        self.answered = False  # (whether the endpoint was ever there: until then, a refused connection tells nothing)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (never through a proxy)
+
+    @classmethod
+    def of_server(cls, server_pid: int) -> "HttpHealth | None":
+        """Where process `server_pid` serves HTTP, from its command line: None unless it is a tritonserver with HTTP
+        on (a server embedded in another process, or one serving gRPC only, is asked through the Python backend)."""
+        argv = server_argv(server_pid)
+        if not argv or Path(argv[0]).name != "tritonserver":
+            return None
+        if (option_value(argv, "--allow-http", "--allow-h") or "true").lower() in ("false", "off", "0"):
+            return None
+        address = option_value(argv, "--http-address", "--http-a") or "0.0.0.0"
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(address, address)
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return cls(f"http://{host}:{option_value(argv, '--http-port', '--http-p') or 8000}")
+
+    def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
+        """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
+        when the endpoints answer neither way."""
+        model = f"/v2/models/{urllib.parse.quote(model_name, safe='')}"
+        if model_version:
+            model += f"/versions/{urllib.parse.quote(model_version, safe='')}"
+        if self._ready(model + "/ready"):
+            return None
+        return "the model is being unloaded" if self._ready("/v2/health/live") else "tritonserver is stopping"
+
+    def _ready(self, path: str) -> bool:
+        """200: yes; 400 (tritonserver's answer for not ready, not live, not found): no. A refused connection, once
+        the endpoint has answered: no (a stopping tritonserver 2.51 closes its HTTP service at once, before it says
+        anything of its readiness)."""
+        try:
+            with self._opener.open(self.base_url + path, timeout=self.timeout_s) as answer:
+                status = answer.status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except OSError as exc:  # (refused, timed out)
+            refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
+            if refused and self.answered:
+                return False
+            raise HealthUnknown(f"GET {path}: {exc}") from exc
+        if status not in (200, 400):
+            raise HealthUnknown(f"GET {path}: HTTP {status}")
+        self.answered = True
+        return status == 200
+
+
 class ServerStopWatch:
     """Asks whether this model still serves; says when the requests running must end, and why."""
 
-    def __init__(self, pb_utils, model_name: str, model_version: str = "", *, grace_s: float, check_s: float = 0.5):
+    def __init__(self, pb_utils, model_name: str, model_version: str = "", *, grace_s: float, check_s: float = 0.5,
+                 http: HttpHealth | None = None):
         self.pb, self.model_name, self.model_version = pb_utils, model_name, model_version
         self.grace_s, self.check_s = grace_s, check_s
+        self.http = http  # (None: asked through the Python backend's is_model_ready only)
         self.next_check = 0.0
         self.reason: str | None = None  # why the model no longer serves (None: it does, as far as seen)
         self.since: float | None = None  # when that was seen (time.monotonic())
         self.failures = 0  # asks in a row that failed saying nothing of a stop
         self.last_failure = ""
-        self.enabled = hasattr(pb_utils, "is_model_ready")  # (a Python backend without it: never asked)
+        # (a Python backend without is_model_ready and no HTTP to ask: never asked)
+        self.enabled = http is not None or hasattr(pb_utils, "is_model_ready")
 
     def check(self, now: float) -> str | None:
         """Ask for the model's readiness, if due and no stop has been seen. A failure that says nothing of a stop is
@@ -92,16 +171,30 @@ class ServerStopWatch:
             return None
         self.next_check = now + self.check_s
         try:
-            ready = self.pb.is_model_ready(self.model_name, self.model_version)
-            reason = None if ready else "the model is being unloaded"
+            reason = self._ask()
         except Exception as exc:
-            reason = stop_reason(str(exc))
-            if reason is None:
-                return self._failed(now, f"cannot tell whether the model still serves: {exc}")
+            return self._failed(now, f"cannot tell whether the model still serves: {exc}")
         self.failures = 0
         if reason is not None:
             self.reason, self.since = reason, now
         return None
+
+    def _ask(self) -> str | None:
+        """Why the model no longer serves, or None: over HTTP where that answers, else through the Python backend."""
+        if self.http is not None:
+            try:
+                return self.http.stop_reason(self.model_name, self.model_version)
+            except HealthUnknown:
+                if not hasattr(self.pb, "is_model_ready"):
+                    raise
+        try:
+            ready = self.pb.is_model_ready(self.model_name, self.model_version)
+        except Exception as exc:
+            reason = stop_reason(str(exc))
+            if reason is None:
+                raise
+            return reason
+        return None if ready else "the model is being unloaded"
 
     def _failed(self, now: float, failure: str) -> str | None:
         self.failures += 1

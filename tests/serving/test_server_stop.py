@@ -1,15 +1,18 @@
 """tritonserver stopping with requests running (backend/serving/server_stop.py, and the adapter acting on it).
 
 tritonserver never tells a model that it stops; it waits up to its exit timeout for the model's requests to end. The
-model sees its readiness fail ("Server not ready"), gives the requests running `stop_grace_s`, then ends the rest with
-one UNAVAILABLE FINAL each, freeing their pages, so that the model can unload in time. The same runs in a real
-tritonserver in tests/e2e/test_clean_stop.py.
+model sees its readiness fail (tritonserver's HTTP endpoint closes, or "Server not ready"), gives the requests running
+`stop_grace_s`, then ends the rest with one UNAVAILABLE FINAL each, freeing their pages, so that the model can unload
+in time. The same runs in a real tritonserver in tests/e2e/test_clean_stop.py.
 """
 
 from __future__ import annotations
 
+import http.server
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -202,3 +205,97 @@ def test_failed_asks_back_off_no_further_than_a_stop_can_wait():
         watch.check(now)
         now += 0.1
     assert now - stopped <= server_stop.MAX_CHECK_INTERVAL_S + 0.2
+
+
+def _fake_tritonserver(*args: str) -> subprocess.Popen:
+    """A process whose command line reads as tritonserver's (argv[0] `tritonserver`, then `args`)."""
+    script = "import time; time.sleep(60)"
+    return subprocess.Popen(["bash", "-c", f'exec -a /opt/bin/tritonserver {sys.executable} -c "{script}" "$@"', "x",
+                             *args])
+
+
+def test_tritonservers_http_endpoint_is_read_from_its_command_line():
+    servers = [_fake_tritonserver(), _fake_tritonserver("--http-port=9001", "--http-address", "10.1.2.3"),
+               _fake_tritonserver("--http-p", "9002", "--http-a=::"), _fake_tritonserver("--allow-http=false"),
+               _fake_tritonserver("--allow-h", "0", "--allow-http=true", "--http-port=1")]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--http-port=9003"])
+    try:
+        time.sleep(0.3)
+        found = [server_stop.HttpHealth.of_server(p.pid) for p in servers]
+        assert [h and h.base_url for h in found] == [
+            "http://127.0.0.1:8000", "http://10.1.2.3:9001", "http://[::1]:9002", None, "http://127.0.0.1:1"]
+        assert server_stop.HttpHealth.of_server(other.pid) is None  # (not a tritonserver: an embedded server, a test)
+    finally:
+        for p in [*servers, other]:
+            p.kill()
+            p.wait()
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    """tritonserver's health endpoints, their statuses set by the test."""
+    statuses: dict[str, int] = {}
+    asked: list[str] = []
+
+    def do_GET(self):
+        _Health.asked.append(self.path)
+        self.send_response(self.statuses.get(self.path, 404))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def health_server(monkeypatch):
+    monkeypatch.setattr(_Health, "statuses", {})
+    monkeypatch.setattr(_Health, "asked", [])
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_http_asks_tell_serving_an_unload_and_a_stop_apart(health_server):
+    health = server_stop.HttpHealth(f"http://127.0.0.1:{health_server.server_address[1]}")
+    model, live = "/v2/models/ds%2Fv4/versions/1/ready", "/v2/health/live"
+    _Health.statuses = {model: 200, live: 200}
+    assert health.stop_reason("ds/v4", "1") is None and _Health.asked == [model]  # (one ask while it serves)
+    _Health.statuses = {model: 400, live: 200}
+    assert health.stop_reason("ds/v4", "1") == "the model is being unloaded"
+    _Health.statuses = {model: 400, live: 400}
+    assert health.stop_reason("ds/v4", "1") == "tritonserver is stopping"
+    _Health.statuses = {model: 403}  # (a restricted endpoint: no answer either way)
+    with pytest.raises(server_stop.HealthUnknown, match="HTTP 403"):
+        health.stop_reason("ds/v4", "1")
+    health_server.shutdown()
+    health_server.server_close()  # (a stopping tritonserver closes its HTTP service first)
+    assert health.stop_reason("ds/v4", "1") == "tritonserver is stopping"
+
+
+def test_a_refused_connection_before_any_answer_tells_nothing():
+    with socket.socket() as sock:  # (a port nothing listens on)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(server_stop.HealthUnknown, match="refused"):
+        server_stop.HttpHealth(f"http://127.0.0.1:{port}").stop_reason("dsv4")
+
+
+def test_the_python_backends_ask_is_made_only_where_http_tells_nothing(health_server):
+    """is_model_ready failing (the stop's "Server not ready") can crash the stub: it is the fallback, not the ask."""
+    pb = type("Pb", (), {"asks": 0})
+
+    def is_model_ready(name, version=""):
+        pb.asks += 1
+        raise SERVER_STOPPING
+
+    pb.is_model_ready = staticmethod(is_model_ready)
+    health = server_stop.HttpHealth(f"http://127.0.0.1:{health_server.server_address[1]}")
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=health)
+    _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
+    assert watch.check(0.0) is None and watch.since is None and pb.asks == 0
+    _Health.statuses = {}  # (404 everywhere: not tritonserver's endpoints after all)
+    assert watch.check(1.0) is None and watch.since == 1.0 and pb.asks == 1
+    assert watch.reason == "tritonserver is stopping"
