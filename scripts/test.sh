@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # THE test command: set up (idempotent), then run the whole suite with the venv.
-#   bash scripts/test.sh [PYTEST_ARGS...]     (default: tests/ -q --durations=25: the slowest tests listed last, where
-#                                              the suite's time goes)
+#   bash scripts/test.sh [PYTEST_ARGS...]     (default: tests/ -q --durations=25 -n WORKERS --dist loadfile: the
+#                                              slowest tests listed last, where the suite's time goes; one worker
+#                                              process a core, up to 4 (DSV4_TEST_WORKERS sets it), each test file's
+#                                              tests on one worker, so a file's module fixtures start once)
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,7 +13,9 @@ bash scripts/setup.sh
 source scripts/env.sh
 
 args=("$@")
-[ ${#args[@]} -gt 0 ] || args=(tests/ -q --durations=25)
+cores="$(nproc)"
+workers="${DSV4_TEST_WORKERS:-$((cores < 4 ? cores : 4))}"
+[ ${#args[@]} -gt 0 ] || args=(tests/ -q --durations=25 -n "$workers" --dist loadfile)
 set +e
 python -m pytest "${args[@]}"
 rc=$?
