@@ -86,6 +86,10 @@ class TritonAdapter:
             pb_utils, model_name, model_version, check_s=stop_check_s,
             grace_s=server_stop.default_grace_s() if grace_s is None else grace_s,
             http=server_stop.HttpHealth.of_server(os.getppid()))
+        http = self.stop_watch.http
+        self.logger.log_info(f"[dsv4] the server's stop is watched for over {http.base_url}" if http else
+                             "[dsv4] the server's stop is watched for through is_model_ready (no HTTP endpoint of "
+                             "tritonserver's own to ask: docs/serving.md#stopping-the-server)")
         self._live: dict[str, _Live] = {}
         self.processor = OutputProcessor(engine.tokenizer, engine.abort)
         self._lock = threading.Lock()

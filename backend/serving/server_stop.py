@@ -12,16 +12,17 @@ error, in time for the model to unload and tritonserver to exit cleanly. By defa
 exit timeout leaves after the time the model needs to go (STOP_MARGIN_S).
 
 It asks tritonserver's own HTTP endpoint (`HttpHealth`: the model's readiness, then the server's liveness to tell a
-stop from an unload; a stopping tritonserver closes its HTTP service at once, so a refused connection where the
-endpoint answered before is a stop), where the stub's parent is a tritonserver serving HTTP, and the Python backend's
-`is_model_ready` only where it is not. `is_model_ready` raises "Server not ready" from the moment the server stops
-(0.3-0.5 s after the signal), and a call that fails is not safe in the Python backend (2.51, and its code as published
-since): the server frees the error text it sends the stub as soon as the stub has read the answer's flag, while the
-stub is about to take that text and free it again. When the stub's thread loses that race (about one stop in ten on
-the 2-core CPU under load), the stub crashes in its shared-memory allocator (a core dump shows
-`Stub::SendMessage<ModelLoaderMessage>` freeing the `PbString`) or freezes, and the stop runs out the exit timeout.
-An HTTP ask has no such path. Where `is_model_ready` is still used, it is asked once the stop is seen never again, and
-never while no request runs (there is nothing to end then).
+stop from an unload), where the stub's parent is a tritonserver serving HTTP on an address of its own. A stopping
+tritonserver 2.51 closes its HTTP service at once (or, while HTTP connections are still open, drops each new one), so
+a connection refused or dropped where the endpoint answered before is a stop. Where HTTP tells nothing (none served, a
+unix socket, a shared port, a restricted endpoint, no answer in time), it asks the Python backend's `is_model_ready`.
+That raises "Server not ready" from the moment the server stops (0.3-0.5 s after the signal), and a call that fails is
+not safe in the Python backend (2.51, and its code as published since): the server frees the error text it sends the
+stub as soon as the stub has read the answer's flag, while the stub is about to take that text and free it again.
+When the stub's thread loses that race (about one stop in ten on the 2-core CPU under load), the stub crashes in its
+shared-memory allocator (a core dump shows `Stub::SendMessage<ModelLoaderMessage>` freeing the `PbString`) or
+freezes, and the stop runs out the exit timeout. An HTTP ask has no such path. Either ask is made only while requests
+run (there is nothing to end otherwise), and never again once the stop is seen.
 """
 
 from __future__ import annotations
@@ -98,53 +99,84 @@ class HealthUnknown(Exception):
 class HttpHealth:
     """tritonserver's own HTTP health endpoints, asked over the address it serves them on."""
 
-    def __init__(self, base_url: str, timeout_s: float = 1.0):
+    # (what a URL path may hold as it is: tritonserver 2.51 matches the model name in the path without decoding it)
+    PATH_SAFE = "!$&'()*+,;=:@-._~"
+
+    def __init__(self, base_url: str, timeout_s: float = 0.25):
         self.base_url, self.timeout_s = base_url, timeout_s
-        self.answered = False  # (whether the endpoint was ever there: until then, a refused connection tells nothing)
+        self.answered = False  # (whether the endpoint was ever there: until then, a lost connection tells nothing)
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (never through a proxy)
 
     @classmethod
     def of_server(cls, server_pid: int) -> "HttpHealth | None":
-        """Where process `server_pid` serves HTTP, from its command line: None unless it is a tritonserver with HTTP
-        on (a server embedded in another process, or one serving gRPC only, is asked through the Python backend)."""
+        """Where process `server_pid` serves HTTP, from its command line: None unless it is a tritonserver serving HTTP
+        on an address of its own (a server embedded in another process, one serving gRPC only, on a unix socket or on
+        a port shared with other servers is asked through the Python backend)."""
         argv = server_argv(server_pid)
         if not argv or Path(argv[0]).name != "tritonserver":
             return None
-        if (option_value(argv, "--allow-http", "--allow-h") or "true").lower() in ("false", "off", "0"):
+        if not _true(option_value(argv, "--allow-http", "--allow-h"), default=True):
             return None
-        address = option_value(argv, "--http-address", "--http-a") or "0.0.0.0"
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(address, address)
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        return cls(f"http://{host}:{option_value(argv, '--http-port', '--http-p') or 8000}")
+        if _true(option_value(argv, "--reuse-http-port", "--reuse-h"), default=False):
+            return None  # (another server on the port could answer for this one)
+        host = _loopback_host(option_value(argv, "--http-address", "--http-a") or "0.0.0.0")
+        port = option_value(argv, "--http-port", "--http-p") or "8000"
+        return None if host is None else cls(f"http://{host}:{port}")
 
     def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
         """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
         when the endpoints answer neither way."""
-        model = f"/v2/models/{urllib.parse.quote(model_name, safe='')}"
+        model = f"/v2/models/{urllib.parse.quote(model_name, safe=self.PATH_SAFE)}"
         if model_version:
-            model += f"/versions/{urllib.parse.quote(model_version, safe='')}"
-        if self._ready(model + "/ready"):
-            return None
-        return "the model is being unloaded" if self._ready("/v2/health/live") else "tritonserver is stopping"
+            model += f"/versions/{urllib.parse.quote(model_version, safe=self.PATH_SAFE)}"
+        as_is = model == f"/v2/models/{model_name}" + (f"/versions/{model_version}" if model_version else "")
+        if as_is and self._ready(model + "/ready"):
+            return None  # (one ask while it serves)
+        if not self._ready("/v2/health/live"):
+            return "tritonserver is stopping"
+        if not as_is:
+            raise HealthUnknown(f"the model name {model_name!r} cannot be asked for in a URL path as it is")
+        return "the model is being unloaded"
 
     def _ready(self, path: str) -> bool:
-        """200: yes; 400 (tritonserver's answer for not ready, not live, not found): no. A refused connection, once
-        the endpoint has answered: no (a stopping tritonserver 2.51 closes its HTTP service at once, before it says
-        anything of its readiness)."""
+        """200: yes; 400 or 503 (tritonserver's answers for not ready, not live, not found): no. A connection refused
+        or dropped, once the endpoint has answered: no (a stopping tritonserver 2.51 closes its HTTP service at once,
+        or, while HTTP connections are still open, drops each new one, before it says anything of its readiness)."""
         try:
             with self._opener.open(self.base_url + path, timeout=self.timeout_s) as answer:
                 status = answer.status
         except urllib.error.HTTPError as exc:
             status = exc.code
-        except OSError as exc:  # (refused, timed out)
-            refused = isinstance(getattr(exc, "reason", exc), ConnectionRefusedError)
-            if refused and self.answered:
+        except Exception as exc:  # (refused, dropped, timed out, a malformed address)
+            lost = isinstance(getattr(exc, "reason", exc), (ConnectionRefusedError, ConnectionResetError))
+            if lost and self.answered:
                 return False
-            raise HealthUnknown(f"GET {path}: {exc}") from exc
-        if status not in (200, 400):
-            raise HealthUnknown(f"GET {path}: HTTP {status}")
+            raise HealthUnknown(f"GET {path}: {exc!r}") from exc
         self.answered = True
+        if status not in (200, 400, 503):
+            raise HealthUnknown(f"GET {path}: HTTP {status}")
         return status == 200
+
+
+def _true(value: str | None, default: bool) -> bool:
+    """A tritonserver boolean option's value (true/on/1, false/off/0)."""
+    return default if value is None else value.lower() not in ("false", "off", "0")
+
+
+def _loopback_host(address: str) -> str | None:
+    """The host to ask for the HTTP service tritonserver binds to `address` (its --http-address: an IPv4 or IPv6
+    address, `ipv4:`/`ipv6:` prefixed as libevhtp takes them, or a host name); None for a unix socket."""
+    kind, colon, rest = address.partition(":")
+    if colon and kind == "unix":
+        return None
+    if colon and kind in ("ipv4", "ipv6"):
+        address = rest
+    address = address.strip("[]")
+    if address in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if address == "::":
+        return "[::1]"
+    return f"[{address}]" if ":" in address else address
 
 
 class ServerStopWatch:

@@ -208,27 +208,37 @@ def test_failed_asks_back_off_no_further_than_a_stop_can_wait():
 
 
 def _fake_tritonserver(*args: str) -> subprocess.Popen:
-    """A process whose command line reads as tritonserver's (argv[0] `tritonserver`, then `args`)."""
+    """A process whose command line reads as tritonserver's (argv[0] `tritonserver`, then `args`), once returned."""
     script = "import time; time.sleep(60)"
-    return subprocess.Popen(["bash", "-c", f'exec -a /opt/bin/tritonserver {sys.executable} -c "{script}" "$@"', "x",
-                             *args])
+    process = subprocess.Popen(["bash", "-c", f'exec -a /opt/bin/tritonserver {sys.executable} -c "{script}" "$@"',
+                                "x", *args])
+    deadline = time.monotonic() + 10
+    while server_stop.server_argv(process.pid)[:1] != ["/opt/bin/tritonserver"] and time.monotonic() < deadline:
+        time.sleep(0.01)  # (until bash has exec'd)
+    return process
 
 
 def test_tritonservers_http_endpoint_is_read_from_its_command_line():
     servers = [_fake_tritonserver(), _fake_tritonserver("--http-port=9001", "--http-address", "10.1.2.3"),
-               _fake_tritonserver("--http-p", "9002", "--http-a=::"), _fake_tritonserver("--allow-http=false"),
-               _fake_tritonserver("--allow-h", "0", "--allow-http=true", "--http-port=1")]
+               _fake_tritonserver("--http-p", "9002", "--http-a=ipv6:[::1]"),
+               _fake_tritonserver("--http-address=ipv4:0.0.0.0", "--http-port=9003"),
+               _fake_tritonserver("--allow-h", "0", "--allow-http=true", "--http-port=1"),
+               _fake_tritonserver("--allow-http=false"), _fake_tritonserver("--http-address=unix:/tmp/triton.sock"),
+               _fake_tritonserver("--reuse-http-port=true")]
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--http-port=9003"])
     try:
-        time.sleep(0.3)
         found = [server_stop.HttpHealth.of_server(p.pid) for p in servers]
         assert [h and h.base_url for h in found] == [
-            "http://127.0.0.1:8000", "http://10.1.2.3:9001", "http://[::1]:9002", None, "http://127.0.0.1:1"]
+            "http://127.0.0.1:8000", "http://10.1.2.3:9001", "http://[::1]:9002", "http://127.0.0.1:9003",
+            "http://127.0.0.1:1", None, None, None]
         assert server_stop.HttpHealth.of_server(other.pid) is None  # (not a tritonserver: an embedded server, a test)
     finally:
         for p in [*servers, other]:
             p.kill()
             p.wait()
+
+
+DROP = -1  # (a status that closes the connection without an answer, as a stopping tritonserver does)
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -238,7 +248,11 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         _Health.asked.append(self.path)
-        self.send_response(self.statuses.get(self.path, 404))
+        status = self.statuses.get(self.path, 404)
+        if status == DROP:
+            self.close_connection = True
+            return
+        self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
@@ -258,29 +272,58 @@ def health_server(monkeypatch):
     server.server_close()
 
 
+def _health(server) -> server_stop.HttpHealth:
+    return server_stop.HttpHealth(f"http://127.0.0.1:{server.server_address[1]}")
+
+
+MODEL, LIVE = "/v2/models/dsv4:fp8/versions/1/ready", "/v2/health/live"
+
+
 def test_the_http_asks_tell_serving_an_unload_and_a_stop_apart(health_server):
-    health = server_stop.HttpHealth(f"http://127.0.0.1:{health_server.server_address[1]}")
-    model, live = "/v2/models/ds%2Fv4/versions/1/ready", "/v2/health/live"
-    _Health.statuses = {model: 200, live: 200}
-    assert health.stop_reason("ds/v4", "1") is None and _Health.asked == [model]  # (one ask while it serves)
-    _Health.statuses = {model: 400, live: 200}
-    assert health.stop_reason("ds/v4", "1") == "the model is being unloaded"
-    _Health.statuses = {model: 400, live: 400}
-    assert health.stop_reason("ds/v4", "1") == "tritonserver is stopping"
-    _Health.statuses = {model: 403}  # (a restricted endpoint: no answer either way)
+    health = _health(health_server)
+    _Health.statuses = {MODEL: 200, LIVE: 200}  # (the name as it is: tritonserver matches the path undecoded)
+    assert health.stop_reason("dsv4:fp8", "1") is None and _Health.asked == [MODEL]  # (one ask while it serves)
+    _Health.statuses = {MODEL: 400, LIVE: 200}
+    assert health.stop_reason("dsv4:fp8", "1") == "the model is being unloaded"
+    _Health.statuses = {MODEL: 400, LIVE: 400}
+    assert health.stop_reason("dsv4:fp8", "1") == "tritonserver is stopping"
+    _Health.statuses = {MODEL: 503, LIVE: 503}
+    assert health.stop_reason("dsv4:fp8", "1") == "tritonserver is stopping"
+    _Health.statuses = {MODEL: 403}  # (a restricted endpoint: no answer either way)
     with pytest.raises(server_stop.HealthUnknown, match="HTTP 403"):
-        health.stop_reason("ds/v4", "1")
+        health.stop_reason("dsv4:fp8", "1")
+    _Health.statuses = {MODEL: DROP, LIVE: DROP}  # (new connections dropped while open ones hold the stop)
+    assert health.stop_reason("dsv4:fp8", "1") == "tritonserver is stopping"
     health_server.shutdown()
-    health_server.server_close()  # (a stopping tritonserver closes its HTTP service first)
-    assert health.stop_reason("ds/v4", "1") == "tritonserver is stopping"
+    health_server.server_close()  # (a stopping tritonserver closes its HTTP service)
+    assert health.stop_reason("dsv4:fp8", "1") == "tritonserver is stopping"
 
 
-def test_a_refused_connection_before_any_answer_tells_nothing():
+def test_a_lost_connection_tells_nothing_before_any_answer_and_a_stop_after_a_refusal(health_server):
+    _Health.statuses = {MODEL: DROP, LIVE: DROP}
+    with pytest.raises(server_stop.HealthUnknown, match="RemoteDisconnected"):
+        _health(health_server).stop_reason("dsv4:fp8", "1")
     with socket.socket() as sock:  # (a port nothing listens on)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(server_stop.HealthUnknown, match="refused"):
         server_stop.HttpHealth(f"http://127.0.0.1:{port}").stop_reason("dsv4")
+    restricted = _health(health_server)
+    _Health.statuses = {"/v2/models/dsv4/ready": 403}
+    with pytest.raises(server_stop.HealthUnknown):
+        restricted.stop_reason("dsv4")
+    health_server.shutdown()
+    health_server.server_close()
+    assert restricted.stop_reason("dsv4") == "tritonserver is stopping"  # (it answered before, if only with a 403)
+
+
+def test_a_model_name_a_url_path_cannot_hold_as_it_is_asks_only_the_servers_liveness(health_server):
+    _Health.statuses = {LIVE: 200}
+    with pytest.raises(server_stop.HealthUnknown, match="URL path"):
+        _health(health_server).stop_reason("ds v4")
+    assert _Health.asked == [LIVE]
+    _Health.statuses = {LIVE: 400}
+    assert _health(health_server).stop_reason("ds v4") == "tritonserver is stopping"
 
 
 def test_the_python_backends_ask_is_made_only_where_http_tells_nothing(health_server):
@@ -292,10 +335,12 @@ def test_the_python_backends_ask_is_made_only_where_http_tells_nothing(health_se
         raise SERVER_STOPPING
 
     pb.is_model_ready = staticmethod(is_model_ready)
-    health = server_stop.HttpHealth(f"http://127.0.0.1:{health_server.server_address[1]}")
-    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=health)
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=_health(health_server))
     _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
     assert watch.check(0.0) is None and watch.since is None and pb.asks == 0
     _Health.statuses = {}  # (404 everywhere: not tritonserver's endpoints after all)
     assert watch.check(1.0) is None and watch.since == 1.0 and pb.asks == 1
     assert watch.reason == "tritonserver is stopping"
+    malformed = server_stop.HttpHealth("http://[ipv6:[::1]]:8000")  # (whatever fails in the ask, the fallback asks)
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=malformed)
+    assert watch.check(0.0) is None and watch.since == 0.0 and pb.asks == 2
