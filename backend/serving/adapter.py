@@ -321,8 +321,9 @@ class TritonAdapter:
                 self.logger.log_warn(f"[dsv4] {failure}")
             if watch.since is not None:
                 running = len(self._live)
-                self.logger.log_info(f"[dsv4] {watch.reason}: the {running} request{'s' * (running != 1)} running "
-                                     f"get{'s' * (running == 1)} {watch.grace_s:g} s to finish (stop_grace_s)")
+                self.logger.log_info(f"[dsv4] {watch.reason} (seen {watch.seen_over}): the {running} "
+                                     f"request{'s' * (running != 1)} running get{'s' * (running == 1)} "
+                                     f"{watch.grace_s:g} s to finish (stop_grace_s)")
         if watch.must_end(now):
             self._end_live_requests(watch.message())
 

@@ -192,13 +192,15 @@ class ServerStopWatch:
         self.since: float | None = None  # when that was seen (time.monotonic())
         self.failures = 0  # asks in a row that failed saying nothing of a stop
         self.last_failure = ""
+        self.fallback = self.last_fallback = ""  # why the last ask went through is_model_ready though HTTP is known
+        self.seen_over = ""  # how the last ask was answered ("over HTTP", "through is_model_ready")
         # (a Python backend without is_model_ready and no HTTP to ask: never asked)
         self.enabled = http is not None or hasattr(pb_utils, "is_model_ready")
 
     def check(self, now: float) -> str | None:
         """Ask for the model's readiness, if due and no stop has been seen. A failure that says nothing of a stop is
         asked again later, backing off (each ask could be one made during a stop), and returned when it differs from
-        the last one, for the caller to log."""
+        the last one, for the caller to log; so is an HTTP ask that told nothing, once, and its answering again."""
         if not self.enabled or now < self.next_check or self.since is not None:
             return None
         self.next_check = now + self.check_s
@@ -209,16 +211,24 @@ class ServerStopWatch:
         self.failures = 0
         if reason is not None:
             self.reason, self.since = reason, now
-        return None
+        if self.fallback == self.last_fallback:
+            return None
+        self.last_fallback = self.fallback  # (an HTTP ask that told nothing, or one that works again: logged once)
+        return f"asked is_model_ready: {self.fallback}" if self.fallback else "tritonserver's HTTP answers again"
 
     def _ask(self) -> str | None:
         """Why the model no longer serves, or None: over HTTP where that answers, else through the Python backend."""
+        self.fallback = ""
         if self.http is not None:
             try:
-                return self.http.stop_reason(self.model_name, self.model_version)
-            except HealthUnknown:
+                reason = self.http.stop_reason(self.model_name, self.model_version)
+                self.seen_over = "over HTTP"
+                return reason
+            except HealthUnknown as exc:
                 if not hasattr(self.pb, "is_model_ready"):
                     raise
+                self.fallback = f"HTTP told nothing ({exc})"
+        self.seen_over = "through is_model_ready"
         try:
             ready = self.pb.is_model_ready(self.model_name, self.model_version)
         except Exception as exc:

@@ -131,7 +131,9 @@ def test_requests_still_decoding_at_the_stop_end_in_time_for_a_clean_exit(reposi
     assert server.unclean_stop() == [], f"{server.unclean_stop()}\n{server.log_tail()}"
     assert server.stop_s < EXIT_TIMEOUT_S, f"the stop took {server.stop_s:.1f} s"
     # (seen over tritonserver's HTTP endpoint: the Python backend's is_model_ready failing can crash the stub)
-    assert f"watched for over http://127.0.0.1:{server.http_port}" in server.log_path.read_text(errors="replace")
+    log = server.log_path.read_text(errors="replace")
+    assert f"watched for over http://127.0.0.1:{server.http_port}" in log
+    assert "tritonserver is stopping (seen over HTTP): the 8 requests running get" in log
 
 
 def test_requests_still_decoding_when_the_model_is_unloaded_end_after_the_grace(repository, tmp_path):

@@ -239,6 +239,7 @@ def test_tritonservers_http_endpoint_is_read_from_its_command_line():
 
 
 DROP = -1  # (a status that closes the connection without an answer, as a stopping tritonserver does)
+SLOW = -2  # (a status answered after the ask's timeout)
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -252,6 +253,9 @@ class _Health(http.server.BaseHTTPRequestHandler):
         if status == DROP:
             self.close_connection = True
             return
+        if status == SLOW:
+            time.sleep(1)
+            status = 200
         self.send_response(status)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -339,8 +343,31 @@ def test_the_python_backends_ask_is_made_only_where_http_tells_nothing(health_se
     _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
     assert watch.check(0.0) is None and watch.since is None and pb.asks == 0
     _Health.statuses = {}  # (404 everywhere: not tritonserver's endpoints after all)
-    assert watch.check(1.0) is None and watch.since == 1.0 and pb.asks == 1
-    assert watch.reason == "tritonserver is stopping"
+    assert "HTTP 404" in watch.check(1.0) and watch.since == 1.0 and pb.asks == 1
+    assert watch.reason == "tritonserver is stopping" and watch.seen_over == "through is_model_ready"
     malformed = server_stop.HttpHealth("http://[ipv6:[::1]]:8000")  # (whatever fails in the ask, the fallback asks)
     watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=malformed)
-    assert watch.check(0.0) is None and watch.since == 0.0 and pb.asks == 2
+    assert "HTTP told nothing" in watch.check(0.0) and watch.since == 0.0 and pb.asks == 2
+
+
+def test_an_ask_that_times_out_or_fails_after_answers_is_never_a_stop(health_server):
+    """Only a connection refused or dropped reads as a stop: a false one would end every request after the grace."""
+    health = _health(health_server)
+    _Health.statuses = {MODEL: 200}
+    assert health.stop_reason("dsv4:fp8", "1") is None and health.answered
+    for statuses in ({MODEL: SLOW, LIVE: SLOW}, {MODEL: 500}, {MODEL: 400, LIVE: 404}, {MODEL: 400, LIVE: SLOW}):
+        _Health.statuses = statuses
+        with pytest.raises(server_stop.HealthUnknown):
+            health.stop_reason("dsv4:fp8", "1")
+
+
+def test_an_http_ask_that_told_nothing_is_logged_once_and_its_answering_again(health_server):
+    pb = type("Pb", (), {"is_model_ready": staticmethod(lambda name, version="": True)})
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=_health(health_server))
+    _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 403}
+    notes = [watch.check(t) for t in (0.0, 0.5, 1.0)]
+    assert notes[0].startswith("asked is_model_ready: HTTP told nothing") and "403" in notes[0]
+    assert notes[1:] == [None, None] and watch.seen_over == "through is_model_ready" and watch.since is None
+    _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
+    assert watch.check(1.5) == "tritonserver's HTTP answers again" and watch.check(2.0) is None
+    assert watch.seen_over == "over HTTP"
