@@ -126,10 +126,8 @@ class HttpHealth:
     def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
         """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
         when the endpoints answer neither way."""
-        model = f"/v2/models/{urllib.parse.quote(model_name, safe=self.PATH_SAFE)}"
-        if model_version:
-            model += f"/versions/{urllib.parse.quote(model_version, safe=self.PATH_SAFE)}"
-        as_is = model == f"/v2/models/{model_name}" + (f"/versions/{model_version}" if model_version else "")
+        as_is = all(urllib.parse.quote(part, safe=self.PATH_SAFE) == part for part in (model_name, model_version))
+        model = f"/v2/models/{model_name}" + (f"/versions/{model_version}" if model_version else "")
         if as_is and self._ready(model + "/ready"):
             return None  # (one ask while it serves)
         if not self._ready("/v2/health/live"):
@@ -193,7 +191,6 @@ class ServerStopWatch:
         self.failures = 0  # asks in a row that failed saying nothing of a stop
         self.last_failure = ""
         self.fallback = self.last_fallback = ""  # why the last ask went through is_model_ready though HTTP is known
-        self.seen_over = ""  # how the last ask was answered ("over HTTP", "through is_model_ready")
         # (a Python backend without is_model_ready and no HTTP to ask: never asked)
         self.enabled = http is not None or hasattr(pb_utils, "is_model_ready")
 
@@ -221,14 +218,11 @@ class ServerStopWatch:
         self.fallback = ""
         if self.http is not None:
             try:
-                reason = self.http.stop_reason(self.model_name, self.model_version)
-                self.seen_over = "over HTTP"
-                return reason
+                return self.http.stop_reason(self.model_name, self.model_version)
             except HealthUnknown as exc:
                 if not hasattr(self.pb, "is_model_ready"):
                     raise
                 self.fallback = f"HTTP told nothing ({exc})"
-        self.seen_over = "through is_model_ready"
         try:
             ready = self.pb.is_model_ready(self.model_name, self.model_version)
         except Exception as exc:
@@ -237,6 +231,11 @@ class ServerStopWatch:
                 raise
             return reason
         return None if ready else "the model is being unloaded"
+
+    @property
+    def seen_over(self) -> str:
+        """How the last ask was answered."""
+        return "over HTTP" if self.http is not None and not self.fallback else "through is_model_ready"
 
     def _failed(self, now: float, failure: str) -> str | None:
         self.failures += 1

@@ -156,14 +156,11 @@ def test_readiness_is_asked_only_while_requests_run_and_never_again_once_a_stop_
 
 
 def test_the_grace_defaults_to_what_the_servers_exit_timeout_leaves():
-    def server(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
-
+    server = _fake_tritonserver
     servers = [server("--exit-timeout-secs=12"), server("--exit-timeout-secs", "7"), server("--http-port=1"),
                server("--exit-timeout-secs=10", "--exit-timeout-secs=3"), server("--exit-timeout=9"),
                server("--exit-t", "4"), server("--exit-on-error=false")]
     try:
-        time.sleep(0.2)
         assert [server_stop.exit_timeout_s(s.pid) for s in servers] == [12, 7, 30, 3, 9, 4, 30]
         assert server_stop.default_grace_s(servers[0].pid) == 12 - server_stop.STOP_MARGIN_S
         assert server_stop.default_grace_s(servers[3].pid) == 0
@@ -175,9 +172,8 @@ def test_the_grace_defaults_to_what_the_servers_exit_timeout_leaves():
 
 
 def test_a_grace_longer_than_the_exit_timeout_leaves_is_warned_about():
-    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--exit-timeout-secs=10"])
+    server = _fake_tritonserver("--exit-timeout-secs=10")
     try:
-        time.sleep(0.2)
         assert server_stop.grace_warning(10 - server_stop.STOP_MARGIN_S, server.pid) is None
         assert "runs out that timeout" in server_stop.grace_warning(30, server.pid)
     finally:
