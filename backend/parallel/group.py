@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -58,8 +57,9 @@ class GroupSpec:
 
     config: EngineConfig
     layout: ParallelLayout
-    init_method: str
+    init_method: str  # env:// (several nodes), or tcp://127.0.0.1:<store_port> (one node: rank 0's store)
     timeout_s: float
+    store_port: int | None = None  # one node: the port of rank 0's rendezvous store (`local_store`)
 
     def device(self, rank: int) -> str:
         return f"cuda:{rank % max(1, torch.cuda.device_count())}" if self.config.resolved_device() == "cuda" \
@@ -69,14 +69,17 @@ class GroupSpec:
 IDLE_WAIT_S = 10**8  # (three years)
 
 
-def join(spec: GroupSpec, rank: int):
-    """init_process_group for `rank`; returns (communicator for tensors, gloo group for the step's batch, how the
-    data-parallel ranks keep in step)."""
+def join(spec: GroupSpec, rank: int, store: dist.Store | None = None):
+    """init_process_group for `rank` (rank 0 of one node passes its `local_store`); returns (communicator for tensors,
+    gloo group for the step's batch, how the data-parallel ranks keep in step)."""
     cuda = spec.config.resolved_device() == "cuda"
     if cuda:
         torch.cuda.set_device(spec.device(rank))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=spec.init_method, rank=rank,
-                            world_size=spec.layout.world_size, timeout=timedelta(seconds=spec.timeout_s))
+    if spec.store_port is not None and store is None:
+        store = store_client(spec.store_port, spec.layout.world_size, spec.timeout_s)
+    rendezvous = dict(store=store) if store is not None else dict(init_method=spec.init_method)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=spec.layout.world_size,
+                            timeout=timedelta(seconds=spec.timeout_s), **rendezvous)
     # The steps' messages go over a gloo group of their own. A worker waits there for rank 0's next message for as
     # long as the server is idle: its wait has no practical limit (rank 0 gone closes the connection, which ends
     # it), where the collective timeout would end an idle group. Rank 0's sends keep the timeout.
@@ -129,10 +132,16 @@ def spawn_ranks(spec: GroupSpec, first_rank: int, count: int, main: Callable):
                               start_method="spawn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def local_store(world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store for a group on one node, on loopback, at a port the OS picks as it binds it: no port
+    found free first and bound later, which another process (any client's connection) could take in between."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def store_client(port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Another rank's connection to rank 0's `local_store`."""
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def _python() -> str:
@@ -154,10 +163,14 @@ class RankGroup:
     def start(cls, config: EngineConfig, layout: ParallelLayout, main: Callable) -> "RankGroup":
         """Spawn this node's other ranks, each running `main` (backend/rank_main.py), and join the group as rank 0
         (then load, then `wait_ready`)."""
-        init_method = "env://" if os.environ.get("MASTER_ADDR") else f"tcp://127.0.0.1:{_free_port()}"
-        spec = GroupSpec(config, layout, init_method, config.collective_timeout_s)
+        timeout_s, store = config.collective_timeout_s, None
+        if os.environ.get("MASTER_ADDR"):
+            spec = GroupSpec(config, layout, "env://", timeout_s)
+        else:
+            store = local_store(layout.world_size, timeout_s)
+            spec = GroupSpec(config, layout, f"tcp://127.0.0.1:{store.port}", timeout_s, store_port=store.port)
         context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1, main=main)
-        _, control, sync = join(spec, 0)
+        _, control, sync = join(spec, 0, store)
         return cls(spec, context, control, sync, RankLinks() if layout.data_parallel else None)
 
     def wait_ready(self) -> None:

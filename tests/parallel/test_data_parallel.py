@@ -46,19 +46,19 @@ class _DataParallelRanks:
     def __init__(self, checkpoint, dp: int, ep: int):
         import torch.multiprocessing as mp
 
-        from backend.parallel.group import _free_port
+        from backend.parallel.group import local_store
 
         self.config = EngineConfig(checkpoint=str(checkpoint), data_parallel_size=dp, expert_parallel_size=ep,
                                    **POOLS)
         context = mp.get_context("spawn")
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        store = local_store(dp, timeout_s=120)
         self.inboxes = [context.Queue() for _ in range(1, dp)]
         self.outbox = context.Queue()
-        self.workers = [context.Process(target=_forward_worker, args=(self.config, rank, address, inbox, self.outbox),
+        self.workers = [context.Process(target=_forward_worker, args=(self.config, rank, store.port, inbox, self.outbox),
                                         daemon=True) for rank, inbox in enumerate(self.inboxes, start=1)]
         for worker in self.workers:
             worker.start()
-        self.runner, pools = _join_as(self.config, 0, address)
+        self.runner, pools = _join_as(self.config, 0, store.port, store)
         self.kv = [pools] + [plan_deployment(self.config, "meta", self.config.resolved_dtype()).kv
                              for _ in range(1, dp)]
 
@@ -79,22 +79,24 @@ class _DataParallelRanks:
         torch.distributed.destroy_process_group()
 
 
-def _join_as(config, rank: int, address: str):
-    """Join the gloo group as `rank`, load that rank's shard: its runner and pools."""
+def _join_as(config, rank: int, store_port: int, store=None):
+    """Join the gloo group as `rank` (rank 0 with its store), load that rank's shard: its runner and pools."""
     import torch.distributed as dist
 
     from backend.model.comm import DistributedCommunicator
+    from backend.parallel.group import store_client
 
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=config.world_size)
+    store = store or store_client(store_port, config.world_size, timeout_s=120)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=config.world_size)
     deployment = plan_deployment(config, "cpu", config.resolved_dtype())
     model = load_model(config, deployment, "cpu", config.resolved_dtype(), ParallelLayout.from_config(config, rank),
                        DistributedCommunicator())
     return ModelRunner(model, deployment.kv), deployment.kv
 
 
-def _forward_worker(config, rank: int, address: str, inbox, outbox) -> None:
+def _forward_worker(config, rank: int, store_port: int, inbox, outbox) -> None:
     torch.set_num_threads(1)
-    runner, _ = _join_as(config, rank, address)
+    runner, _ = _join_as(config, rank, store_port)
     while (work := inbox.get()) is not None:
         batch, counts = work
         logits = runner.forward(Forward(batch, dp_token_counts=counts))[0]

@@ -24,6 +24,7 @@ from backend.engine import LLMEngine
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.request import SamplingParams, Sequence
 from backend.runner import Forward
+from tests.e2e.triton_helpers import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT_LENGTHS = (1, 37, 150, 300)
@@ -140,9 +141,7 @@ def test_two_nodes_on_loopback(parallel_checkpoint, monkeypatch):
     """Multi-node through env:// (MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK): this process is node 0 (rank 0),
     scripts/serve_node.py is node 1 (rank 1); the greedy tokens are the single rank's and node 1 exits cleanly
     when the engine shuts down."""
-    from backend.parallel.group import _free_port
-
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), NNODES="2")
     settings = dict(tensor_parallel_size=2, expert_parallel_size=2)
     sets = [f"checkpoint={parallel_checkpoint}", "device=cpu", "num_tokens=8192", "page_size=16",
             "swa_full_tokens_ratio=0.5", *(f"{k}={v}" for k, v in settings.items())]
@@ -176,10 +175,9 @@ def test_a_data_parallel_rank_on_another_node_that_dies_fails_its_requests_at_on
     seconds, not after collective_timeout_s (10 minutes by default); later requests are refused."""
     import signal
 
-    from backend.parallel.group import _free_port
     from backend.request import EngineUnavailable
 
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), NNODES="2")
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), NNODES="2")
     sets = [f"checkpoint={parallel_checkpoint}", "device=cpu", "num_tokens=8192", "page_size=16",
             "swa_full_tokens_ratio=0.5", "data_parallel_size=2"]
     node1 = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_node.py"),
