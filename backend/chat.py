@@ -3,6 +3,7 @@ chat format.
 
     chat = chat_format(checkpoint, template_file)      # a ChatTemplate: the deployment's, the checkpoint's, V4's
     text = chat.render([{"role": "user", "content": "Hi"}], {"thinking": True})   # options: chat_template_kwargs
+    text = chat.render(messages, options, tools=[{"type": "function", "function": {"name": ..., "parameters": ...}}])
 
 The template is the deployment's `chat_template` file if it names one (as vLLM's and Triton's OpenAI frontend's
 --chat-template), else the checkpoint's, where transformers finds it: chat_template.jinja (which transformers v5
@@ -16,15 +17,18 @@ them), so that templates written for it render here as there. A template that re
 DeepSeek-V4's published checkpoints ship no Jinja template: DeepSeek gives the format as Python
 (encoding/encoding_dsv4.py). Without a template, deepseek_v4_chat.jinja beside this file renders that format, as
 vLLM's and SGLang's DeepSeek-V4 tokenizers render it, with their request options (`thinking` / `enable_thinking`,
-`reasoning_effort`, `drop_thinking`); it refuses tools, tool calls, tool results and DeepSeek's maximum reasoning
-effort (a template that renders them can be given as `chat_template`). Being Jinja, the same file serves Triton's
-OpenAI frontend (--chat-template), which applies the template itself.
+`reasoning_effort`, `drop_thinking`), tools, tool calls (DeepSeek's DSML) and tool results. Being Jinja, the same file
+serves Triton's OpenAI frontend (--chat-template), which applies the template itself; the one thing it cannot do is
+parse a tool call's `arguments` JSON string, which DeepSeek's format writes argument by argument: the server parses
+them for it first, as DeepSeek's encoder does (text that is not JSON becomes
+{"arguments": text}).
 
 Messages are checked first: a non-empty list of objects, each with an OpenAI role (system, developer, user,
 assistant, tool) and its `content`: a string, a list of text parts (joined with newlines, as vLLM joins them), or null
 beside an assistant's `tool_calls`; other keys (`name`, `tool_calls`, `tool_call_id`, `reasoning_content`, ...) go to
-the template as they are, as transformers passes them. Anything else is a ValueError naming the message. The rendered
-text carries its own special tokens, so it is tokenized without adding any
+the template as they are, as transformers passes them. The request's `tools` go to the template as its `tools`
+variable: a list of OpenAI tools, {"type": "function", "function": {"name": ..., ...}}. Anything else is a ValueError
+naming the message or tool. The rendered text carries its own special tokens, so it is tokenized without adding any
 (`Tokenizer.encode(text, add_special_tokens=False)`).
 """
 
@@ -55,7 +59,7 @@ def chat_format(checkpoint: str | Path, template_file: str | Path | None = None)
         return template
     config = _tokenizer_config(Path(checkpoint))
     return ChatTemplate(DEEPSEEK_V4_TEMPLATE.read_text(encoding="utf-8"), _token_text(config.get("bos_token")) or BOS,
-                        _token_text(config.get("eos_token")) or EOS)
+                        _token_text(config.get("eos_token")) or EOS, deepseek_v4_format=True)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,9 @@ class ChatTemplate:
     source: str
     bos_token: str = ""
     eos_token: str = ""
+    # DeepSeek-V4's own format (deepseek_v4_chat.jinja): tool calls' `arguments` JSON strings are given to it as
+    # objects, and its answers can be split into reasoning, content and tool calls (backend/chat_output.py)
+    deepseek_v4_format: bool = False
 
     def __post_init__(self):
         import transformers.utils.chat_template_utils  # noqa: F401 (its import, half a second, at start-up)
@@ -88,10 +95,14 @@ class ChatTemplate:
             return None
         return cls(template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
-    def render(self, messages: Any, options: dict[str, Any] | None = None) -> str:
-        """`options`: the request's chat_template_kwargs, further variables of the template."""
+    def render(self, messages: Any, options: dict[str, Any] | None = None, tools: Any = None) -> str:
+        """`options`: the request's chat_template_kwargs, further variables of the template; `tools`: the request's
+        tools (None: none)."""
         messages = checked_messages(messages)
+        if self.deepseek_v4_format:
+            messages = [_with_parsed_arguments(m, i) if m.get("tool_calls") else m for i, m in enumerate(messages)]
         options = checked_options(options)
+        tools = checked_tools(tools)
         taken = sorted(_RENDERER_VARIABLES & set(options))
         if taken:
             raise ValueError(f"chat_template_kwargs cannot set {taken}: the server sets them")
@@ -99,8 +110,9 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         try:
-            (text,), _ = render_jinja_template([messages], chat_template=self.source, add_generation_prompt=True,
-                                               bos_token=self.bos_token, eos_token=self.eos_token, **options)
+            (text,), _ = render_jinja_template([messages], tools=tools, chat_template=self.source,
+                                               add_generation_prompt=True, bos_token=self.bos_token,
+                                               eos_token=self.eos_token, **options)
         except (TemplateError, TypeError) as exc:  # (TypeError: an option the template calls or compares wrongly)
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
         return text
@@ -125,6 +137,48 @@ def checked_options(options: Any) -> dict[str, Any]:
     if not isinstance(options, dict):
         raise ValueError(f"chat_template_kwargs must be a JSON object, got {type(options).__name__}")
     return options
+
+
+def checked_tools(tools: Any) -> list[dict] | None:
+    """A request's tools: a JSON list of OpenAI tools, {"type": "function", "function": {"name": ..., ...}} (None or an
+    empty list: none)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a JSON list of tools, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError(f"tools[{i}] must be an object {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             "\"parameters\": ...}}}")
+        if tool.get("type", "function") != "function":
+            raise ValueError(f"tools[{i}].type must be \"function\", got {tool['type']!r}")
+    return tools
+
+
+def _with_parsed_arguments(message: dict, i: int) -> dict:
+    """An assistant message whose tool calls' `arguments` are objects: a JSON string (what OpenAI's API sends) parsed,
+    text that is not JSON as {"arguments": text}, as DeepSeek's encoder takes them."""
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise ValueError(f"messages[{i}].tool_calls must be a list")
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"messages[{i}].tool_calls[{j}] must be an object {{\"function\": {{\"name\": ..., "
+                             "\"arguments\": ...}}}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {"arguments": arguments}
+        if not isinstance(arguments, dict):
+            raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object, got "
+                             f"{type(arguments).__name__}")
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
+    return {**message, "tool_calls": parsed}
 
 
 def checked_messages(messages: Any) -> list[dict]:

@@ -8,12 +8,14 @@ r"""Offline generation through the engine: every prompt submitted at once, so th
         --hf-overrides '{"num_hidden_layers": 4}' ...     # random weights at V4-Flash's shapes, no weight file
 
     .venv/bin/python scripts/generate.py ... --chats-file chats.json --chat-template-kwargs '{"thinking": true}'
+    .venv/bin/python scripts/generate.py ... --chats-file chats.json --tools-file tools.json  # tools, each chat
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
 Input files are JSON lists of strings (--prompts-file), of lists of token ids (--input-ids-file), or of chats
 (--chats-file: each a list of OpenAI messages, rendered as the server renders a `messages` input: --chat-template's
-template, else the checkpoint's, else DeepSeek-V4's own format, with --chat-template-kwargs' options; every chat is
-rendered before the model loads, so that a bad one fails at once).
+template, else the checkpoint's, else DeepSeek-V4's own format, with --chat-template-kwargs' options and
+--tools-file's tools, a JSON list of OpenAI tools; every chat is rendered before the model loads, so that a bad one
+fails at once).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def parse_args(argv=None):
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file in place of the checkpoint's")
     parser.add_argument("--chat-template-kwargs", type=_chat_options, default=None, metavar="JSON",
                         help='the chat template\'s options, e.g. \'{"thinking": true}\' (DeepSeek-V4\'s format)')
+    parser.add_argument("--tools-file", type=Path, default=None,
+                        help='JSON list of OpenAI tools ({"type": "function", "function": {...}}) every chat offers')
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
@@ -77,8 +81,9 @@ def parse_args(argv=None):
     parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
                         help="draft tokens per decode from the checkpoint's MTP layer (docs/speculative.md)")
     args = parser.parse_args(argv)
-    if args.chats_file is None and (args.chat_template is not None or args.chat_template_kwargs is not None):
-        parser.error("--chat-template and --chat-template-kwargs render --chats-file's chats: give one")
+    if args.chats_file is None and (args.chat_template is not None or args.chat_template_kwargs is not None
+                                    or args.tools_file is not None):
+        parser.error("--chat-template, --chat-template-kwargs and --tools-file render --chats-file's chats: give one")
     return args
 
 
@@ -108,10 +113,11 @@ def render_chats(args, config: EngineConfig) -> list[str] | None:
         chat = chat_format(tokenizer_directory(config), config.chat_template)
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
+    tools = _read_json(args.tools_file) if args.tools_file is not None else None
     texts = []
     for i, messages in enumerate(chats):
         try:
-            texts.append(chat.render(messages, args.chat_template_kwargs))
+            texts.append(chat.render(messages, args.chat_template_kwargs, tools))
         except ValueError as exc:
             raise SystemExit(f"{args.chats_file}: chat {i}: {exc}") from None
     return texts

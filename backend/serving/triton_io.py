@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from backend.chat import chat_prompt_ids
+from backend.chat_output import AnswerParser
 from backend.errors import load_json
 from backend.request import FinishReason, SamplingParams, without_unset_nulls
 
@@ -36,6 +37,7 @@ INPUT_NAMES = (
     "input_ids",
     "messages",
     "chat_template_kwargs",
+    "tools",
     "max_tokens",
     "stream",
     "sampling_parameters",
@@ -49,6 +51,7 @@ INPUT_NAMES = (
     "return_num_cached_tokens",
     "return_finish_reason",
     "return_cumulative_logprob",
+    "parse_chat_output",
 )
 
 # INT32 [1] inputs that are also sampling_parameters keys (TRT-LLM style): input name -> key; both given, they
@@ -72,6 +75,8 @@ class ParsedRequest(NamedTuple):
     return_num_output_tokens: bool = True
     return_num_cached_tokens: bool = False  # opt-in, like the vLLM backend's additional outputs
     return_cumulative_logprob: bool = False  # the vLLM backend's: the generated tokens' log-probabilities summed
+    parse_chat_output: bool = False  # the answer split into reasoning_content, content, tool_calls (DeepSeek-V4's)
+    thinking: bool = False  # the prompt asks the model to reason first (it ends with <think>)
 
 
 def parse_request(
@@ -105,6 +110,12 @@ def parse_request(
 
     sampling = _parse_sampling(inputs, request_params)
     priority = _optional_int(inputs, "priority")
+    parse_chat_output = bool(_optional_bool(inputs, "parse_chat_output"))
+    if parse_chat_output and "messages" not in inputs:
+        raise ValueError("'parse_chat_output' splits a chat's answer: give it with 'messages'")
+    if parse_chat_output and not chat_template.deepseek_v4_format:
+        raise ValueError("'parse_chat_output' reads DeepSeek-V4's chat format, and this model's chat template is "
+                         "another (the chat_template parameter's or the checkpoint's)")
     return ParsedRequest(
         prompt_ids=prompt_ids,
         sampling=sampling,
@@ -117,6 +128,8 @@ def parse_request(
         return_num_output_tokens=_optional_bool(inputs, "return_num_output_tokens") is not False,
         return_num_cached_tokens=bool(_optional_bool(inputs, "return_num_cached_tokens")),
         return_cumulative_logprob=bool(_optional_bool(inputs, "return_cumulative_logprob")),
+        parse_chat_output=parse_chat_output,
+        thinking=parse_chat_output and prompt_text.endswith("<think>"),
     )
 
 
@@ -124,17 +137,20 @@ def parse_request(
 # The prompt.
 
 
+# What `messages` takes beside it: STRING [1] inputs holding JSON, given to the chat template.
+_CHAT_INPUTS = ("chat_template_kwargs", "tools")
+
+
 def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> tuple[list[int], str]:
     """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat format (backend/chat.py),
-    with the `chat_template_kwargs` input's options (STRING [1], a JSON object) if given."""
+    with the `chat_template_kwargs` input's options (a JSON object) and the `tools` input's tools (a JSON list of
+    OpenAI tools) if given."""
     if chat_template is None:
         raise ValueError("'messages' needs a chat template, and this model has none; send text_input instead")
     messages = load_json(_single_string(inputs["messages"], "messages"), "messages")
-    options = None
-    if "chat_template_kwargs" in inputs:
-        options = load_json(_single_string(inputs["chat_template_kwargs"], "chat_template_kwargs"),
-                            "chat_template_kwargs")
-    text = chat_template.render(messages, options)
+    options, tools = (load_json(_single_string(inputs[name], name), name) if name in inputs else None
+                      for name in _CHAT_INPUTS)
+    text = chat_template.render(messages, options, tools)
     return chat_prompt_ids(tokenizer, text), text
 
 
@@ -143,9 +159,10 @@ def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template=Non
     if len(given) != 1:
         raise ValueError("give exactly one of 'text_input', 'input_ids' and 'messages'"
                          + (f" (got {', '.join(given)})" if given else ""))
-    if "chat_template_kwargs" in inputs and given[0] != "messages":
-        raise ValueError("'chat_template_kwargs' is an option of 'messages' (the chat template's); it was given "
-                         f"with {given[0]!r}")
+    for name in _CHAT_INPUTS:
+        if name in inputs and given[0] != "messages":
+            raise ValueError(f"{name!r} is an option of 'messages' (the chat template's); it was given with "
+                             f"{given[0]!r}")
     if given[0] == "messages":
         return _chat_prompt(inputs, tokenizer, chat_template)
     has_text = given[0] == "text_input"
@@ -320,10 +337,15 @@ class ResponseBuilder:
 
     request: ParsedRequest
     tokenizer: Any = None
+    _answer: AnswerParser | None = None  # with parse_chat_output
     _pending_ids: list[int] = field(default_factory=list)
     _pending_text: list[str] = field(default_factory=list)
     _pending_logprobs: list = field(default_factory=list)
     _cumulative_logprob: float = 0.0  # of every token sent so far (return_cumulative_logprob)
+
+    def __post_init__(self):
+        if self.request.parse_chat_output:
+            self._answer = AnswerParser(self.request.thinking)
 
     def on_output(self, output) -> dict[str, np.ndarray] | None:
         """Arrays of the response to send for `output`, or None when nothing is to be sent yet."""
@@ -333,12 +355,14 @@ class ResponseBuilder:
         if not output.finished and (not self.request.stream or not output.new_text):
             return None
         text = "".join(self._pending_text)
+        answer = self._answer_arrays(text, output) if self._answer is not None else {}
         if not self.request.stream and not self.request.exclude_input_in_output:
             text = self._prompt_text() + text
         request = self.request
         arrays = response_arrays(
             text, self._pending_ids, output.finish_reason if output.finished else None, output.num_input_tokens
         )
+        arrays.update(answer)
         if not request.return_num_input_tokens:
             del arrays["num_input_tokens"]
         if not request.return_num_output_tokens:
@@ -354,6 +378,19 @@ class ResponseBuilder:
             arrays["cumulative_logprob"] = np.array([self._cumulative_logprob], dtype=np.float32)
         self._pending_ids, self._pending_text, self._pending_logprobs = [], [], []
         return arrays
+
+    def _answer_arrays(self, text: str, output) -> dict[str, np.ndarray]:
+        """reasoning_content, content and tool_calls (a JSON list of OpenAI tool calls) of this response's text; at
+        the end of an answer that made tool calls and stopped, finish_reason "tool_calls", as OpenAI's API says."""
+        part = self._answer.feed(text)
+        if output.finished:
+            rest = self._answer.finish()
+            part.reasoning, part.content = part.reasoning + rest.reasoning, part.content + rest.content
+        values = {"reasoning_content": part.reasoning, "content": part.content,
+                  "tool_calls": json.dumps(part.tool_calls, ensure_ascii=False)}
+        if output.finished and self._answer.called and output.finish_reason == FinishReason.STOP:
+            values["finish_reason"] = "tool_calls"
+        return {name: np.array([value.encode("utf-8")], dtype=np.object_) for name, value in values.items()}
 
     def _prompt_text(self) -> str:
         if self.request.prompt_text is not None:

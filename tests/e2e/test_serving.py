@@ -252,29 +252,38 @@ def test_metrics_endpoint(server):
 
 def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server, tmp_path):
     """A `messages` input (JSON list) is the prompt DeepSeek-V4's chat format renders (the built-in checkpoint, as
-    the published ones, has no template of its own), with the request's `chat_template_kwargs`: the served tokens
-    are scripts/generate.py's for the same chat (--chats-file); malformed messages and options get a clear error."""
+    the published ones, has no template of its own), with the request's `chat_template_kwargs` and `tools`: the
+    served tokens are scripts/generate.py's for the same chat (--chats-file, --tools-file), and with
+    parse_chat_output the answer comes in its parts too; malformed messages and tools get a clear error."""
     from backend.chat import chat_format
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
     status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": MAX_TOKENS,
                                          "chat_template_kwargs": json.dumps({"thinking": True}),
-                                         "exclude_input_in_output": True,
+                                         "tools": json.dumps(tools), "exclude_input_in_output": True,
+                                         "parse_chat_output": True,
                                          "sampling_parameters": json.dumps({"temperature": 0})})
     assert status == 200, out
-    assert chat_format(CHECKPOINT).render(messages, {"thinking": True}).endswith(
-        "<｜User｜>Hello there<｜Assistant｜><think>")
-    chats_file = tmp_path / "chats.json"
-    chats_file.write_text(json.dumps([messages]))
+    # the answer in DeepSeek-V4's parts (thinking mode: reasoning first); the tiny model writes no </think>
+    assert (out["reasoning_content"], out["content"], out["tool_calls"]) == (out["text_output"], "", "[]")
+    prompt = chat_format(CHECKPOINT).render(messages, {"thinking": True}, tools)
+    assert "## Tools" in prompt and prompt.endswith("<｜User｜><tool_result>3 C</tool_result><｜Assistant｜><think>")
+    (tmp_path / "chats.json").write_text(json.dumps([messages]))
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT), "--device",
-           "cpu", "--chats-file", str(chats_file), "--chat-template-kwargs", '{"thinking": true}',
-           "--max-tokens", str(MAX_TOKENS)]
+           "cpu", "--chats-file", str(tmp_path / "chats.json"), "--tools-file", str(tmp_path / "tools.json"),
+           "--chat-template-kwargs", '{"thinking": true}', "--max-tokens", str(MAX_TOKENS)]
     (offline,) = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300,
                                            env=server_env()).stdout)
     assert as_list(out["output_ids"]) == offline["output_ids"] and out["text_output"] == offline["text"]
     status, out = http_generate(server, {"messages": json.dumps(messages), "max_tokens": 4,
-                                         "chat_template_kwargs": json.dumps({"thinking": True,
-                                                                             "reasoning_effort": "max"})})
-    assert status == 400 and "maximum-effort prompt is not in this template" in json.dumps(out)
+                                         "tools": json.dumps([{"type": "function", "function": {}}])})
+    assert status == 400 and "tools[0] must be an object" in json.dumps(out)
     status, out = http_generate(server, {"messages": '[{"role": "robot", "content": "x"}]', "max_tokens": 4})
     assert status == 400 and "role must be one of" in json.dumps(out)

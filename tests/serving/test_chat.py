@@ -13,6 +13,40 @@ from backend.chat import DEEPSEEK_V4_TEMPLATE, ChatTemplate, chat_format
 from backend.serving import triton_io
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+D = "｜DSML｜"
+# DeepSeek's encoding_dsv4.py's texts: its maximum reasoning effort's instruction, and its tools section.
+MAX_EFFORT = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, "
+    "rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+TOOLS_SECTION = f"""## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{D}tool_calls>" block like the following:
+
+<{D}tool_calls>
+<{D}invoke name="$TOOL_NAME">
+<{D}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{D}parameter>
+...
+</{D}invoke>
+<{D}invoke name="$TOOL_NAME2">
+...
+</{D}invoke>
+</{D}tool_calls>
+
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
+
+If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside <think>...</think> BEFORE any tool calls or final response.
+
+Otherwise, output directly after </think> with tool calls or final response.
+
+### Available Tool Schemas
+
+{{schemas}}
+
+You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
+"""  # noqa: E501
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +71,8 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
     ({"thinking": True, "reasoning_effort": "minimal", "drop_thinking": None},  # (any other effort: as "high")
      f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}<think>"),
     ({"thinking": None, "reasoning_effort": "max"}, f"{B}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}</think>"),
+    ({"thinking": True, "reasoning_effort": "xhigh"},
+     f"{B}{MAX_EFFORT}Be brief.{U}Hi{A}</think>Hello.{E}{U}Again{A}<think>"),
 ])
 def test_deepseek_v4s_chat_format_in_chat_and_thinking_modes(template, options, expected):
     """DeepSeek's encoding_dsv4.py's prompts, with vLLM's and SGLang's options (chat_template_kwargs)."""
@@ -55,10 +91,164 @@ def test_deepseek_v4s_chat_format_merges_user_turns_and_drops_earlier_developer_
     assert template.render(turns, {"thinking": True}) == f"{B}{U}Q{A}<think>R</think>Part{E}"
 
 
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Today's weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}}
+TOOL_CHAT = [{"role": "user", "content": "Oslo and Bergen?"},
+             {"role": "assistant", "content": "Looking.", "reasoning_content": "Two calls.", "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+                 {"id": "c2", "type": "function",
+                  "function": {"name": "weather", "arguments": '{"city": "Bergen", "days": [1, 2], "exact": true}'}}]},
+             {"role": "tool", "tool_call_id": "c2", "content": "5 C"},
+             {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]
+
+
+def test_deepseek_v4s_chat_format_renders_tools_tool_calls_and_tool_results(template):
+    """DeepSeek's encoder's tool use, with the tools in a system message of their own at the front as vLLM's
+    DeepSeek-V4 tokenizer puts them: the tools section with each function's JSON, an answer's calls as a DSML block
+    (a string argument as it is, others as JSON), the results in the calls' order inside one user turn, and with
+    tools every answer's reasoning kept."""
+    schema = json.dumps(WEATHER["function"], ensure_ascii=False)
+    calls = (f'\n\n<{D}tool_calls>\n<{D}invoke name="weather">\n'
+             f'<{D}parameter name="city" string="true">Oslo</{D}parameter>\n</{D}invoke>\n<{D}invoke name="weather">\n'
+             f'<{D}parameter name="city" string="true">Bergen</{D}parameter>\n'
+             f'<{D}parameter name="days" string="false">[1, 2]</{D}parameter>\n'
+             f'<{D}parameter name="exact" string="false">true</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>')
+    expected = (f"{B}\n\n{TOOLS_SECTION.format(schemas=schema)}{U}Oslo and Bergen?{A}<think>Two calls.</think>Looking."
+                f"{calls}{E}{U}<tool_result>3 C</tool_result>\n\n<tool_result>5 C</tool_result>{A}<think>")
+    assert template.render(TOOL_CHAT, {"thinking": True}, [WEATHER]) == expected
+    assert template.render(TOOL_CHAT, {}, [WEATHER]) == expected.replace(  # chat mode
+        f"{A}<think>Two calls.</think>", f"{A}</think>").replace(f"{A}<think>", f"{A}</think>")
+    # without tools in the request, the calls and results still render; the reasoning of the answer before the last
+    # user turn is dropped (drop_thinking), and an argument that is not JSON is DeepSeek's {"arguments": text}
+    odd = [dict(TOOL_CHAT[1], tool_calls=[{"function": {"name": "weather", "arguments": "Oslo"}}]), TOOL_CHAT[3]]
+    assert template.render(odd, {"thinking": True}) == (
+        f"{B}Looking.\n\n<{D}tool_calls>\n<{D}invoke name=\"weather\">\n<{D}parameter name=\"arguments\" "
+        f"string=\"true\">Oslo</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{E}"
+        f"{U}<tool_result>3 C</tool_result>{A}<think>")
+
+
+def _reference_v4_prompt(messages, tools=None, thinking=False, drop_thinking=True, effort=None) -> str:
+    """DeepSeek's encoding_dsv4.encode_messages as vLLM's DeepSeek-V4 tokenizer calls it (tools on an empty system
+    message inserted first; "max" and "xhigh" the maximum effort), written out in Python from its rules: tool and
+    user messages merged into user turns of blocks, tool results ordered by the calls of the answer before them,
+    reasoning dropped before the last user turn (with developer turns) unless tools are given."""
+    turns = [{"role": "system", "content": "", "tools": tools}] if tools else []
+    for m in messages:
+        if m["role"] in ("user", "tool"):
+            block = (m["role"], m.get("tool_call_id"), m["content"])
+            if turns and turns[-1]["role"] == "user":
+                turns[-1]["blocks"].append(block)
+            else:
+                turns.append({"role": "user", "blocks": [block]})
+        else:
+            turns.append(dict(m))
+    order = {}
+    for turn in turns:
+        if turn["role"] == "assistant" and turn.get("tool_calls"):
+            order = {call["id"]: k for k, call in enumerate(turn["tool_calls"]) if call.get("id")}
+        elif turn["role"] == "user":
+            results = iter(sorted((b for b in turn["blocks"] if b[0] == "tool"), key=lambda b: order.get(b[1], 0)))
+            turn["blocks"] = [next(results) if b[0] == "tool" else b for b in turn["blocks"]]
+    drop = drop_thinking and not tools
+
+    def last_user(turns):
+        return max((k for k, t in enumerate(turns) if t["role"] in ("user", "developer")), default=-1)
+
+    if thinking and drop:
+        turns = [t for k, t in enumerate(turns) if t["role"] != "developer" or k >= last_user(turns)]
+    last = last_user(turns)
+    out = B + (MAX_EFFORT if thinking and effort in ("max", "xhigh") else "")
+    for k, turn in enumerate(turns):
+        role = turn["role"]
+        if role == "system":
+            schemas = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in turn.get("tools") or [])
+            out += turn["content"] + (f"\n\n{TOOLS_SECTION.format(schemas=schemas)}" if turn.get("tools") else "")
+        elif role == "developer":
+            out += U + turn["content"]
+        elif role == "user":
+            out += U + "\n\n".join(f"<tool_result>{text}</tool_result>" if kind == "tool" else text
+                                    for kind, _, text in turn["blocks"])
+        else:
+            if thinking and (not drop or k > last):
+                out += (turn.get("reasoning_content") or "") + "</think>"
+            out += turn.get("content") or ""
+            if turn.get("tool_calls"):
+                invokes = []
+                for call in turn["tool_calls"]:
+                    arguments = call["function"]["arguments"]
+                    try:
+                        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+                    except ValueError:
+                        arguments = {"arguments": arguments}
+                    params = [f'<{D}parameter name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
+                              f'{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{D}parameter>'
+                              for key, v in arguments.items()]
+                    invokes.append(f'<{D}invoke name="{call["function"]["name"]}">\n' + "\n".join(params)
+                                   + f"\n</{D}invoke>")
+                out += f"\n\n<{D}tool_calls>\n" + "\n".join(invokes) + f"\n</{D}tool_calls>"
+            out += E
+        following = turns[k + 1]["role"] if k + 1 < len(turns) else None
+        if role in ("user", "developer") and following in (None, "assistant"):
+            out += A + ("<think>" if thinking and (not drop or k >= last) else "</think>")
+    return out
+
+
+def _random_chat(rng):
+    """A chat of every kind of message DeepSeek's format takes, in any order it can come: tool results answering
+    the last answer's calls (in any order, some answering none), arguments as JSON text, objects, or not JSON."""
+    values = ["Oslo", "naïve \"quoted\"", 3, 2.5, True, None, [1, "a"], {"k": {"deep": [False]}}]
+    messages, calls = [], []
+    if rng.random() < 0.5:
+        messages.append({"role": "system", "content": rng.choice(["Be brief.", "", "Sys\nprompt"])})
+    for _ in range(rng.randint(1, 7)):
+        role = rng.choice(["user", "user", "assistant", "tool", "developer"])
+        if role == "assistant":
+            message = {"role": "assistant", "content": rng.choice(["Answer.", "", "Ok"]),
+                       "reasoning_content": rng.choice([None, "", "Because."])}
+            if rng.random() < 0.5:
+                calls = [f"id{rng.randint(0, 99)}" for _ in range(rng.randint(1, 3))]
+                tool_calls = []
+                for call_id in calls:
+                    arguments = {f"p{j}": rng.choice(values) for j in range(rng.randint(0, 3))}
+                    form = rng.choice(["json", "object", "text"])
+                    arguments = (json.dumps(arguments) if form == "json" else arguments if form == "object"
+                                 else "not json {")
+                    tool_calls.append({"id": call_id, "type": "function",
+                                       "function": {"name": rng.choice(["weather", "search"]), "arguments": arguments}})
+                message["tool_calls"] = tool_calls
+            messages.append(message)
+        elif role == "tool":
+            messages.append({"role": "tool", "content": rng.choice(["3 C", "", "{\"ok\": 1}"]),
+                             "tool_call_id": rng.choice(calls + ["unknown"])})
+        else:
+            messages.append({"role": role, "content": rng.choice(["Q?", "More", "Rules."])})
+    return messages
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deepseek_v4s_chat_format_matches_deepseeks_encoder_rules_on_random_chats(template, seed):
+    """The template against the encoder's rules written out in Python, on random chats with and without tools, in
+    chat and thinking mode, dropping reasoning or keeping it, at every reasoning effort."""
+    import random
+
+    rng = random.Random(seed)
+    search = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    for _ in range(60):
+        messages = _random_chat(rng)
+        tools = rng.choice([None, [WEATHER], [WEATHER, search]])
+        options = {"thinking": rng.choice([True, False]), "drop_thinking": rng.choice([True, False]),
+                   "reasoning_effort": rng.choice([None, "high", "max", "xhigh"])}
+        expected = _reference_v4_prompt(messages, tools, options["thinking"], options["drop_thinking"],
+                                        options["reasoning_effort"])
+        assert template.render(messages, options, tools) == expected, (messages, tools, options)
+
+
 def test_transformers_apply_chat_template_renders_the_same_prompt_from_the_template_file(tiny_checkpoint, template):
     """What takes a template file (Triton's OpenAI frontend's `--chat-template`, a client's tokenizer) renders it
-    through transformers' apply_chat_template: deepseek_v4_chat.jinja gives it the prompt this server renders, and
-    refuses request-level tools, which it cannot render (the frontend passes them to the template)."""
+    through transformers' apply_chat_template: deepseek_v4_chat.jinja gives it the prompt this server renders, tools
+    included; tool calls whose arguments are JSON text, which Jinja cannot parse (the server parses them first), are
+    refused, naming what to send."""
     from transformers import AutoTokenizer
 
     reference = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
@@ -66,20 +256,22 @@ def test_transformers_apply_chat_template_renders_the_same_prompt_from_the_templ
     for options in ({}, {"thinking": True}, {"enable_thinking": True, "drop_thinking": False}):
         assert template.render(CHAT, options) == reference.apply_chat_template(
             CHAT, chat_template=source, tokenize=False, add_generation_prompt=True, **options)
-    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-    with pytest.raises(Exception, match="renders no tools"):
-        reference.apply_chat_template(CHAT, chat_template=source, tools=[tool], tokenize=False)
+        assert template.render(CHAT, options, [WEATHER]) == reference.apply_chat_template(
+            CHAT, chat_template=source, tools=[WEATHER], tokenize=False, add_generation_prompt=True, **options)
+    with pytest.raises(Exception, match="arguments as an object"):
+        reference.apply_chat_template(TOOL_CHAT, chat_template=source, tokenize=False)
 
 
 @pytest.mark.parametrize("messages,options,message", [
-    ([{"role": "tool", "content": "3 C", "tool_call_id": "c1"}], None, "no tool calls or tool results"),
-    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], None, "no tool calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], None,
+     "tool_calls\\[0\\] must be an object \\{\"function\""),
+    ([{"role": "assistant", "content": None, "tool_calls": {"id": "c1"}}], None, "tool_calls must be a list"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], None,
+     "messages\\[0\\].tool_calls\\[0\\].function.arguments must be a JSON object, got list"),
     ([{"role": "developer", "content": ""}], None, "developer message needs content"),
     (CHAT, {"thinking": "yes"}, "thinking must be true or false"),
     (CHAT, {"thinking": False, "enable_thinking": 1}, "enable_thinking must be true or false"),
     (CHAT, {"drop_thinking": 0}, "drop_thinking must be true or false"),
-    (CHAT, {"thinking": True, "reasoning_effort": "max"}, "reasoning_effort \"max\": DeepSeek's maximum-effort"),
-    (CHAT, {"enable_thinking": True, "reasoning_effort": "xhigh"}, "reasoning_effort \"xhigh\""),
     (CHAT, {"reasoning_effort": 5}, "reasoning_effort must be a string"),
     (CHAT, {"add_generation_prompt": False}, "cannot set \\['add_generation_prompt'\\]"),
     (CHAT, {"namespace": 1, "self": 2}, "cannot set \\['namespace', 'self'\\]"),
@@ -103,14 +295,32 @@ def test_messages_input_becomes_the_rendered_prompt_without_extra_special_tokens
     assert parsed.prompt_text == template.render(messages, {"thinking": True}) == f"{B}{U}Hi{A}<think>"
 
 
+def test_a_tools_input_reaches_the_template_beside_messages(tiny_checkpoint, template):
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
+    inputs = {"messages": np.array([json.dumps(TOOL_CHAT).encode()], dtype=np.object_),
+              "tools": np.array([json.dumps([WEATHER]).encode()], dtype=np.object_),
+              "chat_template_kwargs": np.array([b'{"thinking": true}'], dtype=np.object_)}
+    parsed = triton_io.parse_request(inputs, tokenizer, None, template)
+    assert parsed.prompt_text == template.render(TOOL_CHAT, {"thinking": True}, [WEATHER])
+    assert "## Tools" in parsed.prompt_text and parsed.prompt_text != template.render(TOOL_CHAT, {"thinking": True})
+
+
 @pytest.mark.parametrize("inputs,message", [
     ({"text_input": [b"Hi"], "chat_template_kwargs": [b"{}"]}, "an option of 'messages'.*given with 'text_input'"),
+    ({"input_ids": np.array([1, 2], dtype=np.int32), "tools": [b"[]"]}, "'tools' is an option of 'messages'"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'], "tools": [b'{"name": "f"}']}, "tools must be a JSON list"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'], "tools": [b'[{"type": "function"}]']},
+     "tools\\[0\\] must be an object"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'], "tools": [b'[{"type": "code", "function": {"name": "f"}}]']},
+     "tools\\[0\\].type must be \"function\""),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'], "tools": [b"[{"]}, "tools is not valid JSON"),
     ({"messages": [b'[{"role": "user", "content": "x"}]'], "chat_template_kwargs": [b"{"]}, "not valid JSON"),
     ({"messages": [b'[{"role": "user", "content": "x"}]'], "chat_template_kwargs": [b"[]"]}, "JSON object"),
 ])
-def test_malformed_chat_template_kwargs_are_refused(tiny_checkpoint, template, inputs, message):
+def test_malformed_chat_template_kwargs_and_tools_are_refused(tiny_checkpoint, template, inputs, message):
     tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))
-    arrays = {name: np.array(value, dtype=np.object_) for name, value in inputs.items()}
+    arrays = {name: value if isinstance(value, np.ndarray) else np.array(value, dtype=np.object_)
+              for name, value in inputs.items()}
     with pytest.raises(ValueError, match=message):
         triton_io.parse_request(arrays, tokenizer, None, template)
 

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import triton_to_np_dtype
 
+from backend.chat import BOS, DEEPSEEK_V4_TEMPLATE, EOS, ChatTemplate
 from backend.request import FinishReason, SamplingParams, TokenLogprobs
 from backend.serving.triton_io import ParsedRequest, ResponseBuilder, parse_request, response_arrays
 
@@ -294,6 +295,55 @@ def test_the_vllm_backends_finish_reason_and_cumulative_logprob_inputs(tokenizer
         output([5], "a", finished=True, reason=FinishReason.LENGTH))
 
 
+V4_CHAT = ChatTemplate(DEEPSEEK_V4_TEMPLATE.read_text(), BOS, EOS, deepseek_v4_format=True)  # DeepSeek-V4's own
+D = "｜DSML｜"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parse_chat_output_splits_the_answer_into_reasoning_content_and_tool_calls(tokenizer, stream):
+    """With parse_chat_output a chat's answer also comes as DeepSeek-V4's parts (thinking mode: reasoning first),
+    response by response when streaming; an answer that stopped after tool calls finishes with "tool_calls"."""
+    req = parse_request({"messages": text('[{"role": "user", "content": "hello"}]'), "stream": np.array([stream]),
+                         "chat_template_kwargs": text('{"thinking": true}'), "parse_chat_output": np.array([True])},
+                        tokenizer, None, V4_CHAT)
+    assert req.parse_chat_output and req.thinking
+    deltas = ["Hm, ", "sun.</th", "ink>Let me ", "check.\n", f"\n<{D}tool_calls>\n<{D}invoke name=\"weather\">\n",
+              f'<{D}parameter name="city" string="true">Oslo</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>']
+    builder = ResponseBuilder(req, tokenizer)
+    responses = [builder.on_output(output([5], delta)) for delta in deltas[:-1]]
+    responses.append(builder.on_output(output([6], deltas[-1], finished=True, reason=FinishReason.STOP)))
+    sent = [r for r in responses if r is not None]
+    assert len(sent) == (len(deltas) if stream else 1)
+
+    def joined(name):
+        return "".join(r[name][0].decode() for r in sent)
+
+    assert (joined("reasoning_content"), joined("content")) == ("Hm, sun.", "Let me check.")
+    calls = [call for r in sent for call in json.loads(r["tool_calls"][0])]
+    assert [c["function"] for c in calls] == [{"name": "weather", "arguments": '{"city": "Oslo"}'}]
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    assert sent[-1]["finish_reason"].tolist() == [b"tool_calls"] and joined("text_output").endswith("".join(deltas))
+    if stream:  # what may still be a marker's start waits for the next response
+        assert [r["reasoning_content"][0].decode() for r in sent[:3]] == ["Hm, ", "sun.", ""]
+
+
+def test_parse_chat_output_needs_deepseek_v4s_chat_format(tokenizer):
+    chat = text('[{"role": "user", "content": "hello"}]')
+    with pytest.raises(ValueError, match="give it with 'messages'"):
+        parse(tokenizer, text_input=text("hello"), parse_chat_output=np.array([True]))
+    other = ChatTemplate("{{ messages[0].content }}")
+    with pytest.raises(ValueError, match="reads DeepSeek-V4's chat format.*another"):
+        parse_request({"messages": chat, "parse_chat_output": np.array([True])}, tokenizer, None, other)
+    chat_mode = parse_request({"messages": chat, "parse_chat_output": np.array([True])}, tokenizer, None, V4_CHAT)
+    assert chat_mode.parse_chat_output and not chat_mode.thinking
+    answer = ResponseBuilder(chat_mode, tokenizer).on_output(output([5], "Hi.", finished=True,
+                                                                     reason=FinishReason.STOP))
+    assert (answer["content"].tolist(), answer["reasoning_content"].tolist()) == ([b"Hi."], [b""])
+    assert answer["tool_calls"].tolist() == [b"[]"] and answer["finish_reason"].tolist() == [b"stop"]
+    assert "content" not in ResponseBuilder(parse_request({"messages": chat}, tokenizer, None, V4_CHAT)).on_output(
+        output([5], "Hi.", finished=True, reason=FinishReason.STOP))
+
+
 def with_logprobs(out, *values):
     """`out` with one TokenLogprobs a token."""
     return SimpleNamespace(**{**vars(out), "logprobs": [TokenLogprobs(v) for v in values]})
@@ -317,9 +367,10 @@ def test_every_output_has_the_data_type_the_model_config_declares(tokenizer):
                                model_config_pb2.ModelConfig())
     types = {o.name: model_config_pb2.DataType.Name(o.data_type).removeprefix("TYPE_") for o in config.output}
     declared = {name: triton_to_np_dtype("BYTES" if type_ == "STRING" else type_) for name, type_ in types.items()}
-    req = parse(tokenizer, text_input=text("hello"), top_logprobs=np.array([2], np.int32),
-                return_logprobs=np.array([True]), return_num_cached_tokens=np.array([True]),
-                return_cumulative_logprob=np.array([True]))
+    req = parse_request({"messages": text('[{"role": "user", "content": "hello"}]'),
+                         "top_logprobs": np.array([2], np.int32), "return_logprobs": np.array([True]),
+                         "return_num_cached_tokens": np.array([True]), "return_cumulative_logprob": np.array([True]),
+                         "parse_chat_output": np.array([True])}, tokenizer, None, V4_CHAT)
     out = output([5, 6], "ab", finished=True, reason=FinishReason.LENGTH, num_cached_tokens=16)
     out.logprobs = [TokenLogprobs(-0.5, 1, [(5, -0.5), (6, -1.0)]), TokenLogprobs(-1.0, 2, [(5, -0.7), (6, -1.0)])]
     arrays = ResponseBuilder(req, tokenizer).on_output(out)

@@ -1,0 +1,148 @@
+"""A DeepSeek-V4 answer split as it streams into its reasoning, its content and its tool calls (what DeepSeek's
+`parse_message_from_completion_text` reads from a whole answer, and vLLM's reasoning and tool-call parsers return):
+
+    parser = AnswerParser(thinking=prompt_text.endswith("<think>"))
+    part = parser.feed(text_delta)      # AnswerPart(reasoning="...", content="...", tool_calls=[...])
+    part = parser.finish()              # what was held back; an unfinished tool-call block as content
+
+In thinking mode the answer is its reasoning up to `</think>`, then its content; in chat mode (the prompt ended with
+`</think>`) only content. Content ends where a DSML block of tool calls starts (`\\n\\n<｜DSML｜tool_calls>`); each
+`<｜DSML｜invoke name="...">` in it is a call, each `<｜DSML｜parameter name="..." string="true|false">` an argument: a
+string as it is, else JSON (as DeepSeek's `decode_dsml_to_arguments`). Calls come out in OpenAI's form,
+{"id", "type": "function", "function": {"name", "arguments": a JSON string}}, when their block closes. Text that may
+be the start of a marker is held back until the next delta tells (or the end). A block that does not parse, or is
+cut off by the end of the answer, comes out as content, as it was written: nothing the model wrote is lost.
+
+The markers are read from the text: `<think>`, `</think>` and `｜DSML｜` are tokens that are not special in DeepSeek's
+tokenizers, so the detokenized text keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+THINK_END = "</think>"
+DSML = "｜DSML｜"
+CALLS_START = f"<{DSML}tool_calls>"
+CALLS_END = f"</{DSML}tool_calls>"
+CALLS_LEAD = "\n\n"  # what DeepSeek's format writes between an answer's content and its tool calls
+
+_INVOKE = re.compile(rf'\s*<{DSML}invoke name="(?P<name>[^"]*)">(?P<body>.*?)</{DSML}invoke>', re.DOTALL)
+_PARAMETER = re.compile(rf'\s*<{DSML}parameter name="(?P<name>[^"]*)" string="(?P<string>true|false)">'
+                        rf'(?P<value>.*?)</{DSML}parameter>', re.DOTALL)
+
+
+@dataclass
+class AnswerPart:
+    """What one delta of the answer adds to each part."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+class AnswerParser:
+    def __init__(self, thinking: bool):
+        self._mode = "reasoning" if thinking else "content"
+        self._held = ""  # text not yet given to a part (a marker's possible start, or an open tool-call block)
+        self._lead = ""  # the open block's lead (CALLS_LEAD, if the model wrote one)
+        self.called = False  # whether the answer made tool calls
+
+    def feed(self, delta: str) -> AnswerPart:
+        part = AnswerPart()
+        self._held += delta
+        while True:
+            if self._mode == "reasoning":
+                if not self._take_until(THINK_END, part, "reasoning", next_mode="content"):
+                    return part
+            elif self._mode == "content":
+                if not self._take_until(CALLS_START, part, "content", next_mode="calls"):
+                    return part
+            else:
+                end = self._held.find(CALLS_END)
+                if end < 0:
+                    return part
+                block, self._held = self._held[:end], self._held[end + len(CALLS_END):]
+                calls = parse_tool_calls(block)
+                if calls is None:  # not DeepSeek's form: the model's text, as written
+                    part.content += self._lead + CALLS_START + block + CALLS_END
+                else:
+                    part.tool_calls += calls
+                    self.called = True
+                self._mode = "content"
+
+    def finish(self) -> AnswerPart:
+        """The end of the answer: what was held back goes to the part it was in (an open block as content)."""
+        part = AnswerPart()
+        if self._mode == "reasoning":
+            part.reasoning = self._held
+        elif self._mode == "content":
+            part.content = self._held
+        else:
+            part.content = self._lead + CALLS_START + self._held
+        self._held = ""
+        return part
+
+    def _take_until(self, marker: str, part: AnswerPart, name: str, next_mode: str) -> bool:
+        """Move the held text before `marker` to the part `name`; True (and the next mode) if the marker was there,
+        else False with a possible start of the marker still held."""
+        at = self._held.find(marker)
+        if at < 0:
+            keep = _possible_start(self._held, marker)
+            if name == "content":  # (the block's lead too: it is not content when a block follows it)
+                keep = max(keep, _possible_start(self._held, CALLS_LEAD + marker))
+            setattr(part, name, getattr(part, name) + self._held[:len(self._held) - keep])
+            self._held = self._held[len(self._held) - keep:]
+            return False
+        text = self._held[:at]
+        if name == "content":
+            self._lead = CALLS_LEAD if text.endswith(CALLS_LEAD) else ""
+            text = text[:len(text) - len(self._lead)]
+        setattr(part, name, getattr(part, name) + text)
+        self._held = self._held[at + len(marker):]
+        self._mode = next_mode
+        return True
+
+
+def parse_tool_calls(block: str) -> list[dict] | None:
+    """The calls of a DSML block (the text between <｜DSML｜tool_calls> and its end) in OpenAI's form; None if the
+    block is not a sequence of invokes of parameters."""
+    calls, at = [], 0
+    for invoke in _INVOKE.finditer(block):
+        if invoke.start() != at:
+            return None
+        arguments, inner = {}, 0
+        body = invoke["body"]
+        for parameter in _PARAMETER.finditer(body):
+            if parameter.start() != inner or parameter["name"] in arguments:
+                return None
+            arguments[parameter["name"]] = _argument(parameter["value"], parameter["string"] == "true")
+            inner = parameter.end()
+        if body[inner:].strip():
+            return None
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                      "function": {"name": invoke["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        at = invoke.end()
+    if block[at:].strip() or not calls:
+        return None
+    return calls
+
+
+def _argument(value: str, string: bool):
+    if string:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:  # (DeepSeek's decoder would write it into the JSON as it is: keep it, as a string)
+        return value
+
+
+def _possible_start(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that `marker` starts with (a marker that may be arriving)."""
+    for length in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
