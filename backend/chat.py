@@ -55,11 +55,12 @@ def chat_format(checkpoint: str | Path, template_file: str | Path | None = None)
     """The deployment's template (`template_file`), else the checkpoint's, else DeepSeek-V4's own format
     (DEEPSEEK_V4_TEMPLATE)."""
     template = ChatTemplate.from_checkpoint(checkpoint, template_file)
-    if template is not None:
+    builtin = DEEPSEEK_V4_TEMPLATE.read_text(encoding="utf-8")
+    if template is not None and template.source != builtin:  # (the file itself named: DeepSeek-V4's format still)
         return template
     config = _tokenizer_config(Path(checkpoint))
-    return ChatTemplate(DEEPSEEK_V4_TEMPLATE.read_text(encoding="utf-8"), _token_text(config.get("bos_token")) or BOS,
-                        _token_text(config.get("eos_token")) or EOS, deepseek_v4_format=True)
+    bos, eos = _token_text(config.get("bos_token")) or BOS, _token_text(config.get("eos_token")) or EOS
+    return ChatTemplate(builtin, bos, eos, deepseek_v4_format=True)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def checked_tools(tools: Any) -> list[dict] | None:
 
 def _with_parsed_arguments(message: dict, i: int) -> dict:
     """An assistant message whose tool calls' `arguments` are objects: a JSON string (what OpenAI's API sends) parsed,
-    text that is not JSON as {"arguments": text}, as DeepSeek's encoder takes them."""
+    text that is not a JSON object as {"arguments": text}, as DeepSeek's encoder and vLLM take them."""
     calls = message["tool_calls"]
     if not isinstance(calls, list):
         raise ValueError(f"messages[{i}].tool_calls must be a list")
@@ -168,15 +169,17 @@ def _with_parsed_arguments(message: dict, i: int) -> dict:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise ValueError(f"messages[{i}].tool_calls[{j}] must be an object {{\"function\": {{\"name\": ..., "
                              "\"arguments\": ...}}}")
-        arguments = function.get("arguments", {})
+        arguments = function.get("arguments") or {}  # (none, null or "": no arguments, as vLLM takes them)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except ValueError:
-                arguments = {"arguments": arguments}
+                arguments = None
+            if not isinstance(arguments, dict):  # (not JSON, or not an object: as one argument, as vLLM does)
+                arguments = {"arguments": function["arguments"]}
         if not isinstance(arguments, dict):
-            raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object, got "
-                             f"{type(arguments).__name__}")
+            raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object or a string "
+                             f"holding one, got {type(arguments).__name__}")
         parsed.append({**call, "function": {**function, "arguments": arguments}})
     return {**message, "tool_calls": parsed}
 

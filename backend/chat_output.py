@@ -13,6 +13,11 @@ string as it is, else JSON (as DeepSeek's `decode_dsml_to_arguments`). Calls com
 be the start of a marker is held back until the next delta tells (or the end). A block that does not parse, or is
 cut off by the end of the answer, comes out as content, as it was written: nothing the model wrote is lost.
 
+Where DeepSeek's parser is strict this one is lenient, and says so: a block without the blank line before it,
+whitespace between its tags, text after it (content), and a value marked JSON that is not (kept as a string). A value
+that itself holds `</｜DSML｜invoke>` or the block's end marker is read as ending there (DeepSeek's parser reads a value
+up to its own end tag), so such a block comes out as content.
+
 The markers are read from the text: `<think>`, `</think>` and `｜DSML｜` are tokens that are not special in DeepSeek's
 tokenizers, so the detokenized text keeps them.
 """
@@ -30,8 +35,8 @@ CALLS_START = f"<{DSML}tool_calls>"
 CALLS_END = f"</{DSML}tool_calls>"
 CALLS_LEAD = "\n\n"  # what DeepSeek's format writes between an answer's content and its tool calls
 
-_INVOKE = re.compile(rf'\s*<{DSML}invoke name="(?P<name>[^"]*)">(?P<body>.*?)</{DSML}invoke>', re.DOTALL)
-_PARAMETER = re.compile(rf'\s*<{DSML}parameter name="(?P<name>[^"]*)" string="(?P<string>true|false)">'
+_INVOKE = re.compile(rf'\s*<{DSML}invoke name="(?P<name>.*?)">(?P<body>.*?)</{DSML}invoke>', re.DOTALL)
+_PARAMETER = re.compile(rf'\s*<{DSML}parameter name="(?P<name>.*?)" string="(?P<string>true|false)">'
                         rf'(?P<value>.*?)</{DSML}parameter>', re.DOTALL)
 
 
@@ -71,7 +76,7 @@ class AnswerParser:
                     part.content += self._lead + CALLS_START + block + CALLS_END
                 else:
                     part.tool_calls += calls
-                    self.called = True
+                    self.called = self.called or bool(calls)
                 self._mode = "content"
 
     def finish(self) -> AnswerPart:
@@ -108,8 +113,8 @@ class AnswerParser:
 
 
 def parse_tool_calls(block: str) -> list[dict] | None:
-    """The calls of a DSML block (the text between <｜DSML｜tool_calls> and its end) in OpenAI's form; None if the
-    block is not a sequence of invokes of parameters."""
+    """The calls of a DSML block (the text between <｜DSML｜tool_calls> and its end) in OpenAI's form (none for an
+    empty block); None if the block is not a sequence of invokes of parameters."""
     calls, at = [], 0
     for invoke in _INVOKE.finditer(block):
         if invoke.start() != at:
@@ -126,7 +131,7 @@ def parse_tool_calls(block: str) -> list[dict] | None:
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": invoke["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
         at = invoke.end()
-    if block[at:].strip() or not calls:
+    if block[at:].strip():
         return None
     return calls
 

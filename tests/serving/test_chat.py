@@ -128,12 +128,38 @@ def test_deepseek_v4s_chat_format_renders_tools_tool_calls_and_tool_results(temp
         f"{U}<tool_result>3 C</tool_result>{A}<think>")
 
 
+def test_tools_join_a_leading_system_or_developer_message_and_results_follow_the_last_call_of_an_id(tmp_path):
+    """Tools after a leading system (or developer) message's text, as DeepSeek's golden prompts have them; tool
+    results in the order of the calls they answer, an id given twice counting at its last call (DeepSeek's encoder
+    keeps them in a dict); the template file named as the deployment's chat_template is still DeepSeek-V4's format
+    (its tool calls' JSON arguments parsed, its answers parseable)."""
+    template = chat_format(tmp_path, DEEPSEEK_V4_TEMPLATE)
+    assert template.deepseek_v4_format
+    schema = json.dumps(WEATHER["function"], ensure_ascii=False)
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"}]
+    assert template.render(system, None, [WEATHER]) == (
+        f"{B}Be brief.\n\n{TOOLS_SECTION.format(schemas=schema)}{U}Q{A}</think>")
+    developer = [{"role": "developer", "content": "Rules."}, {"role": "user", "content": "Q"}]
+    assert template.render(developer, None, [WEATHER]) == (
+        f"{B}{U}Rules.\n\n{TOOLS_SECTION.format(schemas=schema)}{U}Q{A}</think>")
+    calls = [{"id": i, "function": {"name": "f", "arguments": "{}"}} for i in ("a", "b", "a")]
+    chat = [{"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "a", "content": "A"}, {"role": "tool", "tool_call_id": "b", "content": "B"}]
+    assert template.render(chat).endswith(f"{U}<tool_result>B</tool_result>\n\n<tool_result>A</tool_result>{A}</think>")
+
+
 def _reference_v4_prompt(messages, tools=None, thinking=False, drop_thinking=True, effort=None) -> str:
-    """DeepSeek's encoding_dsv4.encode_messages as vLLM's DeepSeek-V4 tokenizer calls it (tools on an empty system
-    message inserted first; "max" and "xhigh" the maximum effort), written out in Python from its rules: tool and
-    user messages merged into user turns of blocks, tool results ordered by the calls of the answer before them,
-    reasoning dropped before the last user turn (with developer turns) unless tools are given."""
-    turns = [{"role": "system", "content": "", "tools": tools}] if tools else []
+    """DeepSeek's encoding_dsv4.encode_messages as vLLM's DeepSeek-V4 tokenizer calls it (tools on a leading system
+    or developer message, else on an empty system message inserted first; "max" and "xhigh" the maximum effort),
+    written out in Python from its rules: tool and user messages merged into user turns of blocks, tool results
+    ordered by the calls of the answer before them, reasoning dropped before the last user turn (with developer
+    turns) unless tools are given."""
+    messages = [dict(m) for m in messages]
+    if tools and messages[0]["role"] in ("system", "developer"):
+        messages[0]["tools"] = tools
+    elif tools:
+        messages.insert(0, {"role": "system", "content": "", "tools": tools})
+    turns = []
     for m in messages:
         if m["role"] in ("user", "tool"):
             block = (m["role"], m.get("tool_call_id"), m["content"])
@@ -162,10 +188,9 @@ def _reference_v4_prompt(messages, tools=None, thinking=False, drop_thinking=Tru
     for k, turn in enumerate(turns):
         role = turn["role"]
         if role == "system":
-            schemas = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in turn.get("tools") or [])
-            out += turn["content"] + (f"\n\n{TOOLS_SECTION.format(schemas=schemas)}" if turn.get("tools") else "")
+            out += turn["content"] + _tools_section(turn)
         elif role == "developer":
-            out += U + turn["content"]
+            out += U + turn["content"] + _tools_section(turn)
         elif role == "user":
             out += U + "\n\n".join(f"<tool_result>{text}</tool_result>" if kind == "tool" else text
                                     for kind, _, text in turn["blocks"])
@@ -176,11 +201,12 @@ def _reference_v4_prompt(messages, tools=None, thinking=False, drop_thinking=Tru
             if turn.get("tool_calls"):
                 invokes = []
                 for call in turn["tool_calls"]:
-                    arguments = call["function"]["arguments"]
+                    raw = call["function"]["arguments"] or {}
                     try:
-                        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+                        arguments = json.loads(raw) if isinstance(raw, str) else raw
                     except ValueError:
-                        arguments = {"arguments": arguments}
+                        arguments = None
+                    arguments = arguments if isinstance(arguments, dict) else {"arguments": raw}
                     params = [f'<{D}parameter name="{key}" string="{"true" if isinstance(v, str) else "false"}">'
                               f'{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}</{D}parameter>'
                               for key, v in arguments.items()]
@@ -192,6 +218,11 @@ def _reference_v4_prompt(messages, tools=None, thinking=False, drop_thinking=Tru
         if role in ("user", "developer") and following in (None, "assistant"):
             out += A + ("<think>" if thinking and (not drop or k >= last) else "</think>")
     return out
+
+
+def _tools_section(turn) -> str:
+    schemas = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in turn.get("tools") or [])
+    return f"\n\n{TOOLS_SECTION.format(schemas=schemas)}" if turn.get("tools") else ""
 
 
 def _random_chat(rng):
@@ -207,13 +238,14 @@ def _random_chat(rng):
             message = {"role": "assistant", "content": rng.choice(["Answer.", "", "Ok"]),
                        "reasoning_content": rng.choice([None, "", "Because."])}
             if rng.random() < 0.5:
-                calls = [f"id{rng.randint(0, 99)}" for _ in range(rng.randint(1, 3))]
+                calls = [f"id{rng.randint(0, 3)}" for _ in range(rng.randint(1, 3))]  # (ids may repeat)
                 tool_calls = []
                 for call_id in calls:
                     arguments = {f"p{j}": rng.choice(values) for j in range(rng.randint(0, 3))}
-                    form = rng.choice(["json", "object", "text"])
+                    form = rng.choice(["json", "object", "text", "empty"])
                     arguments = (json.dumps(arguments) if form == "json" else arguments if form == "object"
-                                 else "not json {")
+                                 else rng.choice(["not json {", "[1]", "5"]) if form == "text"
+                                 else rng.choice(["", None]))
                     tool_calls.append({"id": call_id, "type": "function",
                                        "function": {"name": rng.choice(["weather", "search"]), "arguments": arguments}})
                 message["tool_calls"] = tool_calls
@@ -266,8 +298,8 @@ def test_transformers_apply_chat_template_renders_the_same_prompt_from_the_templ
     ([{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}], None,
      "tool_calls\\[0\\] must be an object \\{\"function\""),
     ([{"role": "assistant", "content": None, "tool_calls": {"id": "c1"}}], None, "tool_calls must be a list"),
-    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}], None,
-     "messages\\[0\\].tool_calls\\[0\\].function.arguments must be a JSON object, got list"),
+    ([{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}], None,
+     "messages\\[0\\].tool_calls\\[0\\].function.arguments must be a JSON object or a string holding one, got list"),
     ([{"role": "developer", "content": ""}], None, "developer message needs content"),
     (CHAT, {"thinking": "yes"}, "thinking must be true or false"),
     (CHAT, {"thinking": False, "enable_thinking": 1}, "enable_thinking must be true or false"),

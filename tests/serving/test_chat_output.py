@@ -71,6 +71,9 @@ def test_an_answer_written_in_deepseeks_format_parses_back_whatever_the_pieces_i
      ("", "Ok.", [{"name": "f", "arguments": {}}])),
     (f"A\n\n<{D}tool_calls>\n<{D}invoke name=\"f\">\nbroken</{D}invoke>\n</{D}tool_calls> after", False,
      ("", f"A\n\n<{D}tool_calls>\n<{D}invoke name=\"f\">\nbroken</{D}invoke>\n</{D}tool_calls> after", [])),
+    (f"Ok.\n\n<{D}tool_calls>\n</{D}tool_calls>", False, ("", "Ok.", [])),  # an empty block: no calls
+    (f"<{D}tool_calls>\n<{D}invoke name=\"say \"hi\"\">\n<{D}parameter name=\"a\"b\" string=\"true\">x</{D}parameter>\n"
+     f"</{D}invoke>\n</{D}tool_calls>", False, ("", "", [{"name": 'say "hi"', "arguments": {'a"b': "x"}}])),
     (f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n</{D}invoke>\nmore</{D}tool_calls>", False,
      ("", f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n</{D}invoke>\nmore</{D}tool_calls>", [])),
     (f"A\n\n<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"x\" string=\"false\">[1, 2", False,
