@@ -272,6 +272,15 @@ def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server, tmp_path
     assert status == 200, out
     # the answer in DeepSeek-V4's parts (thinking mode: reasoning first); the tiny model writes no </think>
     assert (out["reasoning_content"], out["content"], out["tool_calls"]) == (out["text_output"], "", "[]")
+    streamed = stream_all(server, [None], MAX_TOKENS, extra={
+        "messages": np.array([json.dumps(messages).encode()], dtype=np.object_),
+        "tools": np.array([json.dumps(tools).encode()], dtype=np.object_),
+        "chat_template_kwargs": np.array([b'{"thinking": true}'], dtype=np.object_),
+        "parse_chat_output": np.array([True])})[0]
+    assert streamed.error is None and streamed.text == out["text_output"]  # (streamed: the same answer, in parts)
+    assert len(streamed.answer_parts) == streamed.num_responses > 1
+    assert "".join(r for r, _, _ in streamed.answer_parts) == out["reasoning_content"]
+    assert all(content == "" and calls == [] for _, content, calls in streamed.answer_parts)
     prompt = chat_format(CHECKPOINT).render(messages, {"thinking": True}, tools)
     assert "## Tools" in prompt and prompt.endswith("<｜User｜><tool_result>3 C</tool_result><｜Assistant｜><think>")
     (tmp_path / "chats.json").write_text(json.dumps([messages]))

@@ -228,14 +228,15 @@ class TritonServer:
 # --- gRPC streaming ---------------------------------------------------------------------------
 
 
-def grpc_inputs(prompt: str | list[int], max_tokens: int, stream: bool = True, sampling: dict | None = None,
+def grpc_inputs(prompt: str | list[int] | None, max_tokens: int, stream: bool = True, sampling: dict | None = None,
                 extra: dict[str, np.ndarray] | None = None):
+    """A request's inputs: `prompt` as text_input or input_ids (None: `extra` gives it, e.g. messages)."""
     import tritonclient.grpc as grpcclient
 
     arrays: dict[str, np.ndarray] = {}
     if isinstance(prompt, str):
         arrays["text_input"] = np.array([prompt.encode()], dtype=np.object_)
-    else:
+    elif prompt is not None:
         arrays["input_ids"] = np.asarray(prompt, dtype=np.int32)
     arrays["max_tokens"] = np.array([max_tokens], dtype=np.int32)
     arrays["stream"] = np.array([stream])
@@ -259,6 +260,7 @@ class StreamResult:
     num_finals: int = 0
     error: str | None = None
     num_cached_tokens: int | None = None  # when the request asked for it (return_num_cached_tokens)
+    answer_parts: list[tuple[str, str, list]] = field(default_factory=list)  # parse_chat_output's, per response
 
     @property
     def text(self) -> str:
@@ -302,6 +304,10 @@ class GrpcStreams:
             res.finish_reason = reason or res.finish_reason
             if result.as_numpy("num_cached_tokens") is not None:
                 res.num_cached_tokens = int(result.as_numpy("num_cached_tokens")[0])
+            if result.as_numpy("tool_calls") is not None:
+                res.answer_parts.append((result.as_numpy("reasoning_content")[0].decode(),
+                                         result.as_numpy("content")[0].decode(),
+                                         json.loads(result.as_numpy("tool_calls")[0])))
         if final:
             res.num_finals += 1
             return response.id
