@@ -111,9 +111,7 @@ class SamplerState:
         """Apply this request's penalties to its logits row [V], in place; `pending`: tokens that precede this
         position beyond those observed (a verify's drafts before it)."""
         params = self.params
-        self._ensure(line)
-        if self._bias is not None:
-            line += self._bias
+        self.bias(line)
         seen, counts = self._seen, self._counts
         if pending:
             extra = torch.tensor(pending, dtype=torch.long, device=line.device)
@@ -125,6 +123,18 @@ class SamplerState:
             line.clamp_(max=torch.finfo(line.dtype).max)  # (a tiny penalty's quotient: the largest, not inf)
         if params.frequency_penalty or params.presence_penalty:
             line -= (params.frequency_penalty * counts + params.presence_penalty * (counts > 0)).to(line.dtype)
+
+    @property
+    def biased(self) -> bool:
+        """Whether the request adds to its logits before its penalties (logit_bias, allowed_token_ids)."""
+        return bool(self.params.logit_bias) or self.params.allowed_token_ids is not None
+
+    def bias(self, line: torch.Tensor) -> None:
+        """Add to a logits row [V] what the request adds before its penalties, in place: its logit_bias, and -inf
+        outside its allowed_token_ids."""
+        self._ensure(line)
+        if self._bias is not None:
+            line += self._bias
 
     def observe(self, token: torch.Tensor) -> None:
         """The token [1] sampled for this request (on the device: no host round trip)."""

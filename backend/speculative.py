@@ -610,6 +610,7 @@ class Drafter:
         fits. `held`: the rows whose stop tokens are held back at this draft (min_tokens), as the verify holds
         them (after the grammar's mask: a stop token that is all it allows stays)."""
         unfit = self._mask(logits, states, walk, timing)
+        self._bias(logits, states, unfit)
         if held:
             rows = sorted(held)
             hold_stops(logits, rows, [held[i] for i in rows], [states[i].narrowed for i in rows])
@@ -628,6 +629,19 @@ class Drafter:
             walk.take([states[i].grammar for i in drafted], [tokens[i] for i in drafted])
             timing.mask_fill_s += time.perf_counter() - started
         return tokens
+
+    @staticmethod
+    def _bias(logits: torch.Tensor, states: list[SamplerState], unfit: set[int]) -> None:
+        """The rows' logit_bias and allowed_token_ids on their draft logits (in place), as the verify applies them to
+        its own: a draft the verify is bound to reject (outside allowed_token_ids, say) is a draft wasted. A row
+        the bias leaves no finite logit (its grammar and allowed tokens share none) keeps its logits: the verify
+        rejects its draft, as it would any."""
+        for i, state in enumerate(states):
+            if state.biased and i not in unfit:
+                biased = logits[i].clone()
+                state.bias(biased)
+                if torch.isfinite(biased).any():
+                    logits[i] = biased
 
     def _mask(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
               timing: StepTiming) -> set[int]:

@@ -206,9 +206,19 @@ def test_sampled_requests_keep_their_seeds_and_logprobs(tiny_checkpoint):
     assert all(len(r["logprobs"]) == len(r["output_ids"]) == 24 for r in first)
 
 
-def test_logit_bias_and_allowed_token_ids_hold_through_verifies(tiny_checkpoint):
+def test_logit_bias_and_allowed_token_ids_hold_through_verifies(tiny_checkpoint, monkeypatch):
     """Greedy requests with a logit bias (one token pushed up, another banned) and with allowed tokens: verified drafts
-    emit what plain decoding emits, every token among the allowed ones, never the banned one."""
+    emit what plain decoding emits, every token among the allowed ones, never the banned one. The drafts themselves
+    are drawn under the same bias (the draft layer's random weights would draft outside the allowed tokens, drafts
+    the verify is bound to reject)."""
+    drafted, draw = [], Drafter._draw
+
+    def recording(self, logits, states, *args):
+        tokens = draw(self, logits, states, *args)
+        drafted.extend((state.params, token) for state, token in zip(states, tokens) if token is not None)
+        return tokens
+
+    monkeypatch.setattr(Drafter, "_draw", recording)
     prompts = _prompts([12, 40], seed=3)
     plain = _ids(_generate(_engine(tiny_checkpoint), prompts, SamplingParams(max_tokens=20, ignore_eos=True)))
     banned, pushed = plain[0][1], plain[1][3]
@@ -219,6 +229,10 @@ def test_logit_bias_and_allowed_token_ids_hold_through_verifies(tiny_checkpoint)
     assert set(expected[1]) <= set(params[1].allowed_token_ids) and expected[1] != plain[1]
     for k in (1, 2):
         assert _ids(_generate(_engine(tiny_checkpoint, num_speculative_tokens=k), prompts, params)) == expected
+    allowed = [token for params_, token in drafted if params_ is params[1]]
+    biased = [token for params_, token in drafted if params_ is params[0]]
+    assert len(allowed) >= 20 and set(allowed) <= set(params[1].allowed_token_ids)
+    assert len(biased) >= 20 and banned not in biased
 
 
 def test_a_verify_row_without_any_finite_logit_accepts_none_of_its_drafts():
