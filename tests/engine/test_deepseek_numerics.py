@@ -29,6 +29,10 @@ from .harness import LOGITS_TOL, EngineHarness, Reference, Tracked, compare
 
 NOISE = 1e-6  # relative: about ten times the fp32 differences between two implementations of the same math
 NOISE_SEEDS = 3
+# What one rounding flip moves this model's logits by where the nudged oracles happen to flip none: 1.1e-3 to 1.7e-3
+# seen (an AVX-512 machine, whose MKL sums in another order than the machines these tests were written on), against
+# 1e-2 and more without the roundings (`test_the_roundings_are_really_on`) and 1.4 with HCA entries left unrounded.
+FLIP_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -70,29 +74,35 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 def _check(harness, oracle, nudged_oracles, tracked: Tracked, exact_until_a_selection_parts: bool = False) -> None:
-    """Up to the first position where the engine and the oracle part (a rounding boundary straddled), to 1e-4, as
-    without the roundings; from there on, within twice what the nudged oracles move.
+    """Where the engine and the oracle part is where a rounding boundary is straddled: fp32 sums in another order
+    land a value on the other side of one, and every later position that reads it moves. Where that happens depends
+    on the machine (its MKL's summation order), so: at least a tenth of the positions to 1e-4, as without the
+    roundings, and every position within twice what the nudged oracles move, or what one flip moves (FLIP_TOL)
+    where they happen to flip nothing.
 
-    exact_until_a_selection_parts: where the engine is known to part nowhere (the published layout: 1.2e-6 at every
-    position), every position to 1e-4 up to the first near-tie of an indexer selection, the one parting the test can
-    tell from an error (harness.compare). The nudged oracles there move by up to ~2.5 logits from the 6th position on,
-    so their rule alone lets a lost rounding through (HCA entries left unrounded: 1.4 logits)."""
+    exact_until_a_selection_parts: also, up to where the logits part, every indexer selection the oracle's (but at a
+    near-tie, harness.compare): no flip has happened yet, so the scores agree to fp32. (The published layout: the
+    nudged oracles there move by up to ~2.5 logits from the 6th position on, and on the machine these tests were
+    written on the engine parted nowhere, 1.2e-6 at every position; on an AVX-512 machine an act_quant flip parts
+    them near position 60, after which HCA entries left unrounded, 1.4 logits, look like a flip. The DeepSeek-shaped
+    checkpoint's tests catch that.)"""
     ids = tracked.seq.prompt_ids
     expected, records = oracle.run(ids)
-    if exact_until_a_selection_parts:
-        config = harness.config
-        compare(tracked, expected, records, config.csa_rate, config.index_topk)
-    harness.free(tracked)
-    harness.kv.check()
     positions = sorted(tracked.logits)
     diff = (torch.stack([tracked.logits[p] for p in positions]) - expected[positions]).abs().amax(-1)
-    spread = max(float((o.run(ids)[0][positions] - expected[positions]).abs().max()) for o in nudged_oracles)
     parted = (diff > LOGITS_TOL).nonzero().flatten()
     first = int(parted[0]) if len(parted) else len(positions)
+    if exact_until_a_selection_parts:
+        config = harness.config
+        until = positions[first] if first < len(positions) else None
+        compare(tracked, expected, records, config.csa_rate, config.index_topk, until=until)
+    harness.free(tracked)
+    harness.kv.check()
+    spread = max(float((o.run(ids)[0][positions] - expected[positions]).abs().max()) for o in nudged_oracles)
     print(f"{len(positions)} positions: within {LOGITS_TOL} up to position {first} ({int((diff <= LOGITS_TOL).sum())} "
           f"in all), max {diff.max():.3g}; the nudged oracle moves up to {spread:.3g}")
-    assert first >= 0.1 * len(positions), f"the engine parts from the oracle at position {positions[first]}"
-    assert diff.max() <= max(2 * spread, LOGITS_TOL), f"max {diff.max():.3g}, the nudged oracle's {spread:.3g}"
+    assert (diff <= LOGITS_TOL).sum() >= 0.1 * len(positions), "the engine is off the oracle nearly everywhere"
+    assert diff.max() <= max(2 * spread, FLIP_TOL), f"max {diff.max():.3g}, the nudged oracle's {spread:.3g}"
 
 
 def test_chunked_prefill_across_csa_and_hca_boundaries(harness, oracle, nudged_oracles):
@@ -130,16 +140,25 @@ def test_the_roundings_are_really_on(deepseek_shaped_checkpoint, oracle):
 
 def test_greedy_tokens_are_the_oracles(deepseek_shaped_checkpoint, oracle):
     """5 prompts x 64 tokens through the engine (its scheduler, chunked prefill, batched decodes) and through the
-    oracle's generate(), token for token."""
+    oracle's generate(), token for token; a prompt may part from the oracle only where the engine's two best tokens
+    are within what a rounding flip moves the logits (FLIP_TOL), and then at most one of the five."""
     engine = LLMEngine(EngineConfig(checkpoint=str(deepseek_shaped_checkpoint), device="cpu", numerics="deepseek",
                                     prefill_chunk_tokens=64, page_size=16))
     prompts = [_prompt(length, 10 + i) for i, length in enumerate((5, 130, 260, 77, 301))]
     try:
-        results = engine.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True))
+        results = engine.generate(prompts, SamplingParams(max_tokens=64, ignore_eos=True, logprobs=2))
     finally:
         engine.shutdown()
+    parted = 0
     for prompt, result in zip(prompts, results):
-        assert result["output_ids"] == oracle.greedy(prompt, 64, min_new_tokens=64)
+        expected, got = oracle.greedy(prompt, 64, min_new_tokens=64), result["output_ids"]
+        if got == expected:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+        (_, best), (_, second) = result["logprobs"][at].top[:2]
+        assert best - second < FLIP_TOL, f"parted at token {at} with a margin of {best - second:.3g}"
+        parted += 1
+    assert parted <= 1
 
 
 def test_checkpoints_and_settings_the_roundings_cannot_apply_to_are_refused(tiny_checkpoint, tmp_path):
