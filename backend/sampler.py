@@ -111,7 +111,9 @@ class SamplerState:
         """Apply this request's penalties to its logits row [V], in place; `pending`: tokens that precede this
         position beyond those observed (a verify's drafts before it)."""
         params = self.params
-        self.bias(line)
+        bias = self.bias_of(line)
+        if bias is not None:
+            line += bias
         seen, counts = self._seen, self._counts
         if pending:
             extra = torch.tensor(pending, dtype=torch.long, device=line.device)
@@ -129,12 +131,11 @@ class SamplerState:
         """Whether the request adds to its logits before its penalties (logit_bias, allowed_token_ids)."""
         return bool(self.params.logit_bias) or self.params.allowed_token_ids is not None
 
-    def bias(self, line: torch.Tensor) -> None:
-        """Add to a logits row [V] what the request adds before its penalties, in place: its logit_bias, and -inf
-        outside its allowed_token_ids."""
+    def bias_of(self, line: torch.Tensor) -> torch.Tensor | None:
+        """What the request adds to a logits row like `line` [V] before its penalties: its logit_bias, and -inf outside
+        its allowed_token_ids (None: neither)."""
         self._ensure(line)
-        if self._bias is not None:
-            line += self._bias
+        return self._bias
 
     def observe(self, token: torch.Tensor) -> None:
         """The token [1] sampled for this request (on the device: no host round trip)."""

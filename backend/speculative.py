@@ -636,12 +636,13 @@ class Drafter:
         its own: a draft the verify is bound to reject (outside allowed_token_ids, say) is a draft wasted. A row
         the bias leaves no finite logit (its grammar and allowed tokens share none) keeps its logits: the verify
         rejects its draft, as it would any."""
-        for i, state in enumerate(states):
-            if state.biased and i not in unfit:
-                biased = logits[i].clone()
-                state.bias(biased)
-                if torch.isfinite(biased).any():
-                    logits[i] = biased
+        rows = [i for i, state in enumerate(states) if state.biased and i not in unfit]
+        if not rows:
+            return
+        index = row_index(rows, logits.device)
+        biased = logits[index] + torch.stack([states[i].bias_of(logits[i]) for i in rows])
+        kept = torch.isfinite(biased).any(dim=-1, keepdim=True)  # (on the device: no host sync)
+        logits[index] = torch.where(kept, biased, logits[index])
 
     def _mask(self, logits: torch.Tensor, states: list[SamplerState], walk: GrammarLookahead,
               timing: StepTiming) -> set[int]:

@@ -355,12 +355,13 @@ class GrammarBatch:
     """The executor's side: fills the next-token masks of a step's constrained rows, and advances their matchers by
     the tokens sampled, each for all rows in one call.
 
-    The masks are filled on a persistent pool of `workers` threads (this one among them; one more for each
-    ROWS_PER_SHARE rows, no more), each taking the next ROWS_PER_CHUNK rows until none are left, through XGrammar's
-    batch call on one thread (which leaves the GIL). Chunks taken as threads come free, not a fixed share each: a few
-    rows cost far more than the rest (inside length-bounded strings, 10-50x the median at V4's vocabulary), and a
-    thread whose share held them kept the step waiting (at 256 rows and 8 threads, replaying measured row times:
-    about 2.4 ms a step in chunks of 8 against 3.0 ms in equal shares, 1.9 ms if spread perfectly).
+    The masks are filled on a persistent pool of `workers` threads (this one among them; one for every full
+    ROWS_PER_SHARE rows, at least one), each taking the next ROWS_PER_CHUNK rows until none are left, through
+    XGrammar's batch call on one thread (which leaves the GIL). Chunks taken as threads come free, not a fixed
+    share each: a few rows cost far more than the rest (inside length-bounded strings, 10-50x the median at V4's
+    vocabulary), and a thread whose share held them kept the step waiting (at 256 rows and 8 threads, replaying
+    measured row times: about 2.4 ms a step in chunks of 8 against 3.0 ms in equal shares, 1.9 ms if spread
+    perfectly).
     Not XGrammar's own threads: its batch call builds a new thread pool every call, half the cores by default, and
     queues a task per row, so a 16-core host started and joined dozens of threads every step (3.7-4.8 ms a step on
     the H200's host against 0.14 ms on a 2-core CPU). Default workers: half the cores, at most 8, as vLLM sizes its
