@@ -332,7 +332,8 @@ class ResponseBuilder:
     the generated ids. Not streaming: one response with the whole text (prompt first unless
     `exclude_input_in_output`). The response that carries `finished` also carries `finish_reason`.
     An `input_ids` prompt is decoded with `tokenizer` only when its text is prepended (by then the
-    engine has accepted its ids).
+    engine has accepted its ids). With `parse_chat_output`, each response also carries its part of the answer
+    (backend/chat_output.py: reasoning_content, content, tool_calls), of the generated text only.
     """
 
     request: ParsedRequest
