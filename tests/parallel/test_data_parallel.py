@@ -54,8 +54,9 @@ class _DataParallelRanks:
         store = local_store(dp, timeout_s=120)
         self.inboxes = [context.Queue() for _ in range(1, dp)]
         self.outbox = context.Queue()
-        self.workers = [context.Process(target=_forward_worker, args=(self.config, rank, store.port, inbox, self.outbox),
-                                        daemon=True) for rank, inbox in enumerate(self.inboxes, start=1)]
+        self.workers = [context.Process(target=_forward_worker,
+                                        args=(self.config, rank, store.port, inbox, self.outbox), daemon=True)
+                        for rank, inbox in enumerate(self.inboxes, start=1)]
         for worker in self.workers:
             worker.start()
         self.runner, pools = _join_as(self.config, 0, store.port, store)

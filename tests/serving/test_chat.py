@@ -144,7 +144,8 @@ def test_tools_join_a_leading_system_or_developer_message_and_results_follow_the
         f"{B}{U}Rules.\n\n{TOOLS_SECTION.format(schemas=schema)}{U}Q{A}</think>")
     calls = [{"id": i, "function": {"name": "f", "arguments": "{}"}} for i in ("a", "b", "a")]
     chat = [{"role": "assistant", "content": "", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "a", "content": "A"}, {"role": "tool", "tool_call_id": "b", "content": "B"}]
+            {"role": "tool", "tool_call_id": "a", "content": "A"},
+            {"role": "tool", "tool_call_id": "b", "content": "B"}]
     assert template.render(chat).endswith(f"{U}<tool_result>B</tool_result>\n\n<tool_result>A</tool_result>{A}</think>")
 
 
