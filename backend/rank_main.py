@@ -89,7 +89,7 @@ def run_node(config: EngineConfig, node_rank: int) -> None:
     per_node = ranks_per_node(layout.world_size)
     if not os.environ.get("MASTER_ADDR") or not 0 < node_rank < layout.world_size // per_node:
         raise RankGroupError("a worker node needs MASTER_ADDR / MASTER_PORT and 0 < NODE_RANK < NNODES")
-    spec = GroupSpec(config, layout, "env://", config.collective_timeout_s)
+    spec = GroupSpec(config, layout, config.collective_timeout_s)  # (env://: a node of several)
     context = spawn_ranks(spec, first_rank=node_rank * per_node, count=per_node, main=worker_main)
     while not context.join():  # raises if a rank fails; True once all exited
         pass

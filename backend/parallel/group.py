@@ -57,9 +57,13 @@ class GroupSpec:
 
     config: EngineConfig
     layout: ParallelLayout
-    init_method: str  # env:// (several nodes), or tcp://127.0.0.1:<store_port> (one node: rank 0's store)
     timeout_s: float
-    store_port: int | None = None  # one node: the port of rank 0's rendezvous store (`local_store`)
+    store_port: int | None = None  # one node: the port of rank 0's rendezvous store (`local_store`); None: env://
+
+    @property
+    def init_method(self) -> str:
+        """How the ranks meet: env:// (several nodes), else rank 0's store on this node."""
+        return "env://" if self.store_port is None else f"tcp://127.0.0.1:{self.store_port}"
 
     def device(self, rank: int) -> str:
         return f"cuda:{rank % max(1, torch.cuda.device_count())}" if self.config.resolved_device() == "cuda" \
@@ -163,12 +167,8 @@ class RankGroup:
     def start(cls, config: EngineConfig, layout: ParallelLayout, main: Callable) -> "RankGroup":
         """Spawn this node's other ranks, each running `main` (backend/rank_main.py), and join the group as rank 0
         (then load, then `wait_ready`)."""
-        timeout_s, store = config.collective_timeout_s, None
-        if os.environ.get("MASTER_ADDR"):
-            spec = GroupSpec(config, layout, "env://", timeout_s)
-        else:
-            store = local_store(layout.world_size, timeout_s)
-            spec = GroupSpec(config, layout, f"tcp://127.0.0.1:{store.port}", timeout_s, store_port=store.port)
+        store = None if os.environ.get("MASTER_ADDR") else local_store(layout.world_size, config.collective_timeout_s)
+        spec = GroupSpec(config, layout, config.collective_timeout_s, store.port if store is not None else None)
         context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1, main=main)
         _, control, sync = join(spec, 0, store)
         return cls(spec, context, control, sync, RankLinks() if layout.data_parallel else None)
