@@ -17,8 +17,8 @@ Threads:
   end with an error after it, so that the model unloads within the server's exit timeout). Detokenization and sending
   never run on the engine thread.
 Every request gets exactly one FINAL response: an error response (bad request, engine error,
-cancellation, failure to send) or the last output's response, and a bare FINAL flag when a
-response could not carry it. Three threads may answer a request (the response thread, submit()'s
+cancellation, failure to send), else a bare FINAL flag after the last output's response (`_send_output` says why),
+or when a response could not carry it. Three threads may answer a request (the response thread, submit()'s
 when the engine refuses it, finalize()'s at shutdown): each response goes out holding the request's
 `sending` lock, and whoever sends the FINAL marks it `answered` there, so nothing follows a FINAL.
 """
@@ -260,8 +260,13 @@ class TritonAdapter:
             self._cancel(request_id, live)
             return False
         tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
-        live.sender.send(self.pb.InferenceResponse(output_tensors=tensors),
-                         flags=self.final_flag if output.finished else 0)
+        live.sender.send(self.pb.InferenceResponse(output_tensors=tensors))
+        if output.finished:
+            # The FINAL goes out alone. tritonserver's HTTP generate endpoints end the client's reply on a FINAL
+            # response before they delete it, and a server stopped in between (a Ctrl-C right after the answer) has
+            # freed the allocator of its outputs by then: it crashed at the stop. A bare FINAL has no outputs, and
+            # send() returns only after tritonserver has deleted the response before it.
+            live.sender.send(flags=self.final_flag)
         return output.finished
 
     def _retire(self, output, live: _Live, final_sent: bool) -> None:

@@ -173,17 +173,18 @@ def _ready(http_port: int) -> bool:
         return False
 
 
-def test_serve_sh_stops_cleanly_on_ctrl_c(tmp_path):
+def _serve_two_http_answers_then_ctrl_c(tmp_path, env: dict[str, str]) -> tuple[int, str, int, str | None, bytes]:
     """The README's command as a user runs it (`bash scripts/serve.sh --set num_speculative_tokens=2`, on free ports),
-    a constrained request and a streamed one, then Ctrl-C: exit status 0, nothing in the log of a crash, no process
-    and no shm region left."""
+    a constrained request over HTTP generate and a streamed one over generate_stream, then Ctrl-C as soon as the
+    second answer is in. Returns the exit status, the log, the process group, the stub's shm region and the stream's
+    body."""
     http, grpc, metrics = free_ports(3)
     log = tmp_path / "serve.log"
     command = ["bash", "scripts/serve.sh", "--set", "num_speculative_tokens=2", "--set", "device=cpu",
                "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     with open(log, "wb") as out:
         serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                 env={**server_env(), "DSV4_SKIP_SETUP": "1"}, start_new_session=True)
+                                 env={**server_env(), "DSV4_SKIP_SETUP": "1", **env}, start_new_session=True)
     try:
         assert wait_for(lambda: serve.poll() is None and _ready(http), timeout=180), log.read_text()[-3000:]
         shm = _stub_shm_region(serve.pid)
@@ -191,17 +192,36 @@ def test_serve_sh_stops_cleanly_on_ctrl_c(tmp_path):
         status, body = http_post(f"{base}/generate", {"text_input": "Is it spam?", "max_tokens": 8, "parameters": {
             "temperature": 0, "guided_decoding": json.dumps({"choice": ["yes", "no"]})}})
         assert status == 200 and json.loads(body)["text_output"].endswith(("yes", "no")), body
-        status, body = http_post(f"{base}/generate_stream", {"text_input": "The quick brown fox", "max_tokens": 16,
-                                                             "stream": True})
-        assert status == 200 and body.count(b"data:") >= 2, body
+        status, stream = http_post(f"{base}/generate_stream", {"text_input": "The quick brown fox", "max_tokens": 16,
+                                                               "stream": True})
+        assert status == 200 and b'"finish_reason":"length"' in stream, stream
         serve.send_signal(signal.SIGINT)
         returncode = serve.wait(timeout=EXIT_TIMEOUT_S + 10)
     finally:
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
-    text = log.read_text(errors="replace")
+    return returncode, log.read_text(errors="replace"), serve.pid, shm, stream
+
+
+def test_serve_sh_stops_cleanly_on_ctrl_c(tmp_path):
+    """Exit status 0 after Ctrl-C, nothing in the log of a crash, no process and no shm region left."""
+    returncode, text, pgid, shm, stream = _serve_two_http_answers_then_ctrl_c(tmp_path, {})
+    assert stream.count(b"data:") >= 2, stream
     assert returncode == 0, text[-3000:]
     assert not [marker for marker in CRASH_MARKERS if marker in text], text[-3000:]
-    assert wait_for(lambda: not group_members(serve.pid), timeout=5), f"left behind: {group_members(serve.pid)}"
+    assert wait_for(lambda: not group_members(pgid), timeout=5), f"left behind: {group_members(pgid)}"
     assert shm and not Path("/dev/shm", shm).exists()
+
+
+def test_no_response_with_outputs_is_deleted_after_the_http_frontend(tmp_path):
+    """tritonserver's stop deletes its HTTP frontend before anything else, and its generate endpoints end a reply on
+    the FINAL response before deleting it: a FINAL carrying outputs, deleted in between, crashed the server at a
+    Ctrl-C right after an answer (1 stop in about 40 here). Every deletion held back 300 ms by a preloaded shim
+    (late_response_delete.c) shows such a response each time, where the crash needed the freed memory reused."""
+    shim = tmp_path / "late_response_delete.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(shim), str(Path(__file__).with_name(
+        "late_response_delete.c")), "-ldl"], check=True)
+    returncode, text, _, _, _ = _serve_two_http_answers_then_ctrl_c(tmp_path, {"LD_PRELOAD": str(shim)})
+    assert "[late_response_delete]" not in text, text[-3000:]
+    assert returncode == 0 and not [marker for marker in CRASH_MARKERS if marker in text], text[-3000:]

@@ -74,8 +74,10 @@ def test_a_stream_sends_its_tokens_then_exactly_one_final(adapter):
     adapter.submit(req)
     wait_final(req)
     assert tokens_of(req) == expected_ids(list(b"hello"), 6)
-    assert req.sender.num_finals == 1 and req.sender.sent[-1][1] == 1
-    assert req.sender.sent[-1][0].outputs["finish_reason"].tolist() == [b"length"]
+    # The FINAL alone, after the last response with tokens (adapter._send_output says why).
+    final = FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert req.sender.num_finals == 1 and req.sender.sent[-1] == (None, final)
+    assert req.sender.sent[-2][0].outputs["finish_reason"].tolist() == [b"length"]
     assert adapter._live == {}
 
 
