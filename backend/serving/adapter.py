@@ -252,7 +252,8 @@ class TritonAdapter:
         return self._send_error(live.sender, "request cancelled", getattr(self.pb.TritonError, "CANCELLED", None))
 
     def _send_output(self, request_id: str, live: _Live, output) -> bool:
-        """Send the response the builder makes of `output`, if any; True when it carried FINAL."""
+        """Send the response the builder makes of `output`, if any, and after the last one the FINAL; True when the
+        FINAL went out."""
         arrays = live.builder.on_output(output)
         if arrays is None:
             return False

@@ -27,10 +27,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from backend.chat import chat_prompt_ids
+from backend.chat import chat_prompt_ids, checked_tools
 from backend.chat_output import AnswerParser
 from backend.errors import load_json
 from backend.request import FinishReason, SamplingParams, without_unset_nulls
+from backend.structured.params import GuidedDecoding
+from backend.tool_choice import checked_tool_choice, parse_tool_choice, shown_tools, tool_call_constraint
 
 INPUT_NAMES = (
     "text_input",
@@ -38,6 +40,7 @@ INPUT_NAMES = (
     "messages",
     "chat_template_kwargs",
     "tools",
+    "tool_choice",
     "max_tokens",
     "stream",
     "sampling_parameters",
@@ -90,7 +93,7 @@ def parse_request(
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input(s) {unknown}; expected some of {list(INPUT_NAMES)}")
-    prompt_ids, prompt_text = _parse_prompt(inputs, tokenizer, chat_template)
+    prompt_ids, prompt_text, tool_calls = _parse_prompt(inputs, tokenizer, chat_template)
 
     request_params = _load_request_parameters(request_parameters)
     stream = _optional_bool(inputs, "stream")
@@ -109,6 +112,10 @@ def parse_request(
     exclude = stream if exclude is None else exclude
 
     sampling = _parse_sampling(inputs, request_params)
+    if tool_calls is not None:
+        if sampling.guided_decoding is not None:
+            raise ValueError("tool_choice constrains the answer to tool calls: send no other output constraint with it")
+        sampling = dataclasses.replace(sampling, guided_decoding=tool_calls)
     priority = _optional_int(inputs, "priority")
     parse_chat_output = bool(_optional_bool(inputs, "parse_chat_output"))
     if parse_chat_output and "messages" not in inputs:
@@ -137,24 +144,34 @@ def parse_request(
 # The prompt.
 
 
-# What `messages` takes beside it: STRING [1] inputs holding JSON, given to the chat template.
-_CHAT_INPUTS = ("chat_template_kwargs", "tools")
+# What `messages` takes beside it: STRING [1] inputs holding JSON (tool_choice: or a bare word).
+_CHAT_INPUTS = ("chat_template_kwargs", "tools", "tool_choice")
 
 
-def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> tuple[list[int], str]:
+def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer,
+                 chat_template) -> tuple[list[int], str, GuidedDecoding | None]:
     """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat format (backend/chat.py),
     with the `chat_template_kwargs` input's options (a JSON object) and the `tools` input's tools (a JSON list of
-    OpenAI tools) if given."""
+    OpenAI tools) if given, as the `tool_choice` input has them shown (backend/tool_choice.py); and the output
+    constraint that tool_choice makes (None: none)."""
     if chat_template is None:
         raise ValueError("'messages' needs a chat template, and this model has none; send text_input instead")
     messages = load_json(_single_string(inputs["messages"], "messages"), "messages")
     options, tools = (load_json(_single_string(inputs[name], name), name) if name in inputs else None
-                      for name in _CHAT_INPUTS)
-    text = chat_template.render(messages, options, tools)
-    return chat_prompt_ids(tokenizer, text), text
+                      for name in ("chat_template_kwargs", "tools"))
+    tools = checked_tools(tools)
+    choice = checked_tool_choice(parse_tool_choice(_single_string(inputs["tool_choice"], "tool_choice"))
+                                 if "tool_choice" in inputs else None, tools)
+    text = chat_template.render(messages, options, shown_tools(choice, tools))
+    if choice not in ("auto", "none") and not chat_template.deepseek_v4_format:
+        raise ValueError(f"tool_choice {json.dumps(choice)} constrains the answer to DeepSeek-V4's tool-call syntax, "
+                         "and this model's chat template is another (the chat_template parameter's or the "
+                         "checkpoint's)")
+    return chat_prompt_ids(tokenizer, text), text, tool_call_constraint(choice, tools, text.endswith("<think>"))
 
 
-def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template=None) -> tuple[list[int], str | None]:
+def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer,
+                  chat_template=None) -> tuple[list[int], str | None, GuidedDecoding | None]:
     given = [name for name in ("text_input", "input_ids", "messages") if name in inputs]
     if len(given) != 1:
         raise ValueError("give exactly one of 'text_input', 'input_ids' and 'messages'"
@@ -175,7 +192,7 @@ def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template=Non
             raise ValueError("text_input tokenizes to no tokens")
     else:
         ids, text = _token_ids(inputs["input_ids"]), None
-    return ids, text
+    return ids, text, None
 
 
 def _single_string(array: np.ndarray, name: str) -> str:

@@ -141,8 +141,10 @@ class GrammarService:
                 return _narrowed(xgr.Grammar.from_regex(guided.spec))
             if guided.kind == "choice":
                 return xgr.Grammar.from_ebnf(choice_grammar(guided.choices))
+            if guided.kind == "structural_tag":
+                return structural_tag_grammar(guided.spec)
             return _narrowed(xgr.Grammar.from_ebnf(guided.spec))
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError, TypeError) as exc:  # (a structural tag's pydantic checks raise ValueError)
             raise ValueError(f"invalid {_KIND_NAMES[guided.kind]}: {_xgrammar_message(exc)}") from None
 
     def _compile_in_slot(self, future: Future, grammar, key: tuple):
@@ -498,7 +500,28 @@ def default_mask_workers() -> int:
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
-               "choice": "choice", "grammar": "grammar"}
+               "choice": "choice", "grammar": "grammar", "structural_tag": "structural tag"}
+
+
+def structural_tag_grammar(spec: str):
+    """XGrammar's grammar of a structural tag (its JSON text): the current form, or the older one of structures and
+    triggers, compiled as vLLM compiles them. Not narrowed as the other kinds are (its free-text spans are XGrammar's
+    tag dispatches, not character classes): their text follows XGrammar's own rules."""
+    import json
+
+    import xgrammar as xgr
+
+    tag = json.loads(spec)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(spec)
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        triggers = tag["triggers"]
+    except (KeyError, TypeError):
+        raise ValueError("the older form takes {\"structures\": [{\"begin\": ..., \"schema\": ..., \"end\": ...}, "
+                         "...], \"triggers\": [...]}") from None
+    return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 def _xgrammar_message(exc: BaseException) -> str:

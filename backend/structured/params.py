@@ -11,13 +11,18 @@ A request constrains its output with one of three keys of its sampling parameter
       regex         a regular expression the whole output matches
       choice        a non-empty list of strings: the output is one of them
       grammar       an EBNF grammar (XGrammar's dialect, GBNF-like; the root rule is `root`)
+      structural_tag  an XGrammar structural tag (an object, or a string of one, as vLLM takes it): its current
+                    form {"type": "structural_tag", "format": {...}}, or the older {"structures": [{"begin", "schema",
+                    "end"}, ...], "triggers": [...]} (free text, each structure's schema enforced between its begin
+                    and end once a trigger starts it); what a `tool_choice` of "required" or a named function
+                    becomes too (backend/chat.py)
   and optionally `disable_any_whitespace` (JSON without free whitespace: `{"a": 1, "b": [1, 2]}`) and
   `disable_additional_properties` (every object of the schema closed: `additionalProperties: false`; without it
   XGrammar's strict mode already generates no property the schema does not name, unless the schema allows them
   itself). A schema's properties are generated in the order it lists them. vLLM's other fields are accepted when
   they ask nothing this engine does not do: `backend` / `_backend` (None, "auto" or "xgrammar"),
-  `disable_fallback` (there is nothing to fall back to), `_backend_was_auto`, and `whitespace_pattern` /
-  `structural_tag` only when null.
+  `disable_fallback` (there is nothing to fall back to), `_backend_was_auto`, and `whitespace_pattern` only when
+  null.
 - `response_format`, OpenAI's: {"type": "text"} (no constraint, so it may come beside another key),
   {"type": "json_object"}, or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, ...}}.
 
@@ -34,13 +39,13 @@ from typing import Any
 
 from backend.errors import load_json
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 GUIDED_KEYS = ("guided_decoding", "structured_outputs", "response_format")
 _BACKENDS = (None, "", "auto", "xgrammar")
 _BACKEND_KEYS = ("backend", "_backend")
 _FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "_backend_was_auto",
           "backend_was_auto")
-_UNSUPPORTED_UNLESS_NULL = ("whitespace_pattern", "structural_tag")
+_UNSUPPORTED_UNLESS_NULL = ("whitespace_pattern",)
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,11 @@ def _check_enforceable(schema: Any, where: str) -> None:
     visit(schema)
 
 
+def checked_json_schema(schema: Any, where: str) -> str:
+    """A JSON schema (an object, or a string of one) checked as a `json` constraint's is; its compact text."""
+    return _spec("json", schema, where)
+
+
 def _spec(kind: str, value: Any, where: str) -> str:
     if kind == "json":
         if isinstance(value, str):
@@ -210,6 +220,13 @@ def _spec(kind: str, value: Any, where: str) -> str:
         if value is not True:
             raise ValueError(f"{where}: json_object must be true, got {value!r}")
         return ""
+    if kind == "structural_tag":
+        if isinstance(value, str):
+            value = load_json(value, f"{where}: the structural_tag text")
+        if not isinstance(value, dict) or not ("format" in value or "structures" in value):
+            raise ValueError(f"{where}: structural_tag must be an object with `format` (XGrammar's structural tag) or "
+                             f"`structures` and `triggers` (its older form), got {value!r:.200}")
+        return json.dumps(value, separators=(",", ":"))
     if kind == "choice":
         if not isinstance(value, list) or not value:
             raise ValueError(f"{where}: choice must be a non-empty list of strings, got {value!r}")

@@ -296,3 +296,33 @@ def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server, tmp_path
     assert status == 400 and "tools[0] must be an object" in json.dumps(out)
     status, out = http_generate(server, {"messages": '[{"role": "robot", "content": "x"}]', "max_tokens": 4})
     assert status == 400 and "role must be one of" in json.dumps(out)
+
+
+def test_tool_choice_makes_the_model_call_a_tool(server):
+    """tool_choice "required" or a named function constrains the answer to DeepSeek-V4's tool calls (the built-in
+    checkpoint's random weights write one only so): over HTTP and streamed over gRPC, parse_chat_output gives the
+    calls, their arguments as the schema asks, and finish_reason tool_calls; a function not among the tools is a
+    clear error."""
+    import jsonschema
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}},
+            "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
+    chat = {"messages": json.dumps([{"role": "user", "content": "Weather in Oslo?"}]), "tools": json.dumps(tools),
+            "parse_chat_output": True, "exclude_input_in_output": True, "max_tokens": 200}
+    status, out = http_generate(server, {**chat, "tool_choice": json.dumps({"type": "function",
+                                                                           "function": {"name": "weather"}})})
+    assert status == 200 and out["finish_reason"] == "tool_calls", out
+    [call] = json.loads(out["tool_calls"])
+    assert call["function"]["name"] == "weather" and out["content"] == ""
+    jsonschema.validate(json.loads(call["function"]["arguments"]), city)
+    (streamed,) = stream_all(server, [None], 200, extra={
+        **{name: np.array([chat[name].encode()], dtype=np.object_) for name in ("messages", "tools")},
+        "tool_choice": np.array([b"required"], dtype=np.object_), "parse_chat_output": np.array([True])})
+    calls = [call for _, _, response_calls in streamed.answer_parts for call in response_calls]
+    assert streamed.error is None and streamed.finish_reason == "tool_calls" and calls, streamed.text
+    for call in calls:
+        assert call["function"]["name"] == "weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), city)
+    status, out = http_generate(server, {**chat, "tool_choice": '{"type": "function", "function": {"name": "x"}}'})
+    assert status == 400 and "names the function 'x', which is not among the tools ('weather')" in json.dumps(out)

@@ -4,6 +4,7 @@ the compiled grammars never admit invalid UTF-8 or raw control characters in JSO
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -34,6 +35,9 @@ def service():
     ({"regex": "a(b"}, "invalid regex: Regex parsing error at position"),
     ({"grammar": "root ::= missing"}, 'invalid grammar: EBNF parser error at line 1, column 10: Rule "missing"'),
     ({"grammar": 'start ::= "a"'}, "invalid grammar"),
+    ({"structural_tag": {"format": {"type": "sequence", "elements": []}}}, "invalid structural tag: "),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}},
+     'invalid structural tag: the older form takes {"structures": [{"begin": ..., "schema": ..., "end": ...}'),
 ])
 def test_an_invalid_grammar_is_refused_at_once_with_xgrammars_message(service, constraint, message):
     with pytest.raises(ValueError) as error:
@@ -189,6 +193,22 @@ def test_properties_are_generated_in_the_schemas_order(service):
     constraint = guided({"json": schema})
     assert _matches(service, constraint, b'{"reasoning": "because", "answer": 42}')
     assert not _matches(service, constraint, b'{"answer": 42, "reasoning": "because"}')
+
+
+def test_a_structural_tag_in_either_form_constrains_what_its_tags_hold(service):
+    """vLLM's structural_tag: the current form (a format tree) and the older one (free text, each structure's schema
+    between its begin and end once a trigger starts it)."""
+    current = guided({"structural_tag": {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "n="},
+        {"type": "tag", "begin": "<v>", "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+         "end": "</v>"}]}}})
+    assert _matches(service, current, b"n=<v>42</v>")
+    assert not _matches(service, current, b"n=<v>4.2</v>") and not _matches(service, current, b"m=<v>42</v>")
+    older = guided({"structural_tag": json.dumps({"structures": [{"begin": "<f>", "schema": {
+        "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}, "end": "</f>"}],
+        "triggers": ["<f"]})})
+    assert _matches(service, older, b'Calling: <f>{"a": true}</f> done')
+    assert not _matches(service, older, b'Calling: <f>{"a": 1}</f>')
 
 
 def test_masks_filled_by_several_workers_equal_one_workers(service):

@@ -12,6 +12,11 @@ from backend.request import SamplingParams
 from backend.structured.params import GuidedDecoding
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# XGrammar's structural tag, as vLLM's guided_decoding takes it: text, then a JSON object between two tags
+STRUCTURAL_TAG = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+    {"type": "const_string", "value": "Answer: "},
+    {"type": "tag", "begin": "<json>", "content": {"type": "json_schema", "json_schema": {"type": "object"}},
+     "end": "</json>"}]}}
 
 
 def _guided(params: dict) -> GuidedDecoding | None:
@@ -20,7 +25,8 @@ def _guided(params: dict) -> GuidedDecoding | None:
 
 @pytest.mark.parametrize("key", ["guided_decoding", "structured_outputs"])
 def test_each_kind_as_an_object_and_as_a_json_string(key):
-    cases = {"json": SCHEMA, "regex": "[a-z]+", "choice": ["yes", "no"], "grammar": 'root ::= "a"', "json_object": True}
+    cases = {"json": SCHEMA, "regex": "[a-z]+", "choice": ["yes", "no"], "grammar": 'root ::= "a"', "json_object": True,
+             "structural_tag": STRUCTURAL_TAG}
     for kind, value in cases.items():
         as_object = _guided({key: {kind: value}})
         as_string = _guided({key: json.dumps({kind: value})})
@@ -119,7 +125,9 @@ def test_no_constraint_is_none():
     ({"guided_decoding": "{oops"}, "not valid JSON"),
     ({"guided_decoding": [1]}, "must be a JSON object"),
     ({"guided_decoding": {"regex": "a", "whitespace_pattern": " *"}}, "whitespace_pattern is not supported"),
-    ({"guided_decoding": {"regex": "a", "structural_tag": "{}"}}, "structural_tag is not supported"),
+    ({"guided_decoding": {"regex": "a", "structural_tag": STRUCTURAL_TAG}}, "exactly one of"),
+    ({"guided_decoding": {"structural_tag": "{}"}}, "structural_tag must be an object with `format`"),
+    ({"guided_decoding": {"structural_tag": ["a"]}}, "structural_tag must be an object with `format`"),
     ({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "backend must be"),
     ({"guided_decoding": {"regex": "a", "disable_any_whitespace": "no"}}, "must be a boolean"),
     ({"guided_decoding": {"regex": "a", "disable_fallback": 1}}, "disable_fallback must be a boolean"),
