@@ -85,11 +85,11 @@ class TritonAdapter:
         self.stop_watch = server_stop.ServerStopWatch(
             pb_utils, model_name, model_version, check_s=stop_check_s,
             grace_s=server_stop.default_grace_s() if grace_s is None else grace_s,
-            http=server_stop.HttpHealth.of_server(os.getppid()))
-        http = self.stop_watch.http
-        self.logger.log_info(f"[dsv4] the server's stop is watched for over {http.base_url}" if http else
-                             "[dsv4] the server's stop is watched for through is_model_ready (no HTTP endpoint of "
-                             "tritonserver's own to ask: docs/serving.md#stopping-the-server)")
+            health=server_stop.ServerStopWatch.endpoint_of(os.getppid()))
+        health = self.stop_watch.health
+        self.logger.log_info(f"[dsv4] the server's stop is watched for over {health.where}" if health else
+                             "[dsv4] the server's stop is watched for through is_model_ready (no HTTP or gRPC endpoint "
+                             "of tritonserver's own to ask: docs/serving.md#stopping-the-server)")
         self._live: dict[str, _Live] = {}
         self.processor = OutputProcessor(engine.tokenizer, engine.abort)
         self._lock = threading.Lock()
@@ -119,6 +119,8 @@ class TritonAdapter:
             self._answer_with_error(live, "the model is shutting down", wait_s=max(0.25, deadline - time.monotonic()))
         leftovers.clear()
         self.metrics.close()
+        if self.stop_watch.health is not None:
+            self.stop_watch.health.close()  # (a gRPC channel's threads)
 
     # --- requests in ----------------------------------------------------------------------------
     def submit(self, request) -> None:

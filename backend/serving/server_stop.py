@@ -14,15 +14,18 @@ exit timeout leaves after the time the model needs to go (STOP_MARGIN_S).
 It asks tritonserver's own HTTP endpoint (`HttpHealth`: the model's readiness, then the server's liveness to tell a
 stop from an unload), where the stub's parent is a tritonserver serving HTTP on an address of its own. A stopping
 tritonserver 2.51 closes its HTTP service at once (or, while HTTP connections are still open, drops each new one), so
-a connection refused or dropped where the endpoint answered before is a stop. Where HTTP tells nothing (none served, a
+a connection refused or dropped where the endpoint answered before is a stop. Where tritonserver serves no HTTP of its
+own but gRPC (`--allow-http=false`), it asks tritonserver's gRPC health RPCs (`GrpcHealth`): 2.51 keeps its gRPC
+service up through the stop (it closes it only once the models have unloaded), and answers ServerLive with UNAVAILABLE
+"Server exiting" (ModelReady: "Server not ready") from the moment the stop begins. Where neither tells anything (a
 unix socket, a shared port, a restricted endpoint, no answer in time), it asks the Python backend's `is_model_ready`.
 That raises "Server not ready" from the moment the server stops (0.3-0.5 s after the signal), and a call that fails is
 not safe in the Python backend (2.51, and its code as published since): the server frees the error text it sends the
 stub as soon as the stub has read the answer's flag, while the stub is about to take that text and free it again.
 When the stub's thread loses that race (about one stop in ten on the 2-core CPU under load), the stub crashes in its
 shared-memory allocator (a core dump shows `Stub::SendMessage<ModelLoaderMessage>` freeing the `PbString`) or
-freezes, and the stop runs out the exit timeout. An HTTP ask has no such path. Either ask is made only while requests
-run (there is nothing to end otherwise), and never again once the stop is seen.
+freezes, and the stop runs out the exit timeout. An HTTP or gRPC ask has no such path. Any ask is made only while
+requests run (there is nothing to end otherwise), and never again once the stop is seen.
 """
 
 from __future__ import annotations
@@ -93,11 +96,13 @@ def grace_warning(grace_s: float, server_pid: int | None = None) -> str | None:
 
 
 class HealthUnknown(Exception):
-    """An HTTP health ask that said nothing either way (refused, restricted, timed out)."""
+    """A health ask that said nothing either way (refused, restricted, timed out)."""
 
 
 class HttpHealth:
     """tritonserver's own HTTP health endpoints, asked over the address it serves them on."""
+
+    name = "HTTP"
 
     # (what a URL path may hold as it is: tritonserver 2.51 matches the model name in the path without decoding it)
     PATH_SAFE = "!$&'()*+,;=:@-._~"
@@ -122,6 +127,13 @@ class HttpHealth:
         host = _loopback_host(option_value(argv, "--http-address", "--http-a") or "0.0.0.0")
         port = option_value(argv, "--http-port", "--http-p") or "8000"
         return None if host is None else cls(f"http://{host}:{port}")
+
+    @property
+    def where(self) -> str:
+        return self.base_url
+
+    def close(self) -> None:
+        pass
 
     def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
         """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
@@ -156,6 +168,71 @@ class HttpHealth:
         return status == 200
 
 
+class GrpcHealth:
+    """tritonserver's own gRPC health RPCs (ServerLive, ModelReady), asked over the address it serves them on: for a
+    tritonserver that serves gRPC but no HTTP of its own. Its client (tritonclient's) is made at the first ask."""
+
+    name = "gRPC"
+    STOPPING = ("Server exiting", "Server not ready")  # (ServerLive's and ModelReady's answers from the stop on)
+
+    def __init__(self, url: str, timeout_s: float = 0.25):
+        self.url, self.timeout_s = url, timeout_s
+        self.answered = False  # (as HttpHealth's: until it has answered, a lost connection tells nothing)
+        self._client = None
+
+    @classmethod
+    def of_server(cls, server_pid: int) -> "GrpcHealth | None":
+        """Where process `server_pid` serves gRPC, from its command line: None unless it is a tritonserver serving gRPC
+        on an address of its own."""
+        argv = server_argv(server_pid)
+        if not argv or Path(argv[0]).name != "tritonserver":
+            return None
+        if not _true(option_value(argv, "--allow-grpc", "--allow-g"), default=True):
+            return None
+        if _true(option_value(argv, "--reuse-grpc-port", "--reuse-g"), default=False):
+            return None
+        host = _loopback_host(option_value(argv, "--grpc-address", "--grpc-a") or "0.0.0.0")
+        port = option_value(argv, "--grpc-port", "--grpc-p") or "8001"
+        return None if host is None else cls(f"{host}:{port}")
+
+    @property
+    def where(self) -> str:
+        return f"gRPC at {self.url}"
+
+    def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
+        """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
+        when the RPCs answer neither way."""
+        if self._ask("is_model_ready", model_name, model_version):
+            return None
+        return "the model is being unloaded" if self._ask("is_server_live") else "tritonserver is stopping"
+
+    def _ask(self, rpc: str, *args) -> bool:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            if self._client is None:
+                import tritonclient.grpc
+
+                self._client = tritonclient.grpc.InferenceServerClient(self.url)
+            answer = getattr(self._client, rpc)(*args, client_timeout=self.timeout_s)
+        except InferenceServerException as exc:
+            if any(words in str(exc) for words in self.STOPPING):
+                self.answered = True
+                return False
+            if exc.status() == "StatusCode.UNAVAILABLE" and self.answered:  # (no server there any more)
+                return False
+            raise HealthUnknown(f"{rpc}: {exc}") from exc
+        except Exception as exc:  # (a malformed address, say)
+            raise HealthUnknown(f"{rpc}: {exc!r}") from exc
+        self.answered = True
+        return bool(answer)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
 def _true(value: str | None, default: bool) -> bool:
     """A tritonserver boolean option's value (true/on/1, false/off/0)."""
     return default if value is None else value.lower() not in ("false", "off", "0")
@@ -181,23 +258,29 @@ class ServerStopWatch:
     """Asks whether this model still serves; says when the requests running must end, and why."""
 
     def __init__(self, pb_utils, model_name: str, model_version: str = "", *, grace_s: float, check_s: float = 0.5,
-                 http: HttpHealth | None = None):
+                 health: HttpHealth | GrpcHealth | None = None):
         self.pb, self.model_name, self.model_version = pb_utils, model_name, model_version
         self.grace_s, self.check_s = grace_s, check_s
-        self.http = http  # (None: asked through the Python backend's is_model_ready only)
+        self.health = health  # (None: asked through the Python backend's is_model_ready only)
         self.next_check = 0.0
         self.reason: str | None = None  # why the model no longer serves (None: it does, as far as seen)
         self.since: float | None = None  # when that was seen (time.monotonic())
         self.failures = 0  # asks in a row that failed saying nothing of a stop
         self.last_failure = ""
-        self.fallback = self.last_fallback = ""  # why the last ask went through is_model_ready though HTTP is known
-        # (a Python backend without is_model_ready and no HTTP to ask: never asked)
-        self.enabled = http is not None or hasattr(pb_utils, "is_model_ready")
+        self.fallback = self.last_fallback = ""  # why the last ask went through is_model_ready though `health` is known
+        # (a Python backend without is_model_ready and no endpoint to ask: never asked)
+        self.enabled = health is not None or hasattr(pb_utils, "is_model_ready")
+
+    @classmethod
+    def endpoint_of(cls, server_pid: int) -> HttpHealth | GrpcHealth | None:
+        """What to ask of tritonserver (process `server_pid`): its HTTP endpoint, else its gRPC one, else nothing."""
+        return HttpHealth.of_server(server_pid) or GrpcHealth.of_server(server_pid)
 
     def check(self, now: float) -> str | None:
         """Ask for the model's readiness, if due and no stop has been seen. A failure that says nothing of a stop is
         asked again later, backing off (each ask could be one made during a stop), and returned when it differs from
-        the last one, for the caller to log; so is an HTTP ask that told nothing, once, and its answering again."""
+        the last one, for the caller to log; so is an endpoint's ask that told nothing, once, and its answering
+        again."""
         if not self.enabled or now < self.next_check or self.since is not None:
             return None
         self.next_check = now + self.check_s
@@ -210,19 +293,21 @@ class ServerStopWatch:
             self.reason, self.since = reason, now
         if self.fallback == self.last_fallback:
             return None
-        self.last_fallback = self.fallback  # (an HTTP ask that told nothing, or one that works again: logged once)
-        return f"asked is_model_ready: {self.fallback}" if self.fallback else "tritonserver's HTTP answers again"
+        self.last_fallback = self.fallback  # (an ask that told nothing, or one that works again: logged once)
+        return f"asked is_model_ready: {self.fallback}" if self.fallback else f"tritonserver's {self.health.name} " \
+                                                                              "answers again"
 
     def _ask(self) -> str | None:
-        """Why the model no longer serves, or None: over HTTP where that answers, else through the Python backend."""
+        """Why the model no longer serves, or None: over HTTP or gRPC where that answers, else through the Python
+        backend."""
         self.fallback = ""
-        if self.http is not None:
+        if self.health is not None:
             try:
-                return self.http.stop_reason(self.model_name, self.model_version)
+                return self.health.stop_reason(self.model_name, self.model_version)
             except HealthUnknown as exc:
                 if not hasattr(self.pb, "is_model_ready"):
                     raise
-                self.fallback = f"HTTP told nothing ({exc})"
+                self.fallback = f"{self.health.name} told nothing ({exc})"
         try:
             ready = self.pb.is_model_ready(self.model_name, self.model_version)
         except Exception as exc:
@@ -235,7 +320,7 @@ class ServerStopWatch:
     @property
     def seen_over(self) -> str:
         """How the last ask was answered."""
-        return "over HTTP" if self.http is not None and not self.fallback else "through is_model_ready"
+        return f"over {self.health.name}" if self.health is not None and not self.fallback else "through is_model_ready"
 
     def _failed(self, now: float, failure: str) -> str | None:
         self.failures += 1

@@ -112,12 +112,14 @@ def _assert_cut_short(results: dict, reason: str) -> None:
     assert all(0 < len(r.ids) < LONG_REQUEST_TOKENS for r in results.values())
 
 
-def test_requests_still_decoding_at_the_stop_end_in_time_for_a_clean_exit(repository, tmp_path):
+@pytest.mark.parametrize("endpoint,extra_args", [("HTTP", ()), ("gRPC", ("--allow-http=false",))])
+def test_requests_still_decoding_at_the_stop_end_in_time_for_a_clean_exit(repository, tmp_path, endpoint, extra_args):
     """A client keeps its stream open while its requests run (as a script waiting for their ends does), and
     tritonserver waits for them up to its exit timeout. They decode on through the grace that timeout leaves, then
     each ends with an UNAVAILABLE error; the client closes its stream, and the server exits cleanly within the timeout.
-    (Without it, nothing ended them: the exit timeout expired, and tritonserver often crashed on its way out.)"""
-    server = TritonServer(repository, tmp_path / "tritonserver.log").start()
+    (Without it, nothing ended them: the exit timeout expired, and tritonserver often crashed on its way out.) The
+    model sees the stop over tritonserver's HTTP endpoint, or its gRPC one where it serves no HTTP."""
+    server = TritonServer(repository, tmp_path / "tritonserver.log", extra_args=extra_args).start()
     streams, ids = GrpcStreams(server.grpc_url), [f"long{i}" for i in range(8)]
     stopper = threading.Thread(target=server.stop, args=(signal.SIGINT,))
     try:
@@ -130,10 +132,11 @@ def test_requests_still_decoding_at_the_stop_end_in_time_for_a_clean_exit(reposi
     _assert_cut_short(results, "tritonserver is stopping")
     assert server.unclean_stop() == [], f"{server.unclean_stop()}\n{server.log_tail()}"
     assert server.stop_s < EXIT_TIMEOUT_S, f"the stop took {server.stop_s:.1f} s"
-    # (seen over tritonserver's HTTP endpoint: the Python backend's is_model_ready failing can crash the stub)
+    # (seen over an endpoint of tritonserver's: the Python backend's is_model_ready failing can crash the stub)
     log = server.log_path.read_text(errors="replace")
-    assert f"watched for over http://127.0.0.1:{server.http_port}" in log
-    assert "tritonserver is stopping (seen over HTTP): the 8 requests running get" in log
+    where = f"http://{server.http_url}" if endpoint == "HTTP" else f"gRPC at {server.grpc_url}"
+    assert f"watched for over {where}" in log
+    assert f"tritonserver is stopping (seen over {endpoint}): the 8 requests running get" in log
 
 
 def test_requests_still_decoding_when_the_model_is_unloaded_end_after_the_grace(repository, tmp_path):

@@ -151,6 +151,15 @@ class TritonServer:
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def is_ready(self, path: str = "/v2/health/ready") -> bool:
+        if "--allow-http=false" in self.extra_args:  # (gRPC's ServerReady instead)
+            import tritonclient.grpc
+            from tritonclient.utils import InferenceServerException
+
+            with tritonclient.grpc.InferenceServerClient(self.grpc_url) as client:
+                try:
+                    return client.is_server_ready(client_timeout=2)
+                except InferenceServerException:
+                    return False
         try:
             with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=2) as resp:
                 return resp.status == 200

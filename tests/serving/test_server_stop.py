@@ -234,6 +234,40 @@ def test_tritonservers_http_endpoint_is_read_from_its_command_line():
             p.wait()
 
 
+def test_without_http_the_stop_is_asked_over_tritonservers_grpc_endpoint():
+    """tritonserver serving no HTTP of its own (--allow-http=false, a unix socket, a shared port): its gRPC endpoint,
+    read from the same command line, unless it serves none either."""
+    servers = [_fake_tritonserver("--allow-http=false"),
+               _fake_tritonserver("--allow-h", "0", "--grpc-port", "9101", "--grpc-address=10.1.2.3"),
+               _fake_tritonserver("--http-address=unix:/tmp/triton.sock", "--grpc-a", "::1", "--grpc-p=9102"),
+               _fake_tritonserver("--allow-http=false", "--allow-grpc=false"),
+               _fake_tritonserver("--allow-http=false", "--reuse-grpc-port=1"), _fake_tritonserver()]
+    try:
+        found = [server_stop.ServerStopWatch.endpoint_of(p.pid) for p in servers]
+        assert [h and (h.name, h.where) for h in found] == [
+            ("gRPC", "gRPC at 127.0.0.1:8001"), ("gRPC", "gRPC at 10.1.2.3:9101"), ("gRPC", "gRPC at [::1]:9102"),
+            None, None, ("HTTP", "http://127.0.0.1:8000")]
+    finally:
+        for p in servers:
+            p.kill()
+            p.wait()
+
+
+def test_a_grpc_endpoint_that_is_not_there_tells_nothing_until_it_has_answered():
+    """Nothing listens: HealthUnknown (the watch then asks is_model_ready), not a stop."""
+    with socket.socket() as sock:  # (a port nothing listens on)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    health = server_stop.GrpcHealth(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(server_stop.HealthUnknown, match="is_model_ready: .*UNAVAILABLE"):
+            health.stop_reason("dsv4")
+        health.answered = True  # (once it has answered, a lost connection is the server gone: a stop)
+        assert health.stop_reason("dsv4") == "tritonserver is stopping"
+    finally:
+        health.close()
+
+
 DROP = -1  # (a status that closes the connection without an answer, as a stopping tritonserver does)
 SLOW = -2  # (a status answered after the ask's timeout)
 
@@ -335,14 +369,14 @@ def test_the_python_backends_ask_is_made_only_where_http_tells_nothing(health_se
         raise SERVER_STOPPING
 
     pb.is_model_ready = staticmethod(is_model_ready)
-    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=_health(health_server))
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, health=_health(health_server))
     _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
     assert watch.check(0.0) is None and watch.since is None and pb.asks == 0
     _Health.statuses = {}  # (404 everywhere: not tritonserver's endpoints after all)
     assert "HTTP 404" in watch.check(1.0) and watch.since == 1.0 and pb.asks == 1
     assert watch.reason == "tritonserver is stopping" and watch.seen_over == "through is_model_ready"
     malformed = server_stop.HttpHealth("http://[ipv6:[::1]]:8000")  # (whatever fails in the ask, the fallback asks)
-    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=malformed)
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, health=malformed)
     assert "HTTP told nothing" in watch.check(0.0) and watch.since == 0.0 and pb.asks == 2
 
 
@@ -359,7 +393,7 @@ def test_an_ask_that_times_out_or_fails_after_answers_is_never_a_stop(health_ser
 
 def test_an_http_ask_that_told_nothing_is_logged_once_and_its_answering_again(health_server):
     pb = type("Pb", (), {"is_model_ready": staticmethod(lambda name, version="": True)})
-    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, http=_health(health_server))
+    watch = server_stop.ServerStopWatch(pb, "dsv4", "1", grace_s=1, check_s=0.5, health=_health(health_server))
     _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 403}
     notes = [watch.check(t) for t in (0.0, 0.5, 1.0)]
     assert notes[0].startswith("asked is_model_ready: HTTP told nothing") and "403" in notes[0]
