@@ -154,6 +154,10 @@ def checked_tools(tools: Any) -> list[dict] | None:
                              "\"parameters\": ...}}}")
         if tool.get("type", "function") != "function":
             raise ValueError(f"tools[{i}].type must be \"function\", got {tool['type']!r}")
+    names = [tool["function"]["name"] for tool in tools]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"tools[{i}] repeats the function name {name!r} of tools[{names.index(name)}]")
     return tools
 
 

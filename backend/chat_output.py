@@ -1,7 +1,7 @@
 """A DeepSeek-V4 answer split as it streams into its reasoning, its content and its tool calls (what DeepSeek's
 `parse_message_from_completion_text` reads from a whole answer, and vLLM's reasoning and tool-call parsers return):
 
-    parser = AnswerParser(thinking=prompt_text.endswith("<think>"))
+    parser = AnswerParser(thinking=prompt_text.endswith("<think>"))   # tool_calls=False: no calls read
     part = parser.feed(text_delta)      # AnswerPart(reasoning="...", content="...", tool_calls=[...])
     part = parser.finish()              # what was held back; an unfinished tool-call block as content
 
@@ -50,8 +50,10 @@ class AnswerPart:
 
 
 class AnswerParser:
-    def __init__(self, thinking: bool):
+    def __init__(self, thinking: bool, tool_calls: bool = True):
+        """`tool_calls` False (tool_choice "none"): a tool-call block is content, as the model wrote it."""
         self._mode = "reasoning" if thinking else "content"
+        self._reads_calls = tool_calls
         self._held = ""  # text not yet given to a part (a marker's possible start, or an open tool-call block)
         self._lead = ""  # the open block's lead (CALLS_LEAD, if the model wrote one)
         self.called = False  # whether the answer made tool calls
@@ -64,6 +66,9 @@ class AnswerParser:
                 if not self._take_until(THINK_END, part, "reasoning", next_mode="content"):
                     return part
             elif self._mode == "content":
+                if not self._reads_calls:
+                    part.content, self._held = part.content + self._held, ""
+                    return part
                 if not self._take_until(CALLS_START, part, "content", next_mode="calls"):
                     return part
             else:

@@ -16,9 +16,9 @@ Threads:
   `stats_s`, and watches for tritonserver stopping (server_stop.py: the requests still running then get a grace, and
   end with an error after it, so that the model unloads within the server's exit timeout). Detokenization and sending
   never run on the engine thread.
-Every request gets exactly one FINAL response: an error response (bad request, engine error,
-cancellation, failure to send), else a bare FINAL flag after the last output's response (`_send_output` says why),
-or when a response could not carry it. Three threads may answer a request (the response thread, submit()'s
+Every request gets exactly one FINAL: on an error response (bad request, engine error, cancellation, failure to
+send), else as a bare flag, after the last output's response (`_send_output` says why) or where no response could
+carry it. Three threads may answer a request (the response thread, submit()'s
 when the engine refuses it, finalize()'s at shutdown): each response goes out holding the request's
 `sending` lock, and whoever sends the FINAL marks it `answered` there, so nothing follows a FINAL.
 """

@@ -31,8 +31,7 @@ from backend.chat import chat_prompt_ids, checked_tools
 from backend.chat_output import AnswerParser
 from backend.errors import load_json
 from backend.request import FinishReason, SamplingParams, without_unset_nulls
-from backend.structured.params import GuidedDecoding
-from backend.tool_choice import checked_tool_choice, parse_tool_choice, shown_tools, tool_call_constraint
+from backend.tool_choice import ToolChoice, parse_tool_choice
 
 INPUT_NAMES = (
     "text_input",
@@ -80,6 +79,7 @@ class ParsedRequest(NamedTuple):
     return_cumulative_logprob: bool = False  # the vLLM backend's: the generated tokens' log-probabilities summed
     parse_chat_output: bool = False  # the answer split into reasoning_content, content, tool_calls (DeepSeek-V4's)
     thinking: bool = False  # the prompt asks the model to reason first (it ends with <think>)
+    parse_tool_calls: bool = True  # parse_chat_output reads tool calls (not with tool_choice "none")
 
 
 def parse_request(
@@ -93,7 +93,7 @@ def parse_request(
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input(s) {unknown}; expected some of {list(INPUT_NAMES)}")
-    prompt_ids, prompt_text, tool_calls = _parse_prompt(inputs, tokenizer, chat_template)
+    prompt_ids, prompt_text, tool_choice = _parse_prompt(inputs, tokenizer, chat_template)
 
     request_params = _load_request_parameters(request_parameters)
     stream = _optional_bool(inputs, "stream")
@@ -112,10 +112,8 @@ def parse_request(
     exclude = stream if exclude is None else exclude
 
     sampling = _parse_sampling(inputs, request_params)
-    if tool_calls is not None:
-        if sampling.guided_decoding is not None:
-            raise ValueError("tool_choice constrains the answer to tool calls: send no other output constraint with it")
-        sampling = dataclasses.replace(sampling, guided_decoding=tool_calls)
+    if tool_choice is not None and tool_choice.constrains:
+        sampling = _with_tool_calls(sampling, tool_choice, chat_template, prompt_text)
     priority = _optional_int(inputs, "priority")
     parse_chat_output = bool(_optional_bool(inputs, "parse_chat_output"))
     if parse_chat_output and "messages" not in inputs:
@@ -137,7 +135,20 @@ def parse_request(
         return_cumulative_logprob=bool(_optional_bool(inputs, "return_cumulative_logprob")),
         parse_chat_output=parse_chat_output,
         thinking=parse_chat_output and prompt_text.endswith("<think>"),
+        parse_tool_calls=tool_choice is None or tool_choice.parses_calls,
     )
+
+
+def _with_tool_calls(sampling: SamplingParams, tool_choice: ToolChoice, chat_template,
+                     prompt_text: str) -> SamplingParams:
+    """The request's sampling, its answer constrained to the tool calls its tool_choice asks for."""
+    if not chat_template.deepseek_v4_format:
+        raise ValueError(f"tool_choice {json.dumps(tool_choice.choice)} constrains the answer to DeepSeek-V4's "
+                         "tool-call syntax, and this model's chat template is another (the chat_template parameter's "
+                         "or the checkpoint's)")
+    if sampling.guided_decoding is not None:
+        raise ValueError("tool_choice constrains the answer to tool calls: send no other output constraint with it")
+    return dataclasses.replace(sampling, guided_decoding=tool_choice.constraint(prompt_text))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,30 +159,24 @@ def parse_request(
 _CHAT_INPUTS = ("chat_template_kwargs", "tools", "tool_choice")
 
 
-def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer,
-                 chat_template) -> tuple[list[int], str, GuidedDecoding | None]:
+def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> tuple[list[int], str, ToolChoice]:
     """A `messages` input (STRING [1], a JSON list of {role, content}) rendered by the chat format (backend/chat.py),
     with the `chat_template_kwargs` input's options (a JSON object) and the `tools` input's tools (a JSON list of
-    OpenAI tools) if given, as the `tool_choice` input has them shown (backend/tool_choice.py); and the output
-    constraint that tool_choice makes (None: none)."""
+    OpenAI tools) if given, as the `tool_choice` input has them shown (backend/tool_choice.py); and that
+    tool_choice."""
     if chat_template is None:
         raise ValueError("'messages' needs a chat template, and this model has none; send text_input instead")
     messages = load_json(_single_string(inputs["messages"], "messages"), "messages")
     options, tools = (load_json(_single_string(inputs[name], name), name) if name in inputs else None
                       for name in ("chat_template_kwargs", "tools"))
-    tools = checked_tools(tools)
-    choice = checked_tool_choice(parse_tool_choice(_single_string(inputs["tool_choice"], "tool_choice"))
-                                 if "tool_choice" in inputs else None, tools)
-    text = chat_template.render(messages, options, shown_tools(choice, tools))
-    if choice not in ("auto", "none") and not chat_template.deepseek_v4_format:
-        raise ValueError(f"tool_choice {json.dumps(choice)} constrains the answer to DeepSeek-V4's tool-call syntax, "
-                         "and this model's chat template is another (the chat_template parameter's or the "
-                         "checkpoint's)")
-    return chat_prompt_ids(tokenizer, text), text, tool_call_constraint(choice, tools, text.endswith("<think>"))
+    choice = ToolChoice.of(parse_tool_choice(_single_string(inputs["tool_choice"], "tool_choice"))
+                           if "tool_choice" in inputs else None, checked_tools(tools))
+    text = chat_template.render(messages, options, choice.shown_tools)
+    return chat_prompt_ids(tokenizer, text), text, choice
 
 
 def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer,
-                  chat_template=None) -> tuple[list[int], str | None, GuidedDecoding | None]:
+                  chat_template=None) -> tuple[list[int], str | None, ToolChoice | None]:
     given = [name for name in ("text_input", "input_ids", "messages") if name in inputs]
     if len(given) != 1:
         raise ValueError("give exactly one of 'text_input', 'input_ids' and 'messages'"
@@ -363,7 +368,7 @@ class ResponseBuilder:
 
     def __post_init__(self):
         if self.request.parse_chat_output:
-            self._answer = AnswerParser(self.request.thinking)
+            self._answer = AnswerParser(self.request.thinking, tool_calls=self.request.parse_tool_calls)
 
     def on_output(self, output) -> dict[str, np.ndarray] | None:
         """Arrays of the response to send for `output`, or None when nothing is to be sent yet."""

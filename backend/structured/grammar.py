@@ -142,7 +142,7 @@ class GrammarService:
             if guided.kind == "choice":
                 return xgr.Grammar.from_ebnf(choice_grammar(guided.choices))
             if guided.kind == "structural_tag":
-                return structural_tag_grammar(guided.spec)
+                return _narrowed(structural_tag_grammar(guided.spec), json=True)
             return _narrowed(xgr.Grammar.from_ebnf(guided.spec))
         except (RuntimeError, ValueError, TypeError) as exc:  # (a structural tag's pydantic checks raise ValueError)
             raise ValueError(f"invalid {_KIND_NAMES[guided.kind]}: {_xgrammar_message(exc)}") from None
@@ -505,8 +505,8 @@ _KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "
 
 def structural_tag_grammar(spec: str):
     """XGrammar's grammar of a structural tag (its JSON text): the current form, or the older one of structures and
-    triggers, compiled as vLLM compiles them. Not narrowed as the other kinds are (its free-text spans are XGrammar's
-    tag dispatches, not character classes): their text follows XGrammar's own rules."""
+    triggers, compiled as vLLM compiles them. (The service narrows its JSON as any other kind's; its free-text spans,
+    tag dispatches rather than character classes, are left as XGrammar writes them.)"""
     import json
 
     import xgrammar as xgr

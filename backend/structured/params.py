@@ -46,6 +46,7 @@ _BACKEND_KEYS = ("backend", "_backend")
 _FLAGS = ("disable_any_whitespace", "disable_additional_properties", "disable_fallback", "_backend_was_auto",
           "backend_was_auto")
 _UNSUPPORTED_UNLESS_NULL = ("whitespace_pattern",)
+_JSON_FLAGS = ("disable_any_whitespace", "disable_additional_properties")  # (a `json` constraint's)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def _from_guided(value: dict, where: str) -> GuidedDecoding:
                          f"{kinds if kinds else 'none'}")
     kind = kinds[0]
     spec = value[kind]
+    if kind == "structural_tag" and (flags := [f for f in _JSON_FLAGS if value.get(f)]):
+        raise ValueError(f"{where}: {flags} shape JSON schemas, not a structural tag: give the tag's own formats")
     if kind == "json" and value.get("disable_additional_properties"):
         spec = _without_additional_properties(_spec(kind, spec, where))
     return GuidedDecoding(kind, _spec(kind, spec, where), any_whitespace=not value.get("disable_any_whitespace"))
@@ -201,6 +204,23 @@ def _check_enforceable(schema: Any, where: str) -> None:
     visit(schema)
 
 
+def _check_tag_schemas(tag: dict, where: str) -> None:
+    """A structural tag's JSON schemas checked as a `json` constraint's are (nesting, keywords XGrammar would not
+    enforce): a format's `json_schema`, an older form's structures' `schema`; and the tag itself no deeper than two
+    schemas."""
+    if (depth := _depth(tag)) > 2 * MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where} nests {depth} levels deep, more than {2 * MAX_SCHEMA_DEPTH}")
+    schemas = [s.get("schema") for s in tag.get("structures", []) if isinstance(s, dict)]
+    level = [tag.get("format")]
+    while level:
+        schemas += [node["json_schema"] for node in level if isinstance(node, dict) and "json_schema" in node]
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+    for schema in schemas:
+        if isinstance(schema, (dict, str)):
+            checked_json_schema(schema, where)
+
+
 def checked_json_schema(schema: Any, where: str) -> str:
     """A JSON schema (an object, or a string of one) checked as a `json` constraint's is; its compact text."""
     return _spec("json", schema, where)
@@ -226,6 +246,7 @@ def _spec(kind: str, value: Any, where: str) -> str:
         if not isinstance(value, dict) or not ("format" in value or "structures" in value):
             raise ValueError(f"{where}: structural_tag must be an object with `format` (XGrammar's structural tag) or "
                              f"`structures` and `triggers` (its older form), got {value!r:.200}")
+        _check_tag_schemas(value, f"{where}: structural_tag")
         return json.dumps(value, separators=(",", ":"))
     if kind == "choice":
         if not isinstance(value, list) or not value:

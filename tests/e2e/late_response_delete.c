@@ -22,6 +22,12 @@ static atomic_int allocator_deleted;
 
 static delete_fn next_symbol(const char *name) { return (delete_fn)dlsym(RTLD_NEXT, name); }
 
+/* In tritonserver's log: the shim is in the process the test watches (and in the stub's, where it does nothing). */
+__attribute__((constructor)) static void loaded(void) {
+  static const char marker[] = "[late_response_delete] loaded\n";
+  write(2, marker, sizeof marker - 1);
+}
+
 void *TRITONSERVER_ResponseAllocatorDelete(void *allocator) {
   atomic_store(&allocator_deleted, 1);
   return next_symbol("TRITONSERVER_ResponseAllocatorDelete")(allocator);

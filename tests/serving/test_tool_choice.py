@@ -19,7 +19,7 @@ from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.serving.triton_io import parse_request
 from backend.structured.grammar import structural_tag_grammar
-from backend.tool_choice import checked_tool_choice, parse_tool_choice, shown_tools, tool_call_constraint
+from backend.tool_choice import ANSWER_START, THINKING_START, ToolChoice, parse_tool_choice
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {
@@ -69,6 +69,12 @@ def _template_answer(chat, calls: list[dict], thinking: bool, reasoning: str = "
     return full[start:full.index(chat.eos_token, start)]
 
 
+def _constraint(choice, thinking: bool, tools: list[dict] = TOOLS):
+    """The constraint of `choice` on an answer to a prompt in thinking or chat mode."""
+    return ToolChoice.of(choice, checked_tools(tools)).constraint("<｜User｜>Hi<｜Assistant｜>"
+                                                                  + (THINKING_START if thinking else ANSWER_START))
+
+
 def _accepts(guided, text: str) -> bool:
     """Whether the constraint's grammar takes exactly `text` and may end there (as text: no vocabulary needed)."""
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
@@ -85,18 +91,25 @@ def test_tool_choice_is_a_bare_word_or_json(text, expected):
     assert parse_tool_choice(text) == expected
 
 
+def test_a_function_is_named_as_chat_completions_or_the_responses_api_name_it():
+    responses_form = {"type": "function", "name": "get_weather"}
+    assert ToolChoice.of(NAMED, TOOLS).choice == ToolChoice.of(responses_form, TOOLS).choice == NAMED
+
+
 @pytest.mark.parametrize("choice,tools,message", [
     ("sometimes", TOOLS, 'tool_choice must be "auto", "none", "required"'),
     ("required", None, 'tool_choice "required" needs tools'),
     ({"type": "function", "function": {"name": "nope"}}, TOOLS, "'nope', which is not among the tools ('get_weather', "
                                                                  "'noop')"),
     ({"type": "function"}, TOOLS, "tool_choice must be"),
+    ({"type": "function", "function": {"name": "noop"}}, TOOLS + [NOOP],
+     "tools\\[2\\] repeats the function name 'noop' of tools\\[1\\]"),
     ({"type": "allowed_tools", "function": {"name": "noop"}}, TOOLS, "tool_choice must be"),
     (["required"], TOOLS, "tool_choice must be"),
 ])
 def test_a_bad_tool_choice_is_refused_naming_it(choice, tools, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        checked_tool_choice(choice, checked_tools(tools))
+        ToolChoice.of(choice, checked_tools(tools))
 
 
 def test_an_unreadable_tool_choice_is_refused_with_the_forms_it_takes():
@@ -107,19 +120,48 @@ def test_an_unreadable_tool_choice_is_refused_with_the_forms_it_takes():
 def test_none_leaves_the_tools_out_of_the_prompt_and_auto_keeps_them(chat):
     history = QUESTION + [{"role": "assistant", "content": "", "tool_calls": [_call("noop", {}, "c1")]},
                           {"role": "tool", "tool_call_id": "c1", "content": "done"}]
-    without = chat.render(history, {}, shown_tools("none", TOOLS))
-    with_tools = chat.render(history, {}, shown_tools("auto", TOOLS))
+    without = chat.render(history, {}, ToolChoice.of("none", TOOLS).shown_tools)
+    with_tools = chat.render(history, {}, ToolChoice.of("auto", TOOLS).shown_tools)
     assert "## Tools" not in without and "get_weather" not in without
     assert "## Tools" in with_tools and "get_weather" in with_tools
     assert '<｜DSML｜invoke name="noop">' in without and "<tool_result>done</tool_result>" in without
-    assert tool_call_constraint("none", TOOLS, False) is None and tool_call_constraint("auto", TOOLS, True) is None
+    assert _constraint("none", False) is None and _constraint("auto", True) is None
 
 
-def test_a_schema_keyword_the_grammar_would_not_enforce_is_refused():
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}}}}]
-    with pytest.raises(ValueError, match=r"the parameters of tool 'f': .*\['not'\] cannot be enforced"):
-        tool_call_constraint("required", tools, False)
+def test_under_none_a_tool_call_block_the_model_writes_anyway_is_content(chat):
+    """As vLLM, which runs no tool parser then: nothing the model wrote is taken for a call."""
+    answer = _template_answer(chat, CALLS[1:], False)
+    parser = AnswerParser(thinking=False, tool_calls=False)
+    parts = [parser.feed(answer[:7]), parser.feed(answer[7:]), parser.finish()]
+    assert "".join(part.content for part in parts) == answer and not any(part.tool_calls for part in parts)
+
+
+def test_a_prompt_that_does_not_end_where_an_answer_starts_is_refused():
+    with pytest.raises(ValueError, match="does not end where one starts"):
+        ToolChoice.of("required", TOOLS).constraint("<｜User｜>Hi<｜Assistant｜>Sure<｜end▁of▁sentence｜>")
+
+
+@pytest.mark.parametrize("parameters,message", [
+    ({"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}},
+     r"the parameters of tool 'f': .*\['not'\] cannot be enforced"),
+    ({"type": "string"}, "the parameters of tool 'f' must be a JSON schema of an object .*got type 'string'"),
+    ([1], "the parameters of tool 'f': json must be a JSON schema"),
+])
+def test_a_function_schema_the_constraint_cannot_hold_is_refused(parameters, message):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    with pytest.raises(ValueError, match=message):
+        _constraint("required", False, tools)
+
+
+def test_a_function_without_parameters_takes_none_and_strict_false_is_still_enforced(chat):
+    lax = {"type": "function", "function": {**WEATHER["function"], "strict": False}}
+    bare = [{"type": "function", "function": {"name": "noop"}}, {"type": "function",
+                                                                  "function": {"name": "noop2", "parameters": None}}]
+    guided = _constraint("required", False, [lax, *bare])
+    assert _accepts(guided, _template_answer(chat, [_call("noop", {}, "a"), _call("noop2", {}, "b")], False))
+    assert not _accepts(guided, _template_answer(chat, [_call("noop", {"x": 1}, "a")], False))  # an argument
+    assert not _accepts(guided, _template_answer(chat, [_call("get_weather", {"city": "Rome", "metric": True}, "a")],
+                                                 False))  # strict=false: the schema still holds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +174,7 @@ CALLS = [_call("get_weather", {"city": "Oslo", "days": 3, "metric": True, "hours
 
 @pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
 def test_required_takes_the_calls_as_the_template_renders_them(chat, thinking):
-    guided = tool_call_constraint("required", TOOLS, thinking)
+    guided = _constraint("required", thinking)
     answer = _template_answer(chat, CALLS, thinking, reasoning="Oslo: look it up." if thinking else "")
     assert _accepts(guided, answer), answer
     assert _accepts(guided, _template_answer(chat, CALLS[1:], thinking))  # one call is enough
@@ -143,14 +185,14 @@ def test_required_takes_the_calls_as_the_template_renders_them(chat, thinking):
 
 @pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
 def test_a_named_function_takes_one_call_of_it(chat, thinking):
-    guided = tool_call_constraint(NAMED, TOOLS, thinking)
+    guided = _constraint(NAMED, thinking)
     assert _accepts(guided, _template_answer(chat, CALLS[:1], thinking))
     assert not _accepts(guided, _template_answer(chat, CALLS[1:], thinking))  # another function
     assert not _accepts(guided, _template_answer(chat, CALLS, thinking))  # two calls
 
 
 def test_the_calls_come_at_once_and_follow_the_schema(chat):
-    guided = tool_call_constraint("required", TOOLS, False)
+    guided = _constraint("required", False)
     assert not _accepts(guided, _template_answer(chat, [], False, content="Sunny."))  # no call
     assert not _accepts(guided, _template_answer(chat, CALLS, False, content="Let me look."))  # text before them
     assert not _accepts(guided, _template_answer(chat, [_call("get_weather", {"city": "Rome", "metric": True}, "c")],
@@ -175,10 +217,12 @@ def _request(chat, tokenizer, choice: str, **extra):
 
 def test_a_request_with_tool_choice_carries_its_constraint(chat, tokenizer):
     required = _request(chat, tokenizer, "required")
-    assert required.sampling.guided_decoding == tool_call_constraint("required", TOOLS, False)
+    assert required.sampling.guided_decoding == _constraint("required", False) and required.parse_tool_calls
     thinking = _request(chat, tokenizer, json.dumps(NAMED), chat_template_kwargs='{"thinking": true}')
-    assert thinking.sampling.guided_decoding == tool_call_constraint(NAMED, TOOLS, True)
+    assert thinking.sampling.guided_decoding == _constraint(NAMED, True)
     assert _request(chat, tokenizer, "auto").sampling.guided_decoding is None
+    none = _request(chat, tokenizer, "none")
+    assert none.sampling.guided_decoding is None and not none.parse_tool_calls
 
 
 def test_tool_choice_is_refused_beside_another_constraint_or_another_chat_format(chat, tokenizer):
@@ -211,11 +255,13 @@ def test_the_random_checkpoint_calls_a_tool_when_it_must(chat, engine, choice, t
         assert [call["function"]["name"] for call in calls] == ["get_weather"]
 
 
-def test_tool_calls_drafted_by_the_mtp_layer_are_the_same(chat, engine, tiny_checkpoint):
+@pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
+def test_tool_calls_drafted_by_the_mtp_layer_are_the_same(chat, engine, tiny_checkpoint, thinking):
     """With two drafts a step, the constrained answer's tokens are those of decoding without drafts: the drafts are
-    drawn under the structural tag's masks and its matcher rolled back past the rejected ones."""
-    request = _request(chat, engine.tokenizer, "required",
-                       sampling_parameters=json.dumps({"max_tokens": 400, "temperature": 0}))
+    drawn under the structural tag's masks and its matcher rolled back past the rejected ones (in thinking mode
+    through the free reasoning too, which the random weights never end)."""
+    request = _request(chat, engine.tokenizer, "required", chat_template_kwargs=json.dumps({"thinking": thinking}),
+                       sampling_parameters=json.dumps({"max_tokens": 120 if thinking else 400, "temperature": 0}))
     drafting = LLMEngine(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", num_speculative_tokens=2))
     try:
         [with_drafts] = drafting.generate([request.prompt_ids], request.sampling)
@@ -223,5 +269,6 @@ def test_tool_calls_drafted_by_the_mtp_layer_are_the_same(chat, engine, tiny_che
     finally:
         drafting.shutdown()
     [without] = engine.generate([request.prompt_ids], request.sampling)
-    assert with_drafts["finish_reason"] == "stop" and with_drafts["output_ids"] == without["output_ids"]
+    assert with_drafts["finish_reason"] == ("length" if thinking else "stop")
+    assert with_drafts["output_ids"] == without["output_ids"]
     assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]

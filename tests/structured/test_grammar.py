@@ -209,6 +209,11 @@ def test_a_structural_tag_in_either_form_constrains_what_its_tags_hold(service):
         "triggers": ["<f"]})})
     assert _matches(service, older, b'Calling: <f>{"a": true}</f> done')
     assert not _matches(service, older, b'Calling: <f>{"a": 1}</f>')
+    # (its JSON narrowed as a json constraint's: no surrogate, no raw control character in a string)
+    bounded = guided({"structural_tag": {"format": {"type": "json_schema", "json_schema": {
+        "type": "object", "properties": {"s": {"type": "string", "maxLength": 5}}, "required": ["s"]}}}})
+    assert _matches(service, bounded, '{"s": "é"}'.encode())
+    assert not _matches(service, bounded, b'{"s": "\xed\xa1\xad"}') and not _matches(service, bounded, b'{"s": "\x01"}')
 
 
 def test_masks_filled_by_several_workers_equal_one_workers(service):
