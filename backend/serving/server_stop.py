@@ -117,16 +117,8 @@ class HttpHealth:
         """Where process `server_pid` serves HTTP, from its command line: None unless it is a tritonserver serving HTTP
         on an address of its own (a server embedded in another process, one serving gRPC only, on a unix socket or on
         a port shared with other servers is asked through the Python backend)."""
-        argv = server_argv(server_pid)
-        if not argv or Path(argv[0]).name != "tritonserver":
-            return None
-        if not _true(option_value(argv, "--allow-http", "--allow-h"), default=True):
-            return None
-        if _true(option_value(argv, "--reuse-http-port", "--reuse-h"), default=False):
-            return None  # (another server on the port could answer for this one)
-        host = _loopback_host(option_value(argv, "--http-address", "--http-a") or "0.0.0.0")
-        port = option_value(argv, "--http-port", "--http-p") or "8000"
-        return None if host is None else cls(f"http://{host}:{port}")
+        address = _own_endpoint(server_pid, "http", "8000")
+        return None if address is None else cls(f"http://{address}")
 
     @property
     def where(self) -> str:
@@ -184,16 +176,8 @@ class GrpcHealth:
     def of_server(cls, server_pid: int) -> "GrpcHealth | None":
         """Where process `server_pid` serves gRPC, from its command line: None unless it is a tritonserver serving gRPC
         on an address of its own."""
-        argv = server_argv(server_pid)
-        if not argv or Path(argv[0]).name != "tritonserver":
-            return None
-        if not _true(option_value(argv, "--allow-grpc", "--allow-g"), default=True):
-            return None
-        if _true(option_value(argv, "--reuse-grpc-port", "--reuse-g"), default=False):
-            return None
-        host = _loopback_host(option_value(argv, "--grpc-address", "--grpc-a") or "0.0.0.0")
-        port = option_value(argv, "--grpc-port", "--grpc-p") or "8001"
-        return None if host is None else cls(f"{host}:{port}")
+        address = _own_endpoint(server_pid, "grpc", "8001")
+        return None if address is None else cls(address)
 
     @property
     def where(self) -> str:
@@ -231,6 +215,24 @@ class GrpcHealth:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _own_endpoint(server_pid: int, protocol: str, default_port: str) -> str | None:
+    """"host:port" to ask for the `protocol` ("http" or "grpc") that process `server_pid` serves, from its command
+    line: None unless it is a tritonserver serving it on an address of its own (not disabled, not a port shared with
+    other servers, which could answer for this one, not a unix socket). Options as getopt_long takes them: any
+    unambiguous prefix (--allow-h, --http-p, ...)."""
+    argv = server_argv(server_pid)
+    if not argv or Path(argv[0]).name != "tritonserver":
+        return None
+    short = protocol[0]
+    if not _true(option_value(argv, f"--allow-{protocol}", f"--allow-{short}"), default=True):
+        return None
+    if _true(option_value(argv, f"--reuse-{protocol}-port", f"--reuse-{short}"), default=False):
+        return None
+    host = _loopback_host(option_value(argv, f"--{protocol}-address", f"--{protocol}-a") or "0.0.0.0")
+    port = option_value(argv, f"--{protocol}-port", f"--{protocol}-p") or default_port
+    return None if host is None else f"{host}:{port}"
 
 
 def _true(value: str | None, default: bool) -> bool:
