@@ -115,8 +115,8 @@ class HttpHealth:
     @classmethod
     def of_server(cls, server_pid: int) -> "HttpHealth | None":
         """Where process `server_pid` serves HTTP, from its command line: None unless it is a tritonserver serving HTTP
-        on an address of its own (a server embedded in another process, one serving gRPC only, on a unix socket or on
-        a port shared with other servers is asked through the Python backend)."""
+        on an address of its own (one serving gRPC only, or HTTP on a unix socket or a shared port, is asked over gRPC;
+        a server embedded in another process, through the Python backend)."""
         address = _own_endpoint(server_pid, "http", "8000")
         return None if address is None else cls(f"http://{address}")
 
