@@ -102,8 +102,8 @@ class ToolChoice:
             tag = xgr.get_model_structural_tag("deepseek_v4", tools=self._called(), tool_choice=self.choice,
                                                reasoning="enabled" if prompt.endswith(THINKING_START) else "disabled",
                                                max_whitespace_cnt=1)
-        except ValueError as exc:  # (XGrammar's own checks of the tools, pydantic's)
-            raise ValueError(f"the tools cannot be constrained for tool_choice: {exc}") from None
+        except (ValueError, AssertionError) as exc:  # (XGrammar's own checks of the tools, pydantic's, its asserts)
+            raise ValueError(f"the tools cannot be constrained for tool_choice: {exc or type(exc).__name__}") from None
         return GuidedDecoding("structural_tag", tag.model_dump_json())
 
     def _called(self) -> list[dict]:
@@ -118,9 +118,9 @@ class ToolChoice:
             schema = function.get("parameters")
             schema = _NO_PARAMETERS if schema is None else schema
             where = f"the parameters of tool {function['name']!r}"
-            if isinstance(schema, dict) and schema.get("type", "object") != "object":
-                raise ValueError(f"{where} must be a JSON schema of an object (its arguments by name), got type "
-                                 f"{schema['type']!r}")
+            if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+                got = f"type {schema['type']!r}" if isinstance(schema, dict) else json.dumps(schema)[:100]
+                raise ValueError(f"{where} must be a JSON schema of an object (its arguments by name), got {got}")
             checked_json_schema(schema, where)
             function = {key: value for key, value in function.items() if key != "strict"}
             called.append({"type": "function", "function": {**function, "parameters": schema}})

@@ -15,10 +15,12 @@ It asks tritonserver's own HTTP endpoint (`HttpHealth`: the model's readiness, t
 stop from an unload), where the stub's parent is a tritonserver serving HTTP on an address of its own. A stopping
 tritonserver 2.51 closes its HTTP service at once (or, while HTTP connections are still open, drops each new one), so
 a connection refused or dropped where the endpoint answered before is a stop. Where tritonserver serves no HTTP of its
-own but gRPC (`--allow-http=false`), it asks tritonserver's gRPC health RPCs (`GrpcHealth`): 2.51 keeps its gRPC
-service up through the stop (it closes it only once the models have unloaded), and answers ServerLive with UNAVAILABLE
-"Server exiting" (ModelReady: "Server not ready") from the moment the stop begins. Where neither tells anything (a
-unix socket, a shared port, a restricted endpoint, no answer in time), it asks the Python backend's `is_model_ready`.
+own but gRPC (`--allow-http=false`, HTTP on a unix socket or a shared port), it asks tritonserver's gRPC health RPCs
+(`GrpcHealth`): 2.51 keeps its gRPC service up through the stop (it closes it only once the models have unloaded), and
+answers ServerLive with UNAVAILABLE "Server exiting" (ModelReady: "Server not ready") once `TRITONSERVER_ServerStop`
+has begun, which is at once without HTTP, and after tritonserver has waited for its HTTP connections with it. Where
+neither tells anything (gRPC over TLS, a restricted endpoint, no answer in time), it asks the Python backend's
+`is_model_ready`.
 That raises "Server not ready" from the moment the server stops (0.3-0.5 s after the signal), and a call that fails is
 not safe in the Python backend (2.51, and its code as published since): the server frees the error text it sends the
 stub as soon as the stub has read the answer's flag, while the stub is about to take that text and free it again.
@@ -99,7 +101,34 @@ class HealthUnknown(Exception):
     """A health ask that said nothing either way (refused, restricted, timed out)."""
 
 
-class HttpHealth:
+class _Health:
+    """What tritonserver's health endpoints (HTTP's, gRPC's) tell: its subclasses ask whether the model is ready and
+    whether the server is live, each answering yes, no, or None for a connection lost once the endpoint had answered
+    (the server gone: a stop, where the other ask says nothing else)."""
+
+    def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
+        """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
+        when the endpoints answer neither way."""
+        model = self._model_ready(model_name, model_version)
+        if model:
+            return None  # (one ask while it serves)
+        if not self._live():
+            return "tritonserver is stopping"
+        if model is None:
+            raise HealthUnknown(self._why_unknown(model_name, model_version))
+        return "the model is being unloaded"
+
+    def _model_ready(self, model_name: str, model_version: str) -> bool | None:
+        raise NotImplementedError
+
+    def _why_unknown(self, model_name: str, model_version: str) -> str:
+        return f"the model {model_name!r} could not be asked for, while tritonserver is live"
+
+    def _live(self) -> bool | None:
+        raise NotImplementedError
+
+
+class HttpHealth(_Health):
     """tritonserver's own HTTP health endpoints, asked over the address it serves them on."""
 
     name = "HTTP"
@@ -127,23 +156,29 @@ class HttpHealth:
     def close(self) -> None:
         pass
 
-    def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
-        """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
-        when the endpoints answer neither way."""
-        as_is = all(urllib.parse.quote(part, safe=self.PATH_SAFE) == part for part in (model_name, model_version))
-        model = f"/v2/models/{model_name}" + (f"/versions/{model_version}" if model_version else "")
-        if as_is and self._ready(model + "/ready"):
-            return None  # (one ask while it serves)
-        if not self._ready("/v2/health/live"):
-            return "tritonserver is stopping"
-        if not as_is:
-            raise HealthUnknown(f"the model name {model_name!r} cannot be asked for in a URL path as it is")
-        return "the model is being unloaded"
+    def _model_ready(self, model_name: str, model_version: str) -> bool | None:
+        """(None too for a name a URL path cannot hold as it is: not asked.)"""
+        if not self._as_is(model_name, model_version):
+            return None
+        return self._ready(f"/v2/models/{model_name}" + (f"/versions/{model_version}" if model_version else "")
+                           + "/ready")
 
-    def _ready(self, path: str) -> bool:
+    def _why_unknown(self, model_name: str, model_version: str) -> str:
+        if not self._as_is(model_name, model_version):
+            return f"the model name {model_name!r} cannot be asked for in a URL path as it is"
+        return super()._why_unknown(model_name, model_version)
+
+    def _as_is(self, *parts: str) -> bool:
+        return all(urllib.parse.quote(part, safe=self.PATH_SAFE) == part for part in parts)
+
+    def _live(self) -> bool | None:
+        return self._ready("/v2/health/live")
+
+    def _ready(self, path: str) -> bool | None:
         """200: yes; 400 or 503 (tritonserver's answers for not ready, not live, not found): no. A connection refused
-        or dropped, once the endpoint has answered: no (a stopping tritonserver 2.51 closes its HTTP service at once,
-        or, while HTTP connections are still open, drops each new one, before it says anything of its readiness)."""
+        or dropped, once the endpoint has answered: None (a stopping tritonserver 2.51 closes its HTTP service at
+        once, or, while HTTP connections are still open, drops each new one, before it says anything of its
+        readiness)."""
         try:
             with self._opener.open(self.base_url + path, timeout=self.timeout_s) as answer:
                 status = answer.status
@@ -152,7 +187,7 @@ class HttpHealth:
         except Exception as exc:  # (refused, dropped, timed out, a malformed address)
             lost = isinstance(getattr(exc, "reason", exc), (ConnectionRefusedError, ConnectionResetError))
             if lost and self.answered:
-                return False
+                return None
             raise HealthUnknown(f"GET {path}: {exc!r}") from exc
         self.answered = True
         if status not in (200, 400, 503):
@@ -160,9 +195,10 @@ class HttpHealth:
         return status == 200
 
 
-class GrpcHealth:
+class GrpcHealth(_Health):
     """tritonserver's own gRPC health RPCs (ServerLive, ModelReady), asked over the address it serves them on: for a
-    tritonserver that serves gRPC but no HTTP of its own. Its client (tritonclient's) is made at the first ask."""
+    tritonserver that serves gRPC but no HTTP of its own. Its client (tritonclient's, never through a proxy) is made
+    at the first ask."""
 
     name = "gRPC"
     STOPPING = ("Server exiting", "Server not ready")  # (ServerLive's and ModelReady's answers from the stop on)
@@ -171,6 +207,7 @@ class GrpcHealth:
         self.url, self.timeout_s = url, timeout_s
         self.answered = False  # (as HttpHealth's: until it has answered, a lost connection tells nothing)
         self._client = None
+        self._closed = False
 
     @classmethod
     def of_server(cls, server_pid: int) -> "GrpcHealth | None":
@@ -183,55 +220,74 @@ class GrpcHealth:
     def where(self) -> str:
         return f"gRPC at {self.url}"
 
-    def stop_reason(self, model_name: str, model_version: str = "") -> str | None:
-        """None while the model is ready; else why not (the server stopping, or the model unloading). HealthUnknown
-        when the RPCs answer neither way."""
-        if self._ask("is_model_ready", model_name, model_version):
-            return None
-        return "the model is being unloaded" if self._ask("is_server_live") else "tritonserver is stopping"
+    def _model_ready(self, model_name: str, model_version: str) -> bool | None:
+        return self._ask("is_model_ready", model_name, model_version)
 
-    def _ask(self, rpc: str, *args) -> bool:
-        from tritonclient.utils import InferenceServerException
+    def _live(self) -> bool | None:
+        return self._ask("is_server_live")
 
+    def _ask(self, rpc: str, *args) -> bool | None:
+        """The RPC's answer; no for tritonserver's own "stopping" errors; None for a connection lost once it had
+        answered (UNAVAILABLE: nothing listens there any more)."""
         try:
-            if self._client is None:
-                import tritonclient.grpc
+            from tritonclient.utils import InferenceServerException
 
-                self._client = tritonclient.grpc.InferenceServerClient(self.url)
-            answer = getattr(self._client, rpc)(*args, client_timeout=self.timeout_s)
+            answer = getattr(self._client_made(), rpc)(*args, client_timeout=self.timeout_s)
         except InferenceServerException as exc:
             if any(words in str(exc) for words in self.STOPPING):
                 self.answered = True
                 return False
-            if exc.status() == "StatusCode.UNAVAILABLE" and self.answered:  # (no server there any more)
-                return False
+            if exc.status() == "StatusCode.UNAVAILABLE" and self.answered:
+                return None
             raise HealthUnknown(f"{rpc}: {exc}") from exc
-        except Exception as exc:  # (a malformed address, say)
+        except Exception as exc:  # (a malformed address, a client closed at shutdown)
             raise HealthUnknown(f"{rpc}: {exc!r}") from exc
         self.answered = True
         return bool(answer)
 
+    def _client_made(self):
+        if self._closed:
+            raise RuntimeError("closed")
+        if self._client is None:
+            import tritonclient.grpc
+
+            # (as HttpHealth's opener, never through a proxy: gRPC follows http_proxy even to 127.0.0.1)
+            self._client = tritonclient.grpc.InferenceServerClient(self.url,
+                                                                   channel_args=[("grpc.enable_http_proxy", 0)])
+        return self._client
+
     def close(self) -> None:
+        self._closed = True
         if self._client is not None:
             self._client.close()
             self._client = None
 
 
+# tritonserver 2.51's options the watch reads, each with its shortest unambiguous prefix (getopt_long takes any)
+_ENDPOINT_OPTIONS = {
+    "http": {"allow": "--allow-h", "reuse": "--reuse-h", "address": "--http-a", "port": "--http-p"},
+    "grpc": {"allow": "--allow-gr", "reuse": "--reuse-g", "address": "--grpc-a", "port": "--grpc-p"},
+}
+
+
 def _own_endpoint(server_pid: int, protocol: str, default_port: str) -> str | None:
     """"host:port" to ask for the `protocol` ("http" or "grpc") that process `server_pid` serves, from its command
     line: None unless it is a tritonserver serving it on an address of its own (not disabled, not a port shared with
-    other servers, which could answer for this one, not a unix socket). Options as getopt_long takes them: any
-    unambiguous prefix (--allow-h, --http-p, ...)."""
+    other servers, which could answer for this one, not a unix socket, not gRPC over TLS, which an insecure channel
+    cannot ask)."""
     argv = server_argv(server_pid)
     if not argv or Path(argv[0]).name != "tritonserver":
         return None
-    short = protocol[0]
-    if not _true(option_value(argv, f"--allow-{protocol}", f"--allow-{short}"), default=True):
+    prefix = _ENDPOINT_OPTIONS[protocol]
+    if not _true(option_value(argv, f"--allow-{protocol}", prefix["allow"]), default=True):
         return None
-    if _true(option_value(argv, f"--reuse-{protocol}-port", f"--reuse-{short}"), default=False):
+    if _true(option_value(argv, f"--reuse-{protocol}-port", prefix["reuse"]), default=False):
         return None
-    host = _loopback_host(option_value(argv, f"--{protocol}-address", f"--{protocol}-a") or "0.0.0.0")
-    port = option_value(argv, f"--{protocol}-port", f"--{protocol}-p") or default_port
+    if protocol == "grpc" and any(_true(option_value(argv, name, name), default=False)
+                                  for name in ("--grpc-use-ssl", "--grpc-use-ssl-mutual")):
+        return None
+    host = _loopback_host(option_value(argv, f"--{protocol}-address", prefix["address"]) or "0.0.0.0")
+    port = option_value(argv, f"--{protocol}-port", prefix["port"]) or default_port
     return None if host is None else f"{host}:{port}"
 
 
@@ -241,8 +297,8 @@ def _true(value: str | None, default: bool) -> bool:
 
 
 def _loopback_host(address: str) -> str | None:
-    """The host to ask for the HTTP service tritonserver binds to `address` (its --http-address: an IPv4 or IPv6
-    address, `ipv4:`/`ipv6:` prefixed as libevhtp takes them, or a host name); None for a unix socket."""
+    """The host to ask for the service tritonserver binds to `address` (its --http-address or --grpc-address: an IPv4
+    or IPv6 address, `ipv4:`/`ipv6:` prefixed as libevhtp takes them, or a host name); None for a unix socket."""
     kind, colon, rest = address.partition(":")
     if colon and kind == "unix":
         return None

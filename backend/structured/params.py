@@ -210,12 +210,14 @@ def _check_tag_schemas(tag: dict, where: str) -> None:
     schemas."""
     if (depth := _depth(tag)) > 2 * MAX_SCHEMA_DEPTH:
         raise ValueError(f"{where} nests {depth} levels deep, more than {2 * MAX_SCHEMA_DEPTH}")
-    schemas = [s.get("schema") for s in tag.get("structures", []) if isinstance(s, dict)]
+    structures = tag.get("structures")
+    schemas = [s.get("schema") for s in structures if isinstance(s, dict)] if isinstance(structures, list) else []
     level = [tag.get("format")]
-    while level:
+    while level:  # (down the formats, not into the schemas they hold: a schema's values are not formats)
         schemas += [node["json_schema"] for node in level if isinstance(node, dict) and "json_schema" in node]
         level = [child for node in level if isinstance(node, (dict, list))
-                 for child in (node.values() if isinstance(node, dict) else node)]
+                 for key, child in (node.items() if isinstance(node, dict) else enumerate(node))
+                 if key != "json_schema"]
     for schema in schemas:
         if isinstance(schema, (dict, str)):
             checked_json_schema(schema, where)

@@ -150,14 +150,22 @@ class TritonServer:
             time.sleep(0.2)
         raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
 
+    @property
+    def serves_http(self) -> bool:
+        return not any(arg in ("--allow-http=false", "--allow-http=0") for arg in self.extra_args)
+
     def is_ready(self, path: str = "/v2/health/ready") -> bool:
-        if "--allow-http=false" in self.extra_args:  # (gRPC's ServerReady instead)
+        """The HTTP endpoint's answer at `path` (the server's readiness, or /v2/models/NAME/ready); over gRPC where
+        the server serves no HTTP."""
+        if not self.serves_http:
             import tritonclient.grpc
             from tritonclient.utils import InferenceServerException
 
+            model = re.fullmatch(r"/v2/models/([^/]+)/ready", path)
             with tritonclient.grpc.InferenceServerClient(self.grpc_url) as client:
                 try:
-                    return client.is_server_ready(client_timeout=2)
+                    return (client.is_model_ready(model.group(1), client_timeout=2) if model
+                            else client.is_server_ready(client_timeout=2))
                 except InferenceServerException:
                     return False
         try:

@@ -241,16 +241,81 @@ def test_without_http_the_stop_is_asked_over_tritonservers_grpc_endpoint():
                _fake_tritonserver("--allow-h", "0", "--grpc-port", "9101", "--grpc-address=10.1.2.3"),
                _fake_tritonserver("--http-address=unix:/tmp/triton.sock", "--grpc-a", "::1", "--grpc-p=9102"),
                _fake_tritonserver("--allow-http=false", "--allow-grpc=false"),
-               _fake_tritonserver("--allow-http=false", "--reuse-grpc-port=1"), _fake_tritonserver()]
+               _fake_tritonserver("--allow-http=false", "--reuse-grpc-port=1"),
+               _fake_tritonserver("--allow-http=false", "--grpc-use-ssl=true"), _fake_tritonserver()]
     try:
         found = [server_stop.ServerStopWatch.endpoint_of(p.pid) for p in servers]
         assert [h and (h.name, h.where) for h in found] == [
             ("gRPC", "gRPC at 127.0.0.1:8001"), ("gRPC", "gRPC at 10.1.2.3:9101"), ("gRPC", "gRPC at [::1]:9102"),
-            None, None, ("HTTP", "http://127.0.0.1:8000")]
+            None, None, None, ("HTTP", "http://127.0.0.1:8000")]
     finally:
         for p in servers:
             p.kill()
             p.wait()
+
+
+class _FakeTritonGrpc:
+    """tritonserver's gRPC health RPCs as 2.51 answers them: ModelReady and ServerLive, or, from its stop on,
+    UNAVAILABLE "Server not ready" and "Server exiting"; `delay_s` holds every answer back."""
+
+    def __init__(self):
+        import grpc
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        fake = self
+        self.model_ready, self.live, self.stopping, self.delay_s = True, True, False, 0.0
+
+        class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+            def ModelReady(self, request, context):
+                time.sleep(fake.delay_s)
+                if fake.stopping:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "Server not ready")
+                return service_pb2.ModelReadyResponse(ready=fake.model_ready)
+
+            def ServerLive(self, request, context):
+                time.sleep(fake.delay_s)
+                if fake.stopping:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "Server exiting")
+                return service_pb2.ServerLiveResponse(live=fake.live)
+
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=2))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), self.server)
+        self.url = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
+@pytest.fixture
+def fake_grpc():
+    fake = _FakeTritonGrpc()
+    yield fake
+    fake.server.stop(0)
+
+
+def test_grpc_health_tells_ready_unloading_and_stopping_as_tritonserver_answers(fake_grpc, monkeypatch):
+    """Through a proxy in the environment too: gRPC would follow http_proxy even to 127.0.0.1."""
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.setenv("grpc_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    health = server_stop.GrpcHealth(fake_grpc.url)
+    try:
+        assert health.stop_reason("dsv4", "1") is None
+        fake_grpc.model_ready = False
+        assert health.stop_reason("dsv4", "1") == "the model is being unloaded"
+        fake_grpc.stopping = True
+        assert health.stop_reason("dsv4", "1") == "tritonserver is stopping"
+        fake_grpc.stopping, fake_grpc.delay_s = False, 0.5  # (slower than the ask's timeout: not a stop)
+        with pytest.raises(server_stop.HealthUnknown, match="DEADLINE_EXCEEDED"):
+            health.stop_reason("dsv4", "1")
+        fake_grpc.delay_s = 0.0
+        fake_grpc.server.stop(0)  # (the server gone once it had answered: a stop)
+        assert health.stop_reason("dsv4", "1") == "tritonserver is stopping"
+        health.close()
+        with pytest.raises(server_stop.HealthUnknown, match="closed"):
+            health.stop_reason("dsv4", "1")
+    finally:
+        health.close()
 
 
 def test_a_grpc_endpoint_that_is_not_there_tells_nothing_until_it_has_answered():

@@ -145,7 +145,9 @@ def test_a_prompt_that_does_not_end_where_an_answer_starts_is_refused():
     ({"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}},
      r"the parameters of tool 'f': .*\['not'\] cannot be enforced"),
     ({"type": "string"}, "the parameters of tool 'f' must be a JSON schema of an object .*got type 'string'"),
-    ([1], "the parameters of tool 'f': json must be a JSON schema"),
+    ([1], "the parameters of tool 'f' must be a JSON schema of an object .*got \\[1\\]"),
+    ('{"type": "object"}', "the parameters of tool 'f' must be a JSON schema of an object"),
+    (True, "the parameters of tool 'f' must be a JSON schema of an object .*got true"),
 ])
 def test_a_function_schema_the_constraint_cannot_hold_is_refused(parameters, message):
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]

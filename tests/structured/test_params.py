@@ -33,6 +33,14 @@ def test_each_kind_as_an_object_and_as_a_json_string(key):
         assert as_object == as_string and as_object.kind == kind
 
 
+def test_a_structural_tags_schemas_are_checked_not_the_values_in_them():
+    """A `json_schema` key inside a schema's `enum`, `const` or `default` is a value, not a format's schema."""
+    schema = {"type": "object", "properties": {"a": {"enum": [{"json_schema": "x"}]}},
+              "default": {"json_schema": {"not": {}}}}
+    tag = {"format": {"type": "json_schema", "json_schema": schema}}
+    assert _guided({"guided_decoding": {"structural_tag": tag}}).kind == "structural_tag"
+
+
 def test_the_openai_frontends_double_encoded_structured_outputs():
     """What Triton's OpenAI frontend sends for a named tool choice (vLLM path, 25.11 on): the schema as a string
     inside asdict(StructuredOutputsParams(json=...)) as a string inside sampling_parameters."""
@@ -136,6 +144,8 @@ def test_no_constraint_is_none():
     ({"guided_decoding": {"structural_tag": {"format": {"type": "json_schema", "json_schema": json.loads(
         '{"type": "array", "items": ' * 65 + '{"type": "string"}' + "}" * 65)}}}},
      "nests 66 levels deep, more than 64"),
+    ({"guided_decoding": {"structural_tag": {"structures": None, "format": {"type": "json_schema", "json_schema": {
+        "uniqueItems": True}}}}}, r"\['uniqueItems'\] cannot be enforced"),
     ({"guided_decoding": {"structural_tag": STRUCTURAL_TAG, "disable_any_whitespace": True}},
      r"\['disable_any_whitespace'\] shape JSON schemas, not a structural tag"),
     ({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "backend must be"),
