@@ -50,10 +50,12 @@ class AnswerPart:
 
 
 class AnswerParser:
-    def __init__(self, thinking: bool, tool_calls: bool = True):
-        """`tool_calls` False (tool_choice "none"): a tool-call block is content, as the model wrote it."""
+    def __init__(self, thinking: bool, tool_calls: bool = True, first_call_only: bool = False):
+        """`tool_calls` False (tool_choice "none"): a tool-call block is content, as the model wrote it.
+        `first_call_only` (parallel_tool_calls false): the answer's first call, the others dropped, as vLLM does."""
         self._mode = "reasoning" if thinking else "content"
         self._reads_calls = tool_calls
+        self._first_call_only = first_call_only
         self._held = ""  # text not yet given to a part (a marker's possible start, or an open tool-call block)
         self._lead = ""  # the open block's lead (CALLS_LEAD, if the model wrote one)
         self.called = False  # whether the answer made tool calls
@@ -80,6 +82,8 @@ class AnswerParser:
                 if calls is None:  # not DeepSeek's form: the model's text, as written
                     part.content += self._lead + CALLS_START + block + CALLS_END
                 else:
+                    if self._first_call_only:
+                        calls = calls[:0 if self.called else 1]
                     part.tool_calls += calls
                     self.called = self.called or bool(calls)
                 self._mode = "content"

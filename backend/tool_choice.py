@@ -13,6 +13,8 @@
   reasoning in thinking mode, at once in chat mode; each call's parameters follow its function's JSON schema.
 - {"type": "function", "function": {"name": ...}} (or the Responses API's {"type": "function", "name": ...}): the same
   with exactly one call, of that function.
+`parallel_tool_calls` false (OpenAI's; true by default): "required" makes exactly one call, and parse_chat_output gives
+an answer's first call only, the others dropped (vLLM's `maybe_filter_parallel_tool_calls`).
 
 The last two are an output constraint: XGrammar's structural tag for DeepSeek-V4 (`deepseek_v4`), which writes calls
 exactly as deepseek_v4_chat.jinja renders an assistant's `tool_calls` (tests/serving/test_tool_choice.py checks the
@@ -54,25 +56,30 @@ def parse_tool_choice(text: str) -> Any:
 class ToolChoice:
     choice: str | dict  # one of CHOICES, or {"type": "function", "function": {"name": ...}}
     tools: list[dict] | None  # the request's checked tools
+    parallel: bool = True  # parallel_tool_calls: false, one call at most
 
     @classmethod
-    def of(cls, tool_choice: Any, tools: list[dict] | None) -> "ToolChoice":
-        """A request's tool_choice (None: "auto"), given its checked tools (None: none); ValueError naming what is
-        wrong."""
+    def of(cls, tool_choice: Any, tools: list[dict] | None, parallel: bool = True) -> "ToolChoice":
+        """A request's tool_choice (None: "auto"), given its checked tools (None: none) and parallel_tool_calls;
+        ValueError naming what is wrong."""
+        return cls(cls._checked(tool_choice, tools), tools, parallel)
+
+    @staticmethod
+    def _checked(tool_choice: Any, tools: list[dict] | None) -> str | dict:
         if tool_choice is None:
-            return cls("auto", tools)
+            return "auto"
         names = [tool["function"]["name"] for tool in tools or []]
         if isinstance(tool_choice, str):
             if tool_choice not in CHOICES:
                 raise ValueError(f"{_EXPECTED}, got {tool_choice!r}")
             if tool_choice == "required" and not names:
                 raise ValueError('tool_choice "required" needs tools to call: give the tools input')
-            return cls(tool_choice, tools)
+            return tool_choice
         name = _named(tool_choice)
         if name not in names:
             raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
                              f"({', '.join(map(repr, names)) or 'none given'})")
-        return cls({"type": "function", "function": {"name": name}}, tools)
+        return {"type": "function", "function": {"name": name}}
 
     @property
     def shown_tools(self) -> list[dict] | None:
@@ -101,7 +108,7 @@ class ToolChoice:
         try:
             tag = xgr.get_model_structural_tag("deepseek_v4", tools=self._called(), tool_choice=self.choice,
                                                reasoning="enabled" if prompt.endswith(THINKING_START) else "disabled",
-                                               max_whitespace_cnt=1)
+                                               parallel_tool_calls=self.parallel, max_whitespace_cnt=1)
         except (ValueError, AssertionError) as exc:  # (XGrammar's own checks of the tools, pydantic's, its asserts)
             raise ValueError(f"the tools cannot be constrained for tool_choice: {exc or type(exc).__name__}") from None
         return GuidedDecoding("structural_tag", tag.model_dump_json())

@@ -40,6 +40,7 @@ INPUT_NAMES = (
     "chat_template_kwargs",
     "tools",
     "tool_choice",
+    "parallel_tool_calls",
     "max_tokens",
     "stream",
     "sampling_parameters",
@@ -80,6 +81,7 @@ class ParsedRequest(NamedTuple):
     parse_chat_output: bool = False  # the answer split into reasoning_content, content, tool_calls (DeepSeek-V4's)
     thinking: bool = False  # the prompt asks the model to reason first (it ends with <think>)
     parse_tool_calls: bool = True  # parse_chat_output reads tool calls (not with tool_choice "none")
+    first_tool_call_only: bool = False  # parallel_tool_calls false: parse_chat_output gives the first call only
 
 
 def parse_request(
@@ -136,6 +138,7 @@ def parse_request(
         parse_chat_output=parse_chat_output,
         thinking=parse_chat_output and prompt_text.endswith("<think>"),
         parse_tool_calls=tool_choice is None or tool_choice.parses_calls,
+        first_tool_call_only=tool_choice is not None and not tool_choice.parallel,
     )
 
 
@@ -155,8 +158,8 @@ def _with_tool_calls(sampling: SamplingParams, tool_choice: ToolChoice, chat_tem
 # The prompt.
 
 
-# What `messages` takes beside it: STRING [1] inputs holding JSON (tool_choice: or a bare word).
-_CHAT_INPUTS = ("chat_template_kwargs", "tools", "tool_choice")
+# What `messages` takes beside it: STRING [1] inputs holding JSON (tool_choice: or a bare word), and a BOOL [1].
+_CHAT_INPUTS = ("chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls")
 
 
 def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> tuple[list[int], str, ToolChoice]:
@@ -170,7 +173,8 @@ def _chat_prompt(inputs: Mapping[str, np.ndarray], tokenizer, chat_template) -> 
     options, tools = (load_json(_single_string(inputs[name], name), name) if name in inputs else None
                       for name in ("chat_template_kwargs", "tools"))
     choice = ToolChoice.of(parse_tool_choice(_single_string(inputs["tool_choice"], "tool_choice"))
-                           if "tool_choice" in inputs else None, checked_tools(tools))
+                           if "tool_choice" in inputs else None, checked_tools(tools),
+                           parallel=_optional_bool(inputs, "parallel_tool_calls") is not False)
     text = chat_template.render(messages, options, choice.shown_tools)
     return chat_prompt_ids(tokenizer, text), text, choice
 
@@ -368,7 +372,8 @@ class ResponseBuilder:
 
     def __post_init__(self):
         if self.request.parse_chat_output:
-            self._answer = AnswerParser(self.request.thinking, tool_calls=self.request.parse_tool_calls)
+            self._answer = AnswerParser(self.request.thinking, tool_calls=self.request.parse_tool_calls,
+                                        first_call_only=self.request.first_tool_call_only)
 
     def on_output(self, output) -> dict[str, np.ndarray] | None:
         """Arrays of the response to send for `output`, or None when nothing is to be sent yet."""

@@ -324,5 +324,7 @@ def test_tool_choice_makes_the_model_call_a_tool(server):
     for call in calls:
         assert call["function"]["name"] == "weather"
         jsonschema.validate(json.loads(call["function"]["arguments"]), city)
+    status, out = http_generate(server, {**chat, "tool_choice": "required", "parallel_tool_calls": False})
+    assert status == 200 and out["finish_reason"] == "tool_calls" and len(json.loads(out["tool_calls"])) == 1, out
     status, out = http_generate(server, {**chat, "tool_choice": '{"type": "function", "function": {"name": "x"}}'})
     assert status == 400 and "names the function 'x', which is not among the tools ('weather')" in json.dumps(out)

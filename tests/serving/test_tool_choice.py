@@ -193,6 +193,18 @@ def test_a_named_function_takes_one_call_of_it(chat, thinking):
     assert not _accepts(guided, _template_answer(chat, CALLS, thinking))  # two calls
 
 
+def test_parallel_tool_calls_false_makes_one_call_and_reads_only_the_first(chat):
+    """OpenAI's parallel_tool_calls: false. "required" takes one call, not two; where the answer holds more (auto),
+    parse_chat_output gives the first, as vLLM does."""
+    guided = ToolChoice.of("required", TOOLS, parallel=False).constraint("<｜Assistant｜>" + ANSWER_START)
+    assert _accepts(guided, _template_answer(chat, CALLS[:1], False))
+    assert not _accepts(guided, _template_answer(chat, CALLS, False))
+    parser = AnswerParser(thinking=False, first_call_only=True)
+    answer = _template_answer(chat, CALLS, False)
+    calls = [call for part in (parser.feed(answer), parser.feed(answer), parser.finish()) for call in part.tool_calls]
+    assert [call["function"]["name"] for call in calls] == ["get_weather"]
+
+
 def test_the_calls_come_at_once_and_follow_the_schema(chat):
     guided = _constraint("required", False)
     assert not _accepts(guided, _template_answer(chat, [], False, content="Sunny."))  # no call
@@ -225,6 +237,13 @@ def test_a_request_with_tool_choice_carries_its_constraint(chat, tokenizer):
     assert _request(chat, tokenizer, "auto").sampling.guided_decoding is None
     none = _request(chat, tokenizer, "none")
     assert none.sampling.guided_decoding is None and not none.parse_tool_calls
+    assert not required.first_tool_call_only
+    single = parse_request({"messages": _text(json.dumps(QUESTION)), "tools": _text(json.dumps(TOOLS)),
+                            "tool_choice": _text("required"), "parallel_tool_calls": np.array([False])},
+                           tokenizer, None, chat)
+    assert single.first_tool_call_only
+    assert single.sampling.guided_decoding == ToolChoice.of("required", TOOLS, parallel=False).constraint(
+        "<｜Assistant｜>" + ANSWER_START) != required.sampling.guided_decoding
 
 
 def test_tool_choice_is_refused_beside_another_constraint_or_another_chat_format(chat, tokenizer):
@@ -234,8 +253,9 @@ def test_tool_choice_is_refused_beside_another_constraint_or_another_chat_format
     with pytest.raises(ValueError, match="DeepSeek-V4's tool-call syntax, and this model's chat template is another"):
         _request(other, tokenizer, "required")
     assert _request(other, tokenizer, "none").sampling.guided_decoding is None
-    with pytest.raises(ValueError, match="'tool_choice' is an option of 'messages'"):
-        parse_request({"text_input": _text("Hi"), "tool_choice": _text("auto")}, tokenizer, None, chat)
+    for name, value in (("tool_choice", _text("auto")), ("parallel_tool_calls", np.array([False]))):
+        with pytest.raises(ValueError, match=f"'{name}' is an option of 'messages'"):
+            parse_request({"text_input": _text("Hi"), name: value}, tokenizer, None, chat)
 
 
 @pytest.mark.parametrize("choice,temperature", [("required", 0.0), (json.dumps(NAMED), 1.0)], ids=["required", "named"])
