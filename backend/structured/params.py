@@ -15,7 +15,7 @@ A request constrains its output with one of three keys of its sampling parameter
                     form {"type": "structural_tag", "format": {...}}, or the older {"structures": [{"begin", "schema",
                     "end"}, ...], "triggers": [...]} (free text, each structure's schema enforced between its begin
                     and end once a trigger starts it); what a `tool_choice` of "required" or a named function
-                    becomes too (backend/chat.py)
+                    becomes too (backend/tool_choice.py)
   and optionally `disable_any_whitespace` (JSON without free whitespace: `{"a": 1, "b": [1, 2]}`) and
   `disable_additional_properties` (every object of the schema closed: `additionalProperties: false`; without it
   XGrammar's strict mode already generates no property the schema does not name, unless the schema allows them
