@@ -148,7 +148,7 @@ class SamplerState:
             self._seen = torch.zeros(line.shape[0], dtype=torch.bool, device=line.device)
             self._seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=line.device)] = True
             self._counts = torch.zeros(line.shape[0], dtype=torch.long, device=line.device)
-            self._bias = _logit_bias(self.params, line)
+            self._bias = logit_bias(self.params, line)
 
 
 
@@ -170,7 +170,7 @@ class SamplerState:
         return self.generator
 
 
-def _logit_bias(params: SamplingParams, line: torch.Tensor) -> torch.Tensor | None:
+def logit_bias(params: SamplingParams, line: torch.Tensor) -> torch.Tensor | None:
     """What a request adds to its logits [V] before its penalties: logit_bias at its tokens, -inf outside
     allowed_token_ids; None where it sets neither."""
     if not params.logit_bias and params.allowed_token_ids is None:

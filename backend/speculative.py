@@ -68,11 +68,11 @@ from dataclasses import dataclass
 import torch
 
 from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_batch
-from backend.model.graph_runner import HELD_STOP_SLOTS, DraftChain, FirstInputs
+from backend.model.graph_runner import BIAS_SLOTS, HELD_STOP_SLOTS, DraftChain, FirstInputs
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
 from backend.sampler import (NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState, draw_rows, draws,
-                             filtered_probs, held_on_copies, hold_stops, long_on, row_index, row_shares)
+                             filtered_probs, held_on_copies, hold_stops, logit_bias, long_on, row_index, row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -395,9 +395,10 @@ class Drafter:
     def _static(self, job: SpecJob, states: list[SamplerState], holds: Sequence[HeldStops | None] = ()) -> bool:
         """Whether the step's drafts come from one static chain: a static verify step, on a runner that has chains,
         whose drafting rows all draft the argmax (no grammar masks a draft, no row draws one on the host) and hold
-        back no more stop tokens (min_tokens) than a chain has slots for."""
+        back no more stop tokens (min_tokens), and add no more distinct biases, than a chain has slots for."""
         return (job.static_key is not None and self.runner.draft_chains is not None
-                and all(s.grammar is None and not self._draws(s) for s in states) and _slots_hold(holds))
+                and all(s.grammar is None and not self._draws(s) for s in states) and _slots_hold(holds)
+                and len({_bias_key(s.params) for s in states if s.biased}) <= BIAS_SLOTS)
 
     def _draws(self, state: SamplerState) -> bool:
         """Whether the row draws its drafts from the draft distribution (else it drafts the argmax)."""
@@ -566,9 +567,26 @@ class Drafter:
         for step, live in enumerate(order):
             at = _draft_holds(rows, positions, step, states, held)
             holds[step, :len(live)] = torch.tensor([i in at for i in live], dtype=torch.bool)
+        biases, bias_slots = self._biases([states[r] for r in rows], key.rows)
         chain = DraftChain(key, next_ids, _long(padded_picks), _long(sources).view(k - 1, key.rows), passes, context,
-                           stop_ids=_stop_slots([held.get(r) for r in rows], key.rows), holds=holds)
+                           stop_ids=_stop_slots([held.get(r) for r in rows], key.rows), holds=holds,
+                           biases=biases, bias_slots=bias_slots)
         return chain, order
+
+    def _biases(self, states: list[SamplerState], num_rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A static chain's biases [1 + BIAS_SLOTS, V] (row 0 none, then each distinct one of the rows', built on the
+        host from the requests' parameters) and each row's slot among them [num_rows]; (None, None) where no row has
+        one."""
+        slots, distinct = [0] * num_rows, {}
+        for i, state in enumerate(states):
+            if state.biased:
+                slots[i] = distinct.setdefault(_bias_key(state.params), (len(distinct) + 1, state.params))[0]
+        if not distinct:
+            return None, None
+        biases = torch.zeros(1 + BIAS_SLOTS, self.runner.model.config.vocab_size)
+        for slot, params in distinct.values():
+            biases[slot] = logit_bias(params, biases[0])
+        return biases, _long(slots)
 
     def idle(self, job: SpecJob) -> None:
         """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes (agreed on
@@ -710,6 +728,12 @@ def _drafted_mask(state: SamplerState, drafts: tuple[int, ...], position: int) -
 def _accepts_by_argmax(state: SamplerState) -> bool:
     """A greedy row whose drafts are accepted by the raw logits' argmax: no penalties, no grammar."""
     return state.params.temperature == 0.0 and not state.has_penalties and state.grammar is None
+
+
+def _bias_key(params) -> tuple:
+    """What tells two requests' biases apart (logit_bias, allowed_token_ids): equal keys, equal biases."""
+    allowed = params.allowed_token_ids
+    return tuple(sorted((params.logit_bias or {}).items())), None if allowed is None else tuple(sorted(set(allowed)))
 
 
 def _constrained(state: SamplerState) -> bool:

@@ -134,10 +134,15 @@ class DraftChain:
     # slots), and where pass s's row j (the pass's own row order) holds them back from its draft [k, key.rows] bool
     stop_ids: torch.Tensor | None = None
     holds: torch.Tensor | None = None
+    # logit_bias / allowed_token_ids: the biases the step's rows add to their draft logits as their verify does
+    # [1 + BIAS_SLOTS, V] (row 0 adds nothing), and each first-pass row's [key.rows]; None where no row has one
+    biases: torch.Tensor | None = None
+    bias_slots: torch.Tensor | None = None
 
     @property
-    def chain_key(self) -> tuple[StaticKey, int]:
-        return self.key, self.context
+    def chain_key(self) -> tuple[StaticKey, int, bool]:
+        """Its buffers' key: the verify key, the chained context, and whether it carries biases."""
+        return self.key, self.context, self.biases is not None
 
     @property
     def token_counts(self) -> tuple[int, ...]:
@@ -146,6 +151,7 @@ class DraftChain:
 
 
 HELD_STOP_SLOTS = 4  # a static chain's stop tokens a row (min_tokens): a row with more drafts eagerly
+BIAS_SLOTS = 4  # a static chain's distinct biases (logit_bias, allowed_token_ids): a step with more drafts eagerly
 
 
 class FirstInputs(NamedTuple):
@@ -224,18 +230,29 @@ class DraftChains:
         first = replace(step.first, dp_token_counts=counts[0])
         index = first.logits_token_index[chain.picks]
         logits, streams = self.model.draft(first, self.kv, step.hidden, index)
-        stop_ids = chain.stop_ids
-        hidden, tokens = streams[index], _held_back(logits, stop_ids, chain.holds[0]).argmax(dim=-1)
+        stop_ids, slots = chain.stop_ids, chain.bias_slots
+        hidden = streams[index]
+        tokens = _held_back(_biased(logits, chain.biases, slots), stop_ids, chain.holds[0]).argmax(dim=-1)
         drafts = [tokens]
         for s, batch in chain.passes.items():
             source = chain.sources[s - 1]
             batch = replace(batch, input_ids=tokens[source], dp_token_counts=counts[s])
             logits, streams = self.model.draft(batch, self.kv, hidden[source], batch.logits_token_index)
-            stop_ids = stop_ids[source]
+            stop_ids, slots = stop_ids[source], None if slots is None else slots[source]
             hidden = streams[batch.logits_token_index]
-            tokens = _held_back(logits, stop_ids, chain.holds[s]).argmax(dim=-1)
+            tokens = _held_back(_biased(logits, chain.biases, slots), stop_ids, chain.holds[s]).argmax(dim=-1)
             drafts.append(tokens)
         return torch.stack(drafts)
+
+
+def _biased(logits: torch.Tensor, biases: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
+    """The draft pass's logits with each row's bias added (in place), as the eager chain's `Drafter._bias`: a row the
+    bias leaves no finite logit keeps its own (static shapes: every row, a row without one adding row 0's zeros)."""
+    if biases is None:
+        return logits
+    biased = logits + biases[slots]
+    kept = torch.isfinite(biased).any(dim=-1, keepdim=True)
+    return logits.copy_(torch.where(kept, biased, logits))
 
 
 def _held_back(logits: torch.Tensor, stop_ids: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:

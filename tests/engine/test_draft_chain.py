@@ -131,7 +131,7 @@ def test_the_static_chain_drafts_what_the_eager_chain_drafts(tiny_checkpoint, re
     assert set(eager.chains) == {"eager", "eager after a static step"}
     assert set(static.chains) == {"eager", "static"}  # every static step's drafts from a static chain
     assert static.chains.count("static") == eager.chains.count("eager after a static step")
-    assert {5: 8, 3: 4}[len(prompts)] in {key.rows for key, _ in engine.core.runner.draft_chains.keys}  # padded
+    assert {5: 8, 3: 4}[len(prompts)] in {key.rows for key, *_ in engine.core.runner.draft_chains.keys}  # padded
     assert static.proposals == eager.proposals
     if scenario == "oracle drafts, chains cut":
         assert static.short_static > 0 or k == 1  # chains stopped early
@@ -253,6 +253,25 @@ def test_the_chain_after_a_verify_holds_each_draft_as_the_host_planned_chain_wou
         assert on_device == [r in planned for r in range(key.rows)] and 0 < sum(on_device) < key.rows
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_biased_rows_draft_in_the_static_chain_what_they_draft_pass_by_pass(tiny_checkpoint, k):
+    """logit_bias and allowed_token_ids apply to the static chain's drafts as to the eager chain's (two rows with the
+    same allowed tokens share one of the chain's bias slots): the same proposals, each inside its allowed tokens."""
+    scenario = SCENARIOS["oracle drafts, 5 rows"]
+    prompts = _prompts(scenario["lengths"], seed=11)
+    allowed = list(range(3, 300))
+    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [replace(plain, logit_bias={5: 8.0, 17: 6.5, 40: -100.0}), replace(plain, allowed_token_ids=allowed),
+              replace(plain, allowed_token_ids=list(reversed(allowed))), plain, plain]
+    expected = _ids(_engine(tiny_checkpoint, max_running_requests=8).generate(prompts, params))
+    eager_tokens, eager, _ = _run(tiny_checkpoint, k, scenario, prompts, expected, static=False, params=params)
+    static_tokens, static, engine = _run(tiny_checkpoint, k, scenario, prompts, expected, static=True, params=params)
+    assert eager_tokens == static_tokens == expected
+    assert "static" in static.chains and static.proposals == eager.proposals
+    assert all(set(drafts) <= set(allowed) for request in (1, 2) for drafts in static.proposals[request])
+    assert any(biased for _, _, biased in engine.core.runner.draft_chains.keys)
+
+
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
     """A constrained row's drafts are masked by its grammar, and under draft_sampling=sample a sampled row draws each
     draft from q with its own generator (both on the host, between passes): a step with one drafts pass by pass, as
@@ -266,6 +285,10 @@ def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
     assert drafter._static(job, [greedy, sampled])
     assert not drafter._static(job, [greedy, SamplerState(SamplingParams(), [], grammar=object())])
     assert not drafter._static(replace(job, static_key=None), [greedy])
+    # logit_bias / allowed_token_ids: a static chain adds up to BIAS_SLOTS distinct biases; a step with more drafts
+    # eagerly
+    biased = [SamplerState(SamplingParams(logit_bias={i: 1.0}), []) for i in range(graph_runner.BIAS_SLOTS + 1)]
+    assert drafter._static(job, biased[:-1] + biased[:1]) and not drafter._static(job, biased)
     # min_tokens: a static chain holds back up to HELD_STOP_SLOTS stop tokens a row; a row with more drafts eagerly
     slots = graph_runner.HELD_STOP_SLOTS
     assert drafter._static(job, [greedy, greedy], [None, HeldStops(1, tuple(range(slots)))])
