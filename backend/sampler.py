@@ -57,6 +57,7 @@ included (as vLLM's: ties rank last).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -130,6 +131,13 @@ class SamplerState:
     def biased(self) -> bool:
         """Whether the request adds to its logits before its penalties (logit_bias, allowed_token_ids)."""
         return bool(self.params.logit_bias) or self.params.allowed_token_ids is not None
+
+    @functools.cached_property
+    def bias_key(self) -> tuple:
+        """What tells requests' biases apart: equal keys, equal biases (a static draft chain's slots share them)."""
+        allowed = self.params.allowed_token_ids
+        return (tuple(sorted((self.params.logit_bias or {}).items())),
+                None if allowed is None else tuple(sorted(set(allowed))))
 
     def bias_of(self, line: torch.Tensor) -> torch.Tensor | None:
         """What the request adds to a logits row like `line` [V] before its penalties: its logit_bias, and -inf outside

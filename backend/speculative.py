@@ -360,6 +360,7 @@ class Drafter:
         self.masks = HostMasks(sampler.kernels)
         self._first_passes: dict[StaticKey, tuple[DraftChain, torch.Tensor]] = {}  # (`chain_early`'s, per key)
         self._no_holds: dict[StaticKey, tuple[torch.Tensor, torch.Tensor]] = {}  # (`_early_holds`' zeros, per key)
+        self._bias_table: tuple[tuple, torch.Tensor | None] = ((), None)  # (`_biases`': the last step's, by its keys)
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, job: SpecJob, output: StepOutput, states: list[SamplerState],
@@ -398,7 +399,7 @@ class Drafter:
         back no more stop tokens (min_tokens), and add no more distinct biases, than a chain has slots for."""
         return (job.static_key is not None and self.runner.draft_chains is not None
                 and all(s.grammar is None and not self._draws(s) for s in states) and _slots_hold(holds)
-                and len({_bias_key(s.params) for s in states if s.biased}) <= BIAS_SLOTS)
+                and len({s.bias_key for s in states if s.biased}) <= BIAS_SLOTS)
 
     def _draws(self, state: SamplerState) -> bool:
         """Whether the row draws its drafts from the draft distribution (else it drafts the argmax)."""
@@ -575,18 +576,21 @@ class Drafter:
 
     def _biases(self, states: list[SamplerState], num_rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A static chain's biases [1 + BIAS_SLOTS, V] (row 0 none, then each distinct one of the rows', built on the
-        host from the requests' parameters) and each row's slot among them [num_rows]; (None, None) where no row has
-        one."""
+        host from the requests' parameters, again only when the step's distinct biases change) and each row's slot
+        among them [num_rows]; (None, None) where no row has one."""
         slots, distinct = [0] * num_rows, {}
         for i, state in enumerate(states):
             if state.biased:
-                slots[i] = distinct.setdefault(_bias_key(state.params), (len(distinct) + 1, state.params))[0]
+                slots[i] = distinct.setdefault(state.bias_key, (len(distinct) + 1, state.params))[0]
         if not distinct:
             return None, None
-        biases = torch.zeros(1 + BIAS_SLOTS, self.runner.model.config.vocab_size)
-        for slot, params in distinct.values():
-            biases[slot] = logit_bias(params, biases[0])
-        return biases, _long(slots)
+        keys = tuple(distinct)
+        if self._bias_table[0] != keys:
+            table = torch.zeros(1 + BIAS_SLOTS, self.runner.model.config.vocab_size)
+            for slot, params in distinct.values():
+                table[slot] = logit_bias(params, table[0])
+            self._bias_table = keys, table
+        return self._bias_table[1], _long(slots)
 
     def idle(self, job: SpecJob) -> None:
         """A data-parallel rank without a batch in lock-step: its part of the other ranks' draft passes (agreed on
@@ -728,12 +732,6 @@ def _drafted_mask(state: SamplerState, drafts: tuple[int, ...], position: int) -
 def _accepts_by_argmax(state: SamplerState) -> bool:
     """A greedy row whose drafts are accepted by the raw logits' argmax: no penalties, no grammar."""
     return state.params.temperature == 0.0 and not state.has_penalties and state.grammar is None
-
-
-def _bias_key(params) -> tuple:
-    """What tells two requests' biases apart (logit_bias, allowed_token_ids): equal keys, equal biases."""
-    allowed = params.allowed_token_ids
-    return tuple(sorted((params.logit_bias or {}).items())), None if allowed is None else tuple(sorted(set(allowed)))
 
 
 def _constrained(state: SamplerState) -> bool:

@@ -13,8 +13,6 @@
   reasoning in thinking mode, at once in chat mode; each call's parameters follow its function's JSON schema.
 - {"type": "function", "function": {"name": ...}} (or the Responses API's {"type": "function", "name": ...}): the same
   with exactly one call, of that function.
-`parallel_tool_calls` false (OpenAI's; true by default): "required" makes exactly one call, and parse_chat_output gives
-an answer's first call only, the others dropped (vLLM's `maybe_filter_parallel_tool_calls`).
 
 The last two are an output constraint: XGrammar's structural tag for DeepSeek-V4 (`deepseek_v4`), which writes calls
 exactly as deepseek_v4_chat.jinja renders an assistant's `tool_calls` (tests/serving/test_tool_choice.py checks the
@@ -22,6 +20,9 @@ one against the other), so they need DeepSeek-V4's chat format, a prompt that en
 </think>), and no other constraint in the same request. A function's `parameters` must be an object's JSON schema,
 checked as a `json` constraint's is (backend/structured/params.py: a keyword XGrammar would not enforce is refused),
 and enforced whatever its `strict` says; none (or null) is an empty parameter list, as OpenAI's API takes it.
+
+`parallel_tool_calls` false (OpenAI's; true by default): "required" makes exactly one call, and parse_chat_output gives
+an answer's first call only, the others dropped (vLLM's `maybe_filter_parallel_tool_calls`).
 """
 
 from __future__ import annotations

@@ -175,16 +175,17 @@ class _StaticChain:
 
 
 class DraftChains:
-    """Static draft chains (DraftChain) per verify key and chained context: buffers kept, and on CUDA one graph each,
-    recorded after its first, eager, run (in the verify graphs' pool). capture=False runs the same chain eagerly."""
+    """Static draft chains (DraftChain) per verify key, chained context and whether they carry biases: buffers kept,
+    and on CUDA one graph each, recorded after its first, eager, run (in the verify graphs' pool). capture=False runs
+    the same chain eagerly."""
 
     def __init__(self, graphs: DecodeGraphs):
         self.graphs, self.model, self.kv = graphs, graphs.model, graphs.kv
-        self._chains: dict[tuple[StaticKey, int], _StaticChain] = {}
+        self._chains: dict[tuple[StaticKey, int, bool], _StaticChain] = {}
         self._stager = BatchStager(self.model.device, depth=1)  # (the drafts are read before the next chain)
 
     @property
-    def keys(self) -> list[tuple[StaticKey, int]]:
+    def keys(self) -> list[tuple[StaticKey, int, bool]]:
         return list(self._chains)
 
     @property
@@ -230,9 +231,9 @@ class DraftChains:
         first = replace(step.first, dp_token_counts=counts[0])
         index = first.logits_token_index[chain.picks]
         logits, streams = self.model.draft(first, self.kv, step.hidden, index)
-        stop_ids, slots = chain.stop_ids, chain.bias_slots
+        stop_ids, slots, narrowed = chain.stop_ids, chain.bias_slots, chain.biases is not None
         hidden = streams[index]
-        tokens = _held_back(_biased(logits, chain.biases, slots), stop_ids, chain.holds[0]).argmax(dim=-1)
+        tokens = _held_back(_biased(logits, chain.biases, slots), stop_ids, chain.holds[0], narrowed).argmax(dim=-1)
         drafts = [tokens]
         for s, batch in chain.passes.items():
             source = chain.sources[s - 1]
@@ -240,27 +241,31 @@ class DraftChains:
             logits, streams = self.model.draft(batch, self.kv, hidden[source], batch.logits_token_index)
             stop_ids, slots = stop_ids[source], None if slots is None else slots[source]
             hidden = streams[batch.logits_token_index]
-            tokens = _held_back(_biased(logits, chain.biases, slots), stop_ids, chain.holds[s]).argmax(dim=-1)
+            tokens = _held_back(_biased(logits, chain.biases, slots), stop_ids, chain.holds[s], narrowed).argmax(dim=-1)
             drafts.append(tokens)
         return torch.stack(drafts)
 
 
 def _biased(logits: torch.Tensor, biases: torch.Tensor | None, slots: torch.Tensor | None) -> torch.Tensor:
-    """The draft pass's logits with each row's bias added (in place), as the eager chain's `Drafter._bias`: a row the
-    bias leaves no finite logit keeps its own (static shapes: every row, a row without one adding row 0's zeros)."""
-    if biases is None:
-        return logits
-    biased = logits + biases[slots]
-    kept = torch.isfinite(biased).any(dim=-1, keepdim=True)
-    return logits.copy_(torch.where(kept, biased, logits))
+    """The draft pass's logits with each row's bias added, in place, as the eager chain's `Drafter._bias` adds it
+    (static shapes: every row, a row without one adding row 0's zeros). Its rule for a row the bias leaves no finite
+    logit never applies here: such a row has a grammar, and a row with a grammar drafts eagerly."""
+    return logits if biases is None else logits.add_(biases[slots])
 
 
-def _held_back(logits: torch.Tensor, stop_ids: torch.Tensor, holds: torch.Tensor) -> torch.Tensor:
+def _held_back(logits: torch.Tensor, stop_ids: torch.Tensor, holds: torch.Tensor,
+               narrowed: bool = False) -> torch.Tensor:
     """The draft pass's logits (its own: nothing else reads them) with -inf, in place, at each holding row's stop
     tokens (every row, every slot: static shapes, no host sync; a row that holds nothing writes its own values
-    back). In place: a copy would move the whole [rows, vocab] block once more a pass."""
+    back). In place: a copy would move the whole [rows, vocab] block once more a pass. `narrowed` (the chain adds
+    biases: allowed_token_ids may leave a row its stop tokens only): a row left nothing gets them back, as the eager
+    chain's `hold_stops` guards a narrowed row."""
     values = logits.gather(1, stop_ids)
-    return logits.scatter_(1, stop_ids, values.masked_fill(holds[:, None], float("-inf")))
+    logits.scatter_(1, stop_ids, values.masked_fill(holds[:, None], float("-inf")))
+    if narrowed:
+        nothing_left = torch.isinf(logits).all(dim=-1, keepdim=True)
+        logits.scatter_(1, stop_ids, torch.where(nothing_left, values, logits.gather(1, stop_ids)))
+    return logits
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}

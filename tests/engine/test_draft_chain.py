@@ -253,11 +253,12 @@ def test_the_chain_after_a_verify_holds_each_draft_as_the_host_planned_chain_wou
         assert on_device == [r in planned for r in range(key.rows)] and 0 < sum(on_device) < key.rows
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_biased_rows_draft_in_the_static_chain_what_they_draft_pass_by_pass(tiny_checkpoint, k):
+@pytest.mark.parametrize("scenario,k", [("oracle drafts, 5 rows", 1), ("oracle drafts, chains cut", 2)])
+def test_biased_rows_draft_in_the_static_chain_what_they_draft_pass_by_pass(tiny_checkpoint, scenario, k):
     """logit_bias and allowed_token_ids apply to the static chain's drafts as to the eager chain's (two rows with the
-    same allowed tokens share one of the chain's bias slots): the same proposals, each inside its allowed tokens."""
-    scenario = SCENARIOS["oracle drafts, 5 rows"]
+    same allowed tokens share one of the chain's bias slots; with chains cut, a chained pass's rows are the earlier
+    pass's reordered): the same proposals, each inside its allowed tokens."""
+    scenario = SCENARIOS[scenario]
     prompts = _prompts(scenario["lengths"], seed=11)
     allowed = list(range(3, 300))
     plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -270,6 +271,22 @@ def test_biased_rows_draft_in_the_static_chain_what_they_draft_pass_by_pass(tiny
     assert "static" in static.chains and static.proposals == eager.proposals
     assert all(set(drafts) <= set(allowed) for request in (1, 2) for drafts in static.proposals[request])
     assert any(biased for _, _, biased in engine.core.runner.draft_chains.keys)
+    states = [SamplerState(p, []) for p in params]
+    table, slots = engine.executor.drafter._biases(states, 8)
+    assert slots.tolist() == [1, 2, 2, 0, 0, 0, 0, 0] and table.shape[0] == 1 + graph_runner.BIAS_SLOTS
+    assert table[0].eq(0).all() and table[3:].eq(0).all() and table[1, 5] == 8.0 and table[2, 2] == float("-inf")
+
+
+def test_a_static_chain_leaves_a_row_its_stop_tokens_where_its_allowed_tokens_are_nothing_else():
+    """min_tokens holds a row's stop tokens back; where allowed_token_ids leave it nothing but them, it keeps them (as
+    the eager chain's hold_stops guards a narrowed row): its draft is one of them, not token 0 of an all -inf row."""
+    logits = torch.full((2, 10), float("-inf"))
+    logits[0, [2, 7]] = torch.tensor([0.5, 1.5])  # (only its stop tokens allowed)
+    logits[1] = torch.arange(10.0)
+    stop_ids, holds = torch.tensor([[2, 7, 2, 2], [9, 9, 9, 9]]), torch.tensor([True, True])
+    held = graph_runner._held_back(logits.clone(), stop_ids, holds, narrowed=True)
+    assert held.argmax(dim=-1).tolist() == [7, 8]
+    assert graph_runner._held_back(logits.clone(), stop_ids, holds).argmax(dim=-1).tolist() == [0, 8]  # (unguarded)
 
 
 def test_rows_that_draw_on_the_host_draft_pass_by_pass(tiny_checkpoint):
