@@ -9,18 +9,21 @@ r"""Offline generation through the engine: every prompt submitted at once, so th
 
     .venv/bin/python scripts/generate.py ... --chats-file chats.json --chat-template-kwargs '{"thinking": true}'
     .venv/bin/python scripts/generate.py ... --chats-file chats.json --tools-file tools.json  # tools, each chat
+    .venv/bin/python scripts/generate.py ... --tools-file tools.json --tool-choice required  # answers: tool calls
 
 Prints a JSON list to stdout, one object per prompt in input order: output_ids, text, finish_reason.
 Input files are JSON lists of strings (--prompts-file), of lists of token ids (--input-ids-file), or of chats
 (--chats-file: each a list of OpenAI messages, rendered as the server renders a `messages` input: --chat-template's
 template, else the checkpoint's, else DeepSeek-V4's own format, with --chat-template-kwargs' options and
---tools-file's tools, a JSON list of OpenAI tools; every chat is rendered before the model loads, so that a bad one
+--tools-file's tools, a JSON list of OpenAI tools, shown as --tool-choice has them: auto, none, required or a named
+function's JSON, as the server's tool_choice input; every chat is rendered before the model loads, so that a bad one
 fails at once).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -28,12 +31,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backend.chat import chat_format, chat_prompt_ids, checked_options  # noqa: E402
+from backend.chat import chat_format, chat_prompt_ids, checked_options, checked_tools  # noqa: E402
 from backend.config import ConfigError, EngineConfig  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_core import tokenizer_directory  # noqa: E402
 from backend.errors import load_json  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
+from backend.tool_choice import ToolChoice, parse_tool_choice  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
 
@@ -49,6 +53,11 @@ def parse_args(argv=None):
                         help='the chat template\'s options, e.g. \'{"thinking": true}\' (DeepSeek-V4\'s format)')
     parser.add_argument("--tools-file", type=Path, default=None,
                         help='JSON list of OpenAI tools ({"type": "function", "function": {...}}) every chat offers')
+    parser.add_argument("--tool-choice", type=_tool_choice, default=None, metavar="CHOICE",
+                        help="auto (the default), none, required, or a named function's JSON, as the server's "
+                             "tool_choice (required and a function: answers constrained to DeepSeek-V4's tool calls)")
+    parser.add_argument("--parallel-tool-calls", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-parallel-tool-calls: --tool-choice required makes one call")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
@@ -82,9 +91,18 @@ def parse_args(argv=None):
                         help="draft tokens per decode from the checkpoint's MTP layer (docs/speculative.md)")
     args = parser.parse_args(argv)
     if args.chats_file is None and (args.chat_template is not None or args.chat_template_kwargs is not None
-                                    or args.tools_file is not None):
-        parser.error("--chat-template, --chat-template-kwargs and --tools-file render --chats-file's chats: give one")
+                                    or args.tools_file is not None or args.tool_choice is not None):
+        parser.error("--chat-template, --chat-template-kwargs, --tools-file and --tool-choice render --chats-file's "
+                     "chats: give one")
     return args
+
+
+def _tool_choice(text: str):
+    """--tool-choice, read as the server reads a tool_choice input."""
+    try:
+        return parse_tool_choice(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _chat_options(text: str) -> dict:
@@ -102,8 +120,9 @@ def _read_json(path: Path):
         raise SystemExit(f"{path}: {exc}") from None
 
 
-def render_chats(args, config: EngineConfig) -> list[str] | None:
-    """--chats-file's chats as prompt texts (the chat format the server would use); None without the flag."""
+def render_chats(args, config: EngineConfig) -> list[tuple[str, ToolChoice]] | None:
+    """--chats-file's chats as prompt texts (the chat format the server would use), each with its tool choice; None
+    without the flag."""
     if args.chats_file is None:
         return None
     chats = _read_json(args.chats_file)
@@ -114,16 +133,23 @@ def render_chats(args, config: EngineConfig) -> list[str] | None:
     except ConfigError as exc:
         raise SystemExit(str(exc)) from None
     tools = _read_json(args.tools_file) if args.tools_file is not None else None
+    try:
+        choice = ToolChoice.of(args.tool_choice, checked_tools(tools), parallel=args.parallel_tool_calls)
+    except ValueError as exc:
+        raise SystemExit(f"--tool-choice: {exc}") from None
+    if choice.constrains and not chat.deepseek_v4_format:
+        raise SystemExit("--tool-choice: required or a named function constrains the answers to DeepSeek-V4's "
+                         "tool calls, and this checkpoint's chat template is another")
     texts = []
     for i, messages in enumerate(chats):
         try:
-            texts.append(chat.render(messages, args.chat_template_kwargs, tools))
+            texts.append((chat.render(messages, args.chat_template_kwargs, choice.shown_tools), choice))
         except ValueError as exc:
             raise SystemExit(f"{args.chats_file}: chat {i}: {exc}") from None
     return texts
 
 
-def load_prompts(args, tokenizer, chats: list[str] | None) -> list[list[int]]:
+def load_prompts(args, tokenizer, chats: list[tuple[str, ToolChoice]] | None) -> list[list[int]]:
     if args.prompts_file is not None:
         prompts = _read_json(args.prompts_file)
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -131,7 +157,7 @@ def load_prompts(args, tokenizer, chats: list[str] | None) -> list[list[int]]:
         return [tokenizer.encode(p).ids for p in prompts]
     if chats is not None:
         prompts = []
-        for i, text in enumerate(chats):
+        for i, (text, _) in enumerate(chats):
             try:
                 prompts.append(chat_prompt_ids(tokenizer, text))
             except ValueError as exc:
@@ -141,6 +167,15 @@ def load_prompts(args, tokenizer, chats: list[str] | None) -> list[list[int]]:
     if not isinstance(ids, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in ids):
         raise SystemExit(f"{args.input_ids_file}: expected a JSON list of lists of token ids")
     return ids
+
+
+def chat_params(params: SamplingParams, chats: list[tuple[str, ToolChoice]]) -> list[SamplingParams]:
+    """Each chat's sampling: `params`, its answer constrained as its tool choice asks (none: unchanged)."""
+    try:
+        return [dataclasses.replace(params, guided_decoding=choice.constraint(text)) if choice.constrains else params
+                for text, choice in chats]
+    except ValueError as exc:
+        raise SystemExit(f"--tool-choice: {exc}") from None
 
 
 def main(argv=None) -> None:
@@ -165,7 +200,7 @@ def main(argv=None) -> None:
         prompts = load_prompts(args, engine.tokenizer, chats)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                                 ignore_eos=args.ignore_eos)
-        results = engine.generate(prompts, params)
+        results = engine.generate(prompts, chat_params(params, chats) if chats is not None else params)
     finally:
         engine.shutdown()  # with several ranks: the workers exit
     json.dump([{k: r[k] for k in ("output_ids", "text", "finish_reason")} for r in results], sys.stdout)

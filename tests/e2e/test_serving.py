@@ -298,11 +298,11 @@ def test_chat_messages_are_rendered_in_deepseek_v4s_chat_format(server, tmp_path
     assert status == 400 and "role must be one of" in json.dumps(out)
 
 
-def test_tool_choice_makes_the_model_call_a_tool(server):
+def test_tool_choice_makes_the_model_call_a_tool(server, tmp_path):
     """tool_choice "required" or a named function constrains the answer to DeepSeek-V4's tool calls (the built-in
     checkpoint's random weights write one only so): over HTTP and streamed over gRPC, parse_chat_output gives the
-    calls, their arguments as the schema asks, and finish_reason tool_calls; a function not among the tools is a
-    clear error."""
+    calls, their arguments as the schema asks, and finish_reason tool_calls, and scripts/generate.py --tool-choice
+    writes the same tokens offline; a function not among the tools is a clear error."""
     import jsonschema
 
     city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Bergen"]}},
@@ -310,12 +310,20 @@ def test_tool_choice_makes_the_model_call_a_tool(server):
     tools = [{"type": "function", "function": {"name": "weather", "parameters": city}}]
     chat = {"messages": json.dumps([{"role": "user", "content": "Weather in Oslo?"}]), "tools": json.dumps(tools),
             "parse_chat_output": True, "exclude_input_in_output": True, "max_tokens": 200}
-    status, out = http_generate(server, {**chat, "tool_choice": json.dumps({"type": "function",
-                                                                           "function": {"name": "weather"}})})
+    named = json.dumps({"type": "function", "function": {"name": "weather"}})
+    status, out = http_generate(server, {**chat, "tool_choice": named})
     assert status == 200 and out["finish_reason"] == "tool_calls", out
     [call] = json.loads(out["tool_calls"])
     assert call["function"]["name"] == "weather" and out["content"] == ""
     jsonschema.validate(json.loads(call["function"]["arguments"]), city)
+    (tmp_path / "chats.json").write_text(json.dumps([json.loads(chat["messages"])]))
+    (tmp_path / "tools.json").write_text(chat["tools"])
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "generate.py"), "--checkpoint", str(CHECKPOINT), "--device",
+           "cpu", "--chats-file", str(tmp_path / "chats.json"), "--tools-file", str(tmp_path / "tools.json"),
+           "--tool-choice", named, "--max-tokens", "200"]
+    (offline,) = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300,
+                                           env=server_env()).stdout)
+    assert offline["output_ids"] == as_list(out["output_ids"]) and offline["finish_reason"] == "stop"
     (streamed,) = stream_all(server, [None], 200, extra={
         **{name: np.array([chat[name].encode()], dtype=np.object_) for name in ("messages", "tools")},
         "tool_choice": np.array([b"required"], dtype=np.object_), "parse_chat_output": np.array([True])})
