@@ -29,7 +29,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-THINK_END = "</think>"
+# Where an answer starts, as a DeepSeek-V4 prompt ends: reasoning first (thinking mode), or the answer at once
+THINK_START, THINK_END = "<think>", "</think>"
 DSML = "｜DSML｜"
 CALLS_START = f"<{DSML}tool_calls>"
 CALLS_END = f"</{DSML}tool_calls>"

@@ -2,7 +2,7 @@
 
     choice = ToolChoice.of(parse_tool_choice(text), tools)   # tools: backend/chat.py `checked_tools`
     prompt = chat.render(messages, options, choice.shown_tools)
-    guided = choice.constraint(prompt)                         # None, or a structural tag
+    guided = choice.constraint(prompt, chat.deepseek_v4_format)   # None, or a structural tag
     choice.parses_calls                                        # whether parse_chat_output reads tool calls
 
 - "auto" (the default): the model decides; nothing is constrained (as vLLM and SGLang leave it).
@@ -31,6 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from backend.chat_output import THINK_END, THINK_START
 from backend.errors import load_json
 from backend.structured.params import GuidedDecoding, checked_json_schema
 
@@ -38,8 +39,6 @@ CHOICES = ("auto", "none", "required")
 _EXPECTED = 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
 # OpenAI's function without parameters: it takes none
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-# Where an answer starts in DeepSeek-V4's chat format: reasoning (thinking mode), or the answer itself (chat mode)
-THINKING_START, ANSWER_START = "<think>", "</think>"
 
 
 def parse_tool_choice(text: str) -> Any:
@@ -95,20 +94,25 @@ class ToolChoice:
     def parses_calls(self) -> bool:
         return self.choice != "none"
 
-    def constraint(self, prompt: str) -> GuidedDecoding | None:
-        """The output constraint on an answer to `prompt` (DeepSeek-V4's chat format): None for "auto" and "none"; else
-        the structural tag of the calls, after the reasoning where the prompt asks for one."""
+    def constraint(self, prompt: str, deepseek_v4_format: bool) -> GuidedDecoding | None:
+        """The output constraint on an answer to `prompt`, rendered by a chat template that is DeepSeek-V4's format or
+        not (backend/chat.py `ChatTemplate.deepseek_v4_format`): None for "auto" and "none"; else the structural tag
+        of the calls, after the reasoning where the prompt asks for one."""
         if not self.constrains:
             return None
-        if not prompt.endswith((THINKING_START, ANSWER_START)):
+        if not deepseek_v4_format:
+            raise ValueError(f"tool_choice {json.dumps(self.choice)} constrains the answer to DeepSeek-V4's "
+                             "tool-call syntax, and this model's chat template is another (the chat_template "
+                             "parameter's or the checkpoint's)")
+        if not prompt.endswith((THINK_START, THINK_END)):
             raise ValueError(f"tool_choice {json.dumps(self.choice)} constrains an answer, and this chat's prompt does "
-                             f"not end where one starts ({THINKING_START} or {ANSWER_START}): end the messages with a "
+                             f"not end where one starts ({THINK_START} or {THINK_END}): end the messages with a "
                              "user (or tool) turn")
         import xgrammar as xgr
 
         try:
             tag = xgr.get_model_structural_tag("deepseek_v4", tools=self._called(), tool_choice=self.choice,
-                                               reasoning="enabled" if prompt.endswith(THINKING_START) else "disabled",
+                                               reasoning="enabled" if prompt.endswith(THINK_START) else "disabled",
                                                parallel_tool_calls=self.parallel, max_whitespace_cnt=1)
         except (ValueError, AssertionError) as exc:  # (XGrammar's own checks of the tools, pydantic's, its asserts)
             raise ValueError(f"the tools cannot be constrained for tool_choice: {exc or type(exc).__name__}") from None

@@ -37,6 +37,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_core import tokenizer_directory  # noqa: E402
 from backend.errors import load_json  # noqa: E402
 from backend.request import SamplingParams  # noqa: E402
+from backend.structured.params import GuidedDecoding  # noqa: E402
 from backend.tool_choice import ToolChoice, parse_tool_choice  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
 
@@ -120,9 +121,9 @@ def _read_json(path: Path):
         raise SystemExit(f"{path}: {exc}") from None
 
 
-def render_chats(args, config: EngineConfig) -> list[tuple[str, ToolChoice]] | None:
-    """--chats-file's chats as prompt texts (the chat format the server would use), each with its tool choice; None
-    without the flag."""
+def render_chats(args, config: EngineConfig) -> list[tuple[str, GuidedDecoding | None]] | None:
+    """--chats-file's chats as prompt texts (the chat format the server would use), each with the output constraint
+    its tool choice makes (None: none); None without the flag."""
     if args.chats_file is None:
         return None
     chats = _read_json(args.chats_file)
@@ -137,19 +138,17 @@ def render_chats(args, config: EngineConfig) -> list[tuple[str, ToolChoice]] | N
         choice = ToolChoice.of(args.tool_choice, checked_tools(tools), parallel=args.parallel_tool_calls)
     except ValueError as exc:
         raise SystemExit(f"--tool-choice: {exc}") from None
-    if choice.constrains and not chat.deepseek_v4_format:
-        raise SystemExit("--tool-choice: required or a named function constrains the answers to DeepSeek-V4's "
-                         "tool calls, and this checkpoint's chat template is another")
     texts = []
     for i, messages in enumerate(chats):
         try:
-            texts.append((chat.render(messages, args.chat_template_kwargs, choice.shown_tools), choice))
+            text = chat.render(messages, args.chat_template_kwargs, choice.shown_tools)
+            texts.append((text, choice.constraint(text, chat.deepseek_v4_format)))
         except ValueError as exc:
             raise SystemExit(f"{args.chats_file}: chat {i}: {exc}") from None
     return texts
 
 
-def load_prompts(args, tokenizer, chats: list[tuple[str, ToolChoice]] | None) -> list[list[int]]:
+def load_prompts(args, tokenizer, chats: list[tuple[str, GuidedDecoding | None]] | None) -> list[list[int]]:
     if args.prompts_file is not None:
         prompts = _read_json(args.prompts_file)
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -169,13 +168,9 @@ def load_prompts(args, tokenizer, chats: list[tuple[str, ToolChoice]] | None) ->
     return ids
 
 
-def chat_params(params: SamplingParams, chats: list[tuple[str, ToolChoice]]) -> list[SamplingParams]:
+def chat_params(params: SamplingParams, chats: list[tuple[str, GuidedDecoding | None]]) -> list[SamplingParams]:
     """Each chat's sampling: `params`, its answer constrained as its tool choice asks (none: unchanged)."""
-    try:
-        return [dataclasses.replace(params, guided_decoding=choice.constraint(text)) if choice.constrains else params
-                for text, choice in chats]
-    except ValueError as exc:
-        raise SystemExit(f"--tool-choice: {exc}") from None
+    return [params if guided is None else dataclasses.replace(params, guided_decoding=guided) for _, guided in chats]
 
 
 def main(argv=None) -> None:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from backend.chat import chat_prompt_ids, checked_tools
-from backend.chat_output import AnswerParser
+from backend.chat_output import THINK_START, AnswerParser
 from backend.errors import load_json
 from backend.request import FinishReason, SamplingParams, without_unset_nulls
 from backend.tool_choice import ToolChoice, parse_tool_choice
@@ -136,7 +136,7 @@ def parse_request(
         return_num_cached_tokens=bool(_optional_bool(inputs, "return_num_cached_tokens")),
         return_cumulative_logprob=bool(_optional_bool(inputs, "return_cumulative_logprob")),
         parse_chat_output=parse_chat_output,
-        thinking=parse_chat_output and prompt_text.endswith("<think>"),
+        thinking=parse_chat_output and prompt_text.endswith(THINK_START),
         parse_tool_calls=tool_choice is None or tool_choice.parses_calls,
         first_tool_call_only=tool_choice is not None and not tool_choice.parallel,
     )
@@ -145,13 +145,10 @@ def parse_request(
 def _with_tool_calls(sampling: SamplingParams, tool_choice: ToolChoice, chat_template,
                      prompt_text: str) -> SamplingParams:
     """The request's sampling, its answer constrained to the tool calls its tool_choice asks for."""
-    if not chat_template.deepseek_v4_format:
-        raise ValueError(f"tool_choice {json.dumps(tool_choice.choice)} constrains the answer to DeepSeek-V4's "
-                         "tool-call syntax, and this model's chat template is another (the chat_template parameter's "
-                         "or the checkpoint's)")
     if sampling.guided_decoding is not None:
         raise ValueError("tool_choice constrains the answer to tool calls: send no other output constraint with it")
-    return dataclasses.replace(sampling, guided_decoding=tool_choice.constraint(prompt_text))
+    return dataclasses.replace(sampling,
+                               guided_decoding=tool_choice.constraint(prompt_text, chat_template.deepseek_v4_format))
 
 
 # ---------------------------------------------------------------------------------------------

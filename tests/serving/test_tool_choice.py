@@ -14,12 +14,12 @@ import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from backend.chat import ChatTemplate, chat_format, checked_tools
-from backend.chat_output import AnswerParser
+from backend.chat_output import THINK_END, THINK_START, AnswerParser
 from backend.config import EngineConfig
 from backend.engine import LLMEngine
 from backend.serving.triton_io import parse_request
 from backend.structured.grammar import structural_tag_grammar
-from backend.tool_choice import ANSWER_START, THINKING_START, ToolChoice, parse_tool_choice
+from backend.tool_choice import ToolChoice, parse_tool_choice
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "properties": {
@@ -71,8 +71,8 @@ def _template_answer(chat, calls: list[dict], thinking: bool, reasoning: str = "
 
 def _constraint(choice, thinking: bool, tools: list[dict] = TOOLS):
     """The constraint of `choice` on an answer to a prompt in thinking or chat mode."""
-    return ToolChoice.of(choice, checked_tools(tools)).constraint("<｜User｜>Hi<｜Assistant｜>"
-                                                                  + (THINKING_START if thinking else ANSWER_START))
+    prompt = "<｜User｜>Hi<｜Assistant｜>" + (THINK_START if thinking else THINK_END)
+    return ToolChoice.of(choice, checked_tools(tools)).constraint(prompt, deepseek_v4_format=True)
 
 
 def _accepts(guided, text: str) -> bool:
@@ -138,7 +138,7 @@ def test_under_none_a_tool_call_block_the_model_writes_anyway_is_content(chat):
 
 def test_a_prompt_that_does_not_end_where_an_answer_starts_is_refused():
     with pytest.raises(ValueError, match="does not end where one starts"):
-        ToolChoice.of("required", TOOLS).constraint("<｜User｜>Hi<｜Assistant｜>Sure<｜end▁of▁sentence｜>")
+        ToolChoice.of("required", TOOLS).constraint("<｜User｜>Hi<｜Assistant｜>Sure<｜end▁of▁sentence｜>", True)
 
 
 @pytest.mark.parametrize("parameters,message", [
@@ -196,7 +196,7 @@ def test_a_named_function_takes_one_call_of_it(chat, thinking):
 def test_parallel_tool_calls_false_makes_one_call_and_reads_only_the_first(chat):
     """OpenAI's parallel_tool_calls: false. "required" takes one call, not two; where the answer holds more (auto),
     parse_chat_output gives the first, as vLLM does."""
-    guided = ToolChoice.of("required", TOOLS, parallel=False).constraint("<｜Assistant｜>" + ANSWER_START)
+    guided = ToolChoice.of("required", TOOLS, parallel=False).constraint("<｜Assistant｜>" + THINK_END, True)
     assert _accepts(guided, _template_answer(chat, CALLS[:1], False))
     assert not _accepts(guided, _template_answer(chat, CALLS, False))
     parser = AnswerParser(thinking=False, first_call_only=True)
@@ -243,7 +243,7 @@ def test_a_request_with_tool_choice_carries_its_constraint(chat, tokenizer):
                            tokenizer, None, chat)
     assert single.first_tool_call_only
     assert single.sampling.guided_decoding == ToolChoice.of("required", TOOLS, parallel=False).constraint(
-        "<｜Assistant｜>" + ANSWER_START) != required.sampling.guided_decoding
+        "<｜Assistant｜>" + THINK_END, True) != required.sampling.guided_decoding
 
 
 def test_tool_choice_is_refused_beside_another_constraint_or_another_chat_format(chat, tokenizer):
