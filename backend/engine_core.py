@@ -50,7 +50,7 @@ from backend.parallel.sync import ALONE, Agreement, StepSync
 from backend.request import FinishReason, RequestOutput, Sequence
 from backend.runner import Forward, ModelRunner, StepCopies
 from backend.sampler import HeldStops, SamplerState
-from backend.scheduler import Scheduler, StepPlan, resolve_prefill_chunk_tokens
+from backend.scheduler import Scheduler, StepOutput, StepPlan, resolve_prefill_chunk_tokens
 from backend.speculative import DraftRow, SpecJob
 from backend.structured.grammar import GrammarService
 
@@ -252,13 +252,12 @@ class EngineCore:
         if launched and plan is not None:
             plan.timing.host_s = time.perf_counter() - started
         took_in = bool(self._in_flight)
+        if launched and self.overlap:  # (kept before any take-in: a fault there must not lose the step in flight)
+            self._in_flight.append(launched)
         if took_in:
             self._take_in_all(self._in_flight.popleft())
-        if launched:
-            if self.overlap:
-                self._in_flight.append(launched)
-            else:
-                self._take_in_all(launched)
+        if launched and not self.overlap:
+            self._take_in_all(launched)
         if self.sync.lock_step and agreed.has_work and not agreed.stepped and not took_in:
             time.sleep(WAITING_POLL_S)  # every rank waits (a grammar compiling): agree again a little later
         return agreed.has_work or drained
@@ -442,7 +441,11 @@ class EngineCore:
     def _take_in(self, plan: StepPlan | None, handle: StepHandle) -> None:
         """A step's output: the scheduler's accounting, then each request's tokens (or its failure). An idle step
         (`plan` None) has no output, but may have failed the group."""
-        output = handle.result()
+        try:
+            output = handle.result()
+        except Exception as exc:  # (CUDA: the token copy's wait, where an asynchronous device fault surfaces)
+            logger.exception("reading step %s's output failed", plan.step_index if plan is not None else "(idle)")
+            output = StepOutput(error=f"internal error: {exc}")
         if isinstance(handle.exception, RankGroupError):  # no later step can run: end every request
             self.fail_all(str(handle.exception))
         if plan is None:

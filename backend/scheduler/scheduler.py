@@ -70,6 +70,7 @@ Requests without one never wait for it. A step's output may end a request by its
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import itertools
 import logging
@@ -400,9 +401,22 @@ class Scheduler:
         record.timing = output.timing
         if output.error is None:
             self.cost_model.observe(inflight.features, output.timing.duration_s)
-        if self._step_log is not None:
-            self._step_log.write(record)
+        self._log_step(record)
         return outputs
+
+    def _log_step(self, record: StepRecord) -> None:
+        """The step's line in the step log. A log that cannot be written (a full disk) ends there, with an error
+        logged: the step's outputs are reported all the same."""
+        if self._step_log is None:
+            return
+        log = self._step_log
+        try:
+            log.write(record)
+        except OSError:
+            logger.exception("writing the step log %s failed: it ends here; serving goes on", log.path)
+            self._step_log = None
+            with contextlib.suppress(OSError):  # (closing flushes: the same full disk)
+                log.close()
 
     def _apply(self, plan: StepPlan, output: StepOutput, record: StepRecord) -> list[RequestOutput]:
         """(Once per sampling row every step: what only some rows need is looked at only where it is there.)"""

@@ -239,3 +239,55 @@ def test_a_step_that_cannot_even_be_built_fails_its_requests_and_the_engine_goes
     assert _all_pages_free(engine)
     (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
     assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
+
+
+def test_a_step_log_that_cannot_be_written_loses_no_output(tiny_checkpoint, monkeypatch, tmp_path, caplog):
+    """The step log's third write fails (a full disk): every request still gets all its tokens and its end, the log
+    ends there with an error logged, and the engine serves on. (Before, the fault escaped the take-in of a step
+    while the next was in flight, and every later step was refused: no request ever ended again.)"""
+    from backend.scheduler.step_record import StepLog
+
+    log, writes = tmp_path / "steps.jsonl", []
+    real_write = StepLog.write
+
+    def full_disk(self, record):
+        writes.append(record.step_index)
+        if len(writes) == 3:
+            raise OSError(28, "No space left on device")
+        real_write(self, record)
+
+    monkeypatch.setattr(StepLog, "write", full_disk)
+    engine = _engine(tiny_checkpoint, step_log=str(log))
+    prompts, params = _prompts(2, 30), SamplingParams(max_tokens=10, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    assert [(r["finish_reason"], len(r["output_ids"])) for r in results] == [("length", 10)] * 2
+    assert len(writes) == 3 and len(log.read_text().splitlines()) == 2
+    assert "writing the step log" in caplog.text and "No space left on device" in caplog.text
+    assert _all_pages_free(engine)
+    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
+
+
+def test_a_step_whose_output_cannot_be_read_fails_only_its_requests(tiny_checkpoint, monkeypatch):
+    """Reading the fourth step's output raises (on CUDA: the wait for its token copy, where an asynchronous device
+    fault surfaces), with the fifth step in flight: the step's requests end with the error, their pages come back,
+    and a later request is served."""
+    from backend.executor import StepHandle
+
+    engine = _engine(tiny_checkpoint)
+    assert engine.core.overlap
+    real_result, reads = StepHandle.result, []
+
+    def faulty_result(self):
+        reads.append(1)
+        if len(reads) == 4:
+            raise RuntimeError("injected device fault")
+        return real_result(self)
+
+    monkeypatch.setattr(StepHandle, "result", faulty_result)
+    results = engine.generate(_prompts(2, 30), SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [r["finish_reason"] for r in results] == ["error", "error"]
+    assert all("injected device fault" in r["error"] and 0 < len(r["output_ids"]) < 10 for r in results)
+    assert _all_pages_free(engine)
+    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
