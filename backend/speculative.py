@@ -231,7 +231,8 @@ class Verifier:
                          output: StepOutput) -> None:
         """The constrained verify rows' matchers end holding exactly the emitted tokens: back to the accepted drafts
         among those they took, then on by the token after them (one call). Where no token could follow the drafts
-        a matcher took (its grammar ended there: reported), the row's tokens stop there."""
+        a matcher took (its grammar ended there: reported), or the token after them does not fit, the row's tokens
+        stop at its accepted drafts; a row that accepted none fails, as it would without drafts."""
         started = time.perf_counter()
         keep, cut, final = {}, [], []
         for r in rows:
@@ -254,8 +255,15 @@ class Verifier:
                 output.ends[r] = None
         rejected, ended = self.sampler.grammars.accept([states[r].grammar for r in final],
                                                        [output.tokens[r][keep[states[r].grammar]] for r in final])
-        for i in rejected:  # (drawn under the grammar's mask: only a mask that allowed nothing gets here)
-            output.ends[final[i]] = NO_TOKEN_FITS
+        for i in rejected:  # (drawn under the grammar's mask: only a mask that left nothing to draw gets here, e.g.
+            r = final[i]  # one that allowed none of allowed_token_ids)
+            held = keep[states[r].grammar]
+            if held:  # the accepted drafts stand, as they would one by one; the next step meets the dead end itself
+                output.tokens[r] = output.tokens[r][:held]
+                output.drafts_alone.add(r)
+                states[r].grammar.done = False  # (a refused token leaves XGrammar's matcher where it was)
+            else:
+                output.ends[r] = NO_TOKEN_FITS
         for i in ended:
             output.ends[final[i]] = None
         output.timing.grammar_accept_s += time.perf_counter() - started

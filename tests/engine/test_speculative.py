@@ -614,6 +614,29 @@ def test_drafts_that_end_a_grammar_count_as_accepted(tiny_checkpoint, constraine
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_drafts_accepted_before_a_token_that_cannot_fit_are_kept_as_without_drafts(tiny_checkpoint, k):
+    """choice "abc" / "abd" with allowed_token_ids "a" and "b" (and the end): the grammar forces "a", "b", then
+    allows only what allowed_token_ids leaves out, so the request fails there. The draft layer drafts "b" after "a"
+    (its drafts are masked by the grammar); the verify's token after it is the one that cannot fit. Without drafts
+    the outputs are "ab", then: the end at max_tokens 2, a stop at a stop token "b", the error otherwise; with drafts
+    the same. (Before, the whole verify's tokens were dropped and the request failed at once.)"""
+    engine = _engine(tiny_checkpoint)
+    a, b = 66, 67
+    assert engine.tokenizer.decode([a, b]) == "ab"
+    constrained = {"guided_decoding": {"choice": ["abc", "abd"]}, "allowed_token_ids": [1, a, b]}
+    params = [SamplingParams.from_dict({**constrained, **extra})
+              for extra in ({"max_tokens": 2}, {"max_tokens": 16, "stop_token_ids": [b]}, {"max_tokens": 16})]
+    expected = _generate(engine, [[5, 6, 7]] * 3, params)
+    assert [(r["output_ids"], r["finish_reason"]) for r in expected] == [([a, b], "length"), ([a, b], "stop"),
+                                                                         ([a, b], "error")]
+    engine = _engine(tiny_checkpoint, num_speculative_tokens=k)
+    got = [_generate(engine, [[5, 6, 7]], [p])[0] for p in params]  # (alone: each row's drafts are its own)
+    assert [(r["output_ids"], r["finish_reason"], r["error"]) for r in got] == \
+        [(r["output_ids"], r["finish_reason"], r["error"]) for r in expected]
+    assert engine.stats()["num_accepted_tokens"] >= 2  # ("b" after "a", where two tokens or more are left)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_constrained_sampled_outputs_stay_valid_with_speculation(tiny_checkpoint, k):
     """Sampling (three seeds each) with the draft layer's own drafts, drawn under the grammars' masks: every output
