@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from backend.errors import load_json
+
 ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's; the template decides what it takes
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"  # DeepSeek-V4's, unless tokenizer_config.json says
 DEEPSEEK_V4_TEMPLATE = Path(__file__).with_name("deepseek_v4_chat.jinja")  # DeepSeek's format (its Python) in Jinja
@@ -125,7 +127,7 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     try:
         ids = list(tokenizer.encode(text, add_special_tokens=False).ids)
     except (TypeError, UnicodeError):  # (a lone surrogate, which JSON's \u escapes can spell)
-        raise ValueError("messages hold text that is not valid Unicode") from None
+        raise ValueError("messages, tools or chat_template_kwargs hold text that is not valid Unicode") from None
     if not ids:
         raise ValueError("messages render to no tokens")
     return ids
@@ -147,6 +149,7 @@ def checked_tools(tools: Any) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a JSON list of tools, got {type(tools).__name__}")
+    first: dict[str, int] = {}  # function name -> the first tool with it
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -154,10 +157,12 @@ def checked_tools(tools: Any) -> list[dict] | None:
                              "\"parameters\": ...}}}")
         if tool.get("type", "function") != "function":
             raise ValueError(f"tools[{i}].type must be \"function\", got {tool['type']!r}")
-    names = [tool["function"]["name"] for tool in tools]
-    for i, name in enumerate(names):
-        if name in names[:i]:
-            raise ValueError(f"tools[{i}] repeats the function name {name!r} of tools[{names.index(name)}]")
+        if not isinstance(function.get("description", ""), (str, type(None))):  # (OpenAI's: a string)
+            raise ValueError(f"tools[{i}].function.description must be a string, got "
+                             f"{type(function['description']).__name__}")
+        name = function["name"]
+        if first.setdefault(name, i) != i:
+            raise ValueError(f"tools[{i}] repeats the function name {name!r} of tools[{first[name]}]")
     return tools
 
 
@@ -176,10 +181,10 @@ def _with_parsed_arguments(message: dict, i: int) -> dict:
         arguments = function.get("arguments") or {}  # (none, null or "": no arguments, as vLLM takes them)
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = load_json(arguments, "arguments")
             except ValueError:
                 arguments = None
-            if not isinstance(arguments, dict):  # (not JSON, or not an object: as one argument, as vLLM does)
+            if not isinstance(arguments, dict):  # (not JSON, nor an object: as one argument, as vLLM does)
                 arguments = {"arguments": function["arguments"]}
         if not isinstance(arguments, dict):
             raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object or a string "

@@ -150,9 +150,13 @@ def _argument(value: str, string: bool):
     if string:
         return value
     try:
-        return json.loads(value)
-    except ValueError:  # (DeepSeek's decoder would write it into the JSON as it is: keep it, as a string)
-        return value
+        return json.loads(value, parse_constant=_not_json)
+    except (ValueError, RecursionError):  # (DeepSeek's decoder would write it into the JSON as it is: keep it, as a
+        return value  # string; so too NaN and Infinity, which Python reads but JSON has not, and what nests too deeply)
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
 
 
 def _possible_start(text: str, marker: str) -> int:

@@ -11,11 +11,30 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the parameter."""
 
 
+# How deep a request's JSON may nest: well past any schema (64 levels, `MAX_SCHEMA_DEPTH`) or structural tag (128)
+# inside the input, and well short of where the chat template's renderer, which recurses through the messages and
+# tools, runs out of Python's stack (about 450 levels).
+MAX_JSON_DEPTH = 200
+
+
 def load_json(text: str, what: str) -> Any:
-    """`text` parsed as JSON; ValueError naming `what` if it is not JSON, or nests deeper than Python's parser goes."""
+    """`text` parsed as JSON; ValueError naming `what` if it is not JSON, or nests deeper than MAX_JSON_DEPTH."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{what} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ValueError(f"{what} nests too deeply") from None
+    except RecursionError:  # (deeper than Python's parser goes)
+        raise ValueError(f"{what} nests too deeply (more than {MAX_JSON_DEPTH} levels)") from None
+    if (depth := json_depth(value)) > MAX_JSON_DEPTH:
+        raise ValueError(f"{what} nests {depth} levels deep, more than {MAX_JSON_DEPTH}")
+    return value
+
+
+def json_depth(node: Any) -> int:
+    """How deep `node`'s objects and lists nest (a scalar: 0), level by level (no recursion)."""
+    depth, level = 0, [node]
+    while level:
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        depth += 1
+    return depth - 1

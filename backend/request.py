@@ -134,8 +134,10 @@ class SamplingParams:
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         self.min_tokens = min(self.min_tokens, self.max_tokens)
-        if self.timeout_ms is not None and (not is_int(self.timeout_ms) or self.timeout_ms < 1):
-            raise ValueError(f"timeout_ms must be a positive integer (milliseconds), got {self.timeout_ms!r}")
+        if self.timeout_ms is not None and (not is_int(self.timeout_ms) or not 1 <= self.timeout_ms <= 2 ** 53):
+            # (up to 2^53: every such count of milliseconds is a float, which deadlines are computed in)
+            raise ValueError(f"timeout_ms must be a positive integer (milliseconds) up to 2^53, got "
+                             f"{self.timeout_ms!r}")
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "[-2, 2]")
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0, "[-2, 2]")
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, "(0, 10]", low_open=True)

@@ -115,7 +115,8 @@ class ToolChoice:
                                                reasoning="enabled" if prompt.endswith(THINK_START) else "disabled",
                                                parallel_tool_calls=self.parallel, max_whitespace_cnt=1)
         except (ValueError, AssertionError) as exc:  # (XGrammar's own checks of the tools, pydantic's, its asserts)
-            raise ValueError(f"the tools cannot be constrained for tool_choice: {exc or type(exc).__name__}") from None
+            reason = str(exc) or type(exc).__name__
+            raise ValueError(f"the tools cannot be constrained for tool_choice: {reason}") from None
         return GuidedDecoding("structural_tag", tag.model_dump_json())
 
     def _called(self) -> list[dict]:

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backend.errors import load_json
+from backend.errors import json_depth, load_json
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 GUIDED_KEYS = ("guided_decoding", "structured_outputs", "response_format")
@@ -106,16 +106,6 @@ def _json_value(value: Any, where: str) -> Any:
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
     return value
-
-
-def _depth(node: Any) -> int:
-    """How deep `node`'s objects and lists nest (a scalar: 0)."""
-    depth, level = 0, [node]
-    while level:
-        level = [child for item in level if isinstance(item, (dict, list))
-                 for child in (item.values() if isinstance(item, dict) else item)]
-        depth += 1
-    return depth - 1
 
 
 def _from_guided(value: dict, where: str) -> GuidedDecoding:
@@ -208,7 +198,7 @@ def _check_tag_schemas(tag: dict, where: str) -> None:
     """A structural tag's JSON schemas checked as a `json` constraint's are (nesting, keywords XGrammar would not
     enforce): a format's `json_schema`, an older form's structures' `schema`; and the tag itself no deeper than two
     schemas."""
-    if (depth := _depth(tag)) > 2 * MAX_SCHEMA_DEPTH:
+    if (depth := json_depth(tag)) > 2 * MAX_SCHEMA_DEPTH:
         raise ValueError(f"{where} nests {depth} levels deep, more than {2 * MAX_SCHEMA_DEPTH}")
     structures = tag.get("structures")
     schemas = [s.get("schema") for s in structures if isinstance(s, dict)] if isinstance(structures, list) else []
@@ -234,7 +224,7 @@ def _spec(kind: str, value: Any, where: str) -> str:
             value = load_json(value, f"{where}: the json schema text")
         if not isinstance(value, (dict, bool)):
             raise ValueError(f"{where}: json must be a JSON schema (an object), got {type(value).__name__}")
-        if (depth := _depth(value)) > MAX_SCHEMA_DEPTH:
+        if (depth := json_depth(value)) > MAX_SCHEMA_DEPTH:
             raise ValueError(f"{where}: the JSON schema's JSON nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}")
         _check_enforceable(value, where)
         return json.dumps(value, separators=(",", ":"))  # (key order kept: it is the output's property order)

@@ -126,6 +126,10 @@ def test_deepseek_v4s_chat_format_renders_tools_tool_calls_and_tool_results(temp
         f"{B}Looking.\n\n<{D}tool_calls>\n<{D}invoke name=\"weather\">\n<{D}parameter name=\"arguments\" "
         f"string=\"true\">Oslo</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>{E}"
         f"{U}<tool_result>3 C</tool_result>{A}<think>")
+    # so is one nested deeper than a request's JSON may (it would render, but past the renderer's stack)
+    deep = '{"a": ' + "[" * 300 + "]" * 300 + "}"
+    odd[0]["tool_calls"][0]["function"]["arguments"] = deep
+    assert f'<{D}parameter name="arguments" string="true">{deep}</{D}parameter>' in template.render(odd, {})
 
 
 def test_tools_join_a_leading_system_or_developer_message_and_results_follow_the_last_call_of_an_id(tmp_path):
@@ -349,6 +353,21 @@ def test_a_tools_input_reaches_the_template_beside_messages(tiny_checkpoint, tem
     ({"messages": [b'[{"role": "user", "content": "x"}]'], "tools": [b"[{"]}, "tools is not valid JSON"),
     ({"messages": [b'[{"role": "user", "content": "x"}]'], "chat_template_kwargs": [b"{"]}, "not valid JSON"),
     ({"messages": [b'[{"role": "user", "content": "x"}]'], "chat_template_kwargs": [b"[]"]}, "JSON object"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'],
+      "tools": [b'[{"type": "function", "function": {"name": "f", "description": [1]}}]']},
+     "tools\\[0\\].function.description must be a string, got list"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'],
+      "tools": [b'[{"function": {"name": "f"}}, {"function": {"name": "g"}}, {"function": {"name": "f"}}]']},
+     "tools\\[2\\] repeats the function name 'f' of tools\\[0\\]"),
+    # (deeper than 200 levels, short of Python's parser's limit: the template's renderer would run out of stack)
+    ({"messages": [b'[{"role": "user", "content": "x", "extra": ' + b"[" * 600 + b"]" * 600 + b"}]"]},
+     "messages nests 601 levels deep, more than 200"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'],
+      "tools": [b'[{"function": {"name": "f", "parameters": ' + b"[" * 600 + b"]" * 600 + b"}}]"]},
+     "tools nests 602 levels deep, more than 200"),
+    ({"messages": [b'[{"role": "user", "content": "x"}]'],
+      "chat_template_kwargs": [b'{"reasoning_effort": ' + b"[" * 500 + b"]" * 500 + b"}"]},
+     "chat_template_kwargs nests 500 levels deep, more than 200"),
 ])
 def test_malformed_chat_template_kwargs_and_tools_are_refused(tiny_checkpoint, template, inputs, message):
     tokenizer = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))

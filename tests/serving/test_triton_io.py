@@ -190,6 +190,9 @@ def test_max_tokens_input(tokenizer):
         ('{"min_tokens": -1, "max_tokens": 8}', "min_tokens must be a non-negative integer"),
         ('{"temperature": 1' + "0" * 400 + "}", "temperature must be a finite number"),  # (past float's range)
         ("[" * 100_000 + "]" * 100_000, "sampling_parameters nests too deeply"),
+        ('{"x": ' + "[" * 300 + "]" * 300 + "}", "sampling_parameters nests 300 levels deep, more than 200"),
+        ('{"timeout_ms": 0}', "timeout_ms must be a positive integer"),
+        ('{"timeout_ms": ' + "9" * 400 + "}", "timeout_ms must be a positive integer \\(milliseconds\\) up to 2\\^53"),
     ],
 )
 def test_bad_sampling_parameters(tokenizer, raw, message):
