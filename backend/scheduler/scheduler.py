@@ -875,6 +875,7 @@ class Scheduler:
             if chunk.samples:  # (a verify: what it emits at most, where the next one may start)
                 seq.num_placeholders += 1 + len(chunk.drafts)
         plan.kind = StepKind.of(plan.num_prefill_tokens, plan.num_decode_tokens)
+        plan.itl_infeasible &= plan.num_prefill_tokens > 0  # (sized for a prefill it could not admit: none carried)
         features = StepFeatures.of(plan.chunks)
         plan.predicted_s = self.cost_model.predict(features)
         record = StepRecord(

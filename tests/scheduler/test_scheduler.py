@@ -839,6 +839,24 @@ def test_itl_target_that_cannot_be_met_still_makes_prefill_progress_and_says_so(
     assert len(warnings) == 1 and "minimum 16-token prefill chunk" in warnings[0].getMessage()
 
 
+def test_a_step_that_could_admit_no_prefill_is_not_counted_as_out_of_the_itl_targets_reach():
+    """Steps of 50 ms against a 5 ms target, and a waiting request that does not fit beside the running one: the
+    steps are sized for it, then carry no prefill at all, so none of them counts as infeasible."""
+    memory = FakeMemory(num_pages=2, page_size=16)
+    scheduler = make_scheduler(memory, policy="mixed", itl_target_ms=5, max_running_requests=4,
+                               prefill_chunk_tokens=64)
+    engine = FakeEngine(scheduler, cost=lambda plan: 0.05)
+    scheduler.add(make_seq("running", 16, max_tokens=14))
+    for _ in range(4):
+        engine.step()
+    waiting = make_seq("waiting", 8, max_tokens=2)
+    scheduler.add(waiting)
+    before = scheduler.counters.num_itl_infeasible
+    plans = [engine.step() for _ in range(3)]
+    assert waiting.status is SequenceStatus.WAITING and all(plan.num_prefill_tokens == 0 for plan in plans)
+    assert not any(plan.itl_infeasible for plan in plans) and scheduler.counters.num_itl_infeasible == before
+
+
 def test_a_feasible_itl_target_flags_nothing():
     engine, scheduler = run_itl(LinearCost(), 40, itl_target_ms=30.0)
     assert scheduler.counters.num_itl_infeasible == 0 and not any(r.itl_infeasible for r in scheduler.records)
