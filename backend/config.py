@@ -344,7 +344,7 @@ def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: st
 def _check_hf_overrides(overrides) -> None:
     """A JSON object of the config.json keys this engine reads (backend/model/config.py `config_keys`), each value of
     that key's type."""
-    from backend.model.config import config_keys
+    from backend.model.config import config_keys, value_fits
 
     _check(isinstance(overrides, dict), "hf_overrides", overrides,
            "a JSON object of config.json keys this engine reads")
@@ -352,18 +352,8 @@ def _check_hf_overrides(overrides) -> None:
     for key, value in overrides.items():
         _check(key in keys, "hf_overrides", overrides, f"config.json keys this engine reads; {key!r} is not one "
                f"(it reads: {', '.join(sorted(keys))})")
-        _check(_is_of_type(value, keys[key]), "hf_overrides", overrides, f"{key!r} of type {keys[key]}, not "
+        _check(value_fits(value, keys[key]), "hf_overrides", overrides, f"{key!r} of type {keys[key]}, not "
                f"{type(value).__name__}")
-
-
-_TYPE_CHECKS = {"int": is_int, "float": is_number, "bool": lambda v: isinstance(v, bool),
-                "str": lambda v: isinstance(v, str), "list": lambda v: isinstance(v, list),
-                "dict": lambda v: isinstance(v, dict), "None": lambda v: v is None}
-
-
-def _is_of_type(value, annotation: str) -> bool:
-    """Whether a JSON value fits a field annotation such as `int | list[int] | None` (element types unchecked)."""
-    return any(_TYPE_CHECKS[part.strip().split("[")[0]](value) for part in annotation.split("|"))
 
 
 def parse_parameter(name: str, value: str):

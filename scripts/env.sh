@@ -26,9 +26,9 @@ esac
 
 _dsv4_libs="$PERF_LIB_DIR"  # (without the venv: where a machine given the server's libraries has them)
 if [ -x "$DSV4_VENV/bin/python" ]; then
-  # One interpreter call: site-packages and the directory of libpython.
-  read -r DSV4_SITE_PACKAGES DSV4_PYTHON_LIBDIR < <(
-    "$DSV4_VENV/bin/python" -c 'import sysconfig as s; print(s.get_paths()["purelib"], s.get_config_var("LIBDIR"))'
+  # One interpreter call: site-packages and the directory of libpython (tab-separated: paths may hold spaces).
+  IFS=$'\t' read -r DSV4_SITE_PACKAGES DSV4_PYTHON_LIBDIR < <(
+    "$DSV4_VENV/bin/python" -c 'import sysconfig as s; print(s.get_paths()["purelib"], s.get_config_var("LIBDIR"), sep="\t")'
   )
   export DSV4_SITE_PACKAGES DSV4_PYTHON_LIBDIR
   _dsv4_libs="$DSV4_SITE_PACKAGES/nvidia_pytriton.libs:$DSV4_PYTHON_LIBDIR:$PERF_LIB_DIR"

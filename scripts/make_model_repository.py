@@ -15,6 +15,7 @@ budget): a bad key or value fails here, naming the parameter, instead of at mode
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -25,6 +26,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from backend.config import ConfigError, EngineConfig  # noqa: E402
 from backend.deployment import check_deployment  # noqa: E402
+from backend.model.checkpoint import CheckpointError  # noqa: E402
 from backend.model.config import UnsupportedCheckpoint, config_path as model_config_path  # noqa: E402
 
 SOURCE = REPO_ROOT / "model_repository" / "dsv4"
@@ -45,12 +47,17 @@ def rewrite_parameters(pbtxt: str, values: dict[str, str]) -> str:
     return PARAM_RE.sub(replace, pbtxt)
 
 
+# protobuf's text format: a string value holds no raw line break (pretty-printed JSON in hf_overrides has them)
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "r": "\r", "t": "\t"}  # escape letter -> the character
+
+
 def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"')
+    escaped = {character: "\\" + letter for letter, character in _ESCAPES.items()}
+    return "".join(escaped.get(character, character) for character in value)
 
 
 def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", r"\1", value)
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m[1], m[1]), value)
 
 
 def parse_sets(items: list[str], known: list[str]) -> dict[str, str]:
@@ -71,7 +78,8 @@ def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, mod
     pbtxt = (SOURCE / "config.pbtxt").read_text(encoding="utf-8")
     values = dict(sets)
     if checkpoint is not None:
-        values["checkpoint"] = str(Path(checkpoint).expanduser().resolve())
+        values["checkpoint"] = os.path.abspath(Path(checkpoint).expanduser())  # (a symlink kept: a hub snapshot's
+        # config.json links into its blobs, where its tokenizer is not)
     values["repo_root"] = str(REPO_ROOT)
     engine_params = {k: v for k, v in {**read_parameters(pbtxt), **values}.items() if k not in NON_ENGINE_KEYS}
     config = EngineConfig.from_parameters(engine_params)  # raises ConfigError naming the parameter
@@ -80,7 +88,8 @@ def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, mod
     if model_config_path(config.checkpoint).is_file():
         try:
             check_deployment(config)
-        except UnsupportedCheckpoint as exc:  # config.json's, or hf_overrides' (the message names which)
+        except (UnsupportedCheckpoint, CheckpointError) as exc:  # config.json's, hf_overrides' (the message names
+            # which), or the weight files' (the MTP layer num_speculative_tokens needs)
             raise ConfigError(f"parameter {'hf_overrides' if config.hf_overrides else 'checkpoint'!r}: {exc}") \
                 from exc
 

@@ -65,9 +65,11 @@ EOF
   echo "$req_hash" >"$REQ_STAMP"
 fi
 
-read -r SITE_PACKAGES PY_VERSION PYTRITON_VERSION < <("$PY" - <<'EOF'
+# (tab-separated: the checkout's path may hold spaces)
+IFS=$'\t' read -r SITE_PACKAGES PY_VERSION PYTRITON_VERSION < <("$PY" - <<'EOF'
 import importlib.metadata as md, sys, sysconfig
-print(sysconfig.get_paths()["purelib"], f"{sys.version_info[0]}.{sys.version_info[1]}", md.version("nvidia-pytriton"))
+print(sysconfig.get_paths()["purelib"], f"{sys.version_info[0]}.{sys.version_info[1]}", md.version("nvidia-pytriton"),
+      sep="\t")
 EOF
 )
 PYTRITON_DIR="$SITE_PACKAGES/pytriton/tritonserver"

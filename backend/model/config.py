@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from backend.config import is_int, is_number
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
@@ -86,7 +88,7 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == layer_type]
 
 
-def _normalise(raw: dict) -> dict:
+def _normalise(raw: dict, source: str = "config") -> dict:
     """Apply the reference's legacy-key folding and defaults (DeepseekV4Config.__post_init__)."""
     raw = dict(raw)
     legacy_ratios = raw.pop("compress_ratios", None)
@@ -110,6 +112,8 @@ def _normalise(raw: dict) -> dict:
 
     layer_types = cfg.get("layer_types")
     if layer_types is None and legacy_ratios is not None:
+        if unknown := [r for r in legacy_ratios if r not in _RATE_TO_LAYER_TYPE]:
+            raise UnsupportedCheckpoint(f"{source}: compress_ratios {unknown} are none of {sorted(_RATE_TO_LAYER_TYPE)}")
         layer_types = [_RATE_TO_LAYER_TYPE[r] for r in legacy_ratios]
     if layer_types is None:
         interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
@@ -158,7 +162,7 @@ def _yarn_defaults(params: dict, cfg: dict) -> dict:
 # Counts and widths: a config (or hf_overrides) setting one to 0 describes no model.
 _SIZES = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
           "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "sliding_window", "o_groups", "o_lora_rank",
-          "index_n_heads", "index_head_dim", "index_topk", "hc_mult")
+          "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "max_position_embeddings")
 
 
 def _validate(config: ModelConfig, source: str) -> None:
@@ -169,8 +173,9 @@ def _validate(config: ModelConfig, source: str) -> None:
         raise bad(f"{small[0]}={getattr(config, small[0])}: must be at least 1")
     if config.num_experts_per_tok > config.n_routed_experts:
         raise bad(f"num_experts_per_tok={config.num_experts_per_tok} exceeds n_routed_experts={config.n_routed_experts}")
-    if len(config.layer_types) != config.num_hidden_layers:
-        raise bad(f"len(layer_types)={len(config.layer_types)} != num_hidden_layers={config.num_hidden_layers}")
+    for name in ("layer_types", "mlp_layer_types"):
+        if len(getattr(config, name)) != config.num_hidden_layers:
+            raise bad(f"len({name})={len(getattr(config, name))} != num_hidden_layers={config.num_hidden_layers}")
     if unknown := [t for t in config.layer_types if t not in LAYER_TYPES]:
         raise bad(f"unsupported layer_types {unknown}; expected {LAYER_TYPES}")
     if unknown := [t for t in config.mlp_layer_types if t not in MLP_LAYER_TYPES]:
@@ -247,6 +252,25 @@ def config_keys() -> dict[str, str]:
     return keys
 
 
+_TYPE_CHECKS = {"int": is_int, "float": is_number, "bool": lambda v: isinstance(v, bool),
+                "str": lambda v: isinstance(v, str), "list": lambda v: isinstance(v, list),
+                "dict": lambda v: isinstance(v, dict), "None": lambda v: v is None}
+
+
+def value_fits(value, annotation: str) -> bool:
+    """Whether a JSON value fits a field annotation such as `int | list[int] | None` (element types unchecked)."""
+    return any(_TYPE_CHECKS[part.strip().split("[")[0]](value) for part in annotation.split("|"))
+
+
+def _check_types(raw: dict, source: str) -> None:
+    """Each key this engine reads holds a value of its type (a string for a number, or null for a size, would fail
+    deep inside the model's construction, naming nothing)."""
+    keys = config_keys()
+    for key, value in raw.items():
+        if key in keys and not value_fits(value, keys[key]):
+            raise UnsupportedCheckpoint(f"{source}: {key}={value!r} is not of type {keys[key]}")
+
+
 def config_path(checkpoint: str | Path) -> Path:
     """A checkpoint's config.json, or the checkpoint itself when it is a config file (load_format=dummy serves
     docs/configs/*.config.json as they are)."""
@@ -265,7 +289,12 @@ def load_model_config(checkpoint: str | Path, overrides: dict | None = None) -> 
     path = config_path(checkpoint)
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in checkpoint directory {checkpoint}")
-    raw = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UnsupportedCheckpoint(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise UnsupportedCheckpoint(f"{path} must hold a JSON object, got {type(raw).__name__}")
     source = f"{path} with hf_overrides {overrides}" if overrides else str(path)
     _check_not_shadowed(raw, overrides or {}, source)
     raw.update(overrides or {})
@@ -301,7 +330,8 @@ def _check_not_shadowed(raw: dict, overrides: dict, source: str) -> None:
 
 def parse_model_config(raw: dict, source: str = "config") -> ModelConfig:
     """A validated ModelConfig from config.json's contents; `source` names it in errors."""
-    config = ModelConfig(**_normalise(raw))
+    _check_types(raw, source)
+    config = ModelConfig(**_normalise(raw, source))
     config.qk_rope_head_dim = int(config.head_dim * config.partial_rotary_factor)
     _validate(config, source)
     return config

@@ -366,7 +366,7 @@ def test_flat_rope_overrides_apply_where_config_json_has_flat_keys_and_a_flat_ya
 @pytest.mark.parametrize("override, message", [
     ({"compress_rates": {"compressed_sparse_attention": 4}}, r"compress_rates\['heavily_compressed_attention'\]=None"),
     ({"compress_rate_hca": 0}, r"compress_rates\['heavily_compressed_attention'\]=0"),
-    ({"compress_rate_csa": 2.5}, r"compress_rates\['compressed_sparse_attention'\]=2.5"),
+    ({"compress_rate_csa": 2.5}, r"compress_rate_csa=2.5 is not of type int"),
     ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
                           "compress": {"rope_type": "default", "rope_theta": 1.6e5, "partial_rotary_factor": 0.125}}},
      r"rope_parameters\['compress'\] rotates 8 dims, head_dim \* partial_rotary_factor 16"),

@@ -24,7 +24,7 @@ def test_writes_parameters_checkpoint_and_repo_root(tmp_path):
     params = mmr.read_parameters(config.read_text())
     assert params["policy"] == "mixed"
     assert params["step_log"] == 'a "quoted" \\ path'
-    assert params["checkpoint"] == str(ckpt.resolve())
+    assert params["checkpoint"] == str(ckpt)
     assert params["repo_root"] == str(REPO_ROOT)
     assert (config.parent / "1" / "model.py").is_file()
     assert 'name: "dsv4"' in config.read_text()
@@ -89,3 +89,61 @@ def test_bad_overrides_of_a_config_file_fail_before_a_repository_is_written(tmp_
     with pytest.raises(ConfigError, match=message):
         mmr.make_repository(tmp_path, sets, str(FLASH))
     assert not (tmp_path / "dsv4").exists()
+
+
+def test_a_value_with_line_breaks_is_written_as_protobufs_text_format_reads_it(tmp_path):
+    """Pretty-printed JSON in hf_overrides (`--set "hf_overrides=$(cat overrides.json)"`): the line breaks are
+    escaped, so tritonserver's parser (protobuf's text format) reads the value back whole."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    overrides = '{\n  "num_hidden_layers": 2\n}\t'
+    config = mmr.make_repository(tmp_path, {"load_format": "dummy", "hf_overrides": overrides}, str(FLASH))
+    parsed = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
+    assert parsed.parameters["hf_overrides"].string_value == overrides
+    assert mmr.read_parameters(config.read_text())["hf_overrides"] == overrides
+
+
+def test_a_symlinked_config_file_is_written_as_given(tmp_path):
+    """A hub snapshot's config.json is a link into its blobs: the repository names the snapshot's file, beside which
+    its tokenizer is, not the blob."""
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / "0a1b").write_bytes(FLASH.read_bytes())
+    (tmp_path / "snapshot").mkdir()
+    (tmp_path / "snapshot" / "config.json").symlink_to(tmp_path / "blobs" / "0a1b")
+    config = mmr.make_repository(tmp_path / "repo", {"load_format": "dummy"}, str(tmp_path / "snapshot" / "config.json"))
+    assert mmr.read_parameters(config.read_text())["checkpoint"] == str(tmp_path / "snapshot" / "config.json")
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"hidden_size": "64"}, "'checkpoint'.*hidden_size='64' is not of type int"),
+    ({"num_hidden_layers": 4.0}, "'checkpoint'.*num_hidden_layers=4.0 is not of type int"),
+    ({"rope_parameters": "x"}, "'checkpoint'.*rope_parameters='x' is not of type dict"),
+    ({"mlp_layer_types": ["moe"]}, "'checkpoint'.*len\\(mlp_layer_types\\)=1 != num_hidden_layers=4"),
+    ({"max_position_embeddings": 0}, "'checkpoint'.*max_position_embeddings=0: must be at least 1"),
+    ({"layer_types": None, "compress_ratios": [0, 0, 4, 8]}, "'checkpoint'.*compress_ratios \\[8\\] are none of"),
+    (None, "'checkpoint'.*config.json is not valid JSON"),
+])
+def test_a_config_json_with_values_of_the_wrong_kind_fails_naming_the_key(tmp_path, tiny_checkpoint, edit, message):
+    """What config.json holds is checked before a repository is written, naming the file and the key (these were
+    Python errors from deep inside the model's construction, or from a later model load)."""
+    import json
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    raw = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text("{" if edit is None else json.dumps({**raw, **edit}))
+    with pytest.raises(ConfigError, match=message):
+        mmr.make_repository(tmp_path / "repo", {}, str(checkpoint))
+    assert not (tmp_path / "repo" / "dsv4").exists()
+
+
+def test_a_draft_layer_that_the_weights_lack_fails_with_a_message(tmp_path, capsys):
+    """num_speculative_tokens on a directory with a config.json and no weight file: refused with the checkpoint's
+    error, exit status 2 (a traceback before)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_bytes(FLASH.read_bytes())
+    argv = ["--out", str(tmp_path / "repo"), "--checkpoint", str(tmp_path / "ckpt"), "--set", "num_speculative_tokens=1"]
+    assert mmr.main(argv) == 2
+    assert "safetensors" in capsys.readouterr().err
