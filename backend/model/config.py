@@ -113,7 +113,8 @@ def _normalise(raw: dict, source: str = "config") -> dict:
     layer_types = cfg.get("layer_types")
     if layer_types is None and legacy_ratios is not None:
         if unknown := [r for r in legacy_ratios if r not in _RATE_TO_LAYER_TYPE]:
-            raise UnsupportedCheckpoint(f"{source}: compress_ratios {unknown} are none of {sorted(_RATE_TO_LAYER_TYPE)}")
+            raise UnsupportedCheckpoint(f"{source}: compress_ratios {unknown} are none of "
+                                        f"{sorted(_RATE_TO_LAYER_TYPE)}")
         layer_types = [_RATE_TO_LAYER_TYPE[r] for r in legacy_ratios]
     if layer_types is None:
         interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]

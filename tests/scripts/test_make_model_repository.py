@@ -111,8 +111,9 @@ def test_a_symlinked_config_file_is_written_as_given(tmp_path):
     (tmp_path / "blobs" / "0a1b").write_bytes(FLASH.read_bytes())
     (tmp_path / "snapshot").mkdir()
     (tmp_path / "snapshot" / "config.json").symlink_to(tmp_path / "blobs" / "0a1b")
-    config = mmr.make_repository(tmp_path / "repo", {"load_format": "dummy"}, str(tmp_path / "snapshot" / "config.json"))
-    assert mmr.read_parameters(config.read_text())["checkpoint"] == str(tmp_path / "snapshot" / "config.json")
+    linked = tmp_path / "snapshot" / "config.json"
+    config = mmr.make_repository(tmp_path / "repo", {"load_format": "dummy"}, str(linked))
+    assert mmr.read_parameters(config.read_text())["checkpoint"] == str(linked)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -144,6 +145,7 @@ def test_a_draft_layer_that_the_weights_lack_fails_with_a_message(tmp_path, caps
     error, exit status 2 (a traceback before)."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_bytes(FLASH.read_bytes())
-    argv = ["--out", str(tmp_path / "repo"), "--checkpoint", str(tmp_path / "ckpt"), "--set", "num_speculative_tokens=1"]
+    argv = ["--out", str(tmp_path / "repo"), "--checkpoint", str(tmp_path / "ckpt"),
+            "--set", "num_speculative_tokens=1"]
     assert mmr.main(argv) == 2
     assert "safetensors" in capsys.readouterr().err
