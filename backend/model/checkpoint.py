@@ -130,7 +130,9 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
     """Tensor name -> file, from model.safetensors.index.json or by listing the safetensors files."""
     index = checkpoint / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map object (tensor name -> file)")
         return {name: checkpoint / fname for name, fname in weight_map.items()}
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
@@ -180,6 +182,12 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
     for path in paths:
         if not path.is_file():
             raise CheckpointError(f"{path}: file listed in the index does not exist")
+    for path, names in by_file.items():  # (the headers only: an index that names the wrong file fails before a read)
+        with safe_open(str(path), framework="pt") as f:
+            held = set(f.keys())
+        if missing := [name for name in names if name not in held]:
+            raise CheckpointError(f"{path}: the index places {missing[0]!r} in this file, which does not hold it "
+                                  f"({len(missing)} such tensor(s))")
     total_bytes = sum(p.stat().st_size for p in paths)
     with tqdm(total=sum(map(len, by_file.values())), desc="loading weights", unit="tensor",
               disable=total_bytes < 2**30) as bar:
@@ -441,6 +449,9 @@ def empty_quantized_experts(shape: tuple[int, int, int], dtype: torch.dtype, hal
     return QuantizedExperts("mxfp4", data, scale, shape, rows)
 
 
+_INTEGER_TENSORS = (".tid2eid",)  # token id -> expert ids, the hash MoE's table: the only integer tensor
+
+
 def is_fp32_parameter(name: str) -> bool:
     """Kept in fp32 whatever the engine dtype, as the reference keeps it."""
     return any(marker in name for marker in _FP32_MARKERS)
@@ -449,7 +460,12 @@ def is_fp32_parameter(name: str) -> bool:
 def _convert(name: str, tensor: torch.Tensor, dtype, device) -> torch.Tensor:
     if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise CheckpointError(f"tensor {name!r} is {tensor.dtype} without block scales")
-    if not tensor.dtype.is_floating_point:
+    if name.endswith(_INTEGER_TENSORS):
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise CheckpointError(f"tensor {name!r} is {tensor.dtype}, expected an integer dtype")
         return tensor.to(device=device, dtype=torch.long)
+    if not tensor.dtype.is_floating_point:  # (an integer tensor read as weights would be their integer parts)
+        raise CheckpointError(f"tensor {name!r} is {tensor.dtype}, expected a floating-point dtype (quantized "
+                              "weights come with their block scales)")
     target = torch.float32 if is_fp32_parameter(name) else dtype
     return tensor.to(device=device, dtype=target).contiguous()

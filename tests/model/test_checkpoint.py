@@ -41,6 +41,44 @@ def test_missing_tensor_names_it(tiny_checkpoint, tmp_path):
         load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
 
 
+def test_an_index_that_places_a_tensor_in_the_wrong_file_or_has_no_map_is_refused(tmp_path):
+    """A shard index naming a file that does not hold the tensor fails before any weight is read, naming the file and
+    the tensor (a safetensors error naming neither, midway through the load, before); an index without a
+    weight_map is refused saying so."""
+    sharded = tmp_path / "sharded"
+    write_checkpoint(sharded, shard_bytes=256 * 1024)
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name, first = next(iter(index["weight_map"].items()))
+    other = next(f for f in index["weight_map"].values() if f != first)
+    index["weight_map"][name] = other
+    index_path.write_text(json.dumps(index))
+    config = load_model_config(sharded)
+    with pytest.raises(CheckpointError, match=f"{other}: the index places '{name}' in this file, which does not hold"):
+        load_weights(sharded, config, torch.float32, "cpu")
+    index_path.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="has no weight_map object"):
+        load_weights(sharded, config, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8])
+def test_a_weight_stored_as_integers_is_refused(tiny_checkpoint, tmp_path, dtype):
+    """A weight of an integer dtype without block scales would load as its integer parts: refused, naming it; the
+    hash MoE's token table, which is integers, must be integers."""
+    ckpt = _copy(tiny_checkpoint, tmp_path / "c")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_a_proj.weight"] = tensors["model.layers.0.self_attn.q_a_proj.weight"].to(dtype)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"q_a_proj.weight' is {dtype}, expected a floating-point dtype"):
+        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+    table = next(name for name in tensors if name.endswith("tid2eid"))
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    tensors[table] = tensors[table].float()
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match="tid2eid' is torch.float32, expected an integer dtype"):
+        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+
+
 def test_misshaped_tensor_names_file_tensor_and_shapes(tiny_checkpoint, tmp_path):
     ckpt = _copy(tiny_checkpoint, tmp_path / "c")
     tensors = load_file(ckpt / "model.safetensors")
