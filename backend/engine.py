@@ -35,7 +35,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -57,6 +57,7 @@ from backend.rank_main import worker_main
 from backend.runner import make_runner
 from backend.scheduler.scheduler import clock
 from backend.scheduler.step_record import StepCounters
+from backend.structured.grammar import COMPILE_SECONDS_KEPT
 
 __all__ = ["LLMEngine", "tokenizer_directory"]
 
@@ -109,7 +110,8 @@ class LLMEngine:
         self._by_handle: dict[int, Placement] = {}  # the live requests other ranks serve, by their handle
         self._delivering = 0  # last outputs taken out of the placements, not yet handed to their consumers
         self._with_deadline: set[Placement] = set()  # those of them whose deadline rank 0 keeps, not yet passed
-        self._ranks_compile_seconds: list[float] = []  # the other ranks' grammar compile times, not yet taken
+        # the other ranks' grammar compile times, not yet taken (bounded as a rank's own: `COMPILE_SECONDS_KEPT`)
+        self._ranks_compile_seconds: deque[float] = deque(maxlen=COMPILE_SECONDS_KEPT)
         self._handles = itertools.count()
         # Prefix-cache affinity over ranks: a prompt's first cache block -> the rank last given a prompt starting so
         # (the rank whose cache may hold it), at most as many as the ranks' caches have entries.
@@ -367,7 +369,8 @@ class LLMEngine:
     def take_grammar_compile_seconds(self) -> list[float]:
         """Structured outputs: the grammar compile times recorded since the last call, on every rank (any thread)."""
         with self._placement_lock:
-            elsewhere, self._ranks_compile_seconds = self._ranks_compile_seconds, []
+            elsewhere = list(self._ranks_compile_seconds)
+            self._ranks_compile_seconds.clear()
         return self.grammars.take_compile_seconds() + elsewhere
 
     # --- offline use --------------------------------------------------------------------------------
@@ -428,7 +431,9 @@ class LLMEngine:
                 logger.exception("engine step failed")
 
     def _wait_for_work(self, timeout: float) -> bool:
-        return self.scheduler.wait_for_work(timeout)
+        """Until rank 0 has work, or, in lock-step, a request placed on another rank woke the ranks' agreements."""
+        sync = self.core.sync
+        return self.scheduler.wait_for_work(timeout, also=sync.ready if sync.lock_step else None)
 
     def step(self) -> bool:
         """One iteration of rank 0's engine (EngineCore.step); False when there was nothing to do."""
@@ -504,7 +509,7 @@ class LLMEngine:
         if batch.stats is not None:
             self.ranks[batch.rank].snapshot = batch.stats
             with self._placement_lock:  # (until take_grammar_compile_seconds)
-                self._ranks_compile_seconds += batch.stats.get("grammar_compile_seconds", [])
+                self._ranks_compile_seconds.extend(batch.stats.get("grammar_compile_seconds", []))
         rows = list(batch.rows())
         with self._placement_lock:
             placements = [self._by_handle.get(row[0]) for row in rows]

@@ -30,9 +30,18 @@ from backend.runner import Draft, DraftChain, Forward, ModelRunner, make_runner
 
 
 def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
-    """A worker rank (process `index` of its node is rank first_rank + index): join, load the shard, then serve."""
+    """A worker rank (process `index` of its node is rank first_rank + index): join, load the shard, then serve. What
+    ends it by an exception is logged on its standard error first (rank 0 sees only that the process is gone)."""
     rank = first_rank + index
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    try:
+        _serve_worker(rank, spec)
+    except Exception:
+        logging.getLogger(__name__).exception("rank %d ends by an exception", rank)
+        raise
+
+
+def _serve_worker(rank: int, spec: GroupSpec) -> None:
     torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
     comm, control, sync = join(spec, rank)
     layout = ParallelLayout.from_config(spec.config, rank)

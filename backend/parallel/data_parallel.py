@@ -287,11 +287,12 @@ def serve_rank(core, link: RankLink) -> None:
                     return
         if not core.sync.ready():
             continue
-        active = core.step()
+        active = _step(core)
         if core.stopped:
             return
         now = time.monotonic()
-        stats = core.snapshot() if now >= stats_due or not active else None
+        idle = not active and not core.scheduler.num_awaiting_grammar  # (a compile polls every few ms: not idle)
+        stats = core.snapshot() if now >= stats_due or idle else None
         if stats is not None:  # (its grammars: this rank compiles its own requests')
             grammars = core.grammars
             stats |= {"grammars": grammars.stats(), "grammar_compile_seconds": grammars.take_compile_seconds()}
@@ -306,15 +307,28 @@ def serve_rank(core, link: RankLink) -> None:
             return
 
 
+def _step(core) -> bool:
+    """One iteration of the rank's engine; a fault is logged here and the rank serves on, as rank 0's loop does (the
+    step's own failures were reported to its requests; the rank's process ending would fail every rank's)."""
+    try:
+        return core.step()
+    except Exception:
+        logger.exception("engine step failed (rank %d)", core.rank)
+        return True
+
+
 def _admit(core, arrival: Arrival, handles: dict[str, int], outbox: list[RequestOutput]) -> None:
     seq = arrival.sequence()
     handles[seq.request_id] = arrival.handle
     try:
         core.prepare(seq, arrival.stop_ids)
         core.add(seq)
-    except ValueError as exc:  # (rank 0 checked it; a grammar this rank cannot compile still ends it here)
+    except Exception as exc:  # (rank 0 checked it; a grammar this rank cannot compile still ends it here)
+        if not isinstance(exc, ValueError):
+            logger.exception("admitting request %r failed (rank %d)", seq.request_id, core.rank)
         seq.finish(FinishReason.ERROR)
-        outbox.append(RequestOutput.of(seq, [], finished=True, error=str(exc)))
+        outbox.append(RequestOutput.of(seq, [], finished=True,
+                                       error=str(exc) if isinstance(exc, ValueError) else f"internal error: {exc}"))
 
 
 def _wait_s(core) -> float | None:

@@ -78,7 +78,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from backend.request import FinishReason, RequestOutput, Sequence, SequenceStatus
 from backend.scheduler.cost_model import StepCostModel, StepFeatures
@@ -325,10 +325,12 @@ class Scheduler:
         with self._lock:
             return self._has_work_locked()
 
-    def wait_for_work(self, timeout: float | None = None) -> bool:
-        """Block until has_work() (add/abort from another thread) or timeout; returns has_work()."""
+    def wait_for_work(self, timeout: float | None = None, also: Callable[[], bool] | None = None) -> bool:
+        """Block until has_work() (add/abort from another thread), or `also()` when a `wake()` asks, or timeout;
+        returns whether either holds."""
         with self._work_changed:
-            return self._work_changed.wait_for(self._has_work_locked, timeout)
+            return self._work_changed.wait_for(lambda: self._has_work_locked() or (also is not None and also()),
+                                               timeout)
 
     def wake(self) -> None:
         """Wake wait_for_work() callers, e.g. so that the engine loop notices a shutdown."""

@@ -55,6 +55,10 @@ NO_TOKEN_CAN_FOLLOW = "the output constraint cannot be continued: no token of th
 _XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[02:21:10] /project/cpp/regex_converter.cc:83: "
 
 
+# The compile times kept until a metrics exporter takes them (an offline engine never does).
+COMPILE_SECONDS_KEPT = 4096
+
+
 class GrammarService:
     """Parses, compiles and caches the grammars of one engine's requests (see the module docstring)."""
 
@@ -78,7 +82,7 @@ class GrammarService:
         self.num_compiled = 0
         self.num_cache_hits = 0
         # Not yet taken (take_compile_seconds: a metrics histogram); bounded, for an engine nobody reads them from.
-        self._compile_seconds: deque[float] = deque(maxlen=4096)
+        self._compile_seconds: deque[float] = deque(maxlen=COMPILE_SECONDS_KEPT)
 
     def prepare(self, guided: GuidedDecoding) -> "RequestGrammar":
         """A request's grammar: its compilation shared through the cache. Raises ValueError for an invalid

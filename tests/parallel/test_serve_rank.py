@@ -113,3 +113,53 @@ def test_rank_0_notices_a_lost_rank_while_another_keeps_sending_outputs():
     loop.join(timeout=5)
     engine._stop.set()
     assert failed == ["data-parallel rank 2 exited"]
+
+
+def test_a_fault_in_a_step_or_an_admission_is_logged_and_the_rank_serves_on(caplog):
+    """The rank's step raises once, and preparing one request raises something other than a request error: both are
+    logged, that request ends with an internal error, and the loop goes on to take the next message and step again
+    (the rank's process ending would fail the requests of every rank)."""
+
+    class FaultyCore(FakeCore):
+        steps = 0
+
+        def step(self) -> bool:
+            FaultyCore.steps += 1
+            if FaultyCore.steps == 1:
+                raise RuntimeError("injected step fault")
+            return False
+
+        def prepare(self, seq, stop_ids) -> None:
+            if seq.request_id == "bad":
+                raise KeyError("injected admission fault")
+
+    core, link = FaultyCore(), FakeLink([_arrival(1, "good")], [_arrival(2, "bad")], [_arrival(3, "later")])
+    core.send = None
+    serve_rank(core, link)
+    assert FaultyCore.steps >= 3 and core.live == {"good", "later"}
+    (failed,) = [(batch.handles[row], batch.extras[row][0]) for batch in link.sent
+                 for row in range(len(batch.handles)) if batch.finished[row]]
+    assert failed == (2, "internal error: 'injected admission fault'")
+    assert "engine step failed (rank 1)" in caplog.text and "injected step fault" in caplog.text
+    assert "admitting request 'bad' failed (rank 1)" in caplog.text
+
+
+def test_a_rank_waiting_for_a_grammar_sends_its_stats_on_the_clock_not_at_every_poll():
+    """While its only request waits for its grammar, a rank polls every few milliseconds; it is not idle, so its stats
+    go to rank 0 every STATS_EVERY_S (the first at once), not at each of 20 polls. Idle, it sends them each time it
+    finds itself so (rank 0 then sees its last counts)."""
+
+    class CompilingCore(FakeCore):
+        grammars = SimpleNamespace(stats=dict, take_compile_seconds=list)
+
+        def snapshot(self):
+            return {"num_running": 0}
+
+    core = CompilingCore()
+    core.scheduler = SimpleNamespace(num_awaiting_grammar=1)
+    link = FakeLink(*[[] for _ in range(20)])
+    serve_rank(core, link)
+    assert sum(batch.stats is not None for batch in link.sent) == 1
+    core.scheduler.num_awaiting_grammar, link = 0, FakeLink(*[[] for _ in range(20)])
+    serve_rank(core, link)
+    assert sum(batch.stats is not None for batch in link.sent) == 20

@@ -774,6 +774,20 @@ def test_wait_for_work_returns_when_a_request_is_added():
     assert result == [True]
 
 
+def test_wait_for_work_returns_when_woken_for_work_elsewhere():
+    """In lock-step, a request placed on another rank wakes the ranks' agreements and rank 0's wait, which has no
+    work of its own to see: `also` (the agreements' readiness) ends the wait at that wake, not at its timeout."""
+    scheduler, woken = make_scheduler(), threading.Event()
+    assert scheduler.wait_for_work(timeout=0, also=woken.is_set) is False
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(scheduler.wait_for_work(timeout=30, also=woken.is_set)))
+    waiter.start()
+    woken.set()
+    scheduler.wake()
+    waiter.join(timeout=5)
+    assert result == [True]
+
+
 # --------------------------------------------------------------------------------------------
 # The ITL target
 # --------------------------------------------------------------------------------------------
