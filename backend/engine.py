@@ -109,6 +109,10 @@ class LLMEngine:
         self._placed: dict[str, Placement] = {}  # live request -> where it went, and where its outputs go
         self._by_handle: dict[int, Placement] = {}  # the live requests other ranks serve, by their handle
         self._delivering = 0  # last outputs taken out of the placements, not yet handed to their consumers
+        # One delivery at a time (rank 0's engine thread, the thread that takes in other ranks' outputs): a request's
+        # outputs reach its consumer in the order they were looked up, none after its last. (Reentrant: a consumer
+        # that aborts a request never waits on itself.)
+        self._delivery_lock = threading.RLock()
         self._with_deadline: set[Placement] = set()  # those of them whose deadline rank 0 keeps, not yet passed
         # the other ranks' grammar compile times, not yet taken (bounded as a rank's own: `COMPILE_SECONDS_KEPT`)
         self._ranks_compile_seconds: deque[float] = deque(maxlen=COMPILE_SECONDS_KEPT)
@@ -446,7 +450,11 @@ class LLMEngine:
     # --- outputs --------------------------------------------------------------------------------------
     def _send_all(self, outputs: list[RequestOutput]) -> None:
         """Outputs to their requests' consumers (a request's last: its placement ends), under one look at the
-        placements."""
+        placements, one call at a time."""
+        with self._delivery_lock:
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._placement_lock:
             placements = [self._unplace_locked(out.request_id) if out.finished else self._placed.get(out.request_id)
                           for out in outputs]

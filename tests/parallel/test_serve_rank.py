@@ -163,3 +163,37 @@ def test_a_rank_waiting_for_a_grammar_sends_its_stats_on_the_clock_not_at_every_
     core.scheduler.num_awaiting_grammar, link = 0, FakeLink(*[[] for _ in range(20)])
     serve_rank(core, link)
     assert sum(batch.stats is not None for batch in link.sent) == 20
+
+
+def test_no_output_reaches_a_consumer_after_its_final():
+    """Rank 0 delivers from two threads: its engine's (its own requests; every request's error when a rank is lost)
+    and the one taking in other ranks' outputs. A batch whose first consumer is slow, and request P's error FINAL
+    sent from the other thread meanwhile: P's tokens, looked up before, still come before its FINAL, not after."""
+    import threading
+
+    from backend.engine import LLMEngine, Placement
+    from backend.request import RequestOutput
+
+    engine = object.__new__(LLMEngine)  # (the delivery alone, over two placements)
+    engine._placement_lock, engine._delivery_lock = threading.Lock(), threading.RLock()
+    engine._by_handle, engine._with_deadline, engine._delivering = {}, set(), 0
+    in_batch, final_sent, seen = threading.Event(), threading.Event(), []
+    rank = SimpleNamespace(load=0)
+
+    def slow(output):  # (the batch's placements are looked up by now)
+        in_batch.set()
+        final_sent.wait(timeout=0.5)
+
+    engine._placed = {"q": Placement(rank, 0, slow, "q", 3, 1), "p": Placement(rank, 0, seen.append, "p", 3, 2)}
+
+    def out(request_id, tokens, finished):
+        return RequestOutput(request_id, tokens, "", finished, FinishReason.ERROR if finished else None, 3,
+                             len(tokens), "rank lost" if finished else None, None, 0)
+
+    batch = threading.Thread(target=engine._send_all, args=([out("q", [7], False), out("p", [8], False)],))
+    batch.start()
+    assert in_batch.wait(timeout=5)
+    final_sent.set()
+    engine._send_all([out("p", [], True)])
+    batch.join()
+    assert [(o.new_token_ids, o.finished) for o in seen] == [([8], False), ([], True)]
