@@ -314,11 +314,15 @@ class LLMEngine:
         if quiet:  # (else the loop is still in a collective, with a rank that does not answer: the group ends them)
             self._end_lock_step()
         self.grammars.close()
-        if self._receiver is not None:  # (before the group closes the sockets it polls)
-            self._receiver.join(_left(deadline))
+        polling = False  # (a socket is not to be closed under a thread polling it: ZeroMQ's are not thread-safe)
+        if self._receiver is not None:  # (it sees the stop within one poll of 0.1 s: it gets that, budget or not)
+            self._receiver.join(max(_left(deadline), RECEIVER_STOP_S))
+            polling = self._receiver.is_alive()
             self._receiver = None
         if self.group is not None:
-            self.group.close(_left(deadline))
+            if polling:
+                logger.warning("the data-parallel links stay open: the thread taking in the ranks' outputs still runs")
+            self.group.close(_left(deadline), close_links=not polling)
             self.group = None
         if self._froze_heap:  # (this engine's objects become collectable)
             thaw_heap()
@@ -576,6 +580,9 @@ class Placement:
     num_output: int = field(default=0)
     deadline_s: float | None = None  # another rank's request with timeout_ms: when it passes, by clock()
     ending: FinishReason | None = None  # another rank's request ended here (_end_elsewhere), its rank not yet told
+
+
+RECEIVER_STOP_S = 0.5  # what the thread taking in other ranks' outputs gets to end, past a shutdown's budget
 
 
 def _idle_snapshot(rank: int, like: dict) -> dict:

@@ -221,9 +221,10 @@ class RankGroup:
             pass
         return self.broken
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0, close_links: bool = True) -> None:
         """Tell the workers to exit, wait for them `timeout` seconds in all (terminate stragglers), leave the process
-        group."""
+        group; `close_links` False leaves the data-parallel sockets to the process's exit (a thread still polls
+        them)."""
         deadline = time.monotonic() + timeout
         if self.links is not None:  # data-parallel ranks listen to their sockets
             self.links.stop_all()
@@ -242,7 +243,7 @@ class RankGroup:
             if p.is_alive():  # (SIGTERM ignored, or a stopped process)
                 p.kill()
                 p.join(5)
-        if self.links is not None:
+        if self.links is not None and close_links:
             self.links.close()
         if dist.is_initialized():
             dist.destroy_process_group()

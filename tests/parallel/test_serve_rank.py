@@ -1,5 +1,6 @@
 """A data-parallel rank's loop (backend/parallel/data_parallel.py `serve_rank`) over a fake link and a fake engine core:
-what it does with rank 0's messages, whatever order they come in."""
+what it does with rank 0's messages, whatever order they come in, and with its own faults; and rank 0's side of the
+links over fakes: noticing a lost rank, delivering the ranks' outputs, closing the links at shutdown."""
 
 from __future__ import annotations
 
@@ -197,3 +198,32 @@ def test_no_output_reaches_a_consumer_after_its_final():
     engine._send_all([out("p", [], True)])
     batch.join()
     assert [(o.new_token_ids, o.finished) for o in seen] == [([8], False), ([], True)]
+
+
+def test_the_links_are_not_closed_under_a_thread_still_polling_them():
+    """A shutdown whose budget is spent while the thread taking in other ranks' outputs still runs leaves the ranks'
+    sockets open (ZeroMQ's are not thread-safe: closing one under a poll may abort the process); a thread that ends
+    within its poll gets them closed."""
+    import threading
+
+    from backend.engine import LLMEngine
+    from backend.parallel.sync import ALONE
+
+    class Group:
+        broken = None
+
+        def close(self, timeout, close_links=True):
+            self.closed_links = close_links
+
+    for stuck in (True, False):
+        engine = object.__new__(LLMEngine)  # (the shutdown alone, over fakes)
+        engine._stop, engine._thread, engine._froze_heap = threading.Event(), None, False
+        engine.core = SimpleNamespace(close=lambda timeout: True, sync=ALONE, scheduler=SimpleNamespace(wake=dict))
+        engine.grammars = SimpleNamespace(close=lambda: None)
+        engine.group, release = Group(), threading.Event()
+        engine._receiver = threading.Thread(target=release.wait if stuck else engine._stop.wait, daemon=True)
+        engine._receiver.start()
+        group = engine.group
+        engine.shutdown(timeout=0.0)
+        release.set()
+        assert group.closed_links is not stuck
