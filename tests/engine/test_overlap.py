@@ -179,10 +179,20 @@ def test_a_step_failing_while_the_next_is_in_flight_fails_only_its_requests(tiny
         return real_forward(batch, kv)
 
     monkeypatch.setattr(engine.model, "forward", flaky_forward)
+    _assert_the_fault_ends_only_its_requests(engine, "injected fault")
+
+
+def _assert_the_fault_ends_only_its_requests(engine: LLMEngine, fault: str) -> None:
+    """Two requests of 10 tokens meet the fault: both end with it, after some tokens; no page stays held; a request
+    submitted later is served."""
     results = engine.generate(_prompts(2, 30), SamplingParams(max_tokens=10, ignore_eos=True))
     assert [r["finish_reason"] for r in results] == ["error", "error"]
-    assert all("injected fault" in r["error"] and 0 < len(r["output_ids"]) < 10 for r in results)
+    assert all(fault in r["error"] and 0 < len(r["output_ids"]) < 10 for r in results)
     assert _all_pages_free(engine)
+    _assert_a_later_request_is_served(engine)
+
+
+def _assert_a_later_request_is_served(engine: LLMEngine) -> None:
     (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
     assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
 
@@ -237,8 +247,7 @@ def test_a_step_that_cannot_even_be_built_fails_its_requests_and_the_engine_goes
     (failed,) = engine.generate(_prompts(1, 30), SamplingParams(max_tokens=10, ignore_eos=True))
     assert failed["finish_reason"] == "error" and "injected build fault" in failed["error"]
     assert _all_pages_free(engine)
-    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
-    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
+    _assert_a_later_request_is_served(engine)
 
 
 def test_a_step_log_that_cannot_be_written_loses_no_output(tiny_checkpoint, monkeypatch, tmp_path, caplog):
@@ -264,8 +273,7 @@ def test_a_step_log_that_cannot_be_written_loses_no_output(tiny_checkpoint, monk
     assert len(writes) == 3 and len(log.read_text().splitlines()) == 2
     assert "writing the step log" in caplog.text and "No space left on device" in caplog.text
     assert _all_pages_free(engine)
-    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
-    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
+    _assert_a_later_request_is_served(engine)
 
 
 def test_a_step_whose_output_cannot_be_read_fails_only_its_requests(tiny_checkpoint, monkeypatch):
@@ -285,9 +293,4 @@ def test_a_step_whose_output_cannot_be_read_fails_only_its_requests(tiny_checkpo
         return real_result(self)
 
     monkeypatch.setattr(StepHandle, "result", faulty_result)
-    results = engine.generate(_prompts(2, 30), SamplingParams(max_tokens=10, ignore_eos=True))
-    assert [r["finish_reason"] for r in results] == ["error", "error"]
-    assert all("injected device fault" in r["error"] and 0 < len(r["output_ids"]) < 10 for r in results)
-    assert _all_pages_free(engine)
-    (later,) = engine.generate(_prompts(1, 30, seed=9), SamplingParams(max_tokens=5, ignore_eos=True))
-    assert later["finish_reason"] == "length" and len(later["output_ids"]) == 5
+    _assert_the_fault_ends_only_its_requests(engine, "injected device fault")
