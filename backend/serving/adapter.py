@@ -110,7 +110,10 @@ class TritonAdapter:
         stub's own teardown, after the server has let go of the stub's shared memory, it crashed the stub or hung it.
         """
         deadline = time.monotonic() + timeout_s
-        self.engine.shutdown(timeout=timeout_s * 0.8)
+        try:
+            self.engine.shutdown(timeout=timeout_s * 0.8)
+        except Exception as exc:  # (what follows must still happen: every request answered, every object let go)
+            self.logger.log_error(f"[dsv4] stopping the engine failed: {exc}")
         self._stop.set()
         self._thread.join(timeout=max(0.5, deadline - time.monotonic()))
         with self._lock:
@@ -221,9 +224,9 @@ class TritonAdapter:
     def _send_for(self, output, live: _Live) -> None:
         """The response(s) of one output (holding its request's `sending` lock)."""
         final_sent = False
+        if output.new_token_ids:
+            self._measure(self.metrics.on_tokens, live.timer)
         try:
-            if output.new_token_ids:
-                self.metrics.on_tokens(live.timer)
             if output.finished and not output.error and live.sender.is_cancelled():
                 output = replace(output, finish_reason=FinishReason.CANCELLED)  # (as any cancelled request ends)
             if output.error or output.finish_reason == FinishReason.CANCELLED or live.failed:
@@ -259,7 +262,9 @@ class TritonAdapter:
         arrays = live.builder.on_output(output)
         if arrays is None:
             return False
-        if self._cancelled_now(request_id, live):
+        # (cancelled: nothing more goes out before the CANCELLED end, no text with a hole in it; a last output, asked
+        # about by `_send_for` already, goes out whole)
+        if live.cancelling or (not output.finished and self._cancelled_now(request_id, live)):
             self._cancel(request_id, live)
             return False
         tensors = [self.pb.Tensor(name, array) for name, array in arrays.items()]
@@ -277,10 +282,17 @@ class TritonAdapter:
         with self._lock:
             self._live.pop(output.request_id, None)
         self.processor.discard(output.request_id)
-        reason = FinishReason.ERROR if live.failed else output.finish_reason or FinishReason.ERROR
-        self.metrics.on_finished(reason.value)
         if not final_sent:
             self._send_final_flag(live.sender)
+        reason = FinishReason.ERROR if live.failed else output.finish_reason or FinishReason.ERROR
+        self._measure(self.metrics.on_finished, reason.value)
+
+    def _measure(self, record, *args) -> None:
+        """A metric's update; one that fails is logged, and never stops a response or fails a request."""
+        try:
+            record(*args)
+        except Exception as exc:
+            self.logger.log_warn(f"[dsv4] a metric update failed: {exc}")
 
     def _poll_cancelled(self) -> None:
         # Asked under the lock: a request refused in submit() leaves the table (under it) before its error FINAL
@@ -321,17 +333,17 @@ class TritonAdapter:
         running ends with an UNAVAILABLE error, its pages freed: only then can the model unload, within the server's
         exit timeout."""
         watch = self.stop_watch
-        if not self._live:
-            return
-        if watch.since is None:
-            failure = watch.check(now)
-            if failure:
-                self.logger.log_warn(f"[dsv4] {failure}")
-            if watch.since is not None:
-                running = len(self._live)
-                self.logger.log_info(f"[dsv4] {watch.reason} (seen {watch.seen_over}): the {running} "
-                                     f"request{'s' * (running != 1)} running get{'s' * (running == 1)} "
-                                     f"{watch.grace_s:g} s to finish (stop_grace_s)")
+        if watch.since is None and not self._live:
+            return  # (asked while requests run, and, once a stop is seen, until it is confirmed or cleared)
+        seen = watch.since
+        note = watch.check(now)
+        if note:
+            self.logger.log_warn(f"[dsv4] {note}")
+        if seen is None and watch.since is not None:
+            running = len(self._live)
+            self.logger.log_info(f"[dsv4] {watch.reason} (seen {watch.seen_over}): the {running} "
+                                 f"request{'s' * (running != 1)} running get{'s' * (running == 1)} "
+                                 f"{watch.grace_s:g} s to finish (stop_grace_s)")
         if watch.must_end(now):
             self._end_live_requests(watch.message())
 

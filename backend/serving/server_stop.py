@@ -339,8 +339,10 @@ class ServerStopWatch:
         asked again later, backing off (each ask could be one made during a stop), and returned when it differs from
         the last one, for the caller to log; so is an endpoint's ask that told nothing, once, and its answering
         again."""
-        if not self.enabled or now < self.next_check or self.since is not None:
+        if not self.enabled or now < self.next_check:
             return None
+        if self.since is not None:
+            return self._recheck(now)
         self.next_check = now + self.check_s
         try:
             reason = self._ask()
@@ -354,6 +356,22 @@ class ServerStopWatch:
         self.last_fallback = self.fallback  # (an ask that told nothing, or one that works again: logged once)
         return f"asked is_model_ready: {self.fallback}" if self.fallback else f"tritonserver's {self.health.name} " \
                                                                               "answers again"
+
+    def _recheck(self, now: float) -> str | None:
+        """A stop seen over an endpoint is asked about again there, so that one reading that was none (both asks'
+        connections dropped while tritonserver serves) does not refuse every later request: the model reading ready
+        again clears it (returned, for the caller to log). Never through is_model_ready, which a stopping server may
+        crash in: a stop seen that way stands."""
+        if self.health is None or self.fallback:
+            return None
+        self.next_check = now + self.check_s
+        try:
+            if self.health.stop_reason(self.model_name, self.model_version) is not None:
+                return None
+        except Exception:  # (an ask that says nothing: the stop stands)
+            return None
+        seen, self.reason, self.since = self.reason, None, None
+        return f"tritonserver's {self.health.name} endpoint says the model serves: {seen!r} was a reading, not a stop"
 
     def _ask(self) -> str | None:
         """Why the model no longer serves, or None: over HTTP or gRPC where that answers, else through the Python

@@ -443,3 +443,69 @@ def test_a_cancellation_that_meets_the_last_output_ends_cancelled(adapter, monke
     wait_final(req)
     assert req.sender.num_finals == 1 and errors_of(req) == ["request cancelled"]
     assert finished(adapter, "cancelled") == 1 and finished(adapter, "length") == 0
+
+
+def _idle_adapter_with(sender, max_tokens: int = 9):
+    """An adapter whose response thread is not started, and one live request of `sender`: what `_handle` does with
+    each output, step by step."""
+    from backend.request import SamplingParams
+    from backend.serving import triton_io
+    from backend.serving.adapter import _Live
+
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000))
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", poll_s=0.005, stats_s=0.01)
+    parsed = triton_io.ParsedRequest([104, 105], SamplingParams(max_tokens=max_tokens), True, True, 0, "hi")
+    adapter._live["r"] = _Live(sender, triton_io.ResponseBuilder(parsed, engine.tokenizer))
+    adapter.processor.add("r", parsed.sampling)
+    return adapter, engine
+
+
+def test_after_a_cancellation_is_seen_no_more_tokens_go_out_before_the_cancelled_end():
+    """The engine had made three outputs when the client cancelled: the first one's send sees the cancellation, and
+    the two after it are not sent either (the client would get text with a hole in it); then CANCELLED."""
+    from backend.request import FinishReason, RequestOutput
+
+    sender = Sender()
+    sender.cancelled = True
+    adapter, engine = _idle_adapter_with(sender)
+    engine.abort = lambda request_id: True
+    for token in (97, 98, 99):
+        adapter._handle(RequestOutput("r", [token], "", False, None, 2, 1))
+    adapter._handle(RequestOutput("r", [], "", True, FinishReason.CANCELLED, 2, 3))
+    assert [(None if response is None else response.error.message, flags) for response, flags in sender.sent] == [
+        ("request cancelled", adapter.final_flag)]
+
+
+def test_a_cancellation_after_the_last_output_was_asked_about_still_sends_it_whole():
+    """The client cancels just after the request's last output was checked for a cancellation: that output goes out
+    with its tokens and finish_reason, then one FINAL (before, a bare FINAL: the answer was lost)."""
+    from backend.request import FinishReason, RequestOutput
+
+    class CancelsAfterTheFirstAsk(Sender):
+        asks = 0
+
+        def is_cancelled(self):
+            self.asks += 1
+            return self.asks >= 2
+
+    sender = CancelsAfterTheFirstAsk()
+    adapter, _ = _idle_adapter_with(sender, max_tokens=3)
+    adapter._handle(RequestOutput("r", [97], "", True, FinishReason.LENGTH, 2, 1))
+    (response, flags), (bare, final) = sender.sent
+    assert list(response.outputs["output_ids"]) == [97] and response.outputs["finish_reason"][0] == b"length"
+    assert (flags, bare, final) == (0, None, adapter.final_flag)
+    assert finished(adapter, "length") == 1
+
+
+def test_a_metric_update_that_fails_neither_fails_a_request_nor_holds_back_its_final(adapter, monkeypatch):
+    """Tokens and finishes are counted through Triton's metric API, which may fail (a new label's metric is made over
+    IPC): logged, and the request's tokens and its one FINAL go out all the same."""
+    def broken(*args):
+        raise RuntimeError("metric gone")
+
+    monkeypatch.setattr(adapter.metrics, "on_tokens", broken)
+    monkeypatch.setattr(adapter.metrics, "on_finished", broken)
+    req = request("hello", max_tokens=4)
+    adapter.submit(req)
+    wait_final(req)
+    assert req.sender.num_finals == 1 and errors_of(req) == [] and len(tokens_of(req)) == 4

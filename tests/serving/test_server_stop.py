@@ -466,3 +466,49 @@ def test_an_http_ask_that_told_nothing_is_logged_once_and_its_answering_again(he
     _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
     assert watch.check(1.5) == "tritonserver's HTTP answers again" and watch.check(2.0) is None
     assert watch.seen_over == "over HTTP"
+
+
+def test_a_stop_reading_the_endpoint_takes_back_is_cleared_and_one_it_keeps_stands(health_server):
+    """Both asks' connections dropped while tritonserver serves read as a stop; asked again (over the endpoint, never
+    through is_model_ready), the model reads ready: the stop is cleared and said so, where before it stood for good and
+    every later request was refused. A stop the endpoint keeps telling stands, and ends the requests after the
+    grace."""
+    watch = server_stop.ServerStopWatch(FakePbUtils, "dsv4", grace_s=GRACE_S, check_s=0.01,
+                                        health=_health(health_server))
+    _Health.statuses = {"/v2/models/dsv4/ready": 200}
+    assert watch.check(0.0) is None and watch.since is None  # (it answered: a dropped connection now reads as a stop)
+    _Health.statuses = {"/v2/models/dsv4/ready": DROP, LIVE: DROP}
+    assert watch.check(1.0) is None and watch.reason == "tritonserver is stopping"
+    assert watch.check(1.001) is None and watch.since == 1.0  # (not due yet)
+    _Health.statuses = {"/v2/models/dsv4/ready": DROP, LIVE: DROP}
+    assert watch.check(1.1) is None and watch.since == 1.0  # (the endpoint keeps telling it)
+    assert watch.must_end(1.0 + GRACE_S)
+    _Health.statuses = {"/v2/models/dsv4/ready": 200}
+    note = watch.check(1.2)
+    assert note == "tritonserver's HTTP endpoint says the model serves: 'tritonserver is stopping' was a reading, " \
+                   "not a stop"
+    assert watch.since is None and watch.reason is None and not watch.must_end(1.0 + GRACE_S)
+
+
+def test_the_adapter_serves_on_once_a_stop_reading_is_taken_back(adapter, health_server):
+    """The same through the adapter: a request running when the false stop is read is not ended after the grace, and
+    a request arriving after the reading was taken back is served."""
+    adapter.stop_watch.health = _health(health_server)
+    _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
+    running = request("running", max_tokens=400)
+    adapter.submit(running)
+    wait_tokens(running, 3)
+    _Health.statuses = {"/v2/models/dsv4/versions/1/ready": DROP, LIVE: DROP}
+    deadline = time.monotonic() + 5
+    while adapter.stop_watch.since is None:
+        assert time.monotonic() < deadline, "the stop reading was not seen"
+        time.sleep(0.005)
+    _Health.statuses = {"/v2/models/dsv4/versions/1/ready": 200}
+    while adapter.stop_watch.since is not None:
+        assert time.monotonic() < deadline, "the stop reading was not taken back"
+        time.sleep(0.005)
+    later = request("later", max_tokens=5)
+    adapter.submit(later)
+    wait_final(running, later)
+    assert errors_of(running) == [] and len(tokens_of(running)) == 400
+    assert errors_of(later) == [] and len(tokens_of(later)) == 5
