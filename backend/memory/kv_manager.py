@@ -108,6 +108,7 @@ class KVCacheManager:
         csa_layers, hca_layers = len(model.layers_of_type(CSA)), len(model.layers_of_type(HCA))
         window_pages = max(1, int(num_tokens * swa_full_tokens_ratio) // page_size)
         self.num_main_layers, self.speculative_tokens = model.num_hidden_layers, speculative_tokens
+        self.num_draft_layers = draft_layers
         ahead = speculative_tokens if speculative_tokens == 1 else 0  # (overlapped verify steps: one draft a row)
         self._lookbehind = ahead  # window positions a request keeps behind its own (try_extend)
         self.window_pool = WindowPool(model.num_hidden_layers + draft_layers, window_pages, page_size, entry,

@@ -89,6 +89,9 @@ class CachedPrefix:
     anchor: bytes | None = None  # an end entry: the digest of its last full block (b"" before the first)
     tail: tuple[int, ...] = ()  # an end entry: its tokens after the anchor
     request_end: bool = False  # a request ended here (what a chat's next turn continues)
+    # The token at P when the state was kept (None: not on the host yet). The MTP draft layer's window entry at P - 1,
+    # in the window pages, was computed with it (a draft layer reads the next token's embedding).
+    next_token: int | None = None
 
 
 @dataclass
@@ -132,6 +135,10 @@ class PrefixCache:
                              f"(KVCacheManager.enable_prefix_caching), the pool has "
                              f"{state.num_spare + state.num_light_spare}")
         self.kv, self.block_tokens = kv, block_tokens
+        # With a draft layer in the window pool, an entry serves only a request whose token at P is the one its draft
+        # entry at P - 1 was computed with: another would draft from a stale entry (its tokens still exact, its
+        # drafts worse, a seeded sample's draws other than without the cache).
+        self.checks_next_token = kv.num_draft_layers > 0
         self._free_full = list(range(state.num_spare - 1, -1, -1))  # snapshot indices, taken from the end
         self._free_light = list(range(max_entries - 1, state.num_spare - 1, -1))
         self._reserved_keys: set[bytes] = set()  # boundaries that steps in flight snapshot
@@ -167,13 +174,17 @@ class PrefixCache:
         tokens = seq.token_ids
         limit = len(tokens) - 1
         digests = [b""] + self._chain(seq, limit // self.block_tokens)
+
+        def continued(entry: CachedPrefix) -> bool:  # (its draft entry at P - 1 is this request's: `checks_next_token`)
+            return not self.checks_next_token or entry.next_token in (None, tokens[entry.length])
+
         for k in range(len(digests) - 1, -1, -1):
             start = k * self.block_tokens
             ends = [e for e in self._ends.get(digests[k], []) if start + len(e.tail) <= limit
-                    and tuple(tokens[start:start + len(e.tail)]) == e.tail]
+                    and tuple(tokens[start:start + len(e.tail)]) == e.tail and continued(e)]
             if ends:
                 return max(ends, key=lambda e: e.length)
-            if k and digests[k] in self._entries:
+            if k and digests[k] in self._entries and continued(self._entries[digests[k]]):
                 return self._entries[digests[k]]
         return None
 
@@ -265,7 +276,7 @@ class PrefixCache:
                 self.release_reserved([r])  # unknown, or kept (or about to be) by another request
                 continue
             self._unreserve(r)
-            self._add_entry(key, r.position, r.snapshot, r.pages, digests[:block - 1])
+            self._add_entry(key, r.position, r.snapshot, r.pages, digests[:block - 1], _token_at(seq, r.position))
 
     def release_reserved(self, reserved: list[ReservedSnapshot]) -> None:
         """The reserved states are void (their step failed, or an entry for them exists already)."""
@@ -316,12 +327,12 @@ class PrefixCache:
             return None
         snapshot = self._take_snapshot(full=True)
         self._do(("save", seq.pages.slot, snapshot))
-        return self._add_entry(key, length, snapshot, self.kv.pin(seq, length), ancestors)
+        return self._add_entry(key, length, snapshot, self.kv.pin(seq, length), ancestors, _token_at(seq, length))
 
     def _add_entry(self, key: bytes, length: int, snapshot: int, pages: PrefixPages,
-                   ancestors: list[bytes]) -> CachedPrefix:
+                   ancestors: list[bytes], next_token: int | None) -> CachedPrefix:
         """An entry for a state at `length` (its rings in `snapshot`), holding the pages given (pinned for it)."""
-        entry = self._entries[key] = CachedPrefix(key, length, pages, snapshot)
+        entry = self._entries[key] = CachedPrefix(key, length, pages, snapshot, next_token=next_token)
         self._touch(entry, ancestors)
         for pool, held in pages.by_pool():
             self._held.setdefault(pool, Counter()).update(held)
@@ -452,3 +463,7 @@ class PrefixCache:
         holders = [*self._entries.values(), *self._reserved.values()]
         return [h.pages.window if pool == "window" else h.pages.compressed[pool] for h in holders]
 
+
+def _token_at(seq, position: int) -> int | None:
+    """`seq`'s token at `position`, where the host has it."""
+    return seq.token_ids[position] if position < len(seq.token_ids) else None

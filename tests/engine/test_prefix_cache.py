@@ -303,3 +303,25 @@ def test_a_step_that_fails_to_build_does_not_lose_an_earlier_requests_snapshot(t
     assert got["num_cached_tokens"] == len(first) + len(ended["output_ids"]) - 1  # (the end entry)
     assert got["output_ids"] == want["output_ids"]
     assert [lp.logprob for lp in got["logprobs"]] == pytest.approx([lp.logprob for lp in want["logprobs"]], abs=1e-5)
+
+
+def test_with_drafts_a_boundary_serves_only_prompts_that_go_on_with_the_token_its_draft_entry_read(tiny_checkpoint):
+    """The MTP draft layer's window entry at P - 1 was computed with the token at P. A prompt sharing the first 256
+    tokens of a cached one but not its 257th restores the boundary at 128 instead (restoring 256, it drafted from a
+    stale entry: a seeded sampled request drew other tokens than without the cache); one that goes on with the same
+    token restores 256. Both generate what they generate without the cache."""
+    def tokens(count: int, seed: int) -> list[int]:
+        return torch.randint(2, 500, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    history = tokens(300, 11)
+    other_at_256, same_at_256 = history[:256] + tokens(12, 4005), history[:257] + tokens(11, 4006)
+    assert other_at_256[256] != history[256]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=123)
+    speculative = dict(num_speculative_tokens=2, draft_sampling="sample")
+    plain = _engine(tiny_checkpoint, **speculative)
+    expected = [plain.generate([prompt], params)[0]["output_ids"] for prompt in (other_at_256, same_at_256)]
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True, **speculative)
+    cached.generate([history], params)  # (keeps the boundaries at 128 and 256)
+    got = [cached.generate([prompt], params)[0] for prompt in (other_at_256, same_at_256)]
+    assert [r["output_ids"] for r in got] == expected
+    assert [r["num_cached_tokens"] for r in got] == [128, 256]

@@ -109,7 +109,8 @@ def test_a_prompts_last_chunk_with_its_draft_chain_lookahead_fits_the_window_tab
     while not first.is_finished:
         plan = scheduler.schedule(now=0.0)
         scheduler.update_from_output(plan, StepOutput([[7] for c in plan.chunks if c.samples], timing=StepTiming()))
-    second = Sequence("turn 2", list(range(1, 143)) + [9] * budget, SamplingParams(max_tokens=4))
+    # (resending the first turn's answer, 7: the draft layer's entry at 141 read it)
+    second = Sequence("turn 2", list(range(1, 143)) + [7] + [9] * (budget - 1), SamplingParams(max_tokens=4))
     scheduler.add(second)
     (chunk,) = scheduler.schedule(now=0.0).chunks
     assert chunk.start == 142 and chunk.allocated == budget + k - 1
