@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.chat import chat_format, chat_prompt_ids, checked_options, checked_tools  # noqa: E402
 from backend.config import ConfigError, EngineConfig  # noqa: E402
+from backend.deployment import check_deployment  # noqa: E402
 from backend.engine import LLMEngine  # noqa: E402
 from backend.engine_core import tokenizer_directory  # noqa: E402
 from backend.errors import load_json  # noqa: E402
@@ -176,6 +177,32 @@ def chat_params(params: SamplingParams, chats: list[tuple[str, GuidedDecoding | 
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
+    try:  # (every setting checked before the model loads, which takes minutes at V4's size)
+        config, params = settings(args)
+        check_deployment(config)
+        chats = render_chats(args, config)
+        engine = LLMEngine(config)
+    except (ValueError, FileNotFoundError) as exc:  # (ConfigError, a checkpoint's errors, a request's: ValueErrors)
+        _fail(exc)
+    try:
+        prompts = load_prompts(args, engine.tokenizer, chats)
+        results = engine.generate(prompts, chat_params(params, chats) if chats is not None else params)
+    except ValueError as exc:  # (a prompt the engine refuses: empty, out of the vocabulary, too long)
+        _fail(exc)
+    finally:
+        engine.shutdown()  # with several ranks: the workers exit
+    json.dump([{k: r[k] for k in ("output_ids", "text", "finish_reason")} for r in results], sys.stdout)
+    sys.stdout.write("\n")
+
+
+def _fail(error: Exception) -> None:
+    """A setting or prompt that cannot be served: one line, as argparse reports a bad flag, exit status 2."""
+    print(f"generate.py: error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def settings(args) -> tuple[EngineConfig, SamplingParams]:
+    """The engine's configuration and the requests' sampling the flags give (ValueError naming a bad one)."""
     config = EngineConfig(**checkpoint_settings(args), device=args.device, dtype=args.dtype,
                           weight_format=args.weight_format, numerics=args.numerics,
                           kv_cache_dtype=args.kv_cache_dtype,
@@ -189,17 +216,9 @@ def main(argv=None) -> None:
                           policy=args.policy, overlap_scheduling=args.overlap_scheduling,
                           prefix_cache_end_entries=args.prefix_cache_end_entries,
                           num_speculative_tokens=args.num_speculative_tokens, chat_template=args.chat_template)
-    chats = render_chats(args, config)
-    engine = LLMEngine(config)
-    try:
-        prompts = load_prompts(args, engine.tokenizer, chats)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
-        results = engine.generate(prompts, chat_params(params, chats) if chats is not None else params)
-    finally:
-        engine.shutdown()  # with several ranks: the workers exit
-    json.dump([{k: r[k] for k in ("output_ids", "text", "finish_reason")} for r in results], sys.stdout)
-    sys.stdout.write("\n")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    return config, params
 
 
 if __name__ == "__main__":

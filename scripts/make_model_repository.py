@@ -73,8 +73,15 @@ def parse_sets(items: list[str], known: list[str]) -> dict[str, str]:
     return values
 
 
+# A served model's name: its directory in the repository, and a URL path segment (what tritonserver serves it as).
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
 def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, model_name: str = "dsv4") -> Path:
     """Write OUT/<model_name>/ and return its config.pbtxt path."""
+    if not MODEL_NAME_RE.fullmatch(model_name):  # (OUT/<name> is replaced whole: never "", "." or "..")
+        raise ConfigError(f"--model-name {model_name!r}: letters, digits, '_', '.' and '-', not starting with '.' "
+                          "or '-'")
     pbtxt = (SOURCE / "config.pbtxt").read_text(encoding="utf-8")
     values = dict(sets)
     if checkpoint is not None:
@@ -85,13 +92,16 @@ def make_repository(out: Path, sets: dict[str, str], checkpoint: str | None, mod
     config = EngineConfig.from_parameters(engine_params)  # raises ConfigError naming the parameter
     if not Path(config.checkpoint).is_absolute():
         config.checkpoint = str(REPO_ROOT / config.checkpoint)
-    if model_config_path(config.checkpoint).is_file():
-        try:
-            check_deployment(config)
-        except (UnsupportedCheckpoint, CheckpointError) as exc:  # config.json's, hf_overrides' (the message names
-            # which), or the weight files' (the MTP layer num_speculative_tokens needs)
-            raise ConfigError(f"parameter {'hf_overrides' if config.hf_overrides else 'checkpoint'!r}: {exc}") \
-                from exc
+    if not model_config_path(config.checkpoint).is_file():  # (found at model load only, minutes later)
+        raise ConfigError(f"parameter 'checkpoint': no config.json at {config.checkpoint} (a checkpoint directory, "
+                          "or a config.json file with load_format=dummy)")
+    try:
+        check_deployment(config)
+    except (UnsupportedCheckpoint, CheckpointError) as exc:  # config.json's, hf_overrides' (the message names
+        # which), or the weight files' (the MTP layer num_speculative_tokens needs)
+        raise ConfigError(f"parameter {'hf_overrides' if config.hf_overrides else 'checkpoint'!r}: {exc}") from exc
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
 
     target = out / model_name
     if target.exists():

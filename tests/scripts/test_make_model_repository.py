@@ -18,8 +18,9 @@ def test_config_pbtxt_has_one_parameter_per_engine_field():
     assert all(value == "" for value in params.values()), "defaults live in backend/config.py"
 
 
-def test_writes_parameters_checkpoint_and_repo_root(tmp_path):
+def test_writes_parameters_checkpoint_and_repo_root(tmp_path, tiny_checkpoint):
     ckpt = tmp_path / "ckpt"
+    ckpt.symlink_to(tiny_checkpoint)
     config = mmr.make_repository(tmp_path / "repo", {"policy": "mixed", "step_log": 'a "quoted" \\ path'}, str(ckpt))
     params = mmr.read_parameters(config.read_text())
     assert params["policy"] == "mixed"
@@ -53,6 +54,27 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert mmr.main(["--out", str(tmp_path), "--set", "max_running_requests=4"]) == 0
     assert mmr.main(["--out", str(tmp_path), "--set", "max_running_requests=zero"]) == 2
     assert "max_running_requests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-name", ".."], "--model-name '..'"),  # (OUT/<name> is replaced whole: OUT's parent, before)
+    (["--model-name", ""], "--model-name ''"),  # (OUT itself)
+    (["--model-name", "a/b"], "--model-name 'a/b'"),
+    (["--checkpoint", "/nonexistent"], "parameter 'checkpoint': no config.json at /nonexistent"),
+    (["--set", "checkpoint=/nonexistent"], "parameter 'checkpoint': no config.json at /nonexistent"),
+])
+def test_a_name_or_checkpoint_that_cannot_serve_is_refused_and_nothing_is_removed(tmp_path, capsys, argv, message):
+    (tmp_path / "out" / "keep").mkdir(parents=True)
+    (tmp_path / "beside").mkdir()
+    assert mmr.main(["--out", str(tmp_path / "out"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "out" / "keep").is_dir() and (tmp_path / "beside").is_dir()
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert mmr.main(["--out", str(tmp_path / "file")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("sets, name", [
