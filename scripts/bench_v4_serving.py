@@ -81,8 +81,8 @@ def server_env(bundle: Path | None, out: Path) -> dict[str, str]:
         subprocess.run(["tar", "xJf", str(bundle), "-C", str(unpacked)], check=True)
         _stub_for_this_python(unpacked)
         given = {"TRITON_HOME": str(unpacked / "tritonserver"), "PERF_ANALYZER": str(unpacked / "perf_analyzer")}
-    env = subprocess.run(["bash", "-c", f"source {REPO / 'scripts' / 'env.sh'} && env -0"], capture_output=True,
-                         check=True, env={**os.environ, **given}).stdout
+    env = subprocess.run(["bash", "-c", 'source "$1" && env -0', "bash", str(REPO / "scripts" / "env.sh")],
+                         capture_output=True, check=True, env={**os.environ, **given}).stdout  # (a path with spaces)
     return dict(item.split("=", 1) for item in env.decode().split("\0") if "=" in item)
 
 

@@ -529,13 +529,22 @@ def main() -> int:
                         "its main loop issues per iteration and per byte it streams (weights or keys)")
     options = parser.parse_args()
     if options.config is not None:
+        if not options.config.is_file():
+            parser.error(f"--config {options.config}: no such file")
         tuning.load(options.config)
+    if options.sass:
+        try:
+            re.compile(options.sass)
+        except re.error as exc:
+            parser.error(f"--sass {options.sass!r}: {exc}")
 
     all_cases = cases()
     selected = [i for i, (model, case, _) in enumerate(all_cases)
                 if (not options.quick or (model, case) in QUICK)
                 and (not options.sass or re.search(options.sass, f"{model} {case}"))]
     selected = _unique_cases(selected, all_cases)
+    if not selected:  # (a pattern that matches nothing checked nothing: not a pass)
+        parser.error(f"--sass {options.sass!r} matches no case (they are named 'model case', e.g. 'v4-flash moe ...')")
     start = time.time()
     compile_one = partial(compile_case, sass=bool(options.sass), config=options.config)
     if options.jobs > 1:

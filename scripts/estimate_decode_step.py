@@ -118,7 +118,7 @@ def step_work(c, layout: str, ranks: int, batch: int, context: int, logits_rows:
     position's). scripts/bench_v4.py puts its measured steps beside it."""
     d, heads, dh, q = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
     hi, di, inter, k = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.num_experts_per_tok
-    own = batch // ranks if layout == "dp" else batch  # requests whose attention this rank runs
+    own = -(-batch // ranks) if layout == "dp" else batch  # requests whose attention this rank runs (the busiest's)
     split = ranks if layout == "tp" else 1  # the share of the heads (and the shared expert) a rank computes
     entry, index_key = kv_fp8_entry_bytes(dh, c.qk_rope_head_dim), indexer_fp4_entry_bytes(di)
     kv = flops = 0.0
@@ -187,14 +187,25 @@ def _rank_layout(layout: str, ranks: int) -> ParallelLayout:
     return ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer of at least `minimum`."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="a DeepSeek-V4 config.json")
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256, help="requests decoding in the step, all ranks together")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072, 1048576])
-    parser.add_argument("--drafts", type=int, default=0, help="K: also a verify step of 1 + K tokens a request and "
-                        "its K draft passes")
+    parser.add_argument("--ranks", type=_at_least(1), default=8)
+    parser.add_argument("--batch", type=_at_least(1), default=256,
+                        help="requests decoding in the step, all ranks together")
+    parser.add_argument("--contexts", type=_at_least(1), nargs="+", default=[8192, 131072, 1048576])
+    parser.add_argument("--drafts", type=_at_least(0), default=0,
+                        help="K: also a verify step of 1 + K tokens a request and its K draft passes")
     parser.add_argument("--acceptance", type=float, nargs="*", default=[], metavar="A",
                         help="per-position acceptance rates, one per draft: the share of verifies that accept draft i "
                              "and every draft before it (V4-Flash: 0.77 0.38)")
@@ -205,7 +216,11 @@ def main() -> None:
         parser.error(f"--acceptance takes one rate per draft: {args.drafts}, got {len(args.acceptance)}")
     if problem := acceptance_problem(args.acceptance):
         parser.error(problem)
-    config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
+    try:
+        config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
+        _rank_layout("tp", args.ranks).check(config)
+    except (OSError, ValueError) as exc:  # (no such file, not JSON, not a V4 config, heads the ranks cannot split)
+        parser.error(f"--config {args.config} (--ranks {args.ranks}): {exc}")
     rows = [estimate(config, layout, args.ranks, args.batch, context, args.drafts, args.acceptance)
             for context in args.contexts for layout in LAYOUTS]
     print(f"one decode step per rank: {args.ranks} ranks, batch {args.batch}, {args.config.name} (paper estimate)")

@@ -81,6 +81,10 @@ limit+=([v4_shapes]=300 [v4_serving]=300 [speculative_v4]=240 [sampling]=40 [hos
 # the tiles tuned for this device (the parts after it launch with them), V4-Flash's shapes end to end, the kernels
 # timed, speculative decoding and structured outputs, then the rest; v4_serving last (it carries other files).
 for kv in ${GPU_CHECK_LIMITS:-}; do limit[${kv%=*}]=${kv#*=}; done   # e.g. GPU_CHECK_LIMITS="engine=200"
+for name in ${GPU_CHECK_PARTS:-}; do  # (a misspelt part would skip every part and pass)
+  [ -n "${limit[$name]:-}" ] || {
+    echo "gpu_check.sh: GPU_CHECK_PARTS names no part '$name' (parts: ${!limit[*]})" >&2; exit 2; }
+done
 # GPU_CHECK_PARTS="engine speculative": only those parts (a rerun after a fix)
 # GPU_CHECK_DEADLINE_S=540: a part is started only if its limit ends within that many seconds of the start (the limits
 # add up to more than one command of a lease may run); the summary names the parts left, as a GPU_CHECK_PARTS= line.

@@ -27,6 +27,9 @@ EXTRA=()
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
+  case "$1" in  # (a flag that takes a value, given last without one)
+    --model|--url|--concurrency|--input-tokens|--output-tokens|--tokenizer|--measurement-interval-ms|--stability-percentage|--out) [ $# -ge 2 ] || { echo "perf_analyzer.sh: $1 needs a value" >&2; usage >&2; exit 2; } ;;
+  esac
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
     --url) URL="$2"; shift 2 ;;
@@ -43,7 +46,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+for count in "$INPUT_TOKENS" "$OUTPUT_TOKENS"; do
+  [[ "$count" =~ ^[1-9][0-9]*$ ]] || { echo "perf_analyzer.sh: token counts must be positive integers, got '$count'" >&2; exit 2; }
+done
 bash "$REPO_ROOT/scripts/setup.sh" >/dev/null
+[ -f "$TOKENIZER" ] || { echo "perf_analyzer.sh: --tokenizer $TOKENIZER: no such file" >&2; exit 2; }
 # shellcheck source=scripts/env.sh
 source "$REPO_ROOT/scripts/env.sh"
 mkdir -p "$OUT"

@@ -20,6 +20,9 @@ SETS=()
 
 usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 while [ $# -gt 0 ]; do
+  case "$1" in  # (a flag that takes a value, given last without one)
+    --model-repository|--set|--address|--http-port|--grpc-port|--metrics-port) [ $# -ge 2 ] || { echo "serve.sh: $1 needs a value" >&2; usage >&2; exit 2; } ;;
+  esac
   case "$1" in
     --model-repository) MODEL_REPOSITORY="$2"; shift 2 ;;
     --set) SETS+=(--set "$2"); shift 2 ;;

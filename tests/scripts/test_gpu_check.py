@@ -104,3 +104,12 @@ def test_a_deadline_cuts_the_parts_that_keep_what_they_wrote_and_leaves_the_othe
     assert "=== engine" not in run.stdout and "=== v4_shapes" not in run.stdout
     assert re.search(r"engine +not started", run.stdout) and re.search(r"v4_shapes +not started", run.stdout)
     assert 'GPU_CHECK_PARTS="engine v4_shapes"' in run.stdout
+
+
+def test_a_misspelt_part_is_refused_before_anything_runs(tmp_path):
+    """GPU_CHECK_PARTS with a name no part has ran none of the parts (each 'skipped') and passed."""
+    env = {**os.environ, "RESULTS": str(tmp_path), "GPU_CHECK_PARTS": "engine speculative-v4"}
+    run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 2 and "GPU_CHECK_PARTS names no part 'speculative-v4'" in run.stderr
+    assert "=== engine" not in run.stdout
