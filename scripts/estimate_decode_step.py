@@ -48,6 +48,7 @@ from backend.model.footprint import draft_pass_weight_bytes, step_weight_bytes  
 from backend.model.parallel_layout import ParallelLayout  # noqa: E402
 from kernels.quant_formats import indexer_fp4_entry_bytes, kv_fp8_entry_bytes  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
+from scripts.flag_types import at_least  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 BF16_FLOPS_PER_S = 989e12  # H200 dense bf16
@@ -187,24 +188,14 @@ def _rank_layout(layout: str, ranks: int) -> ParallelLayout:
     return ParallelLayout(ranks, ranks) if layout == "tp" else ParallelLayout(1, ranks)
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer of at least `minimum`."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="a DeepSeek-V4 config.json")
-    parser.add_argument("--ranks", type=_at_least(1), default=8)
-    parser.add_argument("--batch", type=_at_least(1), default=256,
+    parser.add_argument("--ranks", type=at_least(1), default=8)
+    parser.add_argument("--batch", type=at_least(1), default=256,
                         help="requests decoding in the step, all ranks together")
-    parser.add_argument("--contexts", type=_at_least(1), nargs="+", default=[8192, 131072, 1048576])
-    parser.add_argument("--drafts", type=_at_least(0), default=0,
+    parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[8192, 131072, 1048576])
+    parser.add_argument("--drafts", type=at_least(0), default=0,
                         help="K: also a verify step of 1 + K tokens a request and its K draft passes")
     parser.add_argument("--acceptance", type=float, nargs="*", default=[], metavar="A",
                         help="per-position acceptance rates, one per draft: the share of verifies that accept draft i "

@@ -36,6 +36,7 @@ from backend.model.config import load_model_config, parse_model_config  # noqa: 
 from backend.model.footprint import weight_bytes  # noqa: E402
 from backend.model.parallel_layout import ParallelLayout  # noqa: E402
 from kernels.modes import Numerics  # noqa: E402
+from scripts.flag_types import at_least  # noqa: E402
 
 GIB = 2**30
 
@@ -146,44 +147,51 @@ def main() -> None:
     source.add_argument("--config", type=Path, help="a config.json file")
     parser.add_argument("--weight-format", choices=["dequantize", "fp8"], default="fp8")
     parser.add_argument("--gpu-memory-gib", type=float, default=141.0)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--expert-parallel-size", type=int, default=1)
-    parser.add_argument("--data-parallel-size", type=int, default=1,
+    parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1)
+    parser.add_argument("--expert-parallel-size", type=at_least(1), default=1)
+    parser.add_argument("--data-parallel-size", type=at_least(1), default=1,
                         help="data-parallel attention: ranks each holding the whole attention and pools for their own "
                              "requests (with --tensor-parallel-size 1; --expert-parallel-size 1 or the same)")
     parser.add_argument("--utilization", type=float, default=0.9, help="fraction of device memory to use")
     parser.add_argument("--reserve-gib", type=float, default=4.0, help="activations and workspace per device")
-    parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--prefix-cache-entries", type=int,
+    parser.add_argument("--max-running-requests", type=at_least(1), default=64)
+    parser.add_argument("--page-size", type=at_least(1), default=64)
+    parser.add_argument("--prefix-cache-entries", type=at_least(0),
                         default=EngineConfig.prefix_cache_entries if EngineConfig.enable_prefix_caching else 0,
                         help="the engine's prefix_cache_entries, 0 with enable_prefix_caching=false (each entry's "
                              "ring snapshot takes memory); default: the engine's default")
-    parser.add_argument("--prefix-cache-end-entries", type=int, default=EngineConfig.prefix_cache_end_entries,
+    parser.add_argument("--prefix-cache-end-entries", type=at_least(0), default=EngineConfig.prefix_cache_end_entries,
                         help="the engine's prefix_cache_end_entries (of the entries, the requests' ends, whose "
                              "snapshots also hold the HCA ring)")
     parser.add_argument("--kv-cache-dtype", choices=["bfloat16", "fp8", "both"], default="both",
                         help="what the pools store (fp8: DeepSeek's 584-byte entries and FP4 indexer keys); both: "
                              "the two plans and their ratios")
-    parser.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+    parser.add_argument("--num-speculative-tokens", type=at_least(0), default=EngineConfig.num_speculative_tokens,
                         help="speculative decoding's drafts per decode: the MTP layer's weights and window, the "
                              "lookahead and longer compressor rings count too")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.prefix_cache_entries and args.prefix_cache_end_entries > args.prefix_cache_entries:
         parser.error("--prefix-cache-end-entries: at most --prefix-cache-entries, of which the ends are a part")
-    if args.checkpoint is not None:
-        config = load_model_config(args.checkpoint)
-    else:
-        config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
+    try:
+        if args.checkpoint is not None:
+            config = load_model_config(args.checkpoint)
+        else:
+            config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
+    except (OSError, ValueError) as exc:  # (no such file, not JSON, not a DeepSeek-V4 config)
+        parser.error(f"--{'checkpoint' if args.checkpoint is not None else 'config'}: {exc}")
     if args.data_parallel_size > 1 and (args.tensor_parallel_size != 1
                                         or args.expert_parallel_size not in (1, args.data_parallel_size)):
         parser.error("--data-parallel-size: with --tensor-parallel-size 1 and --expert-parallel-size 1 or the same")
     layout = ParallelLayout(args.tensor_parallel_size, args.expert_parallel_size)
     dtypes = ["bfloat16", "fp8"] if args.kv_cache_dtype == "both" else [args.kv_cache_dtype]
-    rows = [plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
-                 args.max_running_requests, args.page_size, args.prefix_cache_entries, args.prefix_cache_end_entries,
-                 dtype, args.num_speculative_tokens, args.data_parallel_size) for dtype in dtypes]
+    try:
+        rows = [plan(config, args.weight_format, layout, args.gpu_memory_gib, args.utilization, args.reserve_gib,
+                     args.max_running_requests, args.page_size, args.prefix_cache_entries,
+                     args.prefix_cache_end_entries, dtype, args.num_speculative_tokens, args.data_parallel_size)
+                for dtype in dtypes]
+    except ValueError as exc:  # (a layout the model cannot be split by, a page size the pools cannot take: named)
+        parser.error(str(exc))
     for row in rows:
         print_plan(row)
     if len(rows) == 2:
