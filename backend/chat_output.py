@@ -25,6 +25,7 @@ tokenizers, so the detokenized text keeps them.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -150,13 +151,24 @@ def _argument(value: str, string: bool):
     if string:
         return value
     try:
-        return json.loads(value, parse_constant=_not_json)
+        parsed = json.loads(value, parse_constant=_not_json, parse_float=_finite)
+        json.dumps(parsed, ensure_ascii=False).encode("utf-8")  # (a lone surrogate's escape: no UTF-8 to send)
+        return parsed
     except (ValueError, RecursionError):  # (DeepSeek's decoder would write it into the JSON as it is: keep it, as a
-        return value  # string; so too NaN and Infinity, which Python reads but JSON has not, and what nests too deeply)
+        # string; so too what Python reads but JSON has not (NaN, Infinity, 1e999), what nests too deeply, and a
+        # lone surrogate's escape)
+        return value
 
 
 def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # (1e999 is read as inf, which JSON cannot write)
+        raise ValueError(f"{text} is past a float's range")
+    return value
 
 
 def _possible_start(text: str, marker: str) -> int:

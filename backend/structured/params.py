@@ -177,6 +177,18 @@ _NOT_ENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSch
                  "unevaluatedProperties", "uniqueItems", "contains", "minContains", "maxContains")
 
 
+def _dropped_by_xgrammar(node: dict) -> str | None:
+    """What XGrammar (0.2.9) leaves out of one schema node's grammar beside the keywords of _NOT_ENFORCED (an output
+    breaking it ends with "stop"): a multipleOf of anything but an integer (0.5 took 0.3), the length bounds of a
+    string with a pattern (the pattern alone is compiled), an empty anyOf / oneOf (it compiled to the empty text)."""
+    if "multipleOf" in node and node.get("type") != "integer":
+        return "multipleOf (but for an integer)"
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        return "minLength / maxLength beside a pattern (put the length in the pattern)"
+    empty = [key for key in ("anyOf", "oneOf") if node.get(key) == []]
+    return f"an empty {empty[0]} (nothing can match it)" if empty else None
+
+
 def _check_enforceable(schema: Any, where: str) -> None:
     """ValueError naming the first keyword of the schema (in schema positions) that its grammar would not enforce."""
     def visit(node):
@@ -188,6 +200,9 @@ def _check_enforceable(schema: Any, where: str) -> None:
             if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
                 raise ValueError(f"{where}: allOf of more than one schema cannot be enforced here (XGrammar takes "
                                  f"it as any value); merge them into one schema")
+            if problem := _dropped_by_xgrammar(node):
+                raise ValueError(f"{where}: {problem} cannot be enforced here (XGrammar ignores it); change the "
+                                 f"schema or check the output yourself")
             _map_subschemas(node, visit)
         return node
 

@@ -82,8 +82,9 @@ def test_an_answer_written_in_deepseeks_format_parses_back_whatever_the_pieces_i
      f"\n</{D}invoke>\n</{D}tool_calls>", False, ("", "", [{"name": "f", "arguments": {"x": "not json"}}])),
     *[(f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"x\" string=\"false\">{value}</{D}parameter>"
        f"\n</{D}invoke>\n</{D}tool_calls>", False, ("", "", [{"name": "f", "arguments": {"x": value}}]))
-      # (Python reads the first two, which JSON has not; the last nests deeper than its parser goes)
-      for value in ("NaN", "-Infinity", "[" * 2_000)],
+      # (Python reads NaN, Infinity and 1e999 as floats JSON has not; a lone surrogate's escape has no UTF-8 to send;
+      # the last nests deeper than the parser goes)
+      for value in ("NaN", "-Infinity", "1e999", '{"y": -2e400}', '{"s": "\\ud800"}', "[" * 2_000)],
     (f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"x\" string=\"true\">1</{D}parameter>\n"
      f"<{D}parameter name=\"x\" string=\"true\">2</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>", False,
      ("", f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"x\" string=\"true\">1</{D}parameter>\n"

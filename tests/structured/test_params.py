@@ -92,6 +92,9 @@ def test_disable_additional_properties_leaves_values_and_property_names_alone():
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
     ({"$defs": {"x": {"if": {"type": "string"}, "then": {"minLength": 2}}}, "$ref": "#/$defs/x"}, "if"),
     ({"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 6}]}, "allOf of more than one schema"),
+    ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01}}}, "multipleOf"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength beside a pattern"),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}}, "an empty anyOf"),
 ])
 def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keyword):
     """XGrammar drops these without a word: an output could break them and still end with "stop"."""
@@ -99,6 +102,13 @@ def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keywo
         _guided({"guided_decoding": {"json": schema}})
     # (in a value, not a schema, they are only data)
     assert _guided({"guided_decoding": {"json": {"const": schema}}}).kind == "json"
+
+
+def test_what_xgrammar_does_enforce_of_those_is_taken():
+    """An integer's multipleOf and a pattern's string without length bounds compile to grammars that hold them."""
+    for schema in ({"type": "integer", "multipleOf": 3}, {"type": "string", "pattern": "^a{1,2}$"},
+                   {"anyOf": [{"type": "integer"}]}):
+        assert _guided({"guided_decoding": {"json": schema}}).kind == "json"
 
 
 @pytest.mark.parametrize("text", [{"type": "text"}, '{"type": "text"}'])
