@@ -37,9 +37,10 @@ CALLS_START = f"<{DSML}tool_calls>"
 CALLS_END = f"</{DSML}tool_calls>"
 CALLS_LEAD = "\n\n"  # what DeepSeek's format writes between an answer's content and its tool calls
 
-_INVOKE = re.compile(rf'\s*<{DSML}invoke name="(?P<name>.*?)">(?P<body>.*?)</{DSML}invoke>', re.DOTALL)
-_PARAMETER = re.compile(rf'\s*<{DSML}parameter name="(?P<name>.*?)" string="(?P<string>true|false)">'
-                        rf'(?P<value>.*?)</{DSML}parameter>', re.DOTALL)
+_INVOKE = re.compile(rf'\s*<{DSML}invoke name="(?P<name>.*?)">', re.DOTALL)
+_INVOKE_END = re.compile(rf"\s*</{DSML}invoke>")
+_PARAMETER = re.compile(rf'\s*<{DSML}parameter name="(?P<name>.*?)" string="(?P<string>true|false)">', re.DOTALL)
+PARAMETER_END = f"</{DSML}parameter>"
 
 
 @dataclass
@@ -76,7 +77,7 @@ class AnswerParser:
                 if not self._take_until(CALLS_START, part, "content", next_mode="calls"):
                     return part
             else:
-                end = self._held.find(CALLS_END)
+                end = _block_end(self._held)
                 if end < 0:
                     return part
                 block, self._held = self._held[:end], self._held[end + len(CALLS_END):]
@@ -125,26 +126,39 @@ class AnswerParser:
 
 def parse_tool_calls(block: str) -> list[dict] | None:
     """The calls of a DSML block (the text between <｜DSML｜tool_calls> and its end) in OpenAI's form (none for an
-    empty block); None if the block is not a sequence of invokes of parameters."""
+    empty block); None if the block is not a sequence of invokes of parameters. A parameter's value is everything up
+    to its own end marker, as DeepSeek's parser reads it (a value may hold the block's other markers)."""
     calls, at = [], 0
-    for invoke in _INVOKE.finditer(block):
-        if invoke.start() != at:
+    while block[at:].strip():
+        invoke = _INVOKE.match(block, at)
+        if invoke is None:
             return None
-        arguments, inner = {}, 0
-        body = invoke["body"]
-        for parameter in _PARAMETER.finditer(body):
-            if parameter.start() != inner or parameter["name"] in arguments:
+        arguments, at = {}, invoke.end()
+        while (closed := _INVOKE_END.match(block, at)) is None:
+            parameter = _PARAMETER.match(block, at)
+            end = block.find(PARAMETER_END, parameter.end()) if parameter is not None else -1
+            if end < 0 or parameter["name"] in arguments:
                 return None
-            arguments[parameter["name"]] = _argument(parameter["value"], parameter["string"] == "true")
-            inner = parameter.end()
-        if body[inner:].strip():
-            return None
+            arguments[parameter["name"]] = _argument(block[parameter.end():end], parameter["string"] == "true")
+            at = end + len(PARAMETER_END)
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                       "function": {"name": invoke["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
-        at = invoke.end()
-    if block[at:].strip():
-        return None
+        at = closed.end()
     return calls
+
+
+def _block_end(text: str) -> int:
+    """Where the tool-call block that `text` continues ends (its end marker), -1 while it has not come: the first end
+    marker outside a parameter's value (a value may hold it, and ends only at its own end marker)."""
+    at = 0
+    while True:
+        end, value = text.find(CALLS_END, at), _PARAMETER.search(text, at)
+        if value is None or end < value.start():
+            return end
+        closed = text.find(PARAMETER_END, value.end())
+        if closed < 0:
+            return -1
+        at = closed + len(PARAMETER_END)
 
 
 def _argument(value: str, string: bool):

@@ -96,3 +96,14 @@ def test_what_is_not_deepseeks_form_stays_text_in_the_part_it_was_written_in(ans
     marked JSON that is not is kept as a string, as DeepSeek's decoder keeps it in its text."""
     for cuts in ([], list(range(1, len(answer)))):
         assert parts(answer, thinking, cuts) == expected
+
+
+def test_a_parameter_value_may_hold_the_blocks_other_markers():
+    """A value ends only at its own end marker, as DeepSeek's parser reads it: one holding the block's or an invoke's
+    end marker (which tool_choice's grammar lets a string hold) is still the call's argument, fed whole or in
+    pieces (before, the block ended inside the value and the whole block came back as content)."""
+    for marker in (f"</{D}tool_calls>", f"</{D}invoke>", f"<{D}tool_calls>"):
+        answer = (f"Ok.\n\n<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"a\" string=\"true\">"
+                  f"x{marker}y</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")
+        for cuts in ([], list(range(1, len(answer)))):
+            assert parts(answer, False, cuts) == ("", "Ok.", [{"name": "f", "arguments": {"a": f"x{marker}y"}}])
