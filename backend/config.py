@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.errors import ConfigError
+from backend.errors import ConfigError, is_int, is_number
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
@@ -324,16 +323,6 @@ class EngineConfig:
 def _check(ok: bool, name: str, value, expected: str) -> None:
     if not ok:
         raise ConfigError(f"parameter {name!r}: invalid value {value!r} (expected {expected})")
-
-
-def is_int(value) -> bool:
-    """An int that is not a bool (json and Python both make True an int)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    """A finite int or float, not a bool (json takes Infinity and NaN; no setting means either)."""
-    return is_int(value) or isinstance(value, float) and math.isfinite(value)
 
 
 def _check_int(config: "EngineConfig", name: str, minimum: int, minimum_text: str | None = None) -> None:

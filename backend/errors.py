@@ -1,9 +1,11 @@
 """The errors bad settings and bad input raise, in a module that imports nothing of the backend, so that every part
 raises them without importing the others: ConfigError, a deployment's settings (backend/config.py imports the model's
 config.json keys; the model imports the parallel layout); `load_json`, a request's JSON inputs (the Triton inputs and
-the structured-output constraints inside them)."""
+the structured-output constraints inside them); `is_int` and `is_number`, what settings, config.json keys and requests'
+numbers are checked against."""
 
 import json
+import math
 from typing import Any
 
 
@@ -38,3 +40,13 @@ def json_depth(node: Any) -> int:
                  for child in (item.values() if isinstance(item, dict) else item)]
         depth += 1
     return depth - 1
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool (json and Python both make True an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite int or float, not a bool (json takes Infinity and NaN; no setting means either)."""
+    return is_int(value) or isinstance(value, float) and math.isfinite(value)

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from backend.config import is_int, is_number
+from backend.errors import is_int, is_number
 from backend.structured.params import GUIDED_KEYS, GuidedDecoding, guided_decoding_from_sampling
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from backend.config import is_int, is_number
+from backend.errors import is_int, is_number
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
