@@ -161,7 +161,7 @@ class TritonAdapter:
             code = "UNAVAILABLE" if isinstance(exc, EngineUnavailable) else "INVALID_ARG" if refused else "INTERNAL"
             message = str(exc) if refused else f"internal error: {exc}"  # (503 / 400 / 500)
             if self._answer_with_error(live, message, getattr(self.pb.TritonError, code, None)):
-                self.metrics.on_finished(FinishReason.ERROR.value)
+                self._measure(self.metrics.on_finished, FinishReason.ERROR.value)
 
     # --- responses out --------------------------------------------------------------------------
     def _response_loop(self) -> None:
@@ -355,7 +355,7 @@ class TritonAdapter:
             self._abort(request_id)
             self.processor.discard(request_id)
             if self._answer_with_error(live, message, getattr(self.pb.TritonError, "UNAVAILABLE", None)):
-                self.metrics.on_finished(FinishReason.ERROR.value)
+                self._measure(self.metrics.on_finished, FinishReason.ERROR.value)
 
     def _update_stats(self) -> None:
         try:
