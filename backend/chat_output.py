@@ -60,6 +60,7 @@ class AnswerParser:
         self._reads_calls = tool_calls
         self._first_call_only = first_call_only
         self._held = ""  # text not yet given to a part (a marker's possible start, or an open tool-call block)
+        self._ending = False  # finish(): a block whose parameter value never closed ends at its first end tag
         self._lead = ""  # the open block's lead (CALLS_LEAD, if the model wrote one)
         self.called = False  # whether the answer made tool calls
 
@@ -77,7 +78,7 @@ class AnswerParser:
                 if not self._take_until(CALLS_START, part, "content", next_mode="calls"):
                     return part
             else:
-                end = _block_end(self._held)
+                end = self._held.find(CALLS_END) if self._ending else _block_end(self._held)
                 if end < 0:
                     return part
                 block, self._held = self._held[:end], self._held[end + len(CALLS_END):]
@@ -92,14 +93,17 @@ class AnswerParser:
                 self._mode = "content"
 
     def finish(self) -> AnswerPart:
-        """The end of the answer: what was held back goes to the part it was in (an open block as content)."""
-        part = AnswerPart()
+        """The end of the answer: what was held back goes to the part it was in (an open block as content). A block
+        held back for a parameter value that never closed is read as ending at its first end tag, as before the value
+        was seen, so that the text and blocks after it are read too."""
+        self._ending = True
+        part = self.feed("")
         if self._mode == "reasoning":
-            part.reasoning = self._held
+            part.reasoning += self._held
         elif self._mode == "content":
-            part.content = self._held
+            part.content += self._held
         else:
-            part.content = self._lead + CALLS_START + self._held
+            part.content += self._lead + CALLS_START + self._held
         self._held = ""
         return part
 

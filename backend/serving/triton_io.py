@@ -411,6 +411,7 @@ class ResponseBuilder:
         if output.finished:
             rest = self._answer.finish()
             part.reasoning, part.content = part.reasoning + rest.reasoning, part.content + rest.content
+            part.tool_calls += rest.tool_calls
         values = {"reasoning_content": part.reasoning, "content": part.content,
                   "tool_calls": json.dumps(part.tool_calls, ensure_ascii=False)}
         if output.finished and self._answer.called and output.finish_reason == FinishReason.STOP:

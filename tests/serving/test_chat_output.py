@@ -25,8 +25,8 @@ def parts(answer: str, thinking: bool, cuts: list[int]) -> tuple[str, str, list[
     for start, end in zip([0, *cuts], [*cuts, len(answer)]):
         for part in (parser.feed(answer[start:end]),):
             reasoning, content, calls = reasoning + part.reasoning, content + part.content, calls + part.tool_calls
-    last = parser.finish()
-    assert not last.tool_calls
+    last = parser.finish()  # (calls too, where a block waited for a parameter value that never closed)
+    calls += last.tool_calls
     return (reasoning + last.reasoning, content + last.content,
             [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls])
 
@@ -107,3 +107,14 @@ def test_a_parameter_value_may_hold_the_blocks_other_markers():
                   f"x{marker}y</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>")
         for cuts in ([], list(range(1, len(answer)))):
             assert parts(answer, False, cuts) == ("", "Ok.", [{"name": "f", "arguments": {"a": f"x{marker}y"}}])
+
+
+def test_a_parameter_value_that_never_closes_holds_its_block_only_until_the_end():
+    """An unclosed value: its block waits (the value might still hold the end tag), and at the answer's end it is read
+    as ending at its first end tag, so the text and the block after it come back as they did before values were
+    read whole: the broken block as content, the later call as a call."""
+    broken = f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"a\" string=\"true\">x\n</{D}tool_calls>"
+    later = f"<{D}tool_calls>\n<{D}invoke name=\"g\">\n</{D}invoke>\n</{D}tool_calls>"
+    answer = f"hi{broken} then{later}"
+    for cuts in ([], list(range(1, len(answer)))):
+        assert parts(answer, False, cuts) == ("", f"hi{broken} then", [{"name": "g", "arguments": {}}])
