@@ -89,8 +89,8 @@ class CachedPrefix:
     anchor: bytes | None = None  # an end entry: the digest of its last full block (b"" before the first)
     tail: tuple[int, ...] = ()  # an end entry: its tokens after the anchor
     request_end: bool = False  # a request ended here (what a chat's next turn continues)
-    # The token at P when the state was kept (None: not on the host yet). The MTP draft layer's window entry at P - 1,
-    # in the window pages, was computed with it (a draft layer reads the next token's embedding).
+    # The token at P when the state was kept (None: not known). The MTP draft layer's window entry at P - 1, in the
+    # window pages, was computed with it (a draft layer reads the next token's embedding).
     next_token: int | None = None
 
 
@@ -261,10 +261,11 @@ class PrefixCache:
             reserved.append(r)
         return reserved
 
-    def keep_reserved(self, seq, reserved: list[ReservedSnapshot]) -> None:
+    def keep_reserved(self, seq, reserved: list[ReservedSnapshot], emitted: int | None = None) -> None:
         """The step ran, its output is in: the reserved boundaries of `seq` become entries (their rings are in their
         slots, their pages pinned), whatever became of `seq` since (it may have ended or been preempted). A boundary
-        whose last token never reached the host (its request ended first) is given up."""
+        whose last token never reached the host (its request ended first) is given up. `emitted`: the token the
+        step sampled after its chunk, not yet appended (the token at a boundary where the chunk ends)."""
         if not reserved:
             return
         known = min(reserved[-1].position, len(seq.token_ids)) // self.block_tokens
@@ -276,7 +277,10 @@ class PrefixCache:
                 self.release_reserved([r])  # unknown, or kept (or about to be) by another request
                 continue
             self._unreserve(r)
-            self._add_entry(key, r.position, r.snapshot, r.pages, digests[:block - 1], _token_at(seq, r.position))
+            next_token = _token_at(seq, r.position)
+            if next_token is None and r.position == len(seq.token_ids):
+                next_token = emitted
+            self._add_entry(key, r.position, r.snapshot, r.pages, digests[:block - 1], next_token)
 
     def release_reserved(self, reserved: list[ReservedSnapshot]) -> None:
         """The reserved states are void (their step failed, or an entry for them exists already)."""

@@ -156,8 +156,9 @@ class PrefixCacheHooks(Protocol):
     def reserve(self, seq: Sequence, start: int, end: int) -> list:
         """Snapshot slots for the block boundaries in (start, end] a step computes."""
 
-    def keep_reserved(self, seq: Sequence, reserved: list) -> None:
-        """The step's output is in: its reserved boundaries become entries."""
+    def keep_reserved(self, seq: Sequence, reserved: list, emitted: int | None = None) -> None:
+        """The step's output is in: its reserved boundaries become entries (`emitted`: the token sampled after the
+        chunk, not yet appended)."""
 
     def release_reserved(self, reserved: list) -> None:
         """The reserved boundaries are void."""
@@ -183,7 +184,7 @@ class NoPrefixCache:
     def reserve(self, seq: Sequence, start: int, end: int) -> list:
         return []
 
-    def keep_reserved(self, seq: Sequence, reserved: list) -> None:
+    def keep_reserved(self, seq: Sequence, reserved: list, emitted: int | None = None) -> None:
         pass
 
     def release_reserved(self, reserved: list) -> None:
@@ -430,7 +431,7 @@ class Scheduler:
             if chunk.void:  # (its verify before it accepted fewer drafts: `_void_successor` settled it)
                 continue
             if chunk.snapshots and not chunk.drafts:  # the step computed these states, whatever became of the request
-                cache.keep_reserved(seq, chunk.snapshots)
+                cache.keep_reserved(seq, chunk.snapshots, tokens[row][0] if chunk.samples and tokens[row] else None)
             if seq.status is SequenceStatus.FINISHED or not chunk.samples:  # (ended while the step ran: dropped)
                 self._keep_verified_snapshots(chunk, 0)
                 continue

@@ -325,3 +325,11 @@ def test_with_drafts_a_boundary_serves_only_prompts_that_go_on_with_the_token_it
     got = [cached.generate([prompt], params)[0] for prompt in (other_at_256, same_at_256)]
     assert [r["output_ids"] for r in got] == expected
     assert [r["num_cached_tokens"] for r in got] == [128, 256]
+    # A prompt of exactly 256 tokens: its boundary at 256 is where its chunk ends, and the token there is the first
+    # one it drew (known as the step is taken in, before it is appended).
+    exact = tokens(256, 12)
+    (first,) = cached.generate([exact], params)
+    drew = first["output_ids"][0]
+    got = [cached.generate([exact + [token] + tokens(11, 13)], params)[0]["num_cached_tokens"]
+           for token in ((drew + 1) % 500 + 2, drew)]
+    assert got == [128, 256]
