@@ -259,6 +259,9 @@ def _bind(socket: zmq.Socket) -> str:
         return f"tcp://{probe.getsockname()[0]}:{port}"
 
 
+MAX_STEP_FAULTS = 10  # a worker rank's steps faulting in a row before it gives up
+
+
 def serve_rank(core, link: RankLink) -> None:
     """A data-parallel rank's loop (every rank but 0): take in what rank 0 sent, step its engine, send back the step's
     outputs; until `Stop` (or, in lock-step, rank 0's stop agreement), or until its group is broken. Waits for
@@ -267,7 +270,7 @@ def serve_rank(core, link: RankLink) -> None:
     core.send = outbox.extend
     handles: dict[str, int] = {}  # request id -> rank 0's handle
     early: OrderedDict[int, FinishReason] = OrderedDict()  # Cancels of requests whose Arrival has not come (by handle)
-    parent, stats_due = os.getppid(), 0.0
+    parent, stats_due, faults = os.getppid(), 0.0, 0
     while os.getppid() == parent and not link.rank_0_gone():  # (whose rank 0 is gone, on this node or another, exits)
         for message in link.receive(_wait_s(core)):
             match message:
@@ -287,7 +290,7 @@ def serve_rank(core, link: RankLink) -> None:
                     return
         if not core.sync.ready():
             continue
-        active = _step(core)
+        active, faults = _step(core, faults)
         if core.stopped:
             return
         now = time.monotonic()
@@ -307,14 +310,18 @@ def serve_rank(core, link: RankLink) -> None:
             return
 
 
-def _step(core) -> bool:
-    """One iteration of the rank's engine; a fault is logged here and the rank serves on, as rank 0's loop does (the
-    step's own failures were reported to its requests; the rank's process ending would fail every rank's)."""
+def _step(core, faults: int) -> tuple[bool, int]:
+    """One iteration of the rank's engine, and the faults in a row since: a fault is logged here and the rank serves
+    on, as rank 0's loop does (the step's own failures were reported to its requests; the rank's process ending fails
+    every rank's). A rank whose every step faults is broken: the MAX_STEP_FAULTS-th in a row ends it (its requests
+    would otherwise hang, the rank still answering rank 0)."""
     try:
-        return core.step()
+        return core.step(), 0
     except Exception:
         logger.exception("engine step failed (rank %d)", core.rank)
-        return True
+        if faults + 1 >= MAX_STEP_FAULTS:
+            raise
+        return True, faults + 1
 
 
 def _admit(core, arrival: Arrival, handles: dict[str, int], outbox: list[RequestOutput]) -> None:

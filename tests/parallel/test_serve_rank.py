@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import deque
 from types import SimpleNamespace
 
+import pytest
+
 from backend.parallel.data_parallel import serve_rank
 from backend.parallel.messages import Arrival, Cancel, Stop
 from backend.parallel.sync import ALONE
@@ -227,3 +229,20 @@ def test_the_links_are_not_closed_under_a_thread_still_polling_them():
         engine.shutdown(timeout=0.0)
         release.set()
         assert group.closed_links is not stuck
+
+
+def test_a_rank_whose_every_step_faults_gives_up():
+    """A fault at every step is a broken rank: the tenth in a row ends its loop with the fault (its process then ends,
+    and rank 0 fails its requests), where serving on would leave them hanging while the rank still answers."""
+    from backend.parallel.data_parallel import MAX_STEP_FAULTS
+
+    class BrokenCore(FakeCore):
+        steps = 0
+
+        def step(self) -> bool:
+            BrokenCore.steps += 1
+            raise RuntimeError("injected step fault")
+
+    with pytest.raises(RuntimeError, match="injected step fault"):
+        serve_rank(BrokenCore(), FakeLink(*[[] for _ in range(50)]))
+    assert BrokenCore.steps == MAX_STEP_FAULTS
