@@ -6,8 +6,9 @@ r"""Write a Triton model repository serving this checkout's engine, with chosen 
 
 copies model_repository/dsv4 to OUT/<model-name>/ and rewrites the `parameters` of its
 config.pbtxt. Values are validated through EngineConfig.from_parameters, cross-field rules included,
-and, when the checkpoint is there, against its config.json and the pool sizes (the derived chunk
-budget): a bad key or value fails here, naming the parameter, instead of at model load. The
+and against the checkpoint's config.json (which must be there: write the repository where the checkpoint is) and
+the pool sizes (the derived chunk budget): a bad key or value fails here, naming the parameter, instead of at model
+load. The
 `repo_root` parameter is set to this checkout, so a repository anywhere on disk still imports
 `backend`.
 """

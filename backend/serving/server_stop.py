@@ -335,10 +335,10 @@ class ServerStopWatch:
         return HttpHealth.of_server(server_pid) or GrpcHealth.of_server(server_pid)
 
     def check(self, now: float) -> str | None:
-        """Ask for the model's readiness, if due and no stop has been seen. A failure that says nothing of a stop is
-        asked again later, backing off (each ask could be one made during a stop), and returned when it differs from
-        the last one, for the caller to log; so is an endpoint's ask that told nothing, once, and its answering
-        again."""
+        """Ask for the model's readiness, if due (a stop seen: whether it stands, `_recheck`). A failure that says
+        nothing of a stop is asked again later, backing off (each ask could be one made during a stop), and returned
+        when it differs from the last one, for the caller to log; so is an endpoint's ask that told nothing, once, and
+        its answering again."""
         if not self.enabled or now < self.next_check:
             return None
         if self.since is not None:

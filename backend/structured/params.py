@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backend.errors import json_depth, load_json
+from backend.errors import is_int, json_depth, load_json
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 GUIDED_KEYS = ("guided_decoding", "structured_outputs", "response_format")
@@ -179,10 +179,12 @@ _NOT_ENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSch
 
 def _dropped_by_xgrammar(node: dict) -> str | None:
     """What XGrammar (0.2.9) leaves out of one schema node's grammar beside the keywords of _NOT_ENFORCED (an output
-    breaking it ends with "stop"): a multipleOf of anything but an integer (0.5 took 0.3), the length bounds of a
+    breaking it ends with "stop"): a multipleOf but an integer's of an integer (0.5 of a number took 0.3, 2.5 of
+    an integer took 3), the length bounds of a
     string with a pattern (the pattern alone is compiled), an empty anyOf / oneOf (it compiled to the empty text)."""
-    if "multipleOf" in node and node.get("type") != "integer":
-        return "multipleOf (but for an integer)"
+    types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    if "multipleOf" in node and not ("integer" in types and "number" not in types and is_int(node["multipleOf"])):
+        return "multipleOf (but an integer one of an integer)"
     if "pattern" in node and ("minLength" in node or "maxLength" in node):
         return "minLength / maxLength beside a pattern (put the length in the pattern)"
     empty = [key for key in ("anyOf", "oneOf") if node.get(key) == []]

@@ -93,6 +93,7 @@ def test_disable_additional_properties_leaves_values_and_property_names_alone():
     ({"$defs": {"x": {"if": {"type": "string"}, "then": {"minLength": 2}}}, "$ref": "#/$defs/x"}, "if"),
     ({"allOf": [{"type": "integer", "minimum": 5}, {"maximum": 6}]}, "allOf of more than one schema"),
     ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.01}}}, "multipleOf"),
+    ({"type": "integer", "multipleOf": 2.5}, "multipleOf"),
     ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "maxLength beside a pattern"),
     ({"type": "object", "properties": {"a": {"anyOf": []}}}, "an empty anyOf"),
 ])
@@ -106,7 +107,8 @@ def test_schema_keywords_the_grammar_would_not_enforce_are_refused(schema, keywo
 
 def test_what_xgrammar_does_enforce_of_those_is_taken():
     """An integer's multipleOf and a pattern's string without length bounds compile to grammars that hold them."""
-    for schema in ({"type": "integer", "multipleOf": 3}, {"type": "string", "pattern": "^a{1,2}$"},
+    for schema in ({"type": "integer", "multipleOf": 3}, {"type": ["integer", "null"], "multipleOf": 5},
+                   {"type": "string", "pattern": "^a{1,2}$"},
                    {"anyOf": [{"type": "integer"}]}):
         assert _guided({"guided_decoding": {"json": schema}}).kind == "json"
 
