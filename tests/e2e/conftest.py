@@ -22,6 +22,11 @@ from .triton_helpers import REPO_ROOT, TritonServer
 
 CHECKPOINT = REPO_ROOT / "checkpoints" / "dsv4-tiny"
 _SERVERS: list[TritonServer] = []
+_STOPPED_IN_THIS_TEST: list[TritonServer] = []  # a test's own server is stopped before its report is made
+
+
+def pytest_runtest_setup(item):
+    _STOPPED_IN_THIS_TEST.clear()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -29,7 +34,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed:
-        for server in _SERVERS:
+        for server in _SERVERS + _STOPPED_IN_THIS_TEST:
             report.sections.append((f"tritonserver log tail ({server.log_path})", server.log_tail()))
 
 
@@ -49,6 +54,7 @@ def _serve(repository: Path, log_dir: Path, *extra_args: str):
         yield server
     finally:
         _SERVERS.remove(server)
+        _STOPPED_IN_THIS_TEST.append(server)
         server.stop()
         assert not server.unclean_stop(), f"unclean stop: {server.unclean_stop()}\n{server.log_tail()}"
 

@@ -213,12 +213,19 @@ class TritonServer:
         return problems
 
     def log_tail(self, chars: int = 6000) -> str:
-        """The end of the server log, without the border lines of its big status tables."""
+        """The end of the server log, without the border lines of its big status tables; where the server crashed, the
+        log from just before its first crash marker instead (a crash's stack trace can be followed by pages of
+        shutdown lines)."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError as exc:
             return f"(no log: {exc})"
-        return "\n".join(line for line in lines if not line.startswith("+-"))[-chars:]
+        text = "\n".join(line for line in lines if not line.startswith("+-"))
+        crashes = [text.find(marker) for marker in CRASH_MARKERS if marker in text]
+        if crashes and len(text) - min(crashes) > chars // 2:
+            start = max(0, min(crashes) - chars // 4)
+            return text[start:start + chars]
+        return text[-chars:]
 
     # --- metrics ---------------------------------------------------------------------------
     def metrics_answer(self) -> bool:
