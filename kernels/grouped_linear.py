@@ -97,6 +97,8 @@ def plan_grouped_linear(x: torch.Tensor, weight: Fp8Weight, config: dict | None 
     if num_tokens == 0:
         return out, []
     cfg = dict(config or grouped_fp8_config(num_tokens, num_rows, k, x.device), COMPUTE_DTYPE=compute_dtype(x.dtype))
+    assert FP8_BLOCK % cfg["BLOCK_K"] == 0, \
+        f"grouped fp8: K steps within one {FP8_BLOCK}-wide block of the scales (each step reads one), got {cfg}"
     cfg["PREFETCH_LINES"] = weight_prefetch_lines(cfg["BLOCK_N"], k)
     grid = (groups * triton.cdiv(rows_per_group, cfg["BLOCK_N"]), triton.cdiv(num_tokens, cfg["BLOCK_T"]))
     args = (x, weight.data, weight.scale, out, num_tokens, rows_per_group, k, x.stride(0), x.stride(1),

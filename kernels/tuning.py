@@ -46,14 +46,34 @@ def device_file(device_name: str) -> Path:
 
 def read_table(path: Path) -> dict:
     """The kernels' table of a configuration file, its counts as ints."""
-    return _table_of(json.loads(Path(path).read_text()))
+    return _table_of(_read(path), path)
 
 
-def _table_of(written: dict) -> dict:
-    """The kernels' table of a configuration file's contents, its counts as ints."""
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a kernel configuration file (invalid JSON: {exc})") from None
+
+
+def _table_of(written, path: Path) -> dict:
+    """The kernels' table of a configuration file's contents, its counts as ints; a file of another shape is refused
+    naming it (kernel -> shape key -> token count -> the launch's settings)."""
+    def is_map(value) -> bool:
+        return isinstance(value, dict)
+
+    kernels = written.get("kernels") if is_map(written) else None
+    valid = is_map(kernels) and all(
+        is_map(shapes) and all(is_map(by_count) and all(
+            str(count).isdigit() and is_map(config) for count, config in by_count.items())
+            for by_count in shapes.values())
+        for shapes in kernels.values())
+    if not valid:
+        raise ValueError(f"{path}: not a kernel configuration file: expected {{\"kernels\": {{kernel: {{shape key: "
+                         "{token count: {setting: value}}}}}} (as scripts/tune_kernels.py writes)")
     return {kernel: {key: {int(count): config for count, config in by_count.items()}
                      for key, by_count in shapes.items()}
-            for kernel, shapes in written["kernels"].items()}
+            for kernel, shapes in kernels.items()}
 
 
 def write_table(path: Path, table: dict, **meta) -> None:
@@ -75,12 +95,13 @@ def _device_table() -> dict:
         return {}
     import triton
 
-    written = json.loads(path.read_text())
-    written_under = written.get("triton", "")
+    written = _read(path)
+    table = _table_of(written, path)
+    written_under = str(written.get("triton", ""))
     if written_under.split(".")[:2] != triton.__version__.split(".")[:2]:
         logger.warning("%s was tuned under Triton %s, this is %s: its tiles are used, but were not compiled here",
                        path.name, written_under or "(not said)", triton.__version__)
-    return _table_of(written)
+    return table
 
 
 def overlay(config: dict, patch: dict) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import tuning
 from kernels.fp8_gemm import Fp8Weight
 from kernels.grouped_linear import grouped_fp8_config, grouped_linear_reference, grouped_linear_triton
 from kernels.quant_formats import dequantize_fp8
@@ -55,3 +56,18 @@ def test_a_dense_weight_is_a_batched_matmul_and_the_tiles():
     torch.testing.assert_close(grouped_linear_triton(x, dense), expected)
     config = grouped_fp8_config(1, 8 * 1024, 4096, torch.device("cpu"))  # V4-Flash at one token: a program for every SM
     assert 8 * 1024 // config["BLOCK_N"] >= 132 and config["BLOCK_N"] >= 16
+
+
+def test_a_tuned_k_step_wider_than_a_scale_block_is_refused():
+    """Each K step reads one 128-wide block's scale: a configuration file's BLOCK_K of 256 would scale a step's second
+    block by the first's (silently wrong); it is refused, and a narrower step still gives the products."""
+    gen = torch.Generator().manual_seed(3)
+    weight = _weight(2, 128, 256, gen)
+    x = torch.randn(4, 2, 256, generator=gen)
+    shape = dict(rows=256, k=256, tokens=4)
+    with tuning.using({"grouped_fp8": {tuning.shape_key(shape)[0]: {4: {"BLOCK_K": 256}}}}):
+        with pytest.raises(AssertionError, match="K steps within one 128-wide block"):
+            grouped_linear_triton(x, weight)
+    with tuning.using({"grouped_fp8": {tuning.shape_key(shape)[0]: {4: {"BLOCK_K": 64}}}}):
+        torch.testing.assert_close(grouped_linear_triton(x, weight), grouped_linear_reference(x, weight),
+                                   rtol=1e-5, atol=1e-5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kernels import tuning
 
 TABLE = {"attention": {"dtype=bfloat16,head_dim=512,mode=csa": {1: dict(BLOCK_N=16), 64: dict(BLOCK_N=32),
@@ -58,3 +60,14 @@ def test_a_plan_is_recorded_with_its_key_and_default():
     with tuning.recording() as requests:
         _asked(7)
     assert requests == [("attention", "dtype=bfloat16,head_dim=512,mode=csa", 7, DEFAULT)]
+
+
+def test_a_malformed_file_is_refused_naming_it(tmp_path):
+    """A configuration file edited by hand or written by another tool: a clear error that names it, at its reading
+    (not a KeyError or AttributeError at a kernel's first launch)."""
+    path = tmp_path / "device.json"
+    for text in ("{not json", "[]", '{"device": "x"}', '{"kernels": {"attention": {"k=1": {"many": {}}}}}',
+                 '{"kernels": {"attention": {"k=1": {"1": null}}}}', '{"kernels": {"attention": []}}'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{path}: not a kernel configuration file"):
+            tuning.read_table(path)
