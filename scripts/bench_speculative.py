@@ -58,7 +58,8 @@ from backend.engine import LLMEngine  # noqa: E402
 from scripts.bench_engine import throughput, time_engine  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
-from scripts.estimate_decode_step import acceptance_problem, expected_tokens_per_step  # noqa: E402
+from scripts.estimate_decode_step import acceptance_flag, expected_tokens_per_step, parse_rates  # noqa: E402,F401
+from scripts.flag_types import at_least  # noqa: E402
 
 
 def decode_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
@@ -100,12 +101,7 @@ def static_share(records: list) -> float:
     decodes = [step for step in records if step.kind is StepKind.DECODE]
     return sum(step.timing.static_shape for step in decodes) / len(decodes) if decodes else 1.0
 
-
-def parse_rates(text: str) -> list[float]:
-    rates = [float(x) for x in text.split(",") if x.strip()]
-    if problem := acceptance_problem(rates):
-        raise argparse.ArgumentTypeError(problem)
-    return rates
+V4_FLASH_ACCEPTANCE = [0.77, 0.38]  # per position at k = 2, vLLM PR #41044
 
 
 def free_device_memory() -> None:
@@ -129,16 +125,16 @@ def main() -> None:
     add_checkpoint_flags(parser)
     parser.add_argument("--engine-settings", type=json.loads, default={}, metavar="JSON",
                         help='more EngineConfig fields, e.g. \'{"weight_format": "fp8", "numerics": "deepseek"}\'')
-    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3], help="num_speculative_tokens values")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--ks", type=at_least(0), nargs="+", default=[0, 1, 2, 3], help="num_speculative_tokens values")
+    parser.add_argument("--concurrency", type=at_least(1), nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=16)
+    parser.add_argument("--max-tokens", type=at_least(1), default=64)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampled requests (seeded) instead of greedy ones; how they draft: --engine-settings "
                              "'{\"draft_sampling\": \"argmax\" or \"sample\"}' (default auto: argmax with "
                              "--cuda-graphs)")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warm-up-tokens", type=int, default=4,
+    parser.add_argument("--runs", type=at_least(1), default=3)
+    parser.add_argument("--warm-up-tokens", type=at_least(0), default=4,
                         help="tokens of the untimed run before each timed one (with adaptive_speculation: its "
                              "measuring steps)")
     parser.add_argument("--device", default="cpu")
@@ -146,13 +142,15 @@ def main() -> None:
                         help="decode and verify steps at static shapes (CUDA graphs on CUDA; default: on for CUDA)")
     parser.add_argument("--draft-chains", nargs="+", choices=["static", "eager"], default=["static"],
                         help="after a static verify step: its draft passes as one static chain, or pass by pass")
-    parser.add_argument("--acceptance", type=parse_rates, default=parse_rates("0.77,0.38"),
-                        help="per-position acceptance rates for the projected speed-up (default V4-Flash's at k=2)")
+    parser.add_argument("--acceptance", nargs="+", metavar="A",
+                        help="per-position acceptance rates for the projected speed-up, separated by spaces or commas "
+                             f"(default V4-Flash's at k=2: {' '.join(map(str, V4_FLASH_ACCEPTANCE))})")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--cost-csv", type=Path, help="the step-cost table (default: --csv with _step_cost)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
+    args.acceptance = acceptance_flag(parser, args.acceptance, V4_FLASH_ACCEPTANCE)
     ks = sorted(set(args.ks) | {0})
     most = max(args.concurrency)
 

@@ -56,6 +56,26 @@ LAYOUTS = ("tp", "dp")
 
 
 
+def parse_rates(text: str) -> list[float]:
+    """Per-position acceptance rates separated by commas or spaces ("0.77,0.38", "0.77 0.38"); anything else is
+    refused (argparse's error)."""
+    try:
+        rates = [float(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"acceptance rates are numbers, got {text!r}") from None
+    if problem := acceptance_problem(rates):
+        raise argparse.ArgumentTypeError(problem)
+    return rates
+
+
+def acceptance_flag(parser: argparse.ArgumentParser, values: list[str] | None, default: list[float]) -> list[float]:
+    """The rates of an --acceptance flag (nargs="+": "0.77 0.38" or "0.77,0.38"), or `default` when not given."""
+    try:
+        return parse_rates(" ".join(values)) if values else default
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"--acceptance: {exc}")
+
+
 def acceptance_problem(rates: list[float]) -> str | None:
     """Why `rates` are not per-position acceptance rates (probabilities that never increase: a verify accepts draft
     i + 1 only with draft i), or None."""
@@ -197,16 +217,15 @@ def main() -> None:
     parser.add_argument("--contexts", type=at_least(1), nargs="+", default=[8192, 131072, 1048576])
     parser.add_argument("--drafts", type=at_least(0), default=0,
                         help="K: also a verify step of 1 + K tokens a request and its K draft passes")
-    parser.add_argument("--acceptance", type=float, nargs="*", default=[], metavar="A",
+    parser.add_argument("--acceptance", nargs="+", metavar="A",
                         help="per-position acceptance rates, one per draft: the share of verifies that accept draft i "
-                             "and every draft before it (V4-Flash: 0.77 0.38)")
+                             "and every draft before it (V4-Flash: 0.77 0.38, or 0.77,0.38)")
     parser.add_argument("--csv", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    args.acceptance = acceptance_flag(parser, args.acceptance, [])
     if args.acceptance and len(args.acceptance) != args.drafts:
         parser.error(f"--acceptance takes one rate per draft: {args.drafts}, got {len(args.acceptance)}")
-    if problem := acceptance_problem(args.acceptance):
-        parser.error(problem)
     try:
         config = parse_model_config(json.loads(args.config.read_text(encoding="utf-8")), str(args.config))
         _rank_layout("tp", args.ranks).check(config)

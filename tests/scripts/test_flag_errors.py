@@ -21,6 +21,11 @@ FLASH = "docs/configs/deepseek-v4-flash.config.json"
      "argument --num-speculative-tokens: must be at least 0"),
     (["scripts/estimate_decode_step.py", "--config", FLASH, "--ranks", "0"], "argument --ranks: must be at least 1"),
     (["scripts/estimate_decode_step.py", "--config", FLASH, "--ranks", "3"], "(--ranks 3): parameter"),
+    (["scripts/estimate_decode_step.py", "--config", FLASH, "--drafts", "2", "--acceptance", "0.3,0.5"],
+     "error: --acceptance: per-position acceptance rates cannot increase"),
+    (["scripts/estimate_decode_step.py", "--config", FLASH, "--drafts", "2", "--acceptance", "0.7", "x"],
+     "error: --acceptance: acceptance rates are numbers, got '0.7 x'"),
+    (["scripts/bench_speculative.py", "--runs", "0"], "argument --runs: must be at least 1"),
     (["scripts/check_kernels_compile.py", "--sass", "no such kernel", "--jobs", "1"], "matches no case"),
     (["scripts/check_kernels_compile.py", "--sass", "("], "--sass '(': missing )"),
 ])
@@ -34,6 +39,15 @@ def test_a_python_scripts_bad_flag_is_an_argparse_error(command, message):
 def test_a_shell_scripts_flag_without_its_value_says_so(command):
     run = subprocess.run(["bash", *command], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and f"{command[-1]} needs a value" in run.stderr, run.stderr
+
+
+def test_acceptance_rates_are_taken_with_commas_or_spaces():
+    """`--acceptance 0.77 0.38` and `--acceptance 0.77,0.38` (the form bench_speculative.py's docs give) are one."""
+    tables = [subprocess.run([sys.executable, "scripts/estimate_decode_step.py", "--config", FLASH, "--batch", "1",
+                              "--contexts", "8192", "--drafts", "2", "--acceptance", *rates], cwd=REPO,
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+              for rates in (["0.77", "0.38"], ["0.77,0.38"])]
+    assert tables[0] == tables[1] and "speed-up at acceptance 0.77 0.38" in tables[0], tables
 
 
 def test_the_busiest_data_parallel_rank_is_counted():
