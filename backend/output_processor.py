@@ -65,7 +65,7 @@ class OutputProcessor:
         if finished:
             if output.error is None:
                 text += detokenizer.flush()
-                if detokenizer.stopped and reason is FinishReason.LENGTH:  # (the end's last characters held a stop)
+                if detokenizer.stopped:  # (the end's last characters held a stop: as where a token completes one)
                     reason = FinishReason.STOP
             del self._streams[output.request_id]
         return replace(output, new_token_ids=tokens, logprobs=logprobs, new_text=text, finished=finished,

@@ -327,7 +327,7 @@ class TokenLogprobs:
     distribution (backend/sampler.py says which: `logprobs_mode`)."""
 
     logprob: float
-    rank: int = 1  # 1 + the number of tokens more likely than this one
+    rank: int = 1  # the number of tokens at least as likely as this one (ties rank last, as vLLM ranks them)
     top: list[tuple[int, float]] = field(default_factory=list)
 
 

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from backend.structured.grammar import RequestGrammar
 
 NO_TOKEN_FITS = "the sampled token does not fit the output constraint"
+NO_ALLOWED_TOKEN_FITS = "the output constraint allows none of allowed_token_ids here"
 
 
 class SamplerState:
@@ -126,6 +127,18 @@ class SamplerState:
             line.clamp_(max=torch.finfo(line.dtype).max)  # (a tiny penalty's quotient: the largest, not inf)
         if params.frequency_penalty or params.presence_penalty:
             line -= (params.frequency_penalty * counts + params.presence_penalty * (counts > 0)).to(line.dtype)
+
+    @functools.cached_property
+    def allowed(self) -> frozenset[int] | None:
+        """allowed_token_ids as a set (None: every token)."""
+        ids = self.params.allowed_token_ids
+        return None if ids is None else frozenset(ids)
+
+    def first_disallowed(self, tokens: list[int]) -> int | None:
+        """The index of the first of `tokens` outside allowed_token_ids, or None. A constrained row whose grammar
+        allows none of them has every logit at -inf, whose argmax (or draw) is token 0: drawn, not allowed."""
+        allowed = self.allowed
+        return None if allowed is None else next((i for i, t in enumerate(tokens) if t not in allowed), None)
 
     @property
     def biased(self) -> bool:
@@ -428,7 +441,9 @@ class Sampler:
         started = time.perf_counter()
         host = tokens.tolist()
         for row in rows:
-            if row in row_ends:  # no token could follow: the request fails
+            if row not in row_ends and states[row].first_disallowed([host[row]]) is not None:
+                row_ends[row] = NO_ALLOWED_TOKEN_FITS
+            if row in row_ends:  # no token could follow, or none it may draw: the request fails
                 states[row].grammar.done = True
         live = [row for row in rows if row not in row_ends]
         rejected, ended = self.grammars.accept([states[row].grammar for row in live], [host[row] for row in live])

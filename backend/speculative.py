@@ -71,8 +71,9 @@ from backend.model.forward_batch import BatchRow, ForwardBatch, build_forward_ba
 from backend.model.graph_runner import BIAS_SLOTS, HELD_STOP_SLOTS, DraftChain, FirstInputs
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
-from backend.sampler import (NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState, draw_rows, draws,
-                             filtered_probs, held_on_copies, hold_stops, logit_bias, long_on, row_index, row_shares)
+from backend.sampler import (NO_ALLOWED_TOKEN_FITS, NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState,
+                             draw_rows, draws, filtered_probs, held_on_copies, hold_stops, logit_bias, long_on, row_index,
+                             row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
@@ -241,6 +242,17 @@ class Verifier:
                 grammar.done = True
                 continue
             taken = walk.taken.get(grammar, 0)
+            outside = states[r].first_disallowed(emitted)
+            if outside is not None:  # where its grammar allows none of allowed_token_ids: the tokens stop before it
+                keep[grammar] = held = min(outside, taken)
+                if held:
+                    output.tokens[r] = emitted[:held]
+                    output.drafts_alone.add(r)
+                    cut.append(r)
+                else:
+                    output.ends[r] = NO_ALLOWED_TOKEN_FITS
+                    grammar.done = True
+                continue
             keep[grammar] = held = min(len(emitted) - 1, taken)
             if held == taken and walk.blocked(grammar):
                 output.tokens[r] = emitted[:held]
@@ -255,8 +267,8 @@ class Verifier:
                 output.ends[r] = None
         rejected, ended = self.sampler.grammars.accept([states[r].grammar for r in final],
                                                        [output.tokens[r][keep[states[r].grammar]] for r in final])
-        for i in rejected:  # (drawn under the grammar's mask: only a mask that left nothing to draw gets here, e.g.
-            r = final[i]  # one that allowed none of allowed_token_ids)
+        for i in rejected:  # (drawn under the grammar's mask: only a mask that left nothing to draw gets here)
+            r = final[i]
             held = keep[states[r].grammar]
             if held:  # the accepted drafts stand, as they would one by one; the next step meets the dead end itself
                 output.tokens[r] = output.tokens[r][:held]

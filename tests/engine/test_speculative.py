@@ -12,6 +12,7 @@ output valid, every draft one the grammar takes (`GrammarCheckingDrafter`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -728,3 +729,47 @@ def test_greedy_logprobs_with_speculation_equal_those_without(tiny_checkpoint, k
     assert engine.stats()["num_accepted_tokens"] > 0
     for a, b in zip(got, expected):
         _same_logprobs(a["logprobs"], b["logprobs"])
+
+
+def _word_grammar(tmp_path, regex: str):
+    """A grammar over the word vocabulary {a: 0, b: 1, </s>: 2}: token 0 is text, so a grammar may allow it."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from backend.structured.grammar import GrammarService
+
+    Tokenizer(WordLevel({"a": 0, "b": 1, "</s>": 2}, unk_token="</s>")).save(str(tmp_path / "tokenizer.json"))
+    service = GrammarService(tmp_path / "tokenizer.json", vocab_size=3, stop_token_ids=[2])
+    params = SamplingParams.from_dict({"guided_decoding": {"regex": regex}, "allowed_token_ids": [1]})
+    grammar = service.prepare(params.guided_decoding)
+    grammar.future.result(timeout=30)
+    service.close()
+    return params, grammar
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_allows_none_of_allowed_token_ids_ends_the_request(tmp_path, temperature):
+    """Where a constrained request's grammar allows none of its allowed_token_ids, every logit is -inf and the argmax
+    (or the draw) is token 0: it must not be emitted. Sampled alone, the request fails; verified after drafts that
+    fit both, its tokens stop at those drafts (the next step meets the dead end itself)."""
+    from backend.sampler import NO_ALLOWED_TOKEN_FITS
+    from backend.speculative import DraftRow, SpecJob
+
+    logits = torch.tensor([[0.0, 5.0, 1.0]] * 2)
+    params, grammar = _word_grammar(tmp_path, "a+")
+    state = SamplerState(dataclasses.replace(params, temperature=temperature, seed=0), [2], grammar)
+    output = Sampler().step(logits[:1].clone(), [state])
+    assert output.ends == {0: NO_ALLOWED_TOKEN_FITS} and grammar.done
+
+    params, grammar = _word_grammar(tmp_path, "a+")
+    state = SamplerState(params, [2], grammar)
+    job = SpecJob(torch.tensor([0, -1]), [DraftRow("r", None, (0,), 1, 10)], 1, propose=False)
+    output = Verifier(Sampler()).verify(logits.clone(), [state], job)
+    assert output.ends == {0: NO_ALLOWED_TOKEN_FITS}
+
+    params, grammar = _word_grammar(tmp_path, "ba+")  # b fits both; then only a, outside allowed_token_ids
+    state = SamplerState(params, [2], grammar)
+    job = SpecJob(torch.tensor([1, -1]), [DraftRow("r", None, (1,), 1, 10)], 1, propose=False)
+    output = Verifier(Sampler()).verify(logits.clone(), [state], job)
+    assert output.tokens == [[1]] and not output.ends and 0 in output.drafts_alone and not grammar.done
+    assert grammar.matcher.accept_token(0) and not grammar.matcher.accept_token(1)  # (it holds the draft b)

@@ -116,11 +116,13 @@ def test_an_error_output_is_never_merged_into():
     assert coalesce([tokens, RequestOutput("r", [7], "", False, None, 3, 3)])[0].new_token_ids == [5, 6, 7]
 
 
-def test_a_stop_string_in_the_characters_the_end_releases_ends_the_request_as_stop(tokenizer):
+@pytest.mark.parametrize("ended", [FinishReason.LENGTH, FinishReason.TIMEOUT])
+def test_a_stop_string_in_the_characters_the_end_releases_ends_the_request_as_stop(tokenizer, ended):
     """The last token holds "世" and the start of another character; the end releases "世", which completes the stop
-    string "n世": the text stops before it and the request ends "stop", not "length"."""
+    string "n世": the text stops before it and the request ends "stop" (as where a token completes a stop string),
+    not "length" nor "timeout"."""
     processor = OutputProcessor(tokenizer, lambda rid: None)
     processor.add("r", SamplingParams(stop=["n世"]))
     first = processor.process(_raw(497, count=1))  # " prin"
-    last = processor.process(_raw(386, finished=True, reason=FinishReason.LENGTH, count=2))  # "世" + 2 bytes
+    last = processor.process(_raw(386, finished=True, reason=ended, count=2))  # "世" + 2 bytes
     assert first.new_text + last.new_text == " pri" and last.finish_reason is FinishReason.STOP
