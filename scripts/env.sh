@@ -3,7 +3,7 @@
 # exported all the same; the Python-derived ones are filled in once the venv exists).
 #
 #   PATH             the venv's bin first: the backend stub finds the venv (torch, numpy<2)
-#                    through `python3` on PATH.
+#                    through `python3` on PATH; then build/tritonserver/bin (`tritonserver` by hand).
 #   LD_LIBRARY_PATH  nvidia_pytriton.libs (tritonserver's own libraries), the interpreter's LIBDIR
 #                    (the stub embeds libpython; without this it picks Debian's libpython 3.11.2
 #                    and fails oddly), and build/tritonserver/lib (libb64.so.0d, libcudart.so.12
@@ -19,10 +19,13 @@ export TRITON_BACKEND_DIR="$TRITON_HOME/backends"
 export PERF_LIB_DIR="$TRITON_HOME/lib"
 export PERF_ANALYZER="${PERF_ANALYZER:-$DSV4_VENV/bin/perf_analyzer}"
 
-case ":$PATH:" in
-  *":$DSV4_VENV/bin:"*) ;;
-  *) export PATH="$DSV4_VENV/bin:$PATH" ;;
-esac
+for _dsv4_bin in "$TRITON_HOME/bin" "$DSV4_VENV/bin"; do  # (the venv's ends up first)
+  case ":$PATH:" in
+    *":$_dsv4_bin:"*) ;;
+    *) export PATH="$_dsv4_bin:$PATH" ;;
+  esac
+done
+unset _dsv4_bin
 
 _dsv4_libs="$PERF_LIB_DIR"  # (without the venv: where a machine given the server's libraries has them)
 if [ -x "$DSV4_VENV/bin/python" ]; then

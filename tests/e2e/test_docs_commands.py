@@ -192,11 +192,12 @@ def test_links_resolve():
 
 
 def reader_env(tmp: Path) -> dict[str, str]:
-    """A new shell's environment: no venv on PATH, none of what scripts/env.sh exports."""
+    """A new shell's environment: neither the venv nor tritonserver on PATH, none of what scripts/env.sh exports."""
     env = dict(os.environ)
-    venv_dirs = {os.path.realpath(p) for p in (REPO_ROOT / ".venv" / "bin", Path(sys.executable).parent)}
+    ours = {os.path.realpath(p) for p in (REPO_ROOT / ".venv" / "bin", Path(sys.executable).parent,
+                                          REPO_ROOT / "build" / "tritonserver" / "bin")}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and os.path.realpath(p) not in venv_dirs)
+                                  if p and os.path.realpath(p) not in ours)
     for key in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH", "LD_LIBRARY_PATH", "TRITON_INTERPRET", "DSV4_REPO_ROOT",
                 "DSV4_VENV", "DSV4_SITE_PACKAGES", "DSV4_PYTHON_LIBDIR", "TRITON_HOME", "TRITON_BIN",
                 "TRITON_BACKEND_DIR", "PERF_LIB_DIR", "PERF_ANALYZER"):
@@ -204,6 +205,18 @@ def reader_env(tmp: Path) -> dict[str, str]:
     env["TMPDIR"] = str(tmp)
     env["DSV4_SKIP_SETUP"] = "1"  # the set-up has run (the reader ran one of the two commands): no script redoes it
     return env
+
+
+def test_sourcing_env_sh_lets_a_reader_run_the_servers_tools_by_hand(tmp_path):
+    """What README.md and docs/serving.md say `source scripts/env.sh` gives a new shell: tritonserver, perf_analyzer
+    and the venv's python on PATH, and the backend directory tritonserver needs to be told."""
+    script = 'source scripts/env.sh && command -v tritonserver perf_analyzer python && echo "$TRITON_BACKEND_DIR"'
+    run = subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, env=reader_env(tmp_path), capture_output=True,
+                         text=True, timeout=60)
+    expected = ["build/tritonserver/bin/tritonserver", ".venv/bin/perf_analyzer", ".venv/bin/python",
+                "build/tritonserver/backends"]
+    assert run.stdout.split() == [str(REPO_ROOT / path) for path in expected], run
+    assert (REPO_ROOT / "build/tritonserver/backends/python").is_dir()
 
 
 class Servers:
