@@ -72,8 +72,8 @@ from backend.model.graph_runner import BIAS_SLOTS, HELD_STOP_SLOTS, DraftChain, 
 from backend.model.static_batch import StaticKey, context_bucket
 from backend.runner import Draft
 from backend.sampler import (NO_ALLOWED_TOKEN_FITS, NO_TOKEN_FITS, HeldStops, HostMasks, Sampler, SamplerState,
-                             draw_rows, draws, filtered_probs, held_on_copies, hold_stops, logit_bias, long_on, row_index,
-                             row_shares)
+                             draw_rows, draws, filtered_probs, held_on_copies, hold_stops, logit_bias, long_on,
+                             row_index, row_shares)
 from backend.request import TokenLogprobs
 from backend.scheduler.plan import StepOutput, StepTiming
 from backend.structured.grammar import NO_TOKEN_CAN_FOLLOW, GrammarLookahead
