@@ -338,16 +338,43 @@ def test_a_declared_mtp_layer_missing_from_the_files_is_refused_before_any_weigh
     check_deployment(EngineConfig(checkpoint=str(tiny_checkpoint), device="cpu", num_speculative_tokens=2))
 
 
-def test_the_published_fp8_layout_speculates_exactly(deepseek_published_checkpoint):
+# Under DeepSeek's numerics on the quantized layout, a verify's 1 + k rows a request sum fp32 products in other orders
+# than a decode's one row (last-bit differences), and the activations' roundings turn some of those into moves of
+# hundredths of a logit on this random model (docs/numerics.md): where the two best tokens are that near, the two runs
+# may pick differently.
+NEAR_TIE = 0.1
+
+
+def _part_at_near_ties(plain: list[dict], speculative: list[dict]) -> int:
+    """Each speculative output is the plain one, or parts from it at a near-tie: at the first token they differ, the
+    two runs' two best are the same two tokens, each run's within NEAR_TIE, each run picking its best. Returns how
+    many outputs are identical."""
+    identical = 0
+    for a, b in zip(plain, speculative):
+        at = next((i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y), None)
+        if at is None:
+            identical += a["output_ids"] == b["output_ids"]
+            continue
+        tops = [out["logprobs"][at].top[:2] for out in (a, b)]
+        assert [top[0][0] for top in tops] == [a["output_ids"][at], b["output_ids"][at]], tops
+        assert {t for t, _ in tops[0]} == {t for t, _ in tops[1]}, tops
+        assert all(top[0][1] - top[1][1] < NEAR_TIE for top in tops), tops
+    return identical
+
+
+def test_the_published_fp8_layout_speculates_the_same_tokens_up_to_rounding_near_ties(deepseek_published_checkpoint):
     """DeepSeek's layout with FP8 linears (the MTP layer's e_proj/h_proj among them) and MXFP4 experts, served with
-    DeepSeek's numerics and the fp8 KV cache (the draft layer's window too): the same greedy tokens with k = 2."""
-    prompts = _prompts([5, 140], seed=3)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    DeepSeek's numerics and the fp8 KV cache (the draft layer's window too): with k = 2 the greedy tokens of k = 0,
+    parting only at a near-tie (`_part_at_near_ties`), most outputs whole."""
+    near_tie = [85, 382, 280, 296, 104]  # (parts at its 22nd token on a 2-core AVX-512 machine: 0.026 apart)
+    prompts = _prompts([5, 140, 5, 60], seed=3) + [near_tie]
+    params = SamplingParams(max_tokens=32, ignore_eos=True, logprobs=2)
     settings = dict(weight_format="fp8", numerics="deepseek", kv_cache_dtype="fp8")
-    expected = _ids(_generate(_engine(deepseek_published_checkpoint, **settings), prompts, params))
+    plain = _generate(_engine(deepseek_published_checkpoint, **settings), prompts, params)
     engine = _engine(deepseek_published_checkpoint, num_speculative_tokens=2, **settings)
     assert isinstance(engine.model.w["model.mtp.0.e_proj.weight"], Fp8Weight) and engine.kv.kv_layout.fp8
-    assert _ids(_generate(engine, prompts, params, dict(enumerate(expected)))) == expected
+    speculative = _generate(engine, prompts, params, dict(enumerate(_ids(plain))))
+    assert _part_at_near_ties(plain, speculative) >= len(prompts) // 2
     assert engine.stats()["num_accepted_tokens"] > 0
 
 
