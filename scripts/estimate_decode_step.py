@@ -21,8 +21,9 @@ experts, shared expert, router, the LM head), and the bytes each rank sends (rin
 `roofline_ms` is max(bytes / HBM bandwidth, FLOPs / dense bf16 peak) at H200's 4.8 TB/s and 989 TFLOP/s, a lower
 bound, not a measurement; communication is listed apart (NVLink's 900 GB/s for scale). Nothing here has run on a GPU.
 
-With --drafts K, speculative decoding's step beside it: a verify step of the B requests with 1 + K tokens each (as B (1
-+ K) tokens: the experts they reach, the entries each reads) and the K draft passes after it, each over the B requests
+With --drafts K, speculative decoding's step beside it: a verify step of the B requests with 1 + K tokens each (the
+experts their B (1 + K) tokens reach, each token's FLOPs; a request's KV entries read once, its 1 + K queries' CSA picks
+each) and the K draft passes after it, each over the B requests
 (footprint.draft_pass_weight_bytes: the MTP layer, of its experts those the requests reach, the LM head it shares);
 `verify_ms` their rooflines together and `verify_x` that over the decode step's. With --acceptance a_1 .. a_K (vLLM's
 per-position acceptance rates: a_i the share of verifies that accept draft i, and so every draft before it, e.g.
@@ -108,11 +109,12 @@ class StepEstimate:
     speedup: float | None = None  # --acceptance: (1 + the drafts accepted on average) / verify_x
 
 
-def entries_read(layer_type: str, context: int, c) -> float:
-    """KV entries one query reads in a layer: its window, and the CSA picks or every HCA entry."""
-    window = min(c.sliding_window, context)
+def entries_read(layer_type: str, context: int, c, queries: int = 1) -> float:
+    """KV entries one request's `queries` consecutive queries read in a layer, each entry once: their windows, and
+    the CSA picks (each query its own, at most every entry) or every HCA entry."""
+    window = min(c.sliding_window + queries - 1, context)
     if layer_type == CSA:
-        return window + min(c.index_topk, context / c.csa_rate)
+        return window + min(queries * c.index_topk, context / c.csa_rate)
     if layer_type == HCA:
         return window + context / c.hca_rate
     return window
@@ -133,24 +135,28 @@ def lm_head_flops(c, rows: float) -> float:
     return rows * 2 * c.hidden_size * c.vocab_size
 
 
-def step_work(c, layout: str, ranks: int, batch: int, context: int, logits_rows: int | None = None) -> StepWork:
+def step_work(c, layout: str, ranks: int, batch: int, context: int, logits_rows: int | None = None,
+              tokens_per_request: int = 1) -> StepWork:
     """One decode step of `batch` requests at `context` positions each, on one of `ranks` ranks (see the module
     docstring); `logits_rows`: the rows the LM head computes, if not every one of this rank's (a prefill's: its last
-    position's). scripts/bench_v4.py puts its measured steps beside it."""
+    position's); `tokens_per_request`: a verify's 1 + K (each token its own FLOPs and experts, a request's KV entries
+    read once). scripts/bench_v4.py puts its measured steps beside it."""
     d, heads, dh, q = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank
     hi, di, inter, k = c.index_n_heads, c.index_head_dim, c.moe_intermediate_size, c.num_experts_per_tok
-    own = -(-batch // ranks) if layout == "dp" else batch  # requests whose attention this rank runs (the busiest's)
+    requests = -(-batch // ranks) if layout == "dp" else batch  # whose attention this rank runs (the busiest's)
+    own = requests * tokens_per_request  # the tokens of those
+    batch *= tokens_per_request  # (every rank's tokens, from here on)
     split = ranks if layout == "tp" else 1  # the share of the heads (and the shared expert) a rank computes
     entry, index_key = kv_fp8_entry_bytes(dh, c.qk_rope_head_dim), indexer_fp4_entry_bytes(di)
     kv = flops = 0.0
     for layer_type in c.layer_types:
-        entries = entries_read(layer_type, context, c)
-        kv += own * entries * entry
+        entries = entries_read(layer_type, context, c)  # (a query's)
+        kv += requests * entries_read(layer_type, context, c, tokens_per_request) * entry
         replicated = 2 * d * q + 2 * d * dh  # q_a and the K=V projection: every rank, its requests
         per_head = 2 * q * heads * dh + 2 * heads * dh * c.o_lora_rank + 2 * c.o_groups * c.o_lora_rank * d
         per_head += 4 * heads * dh * entries  # scores and the weighted sum over the entries read
         if layer_type == CSA:
-            kv += own * (context / c.csa_rate) * index_key
+            kv += requests * (context / c.csa_rate) * index_key
             replicated += 2 * 2 * (2 * dh) * d + 2 * 2 * (2 * di) * d + 2 * q * hi * di + 2 * d * hi
             replicated += 2 * hi * di * context / c.csa_rate  # the indexer scores every CSA key
         elif layer_type == HCA:
@@ -178,7 +184,7 @@ def estimate(c, layout: str, ranks: int, batch: int, context: int, drafts: int =
                        round(work.weights["routed experts"] / 1e9, 2), round(work.kv / 1e9, 2),
                        round(work.flops / 1e12, 2), round(work.comm / 1e6, 1), round(roofline, 2))
     if drafts:
-        verify = _roofline_ms(step_work(c, layout, ranks, batch * (1 + drafts), context))
+        verify = _roofline_ms(step_work(c, layout, ranks, batch, context, tokens_per_request=1 + drafts))
         verify += drafts * _draft_pass_ms(c, layout, ranks, batch)
         row.verify_ms, row.verify_x = round(verify, 2), round(verify / roofline, 3)
         if acceptance:

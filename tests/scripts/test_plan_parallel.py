@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from estimate_decode_step import estimate, step_work
+from estimate_decode_step import _roofline_ms, estimate, step_work
 from plan_memory import plan
 
 from backend.model.config import parse_model_config
@@ -75,16 +75,29 @@ def test_a_verify_step_and_its_draft_passes_on_paper():
     from backend.model.footprint import draft_pass_weight_bytes, weight_bytes
 
     config = _flash()
-    decode, verify = estimate(config, "tp", 1, 1, 8192), estimate(config, "tp", 1, 2, 8192)
+    decode = estimate(config, "tp", 1, 1, 8192)
+    verify_ms = _roofline_ms(step_work(config, "tp", 1, 1, 8192, tokens_per_request=2))
     one = estimate(config, "tp", 1, 1, 8192, drafts=1, acceptance=[0.77])
     head = weight_bytes(config, "fp8")["embed+head"] / 2  # (embedding and head the same size)
     draft = draft_pass_weight_bytes(config, "fp8", 1)
     assert head < draft < head + weight_bytes(config, "fp8", draft_layers=1)["draft layer (mtp)"]
-    assert abs(one.verify_ms - (verify.roofline_ms + draft / 4.8e12 * 1e3)) < 0.01  # (rounded to 0.01 ms)
+    assert abs(one.verify_ms - (verify_ms + draft / 4.8e12 * 1e3)) < 0.01  # (rounded to 0.01 ms)
     assert 1.35 < one.verify_x < 1.5 and abs(one.speedup - 1.77 / one.verify_x) < 1e-3
     two = estimate(config, "tp", 1, 1, 8192, drafts=2, acceptance=[0.77, 0.38])
     assert two.verify_x > one.verify_x and two.speedup < one.speedup  # a second draft at 0.38 costs more than it gives
     assert decode.verify_ms is None
+
+
+def test_a_verify_reads_a_requests_kv_entries_once():
+    """The 1 + K queries of a verify row read their request's window, HCA entries and indexer keys once (and their
+    own CSA picks each): at 1M positions a verify of one draft reads little more KV than a decode, not twice it;
+    its FLOPs and the experts its tokens reach are those of 1 + K tokens."""
+    config = _flash()
+    decode, verify = (step_work(config, "tp", 8, 256, 1 << 20, tokens_per_request=n) for n in (1, 2))
+    as_requests = step_work(config, "tp", 8, 512, 1 << 20)  # (the same tokens, each a request of its own)
+    assert decode.kv < verify.kv < 1.05 * decode.kv and as_requests.kv > 1.9 * decode.kv
+    assert verify.flops == as_requests.flops and verify.weights == as_requests.weights
+    assert verify.tokens_per_rank == as_requests.tokens_per_rank == 512
 
 
 def test_a_prefills_lm_head_computes_its_last_positions_logits_only():
