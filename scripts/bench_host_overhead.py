@@ -345,6 +345,11 @@ def stand_in(options, results: dict) -> None:
         steps, tokens = spread([r[0] for r in values]), spread([r[1] for r in values])
         print(f"  k={k} overlap {'on ' if overlap else 'off'}: {steps['median']:7.1f} ({steps['min']:.1f}-"
               f"{steps['max']:.1f}) steps/s  {tokens['median']:8.1f} ({tokens['min']:.1f}-{tokens['max']:.1f}) tokens/s")
+    for k in sorted({k for k, _ in configs}):  # (each repetition's on / off: runs side by side, paired)
+        ratio = spread([on[0] / off[0] for off, on in zip(runs[(k, False)], runs[(k, True)])])
+        results["device_stand_in"][f"k={k} on/off"] = {"steps_per_s": ratio}
+        print(f"  k={k} overlap on / off, each repetition's: {ratio['median']:.2f}x "
+              f"({ratio['min']:.2f}-{ratio['max']:.2f})")
 
 
 def simulate(options, results: dict) -> None:

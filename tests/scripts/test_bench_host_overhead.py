@@ -22,3 +22,18 @@ def test_churn_compares_the_frozen_heap_with_the_thawed_one(tiny_checkpoint, tmp
     for cell in churn.values():
         assert cell["gaps"]["median"] > 50  # (4 requests, 2 s of steps)
         assert 0 < cell["median_ms"]["median"] <= cell["p99_ms"]["median"] <= cell["max_ms"]["median"]
+
+
+def test_the_overlap_ratio_is_each_repetitions_own(tiny_checkpoint, tmp_path):
+    """Part 2 runs overlap off and on in turn within each repetition, and reports each repetition's on / off ratio
+    (a side-by-side ratio), not one setting's median over the other's."""
+    out = tmp_path / "stand_in.json"
+    run = subprocess.run([sys.executable, "scripts/bench_host_overhead.py", "--checkpoint", str(tiny_checkpoint),
+                          "--skip-host", "--churn-seconds", "0", "--sleep-rows", "4", "--sleep-context", "64",
+                          "--steps", "10", "--repeats", "2", "--json", str(out)],
+                         check=True, cwd=REPO, capture_output=True, text=True, timeout=600)
+    cells = json.loads(out.read_text())["device_stand_in"]
+    off, on = (cells[f"k=0 overlap={flag}"]["steps_per_s"]["runs"] for flag in (False, True))
+    ratio = cells["k=0 on/off"]["steps_per_s"]
+    assert sorted(ratio["runs"]) == sorted(b / a for a, b in zip(off, on)) and len(ratio["runs"]) == 2
+    assert "k=0 overlap on / off, each repetition's:" in run.stdout
