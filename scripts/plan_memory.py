@@ -146,7 +146,8 @@ def main() -> None:
     source.add_argument("--checkpoint", type=Path, help="a checkpoint directory (its config.json)")
     source.add_argument("--config", type=Path, help="a config.json file")
     parser.add_argument("--weight-format", choices=["dequantize", "fp8"], default="fp8")
-    parser.add_argument("--gpu-memory-gib", type=float, default=141.0)
+    parser.add_argument("--gpu-memory-gib", type=float, default=140.4,
+                        help="device memory (default an H200's: it reports 143,771 MiB)")
     parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1)
     parser.add_argument("--expert-parallel-size", type=at_least(1), default=1)
     parser.add_argument("--data-parallel-size", type=at_least(1), default=1,
