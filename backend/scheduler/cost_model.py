@@ -6,8 +6,9 @@ Three parts, each robust on its own to a noisy machine (CPU step times vary by +
 - the shape `w`: exponentially weighted least squares over durations divided by the level in
   force when they were taken, with a long memory and the work coefficients kept >= 0. Noise never
   discounts it, so the slope information of earlier steps is kept (a constant chunk at a growing
-  context carries none of its own); a fit that would drop every work term is refused and the
-  previous coefficients stay;
+  context carries none of its own); steps without prefill tokens add to it without discounting the
+  past (they carry nothing of prefill's cost); a fit that would drop every work term is refused and
+  the previous coefficients stay;
 - the `level`: the machine's speed relative to the shape. A two-sided CUSUM on
   r = log(actual / predicted) needs evidence, a change that persists over several steps (2x: two
   steps; 1.3x: about fifteen), before it moves the level by the mean residual of that run; one
@@ -115,8 +116,12 @@ class StepCostModel:
         predicted = self.predict(features)
         x = np.asarray(features.vector())
         normalised = duration_s / self.level
-        self._moment = self.decay * self._moment + x * normalised
-        self._gram = self.decay * self._gram + np.outer(x, x)
+        # Only a step with prefill tokens makes the past count less: a decode-only one says nothing of what prefill
+        # costs, and 2,000 of them (a quiet minute) had faded the prefill steps behind it to nothing, so the next
+        # prompt's first chunk was sized as if prefill were free (6.9x a 100 ms target).
+        decay = self.decay if features.prefill_tokens else 1.0
+        self._moment = decay * self._moment + x * normalised
+        self._gram = decay * self._gram + np.outer(x, x)
         ratio = duration_s / predicted if predicted is not None and duration_s > 0 else None
         self._recent.append(_Observation(x, normalised, predicted, ratio))
         self._calibration = None

@@ -147,6 +147,24 @@ def test_the_itl_budget_of_a_prefill_after_a_cached_prefix_counts_that_context(s
     assert max(d for _, d in steps) < 0.11  # (sized at context 0 it took 575 ms)
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_quiet_stretch_of_decodes_leaves_what_prefill_costs_known(cached):
+    """After the long prompt, 3,000 steps of the one request decoding alone (a quiet minute), then a follow-up turn
+    whose first 60,000 positions are cached, or a new 30,000-token prompt: the first chunk is still sized under the
+    100 ms target. (Decode-only steps discounted the prefill steps before them to nothing: the model took prefill as
+    free, and the turn's first chunk of 4,708 tokens took 686 ms, the new prompt's 121 ms.)"""
+    scheduler, engine = _decoding_beside_a_learned_long_prefill()
+    for _ in range(3000):
+        engine.step()
+    if not cached:
+        scheduler.prefix_cache = NoPrefixCache()
+    scheduler.add(make_seq("turn", 68_000 if cached else 30_000, max_tokens=1))
+    start = len(engine.plans)
+    while "turn" not in engine.finals:
+        engine.step()
+    assert max(engine.durations[start:]) < 0.11
+
+
 def test_a_step_that_cannot_admit_its_waiting_request_is_not_counted_over_the_itl_target():
     """max_running_requests decoding, one more waiting: the steps carry no prefill, so no prefill chunk can miss the
     target (each was flagged itl_infeasible, counted and warned about)."""
