@@ -52,7 +52,8 @@ from backend.parallel.data_parallel import OutputBatch
 from backend.parallel.group import RankGroup, check_devices
 from backend.parallel.messages import Arrival, Cancel
 from backend.parallel.sync import ALONE
-from backend.request import EngineUnavailable, FinishReason, RequestLimits, RequestOutput, SamplingParams, Sequence
+from backend.request import (SHUTTING_DOWN, EngineUnavailable, FinishReason, RequestLimits, RequestOutput,
+                             SamplingParams, Sequence)
 from backend.rank_main import worker_main
 from backend.runner import make_runner
 from backend.scheduler.scheduler import clock
@@ -253,6 +254,8 @@ class LLMEngine:
         with self._placement_lock:
             if self.unavailable:  # (`_fail_everywhere` may have looked at the placements since submit() checked)
                 raise EngineUnavailable(f"the model cannot serve: {self.unavailable}")
+            if self._stop.is_set():  # (no loop would serve it, nor end it)
+                raise EngineUnavailable(SHUTTING_DOWN)
             if seq.request_id in self._placed:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             rank = min(self.ranks, key=lambda r: (r.load, r.rank))
@@ -301,7 +304,8 @@ class LLMEngine:
         step in flight ends first; threads that outlast the budget are left (they are daemons) rather than waited for
         (tritonserver kills a model that takes longer to unload than its exit timeout)."""
         deadline = time.monotonic() + timeout
-        self._stop.set()
+        with self._placement_lock:  # (a submit placing a request now sees it, or its request is ended below)
+            self._stop.set()
         self.scheduler.wake()
         quiet = True  # (no step still running on this rank: the workers may be told to stop)
         if self._thread is not None:
@@ -324,9 +328,17 @@ class LLMEngine:
                 logger.warning("the data-parallel links stay open: the thread taking in the ranks' outputs still runs")
             self.group.close(_left(deadline), close_links=not polling)
             self.group = None
+        self._end_unfinished()
         if self._froze_heap:  # (this engine's objects become collectable)
             thaw_heap()
             self._froze_heap = False
+
+    def _end_unfinished(self) -> None:
+        """Every request still placed gets its one final output, an error: no loop serves it any more."""
+        with self._placement_lock:
+            unfinished = list(self._placed.values())
+        self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
+                                      placed.num_output, SHUTTING_DOWN, None, 0) for placed in unfinished])
 
     def _end_lock_step(self) -> None:
         """Ranks in lock-step that are still agreeing (not all idle) leave their loops at one last agreement."""

@@ -67,7 +67,7 @@ class OutputProcessor:
                 text += detokenizer.flush()
                 if detokenizer.stopped:  # (the end's last characters held a stop: as where a token completes one)
                     reason = FinishReason.STOP
-            del self._streams[output.request_id]
+            self._streams.pop(output.request_id, None)  # (the consumer may have discarded it meanwhile)
         return replace(output, new_token_ids=tokens, logprobs=logprobs, new_text=text, finished=finished,
                        finish_reason=reason, num_output_tokens=stream.num_tokens)
 

@@ -53,7 +53,10 @@ class SequenceStatus(enum.Enum):
 
 class EngineUnavailable(ValueError):
     """The engine cannot take the request: its queue is full (max_queue_size), or it can no longer serve at all
-    (a rank of its group is gone). Answered with Triton's UNAVAILABLE code."""
+    (a rank of its group is gone, or it is shutting down). Answered with Triton's UNAVAILABLE code."""
+
+
+SHUTTING_DOWN = "the model is shutting down"  # the error of a request the engine's shutdown ends, or refuses
 
 
 class FinishReason(str, enum.Enum):

@@ -553,20 +553,20 @@ class Scheduler:
     # --- arrivals, aborts, retirement ---------------------------------------------------------
 
     def _take_arrivals_and_aborts(self, plan: StepPlan, now: float) -> None:
-        with self._lock:
+        with self._lock:  # (the arrivals move to their queues under it: add() counts each all the while)
             arrivals, self._inbox = self._inbox, []
             aborts, self._abort_requests = self._abort_requests, {}
             self._grammar_compiled = False
-        for seq in arrivals:
-            if seq.arrival_s is None:
-                seq.arrival_s = now
-            self._by_id[seq.request_id] = seq
-            if seq.sampling.timeout_ms is not None:
-                self._with_deadline.add(seq)
-            if seq.grammar is not None:
-                self._awaiting_grammar.append(seq)
-            else:
-                self._enqueue(seq, front=False)
+            for seq in arrivals:
+                if seq.arrival_s is None:
+                    seq.arrival_s = now
+                self._by_id[seq.request_id] = seq
+                if seq.sampling.timeout_ms is not None:
+                    self._with_deadline.add(seq)
+                if seq.grammar is not None:
+                    self._awaiting_grammar.append(seq)
+                else:
+                    self._enqueue(seq, front=False)
         if self._awaiting_grammar:
             self._queue_compiled(plan)
         for request_id, reason in aborts.items():
@@ -578,14 +578,19 @@ class Scheduler:
                 self._end(plan, seq, FinishReason.TIMEOUT)  # its memory is freed; the tokens it got were streamed
 
     def _queue_compiled(self, plan: StepPlan) -> None:
-        """Arrivals whose grammar is compiled join the waiting queue (in arrival order); one that failed ends."""
-        for seq in [s for s in self._awaiting_grammar if s.grammar.ready]:
-            self._awaiting_grammar.remove(seq)
-            if seq.grammar.error is not None:
-                seq.error = seq.grammar.error
-                self._end(plan, seq, FinishReason.ERROR)
-            else:
-                self._enqueue(seq, front=False)
+        """Arrivals whose grammar is compiled join the waiting queue (in arrival order, under the lock: add() counts
+        each all the while); one that failed ends."""
+        failed = []
+        with self._lock:
+            for seq in [s for s in self._awaiting_grammar if s.grammar.ready]:
+                self._awaiting_grammar.remove(seq)
+                if seq.grammar.error is not None:
+                    failed.append(seq)
+                else:
+                    self._enqueue(seq, front=False)
+        for seq in failed:
+            seq.error = seq.grammar.error
+            self._end(plan, seq, FinishReason.ERROR)
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
         """Insert into waiting by `_waiting_key`; `front` (a preempted request) goes before its equals."""

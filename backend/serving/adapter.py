@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 from backend.output_processor import OutputProcessor, coalesce
-from backend.request import EngineUnavailable, FinishReason, Sequence
+from backend.request import SHUTTING_DOWN, EngineUnavailable, FinishReason, Sequence
 from backend.serving import server_stop, triton_io
 from backend.serving.metrics import RequestTimer, ServingMetrics
 
@@ -119,7 +119,7 @@ class TritonAdapter:
         with self._lock:
             leftovers, self._live = list(self._live.values()), {}
         for live in leftovers:  # (the response thread may still be sending one of theirs: after it, or not at all)
-            self._answer_with_error(live, "the model is shutting down", wait_s=max(0.25, deadline - time.monotonic()))
+            self._answer_with_error(live, SHUTTING_DOWN, wait_s=max(0.25, deadline - time.monotonic()))
         leftovers.clear()
         self.metrics.close()
         if self.stop_watch.health is not None:

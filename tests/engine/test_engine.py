@@ -106,6 +106,33 @@ def test_a_rank_that_can_step_no_more_ends_its_requests_as_errors_naming_why(tin
     assert _all_pages_free(engine)
 
 
+def test_a_shutdown_ends_every_live_request_once_and_refuses_later_ones(tiny_checkpoint):
+    """Requests running or waiting when the engine shuts down each get one final output, an error saying so (a
+    consumer other than the Triton adapter, which answers its own, waited for them forever); a submit during or
+    after the shutdown is refused, not queued where no loop serves it."""
+    from backend.request import EngineUnavailable
+
+    engine = _engine(tiny_checkpoint, max_running_requests=1)
+    outputs: dict[str, list[RequestOutput]] = {"running": [], "waiting": []}
+    started = threading.Event()
+
+    def on_output(out: RequestOutput):
+        outputs[out.request_id].append(out)
+        started.set()
+
+    engine.start()
+    for request_id in outputs:
+        engine.submit(Sequence(request_id, _prompts(1, 50)[0], SamplingParams(max_tokens=5000, ignore_eos=True)),
+                      on_output)
+    assert started.wait(60)
+    engine.shutdown()
+    for request_id, got in outputs.items():
+        assert [o.finished for o in got].count(True) == 1 and got[-1].finished, request_id
+        assert got[-1].finish_reason is FinishReason.ERROR and got[-1].error == "the model is shutting down"
+    with pytest.raises(EngineUnavailable, match="shutting down"):
+        engine.submit(Sequence("late", [5, 6, 7], SamplingParams(max_tokens=4)), on_output)
+
+
 @pytest.mark.parametrize("prompt,params,message", [
     ([], {}, "empty"),
     ([5, 600], {}, "out of the vocabulary"),

@@ -15,6 +15,7 @@ import math
 import random
 import statistics
 import threading
+import time
 from collections import Counter, deque
 
 import pytest
@@ -1049,6 +1050,34 @@ def test_concurrent_arrivals_never_overfill_the_queue():
     engine = FakeEngine(scheduler)
     engine.run_until_idle()  # the refused ones left nothing behind: only the 3 queued ones run
     assert scheduler.num_waiting == 0 and scheduler.num_running == 0
+
+
+def test_an_arrival_while_the_queue_is_taken_in_still_counts_every_queued_request():
+    """The loop moves arrivals from the inbox to the waiting queue while add() may run: an add() in between saw
+    neither and took a place past max_waiting (the queue held 3 of 2). The move is under the lock, so it waits and
+    is refused."""
+    scheduler = make_scheduler(max_running_requests=1)
+    engine = FakeEngine(scheduler)
+    assert scheduler.add(make_seq("running", 4, max_tokens=1000))
+    engine.step()  # (it holds the only running slot: what arrives next waits)
+    assert scheduler.add(make_seq("a", 4), max_waiting=2) and scheduler.add(make_seq("b", 4), max_waiting=2)
+    late: list[bool] = []
+    enqueue = scheduler._enqueue
+
+    def enqueue_while_another_arrives(seq, front):
+        if seq.request_id == "a":  # (the first arrival in transit: "b" is out of the inbox, not yet queued)
+            arrival = threading.Thread(target=lambda: late.append(scheduler.add(make_seq("late", 4), max_waiting=2)))
+            arrival.start()
+            arrival.join(timeout=0.2)
+        enqueue(seq, front)
+
+    scheduler._enqueue = enqueue_while_another_arrives
+    engine.step()
+    for _ in range(100):  # (the arrival, blocked on the lock, answers once the step let go of it)
+        if late:
+            break
+        time.sleep(0.01)
+    assert late == [False] and scheduler.num_waiting == 2
 
 
 # --------------------------------------------------------------------------------------------
