@@ -337,8 +337,9 @@ class LLMEngine:
         """Every request still placed gets its one final output, an error: no loop serves it any more."""
         with self._placement_lock:
             unfinished = list(self._placed.values())
-        self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
-                                      placed.num_output, SHUTTING_DOWN, None, 0) for placed in unfinished])
+        if unfinished:
+            self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
+                                          placed.num_output, SHUTTING_DOWN, None, 0) for placed in unfinished])
 
     def _end_lock_step(self) -> None:
         """Ranks in lock-step that are still agreeing (not all idle) leave their loops at one last agreement."""

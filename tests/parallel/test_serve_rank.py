@@ -220,6 +220,7 @@ def test_the_links_are_not_closed_under_a_thread_still_polling_them():
     for stuck in (True, False):
         engine = object.__new__(LLMEngine)  # (the shutdown alone, over fakes)
         engine._stop, engine._thread, engine._froze_heap = threading.Event(), None, False
+        engine._placement_lock, engine._placed = threading.Lock(), {}
         engine.core = SimpleNamespace(close=lambda timeout: True, sync=ALONE, scheduler=SimpleNamespace(wake=dict))
         engine.grammars = SimpleNamespace(close=lambda: None)
         engine.group, release = Group(), threading.Event()
