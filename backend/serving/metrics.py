@@ -34,6 +34,8 @@ tritonserver and can be tested with a fake. Families (all labelled with `model`,
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,10 +58,26 @@ class RequestTimer:
         return kind, now - since
 
 
+def _one_thread_at_a_time(method):
+    """A ServingMetrics method under the object's lock.
+
+    The Python backend's stub is not thread-safe per metric: an operation (`increment`, `observe`, `set`) writes the
+    metric's one shared-memory message and sends it with the GIL released, so two threads on the same metric at once
+    (a refusal counted on the execute thread while the response thread counts another request's end) freed the
+    message one of them sent; tritonserver then read a freed one and crashed in Metric::Increment. Creating the same
+    series from two threads at once made it twice."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 class ServingMetrics:
     """Owns the metric families; `update(stats)` mirrors `engine.stats()` into them."""
 
     def __init__(self, pb_utils, model_name: str, model_version: str = "") -> None:
+        self._lock = threading.Lock()  # (every metric operation: `_one_thread_at_a_time`)
         family = pb_utils.MetricFamily
         # (as Triton's own metrics and its vLLM backend's: two versions of the model loaded together, in poll mode,
         # would otherwise share each series, each setting the other's gauges and adding to its counters)
@@ -113,6 +131,7 @@ class ServingMetrics:
             self._metrics[key] = self._families[family].Metric(labels=all_labels, **extra)
         return self._metrics[key]
 
+    @_one_thread_at_a_time
     def close(self) -> None:
         """Delete every metric, then every family, now; later calls do nothing. Each deletes itself in tritonserver
         as it is destroyed, so this must run while the server still listens to the stub (`finalize`)."""
@@ -121,20 +140,24 @@ class ServingMetrics:
         self._metrics.clear()
         self._families.clear()
 
+    @_one_thread_at_a_time
     def on_tokens(self, timer: RequestTimer) -> None:
         kind, seconds = timer.tick()
         if not self._closed:
             (self.ttft if kind == "ttft" else self.itl).observe(seconds)
 
+    @_one_thread_at_a_time
     def on_grammar_compiles(self, seconds: list[float]) -> None:
         """The compilations that ended since the last call (LLMEngine.take_grammar_compile_seconds)."""
         for value in seconds if not self._closed else ():
             self.grammar_compile.observe(value)
 
+    @_one_thread_at_a_time
     def on_finished(self, finish_reason: str) -> None:
         if not self._closed:
             self._metric("dsv4_requests_finished_total", finish_reason=str(finish_reason)).increment(1)
 
+    @_one_thread_at_a_time
     def update(self, stats: dict) -> None:
         """Mirror one `engine.stats()` snapshot; counters advance by the change since the last one."""
         if self._closed:

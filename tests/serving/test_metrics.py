@@ -1,5 +1,8 @@
 """backend/serving/metrics.py against a fake of pb_utils' metric API."""
 
+import threading
+import time
+
 import pytest
 from fake_pb_utils import FakeFamily, FakePbUtils
 
@@ -102,3 +105,49 @@ def test_every_series_carries_the_model_version_when_one_is_given():
     metrics.on_finished("stop")
     created = [m for family in FakeFamily.created.values() for m in family.metrics]
     assert created and all(m.labels["model"] == "dsv4" and m.labels["version"] == "2" for m in created)
+
+
+class _OneAtATimeMetric:
+    """A metric as the Python backend's stub has it: each operation writes the metric's one shared-memory message and
+    sends it with the GIL released (a sleep here), so two at once on the same metric corrupt it: counted."""
+
+    overlaps = 0
+
+    def __init__(self, labels, buckets=None):
+        self.labels, self.busy = labels, False
+
+    def _operation(self, value):
+        if self.busy:
+            _OneAtATimeMetric.overlaps += 1
+        self.busy = True
+        time.sleep(0.0005)
+        self.busy = False
+
+    increment = set = observe = _operation
+
+
+def test_two_threads_never_operate_on_one_metric_at_once(monkeypatch):
+    """The execute thread counts a refused request's end while the response thread counts another's and mirrors the
+    stats: each metric sees one operation at a time (tritonserver crashed in Metric::Increment otherwise)."""
+    FakeFamily.created = {}
+    monkeypatch.setattr("fake_pb_utils.FakeMetric", _OneAtATimeMetric)
+    _OneAtATimeMetric.overlaps = 0
+    metrics = ServingMetrics(FakePbUtils, "dsv4")
+    stats = {"steps_by_kind": {"decode": 1}, "num_running": 1, "num_waiting": 0}
+
+    def refusals():
+        for _ in range(200):
+            metrics.on_finished("error")
+
+    def responses():
+        for i in range(200):
+            metrics.on_finished("error")
+            metrics.update({**stats, "steps_by_kind": {"decode": i + 1}})
+
+    threads = [threading.Thread(target=refusals), threading.Thread(target=responses)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert _OneAtATimeMetric.overlaps == 0
+    assert len(FakeFamily.created["dsv4_requests_finished_total"].metrics) == 1  # (one series, made once)
