@@ -244,9 +244,10 @@ def _as_int(value: Any, key: str) -> int:
 
 
 def _as_bool(value: Any) -> Any:
-    """A boolean, or the string "true" / "false" (any case) as one, as numbers come as numeric strings (the vLLM
-    backend's parser takes strings for its boolean keys, and clients written for it may send them so); anything else
-    is left for the parameters' own check to refuse."""
+    """A boolean, or the string "true" / "false" (any case) as one, by value, as numbers come as numeric strings (the
+    vLLM backend's parser takes strings for its boolean keys, and clients written for it may send them so; its
+    `bool()` makes any non-empty one true, "false" too); anything else is left for the parameters' own check to
+    refuse."""
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     return value
