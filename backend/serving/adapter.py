@@ -79,6 +79,10 @@ class TritonAdapter:
         self.max_cancel_asks_per_s = max_cancel_asks_per_s
         self.model_name = model_name
         self._unload_requested = False
+        self._may_unload = engine.config.unload_when_unavailable and server_stop.explicit_model_control(os.getppid())
+        if engine.config.unload_when_unavailable and not self._may_unload:
+            self.logger.log_warn("[dsv4] unload_when_unavailable needs tritonserver --model-control-mode=explicit: "
+                                 "without it a model that can no longer serve stays loaded, answering UNAVAILABLE")
         grace_s = engine.config.stop_grace_s
         if grace_s is not None and (warning := server_stop.grace_warning(grace_s)):
             self.logger.log_warn(f"[dsv4] {warning}")
@@ -365,7 +369,7 @@ class TritonAdapter:
         except Exception as exc:
             self.logger.log_warn(f"[dsv4] engine.stats() failed: {exc}")
             return
-        if stats.get("unavailable") and not self._unload_requested and self.engine.config.unload_when_unavailable:
+        if stats.get("unavailable") and not self._unload_requested and self._may_unload:
             self._report_not_ready(stats["unavailable"])
 
     def _report_not_ready(self, reason: str) -> None:
@@ -376,7 +380,7 @@ class TritonAdapter:
         self.logger.log_error(f"[dsv4] the engine cannot serve any more ({reason}); unloading the model")
         try:
             self.pb.unload_model(self.model_name)  # non-blocking: finalize() runs once the in-flight requests end
-        except Exception as exc:  # noqa: BLE001 (no explicit model control after all)
+        except Exception as exc:  # noqa: BLE001 (the server refused it all the same)
             self.logger.log_warn(f"[dsv4] cannot unload the model ({exc}): it stays loaded, answering UNAVAILABLE")
 
     def _answer_with_error(self, live: _Live, message: str, code=None, wait_s: float = -1) -> bool:

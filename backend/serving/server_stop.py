@@ -80,6 +80,13 @@ def exit_timeout_s(server_pid: int) -> float:
         return DEFAULT_EXIT_TIMEOUT_S
 
 
+def explicit_model_control(server_pid: int) -> bool:
+    """Whether tritonserver (process `server_pid`) runs with --model-control-mode=explicit: the one mode in which a
+    model may unload itself (pb_utils.unload_model). In the others the call fails, and the Python backend frees the
+    failure's message while the stub still reads it: not to be called there."""
+    return option_value(server_argv(server_pid), "--model-control-mode", "--model-cont") == "explicit"
+
+
 def default_grace_s(server_pid: int | None = None) -> float:
     """How long requests may go on once the stop is seen: the exit timeout of tritonserver (this stub's parent) less
     STOP_MARGIN_S."""

@@ -512,3 +512,36 @@ def test_the_adapter_serves_on_once_a_stop_reading_is_taken_back(adapter, health
     wait_final(running, later)
     assert errors_of(running) == [] and len(tokens_of(running)) == 400
     assert errors_of(later) == [] and len(tokens_of(later)) == 5
+
+
+def test_explicit_model_control_is_read_from_tritonservers_command_line():
+    """unload_when_unavailable unloads the model only where tritonserver runs with --model-control-mode=explicit (its
+    getopt prefixes too): elsewhere pb_utils.unload_model fails, and the Python backend frees the failure's message
+    while the stub still reads it."""
+    server = _fake_tritonserver
+    servers = [server("--model-control-mode=explicit"), server("--model-control-mode", "explicit"),
+               server("--model-cont=explicit"), server("--model-control-mode=poll"), server("--model-config-name=x"),
+               server("--model-control-mode=explicit", "--model-control-mode=none")]
+    try:
+        assert [server_stop.explicit_model_control(s.pid) for s in servers] == [True, True, True, False, False, False]
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
+
+
+def test_a_model_that_cannot_serve_is_not_unloaded_without_explicit_model_control(monkeypatch):
+    """With unload_when_unavailable and a server not in explicit mode (this test's parent), the adapter warns at start
+    and never calls unload_model once the engine says it cannot serve."""
+    unloads = []
+    monkeypatch.setattr(FakePbUtils, "unload_model", staticmethod(unloads.append), raising=False)
+    Logger.lines.clear()
+    engine = FakeEngine(EngineConfig(max_tokens_limit=1000, unload_when_unavailable=True))
+    monkeypatch.setattr(engine, "stats", lambda: {"unavailable": "rank 1 is gone"})
+    adapter = TritonAdapter(engine, FakePbUtils, "dsv4", "1", poll_s=0.005, stats_s=0.01, stop_check_s=0.01)
+    adapter.start()
+    try:
+        time.sleep(0.1)  # (several stats updates)
+    finally:
+        adapter.shutdown()
+    assert unloads == [] and any("needs tritonserver --model-control-mode=explicit" in line for line in Logger.lines)
