@@ -66,8 +66,13 @@ class TritonPythonModel:
         self.adapter.start()
 
     def execute(self, requests):
+        # submit() answers a bad request itself; nothing may leave here raised: the backend would then close every
+        # sender of the batch, those of the requests already taken in too, and delete their response factories.
         for request in requests:
-            self.adapter.submit(request)
+            try:
+                self.adapter.submit(request)
+            except Exception as exc:  # noqa: BLE001
+                pb_utils.Logger.log_error(f"[dsv4] a request could not be taken in: {exc}")
         return None
 
     def finalize(self):
