@@ -58,7 +58,7 @@ from backend.engine import LLMEngine  # noqa: E402
 from scripts.bench_engine import throughput, time_engine  # noqa: E402
 from scripts.bench_results import write_csv  # noqa: E402
 from scripts.checkpoint_flags import add_checkpoint_flags, checkpoint_settings  # noqa: E402
-from scripts.estimate_decode_step import acceptance_flag, expected_tokens_per_step, parse_rates  # noqa: E402,F401
+from scripts.estimate_decode_step import acceptance_flag, expected_tokens_per_step  # noqa: E402
 from scripts.flag_types import at_least  # noqa: E402
 
 
@@ -100,6 +100,7 @@ def static_share(records: list) -> float:
     a launch per kernel): 1.0 where every one did, or with no decode step."""
     decodes = [step for step in records if step.kind is StepKind.DECODE]
     return sum(step.timing.static_shape for step in decodes) / len(decodes) if decodes else 1.0
+
 
 V4_FLASH_ACCEPTANCE = [0.77, 0.38]  # per position at k = 2, vLLM PR #41044
 

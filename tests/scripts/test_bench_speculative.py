@@ -9,6 +9,7 @@ import weakref
 
 import bench_speculative
 import pytest
+from estimate_decode_step import parse_rates
 
 from backend.scheduler.step_record import StepKind, StepRecord, StepTiming
 
@@ -38,7 +39,7 @@ def test_the_static_share_counts_the_decode_steps_that_ran_at_a_static_shape():
 
 
 def test_the_projected_speed_up_is_the_tokens_a_step_emits_over_its_cost():
-    rates = bench_speculative.parse_rates("0.77,0.38")
+    rates = parse_rates("0.77,0.38")
     assert bench_speculative.expected_tokens_per_step(rates, 0) == 1.0
     assert bench_speculative.expected_tokens_per_step(rates, 2) == pytest.approx(2.15)
     assert math.isnan(bench_speculative.expected_tokens_per_step(rates, 3))  # no rate given: not projected
@@ -53,9 +54,9 @@ def test_the_projected_speed_up_is_the_tokens_a_step_emits_over_its_cost():
     assert verify["projected_speedup_max"] == pytest.approx(2.15 / 1.5, abs=1e-3)
     assert verify["speedup_at_measured_acceptance"] == pytest.approx(1.5 / 1.75, abs=1e-3)
     with pytest.raises(argparse.ArgumentTypeError):
-        bench_speculative.parse_rates("0.7,1.3")
+        parse_rates("0.7,1.3")
     with pytest.raises(argparse.ArgumentTypeError, match="cannot increase"):  # (vLLM's per-position rates)
-        bench_speculative.parse_rates("0.38,0.77")
+        parse_rates("0.38,0.77")
 
 
 def test_each_engine_is_freed_before_the_next_is_built(tiny_checkpoint, monkeypatch):
