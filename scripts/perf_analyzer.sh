@@ -56,7 +56,7 @@ source "$REPO_ROOT/scripts/env.sh"
 mkdir -p "$OUT"
 DATA="$OUT/input_data.json"
 
-python - "$TOKENIZER" "$INPUT_TOKENS" "$OUTPUT_TOKENS" "$DATA" <<'EOF'
+python3 - "$TOKENIZER" "$INPUT_TOKENS" "$OUTPUT_TOKENS" "$DATA" <<'EOF'
 import json, sys
 from tokenizers import Tokenizer
 

@@ -44,7 +44,7 @@ source "$REPO_ROOT/scripts/env.sh"
 if [ ${#SETS[@]} -gt 0 ]; then
   [ "$MODEL_REPOSITORY" = "$REPO_ROOT/model_repository" ] || { echo "serve.sh: --set needs the default repository" >&2; exit 2; }
   MODEL_REPOSITORY="$REPO_ROOT/build/model_repository"
-  python "$REPO_ROOT/scripts/make_model_repository.py" --out "$MODEL_REPOSITORY" "${SETS[@]}" >/dev/null
+  python3 "$REPO_ROOT/scripts/make_model_repository.py" --out "$MODEL_REPOSITORY" "${SETS[@]}" >/dev/null
 fi
 
 echo "[serve] tritonserver: model repository $MODEL_REPOSITORY;" \
