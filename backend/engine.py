@@ -338,8 +338,7 @@ class LLMEngine:
         with self._placement_lock:
             unfinished = list(self._placed.values())
         if unfinished:
-            self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
-                                          placed.num_output, SHUTTING_DOWN, None, 0) for placed in unfinished])
+            self._send_all([placed.failed(SHUTTING_DOWN) for placed in unfinished])
 
     def _end_lock_step(self) -> None:
         """Ranks in lock-step that are still agreeing (not all idle) leave their loops at one last agreement."""
@@ -562,8 +561,7 @@ class LLMEngine:
         self.core.fail_all(reason)
         with self._placement_lock:
             elsewhere = list(self._by_handle.values())
-        self._send_all([RequestOutput(placed.request_id, [], "", True, FinishReason.ERROR, placed.num_input,
-                                      placed.num_output, reason, None, 0) for placed in elsewhere])
+        self._send_all([placed.failed(reason) for placed in elsewhere])
         if self.group is not None and self.group.links is not None:
             self.group.links.stop_all()
         self.scheduler.wake()
@@ -593,6 +591,11 @@ class Placement:
     num_output: int = field(default=0)
     deadline_s: float | None = None  # another rank's request with timeout_ms: when it passes, by clock()
     ending: FinishReason | None = None  # another rank's request ended here (_end_elsewhere), its rank not yet told
+
+    def failed(self, error: str) -> RequestOutput:
+        """The request's final output when the engine ends it with `error` (no step of its reports it)."""
+        return RequestOutput(self.request_id, [], "", True, FinishReason.ERROR, self.num_input, self.num_output, error,
+                             None, 0)
 
 
 RECEIVER_STOP_S = 0.5  # what the thread taking in other ranks' outputs gets to end, past a shutdown's budget
