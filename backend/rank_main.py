@@ -27,6 +27,7 @@ from backend.parallel.group import GroupSpec, join, ranks_per_node, ready, spawn
 from backend.model.parallel_layout import ParallelLayout
 from backend.parallel.messages import Stop
 from backend.runner import Draft, DraftChain, Forward, ModelRunner, make_runner
+from backend.stack_dump import dump_stacks_on_sigusr1
 
 
 def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
@@ -34,6 +35,7 @@ def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     ends it by an exception is logged on its standard error first (rank 0 sees only that the process is gone)."""
     rank = first_rank + index
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    dump_stacks_on_sigusr1()
     try:
         _serve_worker(rank, spec)
     except Exception:

@@ -29,7 +29,7 @@ import pytest
 
 from .conftest import CHECKPOINT, _make_repository
 from .triton_helpers import (CRASH_MARKERS, EXIT_TIMEOUT_S, REPO_ROOT, GrpcStreams, TritonServer, free_ports,
-                             group_members, grpc_inputs, http_post, server_env, wait_for)
+                             group_members, grpc_inputs, http_post, server_env, stub_argv, wait_for)
 
 CYCLES = int(os.environ.get("DSV4_STOP_CYCLES", "3"))
 LONG_PROMPT_TOKENS = 1500  # prefilled in 128-token chunks: 12 steps
@@ -162,11 +162,8 @@ def test_requests_still_decoding_when_the_model_is_unloaded_end_after_the_grace(
 
 def _stub_shm_region(pgid: int) -> str | None:
     """The shm region named on the command line of the group's Python-backend stub."""
-    for pid in group_members(pgid):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if argv[0].endswith(b"triton_python_backend_stub"):
-            return argv[2].decode()
-    return None
+    stub = stub_argv(pgid)
+    return stub[1][2].decode() if stub else None
 
 
 def _ready(http_port: int) -> bool:

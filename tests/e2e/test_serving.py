@@ -6,6 +6,7 @@ At temperature 0 the served tokens must equal the offline engine's, whatever the
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from .triton_helpers import (
     server_env,
     settled,
     stream_all,
+    stub_argv,
     wait_for,
 )
 
@@ -179,6 +181,20 @@ def test_a_cpu_server_runs_single_threaded_mkl_and_steps_on_every_cpu(server):
     log = server.log_path.read_text()  # the model logs both as it builds the engine
     assert "MKL_NUM_THREADS=1;" in log
     assert f"cpu_threads={len(os.sched_getaffinity(0))}," in log
+
+
+def test_sigusr1_writes_the_stubs_python_stacks_to_the_log_and_the_server_serves_on(server, reference):
+    """`kill -USR1` of the stub (docs/serving.md#when-the-server-hangs) prints every Python thread's stack in the
+    server's log, the engine's loop and the response thread among them, and the model goes on serving."""
+    stub_pid, _ = stub_argv(server.process.pid)
+    logged = server.log_path.stat().st_size
+    os.kill(stub_pid, signal.SIGUSR1)
+    new_lines = lambda: server.log_path.read_bytes()[logged:].decode(errors="replace")  # noqa: E731
+    assert wait_for(lambda: "in _response_loop" in new_lines() and "most recent call first" in new_lines())
+    assert "backend/serving/adapter.py" in new_lines()
+    prompt = PROMPTS[3]
+    (res,) = stream_all(server, [prompt], MAX_TOKENS)
+    assert (res.error, res.ids) == (None, reference[prompt]["output_ids"])
 
 
 def _vocab_size() -> int:

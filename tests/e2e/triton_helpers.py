@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +74,60 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
+
+
+def dump_stacks(pids: list[int], path: Path, timeout_s: float = 60.0) -> str:
+    """The stacks of each process in `pids` (tritonserver, its stub, the stub's rank processes): a server that hangs at
+    start-up is otherwise gone, and its cause with it, once the test stops it. Those that dump their Python stacks on
+    SIGUSR1 (backend/stack_dump.py) get it, and write them to the server's log; every thread's native stack is written
+    to `path` with gdb where it is installed. Returns what to say of it in the failure."""
+    for pid in pids:
+        if _catches(pid, signal.SIGUSR1):
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(0.5)  # (one at a time: they share the log, and would interleave their lines)
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb here to dump the native stacks of its processes)"
+    with open(path, "w") as out:
+        for pid in pids:
+            out.write(f"=== pid {pid}: {_command_line(pid)}\n")
+            out.flush()
+            try:
+                subprocess.run([gdb, "-batch", "-nx", "-p", str(pid), "-ex", "thread apply all bt"], stdout=out,
+                               stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+            except subprocess.TimeoutExpired:
+                out.write(f"(gdb took more than {timeout_s:g} s)\n")
+    text = path.read_text(errors="replace")
+    return f"the native stacks of its {len(pids)} processes ({path}):\n{text[-40_000:]}"
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(caught >> (sig - 1) & 1)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
+def stub_argv(pgid: int) -> tuple[int, list[bytes]] | None:
+    """The pid and command line of the group's Python-backend stub (its arguments: the model, its shm region)."""
+    for pid in group_members(pgid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"triton_python_backend_stub"):
+            return pid, argv
+    return None
 
 
 def shm_files(prefix: str) -> list[str]:
@@ -148,7 +203,10 @@ class TritonServer:
             if self.is_ready() and self.metrics_answer():  # the metrics port opens after the HTTP one
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+        stacks = self.log_path.with_name(self.log_path.name + ".stacks")
+        dumped = dump_stacks(group_members(self.process.pid), stacks)  # (first: the log then has the Python ones)
+        raise RuntimeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s:\n{self.log_tail(20_000)}\n"
+                           f"{dumped}")
 
     @property
     def serves_http(self) -> bool:

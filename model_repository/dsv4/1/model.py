@@ -47,8 +47,10 @@ class TritonPythonModel:
         if str(root) not in sys.path:
             sys.path.insert(0, str(root))
         from backend.serving import stub_watchdog  # the standard library only: torch is not imported yet
+        from backend.stack_dump import dump_stacks_on_sigusr1
 
         self._watchdog = stub_watchdog.start_for_this_stub()  # from here on, this process cannot outlive tritonserver
+        dump_stacks_on_sigusr1()
         _single_threaded_mkl(params)
         # Imported here: sys.path only knows the repository from now on.
         from backend.config import EngineConfig
