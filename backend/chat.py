@@ -168,7 +168,9 @@ def checked_tools(tools: Any) -> list[dict] | None:
 
 def _with_parsed_arguments(message: dict, i: int) -> dict:
     """An assistant message whose tool calls' `arguments` are objects: a JSON string (what OpenAI's API sends) parsed,
-    text that is not a JSON object as {"arguments": text}, as DeepSeek's encoder and vLLM take them."""
+    text that is not a JSON object as {"arguments": text}, as DeepSeek's encoder and vLLM take them. None, null and ""
+    are no arguments, as vLLM takes them (DeepSeek's encoder would write "" and null as one argument named
+    "arguments", which a client sending them for a call without arguments does not mean)."""
     calls = message["tool_calls"]
     if not isinstance(calls, list):
         raise ValueError(f"messages[{i}].tool_calls must be a list")
@@ -208,8 +210,8 @@ def checked_messages(messages: Any) -> list[dict]:
 
 
 def _content(message: dict, i: int) -> str | None:
-    """A message's content as a string: text parts joined with newlines; null only beside an assistant's tool
-    calls."""
+    """A message's content as a string: text parts joined with newlines (a tool result's with a blank line, as
+    DeepSeek's encoder joins a tool result's text blocks); null only beside an assistant's tool calls."""
     content = message.get("content")
     if isinstance(content, str):
         return content
@@ -220,7 +222,7 @@ def _content(message: dict, i: int) -> str | None:
         if kinds:
             raise ValueError(f"messages[{i}].content has parts of type {kinds}: only text parts are taken")
         if all(isinstance(part.get("text"), str) for part in content):
-            return "\n".join(part["text"] for part in content)
+            return ("\n\n" if message["role"] == "tool" else "\n").join(part["text"] for part in content)
     raise ValueError(f"messages[{i}].content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
                      "parts")
 

@@ -193,12 +193,24 @@ def _parse_prompt(inputs: Mapping[str, np.ndarray], tokenizer,
         text = _single_string(inputs["text_input"], "text_input")
         if not text:
             raise ValueError("text_input is empty")
-        ids = list(tokenizer.encode(text).ids)
+        ids = _text_prompt_ids(tokenizer, text)
         if not ids:
             raise ValueError("text_input tokenizes to no tokens")
     else:
         ids, text = _token_ids(inputs["input_ids"]), None
     return ids, text, None
+
+
+def _text_prompt_ids(tokenizer, text: str) -> list[int]:
+    """`text_input` tokenized as vLLM tokenizes a completion's prompt: with the tokenizer's special tokens (a BOS where
+    it adds one). A text that already starts with that token (a chat rendered by its template, which is what Triton's
+    OpenAI frontend sends) keeps only its own: the model was never trained on two."""
+    ids = list(tokenizer.encode(text).ids)
+    if len(ids) >= 2 and ids[0] == ids[1]:
+        plain = list(tokenizer.encode(text, add_special_tokens=False).ids)
+        if ids[1:] == plain:  # (the first was the tokenizer's, the second the text's own)
+            return plain
+    return ids
 
 
 def _single_string(array: np.ndarray, name: str) -> str:

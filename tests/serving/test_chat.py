@@ -4,12 +4,14 @@ clear errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from backend.chat import DEEPSEEK_V4_TEMPLATE, ChatTemplate, chat_format
+from backend.chat_output import AnswerParser
 from backend.serving import triton_io
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
@@ -151,6 +153,17 @@ def test_tools_join_a_leading_system_or_developer_message_and_results_follow_the
             {"role": "tool", "tool_call_id": "a", "content": "A"},
             {"role": "tool", "tool_call_id": "b", "content": "B"}]
     assert template.render(chat).endswith(f"{U}<tool_result>B</tool_result>\n\n<tool_result>A</tool_result>{A}</think>")
+
+
+def test_a_tool_results_text_parts_are_joined_by_a_blank_line_as_deepseeks_encoder_joins_them(template):
+    """(A user message's parts by a newline, as vLLM joins them: DeepSeek's encoder takes no parts there.)"""
+    parts = [{"type": "text", "text": "p1"}, {"type": "text", "text": "p2"}]
+    chat = [{"role": "user", "content": parts},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c", "content": parts}]
+    assert template.render(chat).endswith(f"{U}<tool_result>p1\n\np2</tool_result>{A}</think>")
+    assert template.render(chat).startswith(f"{B}{U}p1\np2{A}")
 
 
 def _reference_v4_prompt(messages, tools=None, thinking=False, drop_thinking=True, effort=None) -> str:
@@ -458,3 +471,29 @@ def test_a_template_that_refuses_the_messages_is_a_clear_error():
     template = ChatTemplate("{{ raise_exception('Conversation roles must alternate user/assistant') }}")
     with pytest.raises(ValueError, match="cannot render these messages: Conversation roles must alternate"):
         template.render([{"role": "user", "content": "x"}])
+
+
+ENCODING_CASES = Path(__file__).with_name("deepseek_v4_encoding")
+
+
+@pytest.mark.parametrize("case", ["tools", "thinking"])
+def test_deepseeks_own_encoding_cases_render_character_for_character(template, case):
+    """DeepSeek's published test cases of encoding_dsv4.py (tests/serving/deepseek_v4_encoding/README.md): its gold
+    prompts, in thinking mode, with the tools on the leading system message as its test puts them; and the answers
+    in them parse back to the messages they were rendered from, as its test parses them."""
+    given = json.loads((ENCODING_CASES / f"{case}_input.json").read_text(encoding="utf-8"))
+    messages, tools = (given["messages"], given["tools"]) if isinstance(given, dict) else (given, None)
+    gold = (ENCODING_CASES / f"{case}_output.txt").read_text(encoding="utf-8")
+    prompt = template.render(messages, {"thinking": True}, tools)
+    assert prompt == gold
+    answers = [m for m in messages if m["role"] == "assistant"]
+    written = prompt.split(f"{A}<think>")[1:]  # (each answer kept in thinking mode: the last one's, with tools all)
+    assert written and len(written) <= len(answers)
+    for answer, text in zip(answers[-len(written):], written):
+        parser = AnswerParser(thinking=True)  # (fed from inside <think>, as the model writes it)
+        parts = [parser.feed(text.split(E)[0]), parser.finish()]
+        assert "".join(p.reasoning for p in parts) == answer["reasoning_content"]
+        assert "".join(p.content for p in parts) == answer.get("content", "")
+        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for p in parts for c in p.tool_calls]
+        assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                         for c in answer.get("tool_calls", [])]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from google.protobuf import text_format
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import triton_to_np_dtype
 
@@ -52,6 +52,21 @@ def test_text_prompt_with_defaults(tokenizer):
     assert req.prompt_text == "hello world"
     assert req.sampling == SamplingParams()
     assert (req.stream, req.exclude_input_in_output, req.priority) == (False, False, 0)
+
+
+def test_a_text_starting_with_the_bos_a_tokenizer_adds_keeps_one():
+    """With a tokenizer that adds a BOS (as DeepSeek's do), a plain text gets it, and a text that starts with it (a
+    chat rendered by a template, as Triton's OpenAI frontend sends it) is not given a second."""
+    vocab = {w: i for i, w in enumerate(WORDS + ["<bos>"])}
+    adds_bos = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    adds_bos.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    adds_bos.add_special_tokens(["<bos>"])
+    bos = vocab["<bos>"]
+    adds_bos.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    assert parse(adds_bos, text_input=text("hello world")).prompt_ids == [bos, 1, 2]
+    assert parse(adds_bos, text_input=text("<bos> hello world")).prompt_ids == [bos, 1, 2]
+    assert parse(adds_bos, text_input=text("<bos> <bos> hello")).prompt_ids == [bos, bos, 1]  # (the text's two)
+    assert parse(adds_bos, text_input=text("hello hello")).prompt_ids == [bos, 1, 1]
 
 
 def test_input_ids_prompt_int32_and_int64(tokenizer):
