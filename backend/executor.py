@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backend.model.comm import RankGroupError
 from backend.runner import Forward, ModelRunner
 from backend.sampler import HeldStops, Sampler, SamplerState
 from backend.scheduler import StepOutput, StepTiming
@@ -130,11 +131,14 @@ class StepExecutor:
             self._run(*item)
 
     def _run(self, job: StepJob, handle: StepHandle) -> None:
+        if self.runner.sync.broken:  # (ranks in lock-step, one of whose steps failed: no collective may follow)
+            handle._fail(RankGroupError(self.runner.sync.broken))
+            return
         try:
             handle._set(*self._step(job))
         except Exception as exc:  # noqa: BLE001 (the engine fails the step's requests and keeps serving)
             logger.exception("step failed")
-            handle._fail(exc)
+            handle._fail(self.runner.sync.step_failed(exc))  # (in lock-step: the group is broken)
 
     def _step(self, job: StepJob):
         """(the output, None), or (None, a function that waits for the tokens' copy to the host and returns it)."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing import _prctl_pr_set_pdeathsig
 
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
@@ -36,6 +38,7 @@ def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
     rank = first_rank + index
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     dump_stacks_on_sigusr1()
+    _outlive_a_ctrl_c()
     try:
         _serve_worker(rank, spec)
     except Exception:
@@ -43,9 +46,22 @@ def worker_main(index: int, spec: GroupSpec, first_rank: int) -> None:
         raise
 
 
+def _outlive_a_ctrl_c() -> None:
+    """A Ctrl-C in the server's terminal reaches every process of its group, this one too, while tritonserver stops
+    gracefully: it waits for the requests running (their grace, `stop_grace_s`), which need every rank. So a worker
+    ignores SIGINT, and it ends with rank 0 (the `Stop` it sends, its connection gone) or with its parent: by SIGKILL,
+    where torch's spawn made that SIGINT."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _prctl_pr_set_pdeathsig(signal.SIGKILL)
+    if os.getppid() == 1:  # (the parent went before the new signal was set: the old one was ignored)
+        os._exit(1)
+
+
 def _serve_worker(rank: int, spec: GroupSpec) -> None:
     torch.set_num_threads(max(1, (spec.config.cpu_threads or torch.get_num_threads()) // spec.layout.world_size))
     comm, control, sync = join(spec, rank)
+    if sync.lock_step:  # (a step that fails on this rank breaks the group)
+        sync.end_group = lambda: _leave_the_group(rank)
     layout = ParallelLayout.from_config(spec.config, rank)
     device = spec.device(rank)
     config, dtype = spec.config, spec.config.resolved_dtype()
@@ -92,6 +108,13 @@ def _serve(config: EngineConfig, rank: int, runner: ModelRunner, link: RankLink)
         core.close(timeout=10.0)
         grammars.close()
         link.close()
+
+
+def _leave_the_group(rank: int) -> None:
+    """A step failed on this rank in lock-step (backend/parallel/sync.py, `step_failed`): the process exits now, which
+    fails the collectives the other ranks wait in at once, and rank 0 sees the rank gone and fails what is left."""
+    logging.getLogger(__name__).error("rank %d leaves its group: a step failed on it in lock-step", rank)
+    os._exit(1)
 
 
 def run_node(config: EngineConfig, node_rank: int) -> None:

@@ -162,6 +162,8 @@ class RankGroup:
         self._processes = context.processes if context is not None else []  # this node's workers
         self.comm = DistributedCommunicator()
         self.broken: str | None = None
+        if sync.lock_step:  # (a step that fails on rank 0 breaks the group: its workers go at once)
+            sync.end_group = self._kill_workers
 
     @classmethod
     def start(cls, config: EngineConfig, layout: ParallelLayout, main: Callable) -> "RankGroup":
@@ -195,11 +197,18 @@ class RankGroup:
             self._check_workers()
             dist.broadcast_object_list([message], src=0, group=self.control)
             return run_own()
-        except RankGroupError:
+        except RankGroupError as exc:  # (rank 0's own collective failed: no step may follow)
+            self.broken = self.broken or str(exc)
             raise
         except Exception as exc:  # a collective failed or timed out: the group cannot step again
             self.broken = f"tensor/expert parallel group failed: {exc}"
             raise RankGroupError(self.broken) from exc
+
+    def _kill_workers(self) -> None:
+        """End this node's workers now (SIGKILL): their collectives, and every other rank's with them, fail at once."""
+        for p in self._processes:
+            if p.is_alive():
+                p.kill()
 
     def _tell_stop(self) -> None:
         try:

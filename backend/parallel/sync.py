@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -41,6 +42,7 @@ class StepSync:
     """A rank that never meets another (one rank, or data-parallel ranks with whole experts)."""
 
     lock_step = False
+    broken: str | None = None  # (why no rank of the group can step again)
 
     def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
         return Agreement((num_tokens,), has_work, stop)
@@ -56,6 +58,10 @@ class StepSync:
 
     def wake(self) -> None:
         pass
+
+    def step_failed(self, error: BaseException) -> BaseException:
+        """What a step that failed on this rank partway leaves for its requests (alone: the error itself)."""
+        return error
 
 
 ALONE = StepSync()
@@ -76,6 +82,9 @@ class LockStep(StepSync):
         self._idle_at: int | None = 0  # the wakes seen when every rank was found idle (None: not idle); idle at first
         self._agreed_wakes = 0  # the wakes seen at this rank's last agreement
         self.broken: str | None = None
+        # How this rank ends the group at once when a step fails on it (`step_failed`): rank 0 ends its node's
+        # workers (backend/parallel/group.py), a worker's process exits (backend/rank_main.py).
+        self.end_group: Callable[[], None] = lambda: None
 
     def agree(self, num_tokens: int, has_work: bool, stop: bool = False) -> Agreement:
         """A wake this rank saw since its last agreement counts as work: otherwise a wake that reaches one rank
@@ -92,6 +101,21 @@ class LockStep(StepSync):
 
     def agree_passes(self, counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         return tuple(zip(*self._gather(list(counts))))
+
+    def step_failed(self, error: BaseException) -> RankGroupError:
+        """A step failed on this rank partway: the other ranks are still in that step's MoE exchanges (or its draft
+        passes' agreement), which this rank left. Any collective it made from now on would meet theirs out of order
+        (gloo then aborts whichever process has the smaller buffer, the stub too; NCCL waits out the timeout), so it
+        makes none: the group is broken. It also ends the group at once (`end_group`), which fails the others'
+        collectives now rather than after `collective_timeout_s`."""
+        if isinstance(error, RankGroupError):
+            self.broken = self.broken or str(error)
+            return error
+        if not self.broken:
+            self.broken = (f"a step failed on a data-parallel rank in lock-step, which leaves the ranks' exchanges "
+                           f"out of step: {error}")
+            self.end_group()
+        return RankGroupError(self.broken)
 
     def _gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's `values` (as many on each), in rank order: one all-gather."""

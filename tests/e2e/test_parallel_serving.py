@@ -9,6 +9,7 @@ group (the worker included) is gone.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -92,6 +93,25 @@ def test_data_parallel_ranks_stream_the_single_rank_tokens(dp_server, parallel_c
     assert set(window) == {"0", "1"} and all(value > 0 for value in window.values()), usage
     running = dp_server.metric_values("dsv4_rank_requests_running")
     assert {re.search(r'rank="(\d+)"', label).group(1) for label in running} == {"0", "1"}
+
+
+def test_ctrl_c_lets_the_requests_on_two_ranks_finish(tmp_path_factory, parallel_checkpoint):
+    """A Ctrl-C in the server's terminal reaches its whole process group, the worker ranks too, while tritonserver
+    waits for the requests running (their grace, stop_grace_s), which need every rank. The worker ended at once
+    (torch's spawn makes SIGINT its end), failing them: "worker process gone". Workers now ignore SIGINT and end with
+    the stub; the request finishes and tritonserver exits cleanly."""
+    for server in _serve(_repository(tmp_path_factory, parallel_checkpoint), tmp_path_factory.mktemp("tp_sigint_log")):
+        streams = GrpcStreams(server.grpc_url)
+        try:
+            streams.send("r", grpc_inputs("Once upon a time", 48, sampling={"temperature": 0, "ignore_eos": True}))
+            while not streams.results["r"].ids:  # streaming has begun
+                streams._take(timeout=60)
+            os.killpg(server.process.pid, signal.SIGINT)
+            result = streams.wait(["r"], timeout=60)["r"]
+        finally:
+            streams.close()
+        assert (result.error, len(result.ids), result.finish_reason) == (None, 48, "length"), result
+        assert server.process.wait(timeout=30) == 0
 
 
 @pytest.mark.parametrize("layout,control", [("tp", "none"), ("tp", "explicit"), ("dp", "none")])

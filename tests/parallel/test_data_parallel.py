@@ -589,3 +589,36 @@ def test_a_rank_that_stops_answering_without_collectives_fails_its_requests(para
             engine.submit(Sequence("later", [2, 3, 4], SamplingParams(max_tokens=2)), lambda raw: None)
     finally:
         engine.shutdown(timeout=3.0)
+
+
+@pytest.mark.parametrize("overlap,drafts", [(True, 0), (False, 0), (False, 1)])
+def test_a_step_that_fails_on_rank_0_in_lock_step_fails_the_group_at_once(parallel_checkpoint, overlap, drafts):
+    """Expert parallelism over data-parallel ranks: a forward that raises on rank 0 leaves the worker in that step's
+    MoE exchange. Rank 0 went on: with overlap its next step's exchange met the worker's old one, and gloo aborted
+    the process (the server's stub) on the size mismatch; without, both waited out the collective timeout. Now the
+    group is broken at once: every request ends with an error within seconds, later ones are refused, no worker is
+    left."""
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=120,
+                        overlap_scheduling=overlap, num_speculative_tokens=drafts)
+    forward, calls = engine.core.runner.forward, []
+
+    def fails_once_decoding(job_forward, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise RuntimeError("injected fault")
+        return forward(job_forward, *args, **kwargs)
+
+    engine.core.runner.forward = fails_once_decoding
+    try:
+        outputs = _decoding_on_both_ranks(engine, max_tokens=5000)
+        deadline = time.monotonic() + 20
+        while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(outputs[f"r{i}"][-1].finished and outputs[f"r{i}"][-1].error for i in range(2)), \
+            {i: outputs[f"r{i}"][-1] for i in range(2)}
+        assert len(calls) == 8  # (no forward after the one that failed)
+        with pytest.raises(EngineUnavailable, match="cannot serve"):
+            engine.submit(Sequence("later", [2, 3, 4], SamplingParams(max_tokens=2)), lambda raw: None)
+    finally:
+        engine.shutdown(timeout=5.0)
+    assert not _workers()

@@ -80,3 +80,20 @@ def test_a_wake_on_either_side_of_an_agreement_leaves_every_rank_ready_alike():
     assert [rank.ready() for rank in ranks] == [True, True]
     after = _agree_all(ranks, [True, False])  # rank 0 has the request: both take part
     assert all(a is not None and a.has_work for a in after)
+
+
+def test_a_step_that_fails_breaks_the_group_and_ends_it_once():
+    """(A worker's `end_group` exits its process, rank 0's ends its workers: tests/parallel/test_data_parallel.py.) A
+    group that a collective already broke is not ended again: its ranks are gone or going."""
+    from backend.model.comm import RankGroupError
+
+    rank, ended = _ranks()[0], []
+    rank.end_group = lambda: ended.append(1)
+    first = rank.step_failed(RuntimeError("out of memory"))
+    assert isinstance(first, RankGroupError) and "out of memory" in str(first) and "lock-step" in str(first)
+    assert rank.broken == str(first) and ended == [1]
+    assert str(rank.step_failed(ValueError("later"))) == str(first) and ended == [1]
+    other = _ranks()[1]
+    other.end_group = lambda: ended.append(2)
+    gone = RankGroupError("worker process gone: rank 1")
+    assert other.step_failed(gone) is gone and other.broken == str(gone) and ended == [1]
