@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import threading
 import time
@@ -81,6 +82,7 @@ def join(spec: GroupSpec, rank: int, store: dist.Store | None = None):
         torch.cuda.set_device(spec.device(rank))
     if spec.store_port is not None and store is None:
         store = store_client(spec.store_port, spec.layout.world_size, spec.timeout_s)
+        store.add(JOINING_KEY, 1)  # (rank 0 waits for this, watching the workers' processes: `_await_joining`)
     rendezvous = dict(store=store) if store is not None else dict(init_method=spec.init_method)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=spec.layout.world_size,
                             timeout=timedelta(seconds=spec.timeout_s), **rendezvous)
@@ -136,6 +138,47 @@ def spawn_ranks(spec: GroupSpec, first_rank: int, count: int, main: Callable):
                               start_method="spawn")
 
 
+# A worker adds 1 here in rank 0's store before it joins the process group: rank 0 waits for them all while it watches
+# their processes, so one that fails before it joins is known at once, not after the rendezvous's timeout.
+JOINING_KEY = "dsv4/joining"
+
+
+def _await_joining(store: dist.TCPStore, context, timeout_s: float) -> None:
+    """Return once every worker of this node is joining (RankGroupError, with what ended it, if one is gone first)."""
+    processes = context.processes if context is not None else []
+    deadline = time.monotonic() + timeout_s
+    while store.add(JOINING_KEY, 0) < len(processes):
+        gone = gone_workers(processes, context.error_files)
+        if gone:
+            raise RankGroupError(f"a worker failed before joining the group: {', '.join(gone)}")
+        if time.monotonic() > deadline:
+            raise RankGroupError(f"the workers did not start within collective_timeout_s ({timeout_s:g} s)")
+        time.sleep(0.05)
+
+
+def gone_workers(processes: list, error_files: list[str | None]) -> list[str]:
+    """This node's workers (ranks 1, 2, ...) that no longer run, each with what ended it."""
+    return [f"rank {i + 1} ({worker_ending(p, f)})" for i, (p, f) in enumerate(zip(processes, error_files))
+            if not p.is_alive()]
+
+
+def worker_ending(process, error_file: str | None) -> str:
+    """What ended a worker process: the last line of the exception it raised (torch's spawn pickles its traceback to
+    `error_file`; the whole of it is on the server's standard error too), else its exit code."""
+    try:
+        with open(error_file, "rb") as file:
+            lines = [line for line in str(pickle.load(file)).splitlines() if line.strip()]
+        return lines[-1].strip() if lines else f"exit code {process.exitcode}"
+    except (OSError, TypeError, pickle.UnpicklingError, EOFError):
+        return f"exit code {process.exitcode}"
+
+
+def _remove(error_files: list[str | None]) -> None:
+    for name in error_files:
+        if name:
+            Path(name).unlink(missing_ok=True)
+
+
 def local_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's rendezvous store for a group on one node, on loopback, at a port the OS picks as it binds it: no port
     found free first and bound later, which another process (any client's connection) could take in between."""
@@ -160,6 +203,7 @@ class RankGroup:
     def __init__(self, spec: GroupSpec, context, control, sync, links: RankLinks | None):
         self.spec, self.control, self.sync, self.links = spec, control, sync, links
         self._processes = context.processes if context is not None else []  # this node's workers
+        self._error_files = context.error_files if context is not None else []  # (where a worker's exception goes)
         self.comm = DistributedCommunicator()
         self.broken: str | None = None
         if sync.lock_step:  # (a step that fails on rank 0 breaks the group: its workers go at once)
@@ -172,7 +216,15 @@ class RankGroup:
         store = None if os.environ.get("MASTER_ADDR") else local_store(layout.world_size, config.collective_timeout_s)
         spec = GroupSpec(config, layout, config.collective_timeout_s, store.port if store is not None else None)
         context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1, main=main)
-        _, control, sync = join(spec, 0, store)
+        try:
+            if store is not None:
+                _await_joining(store, context, spec.timeout_s)
+            _, control, sync = join(spec, 0, store)
+        except BaseException:  # (the workers go with rank 0's failure)
+            for process in context.processes if context is not None else []:
+                process.kill()
+            _remove(context.error_files if context is not None else [])
+            raise
         return cls(spec, context, control, sync, RankLinks() if layout.data_parallel else None)
 
     def wait_ready(self) -> None:
@@ -183,7 +235,9 @@ class RankGroup:
             if self.links is not None:
                 self.links.connect({rank: inbox for rank, inbox in enumerate(inboxes) if rank})
         except Exception as exc:
-            self.broken = f"a worker failed while loading its shard: {exc}"
+            gone = self._gone(wait_s=5.0)
+            self.broken = (f"a worker failed while loading its shard: {', '.join(gone)}" if gone else
+                           f"a worker failed while loading its shard: {exc}")
             self.close()
             raise RankGroupError(self.broken) from exc
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
@@ -217,10 +271,17 @@ class RankGroup:
             pass
 
     def _check_workers(self) -> None:
-        dead = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self._processes) if not p.is_alive()]
-        if dead:
-            self.broken = f"worker process gone: {', '.join(dead)}"
+        gone = self._gone()
+        if gone:
+            self.broken = f"worker process gone: {', '.join(gone)}"
             raise RankGroupError(self.broken)
+
+    def _gone(self, wait_s: float = 0.0) -> list[str]:
+        """gone_workers, waiting up to `wait_s` for one (a worker's connection closes before its process ends)."""
+        deadline = time.monotonic() + wait_s
+        while not (gone := gone_workers(self._processes, self._error_files)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return gone
 
     def check(self) -> str | None:
         """Why the group cannot serve (a worker is gone), or None."""
@@ -252,6 +313,7 @@ class RankGroup:
             if p.is_alive():  # (SIGTERM ignored, or a stopped process)
                 p.kill()
                 p.join(5)
+        _remove(self._error_files)
         if self.links is not None and close_links:
             self.links.close()
         if dist.is_initialized():

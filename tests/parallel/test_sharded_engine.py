@@ -354,3 +354,42 @@ def test_worker_ranks_build_their_dummy_shards_from_the_overridden_config(parall
                              "--expert-parallel-size", "2"], capture_output=True, text=True, timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [len(r["output_ids"]) for r in json.loads(result.stdout)] == [6, 6]
+
+
+def _fails_before_joining(index, spec, first_rank):
+    """A worker's main (spawned: this module's function, by name) whose rank fails before it joins the group, as a
+    CUDA device it cannot set or an import that fails would."""
+    raise RuntimeError("no such device on this rank")
+
+
+def _fails_while_loading(index, spec, first_rank):
+    from backend.errors import ConfigError
+    from backend.parallel.group import join
+
+    join(spec, first_rank + index)
+    raise ConfigError("parameter 'num_tokens': too few for this rank's pools")
+
+
+@pytest.mark.parametrize("main,stage", [(_fails_before_joining, "before joining"),
+                                        (_fails_while_loading, "while loading")])
+def test_a_worker_that_fails_to_start_fails_rank_0_at_once_saying_why(parallel_checkpoint, main, stage):
+    """A worker that failed before it joined left rank 0 in the rendezvous until collective_timeout_s (10 minutes by
+    default), and one that failed while loading its shard was reported as "Connection closed by peer": rank 0 now
+    knows at once, with the worker's own error, and leaves no worker and none of its error files behind."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from backend.model.comm import RankGroupError
+    from backend.model.parallel_layout import ParallelLayout
+    from backend.parallel.group import RankGroup
+
+    config = EngineConfig(checkpoint=str(parallel_checkpoint), device="cpu", tensor_parallel_size=2,
+                          collective_timeout_s=120)
+    error_files = set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*"))
+    started = time.monotonic()
+    with pytest.raises(RankGroupError, match=f"{stage}.*rank 1 .*(no such device|'num_tokens': too few)"):
+        RankGroup.start(config, ParallelLayout.from_config(config), main).wait_ready()
+    assert time.monotonic() - started < 60
+    assert not _workers() and not dist.is_initialized()
+    assert set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")) <= error_files
