@@ -41,6 +41,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from backend.parallel import node_count
 from backend.parallel.messages import Arrival, Cancel, Stop, Wake
 from backend.request import FinishReason, RequestOutput
 
@@ -249,14 +250,14 @@ class RankLink:
 
 
 def _bind(socket: zmq.Socket) -> str:
-    """Bind `socket` to a free port of this host; the address other nodes reach it at (on one node: loopback)."""
-    master = os.environ.get("MASTER_ADDR")
-    if master is None:
+    """Bind `socket` to a free port of this host; the address other nodes reach it at (on one node: loopback). Only
+    on that one interface: what comes in is unpickled, so nothing beyond the group's network should reach it."""
+    if node_count() == 1:
         return f"tcp://127.0.0.1:{socket.bind_to_random_port('tcp://127.0.0.1')}"
-    port = socket.bind_to_random_port("tcp://0.0.0.0")
     with _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM) as probe:  # the interface that reaches rank 0's host
-        probe.connect((master, 9))
-        return f"tcp://{probe.getsockname()[0]}:{port}"
+        probe.connect((os.environ["MASTER_ADDR"], 9))
+        address = probe.getsockname()[0]
+    return f"tcp://{address}:{socket.bind_to_random_port(f'tcp://{address}')}"
 
 
 MAX_STEP_FAULTS = 10  # a worker rank's steps faulting in a row before it gives up

@@ -43,6 +43,7 @@ from backend.config import EngineConfig
 from backend.errors import ConfigError
 from backend.model.comm import DistributedCommunicator, RankGroupError
 from backend.model.parallel_layout import ParallelLayout
+from backend.parallel import node_count
 from backend.parallel.data_parallel import RankLinks
 from backend.parallel.messages import Stop
 from backend.parallel.sync import ALONE, LockStep
@@ -120,7 +121,7 @@ def check_devices(config: EngineConfig) -> None:
 
 def ranks_per_node(world_size: int) -> int:
     """Ranks each node runs: the world over NNODES (environment; 1 when unset)."""
-    nodes = int(os.environ.get("NNODES", "1"))
+    nodes = node_count()
     if nodes < 1 or world_size % nodes:
         raise RankGroupError(f"NNODES={nodes} does not divide the {world_size} ranks")
     return world_size // nodes
@@ -213,7 +214,7 @@ class RankGroup:
     def start(cls, config: EngineConfig, layout: ParallelLayout, main: Callable) -> "RankGroup":
         """Spawn this node's other ranks, each running `main` (backend/rank_main.py), and join the group as rank 0
         (then load, then `wait_ready`)."""
-        store = None if os.environ.get("MASTER_ADDR") else local_store(layout.world_size, config.collective_timeout_s)
+        store = None if node_count() > 1 else local_store(layout.world_size, config.collective_timeout_s)
         spec = GroupSpec(config, layout, config.collective_timeout_s, store.port if store is not None else None)
         context = spawn_ranks(spec, first_rank=1, count=ranks_per_node(layout.world_size) - 1, main=main)
         try:

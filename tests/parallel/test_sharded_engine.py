@@ -393,3 +393,18 @@ def test_a_worker_that_fails_to_start_fails_rank_0_at_once_saying_why(parallel_c
     assert time.monotonic() - started < 60
     assert not _workers() and not dist.is_initialized()
     assert set(Path(tempfile.gettempdir()).glob("pytorch-errorfile-*")) <= error_files
+
+
+def test_a_master_addr_set_for_something_else_leaves_one_node_on_its_own_store(parallel_checkpoint, monkeypatch):
+    """A MASTER_ADDR in the environment (a cluster's pod or job sets one for its own use) moved a one-node group to
+    env://, which then wanted a MASTER_PORT, or met another model's group at it. Only NNODES > 1 means several."""
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # (TEST-NET-1: nothing answers there)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.delenv("NNODES", raising=False)
+    engine = _engine(parallel_checkpoint, tensor_parallel_size=2, collective_timeout_s=60)
+    try:
+        assert engine.group.spec.init_method.startswith("tcp://127.0.0.1:")
+        (result,) = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert result["finish_reason"] == "length"
+    finally:
+        engine.shutdown()
