@@ -57,6 +57,21 @@ def test_cached_prefixes_generate_exactly_what_recomputing_gives(tiny_checkpoint
     assert all(used == 0 for used in cached.kv.pages_used().values())
 
 
+@pytest.mark.parametrize("length,served", [(128, 0), (256, 128)])
+def test_a_prompt_cached_whole_still_computes_its_last_token(tiny_checkpoint, length, served):
+    """The same block-aligned prompt twice: the cache holds all of it, but the request's first token needs the
+    logits of its last prompt token, so a lookup serves at most all but that one (the rest is recomputed)."""
+    prompt = torch.randint(2, 500, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    (expected,) = _engine(tiny_checkpoint).generate([prompt], params)
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True)
+    first = cached.generate([prompt], params) + cached.generate([prompt], params)
+    assert [r["output_ids"] for r in first] == [expected["output_ids"]] * 2
+    stats = cached.kv.prefix_cache.stats  # (its blocks are 128 tokens: the boundary before the last token)
+    assert (stats.hits, stats.cached_tokens) == (int(served > 0), served), stats
+    cached.kv.check()
+
+
 def test_preempted_requests_resume_from_the_cache_and_eviction_makes_room(tiny_checkpoint):
     """Pools so small that requests preempt each other and cached pages must be evicted to admit them."""
     prompts = _prompts(seed=1)

@@ -159,3 +159,24 @@ def test_layer_memory_is_a_view_of_the_pools_for_each_layer_type():
 def test_a_window_pool_smaller_than_one_window_admits_nothing():
     kv = _manager(num_tokens=4096, ratio=128 / 4096, page_size=16)  # 8 pages: a window needs 8 + 1
     assert kv.max_request_positions() == 0
+
+
+def test_with_one_draft_a_row_the_window_keeps_what_a_verify_that_falls_back_reads():
+    """With one draft a row a verify may be scheduled ahead of the one in flight (overlapped verify steps) and fall
+    back a position when that one's draft is rejected: the window of the position before the request's own must
+    still be held, even where it starts on the last position of a page."""
+    from backend.request import Sequence
+
+    kv = KVCacheManager(_model_config(), num_tokens=4096, swa_full_tokens_ratio=0.5, page_size=16,
+                        max_running_requests=4, dtype=torch.float32, device="cpu", speculative_tokens=1,
+                        draft_layers=1)
+    window = kv.window
+    for computed in (window + 15, window + 31, window + 40):  # (the first two: its window starts on a page's last)
+        seq = Sequence("r", list(range(1, 300)))
+        assert kv.try_extend(seq, computed)
+        seq.num_computed_tokens = computed
+        assert kv.try_extend(seq, 2)
+        fallen_back = computed - 1  # its window: [fallen_back - window + 1, fallen_back]
+        assert seq.pages.runs["window"].first * 16 <= fallen_back - window + 1
+        kv.free(seq)
+    kv.check()

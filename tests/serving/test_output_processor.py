@@ -19,15 +19,19 @@ def _raw(token=None, finished=False, reason=None, count=0, error=None) -> Reques
     return RequestOutput("r", [] if token is None else [token], "", finished, reason, 3, count, error)
 
 
-def test_a_stop_string_ends_the_request_once_and_drops_what_the_engine_still_reports(tokenizer):
+@pytest.mark.parametrize("stop", [["fox jumps"], ["zz", "fox jumps"], ["fox jumps", "zz"]])
+def test_a_stop_string_ends_the_request_once_and_drops_what_the_engine_still_reports(tokenizer, stop):
+    """(With stop strings of several lengths, the text held back is the longest one's: no part of the stop is ever
+    sent.)"""
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
     aborted = []
     processor = OutputProcessor(tokenizer, aborted.append)
-    processor.add("r", SamplingParams(stop=["fox jumps"]))
+    processor.add("r", SamplingParams(stop=stop))
     sent = [processor.process(_raw(t, count=i + 1)) for i, t in enumerate(ids)]
     last = next(i for i, out in enumerate(sent) if out is not None and out.finished)
     assert all(out is None for out in sent[last + 1:])  # nothing past the stop
-    assert "".join(out.new_text for out in sent[:last + 1]) == "The quick brown "
+    assert [out.new_text for out in sent[:last + 1] if out is not None and "fox" in out.new_text] == []
+    assert "".join(out.new_text for out in sent[:last + 1] if out is not None) == "The quick brown "
     assert sent[last].finish_reason is FinishReason.STOP and sent[last].num_output_tokens == last + 1
     assert aborted == ["r"]  # the engine is asked once to stop computing it
     assert processor.process(_raw(finished=True, reason=FinishReason.CANCELLED)) is None  # its abort's final
@@ -40,6 +44,20 @@ def test_a_stop_token_sends_no_text_of_its_own_and_flushes_the_rest(tokenizer):
     text = "".join(processor.process(_raw(t, count=i + 1)).new_text for i, t in enumerate(ids))
     final = processor.process(_raw(1, finished=True, reason=FinishReason.STOP, count=len(ids) + 1))
     assert text + final.new_text == "Hello world" and final.finished and final.new_token_ids == [1]
+
+
+def test_a_stop_token_that_is_not_special_sends_no_text_of_its_own_either(tokenizer):
+    """(Token 1 above is a special token, which decodes to nothing anyway.) A stop_token_ids token that is ordinary
+    text ends the output without its text, its id still reported."""
+    ids = tokenizer.encode("Hello world").ids
+    stop_id = ids[-1]
+    processor = OutputProcessor(tokenizer, lambda rid: pytest.fail("nothing to abort"))
+    processor.add("r", SamplingParams(stop_token_ids=[stop_id]))
+    sent = [processor.process(_raw(t, count=i + 1)) for i, t in enumerate(ids[:-1])]
+    final = processor.process(_raw(stop_id, finished=True, reason=FinishReason.STOP, count=len(ids)))
+    text = "".join(out.new_text for out in sent if out is not None) + final.new_text
+    assert text == tokenizer.decode(ids[:-1]) and text != tokenizer.decode(ids)
+    assert final.finished and final.new_token_ids == [stop_id]
 
 
 def test_a_failed_request_gets_no_held_back_text_and_a_cancelled_one_does(tokenizer):
