@@ -189,7 +189,12 @@ class LLMEngine:
         if placed.rank.rank == 0:
             self.core.prepare(seq, stop_ids)
             seq.arrival_s = clock()  # (its deadline counts from here, not from the scheduler's next take-in)
-            return self.core.add(seq, max_waiting=limit)
+            added = self.core.add(seq, max_waiting=limit)
+            with self._placement_lock:
+                placed.queued, cancelled = True, placed.cancelled_while_queued
+            if added and cancelled:  # (an abort came while it was being prepared: it ends at the next step)
+                self.core.abort(seq.request_id)
+            return added
         if seq.sampling.guided_decoding is not None:  # refused here if invalid; the rank compiles it
             self.grammars.check(seq.sampling.guided_decoding)
         if limit is not None:  # (a look at every placement: only where a limit asks for it)
@@ -211,6 +216,10 @@ class LLMEngine:
         if placed is None:
             return False
         if placed.rank.rank == 0:
+            with self._placement_lock:
+                if not placed.queued:  # (still being prepared, a grammar parsed: `_queue` aborts it once queued)
+                    placed.cancelled_while_queued = True
+                    return True
             return self.core.abort(request_id)
         return self._end_elsewhere(placed, FinishReason.CANCELLED)
 
@@ -591,6 +600,8 @@ class Placement:
     num_output: int = field(default=0)
     deadline_s: float | None = None  # another rank's request with timeout_ms: when it passes, by clock()
     ending: FinishReason | None = None  # another rank's request ended here (_end_elsewhere), its rank not yet told
+    queued: bool = False  # a request of rank 0's own: its scheduler has it (aborts go there)
+    cancelled_while_queued: bool = False  # a request of rank 0's own aborted before it was queued
 
     def failed(self, error: str) -> RequestOutput:
         """The request's final output when the engine ends it with `error` (no step of its reports it)."""

@@ -28,8 +28,8 @@ class ByteTokenizer:
     class Encoding:
         ids: list[int]
 
-    def encode(self, text: str) -> "ByteTokenizer.Encoding":
-        return self.Encoding(list(text.encode("utf-8")))
+    def encode(self, text: str, add_special_tokens: bool = True) -> "ByteTokenizer.Encoding":
+        return self.Encoding(list(text.encode("utf-8")))  # (it has no special tokens to add)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(ids).decode("utf-8", errors="replace")

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,37 @@ def test_abort_takes_effect_at_the_next_step_and_frees_every_page(tiny_checkpoin
     assert len(outputs) < 100  # stopped long before max_tokens
     assert _all_pages_free(engine)
     assert not engine.abort("long")  # already gone
+
+
+def test_an_abort_while_the_request_is_being_queued_ends_it(tiny_checkpoint):
+    """Placed but not yet in the scheduler (its grammar parsed, its stop ids resolved: `prepare`, slowed here), a
+    request's abort found nothing to abort and returned False, and the request ran to its end."""
+    engine = _engine(tiny_checkpoint)
+    preparing, prepare = threading.Event(), engine.core.prepare
+
+    def slow_prepare(seq, stop_ids):
+        preparing.set()
+        time.sleep(0.3)
+        return prepare(seq, stop_ids)
+
+    engine.core.prepare = slow_prepare
+    aborted = []
+    aborter = threading.Thread(target=lambda: preparing.wait(10) and aborted.append(engine.abort("r")))
+    outputs: list[RequestOutput] = []
+    engine.start()
+    try:
+        aborter.start()
+        engine.submit(Sequence("r", _prompts(1, 20)[0], SamplingParams(max_tokens=200, ignore_eos=True)),
+                      outputs.append)
+        aborter.join(10)
+        deadline = time.monotonic() + 60
+        while not (outputs and outputs[-1].finished) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.shutdown()
+    assert aborted == [True]
+    assert outputs[-1].finish_reason is FinishReason.CANCELLED and sum(o.finished for o in outputs) == 1
+    assert _all_pages_free(engine)
 
 
 def test_a_rank_that_can_step_no_more_ends_its_requests_as_errors_naming_why(tiny_checkpoint):
