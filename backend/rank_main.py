@@ -69,7 +69,7 @@ def _serve_worker(rank: int, spec: GroupSpec) -> None:
     model = load_model(config, deployment, device, dtype, layout, comm)
     runner = make_runner(config, model, deployment.kv, sync=sync)
     link = RankLink() if layout.data_parallel else None
-    inboxes = ready(control, link.address if link else None)
+    inboxes = [inbox for inbox, _ in ready(control, link.address if link else None, config)]  # (rank 0 compares)
     if link is not None:
         link.connect(inboxes[0])
         _serve(config, rank, runner, link)

@@ -25,13 +25,14 @@ NODE_RANK * P .. NODE_RANK * P + P - 1 (docs/parallel.md).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import pickle
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from backend.config import EngineConfig
 from backend.errors import ConfigError
 from backend.model.comm import DistributedCommunicator, RankGroupError
+from backend.model.config import config_path
 from backend.model.parallel_layout import ParallelLayout
 from backend.parallel import node_count
 from backend.parallel.data_parallel import RankLinks
@@ -97,11 +99,36 @@ def join(spec: GroupSpec, rank: int, store: dist.Store | None = None):
     return DistributedCommunicator(), control, sync
 
 
-def ready(control, inbox: str | None) -> list[str | None]:
-    """Every rank has loaded its shard: the ranks' inboxes (data parallelism; else None), in rank order."""
-    inboxes = [None] * dist.get_world_size()
-    dist.all_gather_object(inboxes, inbox, group=control)
-    return inboxes
+def ready(control, inbox: str | None, config: EngineConfig) -> list[tuple[str | None, dict]]:
+    """Every rank has loaded its shard: the ranks' inboxes (data parallelism; else None) and the settings they run
+    (`group_settings`), in rank order."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (inbox, group_settings(config)), group=control)
+    return every
+
+
+# Settings a rank may have of its own: paths (each node's own disk), its threads, what only rank 0 does.
+PER_NODE_SETTINGS = ("checkpoint", "chat_template", "step_log", "cpu_threads", "max_queue_size", "stop_grace_s",
+                     "unload_when_unavailable", "collective_timeout_s")
+
+
+def group_settings(config: EngineConfig) -> dict:
+    """What every rank must run alike: the engine settings but `PER_NODE_SETTINGS`, and the model's config.json (its
+    bytes' digest). Another node's ranks build theirs from their own `--set` flags (scripts/serve_node.py)."""
+    settings = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in PER_NODE_SETTINGS}
+    path = config_path(config.checkpoint)
+    settings["config.json"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return settings
+
+
+def settings_differences(every: list[dict]) -> str | None:
+    """Where a rank's settings differ from rank 0's (ConfigError's message), or None."""
+    theirs = [(rank, key, settings.get(key), every[0].get(key)) for rank, settings in enumerate(every)
+              for key in sorted(set(settings) | set(every[0])) if settings.get(key) != every[0].get(key)]
+    if not theirs:
+        return None
+    return "the ranks do not run the same settings (every node must be given the same parameters): " + "; ".join(
+        f"rank {rank} has {key}={value!r} where rank 0 has {mine!r}" for rank, key, value, mine in theirs[:8])
 
 
 def check_devices(config: EngineConfig) -> None:
@@ -232,15 +259,20 @@ class RankGroup:
         """Return once every worker has loaded its shard (rank 0 loads its own in the meantime); data-parallel ranks'
         inboxes connected."""
         try:
-            inboxes = ready(self.control, self.links.address if self.links else None)
-            if self.links is not None:
-                self.links.connect({rank: inbox for rank, inbox in enumerate(inboxes) if rank})
+            every = ready(self.control, self.links.address if self.links else None, self.spec.config)
+            differences = settings_differences([settings for _, settings in every])
+            if differences is None and self.links is not None:
+                self.links.connect({rank: inbox for rank, (inbox, _) in enumerate(every) if rank})
         except Exception as exc:
             gone = self._gone(wait_s=5.0)
             self.broken = (f"a worker failed while loading its shard: {', '.join(gone)}" if gone else
                            f"a worker failed while loading its shard: {exc}")
             self.close()
             raise RankGroupError(self.broken) from exc
+        if differences is not None:
+            self.broken = differences
+            self.close()
+            raise ConfigError(differences)
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
 
     def run(self, message, run_own):

@@ -169,6 +169,30 @@ def test_two_nodes_on_loopback(parallel_checkpoint, monkeypatch):
             node1.wait()
 
 
+def test_another_node_given_other_settings_is_refused_naming_them(parallel_checkpoint, monkeypatch):
+    """Another node builds its ranks' settings from its own --set flags: one given another page_size would build
+    other pools (wrong logits, or a crash mid-step). Rank 0 refuses the group at start, naming the setting, and
+    the other node's ranks end."""
+    from backend.errors import ConfigError
+
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), NNODES="2")
+    sets = [f"checkpoint={parallel_checkpoint}", "device=cpu", "num_tokens=8192", "page_size=32",
+            "swa_full_tokens_ratio=0.5", "tensor_parallel_size=2"]
+    node1 = subprocess.Popen([sys.executable, str(REPO / "scripts" / "serve_node.py"),
+                              *(a for s in sets for a in ("--set", s))], env={**os.environ, **env, "NODE_RANK": "1"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for key, value in {**env, "NODE_RANK": "0"}.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(ConfigError, match="rank 1 has page_size=32 where rank 0 has 16"):
+            _engine(parallel_checkpoint, tensor_parallel_size=2, collective_timeout_s=60)
+        assert node1.wait(timeout=60) != 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
 def test_a_data_parallel_rank_on_another_node_that_dies_fails_its_requests_at_once(parallel_checkpoint, monkeypatch):
     """DP=2 over two nodes on loopback (no expert parallelism: the ranks meet in no collective), node 1 killed while
     its rank decodes a request: rank 0 sees the rank's connection drop and ends every request with the reason in
