@@ -539,7 +539,7 @@ class LLMEngine:
     def _take_outputs(self, batch: OutputBatch) -> None:
         """Another rank's outputs of a step, as the requests' RequestOutputs."""
         self.ranks[batch.rank].heard_at = time.monotonic()
-        if batch.stats is not None:
+        if batch.stats is not None and not self.unavailable:  # (once failed, its stats stay those `_fail_everywhere` left)
             self.ranks[batch.rank].snapshot = batch.stats
             with self._placement_lock:  # (until take_grammar_compile_seconds)
                 self._ranks_compile_seconds.extend(batch.stats.get("grammar_compile_seconds", []))
@@ -571,6 +571,9 @@ class LLMEngine:
         with self._placement_lock:
             elsewhere = list(self._by_handle.values())
         self._send_all([placed.failed(reason) for placed in elsewhere])
+        for rank in self.ranks[1:]:  # (what they last sent would stay in the gauges: nothing runs there any more)
+            if rank.snapshot is not None:
+                rank.snapshot = _stopped_snapshot(rank.snapshot)
         if self.group is not None and self.group.links is not None:
             self.group.links.stop_all()
         self.scheduler.wake()
@@ -618,6 +621,16 @@ def _idle_snapshot(rank: int, like: dict) -> dict:
     return {**like, "rank": rank, "counters": StepCounters(), "num_running": 0, "num_waiting": 0, "num_steps": 0,
             "pool_usage": zero_pools, "pages_used": {pool: 0 for pool in like["pages_used"]},
             "pages_held_by_requests": None, "prefix_cache": None}
+
+
+def _stopped_snapshot(snapshot: dict) -> dict:
+    """A rank's last stats once the engine failed: its counts kept (the metrics' counters never go back), nothing
+    running, waiting, used or cached any more."""
+    cache = snapshot["prefix_cache"]
+    return {**snapshot, "num_running": 0, "num_waiting": 0, "pages_held_by_requests": None,
+            "pool_usage": {pool: 0.0 for pool in snapshot["pool_usage"]},
+            "pages_used": {pool: 0 for pool in snapshot["pages_used"]},
+            "prefix_cache": cache and {**cache, "entries": 0, "pages": {pool: 0 for pool in cache["pages"]}}}
 
 
 def _added_up(stats: list[dict | None]) -> dict:

@@ -3,8 +3,9 @@
 The adapter passes the `triton_python_backend_utils` module in, so this file imports nothing from
 tritonserver and can be tested with a fake. Families (all labelled with `model`, and `version` when the model has one):
 
-    dsv4_time_to_first_token_seconds   histogram  arrival -> first generated token leaves
-    dsv4_inter_token_latency_seconds   histogram  gap between consecutive outputs with tokens
+    dsv4_time_to_first_token_seconds   histogram  arrival -> the response thread takes the first generated token
+    dsv4_inter_token_latency_seconds   histogram  gap between consecutive outputs with tokens (one a step while the
+                                                  response thread keeps up: a speculative step's tokens are one)
     dsv4_requests_finished_total       counter    by finish_reason (stop|length|cancelled|timeout|error)
     dsv4_requests_rejected_total       counter    by reason: queue_full (max_queue_size)
     dsv4_prefix_cache_hit_tokens_total counter    prompt positions served from the prefix cache
@@ -86,7 +87,9 @@ class ServingMetrics:
             name: family(name=name, description=description, kind=getattr(family, kind))
             for name, description, kind in (
                 ("dsv4_time_to_first_token_seconds", "Time from arrival to the first generated token", "HISTOGRAM"),
-                ("dsv4_inter_token_latency_seconds", "Time between consecutive token outputs", "HISTOGRAM"),
+                ("dsv4_inter_token_latency_seconds",
+                 "Time between consecutive outputs with tokens (a step's; a speculative step's tokens are one)",
+                 "HISTOGRAM"),
                 ("dsv4_requests_finished_total", "Finished requests by finish reason", "COUNTER"),
                 ("dsv4_requests_rejected_total", "Requests refused at arrival, by reason", "COUNTER"),
                 ("dsv4_prefix_cache_hit_tokens_total", "Prompt positions served from the prefix cache", "COUNTER"),
@@ -207,6 +210,6 @@ class ServingMetrics:
         key = (family, tuple(sorted(labels.items())))
         delta = float(cumulative) - self._counted.get(key, 0.0)
         metric = self._metric(family, **labels)  # created at 0 so the series shows up at once
-        if delta > 0:
+        if delta > 0:  # (a total that went back, were there one, counts again only past what was counted)
             metric.increment(delta)
-        self._counted[key] = float(cumulative)
+            self._counted[key] = float(cumulative)

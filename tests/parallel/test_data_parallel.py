@@ -368,8 +368,10 @@ def test_a_killed_worker_ends_the_requests_and_later_ones_are_refused(parallel_c
         for i in range(2):
             engine.submit(Sequence(f"r{i}", list(range(2, 30)), SamplingParams(max_tokens=2000, ignore_eos=True)),
                           on_output)
-        while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
-            time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while not (all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)) and
+                   engine.stats()["ranks"][1]["num_running"]) and time.monotonic() < deadline:
+            time.sleep(0.01)  # (until rank 1 has sent stats saying its request runs)
         os.kill(engine.group._processes[0].pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
@@ -378,6 +380,10 @@ def test_a_killed_worker_ends_the_requests_and_later_ones_are_refused(parallel_c
         assert sorted(resent) == ["r0", "r1"] and all("cannot serve" in why for why in resent.values()), resent
         with pytest.raises(EngineUnavailable, match="cannot serve"):
             engine.submit(Sequence("after", [2, 3]), lambda raw: None)
+        # (the gauges: the dead rank's last stats said its request ran, and stayed so while the model stayed loaded)
+        stats = _settled_stats(engine)
+        assert [(r["num_running"], r["num_waiting"]) for r in stats["ranks"]] == [(0, 0), (0, 0)], stats["ranks"]
+        assert not any(stats["ranks"][1]["pages_used"].values()) and stats["num_draft_tokens"] >= 0
     finally:
         engine.shutdown()
     assert not _workers()

@@ -86,6 +86,14 @@ def test_rejections_and_prefix_cache_counters(metrics):
     metrics.update({"prefix_cache": None})  # caching off: nothing breaks
 
 
+def test_a_total_that_goes_back_counts_again_only_past_what_was_counted(metrics):
+    """(No total of the engine's goes back today; one that did, say a rank's stats replaced, must not be counted
+    twice on its way up again.)"""
+    for rejected in (3, 1, 2, 4):
+        metrics.update({"num_rejected_queue_full": rejected})
+    assert series("dsv4_requests_rejected_total", reason="queue_full").value == 4
+
+
 def test_grammar_counters_and_compile_times(metrics):
     metrics.update({"grammars": {"compiled": 2, "cache_hits": 5, "cached": 2}})
     metrics.update({"grammars": {"compiled": 3, "cache_hits": 9, "cached": 3}})
