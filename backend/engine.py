@@ -539,7 +539,7 @@ class LLMEngine:
     def _take_outputs(self, batch: OutputBatch) -> None:
         """Another rank's outputs of a step, as the requests' RequestOutputs."""
         self.ranks[batch.rank].heard_at = time.monotonic()
-        if batch.stats is not None and not self.unavailable:  # (once failed, its stats stay those `_fail_everywhere` left)
+        if batch.stats is not None and not self.unavailable:  # (once failed: what `_fail_everywhere` left)
             self.ranks[batch.rank].snapshot = batch.stats
             with self._placement_lock:  # (until take_grammar_compile_seconds)
                 self._ranks_compile_seconds.extend(batch.stats.get("grammar_compile_seconds", []))
