@@ -539,9 +539,10 @@ class LLMEngine:
     def _take_outputs(self, batch: OutputBatch) -> None:
         """Another rank's outputs of a step, as the requests' RequestOutputs."""
         self.ranks[batch.rank].heard_at = time.monotonic()
-        if batch.stats is not None and not self.unavailable:  # (once failed: what `_fail_everywhere` left)
-            self.ranks[batch.rank].snapshot = batch.stats
-            with self._placement_lock:  # (until take_grammar_compile_seconds)
+        if batch.stats is not None:
+            with self._placement_lock:  # (the compile times until take_grammar_compile_seconds)
+                if not self.unavailable:  # (once failed, its stats stay what `_fail_everywhere` left)
+                    self.ranks[batch.rank].snapshot = batch.stats
                 self._ranks_compile_seconds.extend(batch.stats.get("grammar_compile_seconds", []))
         rows = list(batch.rows())
         with self._placement_lock:
@@ -571,9 +572,10 @@ class LLMEngine:
         with self._placement_lock:
             elsewhere = list(self._by_handle.values())
         self._send_all([placed.failed(reason) for placed in elsewhere])
-        for rank in self.ranks[1:]:  # (what they last sent would stay in the gauges: nothing runs there any more)
-            if rank.snapshot is not None:
-                rank.snapshot = _stopped_snapshot(rank.snapshot)
+        with self._placement_lock:  # (what they last sent would stay in the gauges: nothing runs there any more)
+            for rank in self.ranks[1:]:
+                if rank.snapshot is not None:
+                    rank.snapshot = _stopped_snapshot(rank.snapshot)
         if self.group is not None and self.group.links is not None:
             self.group.links.stop_all()
         self.scheduler.wake()

@@ -99,6 +99,7 @@ class StepExecutor:
         self.verifier, self.drafter = Verifier(self.sampler), Drafter(runner, self.sampler, sample_drafts)
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
+        self._exchanged = False  # the step running made every collective it makes (its forward returned; no drafts)
         if asynchronous:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._loop, name="dsv4-device", daemon=True)
@@ -134,11 +135,14 @@ class StepExecutor:
         if self.runner.sync.broken:  # (ranks in lock-step, one of whose steps failed: no collective may follow)
             handle._fail(RankGroupError(self.runner.sync.broken))
             return
+        self._exchanged = False
         try:
             handle._set(*self._step(job))
         except Exception as exc:  # noqa: BLE001 (the engine fails the step's requests and keeps serving)
             logger.exception("step failed")
-            handle._fail(self.runner.sync.step_failed(exc))  # (in lock-step: the group is broken)
+            # (in lock-step, a fault before the step's collectives were all made breaks the group; after, as sampling
+            # faults, it is the step's alone)
+            handle._fail(exc if self._exchanged else self.runner.sync.step_failed(exc))
 
     def _step(self, job: StepJob):
         """(the output, None), or (None, a function that waits for the tokens' copy to the host and returns it)."""
@@ -152,6 +156,7 @@ class StepExecutor:
         size = len(job.samplers) if job.decodes_only else job.forward.batch.num_tokens
         _use_intra_op_threads(1 if size < self.small_step_tokens else self.cpu_threads)
         logits, batch = self.runner.forward(job.forward)
+        self._exchanged = job.spec is None  # (a verify's draft passes exchange and agree too)
         if job.held_stops:  # (min_tokens: the holds nothing reads the logits unheld for, before anything else)
             firsts = job.spec.first_logits_rows() if job.spec is not None else range(len(job.samplers))
             self.sampler.hold_in_place(logits, list(firsts), job.held_stops)

@@ -12,6 +12,7 @@ whole engine of its own (`_serve`: backend/engine_core.py over its own pools, ba
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 
@@ -53,7 +54,7 @@ def _outlive_a_ctrl_c() -> None:
     where torch's spawn made that SIGINT."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _prctl_pr_set_pdeathsig(signal.SIGKILL)
-    if os.getppid() == 1:  # (the parent went before the new signal was set: the old one was ignored)
+    if os.getppid() != multiprocessing.parent_process().pid:  # (it went before the new signal was set: reparented)
         os._exit(1)
 
 

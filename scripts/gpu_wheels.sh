@@ -7,6 +7,7 @@
 #   xgrammar    structured outputs, with apache-tvm-ffi and pydantic (pydantic-core, annotated-types,
 #               typing-inspection, and typing-extensions: pydantic-core needs 4.14's `Sentinel`, which the image's
 #               may predate);
+#   pytest-timeout  the suite's per-test time limit (pyproject.toml; without it pytest only warns of the setting);
 #   numpy < 2   in .whl/serving/: the Python backend's stub needs it (requirements.txt), the image has numpy 2;
 #               gpu_check.sh puts it first for its v4_serving part alone (the other parts keep the image's).
 # Each at the version this checkout's venv holds (requirements.txt's pins), for the image's Python (3.12 by default).
@@ -17,7 +18,8 @@ cd "$(dirname "$0")/.."
 PYTHON_VERSION="${1:-3.12}"
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-NAMES=(pyzmq xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+NAMES=(pyzmq xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection typing-extensions
+       pytest-timeout)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 download() {  # name, folder: the venv's version of it
   local version

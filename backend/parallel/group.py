@@ -116,6 +116,9 @@ def group_settings(config: EngineConfig) -> dict:
     """What every rank must run alike: the engine settings but `PER_NODE_SETTINGS`, and the model's config.json (its
     bytes' digest). Another node's ranks build theirs from their own `--set` flags (scripts/serve_node.py)."""
     settings = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in PER_NODE_SETTINGS}
+    # (as they resolve on this node: `auto` here and `cuda` there mean the same; `auto` resolving otherwise does not)
+    settings |= {"device": config.resolved_device(), "dtype": str(config.resolved_dtype()),
+                 "cuda_graphs": config.resolved_cuda_graphs()}
     path = config_path(config.checkpoint)
     settings["config.json"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
     return settings
@@ -269,8 +272,9 @@ class RankGroup:
                            f"a worker failed while loading its shard: {exc}")
             self.close()
             raise RankGroupError(self.broken) from exc
-        if differences is not None:
+        if differences is not None:  # (this node's workers wait for a first step: they go now)
             self.broken = differences
+            self._kill_workers()
             self.close()
             raise ConfigError(differences)
         logger.info("rank group of %d ready (%s)", self.spec.layout.world_size, self.spec.init_method)
@@ -305,8 +309,8 @@ class RankGroup:
 
     def _check_workers(self) -> None:
         gone = self._gone()
-        if gone:
-            self.broken = f"worker process gone: {', '.join(gone)}"
+        if gone:  # (a group broken first keeps the first reason: its workers may have gone because of it)
+            self.broken = self.broken or f"worker process gone: {', '.join(gone)}"
             raise RankGroupError(self.broken)
 
     def _gone(self, wait_s: float = 0.0) -> list[str]:

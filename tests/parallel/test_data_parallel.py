@@ -553,7 +553,9 @@ def _decoding_on_both_ranks(engine: LLMEngine, max_tokens: int) -> dict[str, lis
     for i in range(2):
         engine.submit(Sequence(f"r{i}", list(range(2, 30 + i)), SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
                       lambda raw: outputs.setdefault(raw.request_id, []).append(raw))
+    deadline = time.monotonic() + 60
     while not all(len(outputs.get(f"r{i}", [])) > 2 for i in range(2)):
+        assert time.monotonic() < deadline, {i: len(outputs.get(f"r{i}", [])) for i in range(2)}
         time.sleep(0.01)
     return outputs
 
@@ -606,25 +608,59 @@ def test_a_step_that_fails_on_rank_0_in_lock_step_fails_the_group_at_once(parall
     left."""
     engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=120,
                         overlap_scheduling=overlap, num_speculative_tokens=drafts)
-    forward, calls = engine.core.runner.forward, []
+    forward, calls, armed = engine.core.runner.forward, [], threading.Event()
 
-    def fails_once_decoding(job_forward, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:
-            raise RuntimeError("injected fault")
+    def fails_once_armed(job_forward, *args, **kwargs):
+        if armed.is_set():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected fault")
         return forward(job_forward, *args, **kwargs)
 
-    engine.core.runner.forward = fails_once_decoding
+    engine.core.runner.forward = fails_once_armed
     try:
         outputs = _decoding_on_both_ranks(engine, max_tokens=5000)
+        armed.set()  # (both ranks decoding: the next forward of rank 0's fails)
         deadline = time.monotonic() + 20
         while not all(outputs[f"r{i}"][-1].finished for i in range(2)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(outputs[f"r{i}"][-1].finished and outputs[f"r{i}"][-1].error for i in range(2)), \
             {i: outputs[f"r{i}"][-1] for i in range(2)}
-        assert len(calls) == 8  # (no forward after the one that failed)
+        assert len(calls) == 1  # (no forward after the one that failed)
         with pytest.raises(EngineUnavailable, match="cannot serve"):
             engine.submit(Sequence("later", [2, 3, 4], SamplingParams(max_tokens=2)), lambda raw: None)
+    finally:
+        engine.shutdown(timeout=5.0)
+    assert not _workers()
+
+
+def test_a_sampling_fault_in_lock_step_fails_only_its_step(parallel_checkpoint):
+    """A fault after a step's forward (its collectives all made: sampling here) leaves the ranks in step: only that
+    step's requests end with it, and the engine serves on."""
+    engine = _dp_engine(parallel_checkpoint, data_parallel_size=2, expert_parallel_size=2, collective_timeout_s=120)
+    sampler = engine.core.executor.sampler
+    step, armed = sampler.step, threading.Event()
+
+    def fails_once_armed(*args, **kwargs):
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected sampling fault")
+        return step(*args, **kwargs)
+
+    sampler.step = fails_once_armed
+    try:
+        outputs = _decoding_on_both_ranks(engine, max_tokens=5000)
+        armed.set()
+        deadline = time.monotonic() + 30
+        while not outputs["r0"][-1].finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "injected sampling fault" in (outputs["r0"][-1].error or ""), outputs["r0"][-1]
+        assert not engine.unavailable and not outputs["r1"][-1].finished
+        later = []
+        engine.submit(Sequence("later", [2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True)), later.append)
+        while not (later and later[-1].finished) and time.monotonic() < deadline + 30:
+            time.sleep(0.01)
+        assert later[-1].finish_reason.value == "length", later[-1]
     finally:
         engine.shutdown(timeout=5.0)
     assert not _workers()
