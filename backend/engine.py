@@ -618,11 +618,9 @@ RECEIVER_STOP_S = 0.5  # what the thread taking in other ranks' outputs gets to 
 
 
 def _idle_snapshot(rank: int, like: dict) -> dict:
-    """A rank that has sent no stats yet: nothing running, nothing used (its pools are like rank 0's)."""
-    zero_pools = {pool: 0 * value for pool, value in like["pool_usage"].items()}
-    return {**like, "rank": rank, "counters": StepCounters(), "num_running": 0, "num_waiting": 0, "num_steps": 0,
-            "pool_usage": zero_pools, "pages_used": {pool: 0 for pool in like["pages_used"]},
-            "pages_held_by_requests": None, "prefix_cache": None}
+    """A rank that has sent no stats yet: nothing running, nothing used (its pools are like rank 0's), nothing
+    counted."""
+    return {**_stopped_snapshot(like), "rank": rank, "counters": StepCounters(), "num_steps": 0, "prefix_cache": None}
 
 
 def _stopped_snapshot(snapshot: dict) -> dict:

@@ -204,6 +204,12 @@ def worker_ending(process, error_file: str | None) -> str:
         return f"exit code {process.exitcode}"
 
 
+def _kill(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+
+
 def _remove(error_files: list[str | None]) -> None:
     for name in error_files:
         if name:
@@ -252,8 +258,7 @@ class RankGroup:
                 _await_joining(store, context, spec.timeout_s)
             _, control, sync = join(spec, 0, store)
         except BaseException:  # (the workers go with rank 0's failure)
-            for process in context.processes if context is not None else []:
-                process.kill()
+            _kill(context.processes if context is not None else [])
             _remove(context.error_files if context is not None else [])
             raise
         return cls(spec, context, control, sync, RankLinks() if layout.data_parallel else None)
@@ -297,9 +302,7 @@ class RankGroup:
 
     def _kill_workers(self) -> None:
         """End this node's workers now (SIGKILL): their collectives, and every other rank's with them, fail at once."""
-        for p in self._processes:
-            if p.is_alive():
-                p.kill()
+        _kill(self._processes)
 
     def _tell_stop(self) -> None:
         try:
