@@ -344,10 +344,10 @@ def main(argv=None) -> int:
             print("bench_v4.py --device cuda needs a GPU (use --device cpu with small --hf-overrides)", file=sys.stderr)
             return 2
     out, rows = args.out or default_out(), []
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(stage: list[dict]) -> None:
         rows.extend(stage)
+        out.parent.mkdir(parents=True, exist_ok=True)  # only once there is something to write
         out.write_text(json.dumps(rows, indent=2))
         write_csv(args.csv or out.with_suffix(".csv"), rows, list(dict.fromkeys(k for r in rows for k in r)))
 

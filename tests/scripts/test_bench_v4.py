@@ -38,10 +38,13 @@ def test_tiny_v4_shapes_run_writes_steps_beside_their_rooflines(tmp_path, capsys
 
 def test_the_cuda_variants_are_refused_off_a_gpu():
     """--variants time steps with programmatic dependent launch or a second stream beside those without (on a GPU:
-    gpu_check.sh's v4_shapes part); a CPU has neither, which the run says before building anything."""
+    gpu_check.sh's v4_shapes part); a CPU has neither, which the run says before building anything, nor leaving an empty
+    results folder in the checkout."""
+    results_existed = bench_v4.default_out().parent.exists()
     tiny = ["--device", "cpu", "--hf-overrides", json.dumps(TINY_FLASH_OVERRIDES), "--layers", "4", "--batches", "1",
             "--context", "256", "--repeat", "1"]
     with pytest.raises(ConfigError, match="programmatic_dependent_launch.*no CUDA device"):
         bench_v4.main(tiny + ["--variants", "pdl"])
     with pytest.raises(SystemExit, match="--device cuda"):
         bench_v4.main(tiny + ["--variants", "side_stream"])
+    assert bench_v4.default_out().parent.exists() == results_existed
