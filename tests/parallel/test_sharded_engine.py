@@ -120,21 +120,49 @@ def test_published_checkpoint_shards_like_the_single_rank(parallel_checkpoint_pu
         sharded.shutdown()
 
 
-def test_generate_script_with_two_ranks_gives_the_single_rank_tokens(parallel_checkpoint, tmp_path):
+def _generate(checkpoint, ids_file, *extra, prefix=()):
+    """scripts/generate.py's greedy tokens for the prompts in ids_file (prefix: a command that runs it)."""
+    result = subprocess.run([*prefix, sys.executable, str(REPO / "scripts" / "generate.py"), "--checkpoint",
+                             str(checkpoint), "--input-ids-file", str(ids_file), "--max-tokens", "8",
+                             "--device", "cpu", "--ignore-eos", *extra], capture_output=True, text=True,
+                            timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [r["output_ids"] for r in json.loads(result.stdout)]
+
+
+def _prompts_file(tmp_path, lengths) -> Path:
     gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (1, 2, 33, 128, 129, 300, 600)]
     ids_file = tmp_path / "ids.json"
-    ids_file.write_text(json.dumps(prompts))
+    ids_file.write_text(json.dumps([torch.randint(2, 500, (n,), generator=gen).tolist() for n in lengths]))
+    return ids_file
 
-    def generate(*extra):
-        result = subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), "--checkpoint",
-                                 str(parallel_checkpoint), "--input-ids-file", str(ids_file), "--max-tokens", "8",
-                                 "--device", "cpu", "--ignore-eos", *extra], capture_output=True, text=True,
-                                timeout=600, cwd=REPO)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return [r["output_ids"] for r in json.loads(result.stdout)]
 
-    assert generate("--tensor-parallel-size", "2") == generate()
+def test_generate_script_with_two_ranks_gives_the_single_rank_tokens(parallel_checkpoint, tmp_path):
+    ids_file = _prompts_file(tmp_path, (1, 2, 33, 128, 129, 300, 600))
+    assert _generate(parallel_checkpoint, ids_file, "--tensor-parallel-size", "2") == _generate(
+        parallel_checkpoint, ids_file)
+
+
+def _pid_namespace_prefix() -> list[str]:
+    """A command that runs the next one as PID 1 of a new PID namespace (as a container's entrypoint), or skips."""
+    prefix = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    try:
+        probe = subprocess.run([*prefix, "sh", "-c", "echo $$"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) on this machine")
+    if probe.returncode != 0 or probe.stdout.strip() != "1":
+        pytest.skip(f"this machine refuses a user PID namespace: {probe.stderr.strip()[-200:]}")
+    return prefix
+
+
+def test_ranks_start_when_rank_0_is_pid_1(parallel_checkpoint, tmp_path):
+    """In a container, the process that spawns the worker ranks may be PID 1. A worker that checks whether its parent
+    went (reparenting makes its parent PID 1) must not take that for gone."""
+    prefix = _pid_namespace_prefix()
+    ids_file = _prompts_file(tmp_path, (3, 70))
+    two_ranks = ("--tensor-parallel-size", "2")
+    assert _generate(parallel_checkpoint, ids_file, *two_ranks, prefix=prefix) == _generate(
+        parallel_checkpoint, ids_file, *two_ranks)
 
 
 def test_two_nodes_on_loopback(parallel_checkpoint, monkeypatch):
