@@ -172,18 +172,23 @@ def spawn_ranks(spec: GroupSpec, first_rank: int, count: int, main: Callable):
 # A worker adds 1 here in rank 0's store before it joins the process group: rank 0 waits for them all while it watches
 # their processes, so one that fails before it joins is known at once, not after the rendezvous's timeout.
 JOINING_KEY = "dsv4/joining"
+# How long a worker may take to start (a new interpreter importing torch and the engine: seconds, more on a loaded
+# machine) when collective_timeout_s is shorter: its process is watched meanwhile, so a failed one is known at once.
+WORKER_START_S = 120.0
 
 
 def _await_joining(store: dist.TCPStore, context, timeout_s: float) -> None:
     """Return once every worker of this node is joining (RankGroupError, with what ended it, if one is gone first)."""
     processes = context.processes if context is not None else []
+    timeout_s = max(timeout_s, WORKER_START_S)
     deadline = time.monotonic() + timeout_s
     while store.add(JOINING_KEY, 0) < len(processes):
         gone = gone_workers(processes, context.error_files)
         if gone:
             raise RankGroupError(f"a worker failed before joining the group: {', '.join(gone)}")
         if time.monotonic() > deadline:
-            raise RankGroupError(f"the workers did not start within collective_timeout_s ({timeout_s:g} s)")
+            raise RankGroupError(f"the workers did not start within {timeout_s:g} s (collective_timeout_s, at least "
+                                 f"{WORKER_START_S:g} s)")
         time.sleep(0.05)
 
 
