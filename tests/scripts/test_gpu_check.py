@@ -100,7 +100,8 @@ def test_a_deadline_cuts_the_parts_that_keep_what_they_wrote_and_leaves_the_othe
            "GPU_CHECK_DEADLINE_S": "90", "GPU_CHECK_LIMITS": "engine=1000 tune=1000 v4_shapes=1000"}
     run = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
-    assert re.search(r"=== tune \(limit (8\d|90) s \(cut to what is left before GPU_CHECK_DEADLINE_S\)\)", run.stdout)
+    cut = re.search(r"=== tune \(limit (\d+) s \(cut to what is left before GPU_CHECK_DEADLINE_S\)\)", run.stdout)
+    assert cut and 0 < int(cut[1]) <= 90, run.stdout  # (90 s less the device part's seconds: more on a loaded machine)
     assert "=== engine" not in run.stdout and "=== v4_shapes" not in run.stdout
     assert re.search(r"engine +not started", run.stdout) and re.search(r"v4_shapes +not started", run.stdout)
     assert 'GPU_CHECK_PARTS="engine v4_shapes"' in run.stdout
