@@ -22,7 +22,7 @@ import torch
 from backend.config import ConfigError, EngineConfig
 from backend.host_memory import keep_freed_host_memory
 from backend.memory.kv_manager import KVCacheManager, model_kv_layout
-from backend.model.checkpoint import load_weights, tensor_names
+from backend.model.checkpoint import check_quantized_parts, load_weights, tensor_names
 from backend.model.comm import Communicator
 from backend.model.config import ModelConfig, load_model_config
 from backend.model.dummy_weights import dummy_weights
@@ -187,6 +187,10 @@ def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
     layout = ParallelLayout.from_config(config)
     layout.check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())
+    if weight_format == "fp8":  # (every rank's parts of the weights kept quantized: on their scales' block grid)
+        for rank in range(layout.world_size):
+            check_quantized_parts(model_config, ParallelLayout.from_config(config, rank),
+                                  1 if config.num_speculative_tokens else 0)
     numerics = resolve_numerics(config, model_config, layout)
     kv_layout = resolve_kv_layout(config, model_config, numerics, config.resolved_device(), dtype)
     kv = _memory_pools(config, model_config, dtype, device, kv_layout, numerics)

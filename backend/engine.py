@@ -39,15 +39,14 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from tokenizers import Tokenizer
-
 from backend.chat import chat_format
 from backend.config import EngineConfig
 from backend.deployment import load_model, plan_deployment
-from backend.engine_core import EngineCore, eos_token_ids, grammar_service, tokenizer_directory
+from backend.engine_core import EngineCore, eos_token_ids, grammar_service, load_tokenizer, tokenizer_directory
 from backend.host_memory import freeze_start_up_heap, thaw_heap
 from backend.output_processor import OutputProcessor
 from backend.model.comm import Communicator
+from backend.model.config import checkpoint_directory, load_model_config
 from backend.parallel.data_parallel import OutputBatch
 from backend.parallel.group import RankGroup, check_devices
 from backend.parallel.messages import Arrival, Cancel
@@ -72,10 +71,12 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype()
         tokenizer = tokenizer_directory(config)
+        model_config = load_model_config(config.checkpoint, config.hf_overrides)  # (checked before any pool is made)
+        self.tokenizer = load_tokenizer(tokenizer, model_config.vocab_size,
+                                        built_in=tokenizer != checkpoint_directory(config.checkpoint))
         self.deployment = plan_deployment(config, self.device, self.dtype)
         self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
                                                           self.deployment.kv)
-        self.tokenizer = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
         self.chat_template = chat_format(tokenizer, config.chat_template)  # `messages` -> prompt text
         self.eos_token_ids = eos_token_ids(config, self.model_config)
         # Structured outputs: the grammars of constrained requests, compiled on their own threads.

@@ -38,8 +38,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from tokenizers import Tokenizer
 
 from backend.config import DEFAULT_CHECKPOINT, EngineConfig
+from backend.errors import ConfigError, is_int
 from backend.executor import StepExecutor, StepHandle, StepJob, default_cpu_threads
 from backend.model.config import checkpoint_directory
 from backend.model.forward_batch import BatchRow, build_forward_batch
@@ -488,13 +490,44 @@ def tokenizer_directory(config: EngineConfig) -> Path:
     return directory
 
 
+def load_tokenizer(directory: Path, vocab_size: int, built_in: bool) -> Tokenizer:
+    """The tokenizer.json in `directory`, whose ids must all be the model's (an id past its vocabulary would fail every
+    request whose text holds it). `built_in`: the built-in checkpoint's, standing in for a dummy model's; its ids
+    past a smaller vocabulary are left to the requests that reach them."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such tokenizer file (the checkpoint's directory must hold its tokenizer.json)")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # (tokenizers raises its own Exception, naming no file)
+        raise ConfigError(f"{path}: not a tokenizer the tokenizers library reads ({exc})") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size and not built_in:
+        raise ConfigError(f"{path}: the tokenizer has {size} ids, the model's vocabulary only {vocab_size} "
+                          "(config.json's vocab_size): a tokenizer of another model?")
+    return tokenizer
+
+
 def eos_token_ids(config: EngineConfig, model_config) -> list[int]:
+    """The ids that end a request: generation_config.json's eos_token_id where it has one (as transformers' generate
+    reads it), else config.json's; an eos_token_id in hf_overrides wins over both."""
     path = checkpoint_directory(config.checkpoint) / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-        if eos is not None:
-            return list(eos) if isinstance(eos, list) else [eos]
-    return model_config.eos_token_ids
+    if "eos_token_id" in (config.hf_overrides or {}) or not path.is_file():
+        return model_config.eos_token_ids
+    try:
+        generation = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not readable JSON ({exc})") from None
+    if not isinstance(generation, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, not {type(generation).__name__}")
+    eos = generation.get("eos_token_id")
+    if eos is None:
+        return model_config.eos_token_ids
+    ids = eos if isinstance(eos, list) else [eos]
+    if bad := [token for token in ids if not is_int(token) or not 0 <= token < model_config.vocab_size]:
+        raise ConfigError(f"{path}: eos_token_id {bad[0]!r} is not a token id of the vocabulary "
+                          f"[0, {model_config.vocab_size})")
+    return ids
 
 
 def grammar_service(config: EngineConfig, model_config) -> GrammarService:

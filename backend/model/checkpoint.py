@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from backend.errors import ConfigError
 
 from backend.model.config import CSA, HCA, SLIDING, ModelConfig
 from backend.model.parallel_layout import ParallelLayout, Shard
-from backend.model.quantization import (FP8_BLOCK, MXFP4_BLOCK, dequantize_fp8, dequantize_mxfp4, fp8_block_shape,
-                                        kept_quantized, scale_to_float)
+from backend.model.quantization import (FP8_BLOCK, MXFP4_BLOCK, ROUTED_EXPERTS, dequantize_fp8, dequantize_mxfp4,
+                                        fp8_block_shape, kept_quantized, published_format, scale_to_float)
 from backend.model.weight_names import Target, detect_layout, draft_layer_index, engine_target, layer_index
 from kernels.fp8_gemm import Fp8Weight
 from kernels.moe import QuantizedExperts
@@ -51,6 +54,17 @@ _FP32_MARKERS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, or a tensor is missing, misshaped or of an unsupported dtype."""
+
+
+@contextmanager
+def _open(path: Path):
+    """A safetensors file, open; a truncated or foreign file raises CheckpointError naming it."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from None
+    with handle as f:
+        yield f
 
 
 def expected_shapes(c: ModelConfig, draft_layers: int = 0) -> dict[str, tuple[int, ...]]:
@@ -130,17 +144,27 @@ def _weight_files(checkpoint: Path) -> dict[str, Path]:
     """Tensor name -> file, from model.safetensors.index.json or by listing the safetensors files."""
     index = checkpoint / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a JSON object ({exc})") from None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no weight_map object (tensor name -> file)")
+        if odd := [name for name, fname in weight_map.items() if not isinstance(fname, str) or not fname]:
+            raise CheckpointError(f"{index}: weight_map[{odd[0]!r}] is {weight_map[odd[0]]!r}, not a file name")
         return {name: checkpoint / fname for name, fname in weight_map.items()}
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {checkpoint}")
-    out = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            out.update({name: path for name in f.keys()})
+    out: dict[str, Path] = {}
+    for path in files:  # (without an index every file is read: two holding one tensor leave the choice to nobody)
+        with _open(path) as f:
+            for name in f.keys():
+                if name in out:
+                    raise CheckpointError(f"{checkpoint}: {out[name].name} and {path.name} both hold {name!r} (a "
+                                          "file left from another version of the checkpoint?); without "
+                                          "model.safetensors.index.json every *.safetensors file is read")
+                out[name] = path
     return out
 
 
@@ -182,26 +206,71 @@ def load_weights(checkpoint: str | Path, config: ModelConfig, dtype: torch.dtype
     for path in paths:
         if not path.is_file():
             raise CheckpointError(f"{path}: file listed in the index does not exist")
-    for path, names in by_file.items():  # (the headers only: an index that names the wrong file fails before a read)
-        with safe_open(str(path), framework="pt") as f:
-            held = set(f.keys())
-        if missing := [name for name in names if name not in held]:
-            raise CheckpointError(f"{path}: the index places {missing[0]!r} in this file, which does not hold it "
-                                  f"({len(missing)} such tensor(s))")
+    _check_headers(files, by_file, loader)
     total_bytes = sum(p.stat().st_size for p in paths)
     with tqdm(total=sum(map(len, by_file.values())), desc="loading weights", unit="tensor",
               disable=total_bytes < 2**30) as bar:
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
+            with _open(path) as f:
                 for name in names:
-                    loader.take(name, f, path)
+                    try:
+                        loader.take(name, f, path)
+                    except torch.cuda.OutOfMemoryError:
+                        raise weights_do_not_fit(f"the weights of {checkpoint}", device, name, loader.weights,
+                                                 config) from None
                     bar.update()
     weights = loader.finish(checkpoint)
+    if loader.num_quantized and config.quantization_config is None:
+        logger.warning("%s: config.json has no quantization_config, yet %d tensors are FP8 or MXFP4: they were "
+                       "dequantized, and the numerics and formats are those of an unquantized checkpoint (a "
+                       "config.json from another copy of the model?)", checkpoint, loader.num_quantized)
     notes = {"draft": f"the {skipped.get('draft')} tensors of mtp.* draft layers not served",
              "cut": f"the {skipped.get('cut')} tensors of layers {cut.start}-{cut.stop - 1}, cut by hf_overrides"}
     logger.info("loaded %s (%s layout): %d tensors%s", checkpoint, layout, len(weights),
                 "".join(f"; skipped {note}" for reason, note in notes.items() if skipped.get(reason)))
     return weights
+
+
+def _check_headers(files: dict[str, Path], by_file: dict[Path, list[str]], loader: _Loader) -> None:
+    """From the files' headers, before a weight is read: each file holds what the index places in it (block scales
+    included), and a weight with block scales is a quantized one (scales beside weights a converter already
+    multiplied out would be dropped unseen)."""
+    scales = {name[: -len(".scale")] + ".weight": name for name in files if loader.skips(name) == "scale"}
+    wanted: dict[Path, list[str]] = {}
+    for path, names in by_file.items():
+        for name in names:
+            wanted.setdefault(path, []).append(name)
+            if name in scales:
+                wanted.setdefault(files[scales[name]], []).append(scales[name])
+    for path, names in wanted.items():
+        with _open(path) as f:
+            held = set(f.keys())
+            if missing := [name for name in names if name not in held]:
+                raise CheckpointError(f"{path}: the index places {missing[0]!r} in this file, which does not hold it "
+                                      f"({len(missing)} such tensor(s))")
+            for name in names:
+                if name in scales and _dtype_of(f, name) is None:
+                    raise CheckpointError(
+                        f"{path}: {name!r} is {f.get_slice(name).get_dtype()} beside block scales {scales[name]!r}: "
+                        "a weight with scales is FP8 (e4m3) or MXFP4 (int8 or uint8 codes); dequantized weights "
+                        "carry no scales")
+
+
+def weight_bytes(weight) -> int:
+    """The bytes of a weight: a tensor, or the tensors of a quantized one (a named tuple of them)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return sum(weight_bytes(part) for part in weight if isinstance(part, torch.Tensor))
+
+
+def weights_do_not_fit(what: str, device, name: str, weights: dict, config: ModelConfig) -> ConfigError:
+    """What to say when a device runs out of memory at tensor `name` with `weights` built: what to change. (The
+    weights built are freed here, not with the error's traceback, which keeps their frame.)"""
+    built = sum(weight_bytes(w) for w in weights.values()) / 2**30
+    weights.clear()
+    return ConfigError(f"{what} do not fit {device}: out of memory at {name} after {built:.1f} GiB of tensors; fewer "
+                       f"layers (hf_overrides num_hidden_layers, now {config.num_hidden_layers}; "
+                       "scripts/plan_memory.py sizes them), smaller pools (num_tokens) or more devices")
 
 
 def _declared_layers(checkpoint: Path, config: ModelConfig) -> int:
@@ -225,8 +294,11 @@ class _Loader:
         self.parallel = parallel
         self.keep_quantized = keep_quantized
         self.cut_layers = cut_layers
+        self.num_quantized = 0  # the quantized tensors read
         self.weights: dict[str, torch.Tensor] = {}
         self.expert_parts: dict[str, set[tuple[int, str | None]]] = {}  # merged tensor -> (expert, half) filled
+        # engine tensor -> (expert, half) -> the checkpoint tensor that fills it ((None, None): all of it)
+        self.sources: dict[str, dict[tuple[int | None, str | None], str]] = {}
 
     def skips(self, name: str) -> str | None:
         """Why a checkpoint tensor is not taken: "draft" (an MTP layer not served), "cut" (a layer past the config's
@@ -248,6 +320,14 @@ class _Loader:
                 raise CheckpointError(f"{path}: block scales {name!r} without their weight {weight!r}")
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (read as {target.name!r}, which this model "
                                   "config does not have)")
+        filled = self.sources.setdefault(target.name, {})
+        part = (target.expert, target.half)
+        other = filled.get(part) or filled.get((None, None)) or (next(iter(filled.values()), None)
+                                                                  if part == (None, None) else None)
+        if other is not None:  # (two names, two layouts mixed: which one the load kept would be chance)
+            raise CheckpointError(f"{path}: {name!r} and {other!r} both fill the engine's {target.name!r}"
+                                  + (f" (expert {target.expert})" if target.expert is not None else ""))
+        filled[part] = name
 
     def take(self, name: str, f, path: Path) -> None:
         """Reads a tensor `skips` does not skip and `check` passed into the engine's (this rank's part of it)."""
@@ -266,9 +346,10 @@ class _Loader:
             self._store(target, _convert(target.name, _read_part(f, name, part), self.dtype, self.device))
             return
         raw = f.get_tensor(name)  # quantized: read whole, cut on its block grid below
+        self.num_quantized += 1
         scale = self._scale_of(name, raw, full, path)
         if self.keep_quantized and self._keeps(target, name, raw):
-            self._keep(target, *_cut_quantized(name, raw, scale, part))
+            self._keep(name, target, *_cut_quantized(name, raw, scale, part))
             return
         tensor = _cut(self._dequantize(raw, scale), part)
         self._store(target, _convert(target.name, tensor, self.dtype, self.device))
@@ -288,7 +369,18 @@ class _Loader:
         missing = [name for name in self.shapes if name not in self.weights]
         if missing:
             raise CheckpointError(f"{checkpoint}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        for name in self.weights:
+            if name.endswith(".tid2eid"):
+                self._check_expert_ids(name, checkpoint)
         return self.weights
+
+    def _check_expert_ids(self, name: str, checkpoint: Path) -> None:
+        """A hash layer's token -> expert table names experts of the layer (an id past them would fail every step
+        that routes its token, or read out of bounds on a GPU)."""
+        table, experts = self.weights[name], self.full_shapes[name[: -len("tid2eid")] + "weight"][0]
+        if table.numel() and not (0 <= int(table.min()) and int(table.max()) < experts):
+            raise CheckpointError(f"{checkpoint}: {name!r} holds expert ids {int(table.min())}..{int(table.max())}; "
+                                  f"the layer has experts 0..{experts - 1}")
 
     def _is_scale_of_a_weight(self, name: str) -> bool:
         return name.endswith(".scale") and name[: -len(".scale")] + ".weight" in self.files
@@ -310,7 +402,7 @@ class _Loader:
         return (self._is_quantized(name, tensor.dtype, self._source_shape(target, self.full_shapes))
                 and kept_quantized(target.name))
 
-    def _keep(self, target: Target, tensor: torch.Tensor, scale: torch.Tensor) -> None:
+    def _keep(self, name: str, target: Target, tensor: torch.Tensor, scale: torch.Tensor) -> None:
         if target.expert is None:
             self.weights[target.name] = Fp8Weight(tensor.to(self.device).contiguous(),
                                                   scale_to_float(scale).to(self.device).contiguous())
@@ -320,6 +412,9 @@ class _Loader:
             merged = self.weights[target.name] = empty_quantized_experts(self.shapes[target.name], tensor.dtype,
                                                                halves=1 if target.half is None else 2,
                                                                device=self.device)
+        if (merged.format == "fp8") != (tensor.dtype == torch.float8_e4m3fn):  # (one format per merged tensor)
+            raise CheckpointError(f"{self.files[name]}: {name!r} is {tensor.dtype}, while {target.name!r} holds "
+                                  f"{merged.format} experts")
         rows, up = merged.rows_per_half, target.half == "up"
         merged.data[target.expert, rows * up:rows * up + rows] = tensor.to(self.device)
         scale_rows = scale.shape[0]
@@ -335,6 +430,10 @@ class _Loader:
         if not name.endswith(".weight") or scale_name not in self.files:
             raise CheckpointError(f"{path}: FP8 tensor {name!r} has no block scales {scale_name!r}")
         scale = self._read(scale_name)
+        if scale.dtype not in (_MXFP4_SCALE_DTYPES if tensor.dtype != torch.float8_e4m3fn else _FP8_SCALE_DTYPES):
+            kinds = "e8m0 (float8_e8m0fnu or uint8)" + (" or float" if tensor.dtype == torch.float8_e4m3fn else "")
+            raise CheckpointError(f"{self.files[scale_name]}: scales {scale_name!r} are {scale.dtype}; those of "
+                                  f"{tensor.dtype} weights are {kinds}")
         n, k = expected
         if tensor.dtype == torch.float8_e4m3fn:
             if tuple(tensor.shape) != expected:
@@ -376,6 +475,11 @@ class _Loader:
         merged[target.expert, offset:offset + rows] = tensor
         self.expert_parts.setdefault(target.name, set()).add((target.expert, target.half))
 
+
+# What block scales may be stored as: e8m0 exponents (V4-Flash, V4-Pro) or, for FP8 weights, float multipliers (V3's
+# float32). An integer tensor would be read as multipliers, silently.
+_MXFP4_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+_FP8_SCALE_DTYPES = _MXFP4_SCALE_DTYPES + (torch.float32, torch.bfloat16, torch.float16)
 
 _SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "I8": torch.int8, "U8": torch.uint8}
 
@@ -422,6 +526,25 @@ def check_quantized_part(name: str, part: Shard, fp8: bool, size: int) -> None:
             raise CheckpointError(f"{name!r}: this rank's part [{start}, {stop}) of dimension {part.dim} is not on the "
                                   f"{block}-wide block grid of its scales; serve it with weight_format=dequantize or "
                                   "choose a layout that splits on block boundaries")
+
+
+def check_quantized_parts(config: ModelConfig, parallel: ParallelLayout, draft_layers: int = 0) -> None:
+    """The refusal a load with weight_format=fp8 gives when rank `parallel.rank`'s part of a weight kept quantized is
+    off the block grid of its scales, from the config alone: before anything is allocated or read."""
+    full = expected_shapes(config, draft_layers)
+    for name, shape in full.items():
+        stored = published_format(name, config)
+        if not stored or not kept_quantized(name):
+            continue
+        if name.endswith(ROUTED_EXPERTS):
+            part = expert_part(parallel, name, shape)
+            # (the size along the cut: a gate / up half's rows, or down's columns)
+            size = None if part is None else shape[1] // 2 if part.dim == 0 else shape[2]
+        else:
+            part = parallel.shard(name, shape)
+            size = None if part is None else shape[part.dim]
+        if part is not None:
+            check_quantized_part(name, part, stored == "fp8", size)
 
 
 def _cut_quantized(name: str, data: torch.Tensor, scale: torch.Tensor, part: Shard | None):

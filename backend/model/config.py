@@ -197,7 +197,9 @@ def _validate(config: ModelConfig, source: str) -> None:
         rate = config.compress_rates.get(layer_type) if isinstance(config.compress_rates, dict) else None
         if type(rate) is not int or rate < 1:
             raise bad(f"compress_rates[{layer_type!r}]={rate!r}: must be an integer of at least 1")
+    _validate_token_ids(config, bad)
     for label, params in config.rope_parameters.items():
+        _validate_rope_numbers(label, params, bad)
         if params.get("rope_type", "default") not in ("default", "yarn"):
             raise bad(f"rope_parameters[{label!r}].rope_type={params['rope_type']!r} is not supported")
         rope_dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
@@ -209,6 +211,35 @@ def _validate(config: ModelConfig, source: str) -> None:
     if (config.num_attention_heads * config.head_dim) % config.o_groups:
         raise bad("num_attention_heads * head_dim must be divisible by o_groups")
     _validate_quantization(config, bad)
+
+
+# The numbers of a rope_parameters entry the rotary tables read (backend/model/rotary.py), which may be absent or null
+# where marked.
+_ROPE_NUMBERS = {"rope_theta": False, "partial_rotary_factor": True, "factor": True, "original_max_position_embeddings":
+                 True, "attention_factor": True, "mscale": True, "mscale_all_dim": True, "beta_fast": True,
+                 "beta_slow": True}
+
+
+def _validate_rope_numbers(label: str, params, bad) -> None:
+    """A rope parameter given as a string would fail only at the rotary tables, after the weights are read."""
+    if not isinstance(params, dict):
+        raise bad(f"rope_parameters[{label!r}] must be an object, got {params!r}")
+    for key, optional in _ROPE_NUMBERS.items():
+        value = params.get(key)
+        if value is None and optional:
+            continue
+        if not is_number(value) or value <= 0:
+            raise bad(f"rope_parameters[{label!r}].{key}={value!r}: must be a positive number")
+
+
+def _validate_token_ids(config: ModelConfig, bad) -> None:
+    """bos/eos ids inside the vocabulary (an eos id beyond it never ends a request)."""
+    named = [("eos_token_id", token) for token in config.eos_token_ids]
+    if config.bos_token_id is not None:
+        named.append(("bos_token_id", config.bos_token_id))
+    for key, token in named:
+        if not is_int(token) or not 0 <= token < config.vocab_size:
+            raise bad(f"{key} {token!r} is not a token id of the vocabulary [0, {config.vocab_size})")
 
 
 # What DeepSeek's FP8 checkpoints declare, and all this engine reads.
@@ -259,8 +290,15 @@ _TYPE_CHECKS = {"int": is_int, "float": is_number, "bool": lambda v: isinstance(
 
 
 def value_fits(value, annotation: str) -> bool:
-    """Whether a JSON value fits a field annotation such as `int | list[int] | None` (element types unchecked)."""
-    return any(_TYPE_CHECKS[part.strip().split("[")[0]](value) for part in annotation.split("|"))
+    """Whether a JSON value fits a field annotation such as `int | list[int] | None`, a list's elements included."""
+    return any(_fits_part(value, part.strip()) for part in annotation.split("|"))
+
+
+def _fits_part(value, annotation: str) -> bool:
+    outer, _, inner = annotation.rstrip("]").partition("[")
+    if not _TYPE_CHECKS[outer](value):
+        return False
+    return not inner or all(_TYPE_CHECKS[inner](element) for element in value)
 
 
 def _check_types(raw: dict, source: str) -> None:

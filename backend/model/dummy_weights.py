@@ -23,9 +23,8 @@ import math
 
 import torch
 
-from backend.errors import ConfigError
-from backend.model.checkpoint import (check_quantized_part, empty_quantized_experts, expected_shapes, expert_part,
-                                      is_fp32_parameter)
+from backend.model.checkpoint import (check_quantized_parts, empty_quantized_experts, expected_shapes,
+                                      is_fp32_parameter, weights_do_not_fit)
 from backend.model.config import ModelConfig
 from backend.model.parallel_layout import ParallelLayout
 from backend.model.quantization import FP4_VALUES, ROUTED_EXPERTS, fp8_block_shape, kept_quantized, published_format
@@ -62,18 +61,15 @@ def dummy_weights(config: ModelConfig, dtype: torch.dtype, device, weight_format
                   layout: ParallelLayout | None = None, draft_layers: int = 0, seed: int = 0) -> dict[str, object]:
     """This rank's engine tensors (the names of backend/model/checkpoint.expected_shapes), random (see above)."""
     parallel = layout or ParallelLayout()
+    if weight_format == "fp8":
+        check_quantized_parts(config, parallel, draft_layers)
     full = expected_shapes(config, draft_layers)
     weights = {}
     for name, shape in parallel.local_shapes(full).items():
         try:
             weights[name] = _dummy_tensor(config, name, shape, full[name], parallel, dtype, device, weight_format, seed)
         except torch.cuda.OutOfMemoryError:
-            built = sum(_nbytes(w) for w in weights.values()) / 2**30
-            weights.clear()  # (the error's traceback keeps this frame: what was built is freed now, not with it)
-            raise ConfigError(
-                f"load_format=dummy: the weights do not fit {device}: out of memory at {name} after {built:.1f} GiB of "
-                f"tensors; fewer layers (hf_overrides num_hidden_layers, now {config.num_hidden_layers}; "
-                f"scripts/plan_memory.py sizes them) or more devices") from None
+            raise weights_do_not_fit("load_format=dummy: the weights", device, name, weights, config) from None
     return weights
 
 
@@ -84,20 +80,11 @@ def _dummy_tensor(config: ModelConfig, name: str, shape, full_shape, parallel: P
     generator = _generator(f"{seed}:{name}" + (f":rank {parallel.rank}" if split else ""), device)
     stored = published_format(name, config)
     if stored and weight_format == "fp8" and kept_quantized(name):
-        if split:
-            _check_part(name, full_shape, parallel, stored)
         return _quantized(name, shape, full_shape[-1], stored, generator, device)
     if name.endswith(".tid2eid"):
         return _hash_routes(shape, config.n_routed_experts, generator, device)
     mean, std = init_scale(name, full_shape)
     return _normal(shape, mean, std, torch.float32 if is_fp32_parameter(name) else dtype, generator, device)
-
-
-def _nbytes(weight) -> int:
-    """The bytes of a weight: a tensor, or the tensors of a quantized one (a named tuple of them)."""
-    if isinstance(weight, torch.Tensor):
-        return weight.numel() * weight.element_size()
-    return sum(_nbytes(part) for part in weight if isinstance(part, torch.Tensor))
 
 
 def _generator(key: str, device) -> torch.Generator:
@@ -138,19 +125,6 @@ def _quantized(name: str, shape, fan_in: int, stored: str, generator: torch.Gene
         experts.data.view(torch.uint8).random_(0, 256, generator=generator)  # two random e2m1 codes a byte
         experts.scale.fill_(127 + round(math.log2(1 / (_FP4_RMS * math.sqrt(fan_in)))))  # e8m0: 2^(byte - 127)
     return experts
-
-
-def _check_part(name: str, full_shape, parallel: ParallelLayout, stored: str) -> None:
-    """The refusal a real load gives a rank's part that is off the block grid of its scales."""
-    if name.endswith(ROUTED_EXPERTS):
-        part = expert_part(parallel, name, full_shape)
-        if part is None:
-            return
-        size = full_shape[1] // 2 if part.dim == 0 else full_shape[2]  # a gate / up half's rows, down's columns
-    else:
-        part = parallel.shard(name, full_shape)
-        size = full_shape[part.dim]
-    check_quantized_part(name, part, stored == "fp8", size)
 
 
 def _hash_routes(shape, num_experts: int, generator: torch.Generator, device) -> torch.Tensor:

@@ -61,6 +61,43 @@ def test_an_index_that_places_a_tensor_in_the_wrong_file_or_has_no_map_is_refuse
         load_weights(sharded, config, torch.float32, "cpu")
 
 
+def test_damaged_files_and_indexes_are_refused_naming_the_file(tmp_path):
+    """A truncated shard, an index that is not JSON or maps a tensor to no file, a scale the index places in a file that
+    lacks it, and a stale whole-model file beside shards without an index: each a CheckpointError naming the file
+    before any weight is read (bare safetensors/JSON errors naming nothing, or a silent choice of copy, before)."""
+    ckpt = tmp_path / "ds"
+    write_checkpoint(ckpt, layout="deepseek", quantize="fp8-mxfp4", shard_bytes=64 * 1024)
+    config = load_model_config(ckpt)
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+
+    def refused(message):
+        with pytest.raises(CheckpointError, match=message):
+            load_weights(ckpt, config, torch.float32, "cpu")
+
+    index_path.write_text("{not json")
+    refused(f"{index_path}: not a JSON object")
+    index_path.write_text(json.dumps({"weight_map": {**index["weight_map"], "embed.weight": None}}))
+    refused(r"weight_map\['embed.weight'\] is None, not a file name")
+    scale, weight_file = "layers.0.attn.wq_a.scale", index["weight_map"]["layers.0.attn.wq_a.weight"]
+    elsewhere = next(f for f in index["weight_map"].values() if f != index["weight_map"][scale])
+    index_path.write_text(json.dumps({"weight_map": {**index["weight_map"], scale: elsewhere}}))
+    refused(f"{elsewhere}: the index places '{scale}' in this file, which does not hold it")
+    index_path.write_text(json.dumps(index))
+    shard = ckpt / weight_file
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    refused(f"{shard}: not a readable safetensors file")
+    shard.write_bytes(whole)
+    merged = {}
+    for path in sorted(set(index["weight_map"].values())):
+        merged.update(load_file(ckpt / path))
+    save_file(merged, ckpt / "model.safetensors")  # an old single-file copy left beside the shards
+    load_weights(ckpt, config, torch.float32, "cpu")  # the index says which file holds what
+    index_path.unlink()
+    refused(r"and model.safetensors both hold '.*'.*every \*.safetensors file is read")
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int8])
 def test_a_weight_stored_as_integers_is_refused(tiny_checkpoint, tmp_path, dtype):
     """A weight of an integer dtype without block scales would load as its integer parts: refused, naming it; the
@@ -291,6 +328,21 @@ def expected_shapes_of(ckpt):
     (lambda t: t.update({"layers.0.attn.bogus.weight": torch.ones(2)}), r"unexpected tensor 'layers.0.attn.bogus.weight'"),
     (lambda t: t.update({"layers.0.attn.wq_b.weight": t["layers.0.attn.wq_b.weight"][:-1].clone()}),
      r"FP8 tensor 'layers.0.attn.wq_b.weight' has shape \(255, 48\), expected \(256, 48\)"),
+    # FP8 codes a converter upcast without applying their scales, which it left beside them (512x the weights, once)
+    (lambda t: t.update({"layers.2.ffn.shared_experts.w2.weight": t["layers.2.ffn.shared_experts.w2.weight"].to(
+        torch.bfloat16)}), r"'layers.2.ffn.shared_experts.w2.weight' is BF16 beside block scales"),
+    (lambda t: t.update({"layers.0.attn.wq_a.scale": t["layers.0.attn.wq_a.scale"].view(torch.uint8).to(torch.int32)}),
+     r"scales 'layers.0.attn.wq_a.scale' are torch.int32; those of torch.float8_e4m3fn weights are e8m0"),
+    (lambda t: t.update({"layers.2.ffn.experts.3.w2.scale": t["layers.2.ffn.experts.3.w2.scale"].float()}),
+     r"scales 'layers.2.ffn.experts.3.w2.scale' are torch.float32; those of torch.int8 weights are e8m0 "
+     r"\(float8_e8m0fnu or uint8\)$"),
+    (lambda t: t.update({"layers.0.ffn.gate.tid2eid": t["layers.0.ffn.gate.tid2eid"] + 8}),
+     r"'model.layers.0.mlp.gate.tid2eid' holds expert ids 8\.\.15; the layer has experts 0\.\.7"),
+    (lambda t: t.update({"layers.0.ffn.gate.tid2eid": t["layers.0.ffn.gate.tid2eid"] - 1}),
+     r"'model.layers.0.mlp.gate.tid2eid' holds expert ids -1\.\."),
+    (lambda t: t.update({"layers.0.attn.q_a_proj.weight": torch.zeros(64, 64)}),  # (another layout's name for wq_a)
+     r"'layers.0.attn.wq_a.weight' and 'layers.0.attn.q_a_proj.weight' both fill the engine's "
+     r"'model.layers.0.self_attn.q_a_proj.weight'"),
 ])
 @pytest.mark.parametrize("weight_format", ["dequantize", "fp8"])
 def test_broken_published_checkpoints_are_refused_naming_file_tensor_and_shapes(tmp_path, edit, message,
@@ -408,6 +460,18 @@ def test_flat_rope_overrides_apply_where_config_json_has_flat_keys_and_a_flat_ya
     ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
                           "compress": {"rope_type": "default", "rope_theta": 1.6e5, "partial_rotary_factor": 0.125}}},
      r"rope_parameters\['compress'\] rotates 8 dims, head_dim \* partial_rotary_factor 16"),
+    # numbers inside nested values, which failed only at the rotary tables, after every weight was read
+    ({"rope_parameters": {"main": {"rope_theta": "10000"}, "compress": {"rope_theta": 1.6e5}}},
+     r"rope_parameters\['main'\].rope_theta='10000': must be a positive number"),
+    ({"rope_parameters": {"main": {"rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                          "compress": {"rope_theta": 1.6e5, "rope_type": "yarn", "factor": "16"}}},
+     r"rope_parameters\['compress'\].factor='16'"),
+    ({"rope_parameters": {"main": {"rope_theta": 1e4, "partial_rotary_factor": "0.25"},
+                          "compress": {"rope_theta": 1.6e5}}},
+     r"rope_parameters\['main'\].partial_rotary_factor='0.25'"),
+    ({"eos_token_id": ["1"]}, r"eos_token_id=\['1'\] is not of type int \| list\[int\] \| None"),
+    ({"eos_token_id": [1, 512]}, r"eos_token_id 512 is not a token id of the vocabulary \[0, 512\)"),
+    ({"bos_token_id": -1}, r"bos_token_id -1 is not a token id"),
 ])
 def test_values_that_would_fail_later_are_refused_when_the_config_is_read(tiny_checkpoint, override, message):
     with pytest.raises(UnsupportedCheckpoint, match=message):
@@ -458,3 +522,132 @@ def test_layers_cut_by_hf_overrides_are_not_read_and_others_still_fail_before_an
     save_file(tensors, ckpt / "model.safetensors")
     with pytest.raises(CheckpointError, match="unexpected tensor 'layers.4.attn.wq_a.weight'"):
         load_weights(ckpt, config, torch.float32, "cpu")
+
+
+def test_an_expert_in_another_format_is_refused_when_kept_as_published(tmp_path):
+    """weight_format=fp8 merges each layer's experts into one tensor of one format: an MXFP4 expert among FP8 ones is
+    refused naming it (a bare size error of a byte view, before). Dequantized, each expert is read in its own."""
+    from backend.model.quantization import dequantize_fp8, dequantize_mxfp4, quantize_mxfp4
+
+    ckpt, tensors = _deepseek_checkpoint(tmp_path, quantize="fp8")
+    name = "layers.2.ffn.experts.3.w2"
+    values = dequantize_fp8(tensors[f"{name}.weight"], tensors[f"{name}.scale"])
+    tensors[f"{name}.weight"], tensors[f"{name}.scale"] = quantize_mxfp4(values)
+    save_file(tensors, ckpt / "model.safetensors")
+    config = load_model_config(ckpt)
+    with pytest.raises(CheckpointError, match=rf"'{name}.weight' is torch.int8, while "
+                                              r"'model.layers.2.mlp.experts.down_proj' holds fp8 experts"):
+        load_weights(ckpt, config, torch.float32, "cpu", "fp8")
+    loaded = load_weights(ckpt, config, torch.float32, "cpu")
+    assert torch.equal(loaded["model.layers.2.mlp.experts.down_proj"][3], dequantize_mxfp4(*quantize_mxfp4(values)))
+
+
+def test_running_out_of_device_memory_while_loading_says_what_to_change(tiny_checkpoint, monkeypatch):
+    """Out of memory midway through a load: a ConfigError naming the tensor, what was loaded, and the settings that
+    size it, with the weights loaded so far let go (torch's error, naming none of it, before). Faked on CPU."""
+    from backend.errors import ConfigError
+    from backend.model import checkpoint
+
+    taken, take = [], checkpoint._Loader.take
+
+    def take_until_full(self, name, f, path):
+        if len(taken) == 5:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        taken.append(self)
+        take(self, name, f, path)
+
+    monkeypatch.setattr(checkpoint._Loader, "take", take_until_full)
+    with pytest.raises(ConfigError, match=rf"the weights of {tiny_checkpoint} do not fit cpu: out of memory at \S+ "
+                                          r"after 0\.\d GiB of tensors; fewer layers \(hf_overrides num_hidden_layers"):
+        load_weights(tiny_checkpoint, load_model_config(tiny_checkpoint), torch.float32, "cpu")
+    assert taken[0].weights == {}
+
+
+def test_a_rank_split_off_the_block_grid_is_refused_when_the_deployment_is_planned(parallel_checkpoint_published):
+    """TP=2 cuts o_a_proj's 128 FP8 rows in two: weight_format=fp8 cannot keep them. make_model_repository.py's
+    check (check_deployment: no pool allocated, no worker started) refuses it, as the load would after the workers
+    started."""
+    from backend.config import EngineConfig
+    from backend.deployment import check_deployment
+
+    settings = dict(checkpoint=str(parallel_checkpoint_published), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(CheckpointError, match=r"o_a_proj.weight': this rank's part \[0, 64\) of dimension 0 is not on "
+                                              r"the 128-wide block grid"):
+        check_deployment(EngineConfig(weight_format="fp8", **settings))
+    check_deployment(EngineConfig(weight_format="dequantize", **settings))
+
+
+# --- the tokenizer and generation_config.json ---------------------------------------------------------------
+
+
+def test_a_missing_or_foreign_tokenizer_is_refused_naming_the_file(tmp_path, tiny_checkpoint):
+    from backend.errors import ConfigError
+    from backend.engine_core import load_tokenizer
+
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/tokenizer.json: no such tokenizer file"):
+        load_tokenizer(tmp_path, 512, built_in=False)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=rf"{tmp_path}/tokenizer.json: not a tokenizer the tokenizers library reads"):
+        load_tokenizer(tmp_path, 512, built_in=False)
+    assert load_tokenizer(tiny_checkpoint, 512, built_in=False).get_vocab_size() <= 512
+    with pytest.raises(ConfigError, match=r"the tokenizer has \d+ ids, the model's vocabulary only 300"):
+        load_tokenizer(tiny_checkpoint, 300, built_in=False)
+    load_tokenizer(tiny_checkpoint, 300, built_in=True)  # (standing in for a dummy model's: ids past it are left be)
+
+
+def test_the_engine_refuses_a_checkpoint_without_its_tokenizer_before_making_its_pools(tiny_checkpoint, tmp_path,
+                                                                                        monkeypatch):
+    from backend import engine
+    from backend.config import EngineConfig
+    from backend.errors import ConfigError
+
+    ckpt = _copy(tiny_checkpoint, tmp_path / "c")
+    (ckpt / "tokenizer.json").unlink()
+    monkeypatch.setattr(engine, "plan_deployment", lambda *a: pytest.fail("pools planned before the tokenizer"))
+    with pytest.raises(ConfigError, match="tokenizer.json: no such tokenizer file"):
+        engine.LLMEngine(EngineConfig(checkpoint=str(ckpt), device="cpu"))
+
+
+@pytest.mark.parametrize("generation, message", [
+    ('{"eos_token_id": "1"}', r"generation_config.json: eos_token_id '1' is not a token id of the vocabulary"),
+    ('{"eos_token_id": [1, 100000]}', r"eos_token_id 100000 is not a token id of the vocabulary \[0, 512\)"),
+    ("{not json", r"generation_config.json: not readable JSON"),
+    ("[1]", r"generation_config.json: must hold a JSON object, not list"),
+])
+def test_generation_config_eos_ids_are_checked(tiny_checkpoint, tmp_path, generation, message):
+    """A string id never matched a sampled token: requests never stopped at their end."""
+    from backend.config import EngineConfig
+    from backend.engine_core import eos_token_ids
+    from backend.errors import ConfigError
+
+    ckpt = _copy(tiny_checkpoint, tmp_path / "c")
+    (ckpt / "generation_config.json").write_text(generation)
+    config = EngineConfig(checkpoint=str(ckpt), device="cpu")
+    with pytest.raises(ConfigError, match=message):
+        eos_token_ids(config, load_model_config(ckpt))
+
+
+def test_an_eos_override_wins_over_generation_config(tiny_checkpoint, tmp_path):
+    from backend.config import EngineConfig
+    from backend.engine_core import eos_token_ids
+
+    ckpt = _copy(tiny_checkpoint, tmp_path / "c")
+    (ckpt / "generation_config.json").write_text('{"eos_token_id": 1}')
+    assert eos_token_ids(EngineConfig(checkpoint=str(ckpt)), load_model_config(ckpt)) == [1]
+    overrides = {"eos_token_id": [7, 9]}
+    config = EngineConfig(checkpoint=str(ckpt), hf_overrides=overrides)
+    assert eos_token_ids(config, load_model_config(ckpt, overrides)) == [7, 9]
+
+
+def test_quantized_files_under_a_config_without_quantization_config_are_loaded_with_a_warning(tmp_path, caplog):
+    """The config decides the numerics and formats; files that are FP8/MXFP4 under a config that declares none are
+    dequantized, and the log says so."""
+    import logging
+
+    ckpt, _ = _deepseek_checkpoint(tmp_path)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["quantization_config"], config["expert_dtype"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="backend.model.checkpoint"):
+        load_weights(ckpt, load_model_config(ckpt), torch.float32, "cpu")
+    assert any("has no quantization_config, yet" in r.getMessage() for r in caplog.records)
