@@ -361,6 +361,7 @@ class Sequence:
     # (backend/sampler.py), created by the engine at submit.
     sampler_state: "SamplerState | None" = field(default=None, repr=False)
     queue_rank: int = 0  # position in the waiting queue within its priority; negative: requeued in front
+    arrival_rank: int | None = None  # its first queue_rank: the order it came in, which a preemption does not change
     # The start of its aging and deadline, by the scheduler's clock: when the engine took it (LLMEngine.submit), or
     # where none stamped it (a scheduler on its own, another data-parallel rank's), when the scheduler took it in.
     arrival_s: float | None = None

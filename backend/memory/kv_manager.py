@@ -455,6 +455,13 @@ class KVCacheManager:
         return all(self.paged_pool(name).num_free + evictable.get(name, 0) >= 1 for name, _ in pinned.by_pool()
                    if self._last_page_partial(name, length))
 
+    def fits_whole(self, seq, evictable: dict[str, int] | None) -> bool:
+        """Whether `seq`, holding nothing, could be held at its whole length now (a decoding request's window pages:
+        one window's), with `evictable` (evictable_pages()) counted free; nothing is allocated or evicted."""
+        needs = self._page_needs(seq, seq.num_tokens)
+        needs[0] = min(needs[0], self.window_pool.pages_per_running_request())  # (_pools[0] is the window pool)
+        return self._fits(seq, needs, evictable)
+
     def can_extend_evicting(self, seq, num_new_tokens: int, evictable: dict[str, int] | None) -> bool:
         """can_extend, with `evictable` (evictable_pages()) counted free; nothing is evicted."""
         return self._fits(seq, self._page_needs(seq, num_new_tokens), evictable)

@@ -38,10 +38,11 @@ priority with aging: the key is priority * priority_aging_s + arrival time (lowe
 order), so one priority level is worth priority_aging_s seconds of waiting, and a request is never
 overtaken by one that arrived more than (its priority - the other's) * priority_aging_s later: under any
 stream of better-priority arrivals its wait is bounded (priority_aging_s 0: strict priority, FCFS within a
-priority, and no such bound). Memory shortage: a decode that cannot extend preempts the most recently
-admitted running sequence (recompute: memory freed, num_computed_tokens = 0, requeued at the front of its
-priority); a prefill continuation takes a smaller chunk or waits (so does the first chunk of a request admitted
-into an empty engine). A sequence that cannot extend while running alone waits for the take-in of a step in
+priority, and no such bound). Memory shortage: a decode that cannot extend preempts the running sequence
+latest in that order (the worst priority, then the latest arrival; itself, if that is it), never a more urgent one
+for a less urgent one (recompute: memory freed, num_computed_tokens = 0, requeued at the front of its priority,
+admitted again once all it held fits beside the running requests); a prefill continuation takes a smaller chunk
+or waits (so does the first chunk of a request admitted into an empty engine). A sequence that cannot extend while running alone waits for the take-in of a step in
 flight (whose prefix-cache snapshots pin pages until then); with none, it is failed (FinishReason.ERROR) instead
 of retried forever.
 Deadlines: a request with `timeout_ms` that has not finished that long after it arrived (`Sequence.arrival_s`: its
@@ -595,6 +596,8 @@ class Scheduler:
     def _enqueue(self, seq: Sequence, front: bool) -> None:
         """Insert into waiting by `_waiting_key`; `front` (a preempted request) goes before its equals."""
         seq.queue_rank = next(self._front_ranks if front else self._back_ranks)
+        if seq.arrival_rank is None:
+            seq.arrival_rank = seq.queue_rank
         seq.status = SequenceStatus.WAITING
         bisect.insort(self._waiting, seq, key=self._waiting_key)
 
@@ -603,6 +606,14 @@ class Scheduler:
         if not self.priority_aging_s:  # 0 or None: strict priority
             return seq.priority, seq.queue_rank
         return seq.priority * self.priority_aging_s + seq.arrival_s, seq.queue_rank
+
+    def _eviction_key(self, seq: Sequence) -> tuple:
+        """Which running request a memory shortage evicts first: the largest key, latest in queue order as it came in
+        (a preemption requeues a request in front, but does not make it an earlier arrival: the order of evictions
+        stays fixed, so the request first in it always progresses, and two cannot evict each other in turn)."""
+        if not self.priority_aging_s:
+            return seq.priority, seq.arrival_rank
+        return seq.priority * self.priority_aging_s + seq.arrival_s, seq.arrival_rank
 
     def _end(self, plan: StepPlan, seq: Sequence, reason: FinishReason) -> None:
         """The scheduler ends `seq` itself (cancelled, timed out, or cannot fit); reported in plan.aborted."""
@@ -657,8 +668,9 @@ class Scheduler:
         return any(seq.is_decode for seq in self._running)
 
     def schedule_decodes(self, plan: StepPlan) -> None:
-        """One token for each running decode, oldest first, preempting the newest on memory shortage. (Once per
-        running request every step: the common case, a decode whose pages are already there, is kept short.)"""
+        """One token for each running decode, oldest first, preempting the latest in queue order on memory shortage.
+        (Once per running request every step: the common case, a decode whose pages are already there, is kept
+        short.)"""
         running, limit, memory = SequenceStatus.RUNNING, self.max_num_batched_tokens, self.memory
         speculative = bool(self.num_speculative_tokens)
         in_flight = self._inflight[-1].plan if self._inflight else None  # (a request with placeholders is in it)
@@ -751,6 +763,9 @@ class Scheduler:
             seq = self._waiting[0]
             if seq.num_placeholders:
                 return  # preempted while its last token was in flight: admitted once that token is in
+            if seq.num_preemptions and self._running and not self.memory.fits_whole(seq, self.memory.evictable_pages()):
+                return  # (a preempted request comes back once all it held fits again: else the running requests'
+                # growth evicts it again, and its prompt is recomputed chunk by chunk for nothing, step after step)
             allowed = self._allowed(plan, seq, left)
             if allowed <= 0:
                 return  # (strictly in queue order: nothing admitted past it)
@@ -816,14 +831,15 @@ class Scheduler:
         return num_tokens
 
     def _allocate_or_preempt(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> bool:
-        """Allocate `num_tokens` for `seq`, preempting the newest running sequences without a chunk until it can.
+        """Allocate `num_tokens` for `seq`, preempting running sequences without a chunk, latest in queue order first,
+        until it can.
 
-        Returns False when `seq` itself was the newest (it is preempted) or is alone and still
+        Returns False when `seq` itself was the latest (it is preempted) or is alone and still
         cannot extend: it waits for the take-in of a step in flight, or with none is failed with ERROR
         rather than retried forever.
         """
         while not self._allocate(seq, num_tokens):  # cached-only pages went first, in _allocate
-            victim = next(s for s in reversed(self._running) if not plan.has_chunk(s))
+            victim = max((s for s in self._running if not plan.has_chunk(s)), key=self._eviction_key)
             if victim is seq and len(self._running) == 1:
                 if self._inflight:  # (pages the step in flight pins, its prefix-cache snapshots', come back at its
                     return False  # take-in: this request waits a step for them, holding what it holds)
