@@ -82,8 +82,22 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_layout: 
         raise ConfigError(
             f"parameter 'swa_full_tokens_ratio': the window pool holds {window.num_pages} pages of {config.page_size} "
             f"positions (num_tokens * swa_full_tokens_ratio), fewer than one sliding window needs "
-            f"({window.pages_per_running_request()}); raise num_tokens or swa_full_tokens_ratio")
+            f"({window.pages_per_running_request()}); raise num_tokens or swa_full_tokens_ratio, or lower page_size")
+    _check_running_windows(config, kv.window_pool)
     return kv
+
+
+def _check_running_windows(config: EngineConfig, window) -> None:
+    """max_running_requests decoding requests each hold their sliding window's pages: a window pool short of them
+    makes the decodes evict each other, step after step, and leaves prefills a one-page chunk."""
+    each = window.pages_per_running_request()
+    if config.max_running_requests * each > window.num_pages:
+        raise ConfigError(
+            f"parameter 'max_running_requests' ({config.max_running_requests}): that many decoding requests hold "
+            f"{config.max_running_requests * each} window pages ({each} each: a sliding window and the page it "
+            f"straddles), more than the window pool's {window.num_pages} (num_tokens * swa_full_tokens_ratio / "
+            f"page_size); lower max_running_requests to {window.num_pages // each} or raise num_tokens or "
+            "swa_full_tokens_ratio")
 
 
 def _check_draft_layer(config: EngineConfig, model_config) -> None:

@@ -153,6 +153,11 @@ def resolve_prefill_chunk_tokens(config: "EngineConfig", memory) -> int:
             f"max_running_requests={config.max_running_requests} is < 1; enlarge the window pool "
             "(num_tokens, swa_full_tokens_ratio), lower max_running_requests or set prefill_chunk_tokens")
     chunk = min(derived, config.max_num_batched_tokens)
+    if derived <= memory.page_size:  # (the window pool's windows left no room for a chunk's: one page is the floor)
+        logger.warning("prefill_chunk_tokens = %d (one page): the window pool holds hardly more than the windows of "
+                       "max_running_requests=%d requests; prompts prefill a page a step. Lower max_running_requests, "
+                       "raise num_tokens or swa_full_tokens_ratio, or set prefill_chunk_tokens", chunk,
+                       config.max_running_requests)
     logger.info("prefill_chunk_tokens = %d (derived from the memory pools: %d for max_running_requests=%d, "
                 "capped by max_num_batched_tokens=%d)", chunk, derived, config.max_running_requests,
                 config.max_num_batched_tokens)
