@@ -13,6 +13,7 @@ are built with.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +30,8 @@ from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.parallel_layout import ParallelLayout
 from backend.model.weight_names import draft_layer_index
+
+logger = logging.getLogger(__name__)
 from kernels.common import set_programmatic_dependent_launch
 from kernels.dispatch import KernelDispatch, default_mode
 from kernels.modes import KVLayout, Numerics
@@ -89,15 +92,17 @@ def _memory_pools(config: EngineConfig, model_config, dtype, device, kv_layout: 
 
 def _check_running_windows(config: EngineConfig, window) -> None:
     """max_running_requests decoding requests each hold their sliding window's pages: a window pool short of them
-    makes the decodes evict each other, step after step, and leaves prefills a one-page chunk."""
+    makes long decodes evict each other, step after step, and leaves prefills a one-page chunk. A warning, not a
+    refusal: short requests hold fewer pages, and a pool sized for them serves them."""
     each = window.pages_per_running_request()
     if config.max_running_requests * each > window.num_pages:
-        raise ConfigError(
-            f"parameter 'max_running_requests' ({config.max_running_requests}): that many decoding requests hold "
-            f"{config.max_running_requests * each} window pages ({each} each: a sliding window and the page it "
-            f"straddles), more than the window pool's {window.num_pages} (num_tokens * swa_full_tokens_ratio / "
-            f"page_size); lower max_running_requests to {window.num_pages // each} or raise num_tokens or "
-            "swa_full_tokens_ratio")
+        logger.warning(
+            "max_running_requests=%d decoding requests hold %d window pages (%d each: a sliding window and the page "
+            "it straddles), more than the window pool's %d (num_tokens * swa_full_tokens_ratio / page_size): past "
+            "%d requests whose windows are full, decodes evict each other. Lower max_running_requests to %d or "
+            "raise num_tokens or swa_full_tokens_ratio", config.max_running_requests,
+            config.max_running_requests * each, each, window.num_pages, window.num_pages // each,
+            window.num_pages // each)
 
 
 def _check_draft_layer(config: EngineConfig, model_config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 
@@ -115,9 +116,10 @@ def test_pools_the_memory_cannot_hold_are_refused_naming_their_parameters():
         plan_deployment(EngineConfig(num_tokens=99999999999999), "cpu", torch.bfloat16)
 
 
-def test_more_running_requests_than_the_window_pool_holds_are_refused_naming_what_fits(caplog):
+def test_more_running_requests_than_the_window_pool_holds_are_a_warning_naming_what_fits(caplog):
     """Each decoding request holds its sliding window's pages: with more running requests than the window pool holds
-    windows for, decodes evicted each other every step and prefills got one-page chunks, with only an INFO line."""
+    windows for, long decodes evicted each other every step and prefills got one-page chunks, with only an INFO line.
+    (A warning, not a refusal: short requests hold fewer pages.)"""
     from backend.deployment import check_deployment
 
     with caplog.at_level(logging.WARNING, logger="backend.scheduler.policies"):  # 256 pages of 64, 3 a request
@@ -125,10 +127,11 @@ def test_more_running_requests_than_the_window_pool_holds_are_refused_naming_wha
         assert "prompts prefill a page a step" not in caplog.text
         assert check_deployment(EngineConfig(device="cpu", max_running_requests=85)) == 64  # one page: said
         assert "prompts prefill a page a step" in caplog.text
-    with pytest.raises(ConfigError, match=r"'max_running_requests' \(86\): that many decoding requests hold 258 "
-                                          r"window pages \(3 each.*more than the window pool's 256.*lower "
-                                          r"max_running_requests to 85 or raise num_tokens or swa_full_tokens_ratio"):
+    assert "decodes evict each other" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="backend.deployment"):
         check_deployment(EngineConfig(device="cpu", max_running_requests=86))
+    assert re.search(r"max_running_requests=86 decoding requests hold 258 window pages \(3 each.*more than the window "
+                     r"pool's 256.*Lower max_running_requests to 85 or raise num_tokens", caplog.text)
     with pytest.raises(ConfigError, match="fewer than one sliding window needs.*, or lower page_size"):
         check_deployment(EngineConfig(device="cpu", page_size=65536, swa_full_tokens_ratio=1.0))
 
