@@ -30,11 +30,11 @@ from backend.model.dummy_weights import dummy_weights
 from backend.model.deepseek_v4 import DeepseekV4Model
 from backend.model.parallel_layout import ParallelLayout
 from backend.model.weight_names import draft_layer_index
-
-logger = logging.getLogger(__name__)
 from kernels.common import set_programmatic_dependent_launch
 from kernels.dispatch import KernelDispatch, default_mode
 from kernels.modes import KVLayout, Numerics
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -33,7 +33,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.errors import ConfigError
-
 from backend.model.config import CSA, HCA, SLIDING, ModelConfig
 from backend.model.parallel_layout import ParallelLayout, Shard
 from backend.model.quantization import (FP8_BLOCK, MXFP4_BLOCK, ROUTED_EXPERTS, dequantize_fp8, dequantize_mxfp4,

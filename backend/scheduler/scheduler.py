@@ -42,9 +42,9 @@ priority, and no such bound). Memory shortage: a decode that cannot extend preem
 latest in that order (the worst priority, then the latest arrival; itself, if that is it), never a more urgent one
 for a less urgent one (recompute: memory freed, num_computed_tokens = 0, requeued at the front of its priority,
 admitted again once all it held fits beside the running requests); a prefill continuation takes a smaller chunk
-or waits (so does the first chunk of a request admitted into an empty engine). A sequence that cannot extend while running alone waits for the take-in of a step in
-flight (whose prefix-cache snapshots pin pages until then); with none, it is failed (FinishReason.ERROR) instead
-of retried forever.
+or waits (so does the first chunk of a request admitted into an empty engine). A sequence that cannot extend while
+running alone waits for the take-in of a step in flight (whose prefix-cache snapshots pin pages until then); with
+none, it is failed (FinishReason.ERROR) instead of retried forever.
 Deadlines: a request with `timeout_ms` that has not finished that long after it arrived (`Sequence.arrival_s`: its
 submission to the engine) ends, waiting or running, at the next schedule() with FinishReason.TIMEOUT (its memory
 freed).
