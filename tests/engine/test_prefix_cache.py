@@ -348,3 +348,21 @@ def test_with_drafts_a_boundary_serves_only_prompts_that_go_on_with_the_token_it
     got = [cached.generate([exact + [token] + tokens(11, 13)], params)[0]["num_cached_tokens"]
            for token in ((drew + 1) % 500 + 2, drew)]
     assert got == [128, 256]
+
+
+def test_two_continuations_of_one_end_state_in_a_partly_filled_window_page(tiny_checkpoint):
+    """A request's end (105 positions: its window's last page partly filled) cached, then continued by two prompts in
+    one batch: each must get its own copy of that page before writing past the shared positions. (Copying only
+    full pages went unnoticed while every cached end the tests used was page-aligned.) Nothing is held after."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(2, 500, (100,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    cached = _engine(tiny_checkpoint, enable_prefix_caching=True)
+    (first,) = cached.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True))
+    history = prompt + first["output_ids"]
+    prompts = [history + torch.randint(2, 500, (n,), generator=gen).tolist() for n in (3, 7)]
+    got = cached.generate(prompts, params)
+    assert cached.kv.prefix_cache.stats.hits == 2 and cached.kv.prefix_cache.stats.cached_tokens >= 2 * 100
+    uncached = _engine(tiny_checkpoint)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in uncached.generate(prompts, params)]
+    assert not uncached.kv._live and not cached.kv._live  # (every request's handle dropped when it ended)

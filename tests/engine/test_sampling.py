@@ -255,6 +255,18 @@ def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
     assert detok.stopped and "".join(pieces) + detok.flush() == "The quick brown "
 
 
+def test_of_two_stop_strings_in_one_token_the_earlier_one_ends_the_text(tokenizer):
+    """'ro' holds both stops: the text ends before the first to occur ('r'), whatever their order in the list."""
+    ids = tokenizer.encode("The quick brown fox").ids
+    detok = IncrementalDetokenizer(tokenizer, stop=["o", "r"])
+    pieces = []
+    for t in ids:
+        pieces.append(detok.add(t))
+        if detok.stopped:
+            break
+    assert detok.stopped and "".join(pieces) + detok.flush() == "The quick b"
+
+
 def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_past_those_tokens(tokenizer):
     """vLLM's: a stop string that ends within the first min_tokens tokens' text is passed over; one ending later,
     even where it starts earlier, stops the text."""
@@ -406,7 +418,23 @@ def test_logit_bias_and_allowed_token_ids_come_before_the_penalties_as_in_vllm()
     assert SamplerState(SamplingParams(logit_bias={}), [1]).plain  # (an empty bias changes nothing)
 
 
+def test_a_logit_bias_never_brings_back_a_token_allowed_token_ids_left_out():
+    """allowed_token_ids' -inf stays -inf under any bias (a bias that assigned instead of adding would lift it)."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0]])
+    state = SamplerState(SamplingParams(allowed_token_ids=[1], logit_bias={3: 5.0}), [1])
+    assert Sampler().step(logits, [state]).sampled.tolist() == [1]
+
+
+def test_a_presence_penalty_alone_applies():
+    """presence_penalty with no other penalty or bias: the row is penalised (not taken for a plain one)."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.5]])
+    state, sampler = SamplerState(SamplingParams(presence_penalty=2.0), [1]), Sampler()
+    assert [sampler.step(logits, [state]).sampled.item() for _ in range(2)] == [3, 4]
+
+
 @pytest.mark.parametrize("params,message", [
+    (dict(logit_bias={3: -101.0}), "logit_bias must map token ids to numbers"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(temperature=True), "temperature"),
     (dict(n=2), "n must be 1"), (dict(frequency_penalty=3.0), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(logprobs=21), "logprobs"),
     (dict(timeout_ms=0), "timeout_ms"), (dict(logit_bias={3: 101.0}), "logit_bias must map token ids to numbers"),
@@ -417,6 +445,7 @@ def test_logit_bias_and_allowed_token_ids_come_before_the_penalties_as_in_vllm()
 def test_out_of_range_serving_parameters_are_refused(params, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**params)
+    assert SamplingParams(logprobs=20).logprobs == 20  # (OpenAI's most: taken)
 
 
 def _grammar(constraint: dict, tokenizer, vocab_size: int, eos: int):
