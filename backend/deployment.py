@@ -197,12 +197,13 @@ def _linear_groups_problem(c, layout: ParallelLayout) -> str | None:
     return None
 
 
-def plan_deployment(config: EngineConfig, device, dtype) -> Deployment:
-    """Everything decided before a weight is read, the memory pools on `device` included. Raises ConfigError /
-    UnsupportedCheckpoint naming what to change."""
+def plan_deployment(config: EngineConfig, device, dtype, model_config: ModelConfig | None = None) -> Deployment:
+    """Everything decided before a weight is read, the memory pools on `device` included (`model_config`: the
+    checkpoint's, where the caller read it already). Raises ConfigError / UnsupportedCheckpoint naming what to
+    change."""
     if str(device) == "cpu":  # every rank plans its pools here: its CPU steps' temporaries are reused from now on
         keep_freed_host_memory()
-    model_config = load_model_config(config.checkpoint, config.hf_overrides)
+    model_config = model_config or load_model_config(config.checkpoint, config.hf_overrides)
     layout = ParallelLayout.from_config(config)
     layout.check(model_config)
     weight_format = resolve_weight_format(config, model_config, config.resolved_device())

@@ -74,7 +74,7 @@ class LLMEngine:
         model_config = load_model_config(config.checkpoint, config.hf_overrides)  # (checked before any pool is made)
         self.tokenizer = load_tokenizer(tokenizer, model_config.vocab_size,
                                         built_in=tokenizer != checkpoint_directory(config.checkpoint))
-        self.deployment = plan_deployment(config, self.device, self.dtype)
+        self.deployment = plan_deployment(config, self.device, self.dtype, model_config)
         self.model_config, self.weight_format, self.kv = (self.deployment.model_config, self.deployment.weight_format,
                                                           self.deployment.kv)
         self.chat_template = chat_format(tokenizer, config.chat_template)  # `messages` -> prompt text

@@ -41,9 +41,9 @@ import torch
 from tokenizers import Tokenizer
 
 from backend.config import DEFAULT_CHECKPOINT, EngineConfig
-from backend.errors import ConfigError, is_int
+from backend.errors import ConfigError
 from backend.executor import StepExecutor, StepHandle, StepJob, default_cpu_threads
-from backend.model.config import checkpoint_directory
+from backend.model.config import checkpoint_directory, token_ids_problem
 from backend.model.forward_batch import BatchRow, build_forward_batch
 from backend.model.staging import BatchStager
 from backend.model.static_batch import StaticKey, row_bucket, static_key
@@ -524,9 +524,8 @@ def eos_token_ids(config: EngineConfig, model_config) -> list[int]:
     if eos is None:
         return model_config.eos_token_ids
     ids = eos if isinstance(eos, list) else [eos]
-    if bad := [token for token in ids if not is_int(token) or not 0 <= token < model_config.vocab_size]:
-        raise ConfigError(f"{path}: eos_token_id {bad[0]!r} is not a token id of the vocabulary "
-                          f"[0, {model_config.vocab_size})")
+    if problem := token_ids_problem("eos_token_id", ids, model_config.vocab_size):
+        raise ConfigError(f"{path}: {problem}")
     return ids
 
 

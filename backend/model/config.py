@@ -234,12 +234,17 @@ def _validate_rope_numbers(label: str, params, bad) -> None:
 
 def _validate_token_ids(config: ModelConfig, bad) -> None:
     """bos/eos ids inside the vocabulary (an eos id beyond it never ends a request)."""
-    named = [("eos_token_id", token) for token in config.eos_token_ids]
-    if config.bos_token_id is not None:
-        named.append(("bos_token_id", config.bos_token_id))
-    for key, token in named:
-        if not is_int(token) or not 0 <= token < config.vocab_size:
-            raise bad(f"{key} {token!r} is not a token id of the vocabulary [0, {config.vocab_size})")
+    named = {"eos_token_id": config.eos_token_ids, "bos_token_id": [config.bos_token_id]}
+    for key, tokens in named.items():
+        if problem := token_ids_problem(key, [t for t in tokens if t is not None], config.vocab_size):
+            raise bad(problem)
+
+
+def token_ids_problem(key: str, tokens: list, vocab_size: int) -> str | None:
+    """What is wrong with ids a config file gives under `key`, or None: each must be a token of the vocabulary."""
+    if bad := [token for token in tokens if not is_int(token) or not 0 <= token < vocab_size]:
+        return f"{key} {bad[0]!r} is not a token id of the vocabulary [0, {vocab_size})"
+    return None
 
 
 # What DeepSeek's FP8 checkpoints declare, and all this engine reads.

@@ -603,17 +603,18 @@ class Scheduler:
 
     def _waiting_key(self, seq: Sequence) -> tuple:
         """Admission order: priority aged by waiting time (see the module docstring), then queue rank."""
-        if not self.priority_aging_s:  # 0 or None: strict priority
-            return seq.priority, seq.queue_rank
-        return seq.priority * self.priority_aging_s + seq.arrival_s, seq.queue_rank
+        return self._aged_priority(seq), seq.queue_rank
 
     def _eviction_key(self, seq: Sequence) -> tuple:
         """Which running request a memory shortage evicts first: the largest key, latest in queue order as it came in
         (a preemption requeues a request in front, but does not make it an earlier arrival: the order of evictions
         stays fixed, so the request first in it always progresses, and two cannot evict each other in turn)."""
-        if not self.priority_aging_s:
-            return seq.priority, seq.arrival_rank
-        return seq.priority * self.priority_aging_s + seq.arrival_s, seq.arrival_rank
+        return self._aged_priority(seq), seq.arrival_rank
+
+    def _aged_priority(self, seq: Sequence) -> float:
+        if not self.priority_aging_s:  # 0 or None: strict priority
+            return seq.priority
+        return seq.priority * self.priority_aging_s + seq.arrival_s
 
     def _end(self, plan: StepPlan, seq: Sequence, reason: FinishReason) -> None:
         """The scheduler ends `seq` itself (cancelled, timed out, or cannot fit); reported in plan.aborted."""

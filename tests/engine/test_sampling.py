@@ -244,27 +244,25 @@ def test_a_run_of_special_tokens_keeps_the_window_and_the_end_keeps_whole_charac
     assert "".join(ending.add(t) for t in (497, 386)) + ending.flush() == " prin世"
 
 
-def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
-    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog").ids
-    detok = IncrementalDetokenizer(tokenizer, stop=["fox jumps"])
+def _streamed_until_stopped(tokenizer, text: str, stop: list[str]) -> tuple[bool, str]:
+    """(whether a stop string ended it, the text streamed) for `text`'s tokens fed one at a time."""
+    detok = IncrementalDetokenizer(tokenizer, stop=stop)
     pieces = []
-    for t in ids:
+    for t in tokenizer.encode(text).ids:
         pieces.append(detok.add(t))
         if detok.stopped:
             break
-    assert detok.stopped and "".join(pieces) + detok.flush() == "The quick brown "
+    return detok.stopped, "".join(pieces) + detok.flush()
+
+
+def test_stop_string_truncates_and_is_never_streamed_in_part(tokenizer):
+    assert _streamed_until_stopped(tokenizer, "The quick brown fox jumps over the lazy dog", ["fox jumps"]) == (
+        True, "The quick brown ")
 
 
 def test_of_two_stop_strings_in_one_token_the_earlier_one_ends_the_text(tokenizer):
     """'ro' holds both stops: the text ends before the first to occur ('r'), whatever their order in the list."""
-    ids = tokenizer.encode("The quick brown fox").ids
-    detok = IncrementalDetokenizer(tokenizer, stop=["o", "r"])
-    pieces = []
-    for t in ids:
-        pieces.append(detok.add(t))
-        if detok.stopped:
-            break
-    assert detok.stopped and "".join(pieces) + detok.flush() == "The quick b"
+    assert _streamed_until_stopped(tokenizer, "The quick brown fox", ["o", "r"]) == (True, "The quick b")
 
 
 def test_with_min_tokens_a_stop_string_counts_only_where_it_ends_past_those_tokens(tokenizer):
