@@ -309,7 +309,8 @@ def test_grpc_health_tells_ready_unloading_and_stopping_as_tritonserver_answers(
         with pytest.raises(server_stop.HealthUnknown, match="DEADLINE_EXCEEDED"):
             health.stop_reason("dsv4", "1")
         fake_grpc.delay_s = 0.0
-        fake_grpc.server.stop(0)  # (the server gone once it had answered: a stop)
+        fake_grpc.server.stop(0).wait()  # (the server gone once it had answered: a stop; an ask while it is still
+        # stopping may be CANCELLED, which says nothing either way)
         assert health.stop_reason("dsv4", "1") == "tritonserver is stopping"
         health.close()
         with pytest.raises(server_stop.HealthUnknown, match="closed"):
